@@ -1,0 +1,23 @@
+# Two commands for a newcomer: `make demo` (serve a real small model) and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN = $(VENV)/bin
+
+.PHONY: setup demo test lint
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+setup: $(BIN)/python
+	$(BIN)/pip install -q torch==2.13.0 || $(BIN)/pip install -q "torch>=2.11"
+	$(BIN)/pip install -q -e ".[dev]"
+
+demo: setup
+	$(BIN)/python -m ninfer.cli.demo
+
+test: setup
+	$(BIN)/python -m pytest -q -x --durations=15
+
+lint: setup
+	$(BIN)/ruff check ninfer tests bench

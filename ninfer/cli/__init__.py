@@ -1,0 +1,1 @@
+"""Command-line programs; each module has main(argv=None) -> int."""

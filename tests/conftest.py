@@ -1,0 +1,36 @@
+"""Shared test fixtures: paths to ../shared fixtures and session-cached conversions."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("NINFER_SHARED", REPO.parent / "shared")).resolve()
+TINY = SHARED / "fixtures" / "qwen35-tiny"
+TINY_GGUF = TINY / "gguf"
+TINY_HF = TINY / "hf"
+TINY_REF = TINY / "reference"
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # torch missing or broken: GPU tests cannot run
+        has_cuda = False
+    if has_cuda:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    assert TINY.is_dir(), f"fixtures not found at {TINY}; set NINFER_SHARED"
+    return TINY

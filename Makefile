@@ -17,7 +17,7 @@ demo: setup
 	$(BIN)/python -m ninfer.cli.demo
 
 test: setup
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q --durations=15
 
 lint: setup
 	$(BIN)/ruff check ninfer tests bench

@@ -1,0 +1,43 @@
+"""Whether Triton kernels can run here, and a `jit` that interprets kernels on CPU-only machines.
+
+On a machine without CUDA a compiled Triton kernel cannot run at all, so kernels are decorated in
+interpreter mode there: the CPU tests then run the very kernel source the GPU runs (on tiny shapes).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Interpreter mode must be on before triton.language is imported, or its own jit helpers (tl.cdiv,
+    # tl.sigmoid...) stay compiled-only; compiled Triton cannot run without a GPU anyway.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:  # Triton is optional: every kernel has a PyTorch fallback
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where Triton is absent
+    triton = None
+    tl = None
+
+HAVE_TRITON = triton is not None
+CUDA = torch.cuda.is_available()
+INTERPRET = HAVE_TRITON and (not CUDA or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def jit(fn):
+    """`triton.jit`, or Triton's interpreter where no GPU exists (the CPU tests' path)."""
+    if not HAVE_TRITON:
+        return fn
+    if INTERPRET:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(fn)
+    return triton.jit(fn)
+
+
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """True when a Triton kernel can take `t`: a CUDA tensor, or a CPU tensor under the interpreter."""
+    return HAVE_TRITON and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))

@@ -45,7 +45,8 @@ class GenerationRequest:
 class TokenEvent:
     """New tokens for a request; the last event of a request has finish_reason set.
 
-    `error` carries a message when finish_reason == "error". Timings are seconds since submit.
+    `error` carries a message when finish_reason == "error" and `error_code` its API code
+    (`request_queue_timeout`, `engine_shutdown`, `internal_error`). Timings are seconds since submit.
     """
 
     token_ids: tuple[int, ...]
@@ -57,6 +58,7 @@ class TokenEvent:
     time_to_first_token_s: float | None = None
     prefill_tok_per_s: float | None = None
     decode_tok_per_s: float | None = None
+    error_code: str | None = None
 
 
 class RequestHandle(Protocol):

@@ -1,0 +1,289 @@
+"""The Engine: an artifact's model, the KV pool and state slots, a scheduler loop on its own thread.
+
+    engine = Engine("model.ninfer", EngineConfig(max_concurrency=2, kv_dtype="rk8v4")).start()
+    handle = engine.submit(GenerationRequest("r1", prompt_ids, SamplingParams(max_tokens=64)))
+    while (ev := handle.next_event()) and ev.finish_reason is None: ...
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ninfer.engine.api import GenerationRequest, TokenEvent
+from ninfer.engine.cache_spec import CacheSpec, cache_spec_of
+from ninfer.engine.kv_pool import KvPool
+from ninfer.engine.memory import (
+    MemoryLedger,
+    build_ledger,
+    device_budget_bytes,
+    module_bytes,
+    plan_kv_capacity,
+)
+from ninfer.engine.runner import ModelRunner
+from ninfer.engine.sampler import SamplerState, sample_token, stop_reason
+from ninfer.engine.scheduler import Round, Scheduler, SchedulerLimits, Sequence
+from ninfer.engine.state_pool import GdnStatePool
+from ninfer.errors import EngineConfigError, RequestError
+from ninfer.kernels.kv_quant import KV_DTYPES
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_concurrency: int = 1
+    max_context: int = 4096
+    kv_capacity: int | str = "auto"  # tokens, or "auto"
+    kv_dtype: str = "bf16"
+    gdn_state_fp16: bool = False
+    max_pending_requests: int = 16
+    pending_timeout_ms: int | None = None  # None or 0: wait forever
+    prefill_chunk: int = 512
+    device: str = "cpu"
+    dtype: str = "float32"
+    gpu_memory_limit_mib: int | None = None
+    kv_headroom_mib: int = 1024
+
+    def validate(self) -> None:
+        if not 1 <= self.max_concurrency <= 8:
+            raise EngineConfigError(f"--max-concurrency must be 1..8, got {self.max_concurrency}")
+        if self.max_context < 2:
+            raise EngineConfigError(f"--max-context must be >= 2, got {self.max_context}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise EngineConfigError(f"unknown --kv-dtype {self.kv_dtype!r}; choose one of "
+                                    f"{', '.join(KV_DTYPES)}")
+        if self.dtype not in DTYPES:
+            raise EngineConfigError(f"unknown --dtype {self.dtype!r}; choose float32, bfloat16 or float16")
+        if self.prefill_chunk < 1:
+            raise EngineConfigError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
+        if self.max_pending_requests < 0:
+            raise EngineConfigError(f"--max-pending-requests must be >= 0, got {self.max_pending_requests}")
+        if self.kv_capacity != "auto" and (not isinstance(self.kv_capacity, int) or self.kv_capacity < 1):
+            raise EngineConfigError(f"--kv-capacity must be a token count or auto, got {self.kv_capacity!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise EngineConfigError(f"--device {self.device}: no CUDA GPU is visible; use --device cpu")
+
+
+class EngineHandle:
+    """Thread-safe stream of one request's TokenEvents (implements api.RequestHandle)."""
+
+    def __init__(self, request_id: str, engine: Engine):
+        self.request_id = request_id
+        self._events: queue.Queue[TokenEvent] = queue.Queue()
+        self._engine = engine
+        self.seq: Sequence | None = None
+
+    def _put(self, event: TokenEvent) -> None:
+        self._events.put(event)
+
+    def next_event(self, timeout_s: float | None = None) -> TokenEvent | None:
+        try:
+            return self._events.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def cancel(self) -> None:
+        if self.seq is not None:
+            self.seq.cancel_requested = True
+            self._engine._wake()
+
+    def __iter__(self):
+        """Events until (and including) the one with finish_reason set."""
+        while True:
+            ev = self.next_event()
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+
+class Engine:
+    def __init__(self, artifact_path: str | Path, config: EngineConfig):
+        from ninfer.artifact import open_artifact
+        from ninfer.models import load_model
+
+        config.validate()
+        self.artifact = open_artifact(artifact_path)
+        model = load_model(self.artifact, dtype=DTYPES[config.dtype], device=config.device)
+        self._setup(model, config, eos_token_ids(self.artifact))
+
+    @classmethod
+    def from_model(cls, model, config: EngineConfig, eos_ids: tuple[int, ...] = ()) -> Engine:
+        """An engine over an already-built model (tests, synthetic benchmarks)."""
+        config.validate()
+        engine = cls.__new__(cls)
+        engine.artifact = None
+        engine._setup(model, config, eos_ids)
+        return engine
+
+    def _setup(self, model, config: EngineConfig, eos_ids: tuple[int, ...]) -> None:
+        self.config = config
+        self.model = model
+        self.eos_ids = frozenset(eos_ids)
+        self.spec: CacheSpec = cache_spec_of(model)
+        budget = device_budget_bytes(config.device, config.gpu_memory_limit_mib)
+        weights = module_bytes(model)
+        gdn_bytes = GdnStatePool.bytes_per_slot(self.spec, config.gdn_state_fp16) * config.max_concurrency
+        capacity = plan_kv_capacity(
+            config.kv_capacity, spec=self.spec, kv_dtype=config.kv_dtype, device=config.device,
+            budget_bytes=budget, weights_bytes=weights, gdn_bytes=gdn_bytes,
+            headroom_mib=config.kv_headroom_mib,
+            max_context=config.max_context, max_concurrency=config.max_concurrency)
+        self.kv = KvPool(self.spec, config.kv_dtype, capacity, config.max_concurrency, config.max_context,
+                         config.device)
+        self.states = GdnStatePool(self.spec, config.max_concurrency, config.gdn_state_fp16, config.device)
+        self.runner = ModelRunner(model, self.kv, self.states, config.device)
+        timeout = config.pending_timeout_ms / 1000 if config.pending_timeout_ms else None
+        limits = SchedulerLimits(config.max_concurrency, config.max_context, config.max_pending_requests,
+                                 timeout, config.prefill_chunk)
+        self.scheduler = Scheduler(limits, self.kv.allocator)
+        self._ledger = build_ledger(config.device, budget, weights, self.kv, self.states, config.kv_dtype)
+        self._samplers: dict[int, SamplerState] = {}
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._tokens_generated = 0
+        self._requests_finished = 0
+        self._rounds = 0
+        self._tokenizer = None
+
+    # -- public ----------------------------------------------------------------------------------------------
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ninfer-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, request: GenerationRequest) -> EngineHandle:
+        """Queue a request; raises RequestError (context_length_exceeded, server_overloaded, ...) at once."""
+        if self._stop:
+            raise RequestError("the engine is shutting down", code="engine_shutdown")
+        vocab = getattr(self.model, "vocab_size", None)
+        if vocab is not None and any(not 0 <= t < vocab for t in request.prompt_ids):
+            raise RequestError(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
+        handle = EngineHandle(request.request_id, self)
+        seq = Sequence(request, self._emitter(handle))
+        handle.seq = seq
+        with self._lock:
+            self.scheduler.add(seq)
+            self._samplers[id(seq)] = SamplerState(request.sampling, request.prompt_ids)
+        self._wake()
+        return handle
+
+    def generate(self, request: GenerationRequest) -> list[TokenEvent]:
+        """Submit and wait for every event (the loop must be started)."""
+        return list(self.submit(request))
+
+    def stats(self) -> dict:
+        with self._lock:
+            s = self.scheduler
+            return {
+                "lanes_total": s.limits.max_concurrency,
+                "lanes_busy": s.busy_lanes,
+                "queue_depth": len(s.pending),
+                "kv_pages_total": self.kv.num_pages,
+                "kv_pages_used": self.kv.allocator.used_pages,
+                "kv_pages_free": self.kv.allocator.free_pages,
+                "kv_capacity_tokens": self.kv.capacity_tokens,
+                "kv_dtype": self.config.kv_dtype,
+                "tokens_generated": self._tokens_generated,
+                "requests_finished": self._requests_finished,
+                "rounds": self._rounds,
+            }
+
+    def memory_ledger(self) -> MemoryLedger:
+        return self._ledger
+
+    @property
+    def tokenizer(self):
+        """The artifact's tokenizer (ninfer.frontend), loaded on first use."""
+        if self._tokenizer is None and self.artifact is not None:
+            from ninfer.frontend.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_artifact(self.artifact)
+        return self._tokenizer
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop; in-flight and queued requests end with an error event."""
+        self._stop = True
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        with self._lock:
+            self.scheduler.fail_all("the engine shut down before this request finished", "engine_shutdown")
+
+    # -- loop ------------------------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    def _emitter(self, handle: EngineHandle):
+        def emit(event: TokenEvent) -> None:
+            if event.finish_reason is not None:
+                self._samplers.pop(id(handle.seq), None)
+                self._requests_finished += 1
+            self._tokens_generated += len(event.token_ids)
+            handle._put(event)
+        return emit
+
+    def _loop(self) -> None:
+        while not self._stop:
+            with self._lock:
+                rnd = self.scheduler.schedule()
+            if rnd is None:
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+                continue
+            try:
+                self.step(rnd)
+            except Exception as exc:  # a bug must not hang every client: fail what is running, keep serving
+                traceback.print_exc()
+                with self._lock:
+                    for item in rnd.items:
+                        self.scheduler.fail_one(item.seq, f"internal error: {exc}", "internal_error")
+
+    def step(self, rnd: Round) -> None:
+        """Run one planned round and commit its tokens."""
+        logits = self.runner.run(rnd)
+        self._rounds += 1
+        now = time.monotonic()
+        j = 0
+        with self._lock:
+            for item in rnd.items:
+                if not item.sample:
+                    self.scheduler.commit(item, None, None, now)
+                    continue
+                row, j = logits[j], j + 1
+                state = self._samplers.get(id(item.seq))
+                if state is None or item.seq.finished:
+                    continue
+                token = sample_token(row, state)
+                state.record(token)
+                finish = stop_reason(token, item.seq.generated + 1, state.params, self.eos_ids)
+                self.scheduler.commit(item, token, finish, now)
+
+
+def eos_token_ids(artifact) -> tuple[int, ...]:
+    """End-of-sequence ids from the text config and generation_config.json."""
+    ids: set[int] = set()
+
+    def add(value) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(artifact.components["text"].config.get("eos_token_id"))
+    try:
+        add(json.loads(artifact.resource("text", "generation_config.json")).get("eos_token_id"))
+    except Exception:  # resource optional for dense recipes
+        pass
+    return tuple(sorted(ids))

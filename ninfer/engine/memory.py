@@ -1,0 +1,113 @@
+"""The memory plan: the device budget, `--kv-capacity auto`, and the ledger of where memory went.
+
+On CUDA the budget is the GPU's memory (or `--gpu-memory-limit-mib`). On CPU it is the machine's RAM (or the
+same flag, as a RAM budget); there `auto` is also capped at max_concurrency x max_context tokens, since a
+CPU pool larger than every lane can use is only wasted RAM.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ninfer.engine.cache_spec import CacheSpec
+from ninfer.engine.kv_pool import PAGE_TOKENS, KvPool
+from ninfer.engine.state_pool import GdnStatePool
+from ninfer.errors import EngineConfigError
+
+MIB = 1 << 20
+GIB = 1 << 30
+CPU_WORKSPACE_BYTES = 256 * MIB  # stand-in for activations, logits and allocator slack on CPU
+
+
+def device_budget_bytes(device: str, limit_mib: int | None) -> int:
+    if limit_mib is not None:
+        return limit_mib * MIB
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # Windows: no sysconf
+        return 16 * GIB
+
+
+def module_bytes(model: object) -> int:
+    """Bytes of a model's parameters and buffers (each storage counted once)."""
+    seen, total = set(), 0
+    tensors = []
+    if isinstance(model, torch.nn.Module):
+        tensors = list(model.parameters()) + list(model.buffers())
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += key[1]
+    return total
+
+
+@dataclass(frozen=True)
+class MemoryLedger:
+    device: str
+    budget_bytes: int
+    weights_bytes: int
+    kv_tokens: int
+    kv_dtype: str
+    kv_bytes: int
+    gdn_slots: int
+    gdn_bytes: int
+    workspace_bytes: int
+
+    @property
+    def free_bytes(self) -> int:
+        return self.budget_bytes - self.weights_bytes - self.kv_bytes - self.gdn_bytes - self.workspace_bytes
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "free_bytes": self.free_bytes}
+
+    def line(self) -> str:
+        """e.g. `weights 10.2 GiB · KV 210,048 tokens (rk8v4) 6.56 GiB · GDN 2 slots 150 MiB · ...`."""
+        return (f"memory ({self.device}, budget {_fmt(self.budget_bytes)}): "
+                f"weights {_fmt(self.weights_bytes)} · "
+                f"KV {self.kv_tokens:,} tokens ({self.kv_dtype}) {_fmt(self.kv_bytes)} · "
+                f"GDN {self.gdn_slots} slots {_fmt(self.gdn_bytes)} · "
+                f"workspace {_fmt(self.workspace_bytes)} · "
+                f"free {_fmt(self.free_bytes)}")
+
+
+def _fmt(n: int) -> str:
+    if abs(n) >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / MIB:.0f} MiB"
+
+
+def plan_kv_capacity(requested: int | str, *, spec: CacheSpec, kv_dtype: str, device: str, budget_bytes: int,
+                     weights_bytes: int, gdn_bytes: int, headroom_mib: int, max_context: int,
+                     max_concurrency: int) -> int:
+    """Tokens of KV pool to allocate (a multiple of the page size), checked against max_context."""
+    per_token = max(KvPool.bytes_per_token(spec, kv_dtype), 1)
+    if requested == "auto":
+        free = budget_bytes - weights_bytes - gdn_bytes - CPU_WORKSPACE_BYTES - headroom_mib * MIB
+        tokens = max(free, 0) // per_token // PAGE_TOKENS * PAGE_TOKENS
+        if not device.startswith("cuda"):
+            cap = -(-max_context * max_concurrency // PAGE_TOKENS) * PAGE_TOKENS
+            tokens = min(tokens, cap)
+        if tokens < max_context:
+            raise EngineConfigError(
+                f"--kv-capacity auto: only {tokens:,} tokens of {kv_dtype} KV fit after weights "
+                f"({weights_bytes / GIB:.2f} GiB) and {headroom_mib} MiB headroom, fewer than --max-context "
+                f"{max_context:,}; lower --max-context, pick a smaller --kv-dtype, or raise "
+                "--gpu-memory-limit-mib")
+        return tokens
+    tokens = int(requested)
+    if tokens < max_context:
+        raise EngineConfigError(f"--kv-capacity {tokens:,} is smaller than --max-context {max_context:,}; "
+                                "raise --kv-capacity (or use auto) or lower --max-context")
+    return -(-tokens // PAGE_TOKENS) * PAGE_TOKENS
+
+
+def build_ledger(device: str, budget_bytes: int, weights_bytes: int, kv: KvPool, states: GdnStatePool,
+                 kv_dtype: str) -> MemoryLedger:
+    return MemoryLedger(device, budget_bytes, weights_bytes, kv.capacity_tokens, kv_dtype, kv.total_bytes,
+                        states.slots, states.total_bytes, CPU_WORKSPACE_BYTES)

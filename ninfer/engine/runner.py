@@ -1,0 +1,52 @@
+"""The runner owns the tensors (model, KV pool, GDN state slots) and runs one round as one forward."""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.engine.kv_pool import KvPool
+from ninfer.engine.paged_context import PagedBatchContext
+from ninfer.engine.scheduler import Round
+from ninfer.engine.state_pool import GdnStatePool
+from ninfer.models.context import SequenceSpan
+
+
+class ModelRunner:
+    def __init__(self, model, kv: KvPool, states: GdnStatePool, device: str | torch.device = "cpu"):
+        self.model = model
+        self.kv = kv
+        self.states = states
+        self.device = torch.device(device)
+
+    def install(self, rnd: Round) -> None:
+        """Apply the scheduler's lane changes: forget released lanes, map and zero admitted ones."""
+        for lane in rnd.released:
+            self.kv.release(lane)
+        for lane, pages in rnd.admitted:
+            self.kv.assign(lane, pages)
+            self.states.reset(lane)
+
+    @torch.inference_mode()
+    def run(self, rnd: Round) -> torch.Tensor | None:
+        """Forward every item of the round; returns fp32 logits [n_sampled, vocab] in item order."""
+        self.install(rnd)
+        if not rnd.items:
+            return None
+        ids, positions, spans, last_rows = [], [], [], []
+        row = 0
+        for item in rnd.items:
+            n = len(item.token_ids)
+            spans.append(SequenceSpan(row, n, item.start, item.lane))
+            ids.extend(item.token_ids)
+            positions.extend(range(item.start, item.start + n))
+            if item.sample:
+                last_rows.append(row + n - 1)
+            row += n
+        ctx = PagedBatchContext(spans, self.kv, self.states)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model.forward(input_ids, pos, ctx)
+        ctx.commit_states()
+        if not last_rows:
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)]).float()

@@ -1,0 +1,37 @@
+"""Gated DeltaNet state slots: recurrent state (fp32, or fp16 with --gdn-state-fp16) + conv state per lane."""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.engine.cache_spec import CacheSpec
+
+
+class GdnStatePool:
+    """Per GDN layer: conv `[slots, conv_channels, kernel-1]` (fp32) and recurrent `[slots, Hv, Dk, Dv]`."""
+
+    def __init__(self, spec: CacheSpec, slots: int, fp16: bool = False, device: str | torch.device = "cpu"):
+        self.spec = spec
+        self.slots = slots
+        self.recurrent_dtype = torch.float16 if fp16 else torch.float32
+        k1 = max(spec.conv_kernel - 1, 0)
+        self.conv = [torch.zeros(slots, spec.conv_channels, k1, device=device)
+                     for _ in range(spec.gdn_layers)]
+        self.recurrent = [
+            torch.zeros(slots, spec.value_heads, spec.key_dim, spec.value_dim, dtype=self.recurrent_dtype,
+                        device=device)
+            for _ in range(spec.gdn_layers)
+        ]
+
+    @staticmethod
+    def bytes_per_slot(spec: CacheSpec, fp16: bool) -> int:
+        return spec.gdn_layers * (spec.conv_state_elems * 4 + spec.recurrent_state_elems * (2 if fp16 else 4))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.conv + self.recurrent)
+
+    def reset(self, slot: int) -> None:
+        """A new sequence starts from zero state."""
+        for t in self.conv + self.recurrent:
+            t[slot].zero_()

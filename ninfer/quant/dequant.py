@@ -55,8 +55,7 @@ def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def _fields(packed: torch.Tensor, width: int) -> torch.Tensor:
-    """Split each byte into 8/width fields of `width` bits, lowest first: `[..., k]` -> `[..., 8/width, k]`.
-    """
+    """Split each byte into its `width`-bit fields, lowest first: `[..., k]` -> `[..., 8 // width, k]`."""
     shifts = torch.arange(0, 8, width, dtype=torch.uint8).view(-1, 1)
     return (packed.unsqueeze(-2) >> shifts) & ((1 << width) - 1)
 

@@ -140,8 +140,9 @@ class ArtifactWriter:
     def object_count(self) -> int:
         return len(self._objects)
 
-    def tensor_bytes_total(self) -> int:
-        return sum(o.bytes for o in self._objects if isinstance(o, _Tensor))
+    def payload_bytes_total(self) -> int:
+        """Bytes of every planned object (tensors and resources), without alignment padding."""
+        return sum(o.bytes if isinstance(o, _Tensor) else len(o.data) for o in self._objects)
 
     # ---- layout and writing ---------------------------------------------------------------------
     def _layout(self) -> int:

@@ -1,0 +1,1 @@
+"""Built-in conversion recipes; each module registers its recipes with `ninfer.convert.registry.recipe`."""

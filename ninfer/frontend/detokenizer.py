@@ -23,9 +23,9 @@ class _Decoder(Protocol):
 class IncrementalDetokenizer:
     """Decode a growing id sequence into text deltas that never end inside a character.
 
-    It decodes a small window of ids twice, without and with the new ids, and emits the difference once
-    it no longer ends in U+FFFD (the decoder's mark for an incomplete byte sequence). Decoding a window
-    rather than one token at a time keeps decoders that look at neighbouring tokens (SentencePiece's
+    It decodes a small window of ids (the last fully emitted token as context, then the new ones) and
+    emits the new text up to any trailing U+FFFD, the decoder's mark for a byte sequence that is not
+    complete yet. The context token keeps decoders that look at neighbouring tokens (SentencePiece's
     leading-space rule) correct. Ids in `hidden_ids` (control tokens such as <|im_end|>) produce no text.
     """
 
@@ -33,31 +33,28 @@ class IncrementalDetokenizer:
         self._tok = tokenizer
         self._hidden = frozenset(tokenizer.hidden_ids if hidden_ids is None else hidden_ids)
         self._ids: list[int] = []
-        self._window_start = 0  # first id of the decode window (text before it was emitted)
-        self._emitted_end = 0  # ids before this index have had their text emitted
+        self._window_start = 0  # first id of the decode window
+        self._emitted_chars = 0  # characters of the window's decoded text already emitted
 
     def push(self, ids: Sequence[int]) -> str:
         """Add generated ids; return the text that became final (possibly empty)."""
+        before = len(self._ids)
         self._ids.extend(i for i in ids if i not in self._hidden)
-        if len(self._ids) == self._emitted_end:
-            return ""
-        return self._emit(final=False)
+        return self._emit(final=False) if len(self._ids) > before else ""
 
     def flush(self) -> str:
         """Return whatever is still held (at the end of generation), even an incomplete character."""
-        if len(self._ids) == self._emitted_end:
-            return ""
         return self._emit(final=True)
 
     def _emit(self, final: bool) -> str:
-        window = self._ids[self._window_start:]
-        before = self._tok.decode(window[: self._emitted_end - self._window_start])
-        after = self._tok.decode(window)
-        if not final and (len(after) <= len(before) or after.endswith(_REPLACEMENT)):
-            return ""  # an incomplete character (or a token that decodes to nothing yet): hold back
-        delta = after[len(before):] if after.startswith(before) else after
-        self._window_start = self._emitted_end
-        self._emitted_end = len(self._ids)
+        text = self._tok.decode(self._ids[self._window_start:])
+        stable = text if final else text.rstrip(_REPLACEMENT)
+        delta = stable[self._emitted_chars:]
+        self._emitted_chars = max(self._emitted_chars, len(stable))
+        if stable == text and len(self._ids) - self._window_start > 1:
+            # Everything decoded is final: keep only the last token as context for the next window.
+            self._window_start = len(self._ids) - 1
+            self._emitted_chars = len(self._tok.decode(self._ids[self._window_start:]))
         return delta
 
 

@@ -181,6 +181,7 @@ class ToolCallParser:
         self._in_call = False
         self._after_call = False
         self._buffer = ""
+        self._gap = ""
         self.calls: list[ToolCall] = []
 
     def push(self, text: str) -> list[Item]:
@@ -216,6 +217,7 @@ class ToolCallParser:
             before = self._buffer[:at].rstrip()
             if before:
                 items.append(before)
+            self._gap = self._buffer[len(before):at]  # dropped if a call follows, kept if it does not parse
             self._buffer = self._buffer[at + len(OPEN_TAG):]
             self._in_call = True
             return True
@@ -250,7 +252,8 @@ class ToolCallParser:
             self.calls.extend(calls)
             self._after_call = True
         else:
-            items.append(raw)  # not a call we understand: keep the model's text
+            items.append(self._gap + raw)  # not a call we understand: keep the model's text
+        self._gap = ""
 
 
 def parse_tool_calls(

@@ -117,8 +117,11 @@ def test_stream_finish_reasons_and_options(tok):
     raw = TextStream(FakeHandle(ids, finish="length"), tok,
                      StreamOptions(split_reasoning=False, parse_tool_calls=False)).collect()
     assert raw.content == tok.decode(ids) and raw.finish.reason == "length" and raw.reasoning is None
-    err = TextStream(FakeHandle(ids[:3], finish="error", error="boom"), tok).collect()
-    assert err.finish.reason == "error" and err.finish.error == "boom"
+    failing = FakeHandle(ids[:3], finish="error", error="boom")
+    failing.events[-1] = TokenEvent((), finish_reason="error", error="boom", error_code="engine_shutdown")
+    err = TextStream(failing, tok).collect()
+    finish = err.finish
+    assert (finish.reason, finish.error, finish.error_code) == ("error", "boom", "engine_shutdown")
     # A stop token id given by the request is not shown as text.
     stop_id = tok.encode("!")[0]
     handle = FakeHandle(tok.encode("Hi") + [stop_id])

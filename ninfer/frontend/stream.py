@@ -52,13 +52,15 @@ class Usage:
 @dataclass(frozen=True)
 class Finish:
     """`reason`: "stop" (eos, stop token or stop string), "tool_calls" (stopped after calling tools),
-    "length", "cancelled" or "error" (`error` holds the message). `stop` is the matched stop string."""
+    "length", "cancelled" or "error" (`error` holds the message, `error_code` the engine's API code).
+    `stop` is the matched stop string."""
 
     reason: str
     usage: Usage
     error: str | None = None
     stop: str | None = None
     token_ids: tuple[int, ...] = ()  # every generated id consumed, stop token included
+    error_code: str | None = None
 
 
 Delta = ContentDelta | ReasoningDelta | ToolCallDelta | Finish
@@ -101,7 +103,7 @@ class OutputProcessor:
                 self.stop_matched = self._stop.matched
                 return self._finish(deltas, "stop")
         if event.finish_reason is not None:
-            return self._finish(deltas, event.finish_reason, event.error)
+            return self._finish(deltas, event.finish_reason, event.error, getattr(event, "error_code", None))
         return _merge(deltas)
 
     @property
@@ -109,7 +111,9 @@ class OutputProcessor:
         """The output had a reasoning block (so `reasoning_content` should be reported, maybe empty)."""
         return self._reasoning is not None and self._reasoning.saw_reasoning
 
-    def _finish(self, deltas: list[Delta], reason: str, error: str | None = None) -> list[Delta]:
+    def _finish(
+        self, deltas: list[Delta], reason: str, error: str | None = None, error_code: str | None = None
+    ) -> list[Delta]:
         if self._stop.matched is None:
             self._route(self._stop.push(self._detok.flush()), deltas)
             self._route(self._stop.flush(), deltas)
@@ -122,7 +126,8 @@ class OutputProcessor:
         if reason == "stop" and self._calls_emitted:
             reason = "tool_calls"
         self.done = True
-        deltas.append(Finish(reason, self._make_usage(), error, self.stop_matched, tuple(self._token_ids)))
+        usage = self._make_usage()
+        deltas.append(Finish(reason, usage, error, self.stop_matched, tuple(self._token_ids), error_code))
         return _merge(deltas)
 
     def _route(self, text: str, deltas: list[Delta]) -> None:

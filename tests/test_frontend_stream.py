@@ -10,11 +10,13 @@ from conftest import TINY_HF
 
 from ninfer.engine.api import SamplingParams, TokenEvent
 from ninfer.frontend import (
+    ChatTemplateError,
     ContentDelta,
     Finish,
     ReasoningDelta,
     SamplingPresets,
     StreamOptions,
+    TextFrontend,
     TextStream,
     Tokenizer,
     ToolCallDelta,
@@ -167,3 +169,47 @@ def test_presets_without_thinking_switch_follow_generation_config():
     greedy = SamplingPresets.for_model({"do_sample": False, "temperature": 0.7}, supports_thinking=False)
     assert greedy.resolve().greedy
     assert SamplingPresets.for_model(None, supports_thinking=False).resolve() == SamplingParams()
+
+
+# --- TextFrontend: prompt -> engine ids -> deltas -------------------------------------------------------
+
+class _FakeArtifact:
+    def __init__(self, names: tuple[str, ...]):
+        self._files = {n: (TINY_HF / n).read_bytes() for n in names}
+        self.components = {"text": {"resources": dict.fromkeys(self._files, 0)}}
+
+    def resource(self, component: str, role: str) -> bytes:
+        return self._files[role]
+
+
+FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+
+
+def test_text_frontend_end_to_end(tok):
+    frontend = TextFrontend.from_artifact(_FakeArtifact(FILES))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                             {"type": "image_url", "image_url": {"url": "x"}},
+                                             {"type": "video", "video": "v.mp4"}]}]
+    prompt = frontend.chat_prompt(messages, tools=[WEATHER])
+    assert prompt.starts_in_reasoning and prompt.text.endswith("<|im_start|>assistant\n<think>\n")
+    assert list(prompt.token_ids) == tok.encode(prompt.text)
+    assert [p.get("type") for p in prompt.media] == ["image_url", "video"]
+    assert frontend.sampling(prompt).temperature == 1.0
+    quiet = frontend.chat_prompt(messages, enable_thinking=False)
+    assert not quiet.starts_in_reasoning
+    params = frontend.sampling(quiet, max_tokens=5)
+    assert (params.temperature, params.presence_penalty, params.max_tokens) == (0.7, 1.5, 5)
+    handle = FakeHandle(tok.encode(GENERATED) + [EOS], seed=9)
+    done = frontend.stream(handle, prompt, tools=[WEATHER]).collect()
+    assert done.reasoning.startswith("The user wants") and done.content == "Checking 今天 for you."
+    assert [c.name for c in done.tool_calls] == ["get_weather"] and done.finish.reason == "tool_calls"
+    raw = frontend.raw_prompt("def f():")
+    assert list(raw.token_ids) == tok.encode("def f():") and not raw.starts_in_reasoning
+
+
+def test_text_frontend_without_template():
+    frontend = TextFrontend.from_artifact(_FakeArtifact(FILES[:3]))
+    assert frontend.template is None
+    with pytest.raises(ChatTemplateError, match="--chat-template"):
+        frontend.chat_prompt([{"role": "user", "content": "hi"}])
+    assert frontend.sampling(frontend.raw_prompt("x")).temperature == 0.6  # generation_config.json

@@ -1,0 +1,221 @@
+"""Fused Gated DeltaNet decode: conv1d + SiLU, then the gated delta recurrence, on state slots in place.
+
+Decode (and the T ≤ 16 positions of a speculative verification) runs two small launches per layer:
+1. `_conv_kernel`: per lane and channel, the depthwise causal conv (kernel 4) over the T new inputs,
+   continuing from the lane's conv state slot, SiLU; updates the conv slot in place.
+2. `_recurrent_kernel`: per lane, value head and slice of the value dim, q/k L2-normalised, the decay
+   `g = -exp(A_log)·softplus(a + dt_bias)` and `beta = sigmoid(b)`, then per position
+   `S ← exp(g)·S; S ← S + k ⊗ beta·(v − Sᵀk); o = Sᵀq`, the state held in registers between positions
+   and written back once (fp32 or fp16 slots). Optionally every position's state is written too, so a
+   verifier can commit the accepted prefix.
+Layouts: mixed_qkv `[B, T, C]` with C = q (Hk·Dk) | k (Hk·Dk) | v (Hv·Dv), value heads in grouped order
+(value head h reads key head h // (Hv/Hk)); conv slots `[slots, C, K-1]` (oldest input first, as
+`reference.causal_conv1d`); recurrent slots `[slots, Hv, Dk, Dv]`; `slot_ids` int32 `[B]`.
+`gdn_decode_reference` is the same computation from `ninfer.kernels.reference`, lane by lane.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.errors import NinferError
+from ninfer.kernels import reference
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, triton_runs_on
+
+
+class GdnKernelError(NinferError):
+    """Gated DeltaNet decode inputs of the wrong shape or type."""
+
+
+@dataclass(frozen=True)
+class GdnDecodeResult:
+    """Output `[B, T, Hv, Dv]` (fp32); per-position states when asked for."""
+
+    output: torch.Tensor
+    states: torch.Tensor | None = None  # [B, T, Hv, Dk, Dv], the slot dtype
+    conv_states: torch.Tensor | None = None  # [B, T, C, K-1]
+
+
+def gdn_decode_reference(
+    mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+    a_log: torch.Tensor, dt_bias: torch.Tensor, conv_slots: torch.Tensor, state_slots: torch.Tensor,
+    slot_ids: torch.Tensor, num_key_heads: int, return_all_states: bool = False,
+) -> GdnDecodeResult:
+    """The decode step from the reference ops, one lane at a time; updates the slots in place."""
+    B, T, C = mixed_qkv.shape
+    Hv, Dk, Dv = state_slots.shape[1:]
+    Hk = num_key_heads
+    outs, states, convs = [], [], []
+    for lane in range(B):
+        slot = int(slot_ids[lane])
+        y, _ = reference.causal_conv1d(mixed_qkv[lane].float(), conv_weight, conv_slots[slot].float())
+        full = torch.cat([conv_slots[slot].float(), mixed_qkv[lane].float().t()], dim=1)
+        k_minus_1 = conv_slots.shape[2]
+        convs.append(torch.stack([full[:, t + 1:t + 1 + k_minus_1] for t in range(T)]))
+        conv_slots[slot] = full[:, T:].to(conv_slots.dtype)
+        q = reference.l2_norm(y[:, :Hk * Dk].reshape(T, Hk, Dk)) * Dk ** -0.5
+        k = reference.l2_norm(y[:, Hk * Dk:2 * Hk * Dk].reshape(T, Hk, Dk))
+        v = y[:, 2 * Hk * Dk:].reshape(T, Hv, Dv)
+        g = -a_log.float().exp() * F.softplus(a[lane].float() + dt_bias.float())
+        beta = torch.sigmoid(b[lane].float())
+        o, s_all = reference.gdn_recurrent(q, k, v, g, beta, state_slots[slot], return_all_states=True)
+        state_slots[slot] = s_all[-1].to(state_slots.dtype)
+        outs.append(o.float())
+        states.append(s_all.to(state_slots.dtype))
+    output = torch.stack(outs)
+    if not return_all_states:
+        return GdnDecodeResult(output)
+    return GdnDecodeResult(output, torch.stack(states), torch.stack(convs).to(conv_slots.dtype))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton kernels (tl.sum is avoided: Triton's own jit helpers cannot run under the interpreter when triton
+# was imported before interpreter mode was switched on, e.g. by transformers)
+
+
+@jit
+def _add(a, b):
+    return a + b
+
+
+@jit
+def _sum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _add)
+
+
+@jit
+def _conv_kernel(
+    x_ptr, w_ptr, conv_ptr, slot_ptr, y_ptr, conv_all_ptr,
+    T, C, s_xb, s_xt, s_cs, s_cc,
+    BLOCK_C: tl.constexpr, STORE_ALL: tl.constexpr,
+):
+    lane = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = offs < C
+    slot = tl.load(slot_ptr + lane).to(tl.int64)
+    cp = conv_ptr + slot * s_cs + offs * s_cc
+    s0 = tl.load(cp, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(cp + 1, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(cp + 2, mask=ok, other=0.0).to(tl.float32)
+    w0 = tl.load(w_ptr + offs * 4, mask=ok, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + offs * 4 + 1, mask=ok, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + offs * 4 + 2, mask=ok, other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + offs * 4 + 3, mask=ok, other=0.0).to(tl.float32)
+    for t in range(T):
+        x = tl.load(x_ptr + lane * s_xb + t * s_xt + offs, mask=ok, other=0.0).to(tl.float32)
+        acc = w0 * s0 + w1 * s1 + w2 * s2 + w3 * x
+        y = acc / (1.0 + tl.exp(-acc))
+        tl.store(y_ptr + (lane * T + t) * C + offs, y, mask=ok)
+        s0 = s1
+        s1 = s2
+        s2 = x
+        if STORE_ALL:
+            ap = conv_all_ptr + ((lane * T + t) * C + offs) * 3
+            tl.store(ap, s0.to(conv_all_ptr.dtype.element_ty), mask=ok)
+            tl.store(ap + 1, s1.to(conv_all_ptr.dtype.element_ty), mask=ok)
+            tl.store(ap + 2, s2.to(conv_all_ptr.dtype.element_ty), mask=ok)
+    tl.store(cp, s0.to(conv_ptr.dtype.element_ty), mask=ok)
+    tl.store(cp + 1, s1.to(conv_ptr.dtype.element_ty), mask=ok)
+    tl.store(cp + 2, s2.to(conv_ptr.dtype.element_ty), mask=ok)
+
+
+@jit
+def _recurrent_kernel(
+    y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr, all_ptr,
+    T, C, Hv, s_ab, s_at, s_ss, s_sh,
+    HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, STORE_ALL: tl.constexpr,
+):
+    lane = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_k = tl.arange(0, DK)
+    kh = h // (Hv // HK)
+    slot = tl.load(slot_ptr + lane).to(tl.int64)
+    sp = state_ptr + slot * s_ss + h * s_sh + offs_k[:, None] * DV + offs_v[None, :]
+    S = tl.load(sp).to(tl.float32)
+    neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dtb = tl.load(dtb_ptr + h).to(tl.float32)
+    for t in range(T):
+        row = y_ptr + (lane * T + t) * C
+        q = tl.load(row + kh * DK + offs_k)
+        k = tl.load(row + HK * DK + kh * DK + offs_k)
+        v = tl.load(row + 2 * HK * DK + h * DV + offs_v)
+        q = q * (1.0 / tl.sqrt(_sum(q * q, axis=0) + 1e-6)) * (1.0 / tl.sqrt(DK * 1.0))
+        k = k * (1.0 / tl.sqrt(_sum(k * k, axis=0) + 1e-6))
+        av = tl.load(a_ptr + lane * s_ab + t * s_at + h).to(tl.float32) + dtb
+        softplus = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(av)))
+        beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + lane * s_ab + t * s_at + h).to(tl.float32)))
+        S = S * tl.exp(neg_a * softplus)
+        delta = (v - _sum(S * k[:, None], axis=0)) * beta
+        S = S + k[:, None] * delta[None, :]
+        o = _sum(S * q[:, None], axis=0)
+        tl.store(o_ptr + ((lane * T + t) * Hv + h) * DV + offs_v, o)
+        if STORE_ALL:
+            ap = all_ptr + (((lane * T + t) * Hv + h) * DK + offs_k[:, None]) * DV + offs_v[None, :]
+            tl.store(ap, S.to(all_ptr.dtype.element_ty))
+    tl.store(sp, S.to(state_ptr.dtype.element_ty))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Public entry
+
+
+def _check(mixed_qkv, a, b, conv_weight, conv_slots, state_slots, slot_ids, num_key_heads) -> None:
+    B, T, C = mixed_qkv.shape
+    Hv, Dk, Dv = state_slots.shape[1:]
+    if C != 2 * num_key_heads * Dk + Hv * Dv:
+        need = 2 * num_key_heads * Dk + Hv * Dv
+        raise GdnKernelError(f"mixed_qkv has {C} channels but {num_key_heads} key heads × {Dk} and {Hv} "
+                             f"value heads × {Dv} need {need}; check the layer geometry")
+    if tuple(conv_weight.shape) != (C, 4) or tuple(conv_slots.shape[1:]) != (C, 3):
+        raise GdnKernelError(f"conv weight must be [{C}, 4] and conv slots [slots, {C}, 3], got "
+                             f"{list(conv_weight.shape)} and {list(conv_slots.shape)}")
+    if tuple(a.shape) != (B, T, Hv) or tuple(b.shape) != (B, T, Hv):
+        raise GdnKernelError(f"a and b must be [{B}, {T}, {Hv}], got {list(a.shape)} and {list(b.shape)}")
+    if slot_ids.dtype not in (torch.int32, torch.int64) or slot_ids.shape != (B,):
+        raise GdnKernelError(f"slot_ids must be an integer tensor [{B}], got {slot_ids.dtype} "
+                             f"{list(slot_ids.shape)}")
+
+
+def gdn_decode(
+    mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+    a_log: torch.Tensor, dt_bias: torch.Tensor, conv_slots: torch.Tensor, state_slots: torch.Tensor,
+    slot_ids: torch.Tensor, num_key_heads: int, return_all_states: bool = False,
+) -> GdnDecodeResult:
+    """One decode step (T positions per lane) of a GDN layer; conv and recurrent slots updated in place.
+
+    Runs the two Triton launches where Triton can run, else `gdn_decode_reference`. Output fp32.
+    """
+    _check(mixed_qkv, a, b, conv_weight, conv_slots, state_slots, slot_ids, num_key_heads)
+    B, T, C = mixed_qkv.shape
+    Hv, Dk, Dv = state_slots.shape[1:]
+    usable = (HAVE_TRITON and triton_runs_on(mixed_qkv) and conv_slots.stride(2) == 1
+              and state_slots.is_contiguous() and mixed_qkv.stride(2) == 1 and Dk & (Dk - 1) == 0)
+    if not usable:
+        return gdn_decode_reference(mixed_qkv, a, b, conv_weight, a_log, dt_bias, conv_slots, state_slots,
+                                    slot_ids, num_key_heads, return_all_states)
+    dev = mixed_qkv.device
+    a = a.contiguous()
+    b = b.contiguous()
+    y = torch.empty((B, T, C), dtype=torch.float32, device=dev)
+    out = torch.empty((B, T, Hv, Dv), dtype=torch.float32, device=dev)
+    states = convs = None
+    if return_all_states:
+        states = torch.empty((B, T, Hv, Dk, Dv), dtype=state_slots.dtype, device=dev)
+        convs = torch.empty((B, T, C, 3), dtype=conv_slots.dtype, device=dev)
+    block_c = 256
+    _conv_kernel[(B, -(-C // block_c))](
+        mixed_qkv, conv_weight.contiguous(), conv_slots, slot_ids, y, convs if convs is not None else y,
+        T, C, mixed_qkv.stride(0), mixed_qkv.stride(1), conv_slots.stride(0), conv_slots.stride(1),
+        BLOCK_C=block_c, STORE_ALL=return_all_states,
+    )
+    block_v = min(32, Dv)
+    _recurrent_kernel[(B, Hv, -(-Dv // block_v))](
+        y, a, b, a_log, dt_bias, state_slots, slot_ids, out, states if states is not None else out,
+        T, C, Hv, a.stride(0), a.stride(1), state_slots.stride(0), state_slots.stride(1),
+        HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states,
+    )
+    return GdnDecodeResult(out, states, convs)

@@ -1,0 +1,92 @@
+"""Fused GDN decode kernel (Triton interpreter on CPU) vs transformers' decode ops and our reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+from ninfer.errors import NinferError
+from ninfer.kernels.gdn_decode import gdn_decode, gdn_decode_reference
+from ninfer.kernels.triton_support import HAVE_TRITON
+
+needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is a dependency on Linux x86-64")
+
+
+def make_layer(gen, B, T, Hk, Hv, Dk, Dv, slots, state_dtype=torch.float32):
+    C = 2 * Hk * Dk + Hv * Dv
+    return dict(
+        mixed_qkv=torch.randn(B, T, C, generator=gen),
+        a=torch.randn(B, T, Hv, generator=gen),
+        b=torch.randn(B, T, Hv, generator=gen),
+        conv_weight=torch.randn(C, 4, generator=gen) * 0.3,
+        a_log=torch.log(torch.rand(Hv, generator=gen) * 15 + 1),
+        dt_bias=torch.randn(Hv, generator=gen) * 0.5 - 2.0,
+        conv_slots=torch.randn(slots, C, 3, generator=gen),
+        state_slots=(torch.randn(slots, Hv, Dk, Dv, generator=gen) * 0.1).to(state_dtype),
+    )
+
+
+def cloned(layer):
+    return {k: v.clone() for k, v in layer.items()}
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@needs_triton
+def test_single_step_matches_transformers():
+    gen = torch.Generator().manual_seed(11)
+    B, Hk, Hv, Dk, Dv = 2, 2, 6, 32, 32
+    layer = make_layer(gen, B, 1, Hk, Hv, Dk, Dv, slots=4)
+    slot_ids = torch.tensor([2, 0], dtype=torch.int32)
+    # transformers' own single-token decode ops on the lanes' slots
+    conv = layer["conv_slots"][slot_ids.long()].clone()
+    y = hf.causal_conv1d_update(layer["mixed_qkv"].transpose(1, 2).clone(), conv, layer["conv_weight"], None,
+                                "silu").transpose(1, 2)
+    q, k, v = torch.split(y, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    g = -layer["a_log"].exp() * F.softplus(layer["a"] + layer["dt_bias"])
+    o_hf, s_hf = hf.torch_recurrent_gated_delta_rule(
+        q.reshape(B, 1, Hk, Dk), k.reshape(B, 1, Hk, Dk), v.reshape(B, 1, Hv, Dv), g=g,
+        beta=layer["b"].sigmoid(), initial_state=layer["state_slots"][slot_ids.long()].clone(),
+        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    mine = cloned(layer)
+    out = gdn_decode(**mine, slot_ids=slot_ids, num_key_heads=Hk)
+    # fp32 throughout, summation order differs: measured ~1e-7
+    assert rel(out.output, o_hf) < 1e-6
+    assert rel(mine["state_slots"][slot_ids.long()], s_hf) < 1e-6
+    assert rel(mine["conv_slots"][slot_ids.long()], conv) < 1e-7
+    for untouched in (1, 3):
+        assert torch.equal(mine["state_slots"][untouched], layer["state_slots"][untouched])
+        assert torch.equal(mine["conv_slots"][untouched], layer["conv_slots"][untouched])
+
+
+@needs_triton
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+def test_multi_position_states_match_reference(state_dtype):
+    gen = torch.Generator().manual_seed(12 if state_dtype == torch.float32 else 13)
+    B, T, Hk, Hv, Dk, Dv = 2, 3, 1, 2, 16, 64  # Dv 64: two 32-wide value slices per head
+    layer = make_layer(gen, B, T, Hk, Hv, Dk, Dv, slots=5, state_dtype=state_dtype)
+    slot_ids = torch.tensor([4, 1], dtype=torch.int32)
+    ref_in, mine = cloned(layer), cloned(layer)
+    ref = gdn_decode_reference(**ref_in, slot_ids=slot_ids, num_key_heads=Hk, return_all_states=True)
+    out = gdn_decode(**mine, slot_ids=slot_ids, num_key_heads=Hk, return_all_states=True)
+    # fp32: the same operations in another summation order, measured <= 1.8e-7; fp16 slots: both round
+    # the states to fp16, order differences flip a few roundings, measured 5.6e-6
+    tol = 1e-6 if state_dtype == torch.float32 else 5e-5
+    assert rel(out.output, ref.output) < tol
+    assert rel(out.states.float(), ref.states.float()) < tol
+    assert torch.equal(out.conv_states, ref.conv_states)
+    assert rel(mine["state_slots"].float(), ref_in["state_slots"].float()) < tol
+    assert torch.equal(mine["conv_slots"], ref_in["conv_slots"])
+    # the last per-position state is the committed slot state
+    assert torch.equal(out.states[:, -1], mine["state_slots"][slot_ids.long()])
+
+
+def test_wrong_geometry_is_a_user_error():
+    gen = torch.Generator().manual_seed(1)
+    layer = make_layer(gen, 1, 1, 2, 4, 16, 16, slots=2)
+    with pytest.raises(NinferError, match="key heads"):
+        gdn_decode(**layer, slot_ids=torch.tensor([0], dtype=torch.int32), num_key_heads=3)

@@ -116,6 +116,17 @@ LIVE_CASES = {
         [{"role": "user", "content": "Write a haiku"}, {"role": "assistant", "content": "Autumn moon"}],
         {"continue_final_message": True},
     ),
+    "continue_final_message_parts": (
+        [{"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": [{"type": "text", "text": "Part one. "},
+                                           {"type": "text", "text": "Two"}]}],
+        {"continue_final_message": True},
+    ),
+    "continue_reasoning": (
+        [{"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "", "reasoning_content": "The user greets me"}],
+        {"continue_final_message": "reasoning_content"},
+    ),
 }
 
 

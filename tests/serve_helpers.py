@@ -1,19 +1,65 @@
-"""Helpers for the server tests: a real uvicorn on a free loopback port in a background thread."""
+"""Helpers for the server tests: the tiny fixture model converted once per process, and real uvicorn
+servers over the real engine on free loopback ports in background threads."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from functools import cache
+from pathlib import Path
 
-from ninfer.engine.api import SamplingParams
+import httpx
+from conftest import TINY_GGUF, TINY_HF
+from prometheus_client.parser import text_string_to_metric_families
+
+from ninfer.engine.engine import EngineConfig
 from ninfer.serve.app import create_app
-from ninfer.serve.backend import ModelInfo
-from ninfer.serve.generation import Delta, GenerateOptions, Generation, Usage
+from ninfer.serve.engine_backend import EngineBackend
 from ninfer.serve.server import Server, bind_socket
 from ninfer.serve.state import ServeSettings
+
+USER = [{"role": "user", "content": "Write a haiku about the sea."}]
+
+
+@cache
+def tiny_artifact() -> Path:
+    """The tiny Qwen3.5 fixture (bf16 GGUF) converted with ninfer-convert, once per test process."""
+    from ninfer.cli.convert import main as convert
+
+    out = Path(tempfile.mkdtemp(prefix="ninfer-serve-tests-")) / "tiny.ninfer"
+    argv = [
+        "--model",
+        str(TINY_HF),
+        "--recipe",
+        "qwen3_5_gguf",
+        "--source",
+        f"gguf={TINY_GGUF / 'model-bf16.gguf'}",
+        "--name",
+        "qwen35-tiny",
+        "--out",
+        str(out),
+    ]
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        assert convert(argv) == 0
+    return out
+
+
+@cache
+def hf_tokenizer():
+    """transformers' own tokenizer + template of the fixture: the independent reference for counts."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TINY_HF))
+
+
+def hf_prompt_ids(messages, **kwargs) -> list[int]:
+    tok = hf_tokenizer()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    return tok.encode(text, add_special_tokens=False)
 
 
 @dataclass
@@ -29,69 +75,40 @@ class RunningServer:
     def state(self):
         return self.server.state
 
+    @property
+    def model_id(self) -> str:
+        return self.state.model_id
+
     def stop(self) -> None:
         self.server.stop()
-        self.thread.join(15)
+        self.thread.join(20)
+        assert not self.thread.is_alive(), "the server did not stop"
 
 
-def start_server(backend: Any, settings: ServeSettings | None = None, loader=None) -> RunningServer:
-    app = create_app(settings or ServeSettings(), backend)
-    server = Server(app, bind_socket("127.0.0.1", 0), loader, graceful_s=3.0)
-    thread = server.start_in_thread()
-    return RunningServer(server, thread)
+def engine_config(**overrides) -> EngineConfig:
+    values = {"max_concurrency": 2, "max_context": 512, "kv_capacity": 1024, "prefill_chunk": 256}
+    values.update(overrides)
+    return EngineConfig(**values)
 
 
-class FakeBackend:
-    """Byte-level stand-in used only while the real engine cannot load an artifact."""
+def start_server(
+    settings: ServeSettings | None = None, wait_ready: bool = True, load_gate=None, **engine_overrides
+) -> RunningServer:
+    """A real server: bound socket, engine loaded on the loader thread (after `load_gate` is set)."""
+    config = engine_config(**engine_overrides)
+    artifact = tiny_artifact()
 
-    def __init__(self, max_context: int = 512, token_delay_s: float = 0.01):
-        self.info = ModelInfo("fake", max_context, 0, chat_template="fake")
-        self.token_delay_s = token_delay_s
+    def load():
+        if load_gate is not None:
+            load_gate.wait(30)
+        return EngineBackend.load(artifact, config)
 
-    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
-        return list(text.encode())
-
-    def detokenize(self, ids: list[int]) -> str:
-        return bytes(ids).decode(errors="replace")
-
-    def token_piece(self, token_id: int) -> str:
-        return self.detokenize([token_id])
-
-    def vocab_size(self) -> int:
-        return 256
-
-    def render_chat(self, messages, tools, add_generation_prompt, template_kwargs) -> str:
-        text = "".join(f"<{m['role']}>{m.get('content')}\n" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
-
-    def starts_in_reasoning(self, prompt: str) -> bool:
-        return False
-
-    def sampling_defaults(self, thinking: bool) -> SamplingParams:
-        return SamplingParams()
-
-    def generate(self, request_id: str, prompt_ids: list[int], options: GenerateOptions) -> Generation:
-        cancelled = threading.Event()
-        n = options.sampling.max_tokens
-
-        def deltas() -> Iterator[Delta]:
-            for i in range(n):
-                if cancelled.wait(self.token_delay_s):
-                    yield Delta(finish_reason="cancelled", usage=Usage(len(prompt_ids), i))
-                    return
-                yield Delta(content="ab"[i % 2])
-            yield Delta(finish_reason="length", usage=Usage(len(prompt_ids), n))
-
-        return Generation(request_id, len(prompt_ids), deltas(), cancelled.set)
-
-    def stats(self) -> dict:
-        return {"lanes_busy": 0}
-
-    def memory_ledger(self) -> dict:
-        return {"line": "fake"}
-
-    def shutdown(self) -> None:
-        pass
+    app = create_app(settings or ServeSettings())
+    server = Server(app, bind_socket("127.0.0.1", 0), load, graceful_s=3.0)
+    running = RunningServer(server, server.start_in_thread())
+    if wait_ready:
+        assert wait_until(lambda: running.state.ready, 60), running.state.load_error
+    return running
 
 
 def wait_until(predicate, timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:
@@ -101,3 +118,14 @@ def wait_until(predicate, timeout_s: float = 5.0, interval_s: float = 0.02) -> b
             return True
         time.sleep(interval_s)
     return predicate()
+
+
+def scrape(url: str, headers: dict | None = None) -> dict[str, float]:
+    """/metrics parsed with prometheus_client's own parser: sample name (+labels) → value."""
+    text = httpx.get(f"{url}/metrics", headers=headers).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out

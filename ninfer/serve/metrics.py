@@ -67,6 +67,7 @@ class _EngineCollector(Collector):
             if key in _HEADLINE:
                 name, doc = _HEADLINE[key]
                 yield GaugeMetricFamily(name, doc, value=value)
+                continue
             yield GaugeMetricFamily(f"ninfer_engine_{_sanitize(key)}", f"engine stat {key}", value=value)
 
 

@@ -32,7 +32,7 @@ class ContentPart(_Lenient):
     @model_validator(mode="after")
     def _text_needed(self) -> ContentPart:
         if self.type == "text" and self.text is None:
-            raise ValueError("a text part needs a 'text' string")
+            raise ValueError("text: a text part needs a 'text' string")
         return self
 
 

@@ -1,0 +1,150 @@
+"""Dense pre-norm decoders: Qwen2/2.5 (q/k/v biases) and Llama/SmolLM, as transformers' `modeling_qwen2`
+and `modeling_llama`: plain RMSNorm `x/rms·w`, rotate-half RoPE on the whole head, GQA, SwiGLU MLP.
+
+The artifact holds the model's own (Hugging Face order) q/k rows; llama.cpp's llama q/k permutation is
+undone at conversion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ninfer.errors import ArtifactError
+from ninfer.kernels import reference as ops
+from ninfer.models.cache_spec import CacheSpec
+from ninfer.models.context import BatchContext
+from ninfer.models.layers import RMSNorm, SwiGLUMLP
+from ninfer.models.qwen3_5 import TiedHead
+from ninfer.models.weights import Embedding, Linear, WeightSource, has_tensor
+
+SUPPORTED_ROPE_TYPES = (None, "default")
+
+
+def bias_name(prefix: str, role: str) -> str:
+    """Logical name of an attention projection's bias (Qwen2 has them on query, key, value)."""
+    return f"{prefix}/attention/{role}_bias"
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    intermediate_size: int
+    rms_norm_eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> DenseConfig:
+        try:
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            rope_type = rope.get("rope_type", rope.get("type"))
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ArtifactError(
+                    f"rope type {rope_type!r} of this {cfg.get('architecture')} model is not supported yet "
+                    f"(supported: default); use a model without RoPE scaling"
+                )
+            heads = int(cfg["num_attention_heads"])
+            return cls(
+                architecture=str(cfg.get("architecture", "llama")),
+                hidden_size=int(cfg["hidden_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                vocab_size=int(cfg["vocab_size"]),
+                intermediate_size=int(cfg["intermediate_size"]),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+                rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            )
+        except KeyError as e:
+            raise ArtifactError(
+                f"text config lacks {e.args[0]!r}, needed by the dense model; re-convert the model"
+            ) from None
+
+
+class DenseAttention(nn.Module):
+    def __init__(self, source: WeightSource, prefix: str, cfg: DenseConfig, kv_layer: int, dtype, device):
+        super().__init__()
+        self.cfg, self.kv_layer = cfg, kv_layer
+
+        def proj(role: str) -> Linear:
+            b = bias_name(prefix, role)
+            return Linear(source, f"{prefix}/attention/{role}", dtype, device,
+                          bias_name=b if has_tensor(source, b) else None)
+
+        self.query, self.key, self.value = proj("query"), proj("key"), proj("value")
+        self.output = Linear(source, f"{prefix}/attention/output", dtype, device)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: BatchContext
+    ) -> torch.Tensor:
+        cfg, T = self.cfg, x.shape[0]
+        q = ops.apply_rotary(self.query(x).view(T, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = ops.apply_rotary(self.key(x).view(T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = self.value(x).view(T, cfg.num_kv_heads, cfg.head_dim)
+        return self.output(ctx.attention(self.kv_layer, q, k, v).reshape(T, -1))
+
+
+class DenseLayer(nn.Module):
+    def __init__(self, source: WeightSource, prefix: str, cfg: DenseConfig, index: int, dtype, device):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_norm = RMSNorm(source, f"{prefix}/input_norm", eps, False, device)
+        self.attention = DenseAttention(source, prefix, cfg, index, dtype, device)
+        self.post_attention_norm = RMSNorm(source, f"{prefix}/post_attention_norm", eps, False, device)
+        self.mlp = SwiGLUMLP(source, prefix, dtype, device)
+
+    def forward(self, x, cos, sin, ctx: BatchContext) -> torch.Tensor:
+        x = x + self.attention(self.input_norm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_norm(x))
+
+
+class DenseModel(nn.Module):
+    """forward(ids [T], positions [T], ctx) -> final-normed hidden [T, H]; compute_logits."""
+
+    def __init__(self, source: WeightSource, config: dict[str, Any], dtype=torch.float32, device="cpu"):
+        super().__init__()
+        cfg = self.cfg = DenseConfig.from_dict(config)
+        self.dtype = dtype
+        self.token_embedding = Embedding(source, "text/token_embedding", dtype, device)
+        self.layers = nn.ModuleList(
+            DenseLayer(source, f"text/layers/{i}", cfg, i, dtype, device) for i in range(cfg.num_layers)
+        )
+        self.final_norm = RMSNorm(source, "text/final_norm", cfg.rms_norm_eps, False, device)
+        if has_tensor(source, "text/output_head"):
+            self.output_head = Linear(source, "text/output_head", dtype, device)
+        else:
+            self.output_head = TiedHead(self.token_embedding)
+        self.cache_spec = CacheSpec(
+            num_kv_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
+        )
+        self.mtp = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.output_head.weight.shape[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.token_embedding(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: BatchContext,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(self.dtype)
+        if positions.dim() == 2:  # [3, T] multimodal positions: dense models use the text axis
+            positions = positions[0]
+        cos, sin = ops.mrope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.final_norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output_head(hidden).float()

@@ -1,0 +1,278 @@
+"""The Qwen3.5 / 3.6 / 3.8 hybrid text model: Gated DeltaNet layers 3:1 with gated full attention.
+
+Reads beside transformers' `models/qwen3_5/modeling_qwen3_5.py`: `GatedDeltaNet` ↔ `Qwen3_5GatedDeltaNet`,
+`GatedAttention` ↔ `Qwen3_5Attention`, `DecoderLayer` ↔ `Qwen3_5DecoderLayer`, `Qwen35Model` ↔
+`Qwen3_5ForCausalLM`. Tokens of all sequences arrive flattened as [T, ...]; caches and recurrent state
+are reached only through the `BatchContext`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ninfer.errors import ArtifactError
+from ninfer.kernels import reference as ops
+from ninfer.models.cache_spec import CacheSpec
+from ninfer.models.context import BatchContext
+from ninfer.models.layers import RMSNorm, SwiGLUMLP
+from ninfer.models.weights import Embedding, Linear, WeightSource, has_tensor, load_vector
+
+# Spans up to this length (decode, speculative verification) use the token-by-token recurrence;
+# longer ones (prefill) the chunked form. Both give the same numbers within fp32 rounding.
+RECURRENT_MAX_SPAN = 8
+GDN_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class Qwen35Config:
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    vocab_size: int
+    intermediate_size: int
+    rms_norm_eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rotary_dim: int
+    mrope_sections: tuple[int, ...] | None
+    mrope_interleaved: bool
+    gdn_key_heads: int
+    gdn_value_heads: int
+    gdn_key_dim: int
+    gdn_value_dim: int
+    gdn_conv_kernel: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> Qwen35Config:
+        try:
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+            partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+            sections = rope.get("mrope_section")
+            n_layers = int(cfg["num_hidden_layers"])
+            interval = int(cfg.get("full_attention_interval", 4))
+            layer_types = cfg.get("layer_types") or [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
+            ]
+            return cls(
+                hidden_size=int(cfg["hidden_size"]),
+                num_layers=n_layers,
+                layer_types=tuple(layer_types),
+                vocab_size=int(cfg["vocab_size"]),
+                intermediate_size=int(cfg["intermediate_size"]),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                num_heads=int(cfg["num_attention_heads"]),
+                num_kv_heads=int(cfg["num_key_value_heads"]),
+                head_dim=head_dim,
+                rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e7))),
+                rotary_dim=int(head_dim * partial),
+                mrope_sections=tuple(int(s) for s in sections) if sections else None,
+                mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+                gdn_key_heads=int(cfg["linear_num_key_heads"]),
+                gdn_value_heads=int(cfg["linear_num_value_heads"]),
+                gdn_key_dim=int(cfg["linear_key_head_dim"]),
+                gdn_value_dim=int(cfg["linear_value_head_dim"]),
+                gdn_conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            )
+        except KeyError as e:
+            raise ArtifactError(
+                f"text config lacks {e.args[0]!r}, needed by the qwen3_5 model; re-convert the model"
+            ) from None
+
+    @property
+    def gdn_conv_channels(self) -> int:
+        return 2 * self.gdn_key_heads * self.gdn_key_dim + self.gdn_value_heads * self.gdn_value_dim
+
+
+def rope_tables(cfg: Qwen35Config, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, rotary_dim] for text ([T]) or multimodal ([3, T]) positions."""
+    return ops.mrope_cos_sin(
+        positions, cfg.rotary_dim, cfg.rope_theta, cfg.mrope_sections, cfg.mrope_interleaved
+    )
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear-attention token mixer; `gdn_index` is its number among the GDN layers (state slot)."""
+
+    def __init__(self, source: WeightSource, prefix: str, cfg: Qwen35Config, gdn_index: int, dtype, device):
+        super().__init__()
+        p = f"{prefix}/gdn"
+        self.cfg, self.gdn_index = cfg, gdn_index
+        self.query = Linear(source, f"{p}/query", dtype, device)
+        self.key = Linear(source, f"{p}/key", dtype, device)
+        self.value = Linear(source, f"{p}/value", dtype, device)
+        self.z = Linear(source, f"{p}/z", dtype, device)
+        self.a_projection = Linear(source, f"{p}/a_projection", dtype, device)
+        self.b_projection = Linear(source, f"{p}/b_projection", dtype, device)
+        self.output = Linear(source, f"{p}/output", dtype, device)  # applies the recorded input_columns
+        self.a_log = nn.Buffer(load_vector(source, f"{p}/a_log", device))
+        self.dt_bias = nn.Buffer(load_vector(source, f"{p}/dt_bias", device))
+        conv = load_vector(source, f"{p}/convolution", device)
+        self.conv_weight = nn.Buffer(conv.reshape(cfg.gdn_conv_channels, cfg.gdn_conv_kernel))
+        self.norm_weight = nn.Buffer(load_vector(source, f"{p}/norm", device))
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        cfg = self.cfg
+        mixed = torch.cat([self.query(x), self.key(x), self.value(x)], dim=-1)  # conv channels q|k|v
+        z = self.z(x).view(-1, cfg.gdn_value_heads, cfg.gdn_value_dim)
+        beta = torch.sigmoid(self.b_projection(x).float())
+        g = -self.a_log.exp() * F.softplus(self.a_projection(x).float() + self.dt_bias)
+        core = torch.empty(x.shape[0], cfg.gdn_value_heads, cfg.gdn_value_dim, dtype=x.dtype, device=x.device)
+        for i, span in enumerate(ctx.spans):
+            rows = slice(span.start, span.start + span.length)
+            core[rows] = self._sequence(mixed[rows], g[rows], beta[rows], ctx.gdn_state(self.gdn_index, i))
+        out = ops.gated_rms_norm(core, z, self.norm_weight, self.eps)
+        return self.output(out.reshape(x.shape[0], -1))
+
+    def _sequence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state) -> torch.Tensor:
+        """Conv + delta rule for one sequence's rows, continuing from and updating its state."""
+        cfg = self.cfg
+        T = mixed.shape[0]
+        conv_out, new_conv = ops.causal_conv1d(mixed, self.conv_weight, state.conv, silu=True)
+        state.conv.copy_(new_conv)
+        key_width = cfg.gdn_key_heads * cfg.gdn_key_dim
+        q, k, v = conv_out.split([key_width, key_width, cfg.gdn_value_heads * cfg.gdn_value_dim], dim=-1)
+        q = ops.l2_norm(q.reshape(T, cfg.gdn_key_heads, cfg.gdn_key_dim).float()) / math.sqrt(cfg.gdn_key_dim)
+        k = ops.l2_norm(k.reshape(T, cfg.gdn_key_heads, cfg.gdn_key_dim).float())
+        v = v.reshape(T, cfg.gdn_value_heads, cfg.gdn_value_dim)
+        if T <= RECURRENT_MAX_SPAN:
+            o, s = ops.gdn_recurrent(q, k, v, g, beta, state.recurrent)
+        else:
+            o, s = ops.gdn_chunked(q, k, v, g, beta, state.recurrent, chunk_size=GDN_CHUNK)
+        state.recurrent.copy_(s)
+        return o
+
+
+class GatedAttention(nn.Module):
+    """Full attention with a per-head output gate, per-head q/k RMSNorm and partial (m)RoPE."""
+
+    def __init__(self, source: WeightSource, prefix: str, cfg: Qwen35Config, kv_layer: int, dtype, device):
+        super().__init__()
+        p = f"{prefix}/attention"
+        self.cfg, self.kv_layer = cfg, kv_layer
+        self.query = Linear(source, f"{p}/query", dtype, device)
+        self.gate = Linear(source, f"{p}/gate", dtype, device)
+        self.key = Linear(source, f"{p}/key", dtype, device)
+        self.value = Linear(source, f"{p}/value", dtype, device)
+        self.output = Linear(source, f"{p}/output", dtype, device)
+        self.query_norm = RMSNorm(source, f"{p}/query_norm", cfg.rms_norm_eps, True, device)
+        self.key_norm = RMSNorm(source, f"{p}/key_norm", cfg.rms_norm_eps, True, device)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: BatchContext
+    ) -> torch.Tensor:
+        cfg, T = self.cfg, x.shape[0]
+        q = self.query_norm(self.query(x).view(T, cfg.num_heads, cfg.head_dim))
+        k = self.key_norm(self.key(x).view(T, cfg.num_kv_heads, cfg.head_dim))
+        v = self.value(x).view(T, cfg.num_kv_heads, cfg.head_dim)
+        q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
+        attn = ctx.attention(self.kv_layer, q, k, v).reshape(T, -1)
+        return self.output(attn * torch.sigmoid(self.gate(x).float()).to(attn.dtype))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: token mixer (GDN or gated attention), then SwiGLU MLP."""
+
+    def __init__(self, source: WeightSource, prefix: str, cfg: Qwen35Config, mixer: nn.Module, dtype, device):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_norm = RMSNorm(source, f"{prefix}/input_norm", eps, True, device)
+        self.mixer = mixer
+        self.post_attention_norm = RMSNorm(source, f"{prefix}/post_attention_norm", eps, True, device)
+        self.mlp = SwiGLUMLP(source, prefix, dtype, device)
+
+    def forward(self, x, cos, sin, ctx: BatchContext) -> torch.Tensor:
+        h = self.input_norm(x)
+        if isinstance(self.mixer, GatedAttention):
+            h = self.mixer(h, cos, sin, ctx)
+        else:
+            h = self.mixer(h, ctx)
+        x = x + h
+        return x + self.mlp(self.post_attention_norm(x))
+
+
+class Qwen35Model(nn.Module):
+    """forward(ids [T], positions [T] or [3,T], ctx) -> final-normed hidden [T, H]; compute_logits."""
+
+    def __init__(self, source: WeightSource, config: dict[str, Any], dtype=torch.float32, device="cpu"):
+        super().__init__()
+        cfg = self.cfg = Qwen35Config.from_dict(config)
+        self.dtype = dtype
+        self.token_embedding = Embedding(source, "text/token_embedding", dtype, device)
+        layers, n_kv, n_gdn = [], 0, 0
+        for i, kind in enumerate(cfg.layer_types):
+            prefix = f"text/layers/{i}"
+            if kind == "full_attention":
+                mixer = GatedAttention(source, prefix, cfg, n_kv, dtype, device)
+                n_kv += 1
+            else:
+                mixer = GatedDeltaNet(source, prefix, cfg, n_gdn, dtype, device)
+                n_gdn += 1
+            layers.append(DecoderLayer(source, prefix, cfg, mixer, dtype, device))
+        self.layers = nn.ModuleList(layers)
+        self.final_norm = RMSNorm(source, "text/final_norm", cfg.rms_norm_eps, True, device)
+        self.output_head = _output_head(source, self.token_embedding, dtype, device)
+        self.cache_spec = CacheSpec(
+            num_kv_layers=n_kv, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, num_gdn_layers=n_gdn,
+            gdn_conv_channels=cfg.gdn_conv_channels, gdn_conv_kernel=cfg.gdn_conv_kernel,
+            gdn_key_heads=cfg.gdn_key_heads, gdn_value_heads=cfg.gdn_value_heads,
+            gdn_key_dim=cfg.gdn_key_dim, gdn_value_dim=cfg.gdn_value_dim,
+        )
+        self.mtp = None  # set by load_model when the artifact has an MTP component
+
+    @property
+    def vocab_size(self) -> int:
+        return self.output_head.weight.shape[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.token_embedding(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: BatchContext,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`inputs_embeds` (optional, [T, H]) replaces the token embeddings (image tokens, later)."""
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(self.dtype)
+        cos, sin = rope_tables(self.cfg, positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.final_norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] final-normed hidden -> [N, vocab] fp32 logits (padding rows included)."""
+        return self.output_head(hidden).float()
+
+
+def _output_head(source: WeightSource, embedding: Embedding, dtype, device) -> nn.Module:
+    if has_tensor(source, "text/output_head"):
+        return Linear(source, "text/output_head", dtype, device)
+    return TiedHead(embedding)
+
+
+class TiedHead(nn.Module):
+    """Output head sharing the token embedding table."""
+
+    def __init__(self, embedding: Embedding):
+        super().__init__()
+        self.embedding = embedding
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embedding.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections.abc import Sequence
@@ -118,7 +119,9 @@ class ConversionJob:
 
     def use_input_columns(self, parameter: str, columns: torch.Tensor) -> None:
         """Record that stored column c of `parameter` multiplies model input column columns[c]."""
-        plan = computed(columns.to(torch.int32), "i32")
+        cols = columns.to(torch.int32).contiguous()
+        key = ("input_columns", hashlib.sha1(cols.numpy().tobytes()).hexdigest())
+        plan = computed(cols, "i32", key=key)
         self.writer.add_use(parameter, {"input_columns": self.add_object(plan)})
 
     def set_component(self, name: str, config: dict, roles: dict[str, bytes]) -> None:

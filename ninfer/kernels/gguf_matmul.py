@@ -287,3 +287,21 @@ def quant_matmul(
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# byte offsets of each kernel format's fp16 scale fields
+_SCALE_OFFSETS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q8_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2),
+                  "q6_k": (208,), "iq4_xs": (0,), "iq3_s": (0,)}
+
+
+def random_gguf_weight(format: str, out_features: int, in_features: int, device: torch.device | str = "cpu",
+                       generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random but valid GGUF rows (uniform bytes, fp16 scales in [0.0005, 0.0025)) for tests and timing."""
+    fmt = FORMATS[format.removeprefix(GGUF_PREFIX)]
+    nblk = out_features * in_features // fmt.block_elems
+    blocks = torch.randint(0, 256, (nblk, fmt.block_bytes), dtype=torch.uint8, device=device,
+                           generator=generator)
+    for off in _SCALE_OFFSETS[fmt.name]:
+        d = (torch.rand(nblk, device=device, generator=generator) * 0.002 + 0.0005).to(torch.float16)
+        blocks[:, off:off + 2] = d.view(torch.uint8).reshape(nblk, 2)
+    return blocks.reshape(out_features, -1)

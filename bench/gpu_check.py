@@ -1,0 +1,373 @@
+"""One-run GPU check of ninfer's kernels: correctness against the CPU reference, then timings, then a table.
+
+Run on the GPU machine from the repository root (wheels in .whl/ installed first, see docs/gpu-notes.md):
+
+    PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out $OUT
+
+Every kernel is checked on fresh random inputs at several shapes against the PyTorch reference (float64
+matmul of `ninfer.quant.dequantize` for the GGUF kernels, `gdn_decode_reference` / `reference.gdn_chunked`
+for Gated DeltaNet). Timings are medians of `triton.testing.do_bench` (L2 flushed between samples) at the
+Qwen3.5/3.6/3.8-27B shapes; a whole decode step's weight stream (64 layers + head) is captured in a CUDA
+graph and replayed for the tg128 estimate. `--quick` runs only the checks on tiny shapes (works on CPU,
+through Triton's interpreter) to test the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ninfer.kernels import gdn_prefill as prefill  # noqa: E402
+from ninfer.kernels.gdn_decode import gdn_decode, gdn_decode_reference  # noqa: E402
+from ninfer.kernels.gguf_matmul import (  # noqa: E402
+    KERNEL_FORMATS,
+    quant_matmul,
+    random_gguf_weight,
+)
+from ninfer.quant import FORMATS, dequantize  # noqa: E402
+
+FLOOR_TBPS = 4.24  # measured copy bandwidth of the H200 (ANCHORS.md); re-measured below
+HIDDEN, FFN, VOCAB = 5120, 17408, 248320
+GDN_SHAPES = {"qkv": (10240, HIDDEN), "z": (6144, HIDDEN), "beta": (48, HIDDEN), "alpha": (48, HIDDEN),
+              "out": (HIDDEN, 6144)}
+ATTN_SHAPES = {"q": (12288, HIDDEN), "k": (1024, HIDDEN), "v": (1024, HIDDEN), "o": (HIDDEN, 6144)}
+MLP_SHAPES = {"gate": (FFN, HIDDEN), "up": (FFN, HIDDEN), "down": (HIDDEN, FFN)}
+DECODE_SCHEDULES = ["dec_n16_k256", "dec_n32_k256", "dec_n16_k256_s4", "dec_n32_k128_w2", "dec_n64_k128"]
+PREFILL_SCHEDULES = ["pre_n64_m64_k64", "pre_n128_m64_k64_w8", "pre_n128_m128_k64_w8"]
+
+
+class Log:
+    """Prints progress with elapsed seconds and keeps every record for the JSON file."""
+
+    def __init__(self, out: Path | None):
+        self.t0 = time.time()
+        self.records: list[dict] = []
+        self.summary: list[str] = []
+        self.out = out
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{time.time() - self.t0:7.1f}s] {msg}", flush=True)
+
+    def record(self, **kw) -> None:
+        self.records.append(kw)
+
+    def save(self) -> None:
+        if self.out:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "gpu_check.json").write_text(json.dumps(self.records, indent=1))
+
+
+def bench_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# checks
+
+
+def check_gemm(log: Log, dev: torch.device, quick: bool) -> bool:
+    ok = True
+    shapes = [(24, 512)] if quick else [(384, 2048), (1040, 5120)]
+    widths = [1, 3] if quick else [1, 2, 4, 16, 40, 300]
+    for fmt in KERNEL_FORMATS:
+        worst = 0.0
+        for rows, cols in shapes:
+            raw = random_gguf_weight(fmt, rows, cols, dev)
+            w = dequantize(raw.cpu().reshape(-1), "gguf_" + fmt, (rows, cols)).to(dev).double()
+            for width in widths:
+                x = torch.randn(width, cols, device=dev, dtype=torch.float32 if quick else torch.bfloat16)
+                out = quant_matmul(raw, fmt, x, rows, schedule="tiny_n16_m16_k64" if quick else None)
+                err = rel_err(out, x.double() @ w.t())
+                finite = bool(torch.isfinite(out).all())
+                worst = max(worst, err if finite else float("inf"))
+        # bf16 output rounding (2^-9) dominates on GPU; fp16 operands add ~3e-4
+        passed = worst < 5e-3
+        ok &= passed
+        log(f"check gemm {fmt:7s} worst rel err {worst:.2e} {'ok' if passed else 'FAIL'}")
+        log.record(kind="check", op="gemm", format=fmt, rel_err=worst, ok=passed)
+    return ok
+
+
+def check_gdn(log: Log, dev: torch.device, quick: bool) -> bool:
+    ok = True
+    cases = [(1, 1, 2, 4, 16, 32), (2, 3, 2, 4, 16, 32)] if quick else \
+        [(1, 1, 16, 48, 128, 128), (4, 4, 16, 48, 128, 128), (3, 2, 2, 6, 128, 128)]
+    for state_dtype in (torch.float32, torch.float16):
+        for B, T, Hk, Hv, Dk, Dv in cases:
+            C = 2 * Hk * Dk + Hv * Dv
+            slots = B + 2
+            inputs = dict(
+                mixed_qkv=torch.randn(B, T, C, device=dev).to(torch.bfloat16 if not quick else torch.float32),
+                a=torch.randn(B, T, Hv, device=dev), b=torch.randn(B, T, Hv, device=dev),
+                conv_weight=torch.randn(C, 4, device=dev) * 0.3,
+                a_log=torch.log(torch.rand(Hv, device=dev) * 15 + 1), dt_bias=torch.randn(Hv, device=dev) - 2,
+                conv_slots=torch.randn(slots, C, 3, device=dev),
+                state_slots=(torch.randn(slots, Hv, Dk, Dv, device=dev) * 0.1).to(state_dtype))
+            ids = torch.randperm(slots, device=dev)[:B].to(torch.int32)
+            ref_in = {k: v.clone() for k, v in inputs.items()}
+            mine = {k: v.clone() for k, v in inputs.items()}
+            ref = gdn_decode_reference(**ref_in, slot_ids=ids, num_key_heads=Hk, return_all_states=True)
+            out = gdn_decode(**mine, slot_ids=ids, num_key_heads=Hk, return_all_states=True)
+            errs = [rel_err(out.output, ref.output), rel_err(out.states.float(), ref.states.float()),
+                    rel_err(mine["state_slots"].float(), ref_in["state_slots"].float()),
+                    rel_err(mine["conv_slots"], ref_in["conv_slots"])]
+            tol = 1e-5 if state_dtype == torch.float32 else 1e-3
+            passed = max(errs) < tol
+            ok &= passed
+            name = f"B{B} T{T} Hk{Hk} Hv{Hv} {str(state_dtype)[6:]}"
+            log(f"check gdn_decode {name}: rel errs {', '.join(f'{e:.1e}' for e in errs)} "
+                f"{'ok' if passed else 'FAIL'}")
+            log.record(kind="check", op="gdn_decode", case=name, rel_errs=errs, ok=passed)
+    if not quick and prefill.fla_available():
+        T, Hk, Hv, D = 300, 2, 6, 128
+        q = torch.nn.functional.normalize(torch.randn(T, Hk, D, device=dev), dim=-1) * D ** -0.5
+        k = torch.nn.functional.normalize(torch.randn(T, Hk, D, device=dev), dim=-1)
+        v = torch.randn(T, Hv, D, device=dev)
+        g = -torch.rand(T, Hv, device=dev) * 0.5
+        beta = torch.rand(T, Hv, device=dev)
+        s0 = torch.randn(Hv, D, D, device=dev) * 0.1
+        o_ref, s_ref = prefill.reference.gdn_chunked(q, k, v, g, beta, s0)
+        o, s = prefill.gdn_prefill(q, k, v, g, beta, s0)
+        errs = [rel_err(o, o_ref), rel_err(s, s_ref)]
+        passed = max(errs) < 5e-3  # fla computes the intra-chunk products with tf32/bf16 dots
+        ok &= passed
+        verdict = "ok" if passed else "FAIL"
+        log(f"check gdn_prefill (fla) T{T}: rel errs {errs[0]:.1e}, {errs[1]:.1e} {verdict}")
+        log.record(kind="check", op="gdn_prefill_fla", rel_errs=errs, ok=passed)
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------------------
+# timings
+
+
+def copy_bandwidth(log: Log, dev: torch.device) -> float:
+    src = torch.empty(1 << 31, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    tbps = 2 * src.numel() / ms / 1e9
+    log(f"copy bandwidth {tbps:.2f} TB/s (read + write)")
+    log.record(kind="ceiling", op="copy", tbps=tbps)
+    return tbps
+
+
+def time_gemv(log: Log, dev: torch.device, floor: float) -> dict:
+    """Per-shape decode GEMV times for the 27B formats: every schedule × widths 1, 4, 8, 16."""
+    best: dict = {}
+    shapes = {**GDN_SHAPES, **ATTN_SHAPES, **MLP_SHAPES}
+    unique = sorted(set(shapes.values()))
+    for fmt in ("iq3_s", "q4_k"):
+        for rows, cols in unique:
+            raw = random_gguf_weight(fmt, rows, cols, dev)
+            nbytes = raw.numel()
+            for width in (1, 4, 8, 16):
+                x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
+                times = {s: bench_ms(lambda s=s, raw=raw, fmt=fmt, x=x, rows=rows: quant_matmul(
+                    raw, fmt, x, rows, schedule=s)) * 1e3 for s in DECODE_SCHEDULES}
+                sched = min(times, key=times.get)
+                us = times[sched]
+                best[(fmt, rows, cols, width)] = (sched, us)
+                log(f"gemv {fmt} {rows}x{cols} w{width}: best {sched} {us:.1f} us "
+                    f"({nbytes / us / 1e6:.2f} TB/s, floor {nbytes / floor / 1e6:.1f} us); "
+                    + " ".join(f"{k}={v:.1f}" for k, v in times.items()))
+                log.record(kind="time", op="gemv", format=fmt, shape=[rows, cols], width=width,
+                           us=times, best=sched, bytes=nbytes)
+        bf = torch.randn(FFN, HIDDEN, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(1, HIDDEN, device=dev, dtype=torch.bfloat16)
+        us = bench_ms(lambda bf=bf, x=x: x @ bf.t()) * 1e3
+        log(f"gemv torch bf16 {FFN}x{HIDDEN} w1: {us:.1f} us ({bf.numel() * 2 / us / 1e6:.2f} TB/s)")
+        log.record(kind="time", op="gemv_torch_bf16", shape=[FFN, HIDDEN], us=us)
+    for fmt in KERNEL_FORMATS:
+        raw = random_gguf_weight(fmt, FFN, HIDDEN, dev)
+        x = torch.randn(1, HIDDEN, device=dev, dtype=torch.bfloat16)
+        us = bench_ms(lambda raw=raw, x=x, fmt=fmt: quant_matmul(raw, fmt, x, FFN)) * 1e3
+        log(f"gemv {fmt} {FFN}x{HIDDEN} w1 default: {us:.1f} us ({raw.numel() / us / 1e6:.2f} TB/s)")
+        log.record(kind="time", op="gemv_default", format=fmt, shape=[FFN, HIDDEN], us=us, bytes=raw.numel())
+    return best
+
+
+def time_prefill_gemm(log: Log, dev: torch.device) -> None:
+    rows, cols = FFN, HIDDEN
+    for fmt in ("iq3_s", "q4_k"):
+        raw = random_gguf_weight(fmt, rows, cols, dev)
+        for m in (512, 2048, 8192):
+            x = torch.randn(m, cols, device=dev, dtype=torch.bfloat16)
+            times = {s: bench_ms(lambda s=s, raw=raw, fmt=fmt, x=x: quant_matmul(
+                raw, fmt, x, rows, schedule=s)) * 1e3 for s in PREFILL_SCHEDULES}
+            sched = min(times, key=times.get)
+            tflops = 2 * m * rows * cols / times[sched] / 1e6
+            log(f"prefill gemm {fmt} {rows}x{cols} m{m}: best {sched} {times[sched]:.0f} us = {tflops:.0f} "
+                f"TFLOP/s; " + " ".join(f"{k}={v:.0f}" for k, v in times.items()))
+            log.record(kind="time", op="prefill_gemm", format=fmt, m=m, us=times, tflops=tflops)
+    w = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
+    for m in (512, 2048, 8192):
+        x = torch.randn(m, cols, device=dev, dtype=torch.bfloat16)
+        us = bench_ms(lambda x=x: x @ w.t()) * 1e3
+        log(f"prefill gemm torch bf16 m{m}: {us:.0f} us = {2 * m * rows * cols / us / 1e6:.0f} TFLOP/s")
+        log.record(kind="time", op="prefill_gemm_torch_bf16", m=m, us=us)
+
+
+def gdn_inputs(dev, B, T, state_dtype, slots=None):
+    Hk, Hv, D = 16, 48, 128
+    C = 2 * Hk * D + Hv * D
+    slots = slots or B
+    return dict(mixed_qkv=torch.randn(B, T, C, device=dev, dtype=torch.bfloat16),
+                a=torch.randn(B, T, Hv, device=dev), b=torch.randn(B, T, Hv, device=dev),
+                conv_weight=torch.randn(C, 4, device=dev) * 0.3,
+                a_log=torch.log(torch.rand(Hv, device=dev) * 15 + 1), dt_bias=torch.randn(Hv, device=dev) - 2,
+                conv_slots=torch.randn(slots, C, 3, device=dev),
+                state_slots=(torch.randn(slots, Hv, D, D, device=dev) * 0.1).to(state_dtype))
+
+
+def time_gdn(log: Log, dev: torch.device) -> dict:
+    out = {}
+    for state_dtype in (torch.float32, torch.float16):
+        for B, T in ((1, 1), (4, 1), (8, 1), (1, 4)):
+            inp = gdn_inputs(dev, B, T, state_dtype)
+            ids = torch.arange(B, device=dev, dtype=torch.int32)
+            us = bench_ms(lambda inp=inp, ids=ids: gdn_decode(**inp, slot_ids=ids, num_key_heads=16)) * 1e3
+            state_bytes = 2 * B * inp["state_slots"][0].numel() * inp["state_slots"].element_size()
+            name = f"B{B} T{T} {str(state_dtype)[6:]}"
+            out[name] = us
+            log(f"gdn_decode {name}: {us:.1f} us/layer (state r+w {state_bytes / 1e6:.1f} MB, "
+                f"floor {state_bytes / FLOOR_TBPS / 1e6:.1f} us)")
+            log.record(kind="time", op="gdn_decode", case=name, us=us, state_bytes=state_bytes)
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception as e:  # fla missing: report and go on
+        log(f"fla-core not importable ({e}); skipping fla timings")
+        return out
+    for B in (1, 8):
+        q = torch.randn(B, 1, 16, 128, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(B, 1, 16, 128, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(B, 1, 48, 128, device=dev, dtype=torch.bfloat16)
+        g = -torch.rand(B, 1, 48, device=dev)
+        beta = torch.rand(B, 1, 48, device=dev, dtype=torch.bfloat16)
+        h0 = torch.randn(B, 48, 128, 128, device=dev)
+        us = bench_ms(lambda q=q, k=k, v=v, g=g, beta=beta, h0=h0: fused_recurrent_gated_delta_rule(
+            q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+            use_qk_l2norm_in_kernel=True)) * 1e3
+        log(f"fla fused_recurrent B{B}: {us:.1f} us/layer")
+        log.record(kind="time", op="fla_fused_recurrent", batch=B, us=us)
+    for T in (1024, 8192):
+        q = torch.randn(1, T, 16, 128, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(1, T, 16, 128, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(1, T, 48, 128, device=dev, dtype=torch.bfloat16)
+        g = -torch.rand(1, T, 48, device=dev) * 0.1
+        beta = torch.rand(1, T, 48, device=dev, dtype=torch.bfloat16)
+        us = bench_ms(lambda q=q, k=k, v=v, g=g, beta=beta: chunk_gated_delta_rule(
+            q, k, v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)) * 1e3
+        log(f"fla chunk prefill T{T}: {us:.0f} us/layer ({T * 1e6 / us / 48:.0f} tok/s over 48 GDN layers)")
+        log.record(kind="time", op="fla_chunk", tokens=T, us=us)
+    return out
+
+
+def decode_step_graph(log: Log, dev: torch.device, fmt: str, best: dict, width: int, state_dtype) -> float:
+    """All 27B decode GEMVs (64 layers + head) and 48 GDN decode steps in one CUDA graph: ms per step."""
+    gen_layers = []
+    for i in range(64):
+        shapes = {**(ATTN_SHAPES if i % 4 == 3 else GDN_SHAPES), **MLP_SHAPES}
+        gen_layers.append([(random_gguf_weight(fmt, r, c, dev), r, c) for r, c in shapes.values()])
+    head = random_gguf_weight("q6_k", VOCAB, HIDDEN, dev)
+    weight_bytes = sum(w.numel() for layer in gen_layers for w, _, _ in layer) + head.numel()
+    xs = {c: torch.randn(width, c, device=dev, dtype=torch.bfloat16) for c in (HIDDEN, 6144, FFN)}
+    gdn = gdn_inputs(dev, width, 1, state_dtype, slots=48 * width)
+    ids = [torch.arange(i * width, (i + 1) * width, device=dev, dtype=torch.int32) for i in range(48)]
+
+    def step():
+        j = 0
+        for i, layer in enumerate(gen_layers):
+            for w, r, c in layer:
+                sched = best.get((fmt, r, c, min(width, 16)), ("dec_n16_k256",))[0]
+                quant_matmul(w, fmt, xs[c], r, schedule=sched)
+            if i % 4 != 3:
+                gdn_decode(**gdn, slot_ids=ids[j], num_key_heads=16)
+                j += 1
+        quant_matmul(head, "q6_k", xs[HIDDEN], VOCAB)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.time()
+    n = 20
+    for _ in range(n):
+        graph.replay()
+    torch.cuda.synchronize()
+    ms = (time.time() - t0) * 1e3 / n
+    log(f"decode step graph {fmt} width {width} ({str(state_dtype)[6:]} state): {ms:.3f} ms/step = "
+        f"{1e3 / ms:.0f} steps/s; weights {weight_bytes / 1e9:.2f} GB -> {weight_bytes / ms / 1e9:.2f} TB/s "
+        f"(limit {1e3 / (weight_bytes / FLOOR_TBPS / 1e9):.0f} steps/s)")
+    log.record(kind="time", op="decode_step_graph", format=fmt, width=width, ms=ms, weight_bytes=weight_bytes)
+    return ms
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="folder for gpu_check.json")
+    ap.add_argument("--quick", action="store_true", help="only the checks, on tiny shapes (CPU works)")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: gemv,prefill,gdn,graph")
+    args = ap.parse_args(argv)
+    log = Log(args.out)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    import triton
+
+    log(f"torch {torch.__version__}, triton {triton.__version__}, device "
+        f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, fla {prefill.fla_available()}")
+    torch.manual_seed(int(time.time()))  # fresh random inputs every run
+    ok = check_gemm(log, dev, args.quick) & check_gdn(log, dev, args.quick)
+    log.save()
+    if args.quick or dev.type != "cuda":
+        log(f"checks {'passed' if ok else 'FAILED'}")
+        return 0 if ok else 1
+    skip = set(args.skip.split(","))
+    floor = copy_bandwidth(log, dev)
+    best = time_gemv(log, dev, floor) if "gemv" not in skip else {}
+    log.save()
+    if "prefill" not in skip:
+        time_prefill_gemm(log, dev)
+        log.save()
+    gdn = time_gdn(log, dev) if "gdn" not in skip else {}
+    log.save()
+    steps = {}
+    if "graph" not in skip:
+        for fmt in ("iq3_s", "q4_k"):
+            for width in (1, 4):
+                steps[(fmt, width)] = decode_step_graph(log, dev, fmt, best, width, torch.float32)
+                torch.cuda.empty_cache()
+        log.save()
+    print("\n==== summary ====")
+    print(f"checks: {'all passed' if ok else 'FAILURES (see above)'}; copy {floor:.2f} TB/s")
+    for (fmt, rows, cols, width), (sched, us) in sorted(best.items()):
+        if width in (1, 4):
+            nbytes = rows * cols // FORMATS[fmt].block_elems * FORMATS[fmt].block_bytes
+            tbps = nbytes / us / 1e6
+            print(f"gemv {fmt:6s} {rows:6d}x{cols:<6d} w{width:<2d} {us:7.1f} us {tbps:5.2f} TB/s "
+                  f"({100 * tbps / floor:3.0f}% of copy) {sched}")
+    for name, us in gdn.items():
+        print(f"gdn_decode {name:16s} {us:6.1f} us/layer")
+    for (fmt, width), ms in steps.items():
+        print(f"decode step {fmt} w{width}: {ms:.3f} ms -> {1e3 / ms:.0f} steps/s "
+              f"({width * 1e3 / ms:.0f} tok/s aggregate)")
+    log.save()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

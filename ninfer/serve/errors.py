@@ -176,7 +176,7 @@ def body_too_large(limit_bytes: int) -> ApiError:
     mib = limit_bytes / (1 << 20)
     return ApiError(
         413,
-        f"request body is larger than {mib:g} MiB; send less or raise --max-request-mib",
+        f"request body is larger than the {mib:.3g} MiB limit; send less or raise --max-request-mib",
         "request_too_large",
         "body",
     )

@@ -59,7 +59,7 @@ class ChatMessage(_Lenient):
     def _content_present(self) -> ChatMessage:
         empty = self.content is None or self.content == "" or self.content == []
         if empty and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"content: a {self.role} message needs non-empty content")
+            raise ValueError(f"content: {self.role} messages need non-empty content")
         return self
 
 

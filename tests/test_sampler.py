@@ -51,7 +51,8 @@ def test_min_p_drops_tokens_below_fraction_of_max():
 
 def test_temperature_scales_logits():
     x = fresh_logits(seed=3)
-    assert torch.allclose(filter_probs(x, SamplingParams(temperature=0.5)), torch.softmax(x / 0.5, 0), atol=1e-6)
+    expected = torch.softmax(x / 0.5, 0)
+    assert torch.allclose(filter_probs(x, SamplingParams(temperature=0.5)), expected, atol=1e-6)
 
 
 def test_presence_frequency_and_repetition_penalties():

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ninfer.artifact._quant_shim import tensor_bytes
+from ninfer.quant import FORMATS as BLOCK_FORMATS
+from ninfer.quant import tensor_bytes
 
 MAGIC = b"NINFER\x00\x03"
 HEADER_BYTES = 32
@@ -20,28 +21,7 @@ DENSE_DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "i32": torch.int32,
 }
-GGUF_FORMATS = tuple(
-    "gguf_" + t
-    for t in (
-        "q4_0",
-        "q4_1",
-        "q5_0",
-        "q5_1",
-        "q8_0",
-        "q2_k",
-        "q3_k",
-        "q4_k",
-        "q5_k",
-        "q6_k",
-        "iq2_xxs",
-        "iq2_xs",
-        "iq2_s",
-        "iq3_xxs",
-        "iq3_s",
-        "iq4_nl",
-        "iq4_xs",
-    )
-)
+GGUF_FORMATS = tuple(f.artifact_format for f in BLOCK_FORMATS.values())
 FORMATS = tuple(DENSE_DTYPES) + GGUF_FORMATS
 DENSE_LAYOUT = "contiguous_le_v1"
 BLOCK_LAYOUT = "gguf_blocks_v1"

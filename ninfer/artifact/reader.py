@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ninfer.artifact import _quant_shim as quant
+from ninfer import quant
 from ninfer.artifact.formats import (
     DENSE_DTYPES,
     FORMATS,
@@ -209,9 +209,7 @@ def _validate_objects(fail, objects: list, payload_bytes: int) -> dict:
         if not (isinstance(offset, int) and isinstance(nbytes, int) and offset >= 0 and nbytes >= 0):
             fail(f"object {oid}: bad offset/bytes {offset!r}/{nbytes!r}")
         if offset + nbytes > payload_bytes:
-            fail(
-                f"object {oid}: bytes {offset}..{offset + nbytes} exceed the payload ({payload_bytes})"
-            )
+            fail(f"object {oid}: bytes {offset}..{offset + nbytes} exceed the payload ({payload_bytes})")
         if o.get("kind") == "resource":
             if o.get("encoding") != RESOURCE_ENCODING:
                 fail(f"object {oid}: unknown resource encoding {o.get('encoding')!r}")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ninfer.artifact import _quant_shim as quant
+from ninfer import quant
 from ninfer.artifact.formats import DENSE_DTYPES, byte_size, is_block_format, num_rows
 from ninfer.convert.sources import SourceTensor
 from ninfer.errors import ConversionError

@@ -15,17 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ninfer.artifact.formats import GGUF_FORMATS, byte_size, num_rows
-from ninfer.errors import ConversionError, GGUFError
+from ninfer.artifact.formats import byte_size, num_rows
+from ninfer.errors import ConversionError, GGUFError, QuantFormatError
+from ninfer.quant import artifact_format_for_ggml_type
 
-_GGML_TYPES = {  # ggml type id -> artifact format (the types a .ninfer file can carry)
-    0: "f32", 1: "f16", 30: "bf16", 26: "i32",
-    2: "gguf_q4_0", 3: "gguf_q4_1", 6: "gguf_q5_0", 7: "gguf_q5_1", 8: "gguf_q8_0",
-    10: "gguf_q2_k", 11: "gguf_q3_k", 12: "gguf_q4_k", 13: "gguf_q5_k", 14: "gguf_q6_k",
-    16: "gguf_iq2_xxs", 17: "gguf_iq2_xs", 22: "gguf_iq2_s", 18: "gguf_iq3_xxs", 21: "gguf_iq3_s",
-    20: "gguf_iq4_nl", 23: "gguf_iq4_xs",
-}  # fmt: skip
-assert set(_GGML_TYPES.values()) >= set(GGUF_FORMATS)
 _SAFETENSORS_DTYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "I32": "i32"}
 
 
@@ -205,14 +198,11 @@ def open_gguf(path: Path) -> Source:
     src = Source("gguf", path, metadata=metadata, header_bytes=cur.pos, header_sha256=header_sha)
     size = path.stat().st_size
     for name, ne, ggml_type, rel in infos:
-        if ggml_type not in _GGML_TYPES:
-            raise GGUFError(
-                f"{path}: tensor {name} has ggml type {ggml_type}, which ninfer cannot carry; "
-                "use a GGUF quantized to one of " + ", ".join(sorted(set(_GGML_TYPES.values())))
-            )
-        t = SourceTensor(
-            src, name, _GGML_TYPES[ggml_type], tuple(int(d) for d in reversed(ne)), data_start + rel
-        )
+        try:
+            fmt = artifact_format_for_ggml_type(ggml_type)
+        except QuantFormatError as exc:
+            raise GGUFError(f"{path}: tensor {name}: {exc}") from None
+        t = SourceTensor(src, name, fmt, tuple(int(d) for d in reversed(ne)), data_start + rel)
         if t.offset + t.nbytes > size:
             raise GGUFError(
                 f"{path}: truncated: tensor {name} ends at byte {t.offset + t.nbytes}, the file "

@@ -223,10 +223,10 @@ def _norm(job: ConversionJob, name: str, src: Source, tensor: str) -> None:
 def _a_log(job: ConversionJob, name: str, src: Source, tensor: str, rows: np.ndarray) -> None:
     t = src.tensor(tensor)
     raw = torch.from_numpy(t.read_all().copy()).view(torch.float32)
-    if bool((raw >= 0).any()):
+    if bool((raw >= 0).any()) and not any("ssm_a" in w for w in job.warnings):  # once per conversion
         job.warn(
             f"{tensor} has {int((raw >= 0).sum())} entries >= 0 (expected -exp(A_log) < 0; a synthetic "
-            "file?); their A_log is stored as log(|ssm_a|)"
+            "file?); such entries get A_log = log(|ssm_a|) (other layers not reported)"
         )
     job.add(name, transform(t, lambda x: torch.log(x.abs().clamp_min(1e-30)), "f32", "a_log", rows=rows))
 

@@ -37,6 +37,15 @@ FP16_FIELDS = {
 SHAPES = [(1, 1), (3, 2), (2, 3, 4), (7, 1)]  # (leading dims..., blocks per row)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """These tensors are small; on a shared 2-core machine a second thread only waits (3x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def random_valid_blocks(fmt: BlockFormat, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """Random bytes `[*shape[:-1], blocks * block_bytes]` whose fp16 scale fields are finite: half are
     random finite fp16 bit patterns over the whole range (subnormals included), half realistic N(0, 0.01)."""

@@ -38,8 +38,10 @@ def dequantize(raw: torch.Tensor, format: str, shape: Sequence[int]) -> torch.Te
         return flat.contiguous().view(_PLAIN_DTYPES[format]).to(torch.float32).reshape(shape)
     blocks = flat.view(-1, fmt.block_bytes)
     decode = _DECODERS[fmt.name]
-    out = torch.empty(blocks.shape[0], fmt.block_elems, dtype=torch.float32)
     step = max(1, _CHUNK_ELEMS // fmt.block_elems)
+    if blocks.shape[0] <= step:
+        return decode(blocks).reshape(shape)
+    out = torch.empty(blocks.shape[0], fmt.block_elems, dtype=torch.float32)
     for start in range(0, blocks.shape[0], step):
         out[start : start + step] = decode(blocks[start : start + step])
     return out.reshape(shape)
@@ -56,8 +58,14 @@ def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
 
 def _fields(packed: torch.Tensor, width: int) -> torch.Tensor:
     """Split each byte into its `width`-bit fields, lowest first: `[..., k]` -> `[..., 8 // width, k]`."""
-    shifts = torch.arange(0, 8, width, dtype=torch.uint8).view(-1, 1)
-    return (packed.unsqueeze(-2) >> shifts) & ((1 << width) - 1)
+    mask = (1 << width) - 1
+    return torch.stack([(packed >> shift) & mask for shift in range(0, 8, width)], dim=-2)
+
+
+def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`table[index]` for integer `index` of any shape (index_select: several times faster than indexing)."""
+    rows = torch.index_select(table, 0, index.reshape(-1).to(torch.int64))
+    return rows.view(*index.shape, *table.shape[1:])
 
 
 def _u32(packed: torch.Tensor) -> torch.Tensor:
@@ -68,7 +76,13 @@ def _u32(packed: torch.Tensor) -> torch.Tensor:
 
 def _sign_bits(packed: torch.Tensor) -> torch.Tensor:
     """Bit j of each byte as a sign (set -> -1.0, clear -> +1.0): `[..., k]` -> `[..., k, 8]`."""
-    bits = (packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    return _lookup(_byte_signs(), packed)
+
+
+@functools.cache
+def _byte_signs() -> torch.Tensor:
+    """`[256, 8]`: row b holds -1.0 where bit j of b is set, +1.0 where it is clear."""
+    bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
     return 1.0 - 2.0 * bits.to(torch.float32)
 
 
@@ -83,9 +97,9 @@ IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 
 @functools.cache
 def _sign_table() -> torch.Tensor:
     """iq2/iq3 7-bit sign codes -> 8 signs `[128, 8]`: bits 0..6 are signs 0..6; sign 7 makes parity even."""
-    codes = torch.arange(128, dtype=torch.uint8)
-    parity = sum(((codes >> bit) & 1) for bit in range(7)) & 1
-    return _sign_bits(codes | (parity << 7))
+    codes = torch.arange(128)
+    parity = sum((codes >> bit) & 1 for bit in range(7)) & 1
+    return _byte_signs()[codes | (parity << 7)]
 
 
 @functools.cache
@@ -164,11 +178,11 @@ def _q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
 
 def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     """q3_k (110 B / 256): hmask[0:32], qs[32:96], scales[96:108] (see `_q3_k_scales`), d[108:110].
-    Element 128h + 32j + l: low 2 bits are bits 2j..2j+1 of qs[32h + l]; bit 4h + j of hmask[l] clear means
-    subtract 4; x = d * scale[e // 16] * q."""
+    Element 128h + 32j + l: low 2 bits are bits 2j..2j+1 of qs[32h + l], the 3rd bit is bit 4h + j of
+    hmask[l]; x = d * scale[e // 16] * (q - 4)."""
     low = _fields(blocks[:, 32:96].reshape(-1, 2, 32), 2).reshape(-1, 256)
     high = _fields(blocks[:, 0:32], 1).reshape(-1, 256)
-    q = (low.to(torch.float32) - 4) + 4 * high.to(torch.float32)
+    q = (low | (high << 2)).to(torch.float32) - 4
     scale = (_f16(blocks, 108) * _q3_k_scales(blocks[:, 96:108])).unsqueeze(-1)
     return (scale * q.view(-1, 16, 16)).reshape(-1, 256)
 
@@ -226,9 +240,9 @@ def _iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
     uint32 holding four 7-bit sign codes (bits 7l..7l+6 for index l) and a 4-bit scale s (bits 28..31);
     x = d * (0.5 + s) / 4 * grid * sign."""
     groups = blocks[:, 2:66].reshape(-1, 8, 8)
-    values = _grid("iq2_xxs")[groups[:, :, 0:4].to(torch.int64)]  # [n, 8, 4, 8]
+    values = _lookup(_grid("iq2_xxs"), groups[:, :, 0:4])  # [n, 8, 4, 8]
     aux = _u32(groups[:, :, 4:8])  # [n, 8, 1]
-    signs = _sign_table()[(aux >> torch.tensor([0, 7, 14, 21])) & 127]  # [n, 8, 4, 8]
+    signs = _lookup(_sign_table(), (aux >> torch.tensor([0, 7, 14, 21])) & 127)  # [n, 8, 4, 8]
     scale = _f16(blocks, 0).view(-1, 1, 1, 1) * (0.5 + (aux >> 28).to(torch.float32)).unsqueeze(-1) * 0.25
     return (scale * values * signs).reshape(-1, 256)
 
@@ -245,7 +259,7 @@ def _iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
     code), scales[66:74] (see `_iq2_half_scales`); x = scale * grid * sign."""
     codes = blocks[:, 2:66].reshape(-1, 32, 2).to(torch.int64)
     codes = codes[..., 0] | (codes[..., 1] << 8)
-    values = _grid("iq2_xs")[codes & 511] * _sign_table()[codes >> 9]  # [n, 32, 8]
+    values = _lookup(_grid("iq2_xs"), codes & 511) * _lookup(_sign_table(), codes >> 9)  # [n, 32, 8]
     return (_iq2_half_scales(blocks, 66) * values.view(-1, 8, 2, 2, 8)).reshape(-1, 256)
 
 
@@ -255,7 +269,7 @@ def _iq2_s(blocks: torch.Tensor) -> torch.Tensor:
     bits), scales[74:82] (see `_iq2_half_scales`); x = scale * grid * sign."""
     high = _fields(blocks[:, 66:74], 2).transpose(1, 2).to(torch.int64)  # [n, 8 groups, 4]
     index = blocks[:, 2:34].reshape(-1, 8, 4).to(torch.int64) | (high << 8)
-    values = _grid("iq2_s")[index] * _sign_bits(blocks[:, 34:66].reshape(-1, 8, 4))  # [n, 8, 4, 8]
+    values = _lookup(_grid("iq2_s"), index) * _sign_bits(blocks[:, 34:66].reshape(-1, 8, 4))  # [n, 8, 4, 8]
     return (_iq2_half_scales(blocks, 74) * values.view(-1, 8, 2, 2, 8)).reshape(-1, 256)
 
 
@@ -263,9 +277,9 @@ def _iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
     """iq3_xxs (98 B / 256): d[0:2], qs[2:66] (64 8-bit indices into a 256x4 grid, 8 per group), then 8
     uint32 [66:98], one per group, with four 7-bit sign codes (each covering 8 elements) and a 4-bit scale
     s in bits 28..31; x = d * (0.5 + s) / 2 * grid * sign."""
-    values = _grid("iq3_xxs")[blocks[:, 2:66].to(torch.int64)].view(-1, 8, 4, 8)
+    values = _lookup(_grid("iq3_xxs"), blocks[:, 2:66]).view(-1, 8, 4, 8)
     aux = _u32(blocks[:, 66:98]).unsqueeze(-1)  # [n, 8, 1]
-    signs = _sign_table()[(aux >> torch.tensor([0, 7, 14, 21])) & 127]  # [n, 8, 4, 8]
+    signs = _lookup(_sign_table(), (aux >> torch.tensor([0, 7, 14, 21])) & 127)  # [n, 8, 4, 8]
     scale = _f16(blocks, 0).view(-1, 1, 1, 1) * (0.5 + (aux >> 28).to(torch.float32)).unsqueeze(-1) * 0.5
     return (scale * values * signs).reshape(-1, 256)
 
@@ -277,7 +291,7 @@ def _iq3_s(blocks: torch.Tensor) -> torch.Tensor:
     high = _fields(blocks[:, 66:74], 1).transpose(1, 2).to(torch.int64)  # [n, 8 groups, 8]
     index = blocks[:, 2:66].reshape(-1, 8, 8).to(torch.int64) | (high << 8)
     signs = _sign_bits(blocks[:, 74:106].reshape(-1, 8, 4)).view(-1, 8, 32)
-    values = _grid("iq3_s")[index].view(-1, 8, 32) * signs
+    values = _lookup(_grid("iq3_s"), index).view(-1, 8, 32) * signs
     nibbles = _fields(blocks[:, 106:110], 4).transpose(1, 2).reshape(-1, 8, 1).to(torch.float32)
     return (_f16(blocks, 0).view(-1, 1, 1) * (1 + 2 * nibbles) * values).reshape(-1, 256)
 
@@ -285,7 +299,7 @@ def _iq3_s(blocks: torch.Tensor) -> torch.Tensor:
 def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
     """iq4_nl (18 B / 32): d[0:2], qs[2:18] (nibbles ordered as q4_0); x = d * IQ4_LEVELS[q]."""
     q = _fields(blocks[:, 2:18], 4).reshape(-1, 32)
-    return _f16(blocks, 0) * IQ4_LEVELS[q.to(torch.int64)]
+    return _f16(blocks, 0) * _lookup(IQ4_LEVELS, q)
 
 
 def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
@@ -296,7 +310,7 @@ def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
     low = _fields(blocks[:, 4:8], 4).transpose(1, 2).reshape(-1, 8)
     scale = _f16(blocks, 0) * ((low | (high << 4)).to(torch.float32) - 32)  # [n, 8]
     q = _fields(blocks[:, 8:136].reshape(-1, 8, 16), 4).reshape(-1, 8, 32)
-    return (scale.unsqueeze(-1) * IQ4_LEVELS[q.to(torch.int64)]).reshape(-1, 256)
+    return (scale.unsqueeze(-1) * _lookup(IQ4_LEVELS, q)).reshape(-1, 256)
 
 
 _DECODERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

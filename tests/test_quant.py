@@ -20,9 +20,13 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from ninfer.errors import QuantFormatError
 from ninfer.quant import (
     FORMATS,
+    IQ4_LEVELS,
+    IQ_GRID_SHAPES,
     BlockFormat,
     artifact_format_for_ggml_type,
     dequantize,
+    iq_grid,
+    iq_sign_codes,
     row_bytes,
     tensor_bytes,
 )
@@ -68,6 +72,18 @@ def test_formats_match_gguf_geometry():
         assert artifact_format_for_ggml_type(gguf_type) == f"gguf_{name}"
     for plain, gguf_type in [("bf16", "BF16"), ("f16", "F16"), ("f32", "F32"), ("i32", "I32")]:
         assert artifact_format_for_ggml_type(int(GGMLQuantizationType[gguf_type])) == plain
+
+
+def test_tables_match_gguf():
+    ksigns = np.frombuffer(gguf.quants.IQ2_XXS.ksigns, dtype=np.uint8)  # 128 sign bytes
+    bits = (ksigns[:, None] >> np.arange(8)) & 1
+    assert torch.equal(iq_sign_codes(), torch.from_numpy(1.0 - 2.0 * bits).float())
+    assert IQ4_LEVELS.tolist() == list(gguf.quants.IQ4_NL.kvalues)
+    for name, shape in IQ_GRID_SHAPES.items():
+        source = getattr(gguf.quants, name.upper())
+        grid = iq_grid(name)
+        assert tuple(grid.shape) == shape == source.grid_shape
+        assert set(grid.unique().tolist()) == set(source.grid_map)
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

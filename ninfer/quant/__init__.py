@@ -10,14 +10,19 @@ from ninfer.quant.formats import (
     row_bytes,
     tensor_bytes,
 )
+from ninfer.quant.tables import IQ4_LEVELS, IQ_GRID_SHAPES, iq_grid, iq_sign_codes
 
 __all__ = [
     "FORMATS",
+    "IQ4_LEVELS",
+    "IQ_GRID_SHAPES",
     "PLAIN_FORMATS",
     "BlockFormat",
     "artifact_format_for_ggml_type",
     "block_format",
     "dequantize",
+    "iq_grid",
+    "iq_sign_codes",
     "row_bytes",
     "tensor_bytes",
 ]

@@ -9,13 +9,13 @@ bounds the temporaries' memory.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ninfer.errors import QuantFormatError
 from ninfer.quant.formats import block_format, tensor_bytes
+from ninfer.quant.tables import IQ4_LEVELS, byte_signs, iq_grid, iq_sign_codes
 
 _PLAIN_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "i32": torch.int32}
 _CHUNK_ELEMS = 1 << 20  # elements dequantised per step: big enough to vectorise, small enough for cache
@@ -76,41 +76,7 @@ def _u32(packed: torch.Tensor) -> torch.Tensor:
 
 def _sign_bits(packed: torch.Tensor) -> torch.Tensor:
     """Bit j of each byte as a sign (set -> -1.0, clear -> +1.0): `[..., k]` -> `[..., k, 8]`."""
-    return _lookup(_byte_signs(), packed)
-
-
-@functools.cache
-def _byte_signs() -> torch.Tensor:
-    """`[256, 8]`: row b holds -1.0 where bit j of b is set, +1.0 where it is clear."""
-    bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
-    return 1.0 - 2.0 * bits.to(torch.float32)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Lookup tables (facts of the formats)
-
-# iq4_nl / iq4_xs: the 16 non-uniform 4-bit levels.
-IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
-                          dtype=torch.float32)
-
-
-@functools.cache
-def _sign_table() -> torch.Tensor:
-    """iq2/iq3 7-bit sign codes -> 8 signs `[128, 8]`: bits 0..6 are signs 0..6; sign 7 makes parity even."""
-    codes = torch.arange(128)
-    parity = sum((codes >> bit) & 1 for bit in range(7)) & 1
-    return _byte_signs()[codes | (parity << 7)]
-
-
-@functools.cache
-def _grid(name: str) -> torch.Tensor:
-    """The iq lattice `[entries, 4 or 8]` float32, taken from the gguf package's published tables."""
-    from gguf import quants
-
-    table = {"iq2_xxs": quants.IQ2_XXS, "iq2_xs": quants.IQ2_XS, "iq2_s": quants.IQ2_S,
-             "iq3_xxs": quants.IQ3_XXS, "iq3_s": quants.IQ3_S}[name]
-    table.init_grid()
-    return torch.from_numpy(table.grid.reshape(table.grid_shape).copy()).to(torch.float32)
+    return _lookup(byte_signs(), packed)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -240,9 +206,9 @@ def _iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
     uint32 holding four 7-bit sign codes (bits 7l..7l+6 for index l) and a 4-bit scale s (bits 28..31);
     x = d * (0.5 + s) / 4 * grid * sign."""
     groups = blocks[:, 2:66].reshape(-1, 8, 8)
-    values = _lookup(_grid("iq2_xxs"), groups[:, :, 0:4])  # [n, 8, 4, 8]
+    values = _lookup(iq_grid("iq2_xxs"), groups[:, :, 0:4])  # [n, 8, 4, 8]
     aux = _u32(groups[:, :, 4:8])  # [n, 8, 1]
-    signs = _lookup(_sign_table(), (aux >> torch.tensor([0, 7, 14, 21])) & 127)  # [n, 8, 4, 8]
+    signs = _lookup(iq_sign_codes(), (aux >> torch.tensor([0, 7, 14, 21])) & 127)  # [n, 8, 4, 8]
     scale = _f16(blocks, 0).view(-1, 1, 1, 1) * (0.5 + (aux >> 28).to(torch.float32)).unsqueeze(-1) * 0.25
     return (scale * values * signs).reshape(-1, 256)
 
@@ -259,7 +225,7 @@ def _iq2_xs(blocks: torch.Tensor) -> torch.Tensor:
     code), scales[66:74] (see `_iq2_half_scales`); x = scale * grid * sign."""
     codes = blocks[:, 2:66].reshape(-1, 32, 2).to(torch.int64)
     codes = codes[..., 0] | (codes[..., 1] << 8)
-    values = _lookup(_grid("iq2_xs"), codes & 511) * _lookup(_sign_table(), codes >> 9)  # [n, 32, 8]
+    values = _lookup(iq_grid("iq2_xs"), codes & 511) * _lookup(iq_sign_codes(), codes >> 9)  # [n, 32, 8]
     return (_iq2_half_scales(blocks, 66) * values.view(-1, 8, 2, 2, 8)).reshape(-1, 256)
 
 
@@ -269,7 +235,7 @@ def _iq2_s(blocks: torch.Tensor) -> torch.Tensor:
     bits), scales[74:82] (see `_iq2_half_scales`); x = scale * grid * sign."""
     high = _fields(blocks[:, 66:74], 2).transpose(1, 2).to(torch.int64)  # [n, 8 groups, 4]
     index = blocks[:, 2:34].reshape(-1, 8, 4).to(torch.int64) | (high << 8)
-    values = _lookup(_grid("iq2_s"), index) * _sign_bits(blocks[:, 34:66].reshape(-1, 8, 4))  # [n, 8, 4, 8]
+    values = _lookup(iq_grid("iq2_s"), index) * _sign_bits(blocks[:, 34:66].reshape(-1, 8, 4))  # [n, 8, 4, 8]
     return (_iq2_half_scales(blocks, 74) * values.view(-1, 8, 2, 2, 8)).reshape(-1, 256)
 
 
@@ -277,9 +243,9 @@ def _iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
     """iq3_xxs (98 B / 256): d[0:2], qs[2:66] (64 8-bit indices into a 256x4 grid, 8 per group), then 8
     uint32 [66:98], one per group, with four 7-bit sign codes (each covering 8 elements) and a 4-bit scale
     s in bits 28..31; x = d * (0.5 + s) / 2 * grid * sign."""
-    values = _lookup(_grid("iq3_xxs"), blocks[:, 2:66]).view(-1, 8, 4, 8)
+    values = _lookup(iq_grid("iq3_xxs"), blocks[:, 2:66]).view(-1, 8, 4, 8)
     aux = _u32(blocks[:, 66:98]).unsqueeze(-1)  # [n, 8, 1]
-    signs = _lookup(_sign_table(), (aux >> torch.tensor([0, 7, 14, 21])) & 127)  # [n, 8, 4, 8]
+    signs = _lookup(iq_sign_codes(), (aux >> torch.tensor([0, 7, 14, 21])) & 127)  # [n, 8, 4, 8]
     scale = _f16(blocks, 0).view(-1, 1, 1, 1) * (0.5 + (aux >> 28).to(torch.float32)).unsqueeze(-1) * 0.5
     return (scale * values * signs).reshape(-1, 256)
 
@@ -291,7 +257,7 @@ def _iq3_s(blocks: torch.Tensor) -> torch.Tensor:
     high = _fields(blocks[:, 66:74], 1).transpose(1, 2).to(torch.int64)  # [n, 8 groups, 8]
     index = blocks[:, 2:66].reshape(-1, 8, 8).to(torch.int64) | (high << 8)
     signs = _sign_bits(blocks[:, 74:106].reshape(-1, 8, 4)).view(-1, 8, 32)
-    values = _lookup(_grid("iq3_s"), index).view(-1, 8, 32) * signs
+    values = _lookup(iq_grid("iq3_s"), index).view(-1, 8, 32) * signs
     nibbles = _fields(blocks[:, 106:110], 4).transpose(1, 2).reshape(-1, 8, 1).to(torch.float32)
     return (_f16(blocks, 0).view(-1, 1, 1) * (1 + 2 * nibbles) * values).reshape(-1, 256)
 

@@ -112,8 +112,12 @@ class Engine:
 
         config.validate()
         self.artifact = open_artifact(artifact_path)
-        model = load_model(self.artifact, dtype=DTYPES[config.dtype], device=config.device)
+        model = load_model(self.artifact, dtype=DTYPES[config.dtype], device=config.device, load_mtp=False)
         self._setup(model, config, eos_token_ids(self.artifact))
+        try:  # the tokenizer's eos (e.g. <|im_end|>) ends a chat turn too
+            self.eos_ids = self.eos_ids | frozenset(self.tokenizer.eos_token_ids)
+        except Exception:  # an artifact without tokenizer resources still serves token ids
+            pass
 
     @classmethod
     def from_model(cls, model, config: EngineConfig, eos_ids: tuple[int, ...] = ()) -> Engine:

@@ -24,10 +24,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL.ninfer", help="the artifact to serve (from ninfer-convert)")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    net.add_argument("--port", type=int, default=8080, help="port to bind (default 8080; 0 = any free port)")
-    net.add_argument("--model-id", help="public model id (default: the artifact's metadata.name)")
+    net.add_argument(
+        "--port", metavar="N", type=int, default=8080, help="port to bind (default 8080; 0 = any free port)"
+    )
+    net.add_argument(
+        "--model-id", metavar="ID", help="public model id (default: the artifact's metadata.name)"
+    )
     net.add_argument(
         "--api-key",
+        metavar="KEY",
         default=os.environ.get("NINFER_API_KEY"),
         help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every route but /health "
         "(default: $NINFER_API_KEY, else no key)",
@@ -35,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--cors", metavar="ORIGINS", help="comma-separated allowed CORS origins, or '*'")
     net.add_argument(
         "--max-request-mib",
+        metavar="MIB",
         type=float,
         default=32.0,
         help="largest accepted request body in MiB; larger bodies get 413 (default 32)",
@@ -51,24 +57,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen = p.add_argument_group("requests")
     gen.add_argument(
         "--max-concurrency",
+        metavar="N",
         type=int,
         default=1,
         help=f"requests decoded together in one batch, 1..{MAX_CONCURRENCY} (default 1)",
     )
     gen.add_argument(
         "--max-pending-requests",
+        metavar="N",
         type=int,
         default=16,
         help="requests allowed to wait for a lane; beyond that 429 server_overloaded (default 16)",
     )
     gen.add_argument(
         "--pending-timeout-ms",
+        metavar="N",
         type=int,
         default=0,
         help="a request waiting longer gets 503 request_queue_timeout (default 0 = wait forever)",
     )
     gen.add_argument(
         "--default-max-tokens",
+        metavar="N",
         type=int,
         default=4096,
         help="output budget of requests that name none, clipped to the context left (default 4096)",
@@ -82,12 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     eng = p.add_argument_group("engine")
     eng.add_argument(
         "--max-context",
+        metavar="N",
         type=int,
         default=4096,
         help="longest prompt + output of one request in tokens (default 4096)",
     )
     eng.add_argument(
         "--kv-capacity",
+        metavar="N|auto",
         default="auto",
         help="tokens in the shared KV pool, or 'auto' = the largest that fits (default auto)",
     )
@@ -99,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     eng.add_argument(
         "--kv-headroom-mib",
+        metavar="N",
         type=int,
         default=1024,
         help="device memory left free by --kv-capacity auto (default 1024)",
@@ -107,7 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--gdn-state-fp16", action="store_true", help="keep Gated DeltaNet states in fp16 (default fp32)"
     )
     eng.add_argument(
-        "--prefill-chunk", type=int, help="prompt tokens per prefill step (default: the engine's)"
+        "--prefill-chunk",
+        metavar="N",
+        type=int,
+        help="prompt tokens per prefill step (default: the engine's)",
     )
     eng.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda if visible)")
     eng.add_argument(
@@ -118,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     eng.add_argument(
         "--gpu-memory-limit-mib",
+        metavar="N",
         type=int,
         help="plan memory as if the GPU had only this much (to size for smaller cards)",
     )
@@ -125,14 +142,22 @@ def build_parser() -> argparse.ArgumentParser:
     later.add_argument(
         "--spec", choices=("none", "mtp"), default="none", help="speculative decoding with the MTP head"
     )
-    later.add_argument("--draft-tokens", type=int, help="drafted tokens per round with --spec mtp, 1..15")
+    later.add_argument(
+        "--draft-tokens", metavar="N", type=int, help="drafted tokens per round with --spec mtp, 1..15"
+    )
     later.add_argument("--vision", action="store_true", help="accept images (needs the vision component)")
     later.add_argument(
         "--vision-residency", choices=("resident", "overlay", "cpu"), help="where the vision tower lives"
     )
-    later.add_argument("--vision-max-merged", type=int, help="cap of merged vision tokens per image")
     later.add_argument(
-        "--host-kv-mib", type=int, default=0, help="pinned host memory for retained KV (0 = none)"
+        "--vision-max-merged", metavar="N", type=int, help="cap of merged vision tokens per image"
+    )
+    later.add_argument(
+        "--host-kv-mib",
+        metavar="N",
+        type=int,
+        default=0,
+        help="pinned host memory for retained KV (0 = none)",
     )
     later.add_argument(
         "--device-profile",
@@ -141,7 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="kernel routes from ninfer-calibrate (auto: use one if present; none exist yet)",
     )
     later.add_argument(
-        "--device-profile-path", type=Path, help="device profile file written by ninfer-calibrate"
+        "--device-profile-path",
+        metavar="FILE",
+        type=Path,
+        help="device profile file written by ninfer-calibrate",
     )
     return p
 
@@ -279,7 +307,7 @@ def _body(argv: Sequence[str] | None) -> int:
 
     def load():
         backend = EngineBackend.load(args.model, config, args.model_id, args.chat_template)
-        print(f"memory: {backend.engine.memory_ledger().line()}", file=sys.stderr, flush=True)
+        print(backend.engine.memory_ledger().line(), file=sys.stderr, flush=True)
         print(
             f"ninfer-serve: serving '{args.model_id or backend.info.model_id}' on http://{host}:{port}",
             file=sys.stderr,

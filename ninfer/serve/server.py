@@ -7,6 +7,7 @@ requests with an error that their streams deliver, then uvicorn closes the conne
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -48,6 +49,9 @@ class _Uvicorn(uvicorn.Server):
     def handle_exit(self, sig: int, frame: object) -> None:
         self.ninfer_state.begin_shutdown()
         super().handle_exit(sig, frame)
+        # uvicorn re-raises captured signals after its shutdown; SIGTERM here means "stop cleanly, exit 0"
+        if sig == signal.SIGTERM and self._captured_signals[-1:] == [sig]:
+            self._captured_signals.pop()
 
 
 class Server:

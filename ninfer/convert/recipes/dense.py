@@ -93,15 +93,15 @@ def text_config(job: ConversionJob, src: Source, arch: str) -> dict:
     given = job.model_json("config.json")
     if given is None:
         return derived
-    config = dict(given.get("text_config", given))
+    given = dict(given.get("text_config", given))
     for key in _GEOMETRY_KEYS:
-        if key in config and config[key] is not None and int(config[key]) != derived[key]:
+        if given.get(key) is not None and int(given[key]) != derived[key]:
             raise ConversionError(
-                f"geometry mismatch: config.json {key} = {config[key]} but the GGUF header of "
+                f"geometry mismatch: config.json {key} = {given[key]} but the GGUF header of "
                 f"{src.path.name} has {derived[key]}; pass the config.json that belongs to this model"
             )
+    config = {**derived, **{k: v for k, v in given.items() if v is not None}}  # config.json wins
     config.pop("architectures", None)
-    config.setdefault("head_dim", derived["head_dim"])
     config["tie_word_embeddings"] = derived["tie_word_embeddings"]  # what is stored decides
     config["architecture"] = arch
     return config

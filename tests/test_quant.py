@@ -100,6 +100,17 @@ def test_dequantize_equals_gguf_on_random_valid_blocks(name):
         torch.testing.assert_close(ours, torch.from_numpy(expected), rtol=0, atol=0, equal_nan=False)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_dequantize_on_cuda_equals_gguf(name):
+    fmt = FORMATS[name]
+    raw = random_valid_blocks(fmt, (3000, 2), np.random.default_rng(7))  # 3 chunks of 256-element formats
+    expected = gguf.quants.dequantize(raw, GGMLQuantizationType(fmt.ggml_type))
+    ours = dequantize(torch.from_numpy(raw).cuda(), f"gguf_{name}", expected.shape)
+    assert ours.is_cuda
+    torch.testing.assert_close(ours.cpu(), torch.from_numpy(expected), rtol=0, atol=0)
+
+
 def test_dequantize_accepts_any_byte_shape_and_views():
     fmt = FORMATS["q4_k"]
     raw = torch.from_numpy(random_valid_blocks(fmt, (4, 2), np.random.default_rng(1)))  # [4, 288]

@@ -44,15 +44,18 @@ def measure(name: str, repeats: int) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ninfer.quant.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("formats", nargs="*", default=list(FORMATS), choices=list(FORMATS), metavar="FORMAT")
+    parser.add_argument("formats", nargs="*", metavar="FORMAT", help=f"any of {', '.join(FORMATS)}")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.formats) - set(FORMATS))
+    if unknown:
+        parser.error(f"unknown format(s) {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
     torch.set_num_threads(args.threads)
     out_mb = SHAPE[0] * SHAPE[1] * 4 / 1e6
     print(f"{SHAPE[0]}x{SHAPE[1]}, {args.threads} thread(s), best of {args.repeats}")
     print("format    in MB  wall ms  in MB/s  out MB/s  cpu ms  in MB/s")
-    for name in args.formats:
+    for name in args.formats or FORMATS:
         wall, cpu = measure(name, args.repeats)
         in_mb = tensor_bytes("gguf_" + name, SHAPE) / 1e6
         print(f"{name:8} {in_mb:6.1f} {wall * 1e3:8.0f} {in_mb / wall:8.0f} {out_mb / wall:9.0f} "

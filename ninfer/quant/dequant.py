@@ -4,7 +4,7 @@ This is the obviously-right version every GPU kernel is tested against, and the 
 family has one function taking `blocks` (uint8 `[n, block_bytes]`) and returning float32
 `[n, block_elems]`; its docstring gives the block layout (byte offsets; multi-byte fields little-endian;
 `d`/`dmin` are fp16). Everything is vectorised over blocks; the only loop is over chunks of blocks, which
-bounds the temporaries' memory.
+bounds the temporaries' memory. It runs on whichever device holds `raw` (the tables follow it).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def dequantize(raw: torch.Tensor, format: str, shape: Sequence[int]) -> torch.Te
     step = max(1, _CHUNK_ELEMS // fmt.block_elems)
     if blocks.shape[0] <= step:
         return decode(blocks).reshape(shape)
-    out = torch.empty(blocks.shape[0], fmt.block_elems, dtype=torch.float32)
+    out = torch.empty(blocks.shape[0], fmt.block_elems, dtype=torch.float32, device=blocks.device)
     for start in range(0, blocks.shape[0], step):
         out[start : start + step] = decode(blocks[start : start + step])
     return out.reshape(shape)
@@ -64,7 +64,7 @@ def _fields(packed: torch.Tensor, width: int) -> torch.Tensor:
 
 def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`table[index]` for integer `index` of any shape (index_select: several times faster than indexing)."""
-    rows = torch.index_select(table, 0, index.reshape(-1).to(torch.int64))
+    rows = torch.index_select(table.to(index.device), 0, index.reshape(-1).to(torch.int64))
     return rows.view(*index.shape, *table.shape[1:])
 
 
@@ -201,15 +201,21 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
 # i-quants: 8 groups of 32 elements; values come from lattice grids (8 or 4 elements per index) with signs
 
 
+def _signs_and_scale(aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """iq2_xxs/iq3_xxs group words `[n, 8]` (uint32 in int64): bits 7l..7l+6 are the sign code of the group's
+    l-th eighth, bits 28..31 its 4-bit scale. Returns signs `[n, 8, 4, 8]` and scales `[n, 8, 1, 1]`."""
+    codes = torch.stack([(aux >> shift) & 127 for shift in (0, 7, 14, 21)], dim=-1)
+    return _lookup(iq_sign_codes(), codes), (aux >> 28).to(torch.float32).view(-1, 8, 1, 1)
+
+
 def _iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
     """iq2_xxs (66 B / 256): d[0:2], then 8 groups of 8 bytes: 4 grid indices (8-bit, 256x8 grid) and a
     uint32 holding four 7-bit sign codes (bits 7l..7l+6 for index l) and a 4-bit scale s (bits 28..31);
     x = d * (0.5 + s) / 4 * grid * sign."""
     groups = blocks[:, 2:66].reshape(-1, 8, 8)
     values = _lookup(iq_grid("iq2_xxs"), groups[:, :, 0:4])  # [n, 8, 4, 8]
-    aux = _u32(groups[:, :, 4:8])  # [n, 8, 1]
-    signs = _lookup(iq_sign_codes(), (aux >> torch.tensor([0, 7, 14, 21])) & 127)  # [n, 8, 4, 8]
-    scale = _f16(blocks, 0).view(-1, 1, 1, 1) * (0.5 + (aux >> 28).to(torch.float32)).unsqueeze(-1) * 0.25
+    signs, s = _signs_and_scale(_u32(groups[:, :, 4:8]).view(-1, 8))
+    scale = _f16(blocks, 0).view(-1, 1, 1, 1) * (0.5 + s) * 0.25
     return (scale * values * signs).reshape(-1, 256)
 
 
@@ -244,9 +250,8 @@ def _iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
     uint32 [66:98], one per group, with four 7-bit sign codes (each covering 8 elements) and a 4-bit scale
     s in bits 28..31; x = d * (0.5 + s) / 2 * grid * sign."""
     values = _lookup(iq_grid("iq3_xxs"), blocks[:, 2:66]).view(-1, 8, 4, 8)
-    aux = _u32(blocks[:, 66:98]).unsqueeze(-1)  # [n, 8, 1]
-    signs = _lookup(iq_sign_codes(), (aux >> torch.tensor([0, 7, 14, 21])) & 127)  # [n, 8, 4, 8]
-    scale = _f16(blocks, 0).view(-1, 1, 1, 1) * (0.5 + (aux >> 28).to(torch.float32)).unsqueeze(-1) * 0.5
+    signs, s = _signs_and_scale(_u32(blocks[:, 66:98]))
+    scale = _f16(blocks, 0).view(-1, 1, 1, 1) * (0.5 + s) * 0.5
     return (scale * values * signs).reshape(-1, 256)
 
 

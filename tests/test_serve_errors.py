@@ -287,7 +287,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def server():
-    running = start_server(ServeSettings(api_key=KEY, max_request_mib=LIMIT_MIB), max_context=MAX_CONTEXT)
+    settings = ServeSettings(api_key=KEY, max_request_mib=LIMIT_MIB, cors=("https://app.example",))
+    running = start_server(settings, max_context=MAX_CONTEXT)
     yield running
     running.stop()
 
@@ -363,3 +364,23 @@ def test_normal_request_after_the_bad_ones(server):
     r = post(server, CHAT, {"messages": USER, "max_tokens": 3, "enable_thinking": False, "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_cors_preflight_and_headers(server):
+    origin = {"Origin": "https://app.example"}
+    r = httpx.options(
+        f"{server.url}{CHAT}",
+        headers={
+            **origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization",
+        },
+    )
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    r = httpx.get(f"{server.url}/v1/models", headers={**AUTH, **origin})
+    assert r.headers["access-control-allow-origin"] == "https://app.example"
+    r = httpx.options(
+        f"{server.url}{CHAT}",
+        headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+    )
+    assert "access-control-allow-origin" not in r.headers

@@ -14,7 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ninfer.serve.dispatch import Run, check_model, new_id, resolve_max_tokens, sampling_for, sse
+from ninfer.serve.dispatch import (
+    Run,
+    check_model,
+    new_id,
+    render_prompt,
+    resolve_max_tokens,
+    sampling_for,
+    sse,
+)
 from ninfer.serve.errors import ApiError, read_json
 from ninfer.serve.generation import Delta, GenerateOptions, ToolCall, Usage
 from ninfer.serve.state import get_state
@@ -249,8 +257,8 @@ async def count_tokens(request: Request) -> dict[str, int]:
     req = await read_json(request, CountTokensRequest, state.settings.max_request_bytes)
     check_model(state, req.model)
     messages, tools, kwargs = template_inputs(req)
-    prompt = state.backend.render_chat(messages, tools, True, kwargs)
-    return {"input_tokens": len(state.backend.tokenize(prompt))}
+    _, prompt_ids = await render_prompt(state, messages, tools, kwargs)
+    return {"input_tokens": len(prompt_ids)}
 
 
 @router.post("/v1/messages")
@@ -260,8 +268,7 @@ async def messages(request: Request) -> Response:
     check_model(state, req.model)
     backend = state.backend
     msgs, tools, kwargs = template_inputs(req)
-    prompt = backend.render_chat(msgs, tools, True, kwargs)
-    prompt_ids = backend.tokenize(prompt)
+    prompt, prompt_ids = await render_prompt(state, msgs, tools, kwargs)
     thinking = backend.starts_in_reasoning(prompt)
     max_tokens = resolve_max_tokens(state, req.max_tokens, len(prompt_ids), "max_tokens", "messages")
     if any(s == "" for s in req.stop_sequences or []):

@@ -110,6 +110,22 @@ def sampling_for(state: ServerState, thinking: bool, max_tokens: int, req: Any) 
     return dataclasses.replace(base, **overrides)
 
 
+async def render_prompt(
+    state: ServerState,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    kwargs: dict[str, Any],
+) -> tuple[str, list[int]]:
+    """Chat template + tokenizer on a worker thread: long prompts must not stall other streams."""
+    backend = state.backend
+
+    def work() -> tuple[str, list[int]]:
+        prompt = backend.render_chat(messages, tools, True, kwargs)
+        return prompt, backend.tokenize(prompt)
+
+    return await asyncio.to_thread(work)
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -91,7 +92,7 @@ async def completion(request: Request) -> Response:
     state = get_state(request)
     req = await read_json(request, LlamaCompletionRequest, state.settings.max_request_bytes)
     check_model(state, req.model)
-    prompt_text, prompt_ids = _prompt(state, req.prompt)
+    prompt_text, prompt_ids = await asyncio.to_thread(_prompt, state, req.prompt)
     n_predict = None if req.n_predict < 0 else req.n_predict
     if n_predict == 0:
         raise ApiError(
@@ -209,7 +210,7 @@ class _StreamFormatter:
 async def tokenize(request: Request) -> dict[str, Any]:
     state = get_state(request)
     req = await read_json(request, TokenizeRequest, state.settings.max_request_bytes)
-    ids = state.backend.tokenize(req.content, add_special=req.add_special)
+    ids = await asyncio.to_thread(state.backend.tokenize, req.content, req.add_special)
     if not req.with_pieces:
         return {"tokens": ids}
     return {"tokens": [{"id": i, "piece": state.backend.token_piece(i)} for i in ids]}

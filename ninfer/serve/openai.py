@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any, Literal
@@ -11,7 +12,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ninfer.serve.dispatch import Run, check_model, new_id, resolve_max_tokens, sampling_for, sse
+from ninfer.serve.dispatch import (
+    Run,
+    check_model,
+    new_id,
+    render_prompt,
+    resolve_max_tokens,
+    sampling_for,
+    sse,
+)
 from ninfer.serve.errors import ApiError, read_json
 from ninfer.serve.generation import Delta, GenerateOptions, ToolCall, Usage
 from ninfer.serve.state import ServerState, get_state
@@ -316,8 +325,7 @@ async def chat_completions(request: Request) -> Response:
         kwargs["enable_thinking"] = req.enable_thinking
     use_tools = bool(req.tools) and req.tool_choice != "none"
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools and req.tools else None
-    prompt = backend.render_chat(template_messages(req.messages), tools, True, kwargs)
-    prompt_ids = backend.tokenize(prompt)
+    prompt, prompt_ids = await render_prompt(state, template_messages(req.messages), tools, kwargs)
     thinking = backend.starts_in_reasoning(prompt)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -411,7 +419,7 @@ async def completions(request: Request) -> Response:
         )
     if req.best_of not in (None, 1):
         raise ApiError(400, "best_of: only 1 is supported", "best_of_not_supported", "best_of")
-    prompt_text, prompt_ids = _completion_prompt(state, req.prompt)
+    prompt_text, prompt_ids = await asyncio.to_thread(_completion_prompt, state, req.prompt)
     requested = req.max_tokens if "max_tokens" in req.model_fields_set else 16  # OpenAI's default
     max_tokens = resolve_max_tokens(state, requested, len(prompt_ids), "max_tokens", "prompt")
     options = GenerateOptions(

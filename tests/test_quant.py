@@ -121,6 +121,12 @@ def test_dequantize_accepts_any_byte_shape_and_views():
     assert torch.equal(dequantize(wide[:, 50:338], "gguf_q4_k", (4, 512)), ref)  # non-contiguous rows
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "gguf_q8_0", "gguf_iq2_xxs", "gguf_iq3_s"])
+def test_dequantize_empty_tensor(fmt):
+    out = dequantize(torch.zeros(0, dtype=torch.uint8), fmt, (0, 256))
+    assert out.dtype == torch.float32 and tuple(out.shape) == (0, 256)
+
+
 def test_dequantize_large_tensor_spans_chunks():
     fmt = FORMATS["iq3_s"]
     raw = random_valid_blocks(fmt, (5000, 1), np.random.default_rng(2))  # 1.28M elements > one chunk

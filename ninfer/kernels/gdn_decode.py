@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ninfer.errors import NinferError
 from ninfer.kernels import reference
-from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, triton_runs_on
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_sum, triton_runs_on
 
 
 class GdnKernelError(NinferError):
@@ -72,18 +72,7 @@ def gdn_decode_reference(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Triton kernels (tl.sum is avoided: Triton's own jit helpers cannot run under the interpreter when triton
-# was imported before interpreter mode was switched on, e.g. by transformers)
-
-
-@jit
-def _add(a, b):
-    return a + b
-
-
-@jit
-def _sum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _add)
+# Triton kernels
 
 
 @jit
@@ -143,15 +132,15 @@ def _recurrent_kernel(
         q = tl.load(row + kh * DK + offs_k)
         k = tl.load(row + HK * DK + kh * DK + offs_k)
         v = tl.load(row + 2 * HK * DK + h * DV + offs_v)
-        q = q * (1.0 / tl.sqrt(_sum(q * q, axis=0) + 1e-6)) * (1.0 / tl.sqrt(DK * 1.0))
-        k = k * (1.0 / tl.sqrt(_sum(k * k, axis=0) + 1e-6))
+        q = q * (1.0 / tl.sqrt(tl_sum(q * q, axis=0) + 1e-6)) * (1.0 / tl.sqrt(DK * 1.0))
+        k = k * (1.0 / tl.sqrt(tl_sum(k * k, axis=0) + 1e-6))
         av = tl.load(a_ptr + lane * s_ab + t * s_at + h).to(tl.float32) + dtb
         softplus = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(av)))
         beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + lane * s_ab + t * s_at + h).to(tl.float32)))
         S = S * tl.exp(neg_a * softplus)
-        delta = (v - _sum(S * k[:, None], axis=0)) * beta
+        delta = (v - tl_sum(S * k[:, None], axis=0)) * beta
         S = S + k[:, None] * delta[None, :]
-        o = _sum(S * q[:, None], axis=0)
+        o = tl_sum(S * q[:, None], axis=0)
         tl.store(o_ptr + ((lane * T + t) * Hv + h) * DV + offs_v, o)
         if STORE_ALL:
             ap = all_ptr + (((lane * T + t) * Hv + h) * DK + offs_k[:, None]) * DV + offs_v[None, :]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.errors import NinferError
-from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, triton_runs_on
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_sum, triton_runs_on
 from ninfer.quant import FORMATS, dequantize
 from ninfer.quant.formats import GGUF_PREFIX
 
@@ -31,12 +31,16 @@ class QuantKernelError(NinferError):
 
 @dataclass(frozen=True)
 class MatmulSchedule:
-    """Tile shape of one kernel launch: rows (out features) × columns (tokens) × reduction step."""
+    """One way to run the matmul. `kernel`: "sub" (per sub-block tensor-core dots, the decode kernel),
+    "elem" (per-element dequantisation, the simple kernel) or "dequant_mm" (dequantise the weight into a
+    transient bf16 buffer with the elem kernel's decoder, then torch's matmul: prefill). Tiles: rows (out
+    features) × columns (tokens) × reduction step (elem only), split-K partitions."""
 
     name: str
+    kernel: str
     block_n: int
     block_m: int
-    block_k: int
+    block_k: int = 256
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2
@@ -45,26 +49,31 @@ class MatmulSchedule:
 SCHEDULES: dict[str, MatmulSchedule] = {
     s.name: s
     for s in (
-        MatmulSchedule("dec_n16_k256", 16, 16, 256),
-        MatmulSchedule("dec_n32_k256", 32, 16, 256),
-        MatmulSchedule("dec_n16_k256_s4", 16, 16, 256, split_k=4),
-        MatmulSchedule("dec_n32_k128_w2", 32, 16, 128, num_warps=2),
-        MatmulSchedule("dec_n64_k128", 64, 16, 128),
-        MatmulSchedule("pre_n64_m64_k64", 64, 64, 64),
-        MatmulSchedule("pre_n128_m64_k64_w8", 128, 64, 64, num_warps=8),
-        MatmulSchedule("pre_n128_m128_k64_w8", 128, 128, 64, num_warps=8, num_stages=3),
-        MatmulSchedule("tiny_n16_m16_k64", 16, 16, 64),
+        MatmulSchedule("sub_n16", "sub", 16, 16),
+        MatmulSchedule("sub_n32", "sub", 32, 16),
+        MatmulSchedule("sub_n64", "sub", 64, 16),
+        MatmulSchedule("sub_n32_w2", "sub", 32, 16, num_warps=2),
+        MatmulSchedule("sub_n16_s4", "sub", 16, 16, split_k=4),
+        MatmulSchedule("sub_n32_s4", "sub", 32, 16, split_k=4),
+        MatmulSchedule("sub_n64_m64", "sub", 64, 64),
+        MatmulSchedule("elem_n16_k256", "elem", 16, 16, 256),
+        MatmulSchedule("elem_n16_k256_s4", "elem", 16, 16, 256, split_k=4),
+        MatmulSchedule("elem_n128_m128_k64_w8", "elem", 128, 128, 64, num_warps=8, num_stages=3),
+        MatmulSchedule("tiny_elem", "elem", 16, 16, 64),
+        MatmulSchedule("tiny_sub", "sub", 16, 16),
+        MatmulSchedule("dequant_mm", "dequant_mm", 64, 0, 256),
     )
 }
 
 
 def default_schedule(columns: int) -> MatmulSchedule:
-    """Built-in choice before calibration: 16-column tile for decode, 64/128 tiles for prefill."""
+    """Built-in choice before calibration: sub-block kernel for decode/verify widths, dequant + matmul for
+    prefill."""
     if columns <= 16:
-        return SCHEDULES["dec_n16_k256"]
-    if columns <= 256:
-        return SCHEDULES["pre_n64_m64_k64"]
-    return SCHEDULES["pre_n128_m128_k64_w8"]
+        return SCHEDULES["sub_n32"]
+    if columns <= 64:
+        return SCHEDULES["sub_n64_m64"]
+    return SCHEDULES["dequant_mm"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -86,15 +95,16 @@ def quant_matmul_reference(
 
 
 @functools.cache
-def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """iq3_s lattice as uint8 `[512 * 4]` and the iq4 levels as float32 `[16]`, on `device`."""
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """iq3_s lattice as uint8 `[512 * 4]` and as int32 words `[512]` (4 magnitudes, lowest byte first),
+    and the iq4 levels as float32 `[16]`, on `device`."""
     from gguf import quants
 
     from ninfer.quant.dequant import IQ4_LEVELS
 
     quants.IQ3_S.init_grid()
     grid = torch.from_numpy(quants.IQ3_S.grid.reshape(-1).copy()).to(torch.uint8)
-    return grid.to(device), IQ4_LEVELS.to(device)
+    return grid.to(device), grid.view(torch.int32).to(device), IQ4_LEVELS.to(device)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -128,6 +138,19 @@ def _k_scale_min(sp, s, m):
     b_sm4 = _u8(sp + tl.where(lo, s, s - 4), m)
     sc = tl.where(lo, b_s & 63, (b_s4 & 0xF) | ((b_sm4 >> 6) << 4))
     mn = tl.where(lo, b_s4 & 63, (b_s4 >> 4) | ((b_s >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@jit
+def _k_scale_min_const(sp, s: tl.constexpr, m):
+    """`_k_scale_min` for a compile-time sub-block index: three byte loads per row."""
+    if s < 4:
+        sc = _u8(sp + s, m) & 63
+        mn = _u8(sp + s + 4, m) & 63
+    else:
+        b_s4 = _u8(sp + s + 4, m)
+        sc = (b_s4 & 0xF) | ((_u8(sp + s - 4, m) >> 6) << 4)
+        mn = (b_s4 >> 4) | ((_u8(sp + s, m) >> 6) << 4)
     return sc.to(tl.float32), mn.to(tl.float32)
 
 
@@ -224,6 +247,153 @@ def _gguf_matmul_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Triton, sub-block kernel: per GGUF sub-block (16 or 32 elements sharing one scale) the integer codes are
+# unpacked from whole words into a [BLOCK_N, 32] fp16 tile (exact small integers), multiplied with the
+# activation slice by one tensor-core dot, and the per-row scale is applied to the [BLOCK_N, BLOCK_M] partial
+# sum. Scales are decoded once per row and sub-block, not per element: far fewer instructions per weight
+# than `_dequant_tile`.
+
+
+@jit
+def _x_tile(x_ptr, k0, SUB: tl.constexpr, offs_m, m_ok, stride_xm):
+    ks = k0 + tl.arange(0, SUB)
+    xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + ks[:, None], mask=m_ok[None, :], other=0.0)
+    return xt.to(tl.float32)
+
+
+@jit
+def _sub_dot(q, xt, DOT_F16: tl.constexpr):
+    if DOT_F16:
+        return tl.dot(q.to(tl.float16), xt.to(tl.float16))
+    else:
+        return tl.dot(q.to(tl.bfloat16), xt.to(tl.bfloat16))
+
+
+@jit
+def _block_dot(acc, b, w32, x_ptr, k0, offs_m, m_ok, n_ok, stride_xm, grid_ptr, levels_ptr,
+               FMT: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F16: tl.constexpr):
+    """acc += (one GGUF block of each row, at byte pointers b / int32 word pointers w32) @ x slice."""
+    nm = n_ok[:, None]
+    if FMT == 4 or FMT == 5:  # q4_k / q5_k: words of 8 nibbles; sub-block s = 2c + h
+        d = _f16_at(b, nm)
+        dmin = _f16_at(b + 2, nm)
+        j4 = tl.arange(0, 4)
+        if FMT == 5:
+            qh = tl.load(w32 + 4 + tl.arange(0, 8)[None, :], mask=nm, other=0)
+        for c in tl.static_range(4):
+            if FMT == 4:
+                words = tl.load(w32 + 4 + 8 * c + tl.arange(0, 8)[None, :], mask=nm, other=0)
+            else:
+                words = tl.load(w32 + 12 + 8 * c + tl.arange(0, 8)[None, :], mask=nm, other=0)
+            for h in tl.static_range(2):
+                s: tl.constexpr = 2 * c + h
+                sc, mn = _k_scale_min_const(b + 4, s, nm)
+                q = (words[:, :, None] >> (4 * (2 * j4 + h))[None, None, :]) & 0xF
+                if FMT == 5:
+                    q = q | (((qh[:, :, None] >> (8 * j4 + s)[None, None, :]) & 1) << 4)
+                xt = _x_tile(x_ptr, k0 + 32 * s, 32, offs_m, m_ok, stride_xm)
+                part = _sub_dot(tl.reshape(q, (BLOCK_N, 32)), xt, DOT_F16)
+                acc += (d * sc) * part - (dmin * mn) * tl_sum(xt, 0)[None, :]
+    elif FMT == 8:  # iq3_s: 8 grid indices (9 bits) of 4 magnitudes each, 32 sign bits per sub-block
+        d = _f16_at(b, nm)
+        p8 = tl.arange(0, 8)
+        e = (4 * p8[:, None] + tl.arange(0, 4)[None, :])[None, :, :]
+        for ib in tl.static_range(8):
+            sc = (_u8(b + 106 + ib // 2, nm) >> (4 * (ib % 2))) & 0xF
+            qh = _u8(b + 66 + ib, nm)
+            idx = _u8(b + 2 + 8 * ib + p8[None, :], nm) | (((qh >> p8[None, :]) & 1) << 8)
+            g = tl.load(grid_ptr + idx)
+            mag = (g[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF
+            sw = (_u8(b + 74 + 4 * ib, nm) | (_u8(b + 75 + 4 * ib, nm) << 8)
+                  | (_u8(b + 76 + 4 * ib, nm) << 16) | (_u8(b + 77 + 4 * ib, nm) << 24))
+            sign = (sw[:, :, None] >> e) & 1
+            q = mag * (1 - 2 * sign)
+            xt = _x_tile(x_ptr, k0 + 32 * ib, 32, offs_m, m_ok, stride_xm)
+            part = _sub_dot(tl.reshape(q, (BLOCK_N, 32)), xt, DOT_F16)
+            acc += (d * (1 + 2 * sc).to(tl.float32)) * part
+    elif FMT == 6:  # q6_k: per 128-half h and quarter j, 32 codes; scale per 16 codes
+        d = _f16_at(b + 208, nm)
+        l32 = tl.arange(0, 32)[None, :]
+        for h in tl.static_range(2):
+            qh = _u8(b + 128 + 32 * h + l32, nm)
+            for j in tl.static_range(4):
+                lo = (_u8(b + 64 * h + 32 * (j % 2) + l32, nm) >> (4 * (j // 2))) & 0xF
+                q = (lo | (((qh >> (2 * j)) & 3) << 4)) - 32
+                s0 = tl.load(b + 192 + 8 * h + 2 * j, mask=nm, other=0).to(tl.int8, bitcast=True)
+                s1 = tl.load(b + 193 + 8 * h + 2 * j, mask=nm, other=0).to(tl.int8, bitcast=True)
+                scaled = q.to(tl.float32) * tl.where(l32 < 16, s0, s1).to(tl.float32)
+                xt = _x_tile(x_ptr, k0 + 128 * h + 32 * j, 32, offs_m, m_ok, stride_xm)
+                acc += d * _sub_dot(scaled, xt, DOT_F16)
+    elif FMT == 7:  # iq4_xs: 8 sub-blocks, 16 bytes of nibbles each (low nibbles first 16 codes)
+        d = _f16_at(b, nm)
+        l16 = tl.arange(0, 16)[None, :]
+        for ib in tl.static_range(8):
+            low = (_u8(b + 4 + ib // 2, nm) >> (4 * (ib % 2))) & 0xF
+            high = (_u8(b + 2 + ib // 4, nm) >> (2 * (ib % 4))) & 3
+            dl = d * ((low | (high << 4)) - 32).to(tl.float32)
+            qs = _u8(b + 8 + 16 * ib + l16, nm)
+            x0 = _x_tile(x_ptr, k0 + 32 * ib, 16, offs_m, m_ok, stride_xm)
+            x1 = _x_tile(x_ptr, k0 + 32 * ib + 16, 16, offs_m, m_ok, stride_xm)
+            part = (_sub_dot(tl.load(levels_ptr + (qs & 0xF)), x0, DOT_F16)
+                    + _sub_dot(tl.load(levels_ptr + (qs >> 4)), x1, DOT_F16))
+            acc += dl * part
+    elif FMT == 3:  # q8_0: 32 int8 codes
+        q = tl.load(b + 2 + tl.arange(0, 32)[None, :], mask=nm, other=0).to(tl.int8, bitcast=True)
+        xt = _x_tile(x_ptr, k0, 32, offs_m, m_ok, stride_xm)
+        acc += _f16_at(b, nm) * _sub_dot(q, xt, DOT_F16)
+    else:  # q4_0 / q4_1 / q5_0: 16 bytes of nibbles, low nibbles = codes 0..15
+        qoff: tl.constexpr = 2 if FMT == 0 else (4 if FMT == 1 else 6)
+        qs = _u8(b + qoff + tl.arange(0, 16)[None, :], nm)
+        lo = qs & 0xF
+        hi = qs >> 4
+        x0 = _x_tile(x_ptr, k0, 16, offs_m, m_ok, stride_xm)
+        x1 = _x_tile(x_ptr, k0 + 16, 16, offs_m, m_ok, stride_xm)
+        if FMT == 2:
+            bits = (_u8(b + 2, nm) | (_u8(b + 3, nm) << 8) | (_u8(b + 4, nm) << 16) | (_u8(b + 5, nm) << 24))
+            l16 = tl.arange(0, 16)[None, :]
+            lo = lo | (((bits >> l16) & 1) << 4)
+            hi = hi | (((bits >> (l16 + 16)) & 1) << 4)
+        d = _f16_at(b, nm)
+        if FMT == 1:  # affine: d·q + m
+            part = _sub_dot(lo, x0, DOT_F16) + _sub_dot(hi, x1, DOT_F16)
+            acc += d * part + _f16_at(b + 2, nm) * (tl_sum(x0, 0) + tl_sum(x1, 0))[None, :]
+        else:  # centred codes (q - 8, q - 16) stay exact small integers in the dot
+            off: tl.constexpr = 8 if FMT == 0 else 16
+            acc += d * (_sub_dot(lo - off, x0, DOT_F16) + _sub_dot(hi - off, x1, DOT_F16))
+    return acc
+
+
+@jit
+def _gguf_matmul_sub_kernel(
+    w_ptr, w32_ptr, x_ptr, y_ptr, grid_ptr, levels_ptr,
+    N, K, M, row_bytes, stride_xm, stride_ym,
+    FMT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F16: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    row_off = offs_n.to(tl.int64)[:, None] * row_bytes
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    blocks = K // QK
+    per_split = (blocks + SPLIT_K - 1) // SPLIT_K
+    for blk in range(pid_k * per_split, tl.minimum(blocks, (pid_k + 1) * per_split)):
+        off = row_off + blk * BB
+        acc = _block_dot(acc, w_ptr + off, w32_ptr + off // 4, x_ptr, blk * QK, offs_m, m_ok, n_ok, stride_xm,
+                         grid_ptr, levels_ptr, FMT, BLOCK_N, DOT_F16)
+    out = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Public entry
 
 
@@ -255,7 +425,7 @@ def quant_matmul(
 ) -> torch.Tensor:
     """`x [..., K] @ Wᵀ -> [..., N]` with W the GGUF rows `raw` (uint8 `[N, row_bytes]`), in x's dtype.
 
-    Runs the Triton kernel where it can (CUDA, or CPU under the interpreter), else the reference.
+    Runs a Triton kernel where it can (CUDA, or CPU under the interpreter), else the reference.
     `dot_f16` picks fp16 (default: more mantissa for the weights) or bf16 operands for the dot.
     """
     in_features = x.shape[-1]
@@ -267,22 +437,57 @@ def quant_matmul(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    if isinstance(schedule, str):
-        schedule = SCHEDULES[schedule]
-    s = schedule or default_schedule(M)
+    s = SCHEDULES[schedule] if isinstance(schedule, str) else (schedule or default_schedule(M))
+    if s.kernel == "dequant_mm":
+        w = dequantize_rows(raw, format, out_features, in_features, x.dtype if x.is_cuda else torch.float32)
+        return (x2.to(w.dtype) @ w.t()).to(x.dtype).reshape(*x.shape[:-1], out_features)
     fmt = FORMATS[format]
-    split = s.split_k
-    y = (torch.zeros if split > 1 else torch.empty)(
-        (M, out_features), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
-    grid_tab, levels = _tables(x.device)
-    launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(M, s.block_m), split)
+    y = (torch.zeros if s.split_k > 1 else torch.empty)(
+        (M, out_features), dtype=torch.float32 if s.split_k > 1 else x.dtype, device=x.device)
+    grid_u8, grid_u32, levels = _tables(x.device)
+    launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(M, s.block_m), s.split_k)
     extra = {} if x.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}
-    _gguf_matmul_kernel[launch](
-        raw, x2, y, grid_tab, levels, out_features, in_features, M, raw.shape[1], x2.stride(0), y.stride(0),
-        FMT=FORMAT_CODES[format], QK=fmt.block_elems, BB=fmt.block_bytes,
-        BLOCK_N=s.block_n, BLOCK_M=s.block_m, BLOCK_K=s.block_k, SPLIT_K=split, DOT_F16=dot_f16, **extra,
-    )
+    common = dict(FMT=FORMAT_CODES[format], QK=fmt.block_elems, BB=fmt.block_bytes, BLOCK_N=s.block_n,
+                  BLOCK_M=s.block_m, SPLIT_K=s.split_k, DOT_F16=dot_f16, **extra)
+    shape_args = (out_features, in_features, M, raw.shape[1], x2.stride(0), y.stride(0))
+    if s.kernel == "sub":
+        words = raw.view(torch.int32) if raw.shape[1] % 4 == 0 else raw
+        _gguf_matmul_sub_kernel[launch](raw, words, x2, y, grid_u32, levels, *shape_args, **common)
+    else:
+        _gguf_matmul_kernel[launch](raw, x2, y, grid_u8, levels, *shape_args, BLOCK_K=s.block_k, **common)
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+
+
+@jit
+def _dequant_rows_kernel(w_ptr, out_ptr, grid_ptr, levels_ptr, N, K, row_bytes,
+                         FMT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (kk < K)[None, :]
+    b = w_ptr + offs_n.to(tl.int64)[:, None] * row_bytes + ((kk // QK) * BB)[None, :]
+    wt = _dequant_tile(b, (kk % QK)[None, :], mask, grid_ptr, levels_ptr, FMT)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + kk[None, :], wt.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def dequantize_rows(raw: torch.Tensor, format: str, out_features: int, in_features: int,
+                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The dense `[out_features, in_features]` weight in `dtype`, decoded on the weight's device (a transient
+    buffer for prefill matmuls; the resident weight stays in its GGUF bytes)."""
+    format = format.removeprefix(GGUF_PREFIX)
+    check_weight(raw, format, out_features, in_features)
+    if not (HAVE_TRITON and triton_runs_on(raw)):
+        name = GGUF_PREFIX + format
+        return dequantize(raw.cpu().reshape(-1), name, (out_features, in_features)).to(raw.device, dtype)
+    fmt = FORMATS[format]
+    out = torch.empty((out_features, in_features), dtype=dtype, device=raw.device)
+    grid_u8, _, levels = _tables(raw.device)
+    block_n, block_k = 16, 256
+    _dequant_rows_kernel[(triton_cdiv(out_features, block_n), triton_cdiv(in_features, block_k))](
+        raw, out, grid_u8, levels, out_features, in_features, raw.shape[1],
+        FMT=FORMAT_CODES[format], QK=fmt.block_elems, BB=fmt.block_bytes, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -41,3 +41,16 @@ def jit(fn):
 def triton_runs_on(t: torch.Tensor) -> bool:
     """True when a Triton kernel can take `t`: a CUDA tensor, or a CPU tensor under the interpreter."""
     return HAVE_TRITON and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
+
+
+if HAVE_TRITON:
+
+    @jit
+    def _add(a, b):
+        return a + b
+
+    @jit
+    def tl_sum(x, axis: tl.constexpr):
+        """tl.sum through tl.reduce: Triton's own jit helpers cannot run under the interpreter when triton was
+        imported before interpreter mode was switched on (e.g. by transformers)."""
+        return tl.reduce(x, axis, _add)

@@ -15,6 +15,7 @@ trap 'rm -f "$SRC" "$SRC.copy" "$OUT" "$OUT.conversion.json"' EXIT
 df -h "$WORK"
 [ -f "$SRC" ] || "$PY" "$SHARED/tools/synth_qwen35_gguf.py" --preset 27b --wtype iq3_s --out "$SRC"
 ls -l "$SRC"
+sync                    # no write-back of the generated file during the timed runs
 cat "$SRC" > /dev/null  # warm the page cache the same way for both runs
 
 t0=$(date +%s.%N); cp "$SRC" "$SRC.copy"; t1=$(date +%s.%N); sync; t2=$(date +%s.%N)
@@ -31,6 +32,7 @@ done
   --source gguf="$SRC" --source mtp="$SRC" --components text,mtp "${RES[@]}" \
   --rows-per-chunk 512 --name synthetic-27b --out "$OUT" --force 2> "$WORK/convert_27b.time" || {
   cat "$WORK/convert_27b.time"; exit 1; }
+sync
 grep -E "^(wrote|warning)" "$WORK/convert_27b.time" || true
 grep -E "Elapsed \(wall clock\)|Maximum resident set size" "$WORK/convert_27b.time"
 ls -l "$OUT"

@@ -35,6 +35,8 @@ from ninfer.errors import ArtifactError
 
 # produce(row_begin, row_end) -> the encoded bytes of those rows (bytes, bytearray, memoryview or ndarray)
 Producer = Callable[[int, int], object]
+# (function returning an open file descriptor, byte offset): the object's bytes lie there unchanged
+FileRange = tuple[Callable[[], int], int]
 
 
 @dataclass
@@ -44,6 +46,7 @@ class _Tensor:
     shape: tuple[int, ...]
     produce: Producer
     bytes: int
+    copy_from: FileRange | None = None
     offset: int = -1
 
 
@@ -81,6 +84,7 @@ class ArtifactWriter:
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
+        self._kernel_copy = hasattr(os, "copy_file_range")
         if self.rows_per_chunk < 1:
             raise ArtifactError(f"rows per chunk must be >= 1, got {self.rows_per_chunk}")
 
@@ -92,9 +96,18 @@ class ArtifactWriter:
 
     # ---- planning -------------------------------------------------------------------------------
     def add_tensor(
-        self, fmt: str, shape: Sequence[int], produce: Producer, key: Hashable | None = None
+        self,
+        fmt: str,
+        shape: Sequence[int],
+        produce: Producer,
+        key: Hashable | None = None,
+        copy_from: FileRange | None = None,
     ) -> str:
-        """Plan one tensor object; a repeated `key` returns the object already planned (stored once)."""
+        """Plan one tensor object; a repeated `key` returns the object already planned (stored once).
+
+        `copy_from` says the bytes are a verbatim file range, which is copied in the kernel where the OS
+        can (`os.copy_file_range`); `produce` is the portable path and must give the same bytes.
+        """
         if key is not None and key in self._by_key:
             return self._by_key[key]
         if fmt not in FORMATS:
@@ -102,7 +115,7 @@ class ArtifactWriter:
         shape = tuple(int(d) for d in shape)
         if any(d <= 0 for d in shape):
             raise ArtifactError(f"tensor shape {list(shape)} has an empty dimension")
-        obj = _Tensor(f"t{len(self._objects):05d}", fmt, shape, produce, byte_size(fmt, shape))
+        obj = _Tensor(f"t{len(self._objects):05d}", fmt, shape, produce, byte_size(fmt, shape), copy_from)
         self._objects.append(obj)
         if key is not None:
             self._by_key[key] = obj.id
@@ -241,6 +254,8 @@ class ArtifactWriter:
                 progress(n)
 
     def _write_tensor(self, f, obj: _Tensor) -> int:
+        if obj.copy_from is not None and self._kernel_copy and self._copy_range(f, obj):
+            return obj.bytes
         rows = num_rows(obj.format, obj.shape)
         per_row = row_bytes(obj.format, obj.shape)
         written = 0
@@ -255,6 +270,27 @@ class ArtifactWriter:
             f.write(chunk)
             written += len(chunk)
         return written
+
+    def _copy_range(self, f, obj: _Tensor) -> bool:
+        """Kernel-side copy of a verbatim file range; False (nothing written) where the OS refuses."""
+        get_fd, src_offset = obj.copy_from
+        f.flush()
+        dst, step = f.tell(), max(1, row_bytes(obj.format, obj.shape) * self.rows_per_chunk)
+        done = 0
+        try:
+            while done < obj.bytes:
+                n = os.copy_file_range(get_fd(), f.fileno(), min(step, obj.bytes - done),
+                                       src_offset + done, dst + done)  # fmt: skip
+                if n <= 0:
+                    raise OSError("copy_file_range made no progress")
+                done += n
+        except OSError:
+            if done:
+                raise
+            self._kernel_copy = False  # e.g. across file systems on old kernels: use the read path
+            return False
+        f.seek(dst + done)
+        return True
 
 
 def _as_bytes(data) -> memoryview:

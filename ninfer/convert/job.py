@@ -91,7 +91,9 @@ class ConversionJob:
 
     # ---- outputs --------------------------------------------------------------------------------
     def add_object(self, plan: TensorPlan) -> str:
-        return self.writer.add_tensor(plan.format, plan.shape, plan.produce, key=plan.key)
+        return self.writer.add_tensor(
+            plan.format, plan.shape, plan.produce, key=plan.key, copy_from=plan.copy_from
+        )
 
     def add(self, name: str, plan: TensorPlan) -> str:
         """Plan `plan` (stored once per key) and bind logical parameter `name` to it."""

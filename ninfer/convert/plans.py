@@ -26,6 +26,7 @@ class TensorPlan:
     shape: tuple[int, ...]
     produce: Callable[[int, int], object]  # rows [b, e) of the output -> encoded bytes
     key: Hashable | None = None  # equal keys are stored once
+    copy_from: tuple[Callable[[], int], int] | None = None  # (fd getter, offset) when bytes are verbatim
 
 
 def _digest(rows: np.ndarray | None) -> str | None:
@@ -65,7 +66,8 @@ def carry(
         raise ConversionError(f"{t.name}: row gather outside its {t.rows} rows")
     out_shape = _out_shape(t, idx, shape)
     key = ("carry", str(t.source.path), t.name, _digest(idx), out_shape)
-    return TensorPlan(t.format, out_shape, lambda b, e: read_gathered(t, idx, b, e), key)
+    copy_from = (t.source.fileno, t.offset) if idx is None else None
+    return TensorPlan(t.format, out_shape, lambda b, e: read_gathered(t, idx, b, e), key, copy_from)
 
 
 def decode_rows(t: SourceTensor, raw: np.ndarray) -> torch.Tensor:

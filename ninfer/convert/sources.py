@@ -71,6 +71,12 @@ class Source:
     def size(self) -> int:
         return self.path.stat().st_size
 
+    def fileno(self) -> int:
+        with self._lock:
+            if self._file is None:
+                self._file = open(self.path, "rb")  # noqa: SIM115 - kept open for the conversion
+            return self._file.fileno()
+
     def read_at(self, offset: int, n: int) -> bytes:
         with self._lock:
             if self._file is None:

@@ -132,7 +132,8 @@ def test_stream_disconnect_frees_the_lane_within_a_second(one_lane):
 def test_non_stream_disconnect_cancels_the_request(one_lane):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{one_lane.url}{CHAT}", json=body(400, stream=False), timeout=1.0)
-    assert wait_until(lambda: lanes_busy(one_lane.url) == 0, 1.5)
+    # noticed by polling every 0.25 s, then freed by the next scheduler round (slow on a loaded CI box)
+    assert wait_until(lambda: lanes_busy(one_lane.url) == 0, 3.0)
     r = httpx.post(f"{one_lane.url}{CHAT}", json=body(2, stream=False), timeout=30)
     assert r.status_code == 200
 

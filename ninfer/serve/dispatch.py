@@ -184,13 +184,15 @@ class Run:
     async def collect(self, request: Request) -> Collected:
         """The whole output; a client that disconnects meanwhile cancels the request."""
         task = asyncio.ensure_future(self.gen.collect())
+        client_gone = False
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
                 if done:
                     break
-                if await request.is_disconnected():
-                    self.gen.cancel()
+                if not client_gone and await request.is_disconnected():
+                    client_gone = True
+                    self.gen.cancel()  # the final (cancelled) delta follows within one round
         finally:
             if not task.done():
                 self.gen.cancel()
@@ -202,7 +204,7 @@ class Run:
             err = ApiError.from_code(last.error or "generation failed", last.error_code)
             self.record(last, err.status)
             raise err
-        self.record(last, 200)
+        self.record(last, 499 if client_gone else 200)
         return out
 
     async def open_stream(self) -> Delta | None:

@@ -28,6 +28,7 @@ RES=()
 for f in tokenizer.json tokenizer_config.json chat_template.jinja generation_config.json; do
   RES+=(--resource "$f=$HF/$f")
 done
+cat "$SRC" > /dev/null  # the cp above evicted part of the source from the page cache: warm it again
 /usr/bin/time -v "$PY" -m ninfer.convert --recipe qwen3_8_27b_gguf \
   --source gguf="$SRC" --source mtp="$SRC" --components text,mtp "${RES[@]}" \
   --rows-per-chunk 512 --name synthetic-27b --out "$OUT" --force 2> "$WORK/convert_27b.time" || {

@@ -24,7 +24,6 @@ from ninfer.artifact.formats import (
     layout_of,
     num_rows,
     numel,
-    row_bytes,
 )
 from ninfer.artifact.schema import (
     required_mtp_bindings,
@@ -245,12 +244,9 @@ def _validate_bindings(fail, bindings: dict, objects: dict) -> None:
                 fail(f"binding {name!r}: object {p.get('object')!r} does not exist or is not a tensor")
             if p["range"] is None:
                 continue
-            if (
-                len(parts) > 1
-                and parts[0]["object"] != p["object"]
-                and objects[parts[0]["object"]]["format"] != o["format"]
-            ):
-                fail(f"binding {name!r}: parts mix formats")
+            first = objects.get(parts[0].get("object"), o)
+            if (first["format"], first["shape"][1:]) != (o["format"], o["shape"][1:]):
+                fail(f"binding {name!r}: its parts differ in format or row shape")
             _check_range(fail, name, p["range"], o)
 
 
@@ -264,7 +260,6 @@ def _check_range(fail, name: str, rng, o: dict) -> None:
             fail(f"binding {name!r}: range {rng!r} does not cover whole rows of object {o['id']}")
     elif is_block_format(o["format"]):
         fail(f"binding {name!r}: a range inside a 1-D block-format object cannot be viewed")
-    _ = row_bytes  # rows of block formats are whole ggml rows, so row-aligned element ranges are views
 
 
 def _validate_uses(fail, uses: list, bindings: dict, objects: dict) -> None:

@@ -213,3 +213,75 @@ def test_mtp_matches_transformers_blocks(model, ref, tiny_dir, text_config):
         expected = norms["norm"](y[0]) @ w["lm_head.weight"].T
     ours = _run_mtp(model, hidden, nxt, pos, [T])
     torch.testing.assert_close(ours, expected, rtol=0, atol=TF_ATOL)
+
+
+# ---- the GDN backend hook (ctx.gdn_mix) and per-position states for verification -------------------
+
+
+class FusedGdnContext(SimpleContext):
+    """Runs each GDN layer through `ctx.gdn_mix` with the GDN decode kernel's reference implementation
+    (as a GPU runner would with the Triton kernel), optionally keeping every position's state."""
+
+    def __init__(self, caches, lengths, cached, record: bool = False):
+        super().__init__(caches, lengths, cached)
+        self.record = record
+        self.per_position: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def gdn_mix(self, gdn_layer, mixed, a, b, params):
+        from ninfer.kernels.gdn_decode import gdn_decode_reference
+
+        outs = []
+        for i, span in enumerate(self.spans):
+            rows = slice(span.start, span.start + span.length)
+            st = self.gdn_state(gdn_layer, i)
+            res = gdn_decode_reference(
+                mixed[None, rows], a[None, rows], b[None, rows], params.conv_weight, params.a_log,
+                params.dt_bias, st.conv[None], st.recurrent[None], torch.tensor([0]), params.num_key_heads,
+                return_all_states=self.record,
+            )
+            if self.record:
+                self.per_position[(gdn_layer, i)] = (res.conv_states[0], res.states[0])
+            outs.append(res.output[0])
+        return torch.cat(outs)
+
+
+def _run(model, seq: Sequence, n: int, ctx_cls=SimpleContext, **kw):
+    ids = torch.tensor(seq.tokens[seq.done : seq.done + n])
+    ctx = ctx_cls([seq.cache], [n], [seq.done], **kw)
+    hidden = model(ids, torch.arange(seq.done, seq.done + n), ctx)
+    seq.done += n
+    return model.compute_logits(hidden), ctx
+
+
+def test_gdn_mix_hook_gives_the_same_model(model, ref):
+    ids = ref["p2_ids"].tolist()
+    plain = Sequence(SequenceCache(model.cache_spec), ids + [5, 6, 7])
+    fused = Sequence(SequenceCache(model.cache_spec), ids + [5, 6, 7])
+    for n in (len(ids), 1, 2):
+        expected, _ = _run(model, plain, n)
+        got, _ = _run(model, fused, n, FusedGdnContext)
+        torch.testing.assert_close(got, expected, rtol=0, atol=CHUNK_ATOL)
+
+
+def test_verification_commits_the_accepted_prefix(model, ref):
+    """Verify 4 drafts with per-position states, accept 2, roll GDN state and KV back: the next step equals
+    a sequence that only ever saw the 2 accepted tokens."""
+    ids = ref["p1_ids"].tolist()
+    drafts = greedy(model, ids, 2) + [11, 12]  # two right, two wrong
+    accepted = 2
+    seq = Sequence(SequenceCache(model.cache_spec), ids + drafts)
+    _run(model, seq, len(ids))
+    _, ctx = _run(model, seq, len(drafts), FusedGdnContext, record=True)
+    for layer in range(model.cache_spec.num_gdn_layers):
+        conv, states = ctx.per_position[(layer, 0)]
+        seq.cache.gdn[layer].conv.copy_(conv[accepted - 1])
+        seq.cache.gdn[layer].recurrent.copy_(states[accepted - 1])
+    keep = len(ids) + accepted
+    seq.cache.keys = [k[:keep] for k in seq.cache.keys]
+    seq.cache.values = [v[:keep] for v in seq.cache.values]
+    seq.tokens, seq.done = ids + drafts[:accepted] + [42], keep
+    after_rollback, _ = _run(model, seq, 1)
+
+    fresh = Sequence(SequenceCache(model.cache_spec), ids + drafts[:accepted] + [42])
+    expected, _ = _run(model, fresh, keep + 1)
+    torch.testing.assert_close(after_rollback[0], expected[-1], rtol=0, atol=CHUNK_ATOL)

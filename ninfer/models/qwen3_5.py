@@ -101,6 +101,27 @@ def rope_tables(cfg: Qwen35Config, positions: torch.Tensor) -> tuple[torch.Tenso
     )
 
 
+@dataclass(frozen=True)
+class GdnParams:
+    """A GDN layer's small parameters, for a context that runs the token mixing itself.
+
+    A BatchContext may define `gdn_mix(gdn_layer, mixed_qkv [T, C], a [T, Hv], b [T, Hv], params) ->
+    o [T, Hv, Dv]`: conv + SiLU over the pre-conv q|k|v channels, q/k L2 norm, q·1/sqrt(Dk),
+    g = −exp(a_log)·softplus(a + dt_bias), β = sigmoid(b), the gated delta rule per span on the span's
+    state, updating its conv and recurrent state (and, for speculative verification, keeping the
+    per-position states it needs). GPU backends (fused decode, chunked prefill kernels) plug in here;
+    without it the layer runs the reference ops span by span.
+    """
+
+    conv_weight: torch.Tensor  # [C, K] fp32
+    a_log: torch.Tensor  # [Hv] fp32
+    dt_bias: torch.Tensor  # [Hv] fp32
+    num_key_heads: int
+    key_dim: int
+    num_value_heads: int
+    value_dim: int
+
+
 class GatedDeltaNet(nn.Module):
     """Linear-attention token mixer; `gdn_index` is its number among the GDN layers (state slot)."""
 
@@ -122,18 +143,36 @@ class GatedDeltaNet(nn.Module):
         self.norm_weight = nn.Buffer(load_vector(source, f"{p}/norm", device))
         self.eps = cfg.rms_norm_eps
 
+    @property
+    def params(self) -> GdnParams:
+        cfg = self.cfg
+        return GdnParams(self.conv_weight, self.a_log, self.dt_bias, cfg.gdn_key_heads, cfg.gdn_key_dim,
+                         cfg.gdn_value_heads, cfg.gdn_value_dim)  # fmt: skip
+
     def forward(self, x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         cfg = self.cfg
         mixed = torch.cat([self.query(x), self.key(x), self.value(x)], dim=-1)  # conv channels q|k|v
         z = self.z(x).view(-1, cfg.gdn_value_heads, cfg.gdn_value_dim)
-        beta = torch.sigmoid(self.b_projection(x).float())
-        g = -self.a_log.exp() * F.softplus(self.a_projection(x).float() + self.dt_bias)
-        core = torch.empty(x.shape[0], cfg.gdn_value_heads, cfg.gdn_value_dim, dtype=x.dtype, device=x.device)
+        a, b = self.a_projection(x), self.b_projection(x)
+        fused = getattr(ctx, "gdn_mix", None)  # optional backend hook, see GdnParams
+        if fused is not None:
+            core = fused(self.gdn_index, mixed, a, b, self.params).to(x.dtype)
+        else:
+            core = self._mix(mixed, a, b, ctx)
+        out = ops.gated_rms_norm(core, z, self.norm_weight, self.eps)
+        return self.output(out.reshape(x.shape[0], -1))
+
+    def _mix(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        """Reference token mixing: per sequence span, conv + gated delta rule on its GdnState."""
+        cfg = self.cfg
+        beta = torch.sigmoid(b.float())
+        g = -self.a_log.exp() * F.softplus(a.float() + self.dt_bias)
+        core = torch.empty(mixed.shape[0], cfg.gdn_value_heads, cfg.gdn_value_dim, dtype=mixed.dtype,
+                           device=mixed.device)  # fmt: skip
         for i, span in enumerate(ctx.spans):
             rows = slice(span.start, span.start + span.length)
             core[rows] = self._sequence(mixed[rows], g[rows], beta[rows], ctx.gdn_state(self.gdn_index, i))
-        out = ops.gated_rms_norm(core, z, self.norm_weight, self.eps)
-        return self.output(out.reshape(x.shape[0], -1))
+        return core
 
     def _sequence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state) -> torch.Tensor:
         """Conv + delta rule for one sequence's rows, continuing from and updating its state."""

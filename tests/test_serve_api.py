@@ -59,6 +59,11 @@ def test_models_list_and_retrieve(server, oai):
     with pytest.raises(openai.NotFoundError):
         oai.models.retrieve("no-such-model")
     assert httpx.get(f"{server.url}/v1/v1/models").json()["data"][0]["id"] == "qwen35-tiny"
+    doubled = openai.OpenAI(base_url=f"{server.url}/v1/v1", api_key="unused", max_retries=0)
+    r = doubled.chat.completions.create(
+        model=server.model_id, messages=USER, max_tokens=1, extra_body=NO_THINK
+    )
+    assert r.usage.completion_tokens == 1
 
 
 def test_chat_non_stream_usage_equals_tokenizer_counts(server, oai):

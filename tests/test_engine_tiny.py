@@ -7,15 +7,15 @@ rk8v4 4.4e-2, rk4v4 5.8e-2. Tolerances below are about 2x those.
 
 from __future__ import annotations
 
-import json
+import contextlib
+import io
 
 import numpy as np
 import pytest
 import torch
-from simple_context import HfQwen35Source  # the models helper's test-only weight source
 from test_engine_invariants import capture_logits, drive, req
-from test_models_qwen35 import fake_artifact
 
+from ninfer.artifact import open_artifact
 from ninfer.engine.engine import Engine, EngineConfig
 from ninfer.models import load_model
 
@@ -30,9 +30,16 @@ def ref(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def model(tiny_dir):
-    tc = json.loads((tiny_dir / "hf" / "config.json").read_text())["text_config"]
-    return load_model(fake_artifact(HfQwen35Source(tiny_dir / "hf" / "model.safetensors", tc), tc))
+def model(tiny_dir, tmp_path_factory):
+    """The fixture's bf16 GGUF converted with ninfer-convert, loaded as the engine loads it."""
+    from ninfer.cli.convert import main as convert
+
+    out = tmp_path_factory.mktemp("engine") / "tiny.ninfer"
+    argv = ["--model", str(tiny_dir / "hf"), "--recipe", "qwen3_5_gguf",
+            "--source", f"gguf={tiny_dir / 'gguf' / 'model-bf16.gguf'}", "--out", str(out)]
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        assert convert(argv) == 0
+    return load_model(open_artifact(out), load_mtp=False)
 
 
 def last_logits(ref, p: str) -> torch.Tensor:

@@ -49,8 +49,9 @@ class Backend(Protocol):
         """True when the rendered prompt leaves the model inside an open <think> block."""
         ...
 
-    def sampling_defaults(self, thinking: bool) -> SamplingParams:
-        """The model's presets (generation_config.json) for thinking / non-thinking requests."""
+    def sampling_defaults(self, thinking: bool | None) -> SamplingParams:
+        """The model's presets for thinking / non-thinking chat; None (raw text completion): only
+        generation_config.json's values, no chat-mode preset."""
         ...
 
     def generate(self, request_id: str, prompt_ids: list[int], options: GenerateOptions) -> Generation:

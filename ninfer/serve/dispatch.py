@@ -90,7 +90,7 @@ _SAMPLING_FIELDS = (
 )
 
 
-def sampling_for(state: ServerState, thinking: bool, max_tokens: int, req: Any) -> SamplingParams:
+def sampling_for(state: ServerState, thinking: bool | None, max_tokens: int, req: Any) -> SamplingParams:
     """The model's presets overridden by whatever sampling fields the request set (absent = preset)."""
     base = state.backend.sampling_defaults(thinking)
     overrides: dict[str, Any] = {

@@ -22,6 +22,7 @@ from ninfer.frontend import (
     ToolCallDelta,
     prompt_opens_reasoning,
 )
+from ninfer.frontend.presets import generation_config_defaults
 from ninfer.frontend.tokenizer import read_resource
 from ninfer.serve.backend import ModelInfo
 from ninfer.serve.generation import Delta, GenerateOptions, Generation, ToolCall, Usage
@@ -43,6 +44,7 @@ class EngineBackend:
         self.template = template
         self.presets = presets
         self.info = info
+        self.generation_config: dict[str, Any] = {}
 
     @classmethod
     def load(
@@ -75,7 +77,9 @@ class EngineBackend:
                 **{k: v for k, v in metadata.items() if isinstance(v, (str, int, float))},
             },
         )
-        return cls(engine.start(), tokenizer, template, presets, info)
+        backend = cls(engine.start(), tokenizer, template, presets, info)
+        backend.generation_config = generation_config
+        return backend
 
     # ------------------------------------------------------------------------------------------ text
 
@@ -105,7 +109,9 @@ class EngineBackend:
     def starts_in_reasoning(self, prompt: str) -> bool:
         return prompt_opens_reasoning(prompt)
 
-    def sampling_defaults(self, thinking: bool) -> SamplingParams:
+    def sampling_defaults(self, thinking: bool | None) -> SamplingParams:
+        if thinking is None:
+            return SamplingParams(**generation_config_defaults(self.generation_config))
         return self.presets.resolve(thinking)
 
     # ------------------------------------------------------------------------------------ generation

@@ -99,7 +99,7 @@ async def completion(request: Request) -> Response:
             400, "n_predict: must be -1 (default) or at least 1", "invalid_request_error", "n_predict"
         )
     max_tokens = resolve_max_tokens(state, n_predict, len(prompt_ids), "n_predict", "prompt")
-    sampling = sampling_for(state, False, max_tokens, req)
+    sampling = sampling_for(state, None, max_tokens, req)
     if req.seed is not None and req.seed < 0:  # llama.cpp: -1 = random
         sampling = dataclasses.replace(sampling, seed=None)
     options = GenerateOptions(
@@ -259,7 +259,7 @@ async def props(request: Request) -> dict[str, Any]:
         "total_slots": int(stats.get("lanes_total", 0)),
         "default_generation_settings": {
             "n_ctx": info.max_context,
-            "params": dataclasses.asdict(backend.sampling_defaults(False)),
+            "params": dataclasses.asdict(backend.sampling_defaults(None)),  # what /completion uses
         },
         "chat_template": info.chat_template,
         "modalities": {"vision": "image" in info.modalities, "audio": False},

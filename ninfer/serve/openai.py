@@ -430,7 +430,7 @@ async def completions(request: Request) -> Response:
     requested = req.max_tokens if "max_tokens" in req.model_fields_set else 16  # OpenAI's default
     max_tokens = resolve_max_tokens(state, requested, len(prompt_ids), "max_tokens", "prompt")
     options = GenerateOptions(
-        sampling=sampling_for(state, False, max_tokens, req),
+        sampling=sampling_for(state, None, max_tokens, req),
         stop=stop_strings(req.stop),
         parse_reasoning=False,
         tag="completions",

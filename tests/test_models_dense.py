@@ -15,6 +15,7 @@ from simple_context import DenseStored, greedy, prefill_logits, single_thread
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from ninfer.errors import ArtifactError
+from ninfer.kernels.reference import rope_inv_freq
 from ninfer.models import DenseModel, load_model
 
 TF_ATOL = 1e-5
@@ -58,9 +59,16 @@ COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_
               initializer_range=0.1)  # fmt: skip
 
 
-def _pair(arch: str, tied: bool):
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+
+
+def _pair(arch: str, tied: bool, rope: dict | None = None):
     torch.manual_seed(7 if arch == "qwen2" else 8)
-    if arch == "qwen2":
+    if rope is not None:
+        cfg = LlamaConfig(**COMMON, rms_norm_eps=1e-5, rope_parameters=rope, tie_word_embeddings=tied)
+        hf = LlamaForCausalLM(cfg)
+    elif arch == "qwen2":
         cfg = Qwen2Config(**COMMON, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=tied)
         hf = Qwen2ForCausalLM(cfg)
     else:
@@ -90,6 +98,29 @@ def test_dense_matches_transformers(arch, tied):
     torch.testing.assert_close(prefill_logits(ours, ids), expected, rtol=0, atol=TF_ATOL)
     torch.testing.assert_close(prefill_logits(ours, ids, chunk=5), expected, rtol=0, atol=TF_ATOL)
     assert greedy(ours, ids, 12) == expected_greedy
+
+
+def _check_against(hf, ours, n_ids=23, seed=1):
+    ids = torch.randint(0, 300, (n_ids,), generator=torch.Generator().manual_seed(seed)).tolist()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prefill_logits(ours, ids), expected, rtol=0, atol=TF_ATOL)
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    hf, ours = _pair("llama", False, rope=LLAMA3_ROPE)
+    plain = rope_inv_freq(16, 5e5)
+    assert not torch.allclose(ours.inv_freq, plain)  # the scaling really changes frequencies
+    _check_against(hf, ours, n_ids=90)
+    # llama.cpp's form: the same scaling stored as per-frequency divisors (rope_freqs.weight)
+    tensors = _hf_to_logical(hf.state_dict(), 3)
+    tensors["text/rope_frequency_factors"] = plain / ours.inv_freq
+    config = {**hf.config.to_dict(), "architecture": "llama",
+              "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "gguf_rope_freqs": True}}
+    _check_against(hf, load_model(_source(tensors, config)), n_ids=90)
+    del tensors["text/rope_frequency_factors"]
+    with pytest.raises(ArtifactError, match="RoPE frequency factors"):
+        load_model(_source(tensors, config))
 
 
 def test_unsupported_rope_scaling_is_a_clear_error():

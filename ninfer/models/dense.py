@@ -7,6 +7,7 @@ undone at conversion.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +20,11 @@ from ninfer.models.cache_spec import CacheSpec
 from ninfer.models.context import BatchContext
 from ninfer.models.layers import RMSNorm, SwiGLUMLP
 from ninfer.models.qwen3_5 import TiedHead
-from ninfer.models.weights import Embedding, Linear, WeightSource, has_tensor
+from ninfer.models.weights import Embedding, Linear, WeightSource, has_tensor, load_vector
 
-SUPPORTED_ROPE_TYPES = (None, "default")
+SUPPORTED_ROPE_TYPES = (None, "default", "llama3")
+# llama.cpp stores Llama 3.x's per-frequency RoPE divisors as `rope_freqs.weight`; carried under this name.
+ROPE_FACTORS = "text/rope_frequency_factors"
 
 
 def bias_name(prefix: str, role: str) -> str:
@@ -41,6 +44,7 @@ class DenseConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float
+    rope: tuple[tuple[str, float], ...] = ()  # scaling parameters (llama3: factor, low/high_freq_factor, ...)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> DenseConfig:
@@ -64,11 +68,35 @@ class DenseConfig:
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
                 rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                rope=tuple((k, float(v)) for k, v in rope.items() if isinstance(v, (int, float))),
             )
         except KeyError as e:
             raise ArtifactError(
                 f"text config lacks {e.args[0]!r}, needed by the dense model; re-convert the model"
             ) from None
+
+
+def rope_inv_freq(cfg: DenseConfig, factors: torch.Tensor | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2]: plain, divided by stored per-frequency factors, or llama3-scaled."""
+    inv_freq = ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+    if factors is not None:
+        return inv_freq / factors.float()
+    params = dict(cfg.rope)
+    if "factor" not in params or "low_freq_factor" not in params:
+        return inv_freq
+    # Llama 3.x: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between.
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, head_dim] (frequencies repeated for both halves, rotate-half convention)."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    freqs = torch.cat([freqs, freqs], dim=-1)
+    return freqs.cos(), freqs.sin()
 
 
 class DenseAttention(nn.Module):
@@ -124,6 +152,13 @@ class DenseModel(nn.Module):
             self.output_head = Linear(source, "text/output_head", dtype, device)
         else:
             self.output_head = TiedHead(self.token_embedding)
+        factors = load_vector(source, ROPE_FACTORS, device) if has_tensor(source, ROPE_FACTORS) else None
+        if factors is None and dict(cfg.rope).get("gguf_rope_freqs"):
+            raise ArtifactError(
+                "this Llama 3 artifact lacks its RoPE frequency factors (GGUF rope_freqs.weight); "
+                "re-convert it with a converter that carries them"
+            )
+        self.inv_freq = nn.Buffer(rope_inv_freq(cfg, factors).to(device))
         self.cache_spec = CacheSpec(
             num_kv_layers=cfg.num_layers, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
         )
@@ -141,7 +176,7 @@ class DenseModel(nn.Module):
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(self.dtype)
         if positions.dim() == 2:  # [3, T] multimodal positions: dense models use the text axis
             positions = positions[0]
-        cos, sin = ops.mrope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_tables(self.inv_freq, positions)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         return self.final_norm(x)

@@ -208,3 +208,16 @@ def test_memory_ledger_and_auto_capacity():
     assert "KV 640 tokens (rk8v4)" in led.line() and "free" in led.line()
     with pytest.raises(EngineConfigError, match="auto"):
         make_engine(kv_capacity="auto", gpu_memory_limit_mib=300, kv_headroom_mib=64)
+
+
+def test_perplexity_matches_a_direct_computation_and_frees_its_pages():
+    from ninfer.engine.perplexity import perplexity
+
+    ids = list(prompt(150, 15))
+    engine = make_engine()
+    logp = torch.log_softmax(full_forward_logits(engine.model, ids)[:-1], -1)
+    ref = torch.exp(-logp.gather(1, torch.tensor(ids[1:])[:, None]).mean()).item()
+    for chunk in (64, 150):
+        ppl, n = perplexity(engine, ids, chunk=chunk)
+        assert n == 149 and abs(ppl - ref) / ref < 1e-5
+    assert engine.kv.allocator.free_pages == engine.kv.num_pages

@@ -27,8 +27,9 @@ class ModelRunner:
             self.states.reset(lane)
 
     @torch.inference_mode()
-    def run(self, rnd: Round) -> torch.Tensor | None:
-        """Forward every item of the round; returns fp32 logits [n_sampled, vocab] in item order."""
+    def run(self, rnd: Round, all_rows: bool = False) -> torch.Tensor | None:
+        """Forward every item of the round; returns fp32 logits [n_sampled, vocab] in item order
+        (with `all_rows`, logits of every row of the batch: perplexity)."""
         self.install(rnd)
         if not rnd.items:
             return None
@@ -47,6 +48,8 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model.forward(input_ids, pos, ctx)
         ctx.commit_states()
+        if all_rows:
+            return self.model.compute_logits(hidden).float()
         if not last_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)]).float()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,8 @@ from ninfer.errors import ArtifactError, QuantFormatError
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """A bound parameter as stored: `data` is a zero-copy view (uint8 [rows, row_bytes] for GGUF blocks)."""
+    """A bound parameter as stored: `data` is a zero-copy, read-only view of the mapped file (uint8
+    [rows, row_bytes] for GGUF blocks). Never write into it (copy first): the pages are the file's."""
 
     format: str
     shape: tuple[int, ...]
@@ -89,7 +91,9 @@ class Artifact:
         info = self._objects[object_id]
         fmt, shape = info["format"], tuple(info["shape"])
         start = self._payload_start + info["offset"]
-        raw = torch.frombuffer(self._buffer, dtype=torch.uint8, count=info["bytes"], offset=start)
+        with warnings.catch_warnings():  # the views are read-only by design; torch warns about that
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            raw = torch.frombuffer(self._buffer, dtype=torch.uint8, count=info["bytes"], offset=start)
         if is_block_format(fmt):
             rows = num_rows(fmt, shape)
             return StoredTensor(fmt, shape, raw.view(rows, info["bytes"] // rows))
@@ -169,7 +173,8 @@ def open_artifact(path: str | Path) -> Artifact:
             raise ArtifactError(f"{path}: corrupt directory JSON ({exc}); convert it again") from None
         payload_start = align_up(HEADER_BYTES + json_bytes, PAYLOAD_ALIGN)
         _validate(path, directory, payload_start, size)
-        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private pages: writable views, no copy
+        # read-only shared mapping: no commit charge for a 20 GB file (a private copy-on-write map has one)
+        buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     return Artifact(path, directory, artifact_id, payload_start, buffer)
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -130,6 +130,20 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
+class _SseResponse(StreamingResponse):
+    """A stream that always ends its generation, even if the body never started (client gone early)."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any):
+        super().__init__(body, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 class Run:
     """One generation in flight: started, then either collected or streamed, recorded exactly once."""
 
@@ -194,9 +208,10 @@ class Run:
                     client_gone = True
                     self.gen.cancel()  # the final (cancelled) delta follows within one round
         finally:
-            if not task.done():
+            if not task.done():  # this handler itself was cancelled (server stopping)
                 self.gen.cancel()
                 task.cancel()
+                self.record(None, 499)
         out = task.result()
         last = out.last
         assert last is not None
@@ -225,7 +240,13 @@ class Run:
     ) -> StreamingResponse:
         body = self._sse_body(first, formatter, prologue or [], done_marker)
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        return _SseResponse(body, self._abandon, media_type="text/event-stream", headers=headers)
+
+    def _abandon(self) -> None:
+        """After the response, whatever happened: a generation nobody reads any more is cancelled."""
+        if not self._recorded:
+            self.gen.cancel()
+            self.record(None, 499)
 
     async def _sse_body(
         self, first: Delta | None, formatter: StreamFormatter, prologue: list[str], done_marker: bool

@@ -5,10 +5,11 @@ state and the next token.
     h' = one gated full-attention decoder layer (own KV layer id = number of text KV layers)
     draft logits = shared output head(final_norm(h'))
 
-`h` is the target model's final-normed hidden state (what `Qwen35Model.forward` returns), as in vLLM's
-Qwen3-Next/Qwen3.5 MTP. Row t of a call pairs h_t with token t+1 and runs at the target's position t.
-Chained drafting feeds the MTP's own output hidden state back as `h`. transformers drops these weights,
-so the semantics follow llama.cpp's / vLLM's graphs.
+`h` is the target model's final-normed hidden state (what `Qwen35Model.forward` returns): llama.cpp's
+qwen35 graph hands the MTP block the hidden after `output_norm`, and vLLM's Qwen3-Next/Qwen3.5 MTP the
+model output, also after its final norm. Row t of a call pairs h_t with token t+1 and runs at the
+target's position t. Chained drafting feeds the MTP's own final-normed output back as `h` (as llama.cpp
+does). transformers drops these weights, so the semantics follow those graphs.
 """
 
 from __future__ import annotations

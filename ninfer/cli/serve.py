@@ -22,6 +22,15 @@ def build_parser() -> argparse.ArgumentParser:
         "ninfer-serve", "Serve a .ninfer model over OpenAI / Anthropic / llama.cpp-compatible HTTP APIs."
     )
     p.add_argument("model", metavar="MODEL.ninfer", help="the artifact to serve (from ninfer-convert)")
+    _network_flags(p)
+    _request_flags(p)
+    _engine_flags(p)
+    _later_flags(p)
+    return p
+
+
+def _network_flags(p: argparse.ArgumentParser) -> None:
+    """Where and how the server listens."""
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     net.add_argument(
@@ -54,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("debug", "info", "warning", "error"),
         help="server log level (default info: one line per request)",
     )
+
+
+def _request_flags(p: argparse.ArgumentParser) -> None:
+    """Admission and per-request defaults."""
     gen = p.add_argument_group("requests")
     gen.add_argument(
         "--max-concurrency",
@@ -89,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="Jinja chat template to use instead of the artifact's",
     )
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    """The engine behind the server."""
     eng = p.add_argument_group("engine")
     eng.add_argument(
         "--max-context",
@@ -138,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="plan memory as if the GPU had only this much (to size for smaller cards)",
     )
+
+
+def _later_flags(p: argparse.ArgumentParser) -> None:
+    """Flags of features that do not exist yet: parsed, validated, refused at start."""
     later = p.add_argument_group("not available yet (parsed and validated; refused at start)")
     later.add_argument(
         "--spec", choices=("none", "mtp"), default="none", help="speculative decoding with the MTP head"
@@ -171,7 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="device profile file written by ninfer-calibrate",
     )
-    return p
 
 
 def check_args(args: argparse.Namespace) -> None:

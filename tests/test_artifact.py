@@ -76,6 +76,18 @@ def test_roundtrip_layout_and_views(tmp_path):
     assert bytes(q.data.flatten()[:8].numpy()) == raw[payload_start + offset["offset"] :][:8]
 
 
+def test_reader_rejects_input_columns_that_are_not_a_permutation(tmp_path):
+    path = tmp_path / "a.ninfer"
+    w, _, _ = _dense_writer(path)
+    cols = torch.arange(64, dtype=torch.int32)
+    cols[5] = 7  # column 5 lost, 7 twice
+    w.bind("extra/w", w.add_tensor("f32", (2, 64), lambda b, e: np.ones((e - b, 64), np.float32)))
+    w.add_use("extra/w", {"input_columns": w.add_tensor("i32", (64,), lambda b, e: cols[b:e])})
+    w.write()
+    with pytest.raises(ArtifactError, match="input_columns of extra/w is not a permutation"):
+        open_artifact(path)
+
+
 def test_refuses_existing_output_without_force(tmp_path):
     path = tmp_path / "a.ninfer"
     path.write_bytes(b"keep")

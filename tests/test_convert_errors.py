@@ -154,6 +154,11 @@ def test_mtp_source_without_mtp_component_warns(capsys, meta, tmp_path):
     assert "mtp" not in open_artifact(tmp_path / "o.ninfer").components
 
 
+def test_vision_source_without_vision_component_warns(capsys, meta, tmp_path):
+    rc, out, err = run(capsys, *gguf_args(meta, tmp_path / "o.ninfer", "--source", f"vision={MMPROJ}"))
+    assert rc == 0 and "the vision tower will not be included; add vision to --components" in err
+
+
 def test_geometry_mismatch_names_key_found_expected(capsys, meta, tmp_path):
     cfg = json.loads((meta / "config.json").read_text())
     cfg["text_config"]["hidden_size"] = 512

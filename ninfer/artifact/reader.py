@@ -175,7 +175,21 @@ def open_artifact(path: str | Path) -> Artifact:
         _validate(path, directory, payload_start, size)
         # read-only shared mapping: no commit charge for a 20 GB file (a private copy-on-write map has one)
         buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return Artifact(path, directory, artifact_id, payload_start, buffer)
+    art = Artifact(path, directory, artifact_id, payload_start, buffer)
+    _check_permutations(art)
+    return art
+
+
+def _check_permutations(art: Artifact) -> None:
+    """Every recorded input_columns must be a permutation (a corrupt one would silently scramble outputs)."""
+    for use in art.directory.get("uses", []):
+        cols = art.input_columns(use["parameter"])
+        if cols is not None and not torch.equal(torch.sort(cols).values, torch.arange(cols.numel())):
+            art.close()
+            raise ArtifactError(
+                f"{art.path}: input_columns of {use['parameter']} is not a permutation; "
+                "the file is corrupt, convert it again"
+            )
 
 
 def _validate(path: Path, d: dict, payload_start: int, size: int) -> None:

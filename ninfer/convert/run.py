@@ -101,6 +101,11 @@ def convert(request: ConvertRequest, progress: bool = True) -> ConversionResult:
     sources = open_sources(request)
     writer = ArtifactWriter(request.out, force=request.force, rows_per_chunk=request.rows_per_chunk)
     job = ConversionJob(request, sources, writer)
+    if "vision" in request.sources and "vision" not in request.components:
+        job.warn(
+            "--source vision= was given but vision is not in --components: the vision tower will not be "
+            "included; add vision to --components"
+        )
     if "mtp" in request.sources and "mtp" not in request.components:
         job.warn(
             "--source mtp= was given but mtp is not in --components: the MTP layer will not be included; "

@@ -286,13 +286,23 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def _payload_started(temp: Path) -> bool:
+    """The temp file holds the header, the directory and at least one payload byte."""
+    if not temp.exists() or temp.stat().st_size < 16:
+        return False
+    with open(temp, "rb") as f:
+        json_bytes = int.from_bytes(f.read(16)[8:16], "little")
+    payload_start = (32 + json_bytes + 4095) // 4096 * 4096
+    return 0 < json_bytes and temp.stat().st_size > payload_start
+
+
 def test_sigkill_midway_leaves_no_output(meta, tmp_path):
     out = tmp_path / "killed.ninfer"
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_CONVERT, *gguf_args(meta, out), "--quiet"],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     temp = tmp_path / f".killed.ninfer.tmp-{proc.pid}"
     deadline = time.monotonic() + 120
-    while not (temp.exists() and temp.stat().st_size > 8192):  # header written and payload started
+    while not _payload_started(temp):
         assert proc.poll() is None, proc.stderr.read().decode()
         assert time.monotonic() < deadline, "conversion never started writing"
         time.sleep(0.05)

@@ -14,6 +14,7 @@ from simple_context import greedy, single_thread
 
 from ninfer.artifact import open_artifact
 from ninfer.models import DenseModel, load_model
+from ninfer.models.qwen3_5 import TiedHead
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +54,8 @@ def test_greedy_equals_transformers_on_the_same_gguf(key):
     gguf = smollm2_gguf() if key == "smollm2" else qwen25_coder_gguf()
     ours = load_model(open_artifact(converted(key)))
     assert isinstance(ours, DenseModel)
+    # SmolLM2 ties its head: the artifact binds both names to one object, loaded once
+    assert isinstance(ours.output_head, TiedHead) == (key == "smollm2")
     tok = hf_gguf_tokenizer(gguf)
     with torch.no_grad():
         hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

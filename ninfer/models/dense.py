@@ -19,7 +19,7 @@ from ninfer.kernels import reference as ops
 from ninfer.models.cache_spec import CacheSpec
 from ninfer.models.context import BatchContext
 from ninfer.models.layers import RMSNorm, SwiGLUMLP
-from ninfer.models.qwen3_5 import TiedHead
+from ninfer.models.qwen3_5 import output_head
 from ninfer.models.weights import Embedding, Linear, WeightSource, has_tensor, load_vector
 
 SUPPORTED_ROPE_TYPES = (None, "default", "llama3")
@@ -148,10 +148,7 @@ class DenseModel(nn.Module):
             DenseLayer(source, f"text/layers/{i}", cfg, i, dtype, device) for i in range(cfg.num_layers)
         )
         self.final_norm = RMSNorm(source, "text/final_norm", cfg.rms_norm_eps, False, device)
-        if has_tensor(source, "text/output_head"):
-            self.output_head = Linear(source, "text/output_head", dtype, device)
-        else:
-            self.output_head = TiedHead(self.token_embedding)
+        self.output_head = output_head(source, self.token_embedding, dtype, device)
         factors = load_vector(source, ROPE_FACTORS, device) if has_tensor(source, ROPE_FACTORS) else None
         if factors is None and dict(cfg.rope).get("gguf_rope_freqs"):
             raise ArtifactError(

@@ -21,7 +21,14 @@ from ninfer.kernels import reference as ops
 from ninfer.models.cache_spec import CacheSpec
 from ninfer.models.context import BatchContext
 from ninfer.models.layers import RMSNorm, SwiGLUMLP
-from ninfer.models.weights import Embedding, Linear, WeightSource, has_tensor, load_vector
+from ninfer.models.weights import (
+    Embedding,
+    Linear,
+    WeightSource,
+    has_tensor,
+    load_vector,
+    same_stored_object,
+)
 
 # Spans up to this length (decode, speculative verification) use the token-by-token recurrence;
 # longer ones (prefill) the chunked form. Both give the same numbers within fp32 rounding.
@@ -261,7 +268,7 @@ class Qwen35Model(nn.Module):
             layers.append(DecoderLayer(source, prefix, cfg, mixer, dtype, device))
         self.layers = nn.ModuleList(layers)
         self.final_norm = RMSNorm(source, "text/final_norm", cfg.rms_norm_eps, True, device)
-        self.output_head = _output_head(source, self.token_embedding, dtype, device)
+        self.output_head = output_head(source, self.token_embedding, dtype, device)
         self.cache_spec = CacheSpec(
             num_kv_layers=n_kv, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, num_gdn_layers=n_gdn,
             gdn_conv_channels=cfg.gdn_conv_channels, gdn_conv_kernel=cfg.gdn_conv_kernel,
@@ -296,9 +303,11 @@ class Qwen35Model(nn.Module):
         return self.output_head(hidden).float()
 
 
-def _output_head(source: WeightSource, embedding: Embedding, dtype, device) -> nn.Module:
-    if has_tensor(source, "text/output_head"):
-        return Linear(source, "text/output_head", dtype, device)
+def output_head(source: WeightSource, embedding: Embedding, dtype, device) -> nn.Module:
+    """The untied head, or the embedding table itself when absent or bound to the same stored object."""
+    name = "text/output_head"
+    if has_tensor(source, name) and not same_stored_object(source, name, embedding.name):
+        return Linear(source, name, dtype, device)
     return TiedHead(embedding)
 
 

@@ -45,6 +45,14 @@ def has_tensor(source: WeightSource, name: str) -> bool:
     return True
 
 
+def same_stored_object(source: WeightSource, a: str, b: str) -> bool:
+    """True when two names are bound to one stored object (a tied output head): load it once."""
+    bindings = getattr(source, "bindings", None)
+    if not isinstance(bindings, dict) or a not in bindings or b not in bindings:
+        return False
+    return "object" in bindings[a] and bindings[a] == bindings[b]
+
+
 def load_dense(
     source: WeightSource, name: str, dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:

@@ -74,6 +74,21 @@ def test_split_k_and_multi_tile_columns():
         assert rel_err(out, ref) < 1e-3, split
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is a dependency on Linux x86-64")
+@pytest.mark.parametrize("fmt", ["q4_k", "iq3_s"])
+def test_fma_kernel_matches_gguf_py(fmt):
+    gen = torch.Generator().manual_seed(21)
+    rows, cols = 20, 512
+    raw = random_gguf_rows(fmt, rows, cols, gen)
+    dense = gguf_py_dense(raw, fmt, rows, cols)
+    x = torch.randn(3, cols, generator=gen)  # 3 columns: two 2-column tiles, the second partial
+    for schedule in ("tiny_fma_m2", "fma_n16_m1_s4"):
+        xs = x[:1] if SCHEDULES[schedule].block_m == 1 else x
+        out = quant_matmul(raw, fmt, xs, rows, schedule=schedule)
+        # fp32 FMAs on exact codes: measured ~1e-7
+        assert rel_err(out, xs.double() @ dense.t()) < 1e-5, schedule
+
+
 def test_reference_matches_gguf_py():
     gen = torch.Generator().manual_seed(3)
     raw = random_gguf_rows("iq3_s", 8, 256, gen)

@@ -23,6 +23,7 @@ from ninfer.quant.formats import GGUF_PREFIX
 FORMAT_CODES = {"q4_0": 0, "q4_1": 1, "q5_0": 2, "q8_0": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6,
                 "iq4_xs": 7, "iq3_s": 8}
 KERNEL_FORMATS = tuple(FORMAT_CODES)
+FMA_FORMATS = ("q4_k", "iq3_s")  # formats the 1–4 column FMA kernel decodes
 
 
 class QuantKernelError(NinferError):
@@ -61,6 +62,14 @@ SCHEDULES: dict[str, MatmulSchedule] = {
         MatmulSchedule("elem_n128_m128_k64_w8", "elem", 128, 128, 64, num_warps=8, num_stages=3),
         MatmulSchedule("tiny_elem", "elem", 16, 16, 64),
         MatmulSchedule("tiny_sub", "sub", 16, 16),
+        MatmulSchedule("fma_n32_m1", "fma", 32, 1),
+        MatmulSchedule("fma_n64_m1", "fma", 64, 1),
+        MatmulSchedule("fma_n16_m1_s4", "fma", 16, 1, split_k=4),
+        MatmulSchedule("fma_n32_m1_s2", "fma", 32, 1, split_k=2),
+        MatmulSchedule("fma_n16_m4", "fma", 16, 4),
+        MatmulSchedule("fma_n32_m4", "fma", 32, 4),
+        MatmulSchedule("fma_n16_m4_s4", "fma", 16, 4, split_k=4),
+        MatmulSchedule("tiny_fma_m2", "fma", 16, 2),
         MatmulSchedule("dequant_mm", "dequant_mm", 64, 0, 256),
     )
 }
@@ -286,12 +295,11 @@ def _block_dot(acc, b, w32, x_ptr, k0, offs_m, m_ok, n_ok, stride_xm, grid_ptr, 
             else:
                 words = tl.load(w32 + 12 + 8 * c + tl.arange(0, 8)[None, :], mask=nm, other=0)
             for h in tl.static_range(2):
-                s: tl.constexpr = 2 * c + h
-                sc, mn = _k_scale_min_const(b + 4, s, nm)
+                sc, mn = _k_scale_min_const(b + 4, 2 * c + h, nm)
                 q = (words[:, :, None] >> (4 * (2 * j4 + h))[None, None, :]) & 0xF
                 if FMT == 5:
-                    q = q | (((qh[:, :, None] >> (8 * j4 + s)[None, None, :]) & 1) << 4)
-                xt = _x_tile(x_ptr, k0 + 32 * s, 32, offs_m, m_ok, stride_xm)
+                    q = q | (((qh[:, :, None] >> (8 * j4 + 2 * c + h)[None, None, :]) & 1) << 4)
+                xt = _x_tile(x_ptr, k0 + 32 * (2 * c + h), 32, offs_m, m_ok, stride_xm)
                 part = _sub_dot(tl.reshape(q, (BLOCK_N, 32)), xt, DOT_F16)
                 acc += (d * sc) * part - (dmin * mn) * tl_sum(xt, 0)[None, :]
     elif FMT == 8:  # iq3_s: 8 grid indices (9 bits) of 4 magnitudes each, 32 sign bits per sub-block
@@ -342,8 +350,12 @@ def _block_dot(acc, b, w32, x_ptr, k0, offs_m, m_ok, n_ok, stride_xm, grid_ptr, 
         xt = _x_tile(x_ptr, k0, 32, offs_m, m_ok, stride_xm)
         acc += _f16_at(b, nm) * _sub_dot(q, xt, DOT_F16)
     else:  # q4_0 / q4_1 / q5_0: 16 bytes of nibbles, low nibbles = codes 0..15
-        qoff: tl.constexpr = 2 if FMT == 0 else (4 if FMT == 1 else 6)
-        qs = _u8(b + qoff + tl.arange(0, 16)[None, :], nm)
+        if FMT == 0:
+            qs = _u8(b + 2 + tl.arange(0, 16)[None, :], nm)
+        elif FMT == 1:
+            qs = _u8(b + 4 + tl.arange(0, 16)[None, :], nm)
+        else:
+            qs = _u8(b + 6 + tl.arange(0, 16)[None, :], nm)
         lo = qs & 0xF
         hi = qs >> 4
         x0 = _x_tile(x_ptr, k0, 16, offs_m, m_ok, stride_xm)
@@ -357,9 +369,10 @@ def _block_dot(acc, b, w32, x_ptr, k0, offs_m, m_ok, n_ok, stride_xm, grid_ptr, 
         if FMT == 1:  # affine: d·q + m
             part = _sub_dot(lo, x0, DOT_F16) + _sub_dot(hi, x1, DOT_F16)
             acc += d * part + _f16_at(b + 2, nm) * (tl_sum(x0, 0) + tl_sum(x1, 0))[None, :]
-        else:  # centred codes (q - 8, q - 16) stay exact small integers in the dot
-            off: tl.constexpr = 8 if FMT == 0 else 16
-            acc += d * (_sub_dot(lo - off, x0, DOT_F16) + _sub_dot(hi - off, x1, DOT_F16))
+        elif FMT == 0:  # centred codes (q - 8, q - 16) stay exact small integers in the dot
+            acc += d * (_sub_dot(lo - 8, x0, DOT_F16) + _sub_dot(hi - 8, x1, DOT_F16))
+        else:
+            acc += d * (_sub_dot(lo - 16, x0, DOT_F16) + _sub_dot(hi - 16, x1, DOT_F16))
     return acc
 
 
@@ -391,6 +404,92 @@ def _gguf_matmul_sub_kernel(
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(out, acc, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton, FMA kernel for 1–4 columns (q4_k, iq3_s): no tensor cores and no layout changes. A row's block is
+# viewed as units of 4 codes (a byte lane of a qs word for q4_k, one grid entry for iq3_s); the weight tile
+# is [BLOCK_N, units] and each of the 4 codes of a unit multiplies a strided gather of x shared by all rows.
+# Partial sums stay in a [BLOCK_N, units, BLOCK_M] accumulator, reduced once at the end.
+
+
+@jit
+def _x_units(x_ptr, idx, offs_m, m_ok, stride_xm):
+    """x[m, idx] as [units, BLOCK_M] float32."""
+    return tl.load(x_ptr + offs_m[None, :] * stride_xm + idx[:, None], mask=m_ok[None, :], other=0.0).to(
+        tl.float32)
+
+
+@jit
+def _gemv_fma_kernel(
+    w_ptr, w32_ptr, x_ptr, y_ptr, grid_ptr,
+    N, K, M, row_bytes, stride_xm, stride_ym,
+    FMT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    nm = n_ok[:, None]
+    row_off = offs_n.to(tl.int64)[:, None] * row_bytes
+    UNITS: tl.constexpr = 32 if FMT == 4 else 64
+    u = tl.arange(0, UNITS)
+    acc = tl.zeros([BLOCK_N, UNITS, BLOCK_M], dtype=tl.float32)
+    blocks = K // QK
+    per_split = (blocks + SPLIT_K - 1) // SPLIT_K
+    for blk in range(pid_k * per_split, tl.minimum(blocks, (pid_k + 1) * per_split)):
+        b = w_ptr + row_off + blk * BB
+        k0 = blk * QK
+        if FMT == 4:  # q4_k: unit w = qs word w (chunk c = w // 8, byte lane p = w % 8)
+            words = tl.load(w32_ptr + (row_off + blk * BB) // 4 + 4 + u[None, :], mask=nm, other=0)
+            c = u // 8
+            sc_lo, mn_lo = _k_scale_min(b + 4, (2 * c)[None, :], nm)
+            sc_hi, mn_hi = _k_scale_min(b + 4, (2 * c + 1)[None, :], nm)
+            d = _f16_at(b, nm)
+            dmin = _f16_at(b + 2, nm)
+            base = k0 + 64 * c + 4 * (u % 8)
+            p_lo = tl.zeros([BLOCK_N, UNITS, BLOCK_M], dtype=tl.float32)
+            p_hi = tl.zeros([BLOCK_N, UNITS, BLOCK_M], dtype=tl.float32)
+            xs_lo = tl.zeros([UNITS, BLOCK_M], dtype=tl.float32)
+            xs_hi = tl.zeros([UNITS, BLOCK_M], dtype=tl.float32)
+            for j in tl.static_range(4):
+                x_lo = _x_units(x_ptr, base + j, offs_m, m_ok, stride_xm)
+                x_hi = _x_units(x_ptr, base + 32 + j, offs_m, m_ok, stride_xm)
+                lo = ((words >> (8 * j)) & 0xF).to(tl.float32)
+                hi = ((words >> (8 * j + 4)) & 0xF).to(tl.float32)
+                p_lo += lo[:, :, None] * x_lo[None, :, :]
+                p_hi += hi[:, :, None] * x_hi[None, :, :]
+                xs_lo += x_lo
+                xs_hi += x_hi
+            acc += (d * sc_lo)[:, :, None] * p_lo + (d * sc_hi)[:, :, None] * p_hi
+            acc -= ((dmin * mn_lo)[:, :, None] * xs_lo[None, :, :]
+                    + (dmin * mn_hi)[:, :, None] * xs_hi[None, :, :])
+        else:  # iq3_s: unit t = grid entry t (sub-block ib = t // 8, position p = t % 8)
+            ib = u // 8
+            p = u % 8
+            qh = _u8(b + 66 + ib[None, :], nm)
+            idx = _u8(b + 2 + u[None, :], nm) | (((qh >> p[None, :]) & 1) << 8)
+            g = tl.load(grid_ptr + idx)
+            sb = _u8(b + 74 + 4 * ib[None, :] + p[None, :] // 2, nm) >> (4 * (p[None, :] % 2))
+            sc = (_u8(b + 106 + ib[None, :] // 2, nm) >> (4 * (ib[None, :] % 2))) & 0xF
+            db = _f16_at(b, nm) * (1 + 2 * sc).to(tl.float32)
+            part = tl.zeros([BLOCK_N, UNITS, BLOCK_M], dtype=tl.float32)
+            for j in tl.static_range(4):
+                xj = _x_units(x_ptr, k0 + 4 * u + j, offs_m, m_ok, stride_xm)
+                mag = ((g >> (8 * j)) & 0xFF).to(tl.float32)
+                val = tl.where(((sb >> j) & 1) != 0, -mag, mag)
+                part += val[:, :, None] * xj[None, :, :]
+            acc += db[:, :, None] * part
+    out = tl_sum(acc, 1)
+    ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(ptrs, out, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -450,8 +549,14 @@ def quant_matmul(
     common = dict(FMT=FORMAT_CODES[format], QK=fmt.block_elems, BB=fmt.block_bytes, BLOCK_N=s.block_n,
                   BLOCK_M=s.block_m, SPLIT_K=s.split_k, DOT_F16=dot_f16, **extra)
     shape_args = (out_features, in_features, M, raw.shape[1], x2.stride(0), y.stride(0))
-    if s.kernel == "sub":
-        words = raw.view(torch.int32) if raw.shape[1] % 4 == 0 else raw
+    words = raw.view(torch.int32) if raw.shape[1] % 4 == 0 else raw
+    if s.kernel == "fma":
+        if format not in FMA_FORMATS:
+            raise QuantKernelError(f"schedule {s.name} (FMA kernel) supports {', '.join(FMA_FORMATS)}, not "
+                                   f"{format}; pick a sub_* schedule")
+        common.pop("DOT_F16")
+        _gemv_fma_kernel[launch](raw, words, x2, y, grid_u32, *shape_args, **common)
+    elif s.kernel == "sub":
         _gguf_matmul_sub_kernel[launch](raw, words, x2, y, grid_u32, levels, *shape_args, **common)
     else:
         _gguf_matmul_kernel[launch](raw, x2, y, grid_u8, levels, *shape_args, BLOCK_K=s.block_k, **common)

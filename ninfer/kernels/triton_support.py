@@ -10,7 +10,7 @@ import os
 
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and os.environ.get("NINFER_TRITON_COMPILE_CHECK") != "1":
     # Interpreter mode must be on before triton.language is imported, or its own jit helpers (tl.cdiv,
     # tl.sigmoid...) stay compiled-only; compiled Triton cannot run without a GPU anyway.
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -24,7 +24,10 @@ except ImportError:  # pragma: no cover - exercised only where Triton is absent
 
 HAVE_TRITON = triton is not None
 CUDA = torch.cuda.is_available()
-INTERPRET = HAVE_TRITON and (not CUDA or os.environ.get("TRITON_INTERPRET") == "1")
+# NINFER_TRITON_COMPILE_CHECK=1 keeps compiled-mode kernels on a CPU machine, to compile them for a GPU
+# target there (bench/compile_check.py) without running them.
+INTERPRET = HAVE_TRITON and os.environ.get("NINFER_TRITON_COMPILE_CHECK") != "1" and (
+    not CUDA or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def jit(fn):

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ninfer.kernels import gdn_prefill as prefill  # noqa: E402
 from ninfer.kernels.gdn_decode import gdn_decode, gdn_decode_reference  # noqa: E402
 from ninfer.kernels.gguf_matmul import (  # noqa: E402
+    FMA_FORMATS,
     KERNEL_FORMATS,
     dequantize_rows,
     quant_matmul,
@@ -40,9 +41,13 @@ GDN_SHAPES = {"qkv": (10240, HIDDEN), "z": (6144, HIDDEN), "beta": (48, HIDDEN),
               "out": (HIDDEN, 6144)}
 ATTN_SHAPES = {"q": (12288, HIDDEN), "k": (1024, HIDDEN), "v": (1024, HIDDEN), "o": (HIDDEN, 6144)}
 MLP_SHAPES = {"gate": (FFN, HIDDEN), "up": (FFN, HIDDEN), "down": (HIDDEN, FFN)}
-DECODE_SCHEDULES = ["sub_n16", "sub_n32", "sub_n64", "sub_n32_w2", "sub_n16_s4", "sub_n32_s4"]
+DECODE_SCHEDULES = {1: ["fma_n32_m1", "fma_n64_m1", "fma_n16_m1_s4", "fma_n32_m1_s2", "sub_n64", "sub_n32_s4",
+                        "sub_n32_w2"],
+                    4: ["fma_n16_m4", "fma_n32_m4", "fma_n16_m4_s4", "sub_n64", "sub_n32_s4", "sub_n32_w2"],
+                    16: ["sub_n32", "sub_n64", "sub_n32_w2", "sub_n32_s4"]}
 PREFILL_SCHEDULES = ["dequant_mm", "sub_n64_m64", "elem_n128_m128_k64_w8"]
 L2_BYTES = 60 << 20
+WIDTHS = (1, 4)
 
 
 class Log:
@@ -103,21 +108,25 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 # checks
 
 
-def check_gemm(log: Log, dev: torch.device, quick: bool) -> bool:
+def check_gemm(log: Log, dev: torch.device, quick: bool, formats=KERNEL_FORMATS) -> bool:
     ok = True
     shapes = [(24, 512)] if quick else [(384, 2048), (1040, 5120)]
     widths = [1, 3] if quick else [1, 2, 4, 16, 40, 300]
-    for fmt in KERNEL_FORMATS:
+    for fmt in formats:
         worst = 0.0
         for rows, cols in shapes:
             raw = random_gguf_weight(fmt, rows, cols, dev)
             w = dequantize(raw.cpu().reshape(-1), "gguf_" + fmt, (rows, cols)).to(dev).double()
             for width in widths:
                 x = torch.randn(width, cols, device=dev, dtype=torch.float32 if quick else torch.bfloat16)
-                out = quant_matmul(raw, fmt, x, rows, schedule="tiny_sub" if quick else None)
-                err = rel_err(out, x.double() @ w.t())
-                finite = bool(torch.isfinite(out).all())
-                worst = max(worst, err if finite else float("inf"))
+                names = ["tiny_sub" if quick else None]
+                if fmt in FMA_FORMATS and width <= 4:
+                    names.append("tiny_fma_m2" if quick else ("fma_n32_m1" if width == 1 else "fma_n32_m4"))
+                for name in names:
+                    out = quant_matmul(raw, fmt, x, rows, schedule=name)
+                    err = rel_err(out, x.double() @ w.t())
+                    finite = bool(torch.isfinite(out).all())
+                    worst = max(worst, err if finite else float("inf"))
         # bf16 output rounding (2^-9) dominates on GPU; fp16 operands add ~3e-4
         passed = worst < 5e-3
         ok &= passed
@@ -193,16 +202,18 @@ def time_gemv(log: Log, dev: torch.device, floor: float) -> dict:
     """Per-shape decode GEMV times (CUDA graph over weight copies > L2): every schedule × widths 1, 4, 16."""
     best: dict = {}
     shapes = sorted(set({**GDN_SHAPES, **ATTN_SHAPES, **MLP_SHAPES}.values()))
-    cases = [(fmt, r, c) for fmt in ("iq3_s", "q4_k") for r, c in shapes] + [("q6_k", VOCAB, HIDDEN)]
+    cases = [(fmt, r, c) for fmt in ("iq3_s", "q4_k") for r, c in shapes]
     for fmt, rows, cols in cases:
         one = random_gguf_weight(fmt, rows, cols, dev)
         nbytes = one.numel()
         n_copies = min(64, -(-3 * L2_BYTES // nbytes))  # tiny matrices stay L2-resident: capped launches
         copies = [one] + [random_gguf_weight(fmt, rows, cols, dev) for _ in range(n_copies - 1)]
-        for width in ((1,) if rows == VOCAB else (1, 4, 16)):
+        for width in ((1,) if rows == VOCAB else WIDTHS):
             x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
             times = {}
-            for sched in DECODE_SCHEDULES:
+            for sched in DECODE_SCHEDULES[width]:
+                if fmt not in FMA_FORMATS and sched.startswith("fma"):
+                    continue
                 calls = [lambda w=w, sched=sched, fmt=fmt, x=x, rows=rows: quant_matmul(
                     w, fmt, x, rows, schedule=sched) for w in copies]
                 times[sched] = graph_us(calls)
@@ -325,12 +336,12 @@ def decode_step_graph(log: Log, dev: torch.device, fmt: str, best: dict, width: 
         j = 0
         for i, layer in enumerate(gen_layers):
             for w, r, c in layer:
-                sched = best.get((fmt, r, c, min(width, 16)), ("sub_n32",))[0]
+                sched = best.get((fmt, r, c, width), ("sub_n32",))[0]
                 quant_matmul(w, fmt, xs[c], r, schedule=sched)
             if i % 4 != 3:
                 gdn_decode(**gdn, slot_ids=ids[j], num_key_heads=16)
                 j += 1
-        head_sched = best.get(("q6_k", VOCAB, HIDDEN, 1), ("sub_n32",))[0]
+        head_sched = best.get(("q6_k", VOCAB, HIDDEN, 1), ("sub_n32_w2",))[0]  # run 2's best
         quant_matmul(head, "q6_k", xs[HIDDEN], VOCAB, schedule=head_sched)
 
     step()
@@ -358,6 +369,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="folder for gpu_check.json")
     ap.add_argument("--quick", action="store_true", help="only the checks, on tiny shapes (CPU works)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: gemv,prefill,gdn,graph")
+    ap.add_argument("--check-formats", default=",".join(KERNEL_FORMATS), help="formats the gemm check covers")
     args = ap.parse_args(argv)
     log = Log(args.out)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -366,12 +378,14 @@ def main(argv=None) -> int:
     log(f"torch {torch.__version__}, triton {triton.__version__}, device "
         f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, fla {prefill.fla_available()}")
     torch.manual_seed(int(time.time()))  # fresh random inputs every run
-    ok = check_gemm(log, dev, args.quick) & check_gdn(log, dev, args.quick)
+    skip = set(args.skip.split(","))
+    ok = check_gemm(log, dev, args.quick, args.check_formats.split(","))
+    if "gdn" not in skip:
+        ok &= check_gdn(log, dev, args.quick)
     log.save()
     if args.quick or dev.type != "cuda":
         log(f"checks {'passed' if ok else 'FAILED'}")
         return 0 if ok else 1
-    skip = set(args.skip.split(","))
     floor = copy_bandwidth(log, dev)
     best = time_gemv(log, dev, floor) if "gemv" not in skip else {}
     log.save()
@@ -390,7 +404,7 @@ def main(argv=None) -> int:
     print("\n==== summary ====")
     print(f"checks: {'all passed' if ok else 'FAILURES (see above)'}; copy {floor:.2f} TB/s")
     for (fmt, rows, cols, width), (sched, us) in sorted(best.items()):
-        if width in (1, 4):
+        if width in WIDTHS:
             nbytes = rows * cols // FORMATS[fmt].block_elems * FORMATS[fmt].block_bytes
             tbps = nbytes / us / 1e6
             print(f"gemv {fmt:6s} {rows:6d}x{cols:<6d} w{width:<2d} {us:7.1f} us {tbps:5.2f} TB/s "

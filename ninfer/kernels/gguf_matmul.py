@@ -75,13 +75,35 @@ SCHEDULES: dict[str, MatmulSchedule] = {
 }
 
 
-def default_schedule(columns: int) -> MatmulSchedule:
-    """Built-in choice before calibration: sub-block kernel for decode/verify widths, dequant + matmul for
-    prefill."""
-    if columns <= 16:
-        return SCHEDULES["sub_n32"]
-    if columns <= 64:
-        return SCHEDULES["sub_n64_m64"]
+WIDE = 1 << 30  # a route's last max_width: any number of columns
+
+
+def default_route(format: str, out_features: int) -> list[tuple[int, str]]:
+    """Built-in `[(max_width, schedule), ...]` for a weight, from the H200 sweeps of docs/gpu-notes.md (runs 2
+    and 3): FMA kernel for 1–4 columns where it decodes the format, sub-block kernel to 64 columns,
+    dequantise + matmul beyond."""
+    name = format.removeprefix(GGUF_PREFIX)
+    if out_features >= 17408:
+        sub = "sub_n64"
+    elif out_features >= 10240:
+        sub = "sub_n32_w2"
+    else:
+        sub = "sub_n32_s4"
+    route: list[tuple[int, str]] = []
+    if name == "iq3_s":
+        route += [(1, "fma_n16_m1_s4"), (4, "fma_n16_m4_s4")]
+    elif name == "q4_k":
+        one = "fma_n64_m1" if out_features >= 12288 else (
+            "fma_n32_m1_s2" if out_features >= 6144 else "fma_n16_m1_s4")
+        route += [(1, one)]
+    return route + [(16, sub), (64, "sub_n64_m64"), (WIDE, "dequant_mm")]
+
+
+def default_schedule(columns: int, format: str = "q8_0", out_features: int = 4096) -> MatmulSchedule:
+    """The built-in route's schedule for `columns` columns."""
+    for max_width, name in default_route(format, out_features):
+        if columns <= max_width:
+            return SCHEDULES[name]
     return SCHEDULES["dequant_mm"]
 
 
@@ -536,7 +558,8 @@ def quant_matmul(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    s = SCHEDULES[schedule] if isinstance(schedule, str) else (schedule or default_schedule(M))
+    s = SCHEDULES[schedule] if isinstance(schedule, str) else (
+        schedule or default_schedule(M, format, out_features))
     if s.kernel == "dequant_mm":
         w = dequantize_rows(raw, format, out_features, in_features, x.dtype if x.is_cuda else torch.float32)
         return (x2.to(w.dtype) @ w.t()).to(x.dtype).reshape(*x.shape[:-1], out_features)

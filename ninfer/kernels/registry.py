@@ -16,10 +16,9 @@ from pathlib import Path
 import torch
 
 from ninfer.errors import NinferError
-from ninfer.kernels.gguf_matmul import FMA_FORMATS, SCHEDULES, quant_matmul
+from ninfer.kernels.gguf_matmul import SCHEDULES, default_route, quant_matmul
 
 Route = list[tuple[int, str]]
-WIDE = 1 << 30  # max_width meaning "any width"
 
 
 class DeviceProfileError(NinferError):
@@ -32,15 +31,9 @@ def gemv_key(format: str, out_features: int, in_features: int) -> str:
     return f"gemv/{fmt}/{out_features}x{in_features}"
 
 
-def default_gemv_route(format: str) -> Route:
-    """Built-in choice (measured on the H200, docs/gpu-notes.md): the FMA kernel for 1 and 2–4 columns where
-    it decodes the format, the sub-block tensor-core kernel up to 64 columns, dequantise + matmul beyond."""
-    name = format.removeprefix("gguf_")
-    route: Route = []
-    if name in FMA_FORMATS:
-        route += [(1, "fma_n32_m1"), (4, "fma_n32_m4")]
-    route += [(16, "sub_n64"), (64, "sub_n64_m64"), (WIDE, "dequant_mm")]
-    return route
+def default_gemv_route(format: str, out_features: int) -> Route:
+    """Built-in route (measured on the H200, docs/gpu-notes.md): `gguf_matmul.default_route`."""
+    return default_route(format, out_features)
 
 
 def route_catalog_digest() -> str:
@@ -56,7 +49,8 @@ class KernelRegistry:
     routes: dict[str, Route] = field(default_factory=dict)
 
     def schedule(self, format: str, out_features: int, in_features: int, width: int) -> str:
-        route = self.routes.get(gemv_key(format, out_features, in_features)) or default_gemv_route(format)
+        key = gemv_key(format, out_features, in_features)
+        route = self.routes.get(key) or default_gemv_route(format, out_features)
         for max_width, name in route:
             if width <= max_width:
                 return name

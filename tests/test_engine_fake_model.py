@@ -115,7 +115,8 @@ class ContiguousContext:
             old = self.kv.get((kv_layer, span.slot), (k[:0], v[:0]))
             kk, vv = torch.cat([old[0], k[rows]]), torch.cat([old[1], v[rows]])
             self.kv[(kv_layer, span.slot)] = (kk, vv)
-            out[rows] = causal_attention(q[rows].float(), kk.float(), vv.float(), span.cached_tokens)
+            kt, vt = kk.float().transpose(0, 1), vv.float().transpose(0, 1)
+            out[rows] = causal_attention(q[rows].float(), kt, vt, span.cached_tokens)
         return out
 
     def gdn_state(self, gdn_layer, span_index):

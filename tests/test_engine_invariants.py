@@ -221,3 +221,17 @@ def test_perplexity_matches_a_direct_computation_and_frees_its_pages():
         ppl, n = perplexity(engine, ids, chunk=chunk)
         assert n == 149 and abs(ppl - ref) / ref < 1e-5
     assert engine.kv.allocator.free_pages == engine.kv.num_pages
+
+
+@pytest.mark.parametrize("length,offset,n,hq,hkv", [(1, 40, 41, 8, 2), (5, 7, 12, 8, 2), (16, 0, 16, 4, 4)])
+def test_causal_attention_against_explicit_softmax(length, offset, n, hq, hkv):
+    from ninfer.engine.paged_context import causal_attention
+
+    g = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(length, hq, 64, generator=g), torch.randn(hkv, n, 64, generator=g),
+               torch.randn(hkv, n, 64, generator=g))
+    kk, vv = k.repeat_interleave(hq // hkv, 0), v.repeat_interleave(hq // hkv, 0)
+    scores = torch.einsum("lhd,hnd->hln", q, kk) / 8.0
+    allowed = torch.arange(n)[None, :] <= torch.arange(offset, offset + length)[:, None]
+    ref = torch.einsum("hln,hnd->lhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vv)
+    assert (causal_attention(q, k, v, offset) - ref).abs().max() < 1e-5

@@ -100,22 +100,27 @@ class KvPool:
         return self._lane_pages.pop(lane, [])
 
     # -- data ------------------------------------------------------------------------------------------------
-    def _locate(self, lane: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(start, start + count, device=self.device)
-        pages = self.page_tables[lane, pos // PAGE_TOKENS].long()
-        if (pages < 0).any():
+    def locate(self, lane: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page ids, in-page offsets) of positions start..start+count-1 of lane (the same in every layer)."""
+        lane_pages = self._lane_pages.get(lane, [])
+        if start + count > len(lane_pages) * PAGE_TOKENS:
             raise RuntimeError(f"lane {lane}: positions {start}..{start + count - 1} exceed its pages")
-        return pages, pos % PAGE_TOKENS
+        pos = torch.arange(start, start + count, device=self.device)
+        return self.page_tables[lane, pos // PAGE_TOKENS].long(), pos % PAGE_TOKENS
 
-    def write(self, layer: int, lane: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [L, kv_heads, D] (keys unrotated) at positions start..start+L-1 of lane."""
-        pages, offsets = self._locate(lane, start, k.shape[0])
+    def page_index(self, lane: int, tokens: int) -> torch.Tensor:
+        """Page ids holding the first `tokens` positions of lane."""
+        return self.page_tables[lane, : pages_for(tokens)].long()
+
+    def write(self, layer: int, where: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store k, v [L, kv_heads, D] (keys unrotated) at `where` (from `locate`)."""
+        pages, offsets = where
         self.storage[layer][pages, :, offsets] = encode_kv(self.fmt, k, v)
 
-    def read(self, layer: int, lane: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """First `tokens` positions of lane as float32 k, v [tokens, kv_heads, D] (k rotated if rk*)."""
-        n_pages = pages_for(tokens)
-        pages = self.page_tables[lane, :n_pages].long()
+    def read(self, layer: int, pages: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions 0..tokens-1 held in `pages` (from `page_index`) as float32 k, v [kv_heads, tokens, D]
+        (k rotated for rk* dtypes)."""
         rows = self.storage[layer][pages]  # [P, H, 64, B]
-        rows = rows.permute(0, 2, 1, 3).reshape(n_pages * PAGE_TOKENS, self.spec.kv_heads, -1)[:tokens]
+        rows = rows.transpose(0, 1).reshape(self.spec.kv_heads, -1, rows.shape[-1])[:, :tokens]
         return decode_kv(self.fmt, rows)

@@ -7,9 +7,8 @@ pool's encoding, so the result does not depend on how the prompt was chunked.
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.nn.functional as F
 
 from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.state_pool import GdnStatePool
@@ -18,16 +17,16 @@ from ninfer.models.context import GdnState, SequenceSpan
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
-    """q [L, Hq, D], k/v [N, Hkv, D] fp32; query row i sits at position offset+i. Returns [L, Hq, D]."""
-    length, hq, d = q.shape
-    n, hkv = k.shape[0], k.shape[1]
-    group = hq // hkv
-    qg = q.reshape(length, hkv, group, d)
-    scores = torch.einsum("lhgd,nhd->hgln", qg, k) / math.sqrt(d)
-    allowed = torch.arange(n)[None, :] <= (torch.arange(length)[:, None] + offset)
-    scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
-    out = torch.einsum("hgln,nhd->lhgd", torch.softmax(scores, dim=-1), v)
-    return out.reshape(length, hq, d)
+    """q [L, Hq, D]; k/v [Hkv, N, D]; query row i sits at position offset+i and sees keys 0..offset+i.
+    fp32 in, [L, Hq, D] out; scale 1/sqrt(D); query head j uses KV head j // (Hq / Hkv)."""
+    length, n = q.shape[0], k.shape[1]
+    mask = None
+    if length > 1 or offset + 1 != n:
+        mask = torch.arange(n, device=q.device)[None, :] <= torch.arange(offset, offset + length,
+                                                                         device=q.device)[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 class PagedBatchContext:
@@ -38,18 +37,28 @@ class PagedBatchContext:
         self._kv = kv
         self._states = states
         self._handed_out: dict[tuple[int, int], GdnState] = {}
+        self._where: dict[int, tuple] = {}
 
     def attention(self, kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)
-        for span in self.spans:
+        for i, span in enumerate(self.spans):
             rows = slice(span.start, span.start + span.length)
-            self._kv.write(kv_layer, span.slot, span.cached_tokens, k[rows], v[rows])
-            keys, values = self._kv.read(kv_layer, span.slot, span.cached_tokens + span.length)
+            where, pages = self._addresses(i)
+            self._kv.write(kv_layer, where, k[rows], v[rows])
+            keys, values = self._kv.read(kv_layer, pages, span.cached_tokens + span.length)
             qs = q[rows].float()
             if self._kv.fmt.rotated_keys:
                 qs = rotate(qs)
             out[rows] = causal_attention(qs, keys, values, span.cached_tokens).to(q.dtype)
         return out
+
+    def _addresses(self, span_index: int):
+        """Write slots and read pages of a span, computed once per forward (all layers share them)."""
+        if span_index not in self._where:
+            span = self.spans[span_index]
+            self._where[span_index] = (self._kv.locate(span.slot, span.cached_tokens, span.length),
+                                       self._kv.page_index(span.slot, span.cached_tokens + span.length))
+        return self._where[span_index]
 
     def gdn_state(self, gdn_layer: int, span_index: int) -> GdnState:
         key = (gdn_layer, span_index)

@@ -57,3 +57,12 @@ if HAVE_TRITON:
         """tl.sum through tl.reduce: Triton's own jit helpers cannot run under the interpreter when triton was
         imported before interpreter mode was switched on (e.g. by transformers)."""
         return tl.reduce(x, axis, _add)
+
+    @jit
+    def _max2(a, b):
+        return tl.maximum(a, b)
+
+    @jit
+    def tl_max(x, axis: tl.constexpr):
+        """tl.max through tl.reduce (see tl_sum)."""
+        return tl.reduce(x, axis, _max2)

@@ -1,0 +1,172 @@
+"""Paged decode attention over the shared KV pool, decoding bf16 / int8 / rk8v4 / rk4v4 rows in the kernel.
+
+Layout (docs/engine.md): per layer a uint8 pool `[num_pages, kv_heads, 64, token_bytes]`, page tables int32
+`[lanes, max_pages]`; a token row is K part then V part, codes then fp16 scales. One program handles one
+sequence × one KV head × one slice of its pages (split over the context for long prompts), for all the query
+heads of that KV head at once (GQA: K and V are read once per group). Each split keeps an online softmax;
+the splits are merged in PyTorch. Rotated-key formats take the query rotated by the same Walsh–Hadamard
+matrix, so keys are used as stored. `paged_decode_attention_reference` decodes the same bytes with
+`kv_quant.decode_kv` and runs `reference.attention_reference`: the oracle and the fallback.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ninfer.errors import NinferError
+from ninfer.kernels import kv_quant, reference
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_max, tl_sum, triton_runs_on
+
+PAGE_TOKENS = 64
+KERNEL_KV_CODES = {"bf16": 0, "int8": 1, "rk8v4": 2, "rk4v4": 3}
+
+
+class PagedAttentionError(NinferError):
+    """Paged attention inputs that do not match the KV pool layout."""
+
+
+def paged_decode_attention_reference(
+    q: torch.Tensor, storage: torch.Tensor, page_tables: torch.Tensor, lane_ids: torch.Tensor,
+    seq_lens: torch.Tensor, fmt: kv_quant.KvFormat, scale: float | None = None,
+) -> torch.Tensor:
+    """q `[B, Hq, D]` (one new token per sequence, not rotated) -> `[B, Hq, D]` in q's dtype."""
+    outs = []
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        pages = page_tables[int(lane_ids[b]), : -(-n // PAGE_TOKENS)].long()
+        rows = storage[pages].transpose(1, 2).reshape(-1, storage.shape[1], storage.shape[3])[:n]
+        k, v = kv_quant.decode_kv(fmt, rows)
+        qb = kv_quant.rotate(q[b].float()) if fmt.rotated_keys else q[b].float()
+        outs.append(reference.attention_reference(qb[None], k, v, causal_offset=n - 1, scale=scale)[0])
+    return torch.stack(outs).to(q.dtype)
+
+
+@jit
+def _f16(p, m):
+    lo = tl.load(p, mask=m, other=0).to(tl.uint16)
+    hi = tl.load(p + 1, mask=m, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@jit
+def _load_k(row, row16, d, m, levels_ptr, FMT: tl.constexpr, D: tl.constexpr):
+    if FMT == 0:
+        return tl.load(row16 + d, mask=m, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    elif FMT == 1 or FMT == 2:
+        code = tl.load(row + d, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        return code * _f16(row + D + 2 * (d // 64), m)
+    else:
+        byte = tl.load(row + d // 2, mask=m, other=0).to(tl.int32)
+        idx = (byte >> (4 * (d % 2))) & 0xF
+        return tl.load(levels_ptr + idx) * _f16(row + D // 2 + 2 * (d // 64), m)
+
+
+@jit
+def _load_v(row, row16, d, m, FMT: tl.constexpr, D: tl.constexpr, KB: tl.constexpr):
+    if FMT == 0:
+        return tl.load(row16 + D + d, mask=m, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
+    elif FMT == 1:
+        code = tl.load(row + KB + d, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        return code * _f16(row + KB + D + 2 * (d // 64), m)
+    else:
+        byte = tl.load(row + KB + d // 2, mask=m, other=0).to(tl.int32)
+        code = ((byte >> (4 * (d % 2))) & 0xF) - 8
+        return code.to(tl.float32) * _f16(row + KB + D // 2 + 2 * (d // 32), m)
+
+
+@jit
+def _paged_decode_kernel(
+    q_ptr, kv_ptr, kv16_ptr, pt_ptr, lane_ptr, len_ptr, levels_ptr, acc_ptr, ml_ptr,
+    Hq, Hkv, pt_stride, token_bytes, pages_per_split, scale,
+    FMT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GPAD: tl.constexpr, KB: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    lane = tl.load(lane_ptr + b).to(tl.int64)
+    n = tl.load(len_ptr + b)
+    g = tl.arange(0, GPAD)
+    g_ok = g < G
+    d = tl.arange(0, D)[None, :]
+    t = tl.arange(0, 64)
+    heads = h * G + g
+    q = tl.load(q_ptr + (b * Hq + heads)[:, None] * D + d, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    q = q * scale
+    m_i = tl.full([GPAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GPAD], dtype=tl.float32)
+    acc = tl.zeros([GPAD, D], dtype=tl.float32)
+    first = sp * pages_per_split
+    last = tl.minimum((n + 63) // 64, first + pages_per_split)
+    for pi in range(first, last):
+        page = tl.load(pt_ptr + lane * pt_stride + pi).to(tl.int64)
+        tok = (page * Hkv + h) * 64 + t
+        tok_ok = (pi * 64 + t) < n
+        row = kv_ptr + tok[:, None] * token_bytes
+        row16 = kv16_ptr + tok[:, None] * (token_bytes // 2)
+        k = _load_k(row, row16, d, tok_ok[:, None], levels_ptr, FMT, D)
+        s = tl.dot(q, tl.trans(k))
+        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl_max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl_sum(p, 1)
+        v = _load_v(row, row16, d, tok_ok[:, None], FMT, D, KB)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+    part = (b * Hq + heads) * SPLITS + sp
+    tl.store(acc_ptr + part[:, None] * D + d, acc, mask=g_ok[:, None])
+    tl.store(ml_ptr + part * 2, m_i, mask=g_ok)
+    tl.store(ml_ptr + part * 2 + 1, l_i, mask=g_ok)
+
+
+def _check(q, storage, page_tables, lane_ids, seq_lens, fmt) -> None:
+    B, Hq, D = q.shape
+    if storage.dtype != torch.uint8 or storage.dim() != 4 or storage.shape[2] != PAGE_TOKENS:
+        raise PagedAttentionError(f"KV storage must be uint8 [pages, kv_heads, {PAGE_TOKENS}, token_bytes], "
+                                  f"got {storage.dtype} {list(storage.shape)}")
+    if storage.shape[3] != fmt.token_bytes or fmt.head_dim != D:
+        raise PagedAttentionError(f"KV rows of {storage.shape[3]} bytes do not match --kv-dtype {fmt.name} "
+                                  f"at head dim {D} ({fmt.token_bytes} bytes); check the pool's dtype")
+    if Hq % storage.shape[1]:
+        raise PagedAttentionError(f"{Hq} query heads cannot share {storage.shape[1]} KV heads evenly")
+    if lane_ids.shape != (B,) or seq_lens.shape != (B,) or page_tables.dtype != torch.int32:
+        raise PagedAttentionError("lane_ids and seq_lens must be [batch] and page tables int32")
+
+
+def paged_decode_attention(
+    q: torch.Tensor, storage: torch.Tensor, page_tables: torch.Tensor, lane_ids: torch.Tensor,
+    seq_lens: torch.Tensor, fmt: kv_quant.KvFormat, scale: float | None = None, splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of one new query token per sequence over its cached pages (the new token's K/V already
+    written). q `[B, Hq, D]` not rotated; seq_lens include the new token. Returns `[B, Hq, D]`, q's dtype."""
+    _check(q, storage, page_tables, lane_ids, seq_lens, fmt)
+    if not (HAVE_TRITON and triton_runs_on(q) and fmt.name in KERNEL_KV_CODES):
+        return paged_decode_attention_reference(q, storage, page_tables, lane_ids, seq_lens, fmt, scale)
+    B, Hq, D = q.shape
+    Hkv = storage.shape[1]
+    G = Hq // Hkv
+    max_pages = page_tables.shape[1]
+    if splits is None:  # enough programs to cover the GPU on long contexts; one split when short
+        splits = max(1, min(max_pages, -(-264 // (B * Hkv))))
+    per_split = -(-max_pages // splits)
+    qr = kv_quant.rotate(q.float()) if fmt.rotated_keys else q.float()
+    qr = qr.contiguous()
+    acc = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
+    ml = torch.empty((B, Hq, splits, 2), dtype=torch.float32, device=q.device)
+    levels = kv_quant.lloyd_max_gaussian_levels().to(q.device)
+    _paged_decode_kernel[(B, Hkv, splits)](
+        qr, storage, storage.view(torch.int16), page_tables, lane_ids.to(torch.int32),
+        seq_lens.to(torch.int32), levels, acc, ml, Hq, Hkv, page_tables.stride(0), storage.shape[3],
+        per_split,
+        scale if scale is not None else 1.0 / math.sqrt(D),
+        FMT=KERNEL_KV_CODES[fmt.name], D=D, G=G, GPAD=max(16, 1 << (G - 1).bit_length()), KB=fmt.key_bytes,
+        SPLITS=splits,
+    )
+    m, lse = ml[..., 0], ml[..., 1]
+    top = m.max(dim=2, keepdim=True).values
+    w = torch.where(torch.isfinite(m), torch.exp(m - top), torch.zeros_like(m))
+    out = (acc * w[..., None]).sum(2) / (lse * w).sum(2)[..., None]
+    return out.to(q.dtype)

@@ -9,16 +9,21 @@ matmul of `ninfer.quant.dequantize` for the GGUF kernels, `gdn_decode_reference`
 for Gated DeltaNet). Timings are medians of `triton.testing.do_bench` (L2 flushed between samples) at the
 Qwen3.5/3.6/3.8-27B shapes; a whole decode step's weight stream (64 layers + head) is captured in a CUDA
 graph and replayed for the tg128 estimate. `--quick` runs only the checks on tiny shapes (works on CPU,
-through Triton's interpreter) to test the script itself.
+through Triton's interpreter) to test the script itself; `--compile-only` compiles every kernel variant for
+sm_90 on any machine (no GPU needed) to catch Triton front-end errors before spending GPU time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
+
+if "--compile-only" in sys.argv:  # compiled-mode kernels even without a GPU (see triton_support)
+    os.environ["NINFER_TRITON_COMPILE_CHECK"] = "1"
 
 import torch
 
@@ -364,14 +369,74 @@ def decode_step_graph(log: Log, dev: torch.device, fmt: str, best: dict, width: 
     return ms
 
 
+def compile_all(log: Log) -> bool:
+    """Compile every kernel × format × tile variant the routes use for sm_90 (Triton front end + ptxas)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ninfer.kernels import gdn_decode as gd
+    from ninfer.kernels import gguf_matmul as gm
+    from ninfer.kernels import kv_quant
+    from ninfer.kernels import paged_attention as pa
+
+    target = GPUTarget("cuda", 90, 32)
+    ok = True
+
+    def build(fn, sig, const, name, warps=4):
+        nonlocal ok
+        try:
+            triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const), target=target,
+                           options={"num_warps": warps})
+            log(f"compile {name}: ok")
+        except Exception as e:  # report every failure, keep going
+            ok = False
+            log(f"compile {name}: FAILED {type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}")
+
+    mm = {"w_ptr": "*u8", "w32_ptr": "*i32", "x_ptr": "*bf16", "y_ptr": "*bf16", "grid_ptr": "*i32",
+          "levels_ptr": "*fp32", "N": "i32", "K": "i32", "M": "i32", "row_bytes": "i32", "stride_xm": "i32",
+          "stride_ym": "i32"}
+    for fmt in KERNEL_FORMATS:
+        f = FORMATS[fmt]
+        geo = dict(FMT=gm.FORMAT_CODES[fmt], QK=f.block_elems, BB=f.block_bytes)
+        build(gm._gguf_matmul_sub_kernel, mm, {**geo, "BLOCK_N": 32, "BLOCK_M": 16, "SPLIT_K": 1,
+                                               "DOT_F16": True}, f"sub {fmt}")
+        if fmt in FMA_FORMATS:
+            fma_sig = {k: v for k, v in mm.items() if k != "levels_ptr"}
+            build(gm._gemv_fma_kernel, fma_sig, {**geo, "BLOCK_N": 16, "BLOCK_M": 4, "SPLIT_K": 4},
+                  f"fma {fmt}")
+    build(gd._conv_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "conv_ptr": "*fp32", "slot_ptr": "*i32",
+                            "y_ptr": "*fp32", "conv_all_ptr": "*fp32", "T": "i32", "C": "i32", "s_xb": "i32",
+                            "s_xt": "i32", "s_cs": "i32", "s_cc": "i32"}, {"BLOCK_C": 256, "STORE_ALL": True},
+          "gdn conv")
+    rec = {"y_ptr": "*fp32", "a_ptr": "*fp32", "b_ptr": "*fp32", "alog_ptr": "*fp32", "dtb_ptr": "*fp32",
+           "state_ptr": "*fp16", "slot_ptr": "*i32", "o_ptr": "*fp32", "all_ptr": "*fp16", "T": "i32",
+           "C": "i32", "Hv": "i32", "s_ab": "i32", "s_at": "i32", "s_ss": "i32", "s_sh": "i32"}
+    build(gd._recurrent_kernel, rec,
+          {"HK": 16, "DK": 128, "DV": 128, "BLOCK_V": 32, "STORE_ALL": True}, "gdn recurrent")
+    attn = {"q_ptr": "*fp32", "kv_ptr": "*u8", "kv16_ptr": "*i16", "pt_ptr": "*i32", "lane_ptr": "*i32",
+            "len_ptr": "*i32", "levels_ptr": "*fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "Hq": "i32",
+            "Hkv": "i32", "pt_stride": "i32", "token_bytes": "i32", "pages_per_split": "i32", "scale": "fp32"}
+    for name, code in pa.KERNEL_KV_CODES.items():
+        kb = kv_quant.kv_format(name, 256).key_bytes
+        const = {"FMT": code, "D": 256, "G": 6, "GPAD": 16, "KB": kb, "SPLITS": 4}
+        build(pa._paged_decode_kernel, attn, const, f"paged attention {name}")
+    return ok
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="folder for gpu_check.json")
     ap.add_argument("--quick", action="store_true", help="only the checks, on tiny shapes (CPU works)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: gemv,prefill,gdn,graph")
     ap.add_argument("--check-formats", default=",".join(KERNEL_FORMATS), help="formats the gemm check covers")
+    ap.add_argument("--compile-only", action="store_true", help="compile every kernel for sm_90, run nothing")
     args = ap.parse_args(argv)
     log = Log(args.out)
+    if args.compile_only:
+        ok = compile_all(log)
+        log(f"compile {'passed' if ok else 'FAILED'}")
+        return 0 if ok else 1
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     import triton
 

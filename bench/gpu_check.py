@@ -24,6 +24,7 @@ from pathlib import Path
 
 if "--compile-only" in sys.argv:  # compiled-mode kernels even without a GPU (see triton_support)
     os.environ["NINFER_TRITON_COMPILE_CHECK"] = "1"
+os.environ.setdefault("NINFER_TRITON_ON_CPU", "1")  # --quick on CPU runs the kernels in the interpreter
 
 import torch
 

@@ -11,6 +11,12 @@ from ninfer.kernels.paged_attention import paged_decode_attention, paged_decode_
 from ninfer.kernels.triton_support import HAVE_TRITON
 
 
+@pytest.fixture(autouse=True)
+def _triton_on_cpu(monkeypatch):
+    """Run the Triton kernels themselves (interpreter) on CPU tensors, not the reference fallback."""
+    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
+
+
 def filled_pool(gen, fmt, lens, kv_heads, pages_total=12):
     """A KV pool with random K/V for sequences of `lens` tokens on shuffled pages; returns storage, tables."""
     D = fmt.head_dim

@@ -14,6 +14,12 @@ from ninfer.kernels.triton_support import HAVE_TRITON
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is a dependency on Linux x86-64")
 
 
+@pytest.fixture(autouse=True)
+def _triton_on_cpu(monkeypatch):
+    """Run the Triton kernels themselves (interpreter) on CPU tensors, not the reference fallback."""
+    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
+
+
 def make_layer(gen, B, T, Hk, Hv, Dk, Dv, slots, state_dtype=torch.float32):
     C = 2 * Hk * Dk + Hv * Dv
     return dict(

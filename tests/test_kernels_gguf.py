@@ -22,6 +22,12 @@ SCALE_OFFSETS = {"q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q8_0": [0], "q4_k": 
                  "q6_k": [208], "iq4_xs": [0], "iq3_s": [0]}
 
 
+@pytest.fixture(autouse=True)
+def _triton_on_cpu(monkeypatch):
+    """Run the Triton kernels themselves (interpreter) on CPU tensors, not the reference fallback."""
+    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
+
+
 def random_gguf_rows(fmt: str, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
     """Random but valid GGUF blocks: uniform bytes, fp16 scales in [0.0005, 0.0025)."""
     f = FORMATS[fmt]

@@ -5,16 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ninfer.kernels.paged_attention
 from ninfer.errors import NinferError
 from ninfer.kernels import kv_quant
 from ninfer.kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
 from ninfer.kernels.triton_support import HAVE_TRITON
 
 
+def _no_fallback(*args, **kwargs):
+    raise AssertionError("the PyTorch fallback ran instead of the Triton kernel")
+
+
 @pytest.fixture(autouse=True)
 def _triton_on_cpu(monkeypatch):
-    """Run the Triton kernels themselves (interpreter) on CPU tensors, not the reference fallback."""
+    """Run the Triton kernels themselves (interpreter) on CPU tensors; a silent fallback would fail."""
     monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
+    if HAVE_TRITON:
+        monkeypatch.setattr(ninfer.kernels.paged_attention, "paged_decode_attention_reference", _no_fallback)
 
 
 def filled_pool(gen, fmt, lens, kv_heads, pages_total=12):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+import ninfer.kernels.gguf_matmul
 from ninfer.errors import NinferError
 from ninfer.kernels.gguf_matmul import (
     KERNEL_FORMATS,
@@ -22,10 +23,16 @@ SCALE_OFFSETS = {"q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q8_0": [0], "q4_k": 
                  "q6_k": [208], "iq4_xs": [0], "iq3_s": [0]}
 
 
+def _no_fallback(*args, **kwargs):
+    raise AssertionError("the PyTorch fallback ran instead of the Triton kernel")
+
+
 @pytest.fixture(autouse=True)
 def _triton_on_cpu(monkeypatch):
-    """Run the Triton kernels themselves (interpreter) on CPU tensors, not the reference fallback."""
+    """Run the Triton kernels themselves (interpreter) on CPU tensors; a silent fallback would fail."""
     monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
+    if HAVE_TRITON:
+        monkeypatch.setattr(ninfer.kernels.gguf_matmul, "quant_matmul_reference", _no_fallback)
 
 
 def random_gguf_rows(fmt: str, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:

@@ -16,7 +16,7 @@ from ninfer.models.cache_spec import CacheSpec
 from ninfer.models.dense import DenseModel
 from ninfer.models.mtp import MtpHead
 from ninfer.models.qwen3_5 import Qwen35Model
-from ninfer.models.weights import WeightSource
+from ninfer.models.weights import WeightSource, quantized_linears
 
 __all__ = ["CacheSpec", "DenseModel", "MtpHead", "Qwen35Model", "load_model"]
 
@@ -28,12 +28,20 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     load_mtp: bool = True,
+    quantized_weights: bool = False,
 ):
     """Build the text model (and its MTP head when the artifact has one and `load_mtp`).
 
-    `artifact` is a `ninfer.artifact.Artifact` (or any WeightSource with `components`). Quantized
-    weights are dequantised once to `dtype`; norms and small vectors stay fp32.
+    `artifact` is a `ninfer.artifact.Artifact` (or any WeightSource with `components`). By default
+    quantized weights are dequantised once to `dtype` (the CPU reference); with `quantized_weights`
+    the projections keep their GGUF blocks on `device` and multiply through the quantized matmul
+    kernel. Embeddings, norms and small vectors are always dense (small vectors fp32).
     """
+    with quantized_linears(quantized_weights):
+        return _build(artifact, dtype, device, load_mtp)
+
+
+def _build(artifact, dtype: torch.dtype, device, load_mtp: bool):
     if dtype not in COMPUTE_DTYPES:
         raise ArtifactError(f"compute dtype {dtype} is not supported; use float32 or bfloat16")
     source: WeightSource = artifact

@@ -7,6 +7,9 @@ A quantized GPU backend replaces `Linear.forward` (it has `stored`, the raw GGUF
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 import torch
@@ -14,6 +17,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.errors import ArtifactError
+
+# Set by `load_model(..., quantized_weights=True)` while it builds a model: Linears keep GGUF blocks.
+QUANTIZED_LINEARS: ContextVar[bool] = ContextVar("quantized_linears", default=False)
+
+
+@contextmanager
+def quantized_linears(enabled: bool) -> Iterator[None]:
+    """Build every `Linear` in this block in quantized mode (GGUF formats) or dense mode."""
+    token = QUANTIZED_LINEARS.set(enabled)
+    try:
+        yield
+    finally:
+        QUANTIZED_LINEARS.reset(token)
 
 
 class StoredLike(Protocol):
@@ -66,7 +82,13 @@ def load_vector(source: WeightSource, name: str, device: torch.device | str) -> 
 
 
 class Linear(nn.Module):
-    """`y = x[..., input_columns] @ Wᵀ (+ b)`; W [out, in] from the artifact, dequantised once."""
+    """`y = x[..., input_columns] @ Wᵀ (+ b)`; W [out, in] from the artifact.
+
+    Dense mode (default, the CPU reference): W dequantised once to the compute dtype (`weight`).
+    Quantized mode (`quantized=True`, GGUF block formats only): the raw blocks (`raw`, uint8
+    [out, row_bytes]) move to `device` as stored and every call runs `kernels.gguf_matmul.quant_matmul`
+    (Triton on CUDA; its reference elsewhere). Other formats stay dense in either mode.
+    """
 
     def __init__(
         self,
@@ -75,12 +97,20 @@ class Linear(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         bias_name: str | None = None,
+        quantized: bool | None = None,
     ):
         super().__init__()
         self.name = name
+        self.dtype = dtype
         self.stored = source.tensor(name)
-        self.weight = nn.Buffer(load_dense(source, name, dtype, device))
-        self.out_features, self.in_features = self.weight.shape
+        self.out_features, self.in_features = (int(n) for n in self.stored.shape)
+        self.format = getattr(self.stored, "format", "f32")
+        if quantized is None:
+            quantized = QUANTIZED_LINEARS.get()
+        if quantized and self.format.startswith("gguf_"):
+            self.weight, self.raw = None, nn.Buffer(self.stored.data.to(device))
+        else:
+            self.weight, self.raw = nn.Buffer(load_dense(source, name, dtype, device)), None
         columns = source.input_columns(name)
         self.input_columns = None if columns is None else columns.to(device=device, dtype=torch.long)
         self.bias = None if bias_name is None else nn.Buffer(load_dense(source, bias_name, dtype, device))
@@ -88,7 +118,13 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_columns is not None:
             x = x.index_select(-1, self.input_columns)
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        x = x.to(self.dtype)
+        if self.raw is None:
+            return F.linear(x, self.weight, self.bias)
+        from ninfer.kernels.gguf_matmul import quant_matmul
+
+        y = quant_matmul(self.raw, self.format, x, self.out_features)
+        return y if self.bias is None else y + self.bias
 
 
 class Embedding(nn.Module):

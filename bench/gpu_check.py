@@ -370,6 +370,55 @@ def decode_step_graph(log: Log, dev: torch.device, fmt: str, best: dict, width: 
     return ms
 
 
+def check_and_time_attention(log: Log, dev: torch.device, quick: bool) -> bool:
+    """Paged decode attention vs the reference on the same bytes; then µs per layer at 16K context."""
+    from ninfer.kernels import kv_quant
+    from ninfer.kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
+
+    ok = True
+    Hq, Hkv, D = (4, 2, 64) if quick else (24, 4, 256)
+    for name in ("bf16", "int8", "rk8v4", "rk4v4"):
+        fmt = kv_quant.kv_format(name, D)
+        lens = [70, 5] if quick else [1000, 64, 333]
+        pages = sum(-(-n // 64) for n in lens) + 2
+        storage = torch.randint(0, 256, (pages, Hkv, 64, fmt.token_bytes), dtype=torch.uint8, device=dev)
+        tables = torch.full((len(lens), max(-(-n // 64) for n in lens)), -1, dtype=torch.int32, device=dev)
+        perm = torch.randperm(pages).tolist()
+        for lane, n in enumerate(lens):
+            for i in range(-(-n // 64)):
+                page = perm.pop()
+                tables[lane, i] = page
+                storage[page] = kv_quant.encode_kv(fmt, torch.randn(Hkv, 64, D, device=dev),
+                                                   torch.randn(Hkv, 64, D, device=dev))
+        ids = torch.arange(len(lens), device=dev, dtype=torch.int32).flip(0)
+        seq = torch.tensor(lens, device=dev, dtype=torch.int32).flip(0)
+        q = torch.randn(len(lens), Hq, D, device=dev, dtype=torch.bfloat16)
+        ref = paged_decode_attention_reference(q.float(), storage, tables, ids, seq, fmt)
+        out = paged_decode_attention(q.float(), storage, tables, ids, seq, fmt)
+        err = rel_err(out, ref)
+        passed = bool(torch.isfinite(out).all()) and err < 5e-3  # tf32 dots on the GPU
+        ok &= passed
+        log(f"check paged attention {name}: rel err {err:.1e} {'ok' if passed else 'FAIL'}")
+        log.record(kind="check", op="paged_attention", format=name, rel_err=err, ok=passed)
+        if quick:
+            continue
+        ctx = 16384
+        n_pages = ctx // 64
+        big = torch.randint(0, 256, (16 * n_pages, Hkv, 64, fmt.token_bytes), dtype=torch.uint8, device=dev)
+        big[..., fmt.key_bytes - 2 * (D // 64):fmt.key_bytes] = 0  # finite scales: zero keeps them valid
+        layer_tables = [torch.arange(i * n_pages, (i + 1) * n_pages, device=dev, dtype=torch.int32)[None]
+                        for i in range(16)]
+        one = torch.zeros(1, device=dev, dtype=torch.int32)
+        lens16 = torch.full((1,), ctx, device=dev, dtype=torch.int32)
+        q1 = torch.randn(1, Hq, D, device=dev)
+        us = graph_us([lambda t=t, big=big, fmt=fmt, q1=q1, one=one, n=lens16: paged_decode_attention(
+            q1, big, t, one, n, fmt) for t in layer_tables])
+        floor = n_pages * 64 * Hkv * fmt.token_bytes / FLOOR_TBPS / 1e6
+        log(f"paged attention {name} 16K context, batch 1: {us:.1f} us/layer (floor {floor:.1f} us)")
+        log.record(kind="time", op="paged_attention", format=name, context=ctx, us=us)
+    return ok
+
+
 def compile_all(log: Log) -> bool:
     """Compile every kernel × format × tile variant the routes use for sm_90 (Triton front end + ptxas)."""
     import triton
@@ -432,6 +481,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", default="", help="comma list of sections to skip: gemv,prefill,gdn,graph")
     ap.add_argument("--check-formats", default=",".join(KERNEL_FORMATS), help="formats the gemm check covers")
     ap.add_argument("--compile-only", action="store_true", help="compile every kernel for sm_90, run nothing")
+    ap.add_argument("--attention-only", action="store_true", help="only the paged attention check and timing")
     args = ap.parse_args(argv)
     log = Log(args.out)
     if args.compile_only:
@@ -444,6 +494,11 @@ def main(argv=None) -> int:
     log(f"torch {torch.__version__}, triton {triton.__version__}, device "
         f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}, fla {prefill.fla_available()}")
     torch.manual_seed(int(time.time()))  # fresh random inputs every run
+    if args.attention_only:
+        ok = check_and_time_attention(log, dev, args.quick or dev.type != "cuda")
+        log.save()
+        log(f"attention {'passed' if ok else 'FAILED'}")
+        return 0 if ok else 1
     skip = set(args.skip.split(","))
     ok = check_gemm(log, dev, args.quick, args.check_formats.split(","))
     if "gdn" not in skip:

@@ -11,6 +11,7 @@ matrix, so keys are used as stored. `paged_decode_attention_reference` decodes t
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -122,6 +123,13 @@ def _paged_decode_kernel(
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=g_ok)
 
 
+@functools.cache
+def _device_tables(head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Walsh–Hadamard matrix and codebook levels on `device`, made once (no host copies inside a graph)."""
+    return (kv_quant.hadamard_matrix(head_dim).to(device),
+            kv_quant.lloyd_max_gaussian_levels().to(device=device, dtype=torch.float32))
+
+
 def _check(q, storage, page_tables, lane_ids, seq_lens, fmt) -> None:
     B, Hq, D = q.shape
     if storage.dtype != torch.uint8 or storage.dim() != 4 or storage.shape[2] != PAGE_TOKENS:
@@ -152,11 +160,10 @@ def paged_decode_attention(
     if splits is None:  # enough programs to cover the GPU on long contexts; one split when short
         splits = max(1, min(max_pages, -(-264 // (B * Hkv))))
     per_split = -(-max_pages // splits)
-    qr = kv_quant.rotate(q.float()) if fmt.rotated_keys else q.float()
-    qr = qr.contiguous()
+    hadamard, levels = _device_tables(D, q.device)
+    qr = (q.float() @ hadamard if fmt.rotated_keys else q.float()).contiguous()
     acc = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
     ml = torch.empty((B, Hq, splits, 2), dtype=torch.float32, device=q.device)
-    levels = kv_quant.lloyd_max_gaussian_levels().to(q.device)
     _paged_decode_kernel[(B, Hkv, splits)](
         qr, storage, storage.view(torch.int16), page_tables, lane_ids.to(torch.int32),
         seq_lens.to(torch.int32), levels, acc, ml, Hq, Hkv, page_tables.stride(0), storage.shape[3],

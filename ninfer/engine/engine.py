@@ -257,6 +257,8 @@ class Engine:
     def step(self, rnd: Round) -> None:
         """Run one planned round and commit its tokens."""
         logits = self.runner.run(rnd)
+        if logits is not None:
+            logits = logits.cpu()  # sampling (seeded CPU generators) runs on the host
         self._rounds += 1
         now = time.monotonic()
         j = 0

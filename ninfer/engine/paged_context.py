@@ -32,8 +32,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: 
 class PagedBatchContext:
     """One forward's view of the pools; `spans[i].slot` is the lane (page table row and GDN slot)."""
 
-    def __init__(self, spans: list[SequenceSpan], kv: KvPool, states: GdnStatePool):
+    def __init__(self, spans: list[SequenceSpan], kv: KvPool, states: GdnStatePool,
+                 batched_decode: bool | None = None):
         self.spans = spans
+        # one-token spans go through ninfer.kernels.paged_attention in one call (default: on CUDA)
+        self.batched_decode = kv.device.type == "cuda" if batched_decode is None else batched_decode
         self._kv = kv
         self._states = states
         self._handed_out: dict[tuple[int, int], GdnState] = {}
@@ -41,16 +44,34 @@ class PagedBatchContext:
 
     def attention(self, kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)
+        decode = [i for i, s in enumerate(self.spans) if s.length == 1] if self.batched_decode else []
         for i, span in enumerate(self.spans):
             rows = slice(span.start, span.start + span.length)
             where, pages = self._addresses(i)
             self._kv.write(kv_layer, where, k[rows], v[rows])
+            if i in decode:
+                continue
             keys, values = self._kv.read(kv_layer, pages, span.cached_tokens + span.length)
             qs = q[rows].float()
             if self._kv.fmt.rotated_keys:
                 qs = rotate(qs)
             out[rows] = causal_attention(qs, keys, values, span.cached_tokens).to(q.dtype)
+        if decode:
+            out[self._decode_rows(decode)] = self._decode_attention(kv_layer, q, decode)
         return out
+
+    def _decode_rows(self, decode: list[int]) -> torch.Tensor:
+        return torch.tensor([self.spans[i].start for i in decode], device=self._kv.device)
+
+    def _decode_attention(self, kv_layer: int, q: torch.Tensor, decode: list[int]) -> torch.Tensor:
+        """One-token spans in one paged-kernel call (Triton on CUDA, its reference elsewhere)."""
+        from ninfer.kernels.paged_attention import paged_decode_attention
+
+        spans = [self.spans[i] for i in decode]
+        lanes = torch.tensor([s.slot for s in spans], dtype=torch.int32, device=self._kv.device)
+        lens = torch.tensor([s.cached_tokens + 1 for s in spans], dtype=torch.int32, device=self._kv.device)
+        return paged_decode_attention(q[self._decode_rows(decode)], self._kv.storage[kv_layer],
+                                      self._kv.page_tables, lanes, lens, self._kv.fmt)
 
     def _addresses(self, span_index: int):
         """Write slots and read pages of a span, computed once per forward (all layers share them)."""

@@ -17,6 +17,7 @@ class ModelRunner:
         self.kv = kv
         self.states = states
         self.device = torch.device(device)
+        self.batched_decode: bool | None = None  # None: the paged decode kernel on CUDA only
 
     def install(self, rnd: Round) -> None:
         """Apply the scheduler's lane changes: forget released lanes, map and zero admitted ones."""
@@ -43,7 +44,7 @@ class ModelRunner:
             if item.sample:
                 last_rows.append(row + n - 1)
             row += n
-        ctx = PagedBatchContext(spans, self.kv, self.states)
+        ctx = PagedBatchContext(spans, self.kv, self.states, self.batched_decode)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model.forward(input_ids, pos, ctx)

@@ -99,3 +99,17 @@ def test_bench_json_on_the_artifact_and_synthetic(tiny_artifact, capsys):
     assert bench_main(["--synthetic", "tiny", "-p", "32", "-n", "4", "-r", "1"]) == 0
     table = capsys.readouterr().out
     assert "pp32" in table and "tg4" in table and "synthetic-tiny" in table
+
+
+def test_bench_perplexity_per_kv_dtype(tiny_artifact, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("The sea is blue and the sky is grey. " * 20)
+    assert bench_main([str(tiny_artifact), "--perplexity", str(text), "--ppl-tokens", "100",
+                       "--kv-dtype", "fp32,rk8v4", "-o", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["kv_dtype"] for r in rows] == ["fp32", "rk8v4"]
+    # random weights: perplexity near the vocabulary size, and the KV dtype moves it only slightly
+    assert 100 < rows[0]["perplexity"] < 40_000
+    assert abs(rows[1]["perplexity"] / rows[0]["perplexity"] - 1) < 0.05
+    assert bench_main([str(tiny_artifact), "--kv-dtype", "q3"]) == 1
+

@@ -13,6 +13,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,7 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (default 128)")
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timed repetitions (default 3)")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="KV cache dtype (default bf16)")
+    p.add_argument("--kv-dtype", default="bf16", help="KV cache dtype, or a comma-separated list to compare "
+                                                      f"({', '.join(KV_DTYPES)}; default bf16)")
+    p.add_argument("--perplexity", type=Path, metavar="TEXT_FILE",
+                   help="instead of pp/tg: perplexity of the file's first --ppl-tokens tokens per KV dtype")
+    p.add_argument("--ppl-tokens", type=int, default=3072,
+                   help="tokens scored by --perplexity (default 3072)")
+    p.add_argument("--vs-transformers", type=Path, metavar="GGUF",
+                   help="also time transformers (fp32, its GGUF loader) decoding the same prompt from "
+                        "this GGUF")
     p.add_argument("--prefill-chunk", type=int, help="prefill chunk (default: the whole prompt)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
@@ -45,10 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_engine(args) -> tuple[Engine, str]:
-    ctx = args.n_prompt + args.n_gen
-    config = EngineConfig(max_context=ctx, kv_capacity=ctx, kv_dtype=args.kv_dtype, device=args.device,
-                          dtype=args.dtype, prefill_chunk=args.prefill_chunk or args.n_prompt)
+def make_engine(args, kv_dtype: str, ctx: int, chunk: int) -> tuple[Engine, str]:
+    config = EngineConfig(max_context=ctx, kv_capacity=ctx, kv_dtype=kv_dtype, device=args.device,
+                          dtype=args.dtype, prefill_chunk=chunk)
     if args.synthetic:
         from ninfer.engine.synthetic import synthetic_model
 
@@ -57,25 +65,57 @@ def make_engine(args) -> tuple[Engine, str]:
     return Engine(args.model, config), Path(args.model).stem
 
 
-def run_once(engine: Engine, args, seed: int) -> TokenEvent:
-    vocab = getattr(engine.model, "vocab_size", 1000)
+def bench_prompt(vocab: int, n: int, seed: int) -> tuple[int, ...]:
     g = torch.Generator().manual_seed(seed)
-    ids = tuple(torch.randint(0, min(vocab, 4000), (args.n_prompt,), generator=g).tolist())
-    params = SamplingParams(max_tokens=args.n_gen, temperature=0.0, ignore_eos=True)
-    handle = engine.submit(GenerationRequest(f"bench-{seed}", ids, params))
+    return tuple(torch.randint(0, min(vocab, 4000), (n,), generator=g).tolist())
+
+
+def run_once(engine: Engine, ids: tuple[int, ...], n_gen: int) -> tuple[TokenEvent, list[int]]:
+    params = SamplingParams(max_tokens=n_gen, temperature=0.0, ignore_eos=True)
+    handle = engine.submit(GenerationRequest("bench", ids, params))
+    tokens: list[int] = []
     while True:  # drive the rounds on this thread: no loop-thread wake-up latency in the numbers
         rnd = engine.scheduler.schedule()
         if rnd is not None:
             engine.step(rnd)
         while (ev := handle.next_event(0)) is not None:
+            tokens += ev.token_ids
             if ev.finish_reason is not None:
                 if ev.finish_reason == "error":
                     raise EngineConfigError(f"benchmark request failed: {ev.error}")
-                return ev
+                return ev, tokens
+
+
+def transformers_decode(gguf: Path, ids: tuple[int, ...], n_gen: int) -> tuple[float, list[int]]:
+    """transformers (fp32) on the same GGUF: decode tok/s over the same greedy steps, and its tokens."""
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    hf.eval()
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n_gen, min_new_tokens=n_gen, do_sample=False,
+                          logits_processor=LogitsProcessorList([Stamp()]))
+    return (n_gen - 1) / (stamps[-1] - stamps[0]), out[0, len(ids):].tolist()
 
 
 def summarise(samples: list[float]) -> tuple[float, float]:
     return statistics.fmean(samples), statistics.stdev(samples) if len(samples) > 1 else 0.0
+
+
+def parse_kv_dtypes(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in KV_DTYPES]
+    if bad or not names:
+        raise EngineConfigError(f"unknown --kv-dtype {', '.join(bad) or text!r}; choose from "
+                                f"{', '.join(KV_DTYPES)}")
+    return names
 
 
 def body(argv: Sequence[str] | None) -> int:
@@ -84,36 +124,85 @@ def body(argv: Sequence[str] | None) -> int:
         raise EngineConfigError("give either MODEL or --synthetic NAME")
     if args.n_prompt < 1 or args.n_gen < 2 or args.repetitions < 1:
         raise EngineConfigError("-p must be >= 1, -n >= 2 and -r >= 1")
+    if args.perplexity is not None and args.synthetic:
+        raise EngineConfigError("--perplexity needs a MODEL artifact (its tokenizer), not --synthetic")
+    kv_dtypes = parse_kv_dtypes(args.kv_dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.perplexity is not None:
+        ctx, chunk = args.ppl_tokens, args.prefill_chunk or 512
+    else:
+        ctx, chunk = args.n_prompt + args.n_gen, args.prefill_chunk or args.n_prompt
     t0 = time.monotonic()
-    engine, name = make_engine(args)
+    engine, name = make_engine(args, kv_dtypes[0], ctx, chunk)
     elapsed = time.monotonic() - t0
     print(f"loaded {name} in {elapsed:.1f} s · {engine.memory_ledger().line()}", file=sys.stderr)
-    run_once(engine, argparse.Namespace(n_prompt=min(args.n_prompt, 16), n_gen=2), seed=-1)  # warm-up
-    pp, tg = [], []
-    for r in range(args.repetitions):
-        ev = run_once(engine, args, seed=r)
-        pp.append(ev.prefill_tok_per_s)
-        tg.append(ev.decode_tok_per_s)
-    common = dict(model=name, kv_dtype=args.kv_dtype, device=args.device, dtype=args.dtype,
-                  threads=torch.get_num_threads())
+    common = dict(model=name, device=args.device, dtype=args.dtype, threads=torch.get_num_threads())
     rows = []
-    for test, samples in ((f"pp{args.n_prompt}", pp), (f"tg{args.n_gen}", tg)):
-        mean, std = summarise(samples)
-        rows.append({**common, "test": test, "tok_per_s": mean, "std": std, "samples": samples})
+    ppl_ids = None
+    if args.perplexity is not None:
+        ppl_ids = engine.tokenizer.encode(args.perplexity.read_text(encoding="utf-8"))[: args.ppl_tokens]
+    for kv in kv_dtypes:
+        if kv != engine.config.kv_dtype:
+            config = replace(engine.config, kv_dtype=kv)
+            engine = Engine.from_model(engine.model, config, tuple(engine.eos_ids))
+        if args.perplexity is not None:
+            rows.append({**common, "kv_dtype": kv, **perplexity_row(engine, ppl_ids)})
+        else:
+            rows += speed_rows(engine, args, {**common, "kv_dtype": kv})
+    if args.vs_transformers is not None and args.perplexity is None:
+        ids = bench_prompt(getattr(engine.model, "vocab_size", 1000), args.n_prompt, seed=0)
+        ours = run_once(engine, ids, args.n_gen)[1]
+        tps, theirs = transformers_decode(args.vs_transformers, ids, args.n_gen)
+        same = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), len(ours))
+        rows.append({**common, "model": "transformers (fp32)", "dtype": "float32", "kv_dtype": "-",
+                     "test": f"tg{args.n_gen}", "tok_per_s": tps, "std": 0.0, "samples": [tps],
+                     "greedy_tokens_equal_to_ninfer": same})
     print(json.dumps(rows, indent=1) if args.output == "json" else table(rows))
     return 0
 
 
+def speed_rows(engine: Engine, args, common: dict) -> list[dict]:
+    vocab = getattr(engine.model, "vocab_size", 1000)
+    run_once(engine, bench_prompt(vocab, min(args.n_prompt, 16), seed=-1), 2)  # warm-up
+    pp, tg = [], []
+    for r in range(args.repetitions):
+        ev, _ = run_once(engine, bench_prompt(vocab, args.n_prompt, seed=r), args.n_gen)
+        pp.append(ev.prefill_tok_per_s)
+        tg.append(ev.decode_tok_per_s)
+    rows = []
+    for test, samples in ((f"pp{args.n_prompt}", pp), (f"tg{args.n_gen}", tg)):
+        mean, std = summarise(samples)
+        rows.append({**common, "test": test, "tok_per_s": mean, "std": std, "samples": samples})
+    return rows
+
+
+def perplexity_row(engine: Engine, ids: list[int]) -> dict:
+    from ninfer.engine.perplexity import perplexity
+
+    t0 = time.monotonic()
+    ppl, scored = perplexity(engine, ids, chunk=engine.config.prefill_chunk)
+    return {"test": f"ppl{scored + 1}", "perplexity": ppl, "seconds": time.monotonic() - t0}
+
+
 def table(rows: list[dict]) -> str:
-    head = f"| {'model':<32} | {'kv':<6} | {'device':<6} | {'dtype':<8} | {'test':<8} | {'tok/s':>18} |"
-    lines = [head, "|" + "|".join("-" * (len(c) + 0) for c in head.split("|")[1:-1]) + "|"]
+    head = f"| {'model':<32} | {'kv':<6} | {'device':<6} | {'dtype':<8} | {'test':<8} | {'result':>20} |"
+    lines = [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
     for r in rows:
-        tps = f"{r['tok_per_s']:.2f} ± {r['std']:.2f}"
-        lines.append(f"| {r['model']:<32} | {r['kv_dtype']:<6} | {r['device']:<6} | {r['dtype']:<8} | "
-                     f"{r['test']:<8} | {tps:>18} |")
+        if "perplexity" in r:
+            result = f"ppl {r['perplexity']:.4f}"
+        else:
+            result = f"{r['tok_per_s']:.2f} ± {r['std']:.2f} tok/s"
+        lines.append(f"| {r['model'][:32]:<32} | {r['kv_dtype']:<6} | {r['device']:<6} | {r['dtype']:<8} | "
+                     f"{r['test']:<8} | {result:>20} |")
+        if "greedy_tokens_equal_to_ninfer" in r:
+            lines.append(f"(transformers greedy tokens equal to ninfer's for the first "
+                         f"{r['greedy_tokens_equal_to_ninfer']} of {args_n(r)})")
     return "\n".join(lines)
+
+
+def args_n(row: dict) -> str:
+    return row["test"].removeprefix("tg")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -35,6 +35,8 @@ from ninfer.kernels.gdn_decode import gdn_decode, gdn_decode_reference  # noqa: 
 from ninfer.kernels.gguf_matmul import (  # noqa: E402
     FMA_FORMATS,
     KERNEL_FORMATS,
+    SCHEDULES,
+    WV_FORMATS,
     dequantize_rows,
     quant_matmul,
     random_gguf_weight,
@@ -47,10 +49,10 @@ GDN_SHAPES = {"qkv": (10240, HIDDEN), "z": (6144, HIDDEN), "beta": (48, HIDDEN),
               "out": (HIDDEN, 6144)}
 ATTN_SHAPES = {"q": (12288, HIDDEN), "k": (1024, HIDDEN), "v": (1024, HIDDEN), "o": (HIDDEN, 6144)}
 MLP_SHAPES = {"gate": (FFN, HIDDEN), "up": (FFN, HIDDEN), "down": (HIDDEN, FFN)}
-DECODE_SCHEDULES = {1: ["fma_n32_m1", "fma_n64_m1", "fma_n16_m1_s4", "fma_n32_m1_s2", "sub_n64", "sub_n32_s4",
-                        "sub_n32_w2"],
-                    4: ["fma_n16_m4", "fma_n32_m4", "fma_n16_m4_s4", "sub_n64", "sub_n32_s4", "sub_n32_w2"],
-                    16: ["sub_n32", "sub_n64", "sub_n32_w2", "sub_n32_s4"]}
+DECODE_SCHEDULES = {1: ["wv_n16_m1", "wv_n32_m1", "wv_n64_m1", "wv_n16_m1_s2", "wv_n16_m1_s4", "wv_n8_m1_s4",
+                        "fma_n16_m1_s4", "fma_n64_m1", "fma_n32_m1_s2", "sub_n32_w2"],
+                    4: ["wv_n16_m4", "wv_n8_m4", "wv_n16_m4_s4", "fma_n16_m4_s4", "sub_n32_s4", "sub_n64"],
+                    16: ["wv_n8_m16_w8", "sub_n32", "sub_n64", "sub_n32_w2", "sub_n32_s4"]}
 PREFILL_SCHEDULES = ["dequant_mm", "sub_n64_m64", "elem_n128_m128_k64_w8"]
 L2_BYTES = 60 << 20
 WIDTHS = (1, 4)
@@ -128,6 +130,10 @@ def check_gemm(log: Log, dev: torch.device, quick: bool, formats=KERNEL_FORMATS)
                 names = ["tiny_sub" if quick else None]
                 if fmt in FMA_FORMATS and width <= 4:
                     names.append("tiny_fma_m2" if quick else ("fma_n32_m1" if width == 1 else "fma_n32_m4"))
+                if fmt in WV_FORMATS and width <= 16:
+                    wide = ["wv_n16_m4", "wv_n8_m16_w8"]
+                    names += ["tiny_wv_m2"] if quick else (["wv_n16_m1", "wv_n16_m1_s4", "wv_n64_m1"]
+                                                           if width == 1 else wide)
                 for name in names:
                     out = quant_matmul(raw, fmt, x, rows, schedule=name)
                     err = rel_err(out, x.double() @ w.t())
@@ -204,21 +210,24 @@ def copy_bandwidth(log: Log, dev: torch.device) -> float:
     return tbps
 
 
-def time_gemv(log: Log, dev: torch.device, floor: float) -> dict:
+def time_gemv(log: Log, dev: torch.device, floor: float, defaults: bool = True) -> dict:
     """Per-shape decode GEMV times (CUDA graph over weight copies > L2): every schedule × widths 1, 4, 16."""
     best: dict = {}
     shapes = sorted(set({**GDN_SHAPES, **ATTN_SHAPES, **MLP_SHAPES}.values()))
-    cases = [(fmt, r, c) for fmt in ("iq3_s", "q4_k") for r, c in shapes]
+    cases = [(fmt, r, c) for fmt in ("iq3_s", "q4_k") for r, c in shapes] + [("q6_k", VOCAB, HIDDEN)]
     for fmt, rows, cols in cases:
         one = random_gguf_weight(fmt, rows, cols, dev)
         nbytes = one.numel()
         n_copies = min(64, -(-3 * L2_BYTES // nbytes))  # tiny matrices stay L2-resident: capped launches
         copies = [one] + [random_gguf_weight(fmt, rows, cols, dev) for _ in range(n_copies - 1)]
-        for width in ((1,) if rows == VOCAB else WIDTHS):
+        wide = (16,) if (rows, cols) in ((FFN, HIDDEN), (HIDDEN, FFN)) else ()
+        widths = (1,) if rows == VOCAB else WIDTHS + wide
+        for width in widths:
             x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
             times = {}
             for sched in DECODE_SCHEDULES[width]:
-                if fmt not in FMA_FORMATS and sched.startswith("fma"):
+                kernel = SCHEDULES[sched].kernel
+                if (kernel == "fma" and fmt not in FMA_FORMATS) or (kernel == "wv" and fmt not in WV_FORMATS):
                     continue
                 calls = [lambda w=w, sched=sched, fmt=fmt, x=x, rows=rows: quant_matmul(
                     w, fmt, x, rows, schedule=sched) for w in copies]
@@ -237,7 +246,7 @@ def time_gemv(log: Log, dev: torch.device, floor: float) -> dict:
     us = graph_us([lambda bf=bf: x @ bf.t() for bf in bfs])
     log(f"gemv torch bf16 {FFN}x{HIDDEN} w1: {us:.1f} us ({bfs[0].numel() * 2 / us / 1e6:.2f} TB/s)")
     log.record(kind="time", op="gemv_torch_bf16", shape=[FFN, HIDDEN], us=us)
-    for fmt in KERNEL_FORMATS:
+    for fmt in KERNEL_FORMATS if defaults else ():
         copies = [random_gguf_weight(fmt, FFN, HIDDEN, dev) for _ in range(4)]
         us = graph_us([lambda w=w, fmt=fmt: quant_matmul(w, fmt, x, FFN) for w in copies])
         log(f"gemv {fmt} {FFN}x{HIDDEN} w1 default: {us:.1f} us ({copies[0].numel() / us / 1e6:.2f} TB/s)")
@@ -451,10 +460,15 @@ def compile_all(log: Log) -> bool:
         geo = dict(FMT=gm.FORMAT_CODES[fmt], QK=f.block_elems, BB=f.block_bytes)
         build(gm._gguf_matmul_sub_kernel, mm, {**geo, "BLOCK_N": 32, "BLOCK_M": 16, "SPLIT_K": 1,
                                                "DOT_F16": True}, f"sub {fmt}")
+        fma_sig = {k: v for k, v in mm.items() if k != "levels_ptr"}
         if fmt in FMA_FORMATS:
-            fma_sig = {k: v for k, v in mm.items() if k != "levels_ptr"}
             build(gm._gemv_fma_kernel, fma_sig, {**geo, "BLOCK_N": 16, "BLOCK_M": 4, "SPLIT_K": 4},
                   f"fma {fmt}")
+        if fmt in gm.WV_FORMATS:
+            for sc in sorted({s for s in gm.SCHEDULES.values() if s.kernel == "wv"}, key=str):
+                tiles = {"BLOCK_N": sc.block_n, "BLOCK_M": sc.block_m, "SPLIT_K": sc.split_k}
+                build(gm._gemv_wv_kernel, {**fma_sig, "row_words": "i32"}, {**geo, **tiles},
+                      f"wv {fmt} {sc.name}", warps=sc.num_warps)
     build(gd._conv_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "conv_ptr": "*fp32", "slot_ptr": "*i32",
                             "y_ptr": "*fp32", "conv_all_ptr": "*fp32", "T": "i32", "C": "i32", "s_xb": "i32",
                             "s_xt": "i32", "s_cs": "i32", "s_cc": "i32"}, {"BLOCK_C": 256, "STORE_ALL": True},
@@ -478,7 +492,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="folder for gpu_check.json")
     ap.add_argument("--quick", action="store_true", help="only the checks, on tiny shapes (CPU works)")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: gemv,prefill,gdn,graph")
+    ap.add_argument("--skip", default="",
+                    help="comma list of sections to skip: gemv,defaults,prefill,gdn,graph")
     ap.add_argument("--check-formats", default=",".join(KERNEL_FORMATS), help="formats the gemm check covers")
     ap.add_argument("--compile-only", action="store_true", help="compile every kernel for sm_90, run nothing")
     ap.add_argument("--attention-only", action="store_true", help="only the paged attention check and timing")
@@ -508,7 +523,7 @@ def main(argv=None) -> int:
         log(f"checks {'passed' if ok else 'FAILED'}")
         return 0 if ok else 1
     floor = copy_bandwidth(log, dev)
-    best = time_gemv(log, dev, floor) if "gemv" not in skip else {}
+    best = time_gemv(log, dev, floor, "defaults" not in skip) if "gemv" not in skip else {}
     log.save()
     if "prefill" not in skip:
         time_prefill_gemm(log, dev)
@@ -525,11 +540,10 @@ def main(argv=None) -> int:
     print("\n==== summary ====")
     print(f"checks: {'all passed' if ok else 'FAILURES (see above)'}; copy {floor:.2f} TB/s")
     for (fmt, rows, cols, width), (sched, us) in sorted(best.items()):
-        if width in WIDTHS:
-            nbytes = rows * cols // FORMATS[fmt].block_elems * FORMATS[fmt].block_bytes
-            tbps = nbytes / us / 1e6
-            print(f"gemv {fmt:6s} {rows:6d}x{cols:<6d} w{width:<2d} {us:7.1f} us {tbps:5.2f} TB/s "
-                  f"({100 * tbps / floor:3.0f}% of copy) {sched}")
+        nbytes = rows * cols // FORMATS[fmt].block_elems * FORMATS[fmt].block_bytes
+        tbps = nbytes / us / 1e6
+        print(f"gemv {fmt:6s} {rows:6d}x{cols:<6d} w{width:<2d} {us:7.1f} us {tbps:5.2f} TB/s "
+              f"({100 * tbps / floor:3.0f}% of copy) {sched}")
     for name, us in gdn.items():
         print(f"gdn_decode {name:16s} {us:6.1f} us/layer")
     for (fmt, width), ms in steps.items():

@@ -24,6 +24,7 @@ FORMAT_CODES = {"q4_0": 0, "q4_1": 1, "q5_0": 2, "q8_0": 3, "q4_k": 4, "q5_k": 5
                 "iq4_xs": 7, "iq3_s": 8}
 KERNEL_FORMATS = tuple(FORMAT_CODES)
 FMA_FORMATS = ("q4_k", "iq3_s")  # formats the 1–4 column FMA kernel decodes
+WV_FORMATS = ("q4_k", "iq3_s", "q6_k")  # formats the word-vector GEMV kernel decodes
 
 
 class QuantKernelError(NinferError):
@@ -71,6 +72,17 @@ SCHEDULES: dict[str, MatmulSchedule] = {
         MatmulSchedule("fma_n16_m4_s4", "fma", 16, 4, split_k=4),
         MatmulSchedule("tiny_fma_m2", "fma", 16, 2),
         MatmulSchedule("dequant_mm", "dequant_mm", 64, 0, 256),
+        MatmulSchedule("wv_n16_m1", "wv", 16, 1),
+        MatmulSchedule("wv_n32_m1", "wv", 32, 1),
+        MatmulSchedule("wv_n64_m1", "wv", 64, 1, num_warps=8),
+        MatmulSchedule("wv_n16_m1_s2", "wv", 16, 1, split_k=2),
+        MatmulSchedule("wv_n16_m1_s4", "wv", 16, 1, split_k=4),
+        MatmulSchedule("wv_n8_m1_s4", "wv", 8, 1, split_k=4),
+        MatmulSchedule("wv_n16_m4", "wv", 16, 4),
+        MatmulSchedule("wv_n16_m4_s4", "wv", 16, 4, split_k=4),
+        MatmulSchedule("wv_n8_m4", "wv", 8, 4),
+        MatmulSchedule("wv_n8_m16_w8", "wv", 8, 16, num_warps=8),
+        MatmulSchedule("tiny_wv_m2", "wv", 16, 2),
     )
 }
 
@@ -515,6 +527,150 @@ def _gemv_fma_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Triton, word-vector GEMV ("wv", q4_k, iq3_s, q6_k; 1–16 columns). Same program grid as the FMA kernel, but
+# no integer→float conversion per weight (I2F issues at 1/8 of the FMA rate on Hopper: the largest single cost
+# of the older kernels). Each code is placed in the mantissa of a float in [1, 2) with one shift and one
+# and/or (`1 + q / 2^b`, exact), multiplied with x by one FMA, and the constant part is removed once per
+# sub-block with the sum of x over that sub-block, which all rows of the program share:
+#     Σ q·x = 2^b · (Σ v·x − Σ x)          for v = 1 + q / 2^b.
+# Predicted issue slots per weight (1 column): q4_k 3 (shift, and/or, FMA) + 2/8 (scale FMAs per word)
+# ≈ 3.3; iq3_s 3 + ~15 integer ops per unit of 4 (index, grid gather, signs folded into a biased 5-bit
+# code c = 16 + s·m with word-wide integer ops) ≈ 6.8; q6_k 2 shifts + 2 and/or + FMA ≈ 5 + byte loads.
+# Each extra column adds one FMA per weight.
+
+
+@jit
+def _mant(word, SHIFT: tl.constexpr, MASK: tl.constexpr):
+    """The float32 whose bits are `(word << SHIFT) & MASK` (a right shift for negative SHIFT) or-ed into 1.0:
+    `1 + q / 2^b` for the code q that MASK selects in the mantissa (b = 23 − the mask's lowest bit)."""
+    if SHIFT >= 0:
+        bits = (word << SHIFT) & MASK
+    else:
+        bits = (word >> (-SHIFT)) & MASK
+    return (bits | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@jit
+def _f16_lo(word):
+    """float32 of the fp16 in the low 16 bits of an int32 word."""
+    return (word & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@jit
+def _small_float(q):
+    """float32 of a small non-negative int32 (< 2^23) without an integer→float conversion instruction."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@jit
+def _k_scale_min_words(w1, w2, w3, s):
+    """6-bit scale and min of sub-block s (q4_k, q5_k) from the 12 scale bytes as int32 words w1..w3."""
+    sh = 8 * (s % 4)
+    low = s < 4
+    sc = tl.where(low, (w1 >> sh) & 63, ((w3 >> sh) & 0xF) | (((w1 >> (sh + 6)) & 3) << 4))
+    mn = tl.where(low, (w2 >> sh) & 63, ((w3 >> (sh + 4)) & 0xF) | (((w2 >> (sh + 6)) & 3) << 4))
+    return _small_float(sc), _small_float(mn)
+
+
+@jit
+def _gemv_wv_kernel(
+    w_ptr, w32_ptr, x_ptr, y_ptr, grid_ptr,
+    N, K, M, row_bytes, stride_xm, stride_ym, row_words,
+    FMT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = offs_n < N
+    nm = n_ok[:, None, None, None]
+    m4 = offs_m[None, None, None, :]
+    xm = m4 < M
+    row_off = offs_n.to(tl.int64)[:, None, None, None] * row_bytes
+    row_w = offs_n.to(tl.int64)[:, None, None, None] * row_words  # q4_k: rows are whole words
+    # tile axes: (row, group, lane, column); q4_k: group = 64-code chunk, lane = qs word of the chunk;
+    # iq3_s: group = 32-code sub-block, lane = grid entry; q6_k: group = 16-code half of 32, lane = code
+    G: tl.constexpr = 4 if FMT == 4 else (8 if FMT == 8 else 2)
+    L: tl.constexpr = 8 if FMT != 6 else 16
+    g4 = tl.arange(0, G)[None, :, None, None]
+    l4 = tl.arange(0, L)[None, None, :, None]
+    acc = tl.zeros([BLOCK_N, G, L, BLOCK_M], dtype=tl.float32)
+    blocks = K // QK
+    per_split = (blocks + SPLIT_K - 1) // SPLIT_K
+    for blk in range(pid_k * per_split, tl.minimum(blocks, (pid_k + 1) * per_split)):
+        b = w_ptr + row_off + blk * BB
+        xb = x_ptr + m4 * stride_xm + blk * QK
+        if FMT == 4:  # q4_k: word (c, p) holds codes 64c + 4p + j (low nibbles) and 64c + 32 + 4p + j (high)
+            wb = w32_ptr + row_w + blk * (BB // 4)  # the block's first word: 16-byte aligned
+            words = tl.load(wb + 4 + 8 * g4 + l4, mask=nm, other=0)
+            h0 = tl.load(wb, mask=nm, other=0)
+            h1 = tl.load(wb + 1, mask=nm, other=0)
+            h2 = tl.load(wb + 2, mask=nm, other=0)
+            h3 = tl.load(wb + 3, mask=nm, other=0)
+            d16 = 16.0 * _f16_lo(h0)
+            dmin = _f16_lo(h0 >> 16)
+            sc_lo, mn_lo = _k_scale_min_words(h1, h2, h3, 2 * g4)
+            sc_hi, mn_hi = _k_scale_min_words(h1, h2, h3, 2 * g4 + 1)
+            p_lo = tl.zeros([BLOCK_N, G, L, BLOCK_M], dtype=tl.float32)
+            p_hi = tl.zeros([BLOCK_N, G, L, BLOCK_M], dtype=tl.float32)
+            xs_lo = tl.zeros([1, G, L, BLOCK_M], dtype=tl.float32)
+            xs_hi = tl.zeros([1, G, L, BLOCK_M], dtype=tl.float32)
+            for j in tl.static_range(4):  # v = 1 + q/16: nibble at bits 19..22
+                x_lo = tl.load(xb + 64 * g4 + 4 * l4 + j, mask=xm, other=0.0).to(tl.float32)
+                x_hi = tl.load(xb + 64 * g4 + 32 + 4 * l4 + j, mask=xm, other=0.0).to(tl.float32)
+                p_lo += _mant(words, 19 - 8 * j, 0x00780000) * x_lo
+                p_hi += _mant(words, 15 - 8 * j, 0x00780000) * x_hi
+                xs_lo += x_lo
+                xs_hi += x_hi
+            # d·sc·Σq·x − dmin·mn·Σx with Σq·x = 16(Σv·x − Σx)
+            ds_lo = d16 * sc_lo
+            ds_hi = d16 * sc_hi
+            acc += ds_lo * p_lo + ds_hi * p_hi
+            acc -= (ds_lo + dmin * mn_lo) * xs_lo + (ds_hi + dmin * mn_hi) * xs_hi
+        elif FMT == 8:  # iq3_s: entry (ib, p) = grid index qs[8ib + p] | qh bit, 4 codes 32ib + 4p + j
+            qs = _u8(b + 2 + 8 * g4 + l4, nm)
+            qh = _u8(b + 66 + g4, nm)
+            g = tl.load(grid_ptr + (qs | (((qh >> l4) & 1) << 8)))
+            sn = (_u8(b + 74 + 4 * g4 + l4 // 2, nm) >> (4 * (l4 % 2))) & 0xF
+            # byte j of c = 16 + m_j (sign bit 0) or 16 − m_j (sign 1): no carries between bytes
+            neg = ((sn * 0x204081) & 0x01010101) * 31
+            c = ((g ^ neg) + 0x10101010) - neg
+            part = tl.zeros([BLOCK_N, G, L, BLOCK_M], dtype=tl.float32)
+            xs = tl.zeros([1, G, L, BLOCK_M], dtype=tl.float32)
+            for j in tl.static_range(4):  # v = 1 + c/32: c at bits 18..22; s·m = 32v − 48
+                xj = tl.load(xb + 32 * g4 + 4 * l4 + j, mask=xm, other=0.0).to(tl.float32)
+                part += _mant(c, 18 - 8 * j, 0x007C0000) * xj
+                xs += xj
+            sc = (_u8(b + 106 + g4 // 2, nm) >> (4 * (g4 % 2))) & 0xF
+            db = _f16_at(b, nm) * (1 + 2 * sc).to(tl.float32)
+            acc += (32.0 * db) * part - (48.0 * db) * xs
+        else:  # q6_k: code 128h + 32j + 16g + l; low 4 bits in ql byte (h, j % 2, g, l) (nibble j // 2),
+            # high 2 bits in qh byte (h, g, l) (bits 2j); scale int8 at 192 + 8h + g + 2j
+            d64 = 64.0 * _f16_at(b + 208, nm)
+            for h in tl.static_range(2):
+                qhb = _u8(b + 128 + 32 * h + 16 * g4 + l4, nm)
+                for a in tl.static_range(2):
+                    ql = _u8(b + 64 * h + 32 * a + 16 * g4 + l4, nm)
+                    for hi in tl.static_range(2):  # j = a + 2·hi: v = 1 + q/64, q at bits 17..22
+                        j = a + 2 * hi
+                        lo4 = (ql << (17 - 4 * hi)) & 0x001E0000
+                        bits = lo4 | ((qhb << (21 - 2 * j)) & 0x00600000) | 0x3F800000
+                        v = bits.to(tl.float32, bitcast=True)
+                        xj = tl.load(xb + 128 * h + 32 * j + 16 * g4 + l4, mask=xm, other=0.0).to(tl.float32)
+                        sc = tl.load(b + 192 + 8 * h + 2 * j + g4, mask=nm, other=0).to(tl.int8, bitcast=True)
+                        ds = d64 * sc.to(tl.float32)
+                        acc += ds * ((v - 1.5) * xj)  # (q − 32)·x = 64(v − 1.5)·x, v − 1.5 exact
+    out = tl_sum(tl_sum(acc, 2), 1)
+    ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    mask = n_ok[:, None] & (offs_m < M)[None, :]
+    if SPLIT_K == 1:
+        tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(ptrs, out, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Public entry
 
 
@@ -573,7 +729,13 @@ def quant_matmul(
                   BLOCK_M=s.block_m, SPLIT_K=s.split_k, DOT_F16=dot_f16, **extra)
     shape_args = (out_features, in_features, M, raw.shape[1], x2.stride(0), y.stride(0))
     words = raw.view(torch.int32) if raw.shape[1] % 4 == 0 else raw
-    if s.kernel == "fma":
+    if s.kernel == "wv":
+        if format not in WV_FORMATS:
+            raise QuantKernelError(f"schedule {s.name} (word-vector GEMV) supports {', '.join(WV_FORMATS)}, "
+                                   f"not {format}; pick a sub_* schedule")
+        common.pop("DOT_F16")
+        _gemv_wv_kernel[launch](raw, words, x2, y, grid_u32, *shape_args, raw.shape[1] // 4, **common)
+    elif s.kernel == "fma":
         if format not in FMA_FORMATS:
             raise QuantKernelError(f"schedule {s.name} (FMA kernel) supports {', '.join(FMA_FORMATS)}, not "
                                    f"{format}; pick a sub_* schedule")

@@ -637,14 +637,16 @@ def _gemv_wv_kernel(
             neg = ((sn * 0x204081) & 0x01010101) * 31
             c = ((g ^ neg) + 0x10101010) - neg
             part = tl.zeros([BLOCK_N, G, L, BLOCK_M], dtype=tl.float32)
-            xs = tl.zeros([1, G, L, BLOCK_M], dtype=tl.float32)
-            for j in tl.static_range(4):  # v = 1 + c/32: c at bits 18..22; s·m = 32v − 48
+            for j in tl.static_range(4):  # 2^23 + c_j as a float, minus 2^23 + 16: s·m exactly
                 xj = tl.load(xb + 32 * g4 + 4 * l4 + j, mask=xm, other=0.0).to(tl.float32)
-                part += _mant(c, 18 - 8 * j, 0x007C0000) * xj
-                xs += xj
+                if j < 3:
+                    cj = (c >> (8 * j)) & 0x1F
+                else:
+                    cj = c >> 24
+                part += ((cj | 0x4B000000).to(tl.float32, bitcast=True) - 8388624.0) * xj
             sc = (_u8(b + 106 + g4 // 2, nm) >> (4 * (g4 % 2))) & 0xF
-            db = _f16_at(b, nm) * (1 + 2 * sc).to(tl.float32)
-            acc += (32.0 * db) * part - (48.0 * db) * xs
+            db = _f16_at(b, nm) * _small_float(1 + 2 * sc)
+            acc += db * part
         else:  # q6_k: code 128h + 32j + 16g + l; low 4 bits in ql byte (h, j % 2, g, l) (nibble j // 2),
             # high 2 bits in qh byte (h, g, l) (bits 2j); scale int8 at 192 + 8h + g + 2j
             d64 = 64.0 * _f16_at(b + 208, nm)

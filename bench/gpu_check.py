@@ -494,6 +494,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="only the checks, on tiny shapes (CPU works)")
     ap.add_argument("--skip", default="",
                     help="comma list of sections to skip: gemv,defaults,prefill,gdn,graph")
+    ap.add_argument("--graph-widths", default="1,4", help="batch widths of the decode-step graphs")
     ap.add_argument("--check-formats", default=",".join(KERNEL_FORMATS), help="formats the gemm check covers")
     ap.add_argument("--compile-only", action="store_true", help="compile every kernel for sm_90, run nothing")
     ap.add_argument("--attention-only", action="store_true", help="only the paged attention check and timing")
@@ -532,8 +533,8 @@ def main(argv=None) -> int:
     log.save()
     steps = {}
     if "graph" not in skip:
-        for fmt in ("iq3_s", "q4_k"):
-            for width in (1, 4):
+        for width in [int(w) for w in args.graph_widths.split(",")]:
+            for fmt in ("iq3_s", "q4_k"):
                 steps[(fmt, width)] = decode_step_graph(log, dev, fmt, best, width, torch.float32)
                 torch.cuda.empty_cache()
         log.save()

@@ -103,3 +103,24 @@ def test_gdn_state_fp16_stays_close(model, ref):
     a = drive(e32, [e32.submit(req("a", ids, max_tokens=6, temperature=0))])["a"][0]
     b = drive(e16, [e16.submit(req("a", ids, max_tokens=6, temperature=0))])["a"][0]
     assert a == b
+
+
+def test_greedy_alone_equals_greedy_among_three_others_at_different_stages(model, ref):
+    target = tuple(ref["p2_ids"].tolist())
+
+    def engine():
+        return Engine.from_model(model, EngineConfig(max_concurrency=4, max_context=128, kv_capacity=512,
+                                                     kv_dtype="bf16", prefill_chunk=16))
+
+    alone = engine()
+    expected = drive(alone, [alone.submit(req("t", target, max_tokens=12, temperature=0, ignore_eos=True))])
+    busy = engine()
+    handles = [busy.submit(req("a", tuple(ref["p3_ids"].tolist()), max_tokens=20, temperature=0))]
+    for _ in range(3):  # "a" is decoding when the others arrive
+        busy.step(busy.scheduler.schedule())
+    handles.append(busy.submit(req("b", tuple(ref["p1_ids"].tolist()) * 3, max_tokens=8, seed=5)))
+    busy.step(busy.scheduler.schedule())  # "b" is mid-prefill
+    handles.append(busy.submit(req("t", target, max_tokens=12, temperature=0, ignore_eos=True)))
+    handles.append(busy.submit(req("c", (5, 6, 7), max_tokens=12, top_k=20, seed=1)))
+    out = drive(busy, handles)
+    assert out["t"] == expected["t"]

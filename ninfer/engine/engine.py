@@ -116,6 +116,9 @@ class Engine:
         self._setup(model, config, eos_token_ids(self.artifact))
         try:  # the tokenizer's eos (e.g. <|im_end|>) ends a chat turn too
             self.eos_ids = self.eos_ids | frozenset(self.tokenizer.eos_token_ids)
+            # the output head may be padded past the tokenizer (e.g. 248,320 rows for 248,077 tokens):
+            # those rows are never sampled
+            self.sample_vocab = min(self.tokenizer.vocab_size, model.vocab_size)
         except Exception:  # an artifact without tokenizer resources still serves token ids
             pass
 
@@ -132,6 +135,7 @@ class Engine:
         self.config = config
         self.model = model
         self.eos_ids = frozenset(eos_ids)
+        self.sample_vocab: int | None = None  # sample only ids below this (None: every logit column)
         self.spec: CacheSpec = cache_spec_of(model)
         budget = device_budget_bytes(config.device, config.gpu_memory_limit_mib)
         weights = module_bytes(model)
@@ -258,7 +262,7 @@ class Engine:
         """Run one planned round and commit its tokens."""
         logits = self.runner.run(rnd)
         if logits is not None:
-            logits = logits.cpu()  # sampling (seeded CPU generators) runs on the host
+            logits = logits[:, : self.sample_vocab].cpu()  # sampling (seeded generators) runs on the host
         self._rounds += 1
         now = time.monotonic()
         j = 0

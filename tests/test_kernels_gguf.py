@@ -139,3 +139,17 @@ def test_word_vector_gemv_rejects_other_formats():
     raw = torch.zeros(4, 34, dtype=torch.uint8)
     with pytest.raises(NinferError, match="word-vector GEMV"):
         quant_matmul(raw, "q8_0", torch.randn(1, 32), 4, schedule="wv_n16_m1")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is a dependency on Linux x86-64")
+def test_every_word_vector_schedule_runs():
+    """Each wv tile/split/warp variant (the default routes use several) on one of the formats, in turn."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,)).item()))
+    rows, cols = 40, 512
+    names = sorted(n for n, s in SCHEDULES.items() if s.kernel == "wv")
+    for i, name in enumerate(names):
+        fmt = ("q4_k", "iq3_s", "q6_k")[i % 3]
+        raw = random_gguf_rows(fmt, rows, cols, gen)
+        x = torch.randn(min(SCHEDULES[name].block_m + 1, 5), cols, generator=gen)
+        out = quant_matmul(raw, fmt, x, rows, schedule=name)
+        assert rel_err(out, x.double() @ gguf_py_dense(raw, fmt, rows, cols).t()) < 1e-5, (fmt, name)

@@ -21,13 +21,20 @@ from ninfer.kernels.registry import (
 def test_default_routes_cover_every_width():
     reg = KernelRegistry()
     assert gemv_key("iq3_s", 6144, 5120) == "gemv/gguf_iq3_s/6144x5120"
-    assert reg.schedule("iq3_s", 6144, 5120, 1) == "fma_n16_m1_s4"
-    assert reg.schedule("iq3_s", 6144, 5120, 3) == "fma_n16_m4_s4"
-    assert reg.schedule("gguf_q4_k", 17408, 5120, 1) == "fma_n64_m1"
+    # the H200 run-5 bests (docs/gpu-notes.md)
+    assert reg.schedule("iq3_s", 6144, 5120, 1) == "wv_n16_m1_s4"
+    assert reg.schedule("iq3_s", 6144, 5120, 3) == "wv_n16_m4"
+    assert reg.schedule("iq3_s", 5120, 17408, 4) == "wv_n8_m4"
+    assert reg.schedule("iq3_s", 48, 5120, 1) == "wv_n8_m1_s4"
+    assert reg.schedule("iq3_s", 17408, 5120, 16) == "sub_n32_s4"
+    assert reg.schedule("gguf_q4_k", 17408, 5120, 1) == "wv_n16_m1_s4"
+    assert reg.schedule("gguf_q4_k", 12288, 5120, 1) == "wv_n32_m1"
     assert reg.schedule("gguf_q4_k", 17408, 5120, 4) == "sub_n64"
-    assert reg.schedule("q6_k", 5120, 6144, 1) == "sub_n32_s4"  # no FMA decoder for q6_k
+    assert reg.schedule("gguf_q4_k", 6144, 5120, 4) == "wv_n8_m4"
+    assert reg.schedule("q6_k", 248320, 5120, 1) == "wv_n32_m1"  # the output head
+    assert reg.schedule("q6_k", 5120, 6144, 1) == "sub_n32_s4"  # not measured for wv: the older route
     assert reg.schedule("q4_k", 6144, 5120, 5000) == "dequant_mm"
-    for fmt in ("q4_0", "iq3_s", "q4_k"):
+    for fmt in ("q4_0", "iq3_s", "q4_k", "q6_k"):
         for rows in (48, 6144, 248320):
             assert all(name in SCHEDULES for _, name in default_gemv_route(fmt, rows))
 
@@ -47,7 +54,7 @@ def test_profile_overrides_measured_keys_only(tmp_path):
     reg = KernelRegistry.from_profile(path, "nvidia-h200-sm90", 132)
     assert reg.schedule("iq3_s", 6144, 5120, 1) == "sub_n32"
     assert reg.schedule("iq3_s", 6144, 5120, 2) == "dequant_mm"
-    assert reg.schedule("iq3_s", 5120, 6144, 1) == "fma_n16_m1_s4"  # not in the profile: built-in
+    assert reg.schedule("iq3_s", 5120, 6144, 1) == "wv_n16_m1_s4"  # not in the profile: built-in
     assert KernelRegistry.from_profile(path, "nvidia-h200-sm90", 114).routes == {}  # other GPU
     stale = profile(tmp_path, {key: [[1, "sub_n32"]]}, digest="0" * 16)
     assert KernelRegistry.from_profile(stale, "nvidia-h200-sm90", 132).routes == {}

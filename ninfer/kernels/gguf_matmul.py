@@ -90,10 +90,10 @@ SCHEDULES: dict[str, MatmulSchedule] = {
 WIDE = 1 << 30  # a route's last max_width: any number of columns
 
 
-def default_route(format: str, out_features: int) -> list[tuple[int, str]]:
-    """Built-in `[(max_width, schedule), ...]` for a weight, from the H200 sweeps of docs/gpu-notes.md (runs 2
-    and 3): FMA kernel for 1–4 columns where it decodes the format, sub-block kernel to 64 columns,
-    dequantise + matmul beyond."""
+def default_route(format: str, out_features: int, in_features: int = 0) -> list[tuple[int, str]]:
+    """Built-in `[(max_width, schedule), ...]` for a weight, from the H200 sweeps of docs/gpu-notes.md (run 5
+    for 1–4 columns, runs 2–3 beyond): word-vector GEMV for 1–4 columns where it measured fastest, the
+    sub-block kernel to 64 columns, dequantise + matmul beyond. Shapes not measured keep the older routes."""
     name = format.removeprefix(GGUF_PREFIX)
     if out_features >= 17408:
         sub = "sub_n64"
@@ -102,18 +102,31 @@ def default_route(format: str, out_features: int) -> list[tuple[int, str]]:
     else:
         sub = "sub_n32_s4"
     route: list[tuple[int, str]] = []
+    small = out_features <= 1024  # few rows: split-K fills the GPU
     if name == "iq3_s":
-        route += [(1, "fma_n16_m1_s4"), (4, "fma_n16_m4_s4")]
+        four = "wv_n16_m4_s4" if small else ("wv_n8_m4" if in_features >= 16384 else "wv_n16_m4")
+        route += [(1, "wv_n8_m1_s4" if small else "wv_n16_m1_s4"), (4, four)]
+        sub = "sub_n32_s4"  # run 5, 16 columns: sub_n32_s4 beat sub_n64 / sub_n32_w2 at 17408 and 5120 rows
     elif name == "q4_k":
-        one = "fma_n64_m1" if out_features >= 12288 else (
-            "fma_n32_m1_s2" if out_features >= 6144 else "fma_n16_m1_s4")
-        route += [(1, one)]
+        if small:
+            one, four = "wv_n8_m1_s4", "wv_n16_m4_s4"
+        elif out_features <= 6144:
+            one = "wv_n16_m1_s4" if out_features <= 5120 else "wv_n16_m1"
+            four = "wv_n16_m4_s4" if in_features >= 16384 else "wv_n8_m4"
+        else:
+            one = "wv_n16_m1" if out_features < 12288 else (
+                "wv_n32_m1" if out_features < 17408 else "wv_n16_m1_s4")
+            four = "sub_n64"
+        route += [(1, one), (4, four)]
+    elif name == "q6_k" and out_features >= 65536:  # the output head (248320 rows): wv 854 µs vs sub 1799 µs
+        route += [(1, "wv_n32_m1")]
     return route + [(16, sub), (64, "sub_n64_m64"), (WIDE, "dequant_mm")]
 
 
-def default_schedule(columns: int, format: str = "q8_0", out_features: int = 4096) -> MatmulSchedule:
+def default_schedule(columns: int, format: str = "q8_0", out_features: int = 4096,
+                     in_features: int = 0) -> MatmulSchedule:
     """The built-in route's schedule for `columns` columns."""
-    for max_width, name in default_route(format, out_features):
+    for max_width, name in default_route(format, out_features, in_features):
         if columns <= max_width:
             return SCHEDULES[name]
     return SCHEDULES["dequant_mm"]
@@ -716,7 +729,7 @@ def quant_matmul(
         x2 = x2.contiguous()
     M = x2.shape[0]
     s = SCHEDULES[schedule] if isinstance(schedule, str) else (
-        schedule or default_schedule(M, format, out_features))
+        schedule or default_schedule(M, format, out_features, in_features))
     if s.kernel == "dequant_mm":
         w = dequantize_rows(raw, format, out_features, in_features, x.dtype if x.is_cuda else torch.float32)
         return (x2.to(w.dtype) @ w.t()).to(x.dtype).reshape(*x.shape[:-1], out_features)

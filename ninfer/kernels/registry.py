@@ -31,9 +31,9 @@ def gemv_key(format: str, out_features: int, in_features: int) -> str:
     return f"gemv/{fmt}/{out_features}x{in_features}"
 
 
-def default_gemv_route(format: str, out_features: int) -> Route:
+def default_gemv_route(format: str, out_features: int, in_features: int = 0) -> Route:
     """Built-in route (measured on the H200, docs/gpu-notes.md): `gguf_matmul.default_route`."""
-    return default_route(format, out_features)
+    return default_route(format, out_features, in_features)
 
 
 def route_catalog_digest() -> str:
@@ -50,7 +50,7 @@ class KernelRegistry:
 
     def schedule(self, format: str, out_features: int, in_features: int, width: int) -> str:
         key = gemv_key(format, out_features, in_features)
-        route = self.routes.get(key) or default_gemv_route(format, out_features)
+        route = self.routes.get(key) or default_gemv_route(format, out_features, in_features)
         for max_width, name in route:
             if width <= max_width:
                 return name

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-if "--compile-only" in sys.argv:  # compiled-mode kernels even without a GPU (see triton_support)
+if "--compile-only" in sys.argv or "--sass" in sys.argv:  # compiled-mode kernels even without a GPU
     os.environ["NINFER_TRITON_COMPILE_CHECK"] = "1"
 os.environ.setdefault("NINFER_TRITON_ON_CPU", "1")  # --quick on CPU runs the kernels in the interpreter
 
@@ -488,6 +488,57 @@ def compile_all(log: Log) -> bool:
     return ok
 
 
+def sass_counts(log: Log) -> bool:
+    """SASS instructions per weight in the main loop of each 1-column wv schedule, compiled for sm_90 on any
+    machine (pointer/size arguments hinted 16-divisible, as Triton specialises them at run time)."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ninfer.kernels import gguf_matmul as gm
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    sig = {"w_ptr": "*u8", "w32_ptr": "*i32", "x_ptr": "*bf16", "y_ptr": "*bf16", "grid_ptr": "*i32",
+           "N": "i32", "K": "i32", "M": "i32", "row_bytes": "i32", "stride_xm": "i32", "stride_ym": "i32",
+           "row_words": "i32"}
+    names = list(sig)
+    hinted = ("w_ptr", "w32_ptr", "x_ptr", "y_ptr", "grid_ptr", "K", "row_bytes", "row_words", "stride_xm",
+              "stride_ym")
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
+    for fmt in gm.WV_FORMATS:
+        f = FORMATS[fmt]
+        for sc in [s for s in gm.SCHEDULES.values() if s.kernel == "wv" and s.block_m == 1]:
+            const = dict(FMT=gm.FORMAT_CODES[fmt], QK=f.block_elems, BB=f.block_bytes, BLOCK_N=sc.block_n,
+                         BLOCK_M=1, SPLIT_K=sc.split_k)
+            src = ASTSource(gm._gemv_wv_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, attrs)
+            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": sc.num_warps})
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
+                tmp.write(c.asm["cubin"])
+                tmp.flush()
+                sass = subprocess.run([str(cuobjdump), "-sass", tmp.name], capture_output=True,
+                                      text=True).stdout
+            pattern = r"/\*([0-9a-f]{4})\*/\s+([^;]*);"
+            ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(pattern, sass)]
+            loops = [(int(t.group(1), 16), a) for a, i in ins for t in [re.search(r"BRA (0x[0-9a-f]+)", i)]
+                     if t and int(t.group(1), 16) < a]
+            if not loops:
+                log(f"sass wv {fmt} {sc.name}: no loop found")
+                continue
+            lo, hi = max(loops, key=lambda r: r[1] - r[0])
+            body = [i for a, i in ins if lo <= a <= hi]
+            mix = collections.Counter(re.sub(r"^@!?U?P\S+ ", "", i).split()[0].split(".")[0] for i in body)
+            per_thread = sc.block_n * f.block_elems / (32 * sc.num_warps)
+            top = " ".join(f"{k} {v}" for k, v in mix.most_common(8))
+            log(f"sass wv {fmt} {sc.name}: {len(body)} instructions per block loop = "
+                f"{len(body) / per_thread:.1f} per weight; {top}")
+    return True
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="folder for gpu_check.json")
@@ -497,9 +548,13 @@ def main(argv=None) -> int:
     ap.add_argument("--graph-widths", default="1,4", help="batch widths of the decode-step graphs")
     ap.add_argument("--check-formats", default=",".join(KERNEL_FORMATS), help="formats the gemm check covers")
     ap.add_argument("--compile-only", action="store_true", help="compile every kernel for sm_90, run nothing")
+    ap.add_argument("--sass", action="store_true",
+                    help="SASS instructions per weight of the 1-column wv schedules (sm_90, no GPU needed)")
     ap.add_argument("--attention-only", action="store_true", help="only the paged attention check and timing")
     args = ap.parse_args(argv)
     log = Log(args.out)
+    if args.sass:
+        return 0 if sass_counts(log) else 1
     if args.compile_only:
         ok = compile_all(log)
         log(f"compile {'passed' if ok else 'FAILED'}")

@@ -549,9 +549,9 @@ def _gemv_fma_kernel(
 # Predicted issue slots per weight (1 column): q4_k 3 (shift, and/or, FMA) + 2/8 (scale FMAs per word)
 # ≈ 3.3; iq3_s 3 + ~15 integer ops per unit of 4 (index, grid gather, signs folded into a biased 5-bit
 # code c = 16 + s·m with word-wide integer ops) ≈ 6.8; q6_k 2 shifts + 2 and/or + FMA ≈ 5 + byte loads.
-# Each extra column adds one FMA per weight. Compiled (sm_90 SASS, 1 column): q4_k 7.4–8.5, iq3_s 14.6,
-# q6_k 14 instructions per weight; H200 (run 5, docs/gpu-notes.md): 17408×5120 q4_k 49 µs, iq3_s 80 µs;
-# q6_k head 854 µs.
+# Each extra column adds one FMA per weight. Compiled (sm_90 SASS, 1 column, `gpu_check.py --sass`): q4_k
+# 8.5–11.2, iq3_s 13.6–14.6, q6_k 13.2–13.9 instructions per weight; H200 (run 5, docs/gpu-notes.md):
+# 17408×5120 q4_k 49 µs, iq3_s 80 µs; q6_k head 854 µs.
 
 
 @jit

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ninfer.engine.cache_spec import CacheSpec
+from ninfer.models.cache_spec import CacheSpec
 from ninfer.models.context import GdnState, SequenceSpan
 
 
@@ -41,9 +41,10 @@ class FakeHybridModel(torch.nn.Module):
                 self.gdn.append(w(48, 4, s=1.0))  # conv weight [C, K]
                 self.gdn.append(w(hidden, 16))
         n_gdn = self.kinds.count("gdn")
-        self.cache_spec = CacheSpec(kv_layers=self.kinds.count("attn"), kv_heads=self.hkv, head_dim=head_dim,
-                                    gdn_layers=n_gdn, conv_channels=48, conv_kernel=4, value_heads=2,
-                                    key_dim=8, value_dim=8)
+        self.cache_spec = CacheSpec(num_kv_layers=self.kinds.count("attn"), kv_heads=self.hkv,
+                                    head_dim=head_dim, num_gdn_layers=n_gdn, gdn_conv_channels=48,
+                                    gdn_conv_kernel=4, gdn_key_heads=2, gdn_value_heads=2, gdn_key_dim=8,
+                                    gdn_value_dim=8)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         x = self.embed_w[input_ids]
@@ -124,8 +125,8 @@ class ContiguousContext:
         sp = self.spec
         key = (gdn_layer, slot)
         if key not in self.states:
-            self.states[key] = GdnState(torch.zeros(sp.conv_channels, sp.conv_kernel - 1),
-                                        torch.zeros(sp.value_heads, sp.key_dim, sp.value_dim))
+            self.states[key] = GdnState(torch.zeros(sp.conv_state_shape),
+                                        torch.zeros(sp.recurrent_state_shape))
         return self.states[key]
 
 

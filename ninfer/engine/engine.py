@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from ninfer.engine.api import GenerationRequest, TokenEvent
-from ninfer.engine.cache_spec import CacheSpec, cache_spec_of
 from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.memory import (
     MemoryLedger,
@@ -33,6 +32,7 @@ from ninfer.engine.scheduler import Round, Scheduler, SchedulerLimits, Sequence
 from ninfer.engine.state_pool import GdnStatePool
 from ninfer.errors import EngineConfigError, RequestError
 from ninfer.kernels.kv_quant import KV_DTYPES
+from ninfer.models.cache_spec import CacheSpec
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -136,7 +136,7 @@ class Engine:
         self.model = model
         self.eos_ids = frozenset(eos_ids)
         self.sample_vocab: int | None = None  # sample only ids below this (None: every logit column)
-        self.spec: CacheSpec = cache_spec_of(model)
+        self.spec: CacheSpec = model.cache_spec
         budget = device_budget_bytes(config.device, config.gpu_memory_limit_mib)
         weights = module_bytes(model)
         gdn_bytes = GdnStatePool.bytes_per_slot(self.spec, config.gdn_state_fp16) * config.max_concurrency

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ninfer.engine.cache_spec import CacheSpec
 from ninfer.kernels.kv_quant import KvFormat, decode_kv, encode_kv, kv_format
+from ninfer.models.cache_spec import CacheSpec
 
 PAGE_TOKENS = 64
 
@@ -61,7 +61,7 @@ class KvPool:
         self.device = torch.device(device)
         shape = (self.num_pages, spec.kv_heads, PAGE_TOKENS, self.fmt.token_bytes)
         self.storage = [torch.zeros(shape, dtype=torch.uint8, device=self.device)
-                        for _ in range(spec.kv_layers)]
+                        for _ in range(spec.total_kv_layers)]
         self.max_pages_per_seq = pages_for(max_context)
         # -1 marks an unused entry; a GPU kernel reads rows [lane, : pages_for(len)]
         self.page_tables = torch.full((max_lanes, self.max_pages_per_seq), -1, dtype=torch.int32,
@@ -72,7 +72,7 @@ class KvPool:
     @staticmethod
     def bytes_per_token(spec: CacheSpec, kv_dtype: str) -> int:
         """Bytes one token takes over all KV layers and heads."""
-        return kv_format(kv_dtype, spec.head_dim).token_bytes * spec.kv_heads * spec.kv_layers
+        return kv_format(kv_dtype, spec.head_dim).token_bytes * spec.kv_heads * spec.total_kv_layers
 
     @property
     def total_bytes(self) -> int:

@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ninfer.engine.cache_spec import CacheSpec
 from ninfer.engine.kv_pool import PAGE_TOKENS, KvPool
 from ninfer.engine.state_pool import GdnStatePool
 from ninfer.errors import EngineConfigError
+from ninfer.models.cache_spec import CacheSpec
 
 MIB = 1 << 20
 GIB = 1 << 30

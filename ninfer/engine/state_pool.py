@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ninfer.engine.cache_spec import CacheSpec
+from ninfer.models.cache_spec import CacheSpec
 
 
 class GdnStatePool:
@@ -14,18 +16,17 @@ class GdnStatePool:
         self.spec = spec
         self.slots = slots
         self.recurrent_dtype = torch.float16 if fp16 else torch.float32
-        k1 = max(spec.conv_kernel - 1, 0)
-        self.conv = [torch.zeros(slots, spec.conv_channels, k1, device=device)
-                     for _ in range(spec.gdn_layers)]
+        self.conv = [torch.zeros(slots, *spec.conv_state_shape, device=device)
+                     for _ in range(spec.num_gdn_layers)]
         self.recurrent = [
-            torch.zeros(slots, spec.value_heads, spec.key_dim, spec.value_dim, dtype=self.recurrent_dtype,
-                        device=device)
-            for _ in range(spec.gdn_layers)
+            torch.zeros(slots, *spec.recurrent_state_shape, dtype=self.recurrent_dtype, device=device)
+            for _ in range(spec.num_gdn_layers)
         ]
 
     @staticmethod
     def bytes_per_slot(spec: CacheSpec, fp16: bool) -> int:
-        return spec.gdn_layers * (spec.conv_state_elems * 4 + spec.recurrent_state_elems * (2 if fp16 else 4))
+        conv, recurrent = math.prod(spec.conv_state_shape), math.prod(spec.recurrent_state_shape)
+        return spec.num_gdn_layers * (conv * 4 + recurrent * (2 if fp16 else 4))
 
     @property
     def total_bytes(self) -> int:

@@ -210,11 +210,12 @@ def copy_bandwidth(log: Log, dev: torch.device) -> float:
     return tbps
 
 
-def time_gemv(log: Log, dev: torch.device, floor: float, defaults: bool = True) -> dict:
+def time_gemv(log: Log, dev: torch.device, floor: float, defaults: bool = True,
+              formats: tuple[str, ...] = ("iq3_s", "q4_k")) -> dict:
     """Per-shape decode GEMV times (CUDA graph over weight copies > L2): every schedule × widths 1, 4, 16."""
     best: dict = {}
     shapes = sorted(set({**GDN_SHAPES, **ATTN_SHAPES, **MLP_SHAPES}.values()))
-    cases = [(fmt, r, c) for fmt in ("iq3_s", "q4_k") for r, c in shapes] + [("q6_k", VOCAB, HIDDEN)]
+    cases = [(fmt, r, c) for fmt in formats for r, c in shapes] + [("q6_k", VOCAB, HIDDEN)]
     for fmt, rows, cols in cases:
         one = random_gguf_weight(fmt, rows, cols, dev)
         nbytes = one.numel()
@@ -467,7 +468,9 @@ def compile_all(log: Log) -> bool:
         if fmt in gm.WV_FORMATS:
             for sc in sorted({s for s in gm.SCHEDULES.values() if s.kernel == "wv"}, key=str):
                 tiles = {"BLOCK_N": sc.block_n, "BLOCK_M": sc.block_m, "SPLIT_K": sc.split_k}
-                build(gm._gemv_wv_kernel, {**fma_sig, "row_words": "i32"}, {**geo, **tiles},
+                tiles["QK"], tiles["BB"] = gm.wv_geometry(fmt)
+                units = "*i16" if fmt == "q8_0" else "*i32"  # q8_0 rows are read as int16
+                build(gm._gemv_wv_kernel, {**fma_sig, "w32_ptr": units, "row_words": "i32"}, {**geo, **tiles},
                       f"wv {fmt} {sc.name}", warps=sc.num_warps)
     build(gd._conv_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "conv_ptr": "*fp32", "slot_ptr": "*i32",
                             "y_ptr": "*fp32", "conv_all_ptr": "*fp32", "T": "i32", "C": "i32", "s_xb": "i32",
@@ -511,11 +514,13 @@ def sass_counts(log: Log) -> bool:
               "stride_ym")
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
     for fmt in gm.WV_FORMATS:
-        f = FORMATS[fmt]
         for sc in [s for s in gm.SCHEDULES.values() if s.kernel == "wv" and s.block_m == 1]:
-            const = dict(FMT=gm.FORMAT_CODES[fmt], QK=f.block_elems, BB=f.block_bytes, BLOCK_N=sc.block_n,
-                         BLOCK_M=1, SPLIT_K=sc.split_k)
-            src = ASTSource(gm._gemv_wv_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, attrs)
+            qk, bb = gm.wv_geometry(fmt)
+            const = dict(FMT=gm.FORMAT_CODES[fmt], QK=qk, BB=bb, BLOCK_N=sc.block_n, BLOCK_M=1,
+                         SPLIT_K=sc.split_k)
+            units = {"w32_ptr": "*i16"} if fmt == "q8_0" else {}  # q8_0 rows are read as int16
+            src = ASTSource(gm._gemv_wv_kernel, {**sig, **units, **dict.fromkeys(const, "constexpr")}, const,
+                            attrs)
             c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": sc.num_warps})
             with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
                 tmp.write(c.asm["cubin"])
@@ -532,7 +537,7 @@ def sass_counts(log: Log) -> bool:
             lo, hi = max(loops, key=lambda r: r[1] - r[0])
             body = [i for a, i in ins if lo <= a <= hi]
             mix = collections.Counter(re.sub(r"^@!?U?P\S+ ", "", i).split()[0].split(".")[0] for i in body)
-            per_thread = sc.block_n * f.block_elems / (32 * sc.num_warps)
+            per_thread = sc.block_n * qk / (32 * sc.num_warps)
             top = " ".join(f"{k} {v}" for k, v in mix.most_common(8))
             log(f"sass wv {fmt} {sc.name}: {len(body)} instructions per block loop = "
                 f"{len(body) / per_thread:.1f} per weight; {top}")
@@ -545,6 +550,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="only the checks, on tiny shapes (CPU works)")
     ap.add_argument("--skip", default="",
                     help="comma list of sections to skip: gemv,defaults,prefill,gdn,graph")
+    ap.add_argument("--gemv-formats", default="iq3_s,q4_k",
+                    help="formats of the per-shape GEMV sweep (the q6_k head is always timed)")
     ap.add_argument("--graph-widths", default="1,4", help="batch widths of the decode-step graphs")
     ap.add_argument("--check-formats", default=",".join(KERNEL_FORMATS), help="formats the gemm check covers")
     ap.add_argument("--compile-only", action="store_true", help="compile every kernel for sm_90, run nothing")
@@ -579,7 +586,8 @@ def main(argv=None) -> int:
         log(f"checks {'passed' if ok else 'FAILED'}")
         return 0 if ok else 1
     floor = copy_bandwidth(log, dev)
-    best = time_gemv(log, dev, floor, "defaults" not in skip) if "gemv" not in skip else {}
+    formats = tuple(args.gemv_formats.split(","))
+    best = time_gemv(log, dev, floor, "defaults" not in skip, formats) if "gemv" not in skip else {}
     log.save()
     if "prefill" not in skip:
         time_prefill_gemm(log, dev)

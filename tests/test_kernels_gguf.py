@@ -119,7 +119,7 @@ def test_bad_weight_is_a_user_error():
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="Triton is a dependency on Linux x86-64")
-@pytest.mark.parametrize("fmt", ["q4_k", "iq3_s", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_k", "iq3_s", "q6_k", "q5_k", "q8_0"])
 def test_word_vector_gemv_matches_gguf_py(fmt):
     """The word-vector GEMV (codes as mantissa bits, per-sub-block x-sum corrections) on fresh blocks:
     partial row tiles, 1–3 columns (a partial column tile), split-K, and an in_features of 3 blocks."""
@@ -136,9 +136,12 @@ def test_word_vector_gemv_matches_gguf_py(fmt):
 
 
 def test_word_vector_gemv_rejects_other_formats():
-    raw = torch.zeros(4, 34, dtype=torch.uint8)
+    raw = torch.zeros(4, 18, dtype=torch.uint8)
     with pytest.raises(NinferError, match="word-vector GEMV"):
-        quant_matmul(raw, "q8_0", torch.randn(1, 32), 4, schedule="wv_n16_m1")
+        quant_matmul(raw, "q4_0", torch.randn(1, 32), 4, schedule="wv_n16_m1")
+    raw = torch.zeros(4, 34 * 4, dtype=torch.uint8)  # q8_0 rows of 128 columns: not whole 256-column steps
+    with pytest.raises(NinferError, match="256-column"):
+        quant_matmul(raw, "q8_0", torch.randn(1, 128), 4, schedule="wv_n16_m1")
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="Triton is a dependency on Linux x86-64")
@@ -148,7 +151,7 @@ def test_every_word_vector_schedule_runs():
     rows, cols = 40, 512
     names = sorted(n for n, s in SCHEDULES.items() if s.kernel == "wv")
     for i, name in enumerate(names):
-        fmt = ("q4_k", "iq3_s", "q6_k")[i % 3]
+        fmt = ("q4_k", "iq3_s", "q6_k", "q5_k", "q8_0")[i % 5]
         raw = random_gguf_rows(fmt, rows, cols, gen)
         x = torch.randn(min(SCHEDULES[name].block_m + 1, 5), cols, generator=gen)
         out = quant_matmul(raw, fmt, x, rows, schedule=name)

@@ -24,7 +24,7 @@ FORMAT_CODES = {"q4_0": 0, "q4_1": 1, "q5_0": 2, "q8_0": 3, "q4_k": 4, "q5_k": 5
                 "iq4_xs": 7, "iq3_s": 8}
 KERNEL_FORMATS = tuple(FORMAT_CODES)
 FMA_FORMATS = ("q4_k", "iq3_s")  # formats the 1–4 column FMA kernel decodes
-WV_FORMATS = ("q4_k", "iq3_s", "q6_k")  # formats the word-vector GEMV kernel decodes
+WV_FORMATS = ("q4_k", "iq3_s", "q6_k", "q5_k", "q8_0")  # formats the word-vector GEMV kernel decodes
 
 
 class QuantKernelError(NinferError):
@@ -588,6 +588,15 @@ def _k_scale_min_words(w1, w2, w3, s):
 
 
 @jit
+def _sh(word, SHIFT: tl.constexpr):
+    """word << SHIFT, or >> −SHIFT for a negative SHIFT."""
+    if SHIFT >= 0:
+        return word << SHIFT
+    else:
+        return word >> (-SHIFT)
+
+
+@jit
 def _gemv_wv_kernel(
     w_ptr, w32_ptr, x_ptr, y_ptr, grid_ptr,
     N, K, M, row_bytes, stride_xm, stride_ym, row_words,
@@ -603,11 +612,12 @@ def _gemv_wv_kernel(
     m4 = offs_m[None, None, None, :]
     xm = m4 < M
     row_off = offs_n.to(tl.int64)[:, None, None, None] * row_bytes
-    row_w = offs_n.to(tl.int64)[:, None, None, None] * row_words  # q4_k: rows are whole words
+    row_w = offs_n.to(tl.int64)[:, None, None, None] * row_words  # q4_k, q5_k: words; q8_0: int16
     # tile axes: (row, group, lane, column); q4_k: group = 64-code chunk, lane = qs word of the chunk;
     # iq3_s: group = 32-code sub-block, lane = grid entry; q6_k: group = 16-code half of 32, lane = code
-    G: tl.constexpr = 4 if FMT == 4 else (8 if FMT == 8 else 2)
-    L: tl.constexpr = 8 if FMT != 6 else 16
+    # q5_k: as q4_k; q8_0: group = one of 8 blocks (QK = 256 here), lane = int16 of 2 codes
+    G: tl.constexpr = 4 if (FMT == 4 or FMT == 5) else (2 if FMT == 6 else 8)
+    L: tl.constexpr = 16 if (FMT == 6 or FMT == 3) else 8
     g4 = tl.arange(0, G)[None, :, None, None]
     l4 = tl.arange(0, L)[None, None, :, None]
     acc = tl.zeros([BLOCK_N, G, L, BLOCK_M], dtype=tl.float32)
@@ -616,14 +626,19 @@ def _gemv_wv_kernel(
     for blk in range(pid_k * per_split, tl.minimum(blocks, (pid_k + 1) * per_split)):
         b = w_ptr + row_off + blk * BB
         xb = x_ptr + m4 * stride_xm + blk * QK
-        if FMT == 4:  # q4_k: word (c, p) holds codes 64c + 4p + j (low nibbles) and 64c + 32 + 4p + j (high)
+        if FMT == 4 or FMT == 5:  # q4_k / q5_k: word (c, p) holds codes 64c + 4p + j (low nibbles) and
+            # 64c + 32 + 4p + j (high); q5_k's fifth bit of code 32s + l is bit s of qh byte l
             wb = w32_ptr + row_w + blk * (BB // 4)  # the block's first word: 16-byte aligned
-            words = tl.load(wb + 4 + 8 * g4 + l4, mask=nm, other=0)
+            QS0: tl.constexpr = 4 if FMT == 4 else 12
+            SCALE: tl.constexpr = 16.0 if FMT == 4 else 32.0
+            words = tl.load(wb + QS0 + 8 * g4 + l4, mask=nm, other=0)
+            if FMT == 5:
+                qhc = tl.load(wb + 4 + l4, mask=nm, other=0) >> (2 * g4)  # bits 8j (low) and 8j + 1 (high)
             h0 = tl.load(wb, mask=nm, other=0)
             h1 = tl.load(wb + 1, mask=nm, other=0)
             h2 = tl.load(wb + 2, mask=nm, other=0)
             h3 = tl.load(wb + 3, mask=nm, other=0)
-            d16 = 16.0 * _f16_lo(h0)
+            dsc = SCALE * _f16_lo(h0)
             dmin = _f16_lo(h0 >> 16)
             sc_lo, mn_lo = _k_scale_min_words(h1, h2, h3, 2 * g4)
             sc_hi, mn_hi = _k_scale_min_words(h1, h2, h3, 2 * g4 + 1)
@@ -631,18 +646,36 @@ def _gemv_wv_kernel(
             p_hi = tl.zeros([BLOCK_N, G, L, BLOCK_M], dtype=tl.float32)
             xs_lo = tl.zeros([1, G, L, BLOCK_M], dtype=tl.float32)
             xs_hi = tl.zeros([1, G, L, BLOCK_M], dtype=tl.float32)
-            for j in tl.static_range(4):  # v = 1 + q/16: nibble at bits 19..22
+            for j in tl.static_range(4):
                 x_lo = tl.load(xb + 64 * g4 + 4 * l4 + j, mask=xm, other=0.0).to(tl.float32)
                 x_hi = tl.load(xb + 64 * g4 + 32 + 4 * l4 + j, mask=xm, other=0.0).to(tl.float32)
-                p_lo += _mant(words, 19 - 8 * j, 0x00780000) * x_lo
-                p_hi += _mant(words, 15 - 8 * j, 0x00780000) * x_hi
+                if FMT == 4:  # v = 1 + q/16: nibble at bits 19..22
+                    v_lo = _mant(words, 19 - 8 * j, 0x00780000)
+                    v_hi = _mant(words, 15 - 8 * j, 0x00780000)
+                else:  # v = 1 + q/32: nibble at bits 18..21, fifth bit at 22
+                    v_lo = ((_sh(words, 18 - 8 * j) & 0x003C0000) | (_sh(qhc, 22 - 8 * j) & 0x00400000)
+                            | 0x3F800000).to(tl.float32, bitcast=True)
+                    v_hi = ((_sh(words, 14 - 8 * j) & 0x003C0000) | (_sh(qhc, 21 - 8 * j) & 0x00400000)
+                            | 0x3F800000).to(tl.float32, bitcast=True)
+                p_lo += v_lo * x_lo
+                p_hi += v_hi * x_hi
                 xs_lo += x_lo
                 xs_hi += x_hi
-            # d·sc·Σq·x − dmin·mn·Σx with Σq·x = 16(Σv·x − Σx)
-            ds_lo = d16 * sc_lo
-            ds_hi = d16 * sc_hi
+            # d·sc·Σq·x − dmin·mn·Σx with Σq·x = SCALE·(Σv·x − Σx)
+            ds_lo = dsc * sc_lo
+            ds_hi = dsc * sc_hi
             acc += ds_lo * p_lo + ds_hi * p_hi
             acc -= (ds_lo + dmin * mn_lo) * xs_lo + (ds_hi + dmin * mn_hi) * xs_hi
+        elif FMT == 3:  # q8_0, 8 blocks of 34 bytes per step: int16 (g, l) of block g holds codes 2l, 2l + 1
+            wb = w32_ptr + row_w + blk * (BB // 2) + 17 * g4  # int16 units; the block's d first
+            h = tl.load(wb + 1 + l4, mask=nm, other=0).to(tl.int32)
+            d256 = 256.0 * tl.load(wb, mask=nm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            x0 = tl.load(xb + 32 * g4 + 2 * l4, mask=xm, other=0.0).to(tl.float32)
+            x1 = tl.load(xb + 32 * g4 + 2 * l4 + 1, mask=xm, other=0.0).to(tl.float32)
+            # v = 1 + (q + 128)/256 (the byte with its top bit flipped at bits 15..22): q = 256v − 384
+            v0 = (((h << 15) & 0x007F8000) ^ 0x3FC00000).to(tl.float32, bitcast=True)
+            v1 = (((h << 7) & 0x007F8000) ^ 0x3FC00000).to(tl.float32, bitcast=True)
+            acc += d256 * (v0 * x0 + v1 * x1) - (1.5 * d256) * (x0 + x1)
         elif FMT == 8:  # iq3_s: entry (ib, p) = grid index qs[8ib + p] | qh bit, 4 codes 32ib + 4p + j
             qs = _u8(b + 2 + 8 * g4 + l4, nm)
             qh = _u8(b + 66 + g4, nm)
@@ -688,6 +721,13 @@ def _gemv_wv_kernel(
 
 # ---------------------------------------------------------------------------------------------------------
 # Public entry
+
+
+def wv_geometry(format: str) -> tuple[int, int]:
+    """(codes, bytes) the word-vector kernel reads per row and loop step: one block, or 8 q8_0 blocks."""
+    fmt = FORMATS[format.removeprefix(GGUF_PREFIX)]
+    k = 8 if fmt.name == "q8_0" else 1
+    return k * fmt.block_elems, k * fmt.block_bytes
 
 
 def check_weight(raw: torch.Tensor, format: str, out_features: int, in_features: int) -> None:
@@ -750,7 +790,15 @@ def quant_matmul(
             raise QuantKernelError(f"schedule {s.name} (word-vector GEMV) supports {', '.join(WV_FORMATS)}, "
                                    f"not {format}; pick a sub_* schedule")
         common.pop("DOT_F16")
-        _gemv_wv_kernel[launch](raw, words, x2, y, grid_u32, *shape_args, raw.shape[1] // 4, **common)
+        if format == "q8_0":  # 8 blocks per step, read as int16
+            if in_features % 256:
+                raise QuantKernelError(f"schedule {s.name} needs q8_0 rows of whole 256-column steps, got "
+                                       f"{in_features}; pick a sub_* schedule")
+            units, per_row = raw.view(torch.int16), raw.shape[1] // 2
+        else:
+            units, per_row = words, raw.shape[1] // 4
+        common["QK"], common["BB"] = wv_geometry(format)
+        _gemv_wv_kernel[launch](raw, units, x2, y, grid_u32, *shape_args, per_row, **common)
     elif s.kernel == "fma":
         if format not in FMA_FORMATS:
             raise QuantKernelError(f"schedule {s.name} (FMA kernel) supports {', '.join(FMA_FORMATS)}, not "

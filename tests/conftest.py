@@ -34,3 +34,23 @@ def pytest_collection_modifyitems(config, items):
 def tiny_dir() -> Path:
     assert TINY.is_dir(), f"fixtures not found at {TINY}; set NINFER_SHARED"
     return TINY
+
+
+def convert_tiny_bf16(out: Path) -> Path:
+    """The tiny fixture's bf16 GGUF converted with ninfer-convert (text only) into `out`."""
+    import contextlib
+    import io
+
+    from ninfer.cli.convert import main as convert
+
+    argv = ["--model", str(TINY_HF), "--recipe", "qwen3_5_gguf", "--source",
+            f"gguf={TINY_GGUF / 'model-bf16.gguf'}", "--name", "qwen35-tiny", "--out", str(out)]
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        assert convert(argv) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory) -> Path:
+    """The converted tiny bf16 artifact, shared by every test of the session (treat it as read-only)."""
+    return convert_tiny_bf16(tmp_path_factory.mktemp("tiny") / "tiny.ninfer")

@@ -3,8 +3,6 @@ servers over the real engine on free loopback ports in background threads."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import tempfile
 import threading
 import time
@@ -13,7 +11,7 @@ from functools import cache
 from pathlib import Path
 
 import httpx
-from conftest import TINY_GGUF, TINY_HF
+from conftest import TINY_HF, convert_tiny_bf16
 from prometheus_client.parser import text_string_to_metric_families
 
 from ninfer.engine.engine import EngineConfig
@@ -28,24 +26,7 @@ USER = [{"role": "user", "content": "Write a haiku about the sea."}]
 @cache
 def tiny_artifact() -> Path:
     """The tiny Qwen3.5 fixture (bf16 GGUF) converted with ninfer-convert, once per test process."""
-    from ninfer.cli.convert import main as convert
-
-    out = Path(tempfile.mkdtemp(prefix="ninfer-serve-tests-")) / "tiny.ninfer"
-    argv = [
-        "--model",
-        str(TINY_HF),
-        "--recipe",
-        "qwen3_5_gguf",
-        "--source",
-        f"gguf={TINY_GGUF / 'model-bf16.gguf'}",
-        "--name",
-        "qwen35-tiny",
-        "--out",
-        str(out),
-    ]
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        assert convert(argv) == 0
-    return out
+    return convert_tiny_bf16(Path(tempfile.mkdtemp(prefix="ninfer-serve-tests-")) / "tiny.ninfer")
 
 
 @cache

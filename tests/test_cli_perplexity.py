@@ -14,16 +14,9 @@ import torch
 from ninfer.cli.perplexity import main as perplexity_main
 
 
-@pytest.fixture(scope="module")
-def artifact(tiny_dir, tmp_path_factory):
-    from ninfer.cli.convert import main as convert
-
-    out = tmp_path_factory.mktemp("ppl") / "tiny.ninfer"
-    argv = ["--model", str(tiny_dir / "hf"), "--recipe", "qwen3_5_gguf",
-            "--source", f"gguf={tiny_dir / 'gguf' / 'model-bf16.gguf'}", "--out", str(out)]
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        assert convert(argv) == 0
-    return out
+@pytest.fixture
+def artifact(tiny_artifact):
+    return tiny_artifact
 
 
 def run(argv) -> tuple[int, str, str]:

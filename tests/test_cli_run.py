@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import numpy as np
@@ -11,18 +9,6 @@ import pytest
 
 from ninfer.cli.bench import main as bench_main
 from ninfer.cli.run import main as run_main
-
-
-@pytest.fixture(scope="module")
-def tiny_artifact(tmp_path_factory, tiny_dir):
-    from ninfer.cli.convert import main as convert
-
-    out = tmp_path_factory.mktemp("cli") / "tiny.ninfer"
-    argv = ["--model", str(tiny_dir / "hf"), "--recipe", "qwen3_5_gguf",
-            "--source", f"gguf={tiny_dir / 'gguf' / 'model-bf16.gguf'}", "--out", str(out)]
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        assert convert(argv) == 0
-    return out
 
 
 @pytest.fixture(scope="module")

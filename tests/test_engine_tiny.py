@@ -7,9 +7,6 @@ rk8v4 4.4e-2, rk4v4 5.8e-2. Tolerances below are about 2x those.
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 import numpy as np
 import pytest
 import torch
@@ -30,16 +27,9 @@ def ref(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def model(tiny_dir, tmp_path_factory):
+def model(tiny_artifact):
     """The fixture's bf16 GGUF converted with ninfer-convert, loaded as the engine loads it."""
-    from ninfer.cli.convert import main as convert
-
-    out = tmp_path_factory.mktemp("engine") / "tiny.ninfer"
-    argv = ["--model", str(tiny_dir / "hf"), "--recipe", "qwen3_5_gguf",
-            "--source", f"gguf={tiny_dir / 'gguf' / 'model-bf16.gguf'}", "--out", str(out)]
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        assert convert(argv) == 0
-    return load_model(open_artifact(out), load_mtp=False)
+    return load_model(open_artifact(tiny_artifact), load_mtp=False)
 
 
 def last_logits(ref, p: str) -> torch.Tensor:

@@ -6,24 +6,14 @@ while real logits have std ~1: at temperature 2 an unmasked sampler draws one of
 
 from __future__ import annotations
 
-import contextlib
-import io
-
 from ninfer.engine.api import GenerationRequest, SamplingParams
 from ninfer.engine.engine import Engine, EngineConfig
 
 REAL_TOKENS = 4001
 
 
-def test_padding_rows_are_never_sampled(tiny_dir, tmp_path):
-    from ninfer.cli.convert import main as convert
-
-    out = tmp_path / "tiny.ninfer"
-    argv = ["--model", str(tiny_dir / "hf"), "--recipe", "qwen3_5_gguf",
-            "--source", f"gguf={tiny_dir / 'gguf' / 'model-bf16.gguf'}", "--out", str(out)]
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        assert convert(argv) == 0
-    engine = Engine(out, EngineConfig(max_context=512, kv_capacity=512, kv_dtype="fp32")).start()
+def test_padding_rows_are_never_sampled(tiny_artifact):
+    engine = Engine(tiny_artifact, EngineConfig(max_context=512, kv_capacity=512, kv_dtype="fp32")).start()
     try:
         assert engine.sample_vocab == REAL_TOKENS
         params = SamplingParams(max_tokens=400, temperature=2.0, seed=7, ignore_eos=True)

@@ -144,3 +144,21 @@ def test_tiny_model_with_int8_weights_stays_near_transformers(tiny_artifact, tin
     diff = (logits - torch.from_numpy(ref["p1_tf_logits"])).abs()
     assert diff.max().item() <= TINY_MAX_ATOL, diff.max()
     assert diff.mean().item() <= TINY_MEAN_ATOL, diff.mean()
+
+
+def test_engine_config_plumbs_int8_weights(tiny_artifact):
+    from ninfer.engine.engine import Engine, EngineConfig
+    from ninfer.errors import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match="cpu-weights"):
+        EngineConfig(cpu_weights="int4").validate()
+    engine = Engine(tiny_artifact, EngineConfig(max_context=64, kv_capacity=64, cpu_weights="int8"))
+    assert engine.model.output_head.weight.dtype == torch.int8
+
+
+def test_bench_cli_runs_int8_weights(capsys):
+    from ninfer.cli.bench import main
+
+    assert main(["--synthetic", "tiny", "-p", "4", "-n", "3", "-r", "1", "--cpu-weights", "int8",
+                 "-o", "json"]) == 0
+    assert '"float32+int8"' in capsys.readouterr().out

@@ -49,9 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                    help="compute dtype (default float32)")
-    p.add_argument("--cpu-weights", choices=("dense", "int8"), default="dense",
-                   help="CPU projection weights: dense in --dtype, or int8 with per-row scales (about half "
-                        "the bytes per decoded token; default dense)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("-o", "--output", choices=("table", "json"), default="table", help="output format")
     return p
@@ -59,14 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_engine(args, kv_dtype: str, ctx: int, chunk: int) -> tuple[Engine, str]:
     config = EngineConfig(max_context=ctx, kv_capacity=ctx, kv_dtype=kv_dtype, device=args.device,
-                          dtype=args.dtype, prefill_chunk=chunk, cpu_weights=args.cpu_weights)
+                          dtype=args.dtype, prefill_chunk=chunk)
     if args.synthetic:
         from ninfer.engine.synthetic import synthetic_model
-        from ninfer.models.weights import cpu_weights
 
-        config.validate()
-        with cpu_weights(args.cpu_weights):
-            model = synthetic_model(args.synthetic, DTYPES[args.dtype], args.device)
+        model = synthetic_model(args.synthetic, DTYPES[args.dtype], args.device)
         return Engine.from_model(model, config), f"synthetic-{args.synthetic} ({args.wtype})"
     return Engine(args.model, config), Path(args.model).stem
 
@@ -143,8 +137,7 @@ def body(argv: Sequence[str] | None) -> int:
     engine, name = make_engine(args, kv_dtypes[0], ctx, chunk)
     elapsed = time.monotonic() - t0
     print(f"loaded {name} in {elapsed:.1f} s · {engine.memory_ledger().line()}", file=sys.stderr)
-    dtype = args.dtype if args.cpu_weights == "dense" else f"{args.dtype}+{args.cpu_weights}"
-    common = dict(model=name, device=args.device, dtype=dtype, threads=torch.get_num_threads())
+    common = dict(model=name, device=args.device, dtype=args.dtype, threads=torch.get_num_threads())
     rows = []
     ppl_ids = None
     if args.perplexity is not None:

@@ -54,9 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gdn-state-fp16", action="store_true", help="keep GDN recurrent state in fp16")
     e.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     e.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16 (default float32)")
-    e.add_argument("--cpu-weights", choices=("dense", "int8"), default="dense",
-                   help="CPU projection weights: dense in --dtype, or int8 with per-row scales "
-                        "(faster decode; default dense)")
     o = p.add_argument_group("output")
     o.add_argument("--print-token-ids", action="store_true",
                    help="also print the generated token ids on stderr")
@@ -118,8 +115,7 @@ def body(argv: Sequence[str] | None) -> int:
     max_context = args.max_context or len(prompt.token_ids) + args.max_new
     config = EngineConfig(max_concurrency=1, max_context=max_context, kv_capacity=max_context,
                           kv_dtype=args.kv_dtype, gdn_state_fp16=args.gdn_state_fp16,
-                          prefill_chunk=args.prefill_chunk, device=args.device, dtype=args.dtype,
-                          cpu_weights=args.cpu_weights)
+                          prefill_chunk=args.prefill_chunk, device=args.device, dtype=args.dtype)
     engine = Engine(args.model, config)
     say(f"loaded in {time.monotonic() - t0:.1f} s · {engine.memory_ledger().line()}")
     try:

@@ -150,13 +150,6 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help="compute dtype (default float32 on CPU, bfloat16 on GPU)",
     )
     eng.add_argument(
-        "--cpu-weights",
-        default="dense",
-        choices=("dense", "int8"),
-        help="CPU projection weights: dense in --dtype, or int8 with per-row scales (faster decode; "
-        "default dense)",
-    )
-    eng.add_argument(
         "--gpu-memory-limit-mib",
         metavar="N",
         type=int,
@@ -300,7 +293,6 @@ def engine_config(args: argparse.Namespace):
         pending_timeout_ms=args.pending_timeout_ms or None,
         device=device,
         dtype=dtype,
-        cpu_weights=args.cpu_weights,
         gpu_memory_limit_mib=args.gpu_memory_limit_mib,
         kv_headroom_mib=args.kv_headroom_mib,
         **extra,

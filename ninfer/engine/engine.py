@@ -50,7 +50,6 @@ class EngineConfig:
     prefill_chunk: int = 512
     device: str = "cpu"
     dtype: str = "float32"
-    cpu_weights: str = "dense"  # "int8": projections requantised to int8 per row at load (CPU decode speed)
     gpu_memory_limit_mib: int | None = None
     kv_headroom_mib: int = 1024
 
@@ -64,11 +63,6 @@ class EngineConfig:
                                     f"{', '.join(KV_DTYPES)}")
         if self.dtype not in DTYPES:
             raise EngineConfigError(f"unknown --dtype {self.dtype!r}; choose float32, bfloat16 or float16")
-        if self.cpu_weights not in ("dense", "int8"):
-            raise EngineConfigError(f"unknown --cpu-weights {self.cpu_weights!r}; choose dense or int8")
-        if self.cpu_weights != "dense" and not self.device.startswith("cpu"):
-            raise EngineConfigError(f"--cpu-weights {self.cpu_weights} is for --device cpu; drop it on "
-                                    f"{self.device}")
         if self.prefill_chunk < 1:
             raise EngineConfigError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_pending_requests < 0:
@@ -118,8 +112,7 @@ class Engine:
 
         config.validate()
         self.artifact = open_artifact(artifact_path)
-        model = load_model(self.artifact, dtype=DTYPES[config.dtype], device=config.device, load_mtp=False,
-                           cpu_weights=config.cpu_weights)
+        model = load_model(self.artifact, dtype=DTYPES[config.dtype], device=config.device, load_mtp=False)
         self._setup(model, config, eos_token_ids(self.artifact))
         try:  # the tokenizer's eos (e.g. <|im_end|>) ends a chat turn too
             self.eos_ids = self.eos_ids | frozenset(self.tokenizer.eos_token_ids)

@@ -17,7 +17,6 @@ from ninfer.models.dense import DenseModel
 from ninfer.models.mtp import MtpHead
 from ninfer.models.qwen3_5 import Qwen35Model
 from ninfer.models.weights import WeightSource, quantized_linears
-from ninfer.models.weights import cpu_weights as cpu_weights_mode
 
 __all__ = ["CacheSpec", "DenseModel", "MtpHead", "Qwen35Model", "load_model"]
 
@@ -30,18 +29,15 @@ def load_model(
     device: torch.device | str = "cpu",
     load_mtp: bool = True,
     quantized_weights: bool = False,
-    cpu_weights: str = "dense",
 ):
     """Build the text model (and its MTP head when the artifact has one and `load_mtp`).
 
     `artifact` is a `ninfer.artifact.Artifact` (or any WeightSource with `components`). By default
     quantized weights are dequantised once to `dtype` (the CPU reference); with `quantized_weights`
     the projections keep their GGUF blocks on `device` and multiply through the quantized matmul
-    kernel. `cpu_weights="int8"` requantises the dense projections (and an untied output head) to int8
-    with one scale per row (`ninfer.kernels.cpu_linear`, bf16 activations): half the bytes of bf16 per
-    decode step. Embeddings, norms and small vectors are always dense (small vectors fp32).
+    kernel. Embeddings, norms and small vectors are always dense (small vectors fp32).
     """
-    with quantized_linears(quantized_weights), cpu_weights_mode(cpu_weights):
+    with quantized_linears(quantized_weights):
         return _build(artifact, dtype, device, load_mtp)
 
 

@@ -1,6 +1,5 @@
 """Weights as the model sees them: a `Linear` / `Embedding` that keep the artifact's stored tensor and,
-on CPU, a dense copy in the compute dtype (or, with `cpu_weights("int8")`, an int8 copy with per-row
-scales) made once at load.
+on CPU, a dense copy in the compute dtype made once at load.
 
 A quantized GPU backend replaces `Linear.forward` (it has `stored`, the raw GGUF blocks, and
 `input_columns`) without touching the model files.
@@ -21,9 +20,6 @@ from ninfer.errors import ArtifactError
 
 # Set by `load_model(..., quantized_weights=True)` while it builds a model: Linears keep GGUF blocks.
 QUANTIZED_LINEARS: ContextVar[bool] = ContextVar("quantized_linears", default=False)
-# Set by `load_model(..., cpu_weights="int8")`: dense-mode Linears store int8 rows + scales instead.
-CPU_WEIGHTS: ContextVar[str] = ContextVar("cpu_weights", default="dense")
-CPU_WEIGHT_MODES = ("dense", "int8")
 
 
 @contextmanager
@@ -34,18 +30,6 @@ def quantized_linears(enabled: bool) -> Iterator[None]:
         yield
     finally:
         QUANTIZED_LINEARS.reset(token)
-
-
-@contextmanager
-def cpu_weights(mode: str) -> Iterator[None]:
-    """Build every dense-mode `Linear` in this block as `dense` (compute dtype) or `int8` (per-row)."""
-    if mode not in CPU_WEIGHT_MODES:
-        raise ArtifactError(f"unknown CPU weight mode {mode!r}; choose {' or '.join(CPU_WEIGHT_MODES)}")
-    token = CPU_WEIGHTS.set(mode)
-    try:
-        yield
-    finally:
-        CPU_WEIGHTS.reset(token)
 
 
 class StoredLike(Protocol):
@@ -104,9 +88,6 @@ class Linear(nn.Module):
     Quantized mode (`quantized=True`, GGUF block formats only): the raw blocks (`raw`, uint8
     [out, row_bytes]) move to `device` as stored and every call runs `kernels.gguf_matmul.quant_matmul`
     (Triton on CUDA; its reference elsewhere). Other formats stay dense in either mode.
-    Int8 mode (dense mode under `cpu_weights("int8")`): `weight` is the dequantised matrix requantised to
-    int8 [out, in] with bf16 `scales` [out]; calls run `kernels.cpu_linear.int8_linear` (bf16 activations,
-    output cast to the compute dtype).
     """
 
     def __init__(
@@ -127,15 +108,9 @@ class Linear(nn.Module):
         if quantized is None:
             quantized = QUANTIZED_LINEARS.get()
         if quantized and self.format.startswith("gguf_"):
-            self.weight, self.raw, self.scales = None, nn.Buffer(self.stored.data.to(device)), None
-        elif CPU_WEIGHTS.get() == "int8":
-            from ninfer.kernels.cpu_linear import quantize_rows_int8
-
-            q, scales = quantize_rows_int8(self.stored.dequantize(torch.float32))
-            self.weight, self.raw, self.scales = nn.Buffer(q.to(device)), None, nn.Buffer(scales.to(device))
+            self.weight, self.raw = None, nn.Buffer(self.stored.data.to(device))
         else:
             self.weight, self.raw = nn.Buffer(load_dense(source, name, dtype, device)), None
-            self.scales = None
         columns = source.input_columns(name)
         self.input_columns = None if columns is None else columns.to(device=device, dtype=torch.long)
         self.bias = None if bias_name is None else nn.Buffer(load_dense(source, bias_name, dtype, device))
@@ -143,10 +118,6 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_columns is not None:
             x = x.index_select(-1, self.input_columns)
-        if self.scales is not None:
-            from ninfer.kernels.cpu_linear import int8_linear
-
-            return int8_linear(x, self.weight, self.scales, self.bias).to(self.dtype)
         x = x.to(self.dtype)
         if self.raw is None:
             return F.linear(x, self.weight, self.bias)

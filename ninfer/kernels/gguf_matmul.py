@@ -264,6 +264,17 @@ def _dequant_tile(b, w, m, grid_ptr, levels_ptr, FMT: tl.constexpr):
 
 
 @jit
+def _store_tile(y_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_ym, SPLIT_K: tl.constexpr):
+    """y[m, n] = acc[n, m] (one split), or atomically added into a zero-filled fp32 y (split-K)."""
+    out = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+@jit
 def _gguf_matmul_kernel(
     w_ptr, x_ptr, y_ptr, grid_ptr, levels_ptr,
     N, K, M, row_bytes, stride_xm, stride_ym,
@@ -294,12 +305,7 @@ def _gguf_matmul_kernel(
             acc += tl.dot(wt.to(tl.float16), xt.to(tl.float16))
         else:
             acc += tl.dot(wt.to(tl.bfloat16), xt.to(tl.bfloat16))
-    out = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    mask = n_ok[:, None] & m_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(out, acc, mask=mask)
+    _store_tile(y_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_ym, SPLIT_K)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -445,12 +451,7 @@ def _gguf_matmul_sub_kernel(
         off = row_off + blk * BB
         acc = _block_dot(acc, w_ptr + off, w32_ptr + off // 4, x_ptr, blk * QK, offs_m, m_ok, n_ok, stride_xm,
                          grid_ptr, levels_ptr, FMT, BLOCK_N, DOT_F16)
-    out = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-    mask = n_ok[:, None] & m_ok[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(out, acc, mask=mask)
+    _store_tile(y_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_ym, SPLIT_K)
 
 
 # ---------------------------------------------------------------------------------------------------------

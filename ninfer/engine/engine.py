@@ -261,8 +261,13 @@ class Engine:
     def step(self, rnd: Round) -> None:
         """Run one planned round and commit its tokens."""
         logits = self.runner.run(rnd)
+        argmax = None
         if logits is not None:
-            logits = logits[:, : self.sample_vocab].cpu()  # sampling (seeded generators) runs on the host
+            logits = logits[:, : self.sample_vocab]
+            if self._all_plain_greedy(rnd):  # argmax on the device: only the token ids cross to the host
+                argmax = logits.argmax(dim=-1).tolist()
+            else:
+                logits = logits.cpu()  # sampling (seeded generators, penalties) runs on the host
         self._rounds += 1
         now = time.monotonic()
         j = 0
@@ -271,14 +276,25 @@ class Engine:
                 if not item.sample:
                     self.scheduler.commit(item, None, None, now)
                     continue
-                row, j = logits[j], j + 1
+                j += 1
                 state = self._samplers.get(id(item.seq))
                 if state is None or item.seq.finished:
                     continue
-                token = sample_token(row, state)
+                token = argmax[j - 1] if argmax is not None else sample_token(logits[j - 1], state)
                 state.record(token)
                 finish = stop_reason(token, item.seq.generated + 1, state.params, self.eos_ids)
                 self.scheduler.commit(item, token, finish, now)
+
+    def _all_plain_greedy(self, rnd: Round) -> bool:
+        """Every sampled item of the round is greedy without penalties (argmax of the raw logits)."""
+        for item in rnd.items:
+            state = self._samplers.get(id(item.seq)) if item.sample else None
+            if state is None:
+                continue
+            p = state.params
+            if not p.greedy or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                return False
+        return True
 
 
 def eos_token_ids(artifact) -> tuple[int, ...]:

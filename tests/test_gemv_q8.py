@@ -1,0 +1,97 @@
+"""int8-activation ("q8") decode GEMV: activation quantiser, dp4a helper, memo, and the kernels vs the twin
+(Triton interpreter on CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ninfer.errors import NinferError
+from ninfer.kernels import gemv_q8
+from ninfer.kernels.gemv_q8 import (
+    EMULATE_DP4A,
+    dp4a,
+    quantize_activation,
+    quantize_activation_cached,
+    quantize_activation_reference,
+)
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl
+
+pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed")
+
+
+@pytest.fixture(autouse=True)
+def _triton_on_cpu(monkeypatch):
+    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
+
+
+if HAVE_TRITON:
+
+    @jit
+    def _dp4a_kernel(a_ptr, b_ptr, c_ptr, out_ptr, N: tl.constexpr, EMULATE: tl.constexpr):
+        i = tl.arange(0, N)
+        out = dp4a(tl.load(a_ptr + i), tl.load(b_ptr + i), tl.load(c_ptr + i), EMULATE)
+        tl.store(out_ptr + i, out)
+
+
+def test_dp4a_emulation_matches_numpy():
+    rng = np.random.default_rng(1)
+    n = 256
+    a = rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32)
+    b = rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32)
+    c = rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32)
+    out = torch.empty(n, dtype=torch.int32)
+    _dp4a_kernel[(1,)](torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(c), out, N=n,
+                       EMULATE=EMULATE_DP4A)
+    ab = a.view(np.int8).reshape(n, 4).astype(np.int64)
+    bb = b.view(np.int8).reshape(n, 4).astype(np.int64)
+    want = ((ab * bb).sum(1) + c.astype(np.int64) + 2**31) % 2**32 - 2**31  # int32 wrap-around
+    assert EMULATE_DP4A  # CPU: the interpreter path
+    np.testing.assert_array_equal(out.numpy().astype(np.int64), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 32), (3, 256), (8, 5120 // 4)])
+def test_quantize_activation_bit_exact(dtype, shape):
+    g = torch.Generator().manual_seed(hash((str(dtype), shape)) % 2**31)
+    x = (torch.randn(shape, generator=g) * torch.rand(shape[0], 1, generator=g) * 10).to(dtype)
+    x[0, :32] = 0  # an all-zero block: d = 0, q = 0
+    got, want = quantize_activation(x), quantize_activation_reference(x)
+    assert got.q.dtype == torch.int8 and got.q.is_contiguous() and got.dtype == dtype
+    assert torch.equal(got.q, want.q) and torch.equal(got.d, want.d) and torch.equal(got.s, want.s)
+    assert torch.all(got.d[0, 0] == 0) and torch.all(got.q[0, :32] == 0)
+    # the quantisation error is half a step per value, plus fp32 rounding of d and x/d (measured 1.8e-6 step)
+    err = (got.dequantize() - x.double()).abs().reshape(shape[0], -1, 32)
+    assert torch.all(err <= got.d.double()[..., None] * (0.5 + 1e-5))
+    assert got.words.shape == (shape[0], shape[1] // 4)
+
+
+def test_quantize_activation_rounds_half_to_even():
+    x = torch.zeros(1, 32)
+    x[0, :6] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5])  # amax 127: d = 1, q = round-half-even(x)
+    for qa in (quantize_activation(x), quantize_activation_reference(x)):
+        assert qa.q[0, :6].tolist() == [127, 2, -4, 0, 0, 2]
+        assert qa.s[0, 0].item() == 127 + 2 - 4 + 2
+
+
+def test_quantize_activation_rejects_partial_blocks():
+    with pytest.raises(NinferError, match="multiple of 32"):
+        quantize_activation(torch.randn(2, 48))
+
+
+def test_memo_reuses_only_the_same_unmodified_tensor(monkeypatch):
+    calls = []
+    real = gemv_q8.quantize_activation
+    monkeypatch.setattr(gemv_q8, "quantize_activation", lambda x: calls.append(1) or real(x))
+    gemv_q8._MEMO.clear()
+    x = torch.randn(2, 64)
+    a = quantize_activation_cached(x)
+    assert quantize_activation_cached(x) is a and len(calls) == 1
+    x.mul_(2)  # in place: a new version
+    b = quantize_activation_cached(x)
+    assert b is not a and len(calls) == 2 and torch.equal(b.q, quantize_activation_reference(x).q)
+    y = x.clone()  # equal values, another tensor
+    assert quantize_activation_cached(y) is not b and len(calls) == 3
+    z = torch.randn(1, 2, 64)  # leading dims are flattened
+    assert quantize_activation_cached(z).q.shape == (2, 64)

@@ -65,7 +65,7 @@ def test_quantized_projections_wired_like_dense(artifacts, ref, wtype, monkeypat
     dense = load_model(art)
     linears = [m for m in quant.modules() if hasattr(m, "raw")]
     assert all(m.raw is not None and m.weight is None for m in linears if m.format.startswith("gguf_"))
-    assert sum(m.raw is not None for m in linears) == 39  # every projection and the untied head
+    assert sum(m.raw is not None for m in linears) == 40  # every projection, the untied head, the embedding
     ids = ref["p2_ids"].tolist()
     torch.testing.assert_close(prefill_logits(quant, ids), prefill_logits(dense, ids), rtol=0, atol=FP32_ATOL)
     assert {f.removeprefix("gguf_") for f in calls} <= {"q8_0", "q4_k", "q6_k", "iq3_s"} and calls

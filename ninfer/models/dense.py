@@ -163,7 +163,7 @@ class DenseModel(nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        return self.output_head.weight.shape[0]
+        return self.output_head.out_features
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.token_embedding(input_ids)

@@ -279,7 +279,7 @@ class Qwen35Model(nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        return self.output_head.weight.shape[0]
+        return self.output_head.out_features
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.token_embedding(input_ids)
@@ -319,8 +319,12 @@ class TiedHead(nn.Module):
         self.embedding = embedding
 
     @property
-    def weight(self) -> torch.Tensor:
-        return self.embedding.weight
+    def weight(self) -> torch.Tensor | None:
+        return self.embedding.weight  # None when the table stays GGUF blocks (quantized mode)
+
+    @property
+    def out_features(self) -> int:
+        return self.embedding.num_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight)
+        return self.embedding.as_output_head(x)

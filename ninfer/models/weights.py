@@ -128,13 +128,48 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embedding table [vocab, hidden]; also serves as a tied output head via `weight`."""
+    """Token embedding table [vocab, hidden]; also serves as a tied output head (`as_output_head`).
 
-    def __init__(self, source: WeightSource, name: str, dtype: torch.dtype, device: torch.device | str):
+    Dense mode: the table dequantised once to the compute dtype (`weight`). Quantized mode (as for `Linear`,
+    GGUF formats the kernels decode): the rows stay GGUF blocks on `device` (`raw`) and a lookup decodes only
+    the gathered rows, so the table costs its stored bytes; as a tied head it multiplies via `quant_matmul`.
+    """
+
+    def __init__(
+        self,
+        source: WeightSource,
+        name: str,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        quantized: bool | None = None,
+    ):
         super().__init__()
+        from ninfer.kernels.gguf_matmul import KERNEL_FORMATS
+
         self.name = name
+        self.dtype = dtype
         self.stored = source.tensor(name)
-        self.weight = nn.Buffer(load_dense(source, name, dtype, device))
+        self.num_rows, self.dim = (int(n) for n in self.stored.shape)
+        self.format = getattr(self.stored, "format", "f32")
+        if quantized is None:
+            quantized = QUANTIZED_LINEARS.get()
+        if quantized and self.format.removeprefix("gguf_") in KERNEL_FORMATS:
+            self.weight, self.raw = None, nn.Buffer(self.stored.data.to(device))
+        else:
+            self.weight, self.raw = nn.Buffer(load_dense(source, name, dtype, device)), None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight.index_select(0, ids.to(device=self.weight.device, dtype=torch.long))
+        if self.raw is None:
+            return self.weight.index_select(0, ids.to(device=self.weight.device, dtype=torch.long))
+        from ninfer.kernels.gguf_matmul import dequantize_rows
+
+        rows = self.raw.index_select(0, ids.to(device=self.raw.device, dtype=torch.long))
+        return dequantize_rows(rows, self.format, rows.shape[0], self.dim, self.dtype)
+
+    def as_output_head(self, x: torch.Tensor) -> torch.Tensor:
+        """`x [..., hidden] -> [..., vocab]` logits through this table (a tied output head)."""
+        if self.raw is None:
+            return F.linear(x.to(self.weight.dtype), self.weight)
+        from ninfer.kernels.gguf_matmul import quant_matmul
+
+        return quant_matmul(self.raw, self.format, x.to(self.dtype), self.num_rows)

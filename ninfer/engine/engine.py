@@ -52,6 +52,14 @@ class EngineConfig:
     dtype: str = "float32"
     gpu_memory_limit_mib: int | None = None
     kv_headroom_mib: int = 1024
+    # GGUF weights stay blocks on the device (quantized matmul kernels); None: on CUDA yes, on CPU no
+    quantized_weights: bool | None = None
+
+    @property
+    def keeps_quantized_weights(self) -> bool:
+        if self.quantized_weights is None:
+            return self.device.startswith("cuda")
+        return self.quantized_weights
 
     def validate(self) -> None:
         if not 1 <= self.max_concurrency <= 8:
@@ -112,7 +120,8 @@ class Engine:
 
         config.validate()
         self.artifact = open_artifact(artifact_path)
-        model = load_model(self.artifact, dtype=DTYPES[config.dtype], device=config.device, load_mtp=False)
+        model = load_model(self.artifact, dtype=DTYPES[config.dtype], device=config.device, load_mtp=False,
+                           quantized_weights=config.keeps_quantized_weights)
         self._setup(model, config, eos_token_ids(self.artifact))
         try:  # the tokenizer's eos (e.g. <|im_end|>) ends a chat turn too
             self.eos_ids = self.eos_ids | frozenset(self.tokenizer.eos_token_ids)

@@ -1,0 +1,93 @@
+"""Compile every q8 i-quant GEMV schedule (ninfer/kernels/gemv_q8_iq.py) for sm_90 without a GPU and print the
+SASS instructions per weight of its block loop (1-column schedules; `--all` for every schedule).
+
+    NINFER_TRITON_COMPILE_CHECK=1 python bench/sass_q8_iq.py [--all | --schedules A,B] [--dump FMT:SCHEDULE]
+
+Per weight = loop-body instructions ÷ (BLOCK_N · 256 / threads), the same rule as gpu_check.py --sass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("NINFER_TRITON_COMPILE_CHECK", "1")  # before ninfer imports triton_support
+
+
+def compile_schedule(fmt: str, sched) -> str:
+    """The SASS of one (format, schedule), compiled for sm_90 with 16-divisibility hints."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ninfer.kernels import gemv_q8_iq as q
+
+    sig = {"w_ptr": "*i16" if fmt == "iq3_s" else "*i32", "xq_ptr": "*i32", "xd_ptr": "*fp32",
+           "y_ptr": "*fp32" if sched.split_k > 1 else "*bf16", "grid_ptr": "*i32", "N": "i32", "K": "i32",
+           "M": "i32", "row_units": "i32", "stride_xq": "i32", "stride_xd": "i32", "stride_ym": "i32"}
+    names = list(sig)
+    hinted = ("w_ptr", "xq_ptr", "xd_ptr", "y_ptr", "grid_ptr", "K", "stride_xq", "stride_xd", "stride_ym")
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
+    t0, t1, t2, t3 = q._IQ4_WORDS
+    const = dict(FMT=q.IQ_Q8_FORMATS.index(fmt), BLOCK_N=sched.block_n, BLOCK_M=sched.block_m,
+                 SPLIT_K=sched.split_k, T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=False)
+    src = ASTSource(q._gemv_q8_iq_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": sched.num_warps})
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
+        tmp.write(c.asm["cubin"])
+        tmp.flush()
+        return subprocess.run([str(cuobjdump), "-sass", tmp.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def loop_body(sass: str) -> list[str]:
+    """The instructions of the longest backward branch's span (the block loop)."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+([^;]*);", sass)]
+    loops = [(int(t.group(1), 16), a) for a, i in ins for t in [re.search(r"BRA (0x[0-9a-f]+)", i)]
+             if t and int(t.group(1), 16) < a]
+    if not loops:
+        return []
+    lo, hi = max(loops, key=lambda r: r[1] - r[0])
+    return [i for a, i in ins if lo <= a <= hi]
+
+
+def per_weight(fmt: str, sched) -> tuple[float, int, collections.Counter]:
+    body = loop_body(compile_schedule(fmt, sched))
+    mix = collections.Counter(re.sub(r"^@!?U?P\S+ ", "", i).split()[0].split(".")[0] for i in body)
+    weights_per_thread = sched.block_n * 256 / (32 * sched.num_warps)
+    return len(body) / weights_per_thread, len(body), mix
+
+
+def main(argv=None) -> int:
+    from ninfer.kernels import gemv_q8_iq as q
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--all", action="store_true", help="every schedule, not only the 1-column ones")
+    ap.add_argument("--dump", help="print the loop body of FMT:SCHEDULE")
+    ap.add_argument("--schedules", help="comma-separated schedule names (default: the 1-column ones)")
+    a = ap.parse_args(argv)
+    if a.dump:
+        fmt, name = a.dump.split(":")
+        print("\n".join(loop_body(compile_schedule(fmt, q.SCHEDULES[name]))))
+        return 0
+    for fmt in q.IQ_Q8_FORMATS:
+        for s in q.SCHEDULES.values():
+            if (a.schedules and s.name not in a.schedules.split(",")) or (
+                    not a.schedules and s.block_m != 1 and not a.all):
+                continue
+            pw, n, mix = per_weight(fmt, s)
+            top = " ".join(f"{k} {v}" for k, v in mix.most_common(10))
+            print(f"{fmt} {s.name}: {n} loop instructions = {pw:.2f} per weight "
+                  f"(IDP4A {mix.get('IDP', 0)}); {top}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

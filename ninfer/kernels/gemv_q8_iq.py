@@ -1,0 +1,230 @@
+"""Decode GEMV with int8 activations ("q8") for the i-quants iq3_s and iq4_xs: the weight codes of each
+32-value sub-block are rebuilt as packed signed int8x4 words and multiplied with the activation words by
+`dp4a`; the weight and activation scales are applied once per sub-block.
+
+iq3_s: a 9-bit index (qs byte + one qh bit) picks a grid word of 4 magnitudes (1..15); the 4 sign bits become
+a byte mask m (0xFF where negative) and the signed word is `(g ^ m) + (m & 0x01010101)` (no carries between
+bytes: every magnitude is non-zero). iq4_xs: a byte of qs holds a low and a high nibble; one `prmt` per
+8-byte half of the 16-level table maps 4 nibbles to levels and a third `prmt` picks per byte by the
+nibble's top bit. The activation words are interleaved the same way (code l beside code l + 16).
+
+Program tile: `[BLOCK_N rows, 8 sub-blocks]` (one thread per pair at BLOCK_N·8 = 32·warps), the 8 words of a
+sub-block in a static loop chaining `dp4a` per column, so no cross-thread reduction happens per block.
+`gemv_q8_iq_reference` (dequantise with `ninfer.quant`, times `q·d`, float64) is the tests' oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
+from ninfer.kernels.gguf_matmul import MatmulSchedule, QuantKernelError, check_weight, triton_cdiv
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_sum, triton_runs_on
+from ninfer.quant import dequantize
+from ninfer.quant.formats import GGUF_PREFIX
+from ninfer.quant.tables import IQ4_LEVELS
+
+IQ_Q8_FORMATS = ("iq3_s", "iq4_xs")
+MAX_COLUMNS = 8
+
+SCHEDULES: dict[str, MatmulSchedule] = {
+    s.name: s
+    for s in (
+        MatmulSchedule("q8_n16_m1", "q8", 16, 1),
+        MatmulSchedule("q8_n32_m1", "q8", 32, 1),
+        MatmulSchedule("q8_n64_m1_w8", "q8", 64, 1, num_warps=8),
+        MatmulSchedule("q8_n16_m1_s2", "q8", 16, 1, split_k=2),
+        MatmulSchedule("q8_n16_m1_s4", "q8", 16, 1, split_k=4),
+        MatmulSchedule("q8_n8_m1_s4_w2", "q8", 8, 1, split_k=4, num_warps=2),
+        MatmulSchedule("q8_n16_m4", "q8", 16, 4),
+        MatmulSchedule("q8_n16_m4_s4", "q8", 16, 4, split_k=4),
+        MatmulSchedule("q8_n16_m8", "q8", 16, 8),
+        MatmulSchedule("q8_n32_m8", "q8", 32, 8),
+    )
+}
+
+
+def default_iq_schedule(fmt: str, out_features: int, in_features: int, columns: int) -> MatmulSchedule:
+    """A starting schedule (not yet timed on a GPU): split-K where few rows would leave SMs idle, the column
+    tile the next power of two ≥ columns."""
+    fmt = fmt.removeprefix(GGUF_PREFIX)
+    if fmt not in IQ_Q8_FORMATS or not 1 <= columns <= MAX_COLUMNS:
+        raise QuantKernelError(f"the q8 i-quant GEMV takes {', '.join(IQ_Q8_FORMATS)} at 1–{MAX_COLUMNS} "
+                               f"columns, not {fmt} at {columns}; use quant_matmul's wv_*/sub_* schedules")
+    small = out_features <= 1024
+    if columns == 1:
+        return SCHEDULES["q8_n8_m1_s4_w2" if small else "q8_n16_m1_s4"]
+    if columns <= 4:
+        return SCHEDULES["q8_n16_m4_s4" if small or in_features >= 16384 else "q8_n16_m4"]
+    return SCHEDULES["q8_n16_m8"]
+
+
+def gemv_q8_iq_reference(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_features: int,
+                         out_dtype: torch.dtype | None = torch.float64) -> torch.Tensor:
+    """`(q·d) @ Wᵀ` in float64 with W dequantised by `ninfer.quant` (`[n, out_features]`, in `out_dtype`;
+    None: the activation's dtype)."""
+    in_features = xa.q.shape[1]
+    w = dequantize(raw.cpu().reshape(-1), GGUF_PREFIX + fmt.removeprefix(GGUF_PREFIX),
+                   (out_features, in_features)).double()
+    y = xa.dequantize().cpu() @ w.t()
+    return y.to(xa.q.device, out_dtype or xa.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton
+
+
+# iq4_xs levels as int8 bytes packed into 4 little-endian int32 words (prmt tables: levels 0-7, 8-15)
+_IQ4_WORDS = torch.tensor(IQ4_LEVELS.tolist(), dtype=torch.int8).view(torch.int32).tolist()
+
+if HAVE_TRITON:
+
+    @jit
+    def prmt(a, b, sel, EMULATE: tl.constexpr):
+        """PTX `prmt.b32` (default mode): byte i of the result is byte `(sel >> 4i) & 7` of the 8 bytes
+        {a, b} (a the low four). Selector nibbles must be 0..7 (bit 3 would replicate a sign)."""
+        if EMULATE:
+            out = tl.zeros_like(a)
+            for i in tl.static_range(4):
+                s = (sel >> (4 * i)) & 7
+                byte = tl.where(s < 4, a >> (8 * (s & 3)), b >> (8 * (s & 3))) & 0xFF
+                out |= byte << (8 * i)
+            return out
+        else:
+            return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+
+    @jit
+    def _iq4_levels(nib, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr,
+                    EMULATE: tl.constexpr):
+        """The 4 int8 levels of the 4 nibbles in the low 16 bits of `nib`, as one int32 word."""
+        low3 = nib & 0x7777
+        lo = prmt(tl.full(nib.shape, T0, tl.int32), tl.full(nib.shape, T1, tl.int32), low3, EMULATE)
+        hi = prmt(tl.full(nib.shape, T2, tl.int32), tl.full(nib.shape, T3, tl.int32), low3, EMULATE)
+        pick = ((nib >> 1) & 0x4444) | 0x3210  # byte i from hi where the nibble's bit 3 is set
+        return prmt(lo, hi, pick, EMULATE)
+
+    @jit
+    def _gemv_q8_iq_kernel(
+        w_ptr, xq_ptr, xd_ptr, y_ptr, grid_ptr,
+        N, K, M, row_units, stride_xq, stride_xd, stride_ym,
+        FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+        T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, EMULATE: tl.constexpr,
+    ):
+        # w_ptr: iq3_s rows as int16 (blocks are 2-byte aligned: 55 per block), iq4_xs as int32 (34 per block)
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        nm = (offs_n < N)[:, None]
+        sb = tl.arange(0, 8)[None, :]  # sub-block of 32 codes
+        sb3 = tl.arange(0, 8)[None, :, None]
+        m3 = offs_m[None, None, :]
+        xm = m3 < M
+        row = w_ptr + offs_n.to(tl.int64)[:, None] * row_units
+        xq_row = xq_ptr + m3.to(tl.int64) * stride_xq + 8 * sb3  # the sub-block's 8 activation words
+        xd_row = xd_ptr + m3.to(tl.int64) * stride_xd + sb3
+        acc = tl.zeros([BLOCK_N, 8, BLOCK_M], dtype=tl.float32)
+        blocks = K // 256
+        per_split = (blocks + SPLIT_K - 1) // SPLIT_K
+        for blk in range(pid_k * per_split, tl.minimum(blocks, (pid_k + 1) * per_split)):
+            xw = xq_row + blk * 64
+            isum = tl.zeros([BLOCK_N, 8, BLOCK_M], dtype=tl.int32)
+            if FMT == 0:  # iq3_s, in int16 units: d 0, qs 1..32, qh 33..36, signs 37..52, scales 53..54
+                b = row + blk * 55
+                d = tl.load(b, mask=nm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+                sc = (tl.load(b + 53 + sb // 4, mask=nm, other=0).to(tl.int32) >> (4 * (sb % 4))) & 0xF
+                dw = d * (1 + 2 * sc).to(tl.float32)
+                qh = tl.load(b + 33 + sb // 2, mask=nm, other=0).to(tl.int32) >> (8 * (sb % 2))
+                sg = (tl.load(b + 37 + 2 * sb, mask=nm, other=0).to(tl.int32) & 0xFFFF) | (
+                    tl.load(b + 38 + 2 * sb, mask=nm, other=0).to(tl.int32) << 16)
+                for h in tl.static_range(4):  # int16 h of the sub-block's qs: grid entries 2h, 2h + 1
+                    qs2 = tl.load(b + 1 + 4 * sb + h, mask=nm, other=0).to(tl.int32)
+                    for e in tl.static_range(2):
+                        p = 2 * h + e
+                        idx = ((qs2 >> (8 * e)) & 0xFF) | ((qh << (8 - p)) & 0x100)
+                        g = tl.load(grid_ptr + idx)
+                        neg = (((sg >> (4 * p)) & 0xF) * 0x204081) & 0x01010101  # sign bit j -> bit 8j
+                        wq = (g ^ (neg * 255)) + neg
+                        xv = tl.load(xw + p, mask=xm, other=0)
+                        isum = dp4a(tl.broadcast_to(wq[:, :, None], isum.shape),
+                                    tl.broadcast_to(xv, isum.shape), isum, EMULATE)
+            else:  # iq4_xs, in int32 units: d | scales_h << 16 at 0, scales_l 1, qs 2..33 (4 words per group)
+                b = row + blk * 34
+                h0 = tl.load(b, mask=nm, other=0)
+                d = (h0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                sc_lo = (tl.load(b + 1, mask=nm, other=0) >> (4 * sb)) & 0xF
+                sc_hi = (h0 >> (16 + 2 * sb)) & 3
+                dw = d * ((sc_lo | (sc_hi << 4)) - 32).to(tl.float32)
+                for j in tl.static_range(4):  # word j: codes 4j..4j+3 (low nibbles), 16+4j.. (high)
+                    qw = tl.load(b + 2 + 4 * sb + j, mask=nm, other=0)
+                    # nibbles in the word's order: (4j, 16+4j, 4j+1, 17+4j) then (4j+2, 18+4j, 4j+3, 19+4j)
+                    w_a = _iq4_levels(qw, T0, T1, T2, T3, EMULATE)
+                    w_b = _iq4_levels(qw >> 16, T0, T1, T2, T3, EMULATE)
+                    x_lo = tl.load(xw + j, mask=xm, other=0)
+                    x_hi = tl.load(xw + 4 + j, mask=xm, other=0)
+                    x_a = prmt(x_lo, x_hi, tl.full(x_lo.shape, 0x5140, tl.int32), EMULATE)
+                    x_b = prmt(x_lo, x_hi, tl.full(x_lo.shape, 0x7362, tl.int32), EMULATE)
+                    isum = dp4a(tl.broadcast_to(w_a[:, :, None], isum.shape),
+                                tl.broadcast_to(x_a, isum.shape), isum, EMULATE)
+                    isum = dp4a(tl.broadcast_to(w_b[:, :, None], isum.shape),
+                                tl.broadcast_to(x_b, isum.shape), isum, EMULATE)
+            dx = tl.load(xd_row + blk * 8, mask=xm, other=0.0)
+            acc += isum.to(tl.float32) * (dw[:, :, None] * dx)
+        out = tl_sum(acc, 1)
+        ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+        mask = nm & (offs_m < M)[None, :]
+        if SPLIT_K == 1:
+            tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(ptrs, out, mask=mask)
+
+
+def _grid_words(device: torch.device) -> torch.Tensor:
+    from ninfer.kernels.gguf_matmul import _tables
+
+    return _tables(device)[1]
+
+
+def _gemv_q8_iq(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_features: int,
+                schedule: MatmulSchedule | str | None) -> torch.Tensor:
+    n, in_features = xa.q.shape
+    check_weight(raw, fmt, out_features, in_features)
+    if not 1 <= n <= MAX_COLUMNS:
+        raise QuantKernelError(f"the q8 i-quant GEMV takes 1–{MAX_COLUMNS} columns, got {n}; use "
+                               "quant_matmul's sub_* or dequant_mm schedules for wider inputs")
+    if raw.device != xa.q.device:
+        raise QuantKernelError(f"weight on {raw.device} but activation on {xa.q.device}; move both to one "
+                               "device")
+    s = SCHEDULES[schedule] if isinstance(schedule, str) else (
+        schedule or default_iq_schedule(fmt, out_features, in_features, n))
+    if s.kernel != "q8":
+        raise QuantKernelError(f"schedule {s.name} is not a q8 schedule; pick one of {', '.join(SCHEDULES)}")
+    if not (HAVE_TRITON and triton_runs_on(raw)):
+        return gemv_q8_iq_reference(raw, fmt, xa, out_features, out_dtype=None)
+    y = (torch.zeros if s.split_k > 1 else torch.empty)(
+        (n, out_features), dtype=torch.float32 if s.split_k > 1 else xa.dtype, device=raw.device)
+    units = raw.view(torch.int16) if fmt == "iq3_s" else raw.view(torch.int32)
+    words = xa.q.view(torch.int32)
+    launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
+    extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}
+    t0, t1, t2, t3 = _IQ4_WORDS
+    _gemv_q8_iq_kernel[launch](
+        units, words, xa.d, y, _grid_words(raw.device),
+        out_features, in_features, n, units.shape[1], words.stride(0), xa.d.stride(0), y.stride(0),
+        FMT=IQ_Q8_FORMATS.index(fmt), BLOCK_N=s.block_n, BLOCK_M=s.block_m, SPLIT_K=s.split_k,
+        T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=EMULATE_DP4A, **extra)
+    return y.to(xa.dtype)
+
+
+def gemv_q8_iq3_s(raw: torch.Tensor, xa: QuantizedActivation, out_features: int,
+                  schedule: MatmulSchedule | str | None = None) -> torch.Tensor:
+    """`(q·d) @ Wᵀ -> [n, out_features]` in the activation's dtype, W the iq3_s rows `raw` (uint8
+    `[out_features, row_bytes]`), 1–8 activation rows."""
+    return _gemv_q8_iq(raw, "iq3_s", xa, out_features, schedule)
+
+
+def gemv_q8_iq4_xs(raw: torch.Tensor, xa: QuantizedActivation, out_features: int,
+                   schedule: MatmulSchedule | str | None = None) -> torch.Tensor:
+    """As `gemv_q8_iq3_s` for iq4_xs rows."""
+    return _gemv_q8_iq(raw, "iq4_xs", xa, out_features, schedule)

@@ -45,42 +45,57 @@ def paged_decode_attention_reference(
 
 
 @jit
-def _f16(p, m):
-    lo = tl.load(p, mask=m, other=0).to(tl.uint16)
-    hi = tl.load(p + 1, mask=m, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+def _scales(row16, off16: tl.constexpr, NG: tl.constexpr, m):
+    """[rows, NG] fp16 scales of each row (2-byte aligned in every format), loaded once per group."""
+    j = tl.arange(0, NG)[None, :]
+    return tl.load(row16 + off16 + j, mask=m, other=0).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @jit
-def _load_k(row, row16, d, m, levels_ptr, FMT: tl.constexpr, D: tl.constexpr):
+def _grouped(x, s, ROWS: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr):
+    """x [ROWS, D] times its per-group scales s [ROWS, D // GROUP], broadcast over each group."""
+    return tl.reshape(tl.reshape(x, (ROWS, D // GROUP, GROUP)) * s[:, :, None], (ROWS, D))
+
+
+@jit
+def _nibbles(row, off: tl.constexpr, m, ROWS: tl.constexpr, D: tl.constexpr):
+    """[ROWS, D] 4-bit codes (int32) from D/2 packed bytes: value 2i low nibble of byte i, 2i+1 high."""
+    byte = tl.load(row + off + tl.arange(0, D // 2)[None, :], mask=m, other=0).to(tl.int32)
+    return tl.reshape(tl.join(byte & 0xF, byte >> 4), (ROWS, D))
+
+
+@jit
+def _load_k(row, row16, m, levels_ptr, FMT: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
+    """Decoded keys [ROWS, D] fp32 (still rotated for rk formats) of the token rows at `row`."""
+    d = tl.arange(0, D)[None, :]
     if FMT == 0:
         return tl.load(row16 + d, mask=m, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
     elif FMT == 1 or FMT == 2:
         code = tl.load(row + d, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        return code * _f16(row + D + 2 * (d // 64), m)
+        return _grouped(code, _scales(row16, D // 2, D // 64, m), ROWS, D, 64)
     else:
-        byte = tl.load(row + d // 2, mask=m, other=0).to(tl.int32)
-        idx = (byte >> (4 * (d % 2))) & 0xF
-        return tl.load(levels_ptr + idx) * _f16(row + D // 2 + 2 * (d // 64), m)
+        level = tl.load(levels_ptr + _nibbles(row, 0, m, ROWS, D))
+        return _grouped(level, _scales(row16, D // 4, D // 64, m), ROWS, D, 64)
 
 
 @jit
-def _load_v(row, row16, d, m, FMT: tl.constexpr, D: tl.constexpr, KB: tl.constexpr):
+def _load_v(row, row16, m, FMT: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr):
+    """Decoded values [ROWS, D] fp32 of the token rows at `row` (V part starts at byte KB)."""
+    d = tl.arange(0, D)[None, :]
     if FMT == 0:
         return tl.load(row16 + D + d, mask=m, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
     elif FMT == 1:
         code = tl.load(row + KB + d, mask=m, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        return code * _f16(row + KB + D + 2 * (d // 64), m)
+        return _grouped(code, _scales(row16, (KB + D) // 2, D // 64, m), ROWS, D, 64)
     else:
-        byte = tl.load(row + KB + d // 2, mask=m, other=0).to(tl.int32)
-        code = ((byte >> (4 * (d % 2))) & 0xF) - 8
-        return code.to(tl.float32) * _f16(row + KB + D // 2 + 2 * (d // 32), m)
+        code = (_nibbles(row, KB, m, ROWS, D) - 8).to(tl.float32)
+        return _grouped(code, _scales(row16, (KB + D // 2) // 2, D // 32, m), ROWS, D, 32)
 
 
 @jit
 def _paged_decode_kernel(
     q_ptr, kv_ptr, kv16_ptr, pt_ptr, lane_ptr, len_ptr, levels_ptr, acc_ptr, ml_ptr,
-    Hq, Hkv, pt_stride, token_bytes, pages_per_split, scale,
+    Hq, Hkv, pt_stride, token_bytes, token_words, pages_per_split, scale,
     FMT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GPAD: tl.constexpr, KB: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
@@ -106,15 +121,15 @@ def _paged_decode_kernel(
         tok = (page * Hkv + h) * 64 + t
         tok_ok = (pi * 64 + t) < n
         row = kv_ptr + tok[:, None] * token_bytes
-        row16 = kv16_ptr + tok[:, None] * (token_bytes // 2)
-        k = _load_k(row, row16, d, tok_ok[:, None], levels_ptr, FMT, D)
+        row16 = kv16_ptr + tok[:, None] * token_words
+        k = _load_k(row, row16, tok_ok[:, None], levels_ptr, FMT, D, 64)
         s = tl.dot(q, tl.trans(k))
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl_max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl_sum(p, 1)
-        v = _load_v(row, row16, d, tok_ok[:, None], FMT, D, KB)
+        v = _load_v(row, row16, tok_ok[:, None], FMT, D, KB, 64)
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     part = (b * Hq + heads) * SPLITS + sp
@@ -167,7 +182,7 @@ def paged_decode_attention(
     _paged_decode_kernel[(B, Hkv, splits)](
         qr, storage, storage.view(torch.int16), page_tables, lane_ids.to(torch.int32),
         seq_lens.to(torch.int32), levels, acc, ml, Hq, Hkv, page_tables.stride(0), storage.shape[3],
-        per_split,
+        storage.shape[3] // 2, per_split,
         scale if scale is not None else 1.0 / math.sqrt(D),
         FMT=KERNEL_KV_CODES[fmt.name], D=D, G=G, GPAD=max(16, 1 << (G - 1).bit_length()), KB=fmt.key_bytes,
         SPLITS=splits,

@@ -1,0 +1,149 @@
+"""Prefill (flash) attention of one span's queries over its sequence's pages in the KV pool.
+
+The span's rows sit at positions cached..cached+L-1 and their K/V are already written to the pool; row i sees
+keys 0..cached+i. One program takes one KV head and a tile of BLOCK_R (position, query head) pairs of that
+head's GQA group, flattened position-major, so K/V pages are decoded once for the whole group. Pages are
+64-token tiles decoded in the kernel like `paged_attention` (bf16 / int8 / rk8v4 / rk4v4; rotated-key formats
+take the query rotated by the same Walsh–Hadamard matrix); online softmax with fp32 accumulation; the dots
+take fp16 operands on the GPU (tensor cores) or fp32 (`dot_f16=False`, exact in the CPU interpreter).
+`prefill_attention_reference` decodes the same bytes with `kv_quant.decode_kv` and runs
+`reference.attention_reference`: the oracle and the CPU path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ninfer.kernels import kv_quant, reference
+from ninfer.kernels.paged_attention import (
+    KERNEL_KV_CODES,
+    PAGE_TOKENS,
+    PagedAttentionError,
+    _device_tables,
+    _load_k,
+    _load_v,
+)
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_max, tl_sum, triton_runs_on
+
+
+def _table_row(page_tables: torch.Tensor, lane: int) -> torch.Tensor:
+    return page_tables if page_tables.dim() == 1 else page_tables[lane]
+
+
+def prefill_attention_reference(
+    q: torch.Tensor, storage: torch.Tensor, page_tables: torch.Tensor, lane: int, cached: int,
+    fmt: kv_quant.KvFormat, scale: float | None = None,
+) -> torch.Tensor:
+    """q `[L, Hq, D]` (not rotated) at positions cached.. -> `[L, Hq, D]` in q's dtype."""
+    n = cached + q.shape[0]
+    pages = _table_row(page_tables, lane)[: -(-n // PAGE_TOKENS)].long()
+    rows = storage[pages].transpose(1, 2).reshape(-1, storage.shape[1], storage.shape[3])[:n]
+    k, v = kv_quant.decode_kv(fmt, rows)
+    qf = kv_quant.rotate(q.float()) if fmt.rotated_keys else q.float()
+    return reference.attention_reference(qf, k, v, causal_offset=cached, scale=scale).to(q.dtype)
+
+
+@jit
+def _prefill_kernel(
+    q_ptr, kv_ptr, kv16_ptr, pt_ptr, levels_ptr, o_ptr,
+    L, cached, Hq, Hkv, token_bytes, token_words, scale,
+    FMT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_F16: tl.constexpr,
+):
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) rows start first
+    h = tl.program_id(1)
+    f = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # flattened (position, head-in-group) pairs
+    row_ok = f < L * G
+    pos = f // G
+    heads = h * G + f % G
+    d = tl.arange(0, D)[None, :]
+    t = tl.arange(0, 64)
+    q = tl.load(q_ptr + (pos * Hq + heads)[:, None] * D + d, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q = q * (scale * 1.4426950408889634)  # scores in log2 units: exp2 below
+    if DOT_F16:
+        q = q.to(tl.float16)
+    sees = cached + pos  # last key position each row may see
+    n = cached + L
+    last = tl.minimum(cached + (tile * BLOCK_R + BLOCK_R - 1) // G, n - 1)
+    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+    for pi in range(0, last // 64 + 1):
+        page = tl.load(pt_ptr + pi).to(tl.int64)
+        tok = (page * Hkv + h) * 64 + t
+        key = pi * 64 + t
+        tok_ok = (key < n)[:, None]
+        row = kv_ptr + tok[:, None] * token_bytes
+        row16 = kv16_ptr + tok[:, None] * token_words
+        k = _load_k(row, row16, tok_ok, levels_ptr, FMT, D, 64)
+        if DOT_F16:
+            k = k.to(tl.float16)
+        s = tl.dot(q, tl.trans(k))
+        s = tl.where(key[None, :] <= sees[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl_max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl_sum(p, 1)
+        v = _load_v(row, row16, tok_ok, FMT, D, KB, 64)
+        if DOT_F16:
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    out_ptr = o_ptr + (pos * Hq + heads)[:, None] * D + d
+    tl.store(out_ptr, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _check(q, storage, row, cached, fmt) -> None:
+    L, Hq, D = q.shape
+    if storage.dtype != torch.uint8 or storage.dim() != 4 or storage.shape[2] != PAGE_TOKENS:
+        raise PagedAttentionError(f"KV storage must be uint8 [pages, kv_heads, {PAGE_TOKENS}, token_bytes], "
+                                  f"got {storage.dtype} {list(storage.shape)}")
+    if storage.shape[3] != fmt.token_bytes or fmt.head_dim != D:
+        raise PagedAttentionError(f"KV rows of {storage.shape[3]} bytes do not match --kv-dtype {fmt.name} "
+                                  f"at head dim {D} ({fmt.token_bytes} bytes); check the pool's dtype")
+    if Hq % storage.shape[1]:
+        raise PagedAttentionError(f"{Hq} query heads cannot share {storage.shape[1]} KV heads evenly")
+    if row.dtype != torch.int32 or -(-(cached + L) // PAGE_TOKENS) > row.shape[0]:
+        raise PagedAttentionError(f"the page table row must be int32 and hold the pages of {cached + L} "
+                                  "positions")
+
+
+def kernel_supports(fmt: kv_quant.KvFormat) -> bool:
+    """Formats and head dims the Triton kernels decode (power-of-two head dims from 16)."""
+    D = fmt.head_dim
+    return fmt.name in KERNEL_KV_CODES and D >= 16 and D & (D - 1) == 0
+
+
+def prefill_attention(
+    q: torch.Tensor, storage: torch.Tensor, page_tables: torch.Tensor, lane: int, cached: int,
+    fmt: kv_quant.KvFormat, scale: float | None = None, *, block_rows: int = 64, num_warps: int | None = None,
+    dot_f16: bool | None = None,
+) -> torch.Tensor:
+    """Causal attention of a span's queries `q [L, Hq, D]` (not rotated; positions cached..cached+L-1) over
+    the sequence's pages (the span's K/V already written). `page_tables` is the pool's `[lanes, max_pages]`
+    int32 table (row `lane` used) or one row. Returns `[L, Hq, D]` in q's dtype."""
+    row = _table_row(page_tables, lane)
+    _check(q, storage, row, cached, fmt)
+    if not (HAVE_TRITON and triton_runs_on(q) and kernel_supports(fmt)):
+        return prefill_attention_reference(q, storage, page_tables, lane, cached, fmt, scale)
+    L, Hq, D = q.shape
+    Hkv = storage.shape[1]
+    G = Hq // Hkv
+    hadamard, levels = _device_tables(D, q.device)
+    qr = (q.float() @ hadamard if fmt.rotated_keys else q).contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if dot_f16 is None:
+        dot_f16 = q.is_cuda
+    if num_warps is None:
+        num_warps = 8 if D * block_rows >= 128 * 128 else 4
+    _prefill_kernel[(-(-L * G // block_rows), Hkv)](
+        qr, storage, storage.view(torch.int16), row, levels, out, L, cached, Hq, Hkv, storage.shape[3],
+        storage.shape[3] // 2, scale if scale is not None else 1.0 / math.sqrt(D),
+        FMT=KERNEL_KV_CODES[fmt.name], D=D, G=G, KB=fmt.key_bytes, BLOCK_R=block_rows, DOT_F16=dot_f16,
+        num_warps=num_warps,
+    )
+    return out

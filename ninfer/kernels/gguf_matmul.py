@@ -10,6 +10,7 @@ dequantises a `[BLOCK_N, BLOCK_K]` weight tile into registers and multiplies it 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -137,10 +138,32 @@ def default_route(format: str, out_features: int, in_features: int = 0) -> list[
     return route + [(16, sub), (64, "sub_n64_m64"), (WIDE, "dequant_mm")]
 
 
+Q8_ROUTE_FORMATS = ("q4_k", "q6_k", "q5_k", "q8_0")  # formats of the int8-activation GEMV (gemv_q8.py)
+
+
+def q8_route(format: str, out_features: int, in_features: int) -> list[tuple[int, str]]:
+    """Route of the int8-activation dp4a GEMV for 1–8 columns, `[]` where it does not apply (other formats,
+    rows not whole 256-column steps). Not yet timed on the GPU: split-K where few rows leave SMs idle."""
+    name = format.removeprefix(GGUF_PREFIX)
+    if name not in Q8_ROUTE_FORMATS or in_features % 256:
+        return []
+    if out_features <= 1024:
+        return [(1, "q8_n8_m1_s4"), (8, "q8_n8_m8_s4")]
+    if out_features <= 6144 or in_features >= 16384:
+        return [(1, "q8_n16_m1_s4"), (8, "q8_n16_m8_s4")]
+    return [(1, "q8_n32_m1"), (8, "q8_n16_m8")]
+
+
+def q8_enabled() -> bool:
+    """The q8 GEMV is the default decode route on CUDA unless NINFER_GEMV=wv restores the word-vector one."""
+    return os.environ.get("NINFER_GEMV", "q8") != "wv"
+
+
 def default_schedule(columns: int, format: str = "q8_0", out_features: int = 4096,
-                     in_features: int = 0) -> MatmulSchedule:
-    """The built-in route's schedule for `columns` columns."""
-    for max_width, name in default_route(format, out_features, in_features):
+                     in_features: int = 0, q8: bool = False) -> MatmulSchedule:
+    """The built-in route's schedule for `columns` columns; `q8` puts the int8-activation GEMV first."""
+    route = q8_route(format, out_features, in_features) if q8 else []
+    for max_width, name in route + default_route(format, out_features, in_features):
         if columns <= max_width:
             return SCHEDULES[name]
     return SCHEDULES["dequant_mm"]
@@ -786,7 +809,12 @@ def quant_matmul(
         x2 = x2.contiguous()
     M = x2.shape[0]
     s = SCHEDULES[schedule] if isinstance(schedule, str) else (
-        schedule or default_schedule(M, format, out_features, in_features))
+        schedule or default_schedule(M, format, out_features, in_features, q8=x.is_cuda and q8_enabled()))
+    if s.kernel == "q8":  # int8 activation (quantised once per tensor: the memo), dp4a GEMV
+        from ninfer.kernels.gemv_q8 import gemv_q8, quantize_activation_cached
+
+        y = gemv_q8(raw, format, quantize_activation_cached(x), out_features, s)
+        return y.reshape(*x.shape[:-1], out_features)
     if s.kernel == "dequant_mm":
         w = dequantize_rows(raw, format, out_features, in_features, x.dtype if x.is_cuda else torch.float32)
         return (x2.to(w.dtype) @ w.t()).to(x.dtype).reshape(*x.shape[:-1], out_features)

@@ -3,6 +3,7 @@
 Each repetition is one request: a random prompt of -p tokens, then -n generated tokens (greedy, eos ignored).
 pp = prompt tokens / prefill time; tg = (n - 1) / time from the first to the last generated token, i.e.
 decode at context p..p+n. One untimed warm-up request runs first.
+`--suite issue5` measures issue 5's whole table in one process instead (`ninfer.cli.bench_suite`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import torch
 
+from ninfer.cli.bench_suite import SUITES
 from ninfer.cli.common import make_parser, run_cli
 from ninfer.engine.api import GenerationRequest, SamplingParams, TokenEvent
 from ninfer.engine.engine import DTYPES, Engine, EngineConfig
-from ninfer.engine.synthetic import GEOMETRIES
+from ninfer.engine.synthetic import GEOMETRIES, WTYPES
 from ninfer.errors import EngineConfigError
 from ninfer.kernels.kv_quant import KV_DTYPES
 
@@ -31,8 +33,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", help="path of the .ninfer artifact (or use --synthetic)")
     p.add_argument("--synthetic", choices=sorted(GEOMETRIES), help="random model of this geometry, built in "
                                                                    "memory (on CPU only tiny is practical)")
-    p.add_argument("--wtype", default="bf16", help="weight type label of the synthetic model, e.g. iq3_s (on "
-                                                   "CPU weights are dense in --dtype whatever this says)")
+    p.add_argument("--wtype", default="bf16", choices=WTYPES,
+                   help="weights of the synthetic model: bf16 (dense) or a GGUF type whose random blocks "
+                        "stay on the device with --quantized-weights (default on CUDA); token embedding q4_k "
+                        "and output head q6_k like ../shared/tools/synth_qwen35_gguf.py (default bf16)")
+    p.add_argument("--quantized-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep GGUF weights as blocks on the device (quantized kernels) instead of "
+                        "dequantising them to --dtype (default: on CUDA yes, on CPU no)")
+    p.add_argument("--suite", choices=SUITES,
+                   help="issue5: copy bandwidth, memory, pp512 + tg128, 4-/1-column step, C=1/2/4/8 "
+                        "aggregate decode, pp8192, tg128 at 16K depth, each beside its target "
+                        "(-n sets the generated tokens; -r the pp512/tg128 repetitions; see "
+                        "docs/cli-run-bench.md)")
+    p.add_argument("--suite-scale", type=float, default=1.0,
+                   help="multiply the suite's prompt sizes (512, 8192, 16384) and copy size by this (0, 1] "
+                        "(tests, CPU; default 1)")
+    p.add_argument("--concurrency", default="1,2,4,8",
+                   help="the suite's concurrency levels (default 1,2,4,8)")
+    p.add_argument("--json", type=Path, metavar="PATH", dest="json_path",
+                   help="also write the results as JSON to PATH (the suite rewrites it after every row)")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (default 128)")
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timed repetitions (default 3)")
@@ -45,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vs-transformers", type=Path, metavar="GGUF",
                    help="also time transformers (fp32, its GGUF loader) decoding the same prompt from "
                         "this GGUF")
-    p.add_argument("--prefill-chunk", type=int, help="prefill chunk (default: the whole prompt)")
+    p.add_argument("--prefill-chunk", type=int,
+                   help="prefill chunk (default: the whole prompt; the suite: 2048)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
                    help="compute dtype (default float32)")
@@ -54,13 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_engine(args, kv_dtype: str, ctx: int, chunk: int) -> tuple[Engine, str]:
-    config = EngineConfig(max_context=ctx, kv_capacity=ctx, kv_dtype=kv_dtype, device=args.device,
-                          dtype=args.dtype, prefill_chunk=chunk)
+def make_engine(args, kv_dtype: str, ctx: int, chunk: int, lanes: int = 1,
+                kv_tokens: int | None = None) -> tuple[Engine, str]:
+    config = EngineConfig(max_concurrency=lanes, max_context=ctx, kv_capacity=kv_tokens or ctx,
+                          kv_dtype=kv_dtype, device=args.device, dtype=args.dtype, prefill_chunk=chunk,
+                          quantized_weights=args.quantized_weights)
     if args.synthetic:
         from ninfer.engine.synthetic import synthetic_model
 
-        model = synthetic_model(args.synthetic, DTYPES[args.dtype], args.device)
+        config.validate()
+        model = synthetic_model(args.synthetic, DTYPES[args.dtype], args.device, wtype=args.wtype,
+                                quantized_weights=config.keeps_quantized_weights)
         return Engine.from_model(model, config), f"synthetic-{args.synthetic} ({args.wtype})"
     return Engine(args.model, config), Path(args.model).stem
 
@@ -129,6 +153,8 @@ def body(argv: Sequence[str] | None) -> int:
     kv_dtypes = parse_kv_dtypes(args.kv_dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.suite is not None:
+        return suite_body(args, kv_dtypes)
     if args.perplexity is not None:
         ctx, chunk = args.ppl_tokens, args.prefill_chunk or 512
     else:
@@ -159,7 +185,47 @@ def body(argv: Sequence[str] | None) -> int:
                      "test": f"tg{args.n_gen}", "tok_per_s": tps, "std": 0.0, "samples": [tps],
                      "greedy_tokens_equal_to_ninfer": same})
     print(json.dumps(rows, indent=1) if args.output == "json" else table(rows))
+    if args.json_path is not None:
+        args.json_path.write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     return 0
+
+
+def suite_body(args, kv_dtypes: list[str]) -> int:
+    """`--suite`: one engine sized for the deepest and the widest phase, the rows as they are measured."""
+    from ninfer.cli.bench_suite import SuiteReport, SuiteRun, SuiteSizes, run_suite, stream_for, suite_header
+    from ninfer.engine.memory import stored_weight_bytes
+
+    if len(kv_dtypes) > 1 or args.perplexity is not None or args.vs_transformers is not None:
+        raise EngineConfigError("--suite takes one --kv-dtype and no --perplexity / --vs-transformers")
+    sizes = SuiteSizes.scaled(args.suite_scale, args.n_gen, parse_concurrency(args.concurrency),
+                              args.repetitions)
+    t0 = time.monotonic()
+    engine, name = make_engine(args, kv_dtypes[0], sizes.context_tokens(), args.prefill_chunk or 2048,
+                               lanes=max(sizes.concurrency), kv_tokens=sizes.kv_tokens())
+    elapsed = time.monotonic() - t0
+    print(f"loaded {name} in {elapsed:.1f} s · {engine.memory_ledger().line()}", file=sys.stderr, flush=True)
+    if args.synthetic:
+        from ninfer.engine.synthetic import synthetic_source
+
+        stored = synthetic_source(args.synthetic, wtype=args.wtype, device="meta").stored_bytes()
+    else:
+        stored = stored_weight_bytes(engine.artifact)
+    header = suite_header(args, name, sizes, engine, stored)
+    report = SuiteReport(header, stream_for(args.output), args.json_path)
+    full_gpu = args.suite_scale == 1 and args.device.startswith("cuda")
+    run = SuiteRun(engine, sizes, report, args.device, args.wtype if args.synthetic else "",
+                   judge_absolute=full_gpu and args.synthetic == "27b", judge_ratios=full_gpu)
+    run_suite(run, stored)
+    if args.output == "json":
+        print(json.dumps(report.as_dict(), indent=1))
+    return 0
+
+
+def parse_concurrency(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise EngineConfigError(f"--concurrency must be comma-separated integers, got {text!r}") from None
 
 
 def speed_rows(engine: Engine, args, common: dict) -> list[dict]:

@@ -47,6 +47,24 @@ def module_bytes(model: object) -> int:
     return total
 
 
+def stored_weight_bytes(source: object, prefix: str = "text/") -> int | None:
+    """Bytes of the stored tensors a text model loads from `source` (each stored object once): the
+    denominator of the weights-on-device check (issue 5: device bytes <= 1.03x). None when unknown."""
+    if hasattr(source, "stored_bytes"):  # the synthetic source
+        return int(source.stored_bytes())
+    bindings, info = getattr(source, "bindings", None), getattr(source, "object_info", None)
+    if not isinstance(bindings, dict) or info is None:
+        return None
+    objects = {part["object"] for name, binding in bindings.items() if name.startswith(prefix)
+               for part in ([binding] if "object" in binding else binding["parts"])}
+    return sum(int(info(o)["bytes"]) for o in objects)
+
+
+def weights_ratio(device_bytes: int, stored_bytes: int | None) -> float | None:
+    """Weights on the device per stored byte (1.0: held exactly as stored; ~3.5 for q4_k held as bf16)."""
+    return None if not stored_bytes else device_bytes / stored_bytes
+
+
 @dataclass(frozen=True)
 class MemoryLedger:
     device: str

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -71,13 +72,19 @@ class _Dense:
         return self.data.to(dtype)
 
 
-@dataclass
 class _GgufRows:
-    """A stored GGUF tensor like the artifact's: `data` uint8 [out, row_bytes], `format` gguf_<t>."""
+    """A stored GGUF tensor like the artifact's: `data` uint8 [out, row_bytes], `format` gguf_<t>. The rows
+    are generated on first use of `data`, so asking for shape or format (merged projections) costs nothing."""
 
-    data: torch.Tensor
-    format: str
-    shape: tuple[int, int]
+    def __init__(self, make: Callable[[], torch.Tensor], format: str, shape: tuple[int, int]):
+        self._make, self._data = make, None
+        self.format, self.shape = format, shape
+
+    @property
+    def data(self) -> torch.Tensor:
+        if self._data is None:
+            self._data = self._make()
+        return self._data
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self.data.cpu().reshape(-1), self.format, self.shape).to(self.data.device, dtype)
@@ -163,9 +170,11 @@ class SyntheticSource:
         if fmt.startswith("gguf_"):
             from ninfer.kernels.gguf_matmul import random_gguf_weight
 
-            g = self._generator(name, self.device)
-            rows = random_gguf_weight(fmt, shape[0], shape[1], self.device, g)
-            return _GgufRows(rows, fmt, shape)
+            def make() -> torch.Tensor:
+                g = self._generator(name, self.device)
+                return random_gguf_weight(fmt, shape[0], shape[1], self.device, g)
+
+            return _GgufRows(make, fmt, shape)
         leaf = name.rsplit("/", 1)[-1]
         if len(shape) == 1 or leaf == "convolution":  # small tensors: on the CPU, the same on every device
             g = self._generator(name, torch.device("cpu"))

@@ -95,8 +95,9 @@ def _load_v(row, row16, m, FMT: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
 @jit
 def _paged_decode_kernel(
     q_ptr, kv_ptr, kv16_ptr, pt_ptr, lane_ptr, len_ptr, levels_ptr, acc_ptr, ml_ptr,
-    Hq, Hkv, pt_stride, token_bytes, token_words, pages_per_split, scale,
+    Hq, Hkv, pt_stride, pages_per_split, scale,
     FMT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GPAD: tl.constexpr, KB: tl.constexpr,
+    TB: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -120,8 +121,8 @@ def _paged_decode_kernel(
         page = tl.load(pt_ptr + lane * pt_stride + pi).to(tl.int64)
         tok = (page * Hkv + h) * 64 + t
         tok_ok = (pi * 64 + t) < n
-        row = kv_ptr + tok[:, None] * token_bytes
-        row16 = kv16_ptr + tok[:, None] * token_words
+        row = kv_ptr + tok[:, None] * TB  # TB constexpr: the compiler sees each row's alignment
+        row16 = kv16_ptr + tok[:, None] * (TB // 2)
         k = _load_k(row, row16, tok_ok[:, None], levels_ptr, FMT, D, 64)
         s = tl.dot(q, tl.trans(k))
         s = tl.where(tok_ok[None, :], s, float("-inf"))
@@ -181,10 +182,10 @@ def paged_decode_attention(
     ml = torch.empty((B, Hq, splits, 2), dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(B, Hkv, splits)](
         qr, storage, storage.view(torch.int16), page_tables, lane_ids.to(torch.int32),
-        seq_lens.to(torch.int32), levels, acc, ml, Hq, Hkv, page_tables.stride(0), storage.shape[3],
-        storage.shape[3] // 2, per_split,
+        seq_lens.to(torch.int32), levels, acc, ml, Hq, Hkv, page_tables.stride(0), per_split,
         scale if scale is not None else 1.0 / math.sqrt(D),
         FMT=KERNEL_KV_CODES[fmt.name], D=D, G=G, GPAD=max(16, 1 << (G - 1).bit_length()), KB=fmt.key_bytes,
+        TB=fmt.token_bytes,
         SPLITS=splits,
     )
     m, lse = ml[..., 0], ml[..., 1]

@@ -48,8 +48,9 @@ def prefill_attention_reference(
 @jit
 def _prefill_kernel(
     q_ptr, kv_ptr, kv16_ptr, pt_ptr, levels_ptr, o_ptr,
-    L, cached, Hq, Hkv, token_bytes, token_words, scale,
-    FMT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, BLOCK_R: tl.constexpr,
+    L, cached, Hq, Hkv, scale,
+    FMT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, TB: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     DOT_F16: tl.constexpr,
 ):
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) rows start first
@@ -75,8 +76,8 @@ def _prefill_kernel(
         tok = (page * Hkv + h) * 64 + t
         key = pi * 64 + t
         tok_ok = (key < n)[:, None]
-        row = kv_ptr + tok[:, None] * token_bytes
-        row16 = kv16_ptr + tok[:, None] * token_words
+        row = kv_ptr + tok[:, None] * TB  # TB constexpr: the compiler sees each row's alignment
+        row16 = kv16_ptr + tok[:, None] * (TB // 2)
         k = _load_k(row, row16, tok_ok, levels_ptr, FMT, D, 64)
         if DOT_F16:
             k = k.to(tl.float16)
@@ -141,9 +142,10 @@ def prefill_attention(
     if num_warps is None:
         num_warps = 8 if D * block_rows >= 128 * 128 else 4
     _prefill_kernel[(-(-L * G // block_rows), Hkv)](
-        qr, storage, storage.view(torch.int16), row, levels, out, L, cached, Hq, Hkv, storage.shape[3],
-        storage.shape[3] // 2, scale if scale is not None else 1.0 / math.sqrt(D),
-        FMT=KERNEL_KV_CODES[fmt.name], D=D, G=G, KB=fmt.key_bytes, BLOCK_R=block_rows, DOT_F16=dot_f16,
+        qr, storage, storage.view(torch.int16), row, levels, out, L, cached, Hq, Hkv,
+        scale if scale is not None else 1.0 / math.sqrt(D),
+        FMT=KERNEL_KV_CODES[fmt.name], D=D, G=G, KB=fmt.key_bytes, TB=fmt.token_bytes, BLOCK_R=block_rows,
+        DOT_F16=dot_f16,
         num_warps=num_warps,
     )
     return out

@@ -28,7 +28,7 @@ def compile_schedule(fmt: str, sched) -> str:
 
     from ninfer.kernels import gemv_q8_iq as q
 
-    sig = {"w_ptr": "*i16" if fmt == "iq3_s" else "*i32", "xq_ptr": "*i32", "xd_ptr": "*fp32",
+    sig = {"w_ptr": "*u16" if fmt == "iq3_s" else "*i32", "xq_ptr": "*i32", "xd_ptr": "*fp32",
            "y_ptr": "*fp32" if sched.split_k > 1 else "*bf16", "grid_ptr": "*i32", "N": "i32", "K": "i32",
            "M": "i32", "row_units": "i32", "stride_xq": "i32", "stride_xd": "i32", "stride_ym": "i32"}
     names = list(sig)

@@ -32,14 +32,14 @@ SCHEDULES: dict[str, MatmulSchedule] = {
     for s in (
         MatmulSchedule("q8_n16_m1", "q8", 16, 1),
         MatmulSchedule("q8_n32_m1", "q8", 32, 1),
-        MatmulSchedule("q8_n64_m1_w8", "q8", 64, 1, num_warps=8),
+        MatmulSchedule("q8_n64_m1", "q8", 64, 1, num_warps=8),
         MatmulSchedule("q8_n16_m1_s2", "q8", 16, 1, split_k=2),
         MatmulSchedule("q8_n16_m1_s4", "q8", 16, 1, split_k=4),
         MatmulSchedule("q8_n8_m1_s4_w2", "q8", 8, 1, split_k=4, num_warps=2),
         MatmulSchedule("q8_n16_m4", "q8", 16, 4),
         MatmulSchedule("q8_n16_m4_s4", "q8", 16, 4, split_k=4),
         MatmulSchedule("q8_n16_m8", "q8", 16, 8),
-        MatmulSchedule("q8_n32_m8", "q8", 32, 8),
+        MatmulSchedule("q8_n32_m8", "q8", 32, 8, num_warps=8),
     )
 }
 
@@ -111,17 +111,17 @@ if HAVE_TRITON:
         FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
         T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, EMULATE: tl.constexpr,
     ):
-        # w_ptr: iq3_s rows as int16 (blocks are 2-byte aligned: 55 per block), iq4_xs as int32 (34 per block)
+        # w_ptr: iq3_s rows as uint16 (2-byte aligned blocks, 55 units each), iq4_xs as int32 (34 per block)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(2)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        nm = (offs_n < N)[:, None]
+        n_ok = offs_n < N
         sb = tl.arange(0, 8)[None, :]  # sub-block of 32 codes
         sb3 = tl.arange(0, 8)[None, :, None]
-        m3 = offs_m[None, None, :]
-        xm = m3 < M
-        row = w_ptr + offs_n.to(tl.int64)[:, None] * row_units
+        # rows and columns past the ends read the last one (never stored): no masks in the loop
+        m3 = tl.minimum(offs_m, M - 1)[None, None, :]
+        row = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * row_units
         xq_row = xq_ptr + m3.to(tl.int64) * stride_xq + 8 * sb3  # the sub-block's 8 activation words
         xd_row = xd_ptr + m3.to(tl.int64) * stride_xd + sb3
         acc = tl.zeros([BLOCK_N, 8, BLOCK_M], dtype=tl.float32)
@@ -130,50 +130,54 @@ if HAVE_TRITON:
         for blk in range(pid_k * per_split, tl.minimum(blocks, (pid_k + 1) * per_split)):
             xw = xq_row + blk * 64
             isum = tl.zeros([BLOCK_N, 8, BLOCK_M], dtype=tl.int32)
-            if FMT == 0:  # iq3_s, in int16 units: d 0, qs 1..32, qh 33..36, signs 37..52, scales 53..54
+            if FMT == 0:  # iq3_s, in uint16 units: d 0, qs 1..32, qh 33..36, signs 37..52, scales 53..54
                 b = row + blk * 55
-                d = tl.load(b, mask=nm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-                sc = (tl.load(b + 53 + sb // 4, mask=nm, other=0).to(tl.int32) >> (4 * (sb % 4))) & 0xF
+                d = tl.load(b).to(tl.int16, bitcast=True).to(tl.float16, bitcast=True).to(tl.float32)
+                sc = (tl.load(b + 53 + sb // 4).to(tl.int32) >> (4 * (sb % 4))) & 0xF
                 dw = d * (1 + 2 * sc).to(tl.float32)
-                qh = tl.load(b + 33 + sb // 2, mask=nm, other=0).to(tl.int32) >> (8 * (sb % 2))
-                sg = (tl.load(b + 37 + 2 * sb, mask=nm, other=0).to(tl.int32) & 0xFFFF) | (
-                    tl.load(b + 38 + 2 * sb, mask=nm, other=0).to(tl.int32) << 16)
-                for h in tl.static_range(4):  # int16 h of the sub-block's qs: grid entries 2h, 2h + 1
-                    qs2 = tl.load(b + 1 + 4 * sb + h, mask=nm, other=0).to(tl.int32)
+                qh = tl.load(b + 33 + sb // 2).to(tl.int32) >> (8 * (sb % 2))
+                # qh bit p as byte p % 4 of spread word p // 4 (0 or 1), the grid index's high byte
+                qh_lo = ((qh & 0xF) * 0x204081) & 0x01010101
+                qh_hi = (((qh >> 4) & 0xF) * 0x204081) & 0x01010101
+                sg = tl.load(b + 37 + 2 * sb).to(tl.int32) | (tl.load(b + 38 + 2 * sb).to(tl.int32) << 16)
+                for h in tl.static_range(4):  # uint16 h of the sub-block's qs: grid entries 2h, 2h + 1
+                    qs2 = tl.load(b + 1 + 4 * sb + h).to(tl.int32)
                     for e in tl.static_range(2):
                         p = 2 * h + e
-                        idx = ((qs2 >> (8 * e)) & 0xFF) | ((qh << (8 - p)) & 0x100)
-                        g = tl.load(grid_ptr + idx)
+                        # index = qs byte e | qh bit p << 8 (bytes 2, 3 from qs2's zero high half)
+                        sel = tl.full(qs2.shape, e | ((4 + p % 4) << 4) | 0x2200, tl.int32)
+                        idx = prmt(qs2, qh_lo if p < 4 else qh_hi, sel, EMULATE)
+                        g = tl.load(grid_ptr + idx.to(tl.uint32))
                         neg = (((sg >> (4 * p)) & 0xF) * 0x204081) & 0x01010101  # sign bit j -> bit 8j
                         wq = (g ^ (neg * 255)) + neg
-                        xv = tl.load(xw + p, mask=xm, other=0)
+                        xv = tl.load(xw + p)
                         isum = dp4a(tl.broadcast_to(wq[:, :, None], isum.shape),
                                     tl.broadcast_to(xv, isum.shape), isum, EMULATE)
             else:  # iq4_xs, in int32 units: d | scales_h << 16 at 0, scales_l 1, qs 2..33 (4 words per group)
                 b = row + blk * 34
-                h0 = tl.load(b, mask=nm, other=0)
+                h0 = tl.load(b)
                 d = (h0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                sc_lo = (tl.load(b + 1, mask=nm, other=0) >> (4 * sb)) & 0xF
+                sc_lo = (tl.load(b + 1) >> (4 * sb)) & 0xF
                 sc_hi = (h0 >> (16 + 2 * sb)) & 3
                 dw = d * ((sc_lo | (sc_hi << 4)) - 32).to(tl.float32)
                 for j in tl.static_range(4):  # word j: codes 4j..4j+3 (low nibbles), 16+4j.. (high)
-                    qw = tl.load(b + 2 + 4 * sb + j, mask=nm, other=0)
+                    qw = tl.load(b + 2 + 4 * sb + j)
                     # nibbles in the word's order: (4j, 16+4j, 4j+1, 17+4j) then (4j+2, 18+4j, 4j+3, 19+4j)
                     w_a = _iq4_levels(qw, T0, T1, T2, T3, EMULATE)
                     w_b = _iq4_levels(qw >> 16, T0, T1, T2, T3, EMULATE)
-                    x_lo = tl.load(xw + j, mask=xm, other=0)
-                    x_hi = tl.load(xw + 4 + j, mask=xm, other=0)
+                    x_lo = tl.load(xw + j)
+                    x_hi = tl.load(xw + 4 + j)
                     x_a = prmt(x_lo, x_hi, tl.full(x_lo.shape, 0x5140, tl.int32), EMULATE)
                     x_b = prmt(x_lo, x_hi, tl.full(x_lo.shape, 0x7362, tl.int32), EMULATE)
                     isum = dp4a(tl.broadcast_to(w_a[:, :, None], isum.shape),
                                 tl.broadcast_to(x_a, isum.shape), isum, EMULATE)
                     isum = dp4a(tl.broadcast_to(w_b[:, :, None], isum.shape),
                                 tl.broadcast_to(x_b, isum.shape), isum, EMULATE)
-            dx = tl.load(xd_row + blk * 8, mask=xm, other=0.0)
+            dx = tl.load(xd_row + blk * 8)
             acc += isum.to(tl.float32) * (dw[:, :, None] * dx)
         out = tl_sum(acc, 1)
         ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-        mask = nm & (offs_m < M)[None, :]
+        mask = n_ok[:, None] & (offs_m < M)[None, :]
         if SPLIT_K == 1:
             tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
         else:
@@ -204,7 +208,7 @@ def _gemv_q8_iq(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_featur
         return gemv_q8_iq_reference(raw, fmt, xa, out_features, out_dtype=None)
     y = (torch.zeros if s.split_k > 1 else torch.empty)(
         (n, out_features), dtype=torch.float32 if s.split_k > 1 else xa.dtype, device=raw.device)
-    units = raw.view(torch.int16) if fmt == "iq3_s" else raw.view(torch.int32)
+    units = raw.view(torch.uint16) if fmt == "iq3_s" else raw.view(torch.int32)
     words = xa.q.view(torch.int32)
     launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
     extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}

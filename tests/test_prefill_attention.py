@@ -89,3 +89,36 @@ def test_short_page_table_is_a_user_error():
     storage = torch.zeros(2, 1, 64, fmt.token_bytes, dtype=torch.uint8)
     with pytest.raises(NinferError, match="page table row"):
         prefill_attention(torch.randn(10, 2, 64), storage, torch.zeros(1, 1, dtype=torch.int32), 0, 60, fmt)
+
+
+@needs_triton
+def test_batch_context_routes_prefill_spans_through_the_kernel(kernel_only):
+    from ninfer.engine.kv_pool import KvPool
+    from ninfer.engine.paged_context import PagedBatchContext
+    from ninfer.engine.state_pool import GdnStatePool
+    from ninfer.models.cache_spec import CacheSpec
+    from ninfer.models.context import SequenceSpan
+
+    spec = CacheSpec(num_kv_layers=1, kv_heads=2, head_dim=64)
+    gen = torch.Generator().manual_seed(3)
+    pools = [KvPool(spec, "rk8v4", 512, 2, 256) for _ in range(2)]
+    pages = torch.randperm(8, generator=gen).tolist()
+    for pool in pools:
+        pool.assign(0, pages[:2])
+        pool.assign(1, pages[2:4])
+    forwards = [  # (spans, tokens): two prompts, then a second chunk beside a decode step
+        [SequenceSpan(0, 40, 0, 0), SequenceSpan(40, 70, 0, 1)],
+        [SequenceSpan(0, 30, 40, 0), SequenceSpan(30, 1, 70, 1)],
+    ]
+    for spans in forwards:
+        T = sum(s.length for s in spans)
+        q, k, v = (torch.randn(T, h, 64, generator=gen) for h in (4, 2, 2))
+        outs = []
+        for pool, kernel in zip(pools, (False, True), strict=True):
+            ctx = PagedBatchContext(spans, pool, GdnStatePool(spec, 2), batched_decode=False)
+            ctx.prefill_kernel = kernel
+            outs.append(ctx.attention(0, q, k, v))
+        assert torch.equal(pools[0].storage[0], pools[1].storage[0])
+        # the kernel (fp32 dots on CPU) vs the SDPA reference path on the same bytes: measured 2.4e-7, 3.5e-7
+        err = rel(outs[1], outs[0])
+        assert err < 2e-6, err

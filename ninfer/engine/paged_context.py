@@ -42,14 +42,24 @@ class PagedBatchContext:
         self._handed_out: dict[tuple[int, int], GdnState] = {}
         self._where: dict[int, tuple] = {}
 
+    # spans of several tokens go through ninfer.kernels.prefill_attention (None: on CUDA only)
+    prefill_kernel: bool | None = None
+
     def attention(self, kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)
         decode = [i for i, s in enumerate(self.spans) if s.length == 1] if self.batched_decode else []
+        kernel = self._kv.device.type == "cuda" if self.prefill_kernel is None else self.prefill_kernel
         for i, span in enumerate(self.spans):
             rows = slice(span.start, span.start + span.length)
             where, pages = self._addresses(i)
             self._kv.write(kv_layer, where, k[rows], v[rows])
             if i in decode:
+                continue
+            if kernel:  # flash attention over the pages in their stored format
+                from ninfer.kernels.prefill_attention import prefill_attention
+
+                out[rows] = prefill_attention(q[rows], self._kv.storage[kv_layer], self._kv.page_tables,
+                                              span.slot, span.cached_tokens, self._kv.fmt)
                 continue
             keys, values = self._kv.read(kv_layer, pages, span.cached_tokens + span.length)
             qs = q[rows].float()

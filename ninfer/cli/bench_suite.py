@@ -121,6 +121,9 @@ def copy_bandwidth_tb_s(device: str, nbytes: int, calls: int = 10) -> float:
     _sync(device)
     seconds = time.perf_counter() - t0
     del src, dst
+    if device.startswith("cuda"):  # the peak reported last is the engine's, not these buffers'
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     return 2 * nbytes * calls / seconds / 1e12
 
 
@@ -164,7 +167,8 @@ def one_request(engine: Engine, n_prompt: int, n_gen: int, seed: int, device: st
 def aggregate_decode(engine: Engine, sizes: SuiteSizes, c: int, device: str) -> float:
     """Aggregate tok/s of the rounds where all c lanes decode: each request gets n + c tokens so that window
     is at least n rounds long (the lanes' prefills are interleaved with the others' decode before it)."""
-    drive(engine, [_submit(engine, "warm", 16, 4, 1000 + i) for i in range(c)], device)  # graphs for c
+    # warm-up with c lanes decoding together (a CUDA graph of that batch size is captured outside the timing)
+    drive(engine, [_submit(engine, "warm", 16, 2 + c, 1000 + i) for i in range(c)], device)
     handles = [_submit(engine, f"c{c}", sizes.short_prompt, sizes.n_gen + c, 100 * c + i) for i in range(c)]
     rounds = [s for n, decode_only, s in drive(engine, handles, device) if decode_only and n == c]
     if not rounds:
@@ -241,7 +245,7 @@ def run_suite(run: SuiteRun, stored_bytes: int | None) -> SuiteReport:
     phase_depth(run, tg)
     peak = torch.cuda.max_memory_allocated(run.device) if run.device.startswith("cuda") else None
     run.report.add(Row("torch peak allocated", None if peak is None else peak / GIB, "GiB",
-                       note="" if peak is not None else "CUDA only"))
+                       note="since the copy check: weights, KV, state, activations" if peak else "CUDA only"))
     return run.report
 
 
@@ -318,13 +322,14 @@ def _anchor(anchors: dict, key: str, applies: bool) -> str:
 
 
 def suite_header(args, name: str, sizes: SuiteSizes, engine: Engine, stored_bytes: int | None) -> dict:
-    import triton  # noqa: F401  (version only)
+    from ninfer.kernels.triton_support import triton
 
     device = args.device
     gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
     return {"suite": args.suite, "model": name, "wtype": args.wtype if args.synthetic else None,
             "device": device, "gpu": gpu, "dtype": args.dtype, "kv_dtype": engine.config.kv_dtype,
             "prefill_chunk": engine.config.prefill_chunk, "torch": torch.__version__,
+            "triton": getattr(triton, "__version__", None),
             "sizes": {k: v for k, v in asdict(sizes).items()}, "stored_weight_bytes": stored_bytes,
             "device_weight_bytes": module_bytes(engine.model), "memory": engine.memory_ledger().as_dict()}
 

@@ -172,10 +172,11 @@ def gemv_q8_reference(raw: torch.Tensor, format: str, xa: QuantizedActivation, o
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Triton kernels. A program takes BLOCK_N rows × BLOCK_M columns × one split of K, walks 256 codes per step
-# (one k-quant block, or 8 q8_0 blocks), decodes each weight word once for all its columns and multiplies it
-# with the activation word by dp4a; the int32 sums of a sub-block get the weight and activation scales once.
-# Tile axes (row, group, word, column); sums over the word axis stay int32.
+# Triton kernels. A program takes BLOCK_N rows × BLOCK_M columns × one split of K and walks 256 codes per
+# step (one k-quant block, or 8 q8_0 blocks). Tile axes (column, row, group): each thread owns one (row,
+# group) pair, a quarter of the row's step (BLOCK_N·4 = 32·warps), and all columns in registers, so a weight
+# word is decoded once for every column and the dp4a sums of a sub-block chain in registers (no cross-thread
+# reduction inside the loop). The activation words are loaded per thread (L1 hits: rows share them).
 
 Q8_FORMATS = ("q4_k", "q6_k", "q5_k", "q8_0")  # formats the q8 kernel decodes
 _FMT = {"q8_0": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6}  # the codes gguf_matmul.FORMAT_CODES uses
@@ -192,124 +193,141 @@ if HAVE_TRITON:
         return lo | (hi << 16)
 
     @jit
+    def _full(ptrs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A [BLOCK_M, 1, 4] pointer tile broadcast to the program's [BLOCK_M, BLOCK_N, 4] tile (each thread
+        loads the words its own (row, group) needs)."""
+        return tl.broadcast_to(ptrs, [BLOCK_M, BLOCK_N, 4])
+
+    @jit
     def _kquant_q8(u_ptr, xw_ptr, xd_ptr, xs_ptr, offs_n, n_ok, offs_m, m_ok, K, row_units, s0, s1,
                    FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr):
         """q4_k (36 words per block) / q5_k (44): qs word (c, p) holds codes 64c + 4p..+3 in its low nibbles
-        and 64c + 32 + 4p.. in its high ones; q5_k's fifth bit of code 32s + l is bit s of qh byte l. Per
-        sub-block s: d·sc·dx·Σq·qx − dmin·mn·(dx·Σqx)."""
-        g3 = tl.arange(0, 4)[None, :, None]
-        l3 = tl.arange(0, 8)[None, None, :]
-        nm = n_ok[:, None, None]
-        row = u_ptr + offs_n.to(tl.int64)[:, None, None] * row_units
-        xw = xw_ptr + offs_m.to(tl.int64)[None, None, None, :] * (K // 4) + (16 * g3 + l3)[:, :, :, None]
-        xm4 = m_ok[None, None, None, :]
-        xd = offs_m.to(tl.int64)[None, None, :] * (K // 32) + 2 * g3
-        xm3 = m_ok[None, None, :]
+        and 64c + 32 + 4p.. in its high ones; q5_k's fifth bit of code 32s + l is bit s of qh byte l. Group =
+        chunk c (sub-blocks 2c, 2c + 1): d·sc·dx·Σq·qx − dmin·mn·(dx·Σqx) per sub-block."""
+        c3 = tl.arange(0, 4)[None, None, :]
+        nm = n_ok[None, :, None]
+        xm = m_ok[:, None, None] & (c3 >= 0)
+        row = u_ptr + offs_n.to(tl.int64)[None, :, None] * row_units
+        xw = _full(xw_ptr + offs_m.to(tl.int64)[:, None, None] * (K // 4) + 16 * c3, BLOCK_M, BLOCK_N)
+        xd = _full(offs_m.to(tl.int64)[:, None, None] * (K // 32) + 2 * c3, BLOCK_M, BLOCK_N)
         WB: tl.constexpr = 36 if FMT == 4 else 44
         QS0: tl.constexpr = 4 if FMT == 4 else 12
-        zero = tl.zeros([BLOCK_N, 4, 8, BLOCK_M], dtype=tl.int32)
-        acc = tl.zeros([BLOCK_N, 4, BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.float32)
         for blk in range(s0, s1):
             wb = row + blk * WB
-            words = tl.load(wb + QS0 + 8 * g3 + l3, mask=nm, other=0)
-            lo = words & 0x0F0F0F0F
-            hi = (words >> 4) & 0x0F0F0F0F
-            if FMT == 5:
-                qh = tl.load(wb + 4 + l3, mask=nm, other=0)
-                lo = lo | (((qh >> (2 * g3)) & 0x01010101) << 4)
-                hi = hi | (((qh >> (2 * g3 + 1)) & 0x01010101) << 4)
-            x_lo = tl.load(xw + blk * 64, mask=xm4, other=0)
-            x_hi = tl.load(xw + blk * 64 + 8, mask=xm4, other=0)
-            i_lo = tl_sum(dp4a(lo[:, :, :, None], x_lo, zero, EMULATE), 2).to(tl.float32)
-            i_hi = tl_sum(dp4a(hi[:, :, :, None], x_hi, zero, EMULATE), 2).to(tl.float32)
-            dx_lo = tl.load(xd_ptr + xd + blk * 8, mask=xm3, other=0.0)
-            dx_hi = tl.load(xd_ptr + xd + blk * 8 + 1, mask=xm3, other=0.0)
-            sx_lo = tl.load(xs_ptr + xd + blk * 8, mask=xm3, other=0.0)
-            sx_hi = tl.load(xs_ptr + xd + blk * 8 + 1, mask=xm3, other=0.0)
+            xb = xw + blk * 64
+            i_lo = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
+            i_hi = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
+            for p in tl.static_range(8):
+                words = tl.load(wb + QS0 + 8 * c3 + p, mask=nm, other=0)
+                lo = words & 0x0F0F0F0F
+                hi = (words >> 4) & 0x0F0F0F0F
+                if FMT == 5:
+                    qh = tl.load(wb + 4 + p, mask=nm, other=0) >> (2 * c3)
+                    lo = lo | ((qh << 4) & 0x10101010)
+                    hi = hi | ((qh << 3) & 0x10101010)
+                i_lo = dp4a(lo, tl.load(xb + p, mask=xm, other=0), i_lo, EMULATE)
+                i_hi = dp4a(hi, tl.load(xb + 8 + p, mask=xm, other=0), i_hi, EMULATE)
             h0 = tl.load(wb, mask=nm, other=0)
             h1 = tl.load(wb + 1, mask=nm, other=0)
             h2 = tl.load(wb + 2, mask=nm, other=0)
             h3 = tl.load(wb + 3, mask=nm, other=0)
             d = _f16_lo(h0)
             dmin = _f16_lo(h0 >> 16)
-            sc_lo, mn_lo = _k_scale_min_words(h1, h2, h3, 2 * g3)
-            sc_hi, mn_hi = _k_scale_min_words(h1, h2, h3, 2 * g3 + 1)
-            acc += (d * sc_lo) * (i_lo * dx_lo) + (d * sc_hi) * (i_hi * dx_hi)
+            sc_lo, mn_lo = _k_scale_min_words(h1, h2, h3, 2 * c3)
+            sc_hi, mn_hi = _k_scale_min_words(h1, h2, h3, 2 * c3 + 1)
+            dx_lo = tl.load(xd_ptr + xd + blk * 8, mask=xm, other=0.0)
+            dx_hi = tl.load(xd_ptr + xd + blk * 8 + 1, mask=xm, other=0.0)
+            sx_lo = tl.load(xs_ptr + xd + blk * 8, mask=xm, other=0.0)
+            sx_hi = tl.load(xs_ptr + xd + blk * 8 + 1, mask=xm, other=0.0)
+            acc += (d * sc_lo) * (i_lo.to(tl.float32) * dx_lo) + (d * sc_hi) * (i_hi.to(tl.float32) * dx_hi)
             acc -= (dmin * mn_lo) * sx_lo + (dmin * mn_hi) * sx_hi
-        return tl_sum(acc, 1)
+        return tl_sum(acc, 2)
 
     @jit
     def _q6k_q8(w_ptr, u_ptr, xw_ptr, xd_ptr, offs_n, n_ok, offs_m, m_ok, K, row_bytes, row_units, s0, s1,
                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr):
         """q6_k (210 bytes = 105 int16): code 128h + 32j + l has its low 4 bits in ql byte 64h + 32(j % 2) + l
-        (nibble j // 2) and its high 2 bits in qh byte 32h + l (bits 2j); the 6-bit codes (bias 32) go through
-        dp4a as bytes and 32·Σqx per 16 codes is removed; int8 scale per 16 codes (byte 192 + 8h + 2j + half).
-        Tile: (row, half of 16 codes, word of the half)."""
-        half = tl.arange(0, 2)[None, :, None]
-        t3 = 4 * half + tl.arange(0, 4)[None, None, :]  # word of a 32-code run
-        nm = n_ok[:, None, None]
-        urow = u_ptr + offs_n.to(tl.int64)[:, None, None] * row_units
-        brow = w_ptr + offs_n.to(tl.int64)[:, None, None] * row_bytes
-        xw = xw_ptr + offs_m.to(tl.int64)[None, None, None, :] * (K // 4) + t3[:, :, :, None]
-        xm4 = m_ok[None, None, None, :]
-        xd = xd_ptr + offs_m.to(tl.int64)[None, :] * (K // 32)
-        xm2 = m_ok[None, :]
-        zero = tl.zeros([BLOCK_N, 2, 4, BLOCK_M], dtype=tl.int32)
-        ones = tl.full([1, 2, 4, BLOCK_M], 0x01010101, dtype=tl.int32)
-        zero1 = tl.zeros([1, 2, 4, BLOCK_M], dtype=tl.int32)
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        (nibble j // 2) and its high 2 bits in qh byte 32h + l (bits 2j); int8 scale per 16 codes at byte
+        192 + 8h + 2j + (l ≥ 16). Group t = (h, half of each 32-code run): 4 words × 4 runs j. A code word
+        becomes 4 signed bytes q − 32 with x = c ^ 0x20 per byte and the sign spread x + 6·(x & 0x20)."""
+        t3 = tl.arange(0, 4)[None, None, :]
+        h3 = t3 // 2
+        half = t3 % 2
+        nm = n_ok[None, :, None]
+        xm = m_ok[:, None, None] & (t3 >= 0)
+        urow = u_ptr + offs_n.to(tl.int64)[None, :, None] * row_units
+        brow = w_ptr + offs_n.to(tl.int64)[None, :, None] * row_bytes
+        xrow = offs_m.to(tl.int64)[:, None, None]
+        xw = _full(xw_ptr + xrow * (K // 4) + 32 * h3 + 4 * half, BLOCK_M, BLOCK_N)
+        xd = _full(xd_ptr + xrow * (K // 32) + 4 * h3, BLOCK_M, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.float32)
         for blk in range(s0, s1):
             ub = urow + blk * 105
-            bb = brow + blk * 210
-            d = tl.load(u_ptr + offs_n.to(tl.int64)[:, None] * row_units + blk * 105 + 104,
-                        mask=n_ok[:, None], other=0).to(tl.float16, bitcast=True).to(tl.float32)
-            for h in tl.static_range(2):
-                qh = _word16(ub + 64 + 2 * (8 * h + t3), nm)
+            xb = xw + blk * 64
+            i0 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
+            i1 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
+            i2 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
+            i3 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
+            for p in tl.static_range(4):
+                qh = _word16(ub + 64 + 2 * (8 * h3 + 4 * half + p), nm)
                 for a in tl.static_range(2):
-                    ql = _word16(ub + 2 * (16 * h + 8 * a + t3), nm)
+                    ql = _word16(ub + 2 * (16 * h3 + 8 * a + 4 * half + p), nm)
                     for hi in tl.static_range(2):
-                        j: tl.constexpr = a + 2 * hi
-                        if hi == 0:
-                            lo4 = ql & 0x0F0F0F0F
-                        else:
-                            lo4 = (ql >> 4) & 0x0F0F0F0F
+                        j = a + 2 * hi
+                        lo4 = (ql >> (4 * hi)) & 0x0F0F0F0F
                         if j < 2:
                             hi2 = (qh << (4 - 2 * j)) & 0x30303030
                         else:
                             hi2 = (qh >> (2 * j - 4)) & 0x30303030
-                        xj = tl.load(xw + blk * 64 + 32 * h + 8 * j, mask=xm4, other=0)
-                        isum = tl_sum(dp4a((lo4 | hi2)[:, :, :, None], xj, zero, EMULATE), 2)
-                        xsum = tl_sum(dp4a(ones, xj, zero1, EMULATE), 2)
-                        sc = tl.load(bb + 192 + 8 * h + 2 * j + half, mask=nm, other=0).to(
-                            tl.int8, bitcast=True).to(tl.int32)
-                        v = tl_sum((isum - 32 * xsum) * sc, 1)
-                        dx = tl.load(xd + blk * 8 + 4 * h + j, mask=xm2, other=0.0)
-                        acc += d * (v.to(tl.float32) * dx)
-        return acc
+                        x = (lo4 | hi2) ^ 0x20202020
+                        q = x + 6 * (x & 0x20202020)
+                        xj = tl.load(xb + 8 * j + p, mask=xm, other=0)
+                        if j == 0:
+                            i0 = dp4a(q, xj, i0, EMULATE)
+                        elif j == 1:
+                            i1 = dp4a(q, xj, i1, EMULATE)
+                        elif j == 2:
+                            i2 = dp4a(q, xj, i2, EMULATE)
+                        else:
+                            i3 = dp4a(q, xj, i3, EMULATE)
+            sb = brow + blk * 210 + 192 + 8 * h3 + half
+            s_0 = tl.load(sb, mask=nm, other=0).to(tl.int8, bitcast=True).to(tl.int32)
+            s_1 = tl.load(sb + 2, mask=nm, other=0).to(tl.int8, bitcast=True).to(tl.int32)
+            s_2 = tl.load(sb + 4, mask=nm, other=0).to(tl.int8, bitcast=True).to(tl.int32)
+            s_3 = tl.load(sb + 6, mask=nm, other=0).to(tl.int8, bitcast=True).to(tl.int32)
+            d = tl.load(ub + 104, mask=nm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            xdb = xd + blk * 8
+            part = (s_0 * i0).to(tl.float32) * tl.load(xdb, mask=xm, other=0.0)
+            part += (s_1 * i1).to(tl.float32) * tl.load(xdb + 1, mask=xm, other=0.0)
+            part += (s_2 * i2).to(tl.float32) * tl.load(xdb + 2, mask=xm, other=0.0)
+            part += (s_3 * i3).to(tl.float32) * tl.load(xdb + 3, mask=xm, other=0.0)
+            acc += d * part
+        return tl_sum(acc, 2)
 
     @jit
     def _q80_q8(u_ptr, xw_ptr, xd_ptr, offs_n, n_ok, offs_m, m_ok, K, row_units, s0, s1,
                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr):
-        """q8_0, 8 blocks of 34 bytes (17 int16: d, then code pairs) per step: d·dx·Σq·qx per block."""
-        g3 = tl.arange(0, 8)[None, :, None]
-        l3 = tl.arange(0, 8)[None, None, :]
-        nm = n_ok[:, None, None]
-        urow = u_ptr + offs_n.to(tl.int64)[:, None, None] * row_units + 17 * g3
-        xw = xw_ptr + offs_m.to(tl.int64)[None, None, None, :] * (K // 4) + (8 * g3 + l3)[:, :, :, None]
-        xm4 = m_ok[None, None, None, :]
-        xd = xd_ptr + offs_m.to(tl.int64)[None, None, :] * (K // 32) + g3
-        xm3 = m_ok[None, None, :]
-        zero = tl.zeros([BLOCK_N, 8, 8, BLOCK_M], dtype=tl.int32)
-        acc = tl.zeros([BLOCK_N, 8, BLOCK_M], dtype=tl.float32)
+        """q8_0, 8 blocks of 34 bytes (17 int16: d, then code pairs) per step; group g = blocks 2g, 2g + 1:
+        d·dx·Σq·qx per block."""
+        g3 = tl.arange(0, 4)[None, None, :]
+        nm = n_ok[None, :, None]
+        xm = m_ok[:, None, None] & (g3 >= 0)
+        urow = u_ptr + offs_n.to(tl.int64)[None, :, None] * row_units + 34 * g3
+        xw = _full(xw_ptr + offs_m.to(tl.int64)[:, None, None] * (K // 4) + 16 * g3, BLOCK_M, BLOCK_N)
+        xd = _full(xd_ptr + offs_m.to(tl.int64)[:, None, None] * (K // 32) + 2 * g3, BLOCK_M, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.float32)
         for step in range(s0, s1):
             ub = urow + step * 136
-            words = _word16(ub + 1 + 2 * l3, nm)
-            d = tl.load(ub, mask=nm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-            xj = tl.load(xw + step * 64, mask=xm4, other=0)
-            isum = tl_sum(dp4a(words[:, :, :, None], xj, zero, EMULATE), 2)
-            dx = tl.load(xd + step * 8, mask=xm3, other=0.0)
-            acc += d * (isum.to(tl.float32) * dx)
-        return tl_sum(acc, 1)
+            xb = xw + step * 64
+            for b in tl.static_range(2):
+                isum = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
+                for p in tl.static_range(8):
+                    xj = tl.load(xb + 8 * b + p, mask=xm, other=0)
+                    isum = dp4a(_word16(ub + 17 * b + 1 + 2 * p, nm), xj, isum, EMULATE)
+                d = tl.load(ub + 17 * b, mask=nm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+                acc += d * (isum.to(tl.float32) * tl.load(xd + step * 8 + b, mask=xm, other=0.0))
+        return tl_sum(acc, 2)
 
     @jit
     def _gemv_q8_kernel(w_ptr, u_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_bytes, row_units, stride_ym,
@@ -332,8 +350,8 @@ if HAVE_TRITON:
         else:
             out = _kquant_q8(u_ptr, xw_ptr, xd_ptr, xs_ptr, offs_n, n_ok, offs_m, m_ok, K, row_units, s0, s1,
                              FMT, BLOCK_N, BLOCK_M, EMULATE)
-        ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-        mask = n_ok[:, None] & m_ok[None, :]
+        ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        mask = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K == 1:
             tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
         else:

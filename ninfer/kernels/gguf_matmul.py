@@ -84,20 +84,24 @@ SCHEDULES: dict[str, MatmulSchedule] = {
         MatmulSchedule("wv_n8_m4", "wv", 8, 4),
         MatmulSchedule("wv_n8_m16_w8", "wv", 8, 16, num_warps=8),
         MatmulSchedule("tiny_wv_m2", "wv", 16, 2),
-        # int8-activation dp4a GEMV (ninfer/kernels/gemv_q8.py): 1 column, then up to 8
-        MatmulSchedule("q8_n16_m1", "q8", 16, 1),
-        MatmulSchedule("q8_n32_m1", "q8", 32, 1),
+        # int8-activation dp4a GEMV (ninfer/kernels/gemv_q8.py): one thread per (row, quarter block), so
+        # warps = block_n / 8; 1 column, then up to 8
+        MatmulSchedule("q8_n16_m1", "q8", 16, 1, num_warps=2),
+        MatmulSchedule("q8_n32_m1", "q8", 32, 1, num_warps=4),
         MatmulSchedule("q8_n64_m1", "q8", 64, 1, num_warps=8),
-        MatmulSchedule("q8_n16_m1_s2", "q8", 16, 1, split_k=2),
-        MatmulSchedule("q8_n32_m1_s2", "q8", 32, 1, split_k=2),
-        MatmulSchedule("q8_n16_m1_s4", "q8", 16, 1, split_k=4),
-        MatmulSchedule("q8_n8_m1_s4", "q8", 8, 1, split_k=4),
-        MatmulSchedule("q8_n8_m8", "q8", 8, 8),
-        MatmulSchedule("q8_n16_m8", "q8", 16, 8),
-        MatmulSchedule("q8_n32_m8", "q8", 32, 8, num_warps=8),
-        MatmulSchedule("q8_n16_m8_s4", "q8", 16, 8, split_k=4),
-        MatmulSchedule("q8_n8_m8_s4", "q8", 8, 8, split_k=4),
-        MatmulSchedule("tiny_q8_m4", "q8", 4, 4, split_k=2),
+        MatmulSchedule("q8_n16_m1_s2", "q8", 16, 1, split_k=2, num_warps=2),
+        MatmulSchedule("q8_n32_m1_s2", "q8", 32, 1, split_k=2, num_warps=4),
+        MatmulSchedule("q8_n16_m1_s4", "q8", 16, 1, split_k=4, num_warps=2),
+        MatmulSchedule("q8_n32_m1_s4", "q8", 32, 1, split_k=4, num_warps=4),
+        MatmulSchedule("q8_n8_m1_s4", "q8", 8, 1, split_k=4, num_warps=1),
+        MatmulSchedule("q8_n8_m8", "q8", 8, 8, num_warps=1),
+        MatmulSchedule("q8_n16_m8", "q8", 16, 8, num_warps=2),
+        MatmulSchedule("q8_n32_m8", "q8", 32, 8, num_warps=4),
+        MatmulSchedule("q8_n16_m8_s4", "q8", 16, 8, split_k=4, num_warps=2),
+        MatmulSchedule("q8_n8_m8_s4", "q8", 8, 8, split_k=4, num_warps=1),
+        MatmulSchedule("q8_n32_m4", "q8", 32, 4, num_warps=4),
+        MatmulSchedule("q8_n16_m4_s4", "q8", 16, 4, split_k=4, num_warps=2),
+        MatmulSchedule("tiny_q8_m4", "q8", 4, 4, split_k=2, num_warps=1),
     )
 }
 

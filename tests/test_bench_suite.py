@@ -13,6 +13,7 @@ from conftest import TINY_GGUF
 
 from ninfer.artifact import open_artifact
 from ninfer.cli import bench_suite
+from ninfer.cli.bench import artifact_wtype, is_27b
 from ninfer.cli.bench import main as bench_main
 from ninfer.cli.bench_suite import SuiteReport, SuiteSizes, memory_rows
 from ninfer.engine.engine import Engine, EngineConfig
@@ -81,7 +82,9 @@ def test_quantized_weights_ratio_row():
 def test_stored_bytes_of_an_artifact_equal_the_gguf_text_tensors(tiny_artifact):
     reader = gguf.GGUFReader(TINY_GGUF / "model-bf16.gguf")
     text = sum(int(t.n_bytes) for t in reader.tensors if not t.name.startswith("blk.4."))  # blk.4: MTP
-    assert stored_weight_bytes(open_artifact(tiny_artifact)) == text
+    art = open_artifact(tiny_artifact)
+    assert stored_weight_bytes(art) == text
+    assert artifact_wtype(art) == "bf16" and not is_27b(synthetic_model("tiny"))
 
 
 def test_suite_sizes_and_usage_errors(capsys):

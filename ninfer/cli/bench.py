@@ -210,15 +210,30 @@ def suite_body(args, kv_dtypes: list[str]) -> int:
         stored = synthetic_source(args.synthetic, wtype=args.wtype, device="meta").stored_bytes()
     else:
         stored = stored_weight_bytes(engine.artifact)
-    header = suite_header(args, name, sizes, engine, stored)
+    wtype = args.wtype if args.synthetic else artifact_wtype(engine.artifact)
+    header = suite_header(args, name, wtype, sizes, engine, stored)
     report = SuiteReport(header, stream_for(args.output), args.json_path)
     full_gpu = args.suite_scale == 1 and args.device.startswith("cuda")
-    run = SuiteRun(engine, sizes, report, args.device, args.wtype if args.synthetic else "",
-                   judge_absolute=full_gpu and args.synthetic == "27b", judge_ratios=full_gpu)
+    run = SuiteRun(engine, sizes, report, args.device, wtype,
+                   judge_absolute=full_gpu and is_27b(engine.model), judge_ratios=full_gpu)
     run_suite(run, stored)
     if args.output == "json":
         print(json.dumps(report.as_dict(), indent=1))
     return 0
+
+
+def artifact_wtype(artifact) -> str:
+    """The GGUF type of the first MLP projection (`iq3_s`, `q4_k`...): the weight type the targets name."""
+    try:
+        return artifact.tensor("text/layers/0/mlp/gate").format.removeprefix("gguf_")
+    except Exception:  # not a Qwen-layout artifact: no per-type target
+        return ""
+
+
+def is_27b(model) -> bool:
+    """The 27B text geometry (issue 5's tok/s targets are for it)."""
+    cfg = getattr(model, "cfg", None)
+    return getattr(cfg, "hidden_size", 0) == 5120 and len(getattr(model, "layers", ())) == 64
 
 
 def parse_concurrency(text: str) -> tuple[int, ...]:

@@ -321,12 +321,13 @@ def _anchor(anchors: dict, key: str, applies: bool) -> str:
     return f"ik_llama.cpp {anchors[key]:,}" if applies and key in anchors else ""
 
 
-def suite_header(args, name: str, sizes: SuiteSizes, engine: Engine, stored_bytes: int | None) -> dict:
+def suite_header(args, name: str, wtype: str, sizes: SuiteSizes, engine: Engine,
+                 stored_bytes: int | None) -> dict:
     from ninfer.kernels.triton_support import triton
 
     device = args.device
     gpu = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
-    return {"suite": args.suite, "model": name, "wtype": args.wtype if args.synthetic else None,
+    return {"suite": args.suite, "model": name, "wtype": wtype or None,
             "device": device, "gpu": gpu, "dtype": args.dtype, "kv_dtype": engine.config.kv_dtype,
             "prefill_chunk": engine.config.prefill_chunk, "torch": torch.__version__,
             "triton": getattr(triton, "__version__", None),

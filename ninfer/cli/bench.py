@@ -14,7 +14,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantized-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="keep GGUF weights as blocks on the device (quantized kernels) instead of "
                         "dequantising them to --dtype (default: on CUDA yes, on CPU no)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode rounds through captured CUDA graphs (default: the engine's default)")
     p.add_argument("--suite", choices=SUITES,
                    help="issue5: copy bandwidth, memory, pp512 + tg128, 4-/1-column step, C=1/2/4/8 "
                         "aggregate decode, pp8192, tg128 at 16K depth, each beside its target "
@@ -79,6 +81,10 @@ def make_engine(args, kv_dtype: str, ctx: int, chunk: int, lanes: int = 1,
     config = EngineConfig(max_concurrency=lanes, max_context=ctx, kv_capacity=kv_tokens or ctx,
                           kv_dtype=kv_dtype, device=args.device, dtype=args.dtype, prefill_chunk=chunk,
                           quantized_weights=args.quantized_weights)
+    if args.cuda_graphs is not None:
+        if "cuda_graphs" not in {f.name for f in fields(EngineConfig)}:
+            raise EngineConfigError("--cuda-graphs / --no-cuda-graphs: this engine has no CUDA-graph decode")
+        config = replace(config, cuda_graphs=args.cuda_graphs)
     if args.synthetic:
         from ninfer.engine.synthetic import synthetic_model
 

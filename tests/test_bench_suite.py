@@ -5,6 +5,7 @@ and the stored bytes of an artifact equal the GGUF's text tensors counted by ggu
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import gguf
 import pytest
@@ -94,3 +95,7 @@ def test_suite_sizes_and_usage_errors(capsys):
     for bad in (["--suite-scale", "0"], ["--concurrency", "1,9"], ["--kv-dtype", "bf16,int8"]):
         assert bench_main([*SMALL, *bad]) == 1
         assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: ")
+    # --no-cuda-graphs reaches EngineConfig.cuda_graphs where the engine has it, else a one-line error
+    has_graphs = "cuda_graphs" in {f.name for f in fields(EngineConfig)}
+    assert bench_main(["--synthetic", "tiny", "-p", "4", "-n", "2", "-r", "1", "--no-cuda-graphs"]) == (
+        0 if has_graphs else 1)

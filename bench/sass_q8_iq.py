@@ -21,13 +21,16 @@ os.environ.setdefault("NINFER_TRITON_COMPILE_CHECK", "1")  # before ninfer impor
 
 
 def compile_schedule(fmt: str, sched) -> str:
-    """The SASS of one (format, schedule), compiled for sm_90 with 16-divisibility hints."""
+    """The SASS of one (format, schedule), compiled for sm_90 with 16-divisibility hints. Format "iq3_s_l1":
+    iq3_s with the grid looked up through L1 (global loads) instead of shared memory."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from ninfer.kernels import gemv_q8_iq as q
 
+    smem = fmt == "iq3_s"
+    fmt = fmt.removesuffix("_l1")
     sig = {"w_ptr": "*u16" if fmt == "iq3_s" else "*i32", "xq_ptr": "*i32", "xd_ptr": "*fp32",
            "y_ptr": "*fp32" if sched.split_k > 1 else "*bf16", "grid_ptr": "*i32", "N": "i32", "K": "i32",
            "M": "i32", "row_units": "i32", "stride_xq": "i32", "stride_xd": "i32", "stride_ym": "i32"}
@@ -36,7 +39,8 @@ def compile_schedule(fmt: str, sched) -> str:
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
     t0, t1, t2, t3 = q._IQ4_WORDS
     const = dict(FMT=q.IQ_Q8_FORMATS.index(fmt), BLOCK_N=sched.block_n, BLOCK_M=sched.block_m,
-                 SPLIT_K=sched.split_k, T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=False)
+                 SPLIT_K=sched.split_k, T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=False,
+                 GRID_SMEM=smem)
     src = ASTSource(q._gemv_q8_iq_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, attrs)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": sched.num_warps})
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -77,15 +81,15 @@ def main(argv=None) -> int:
         fmt, name = a.dump.split(":")
         print("\n".join(loop_body(compile_schedule(fmt, q.SCHEDULES[name]))))
         return 0
-    for fmt in q.IQ_Q8_FORMATS:
+    for fmt in ("iq3_s", "iq3_s_l1", "iq4_xs"):
         for s in q.SCHEDULES.values():
             if (a.schedules and s.name not in a.schedules.split(",")) or (
                     not a.schedules and s.block_m != 1 and not a.all):
                 continue
             pw, n, mix = per_weight(fmt, s)
             top = " ".join(f"{k} {v}" for k, v in mix.most_common(10))
-            print(f"{fmt} {s.name}: {n} loop instructions = {pw:.2f} per weight "
-                  f"(IDP4A {mix.get('IDP', 0)}); {top}", flush=True)
+            print(f"{fmt} {s.name}: {n} loop instructions = {pw:.2f} per weight (IDP4A {mix.get('IDP', 0)}, "
+                  f"BAR {mix.get('BAR', 0)}); {top}", flush=True)
     return 0
 
 

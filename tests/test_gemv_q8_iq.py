@@ -68,6 +68,12 @@ def test_kernel_matches_twin(kernel_on_cpu, fmt, n, schedule):
     assert _rel_max(out, ref) < KERNEL_TOL
 
 
+def test_iq3_s_grid_through_l1(kernel_on_cpu):
+    raw, _, xa = _case("iq3_s", 20, 512, 2, seed=5)
+    out = gemv_q8_iq3_s(raw, xa, 20, "q8_n16_m4", grid_in_shared=False)
+    assert _rel_max(out, gemv_q8_iq_reference(raw, "iq3_s", xa, 20)) < KERNEL_TOL
+
+
 @pytest.mark.parametrize("fmt", ["iq3_s", "iq4_xs"])
 def test_kernel_default_schedule_bf16_output(kernel_on_cpu, fmt):
     g = torch.Generator().manual_seed(7)
@@ -124,4 +130,5 @@ def test_sm90_compile_uses_dp4a():
                          env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [ln for ln in out.stdout.splitlines() if "q8_n16_m1:" in ln]
-    assert len(lines) == 2 and all("(IDP4A 8)" in ln for ln in lines), out.stdout
+    assert len(lines) == 3 and all("(IDP4A 8," in ln for ln in lines), out.stdout
+    assert "BAR 2)" in lines[0] and "BAR 0)" in lines[1]  # one table copy per block in shared memory

@@ -8,8 +8,12 @@ bytes: every magnitude is non-zero). iq4_xs: a byte of qs holds a low and a high
 8-byte half of the 16-level table maps 4 nibbles to levels and a third `prmt` picks per byte by the
 nibble's top bit. The activation words are interleaved the same way (code l beside code l + 16).
 
-Program tile: `[BLOCK_N rows, 8 sub-blocks]` (one thread per pair at BLOCK_N·8 = 32·warps), the 8 words of a
-sub-block in a static loop chaining `dp4a` per column, so no cross-thread reduction happens per block.
+Program tile: `[BLOCK_N rows, 8 sub-blocks]` (one thread per pair at BLOCK_N·8 = 32·warps; columns are the
+leading axis of the 3-d tiles, so each thread holds all of its pair's columns and the weight tile broadcasts
+without a layout conversion); the 8 words of a sub-block chain `dp4a` per column in registers, so no
+cross-thread reduction happens per block. The iq3_s grid is looked up either in shared memory (`tl.gather` of
+all 64 indices of the thread's sub-block at once: one table copy and one barrier pair per block) or through
+L1 (global loads), `grid_in_shared`.
 `gemv_q8_iq_reference` (dequantise with `ninfer.quant`, times `q·d`, float64) is the tests' oracle.
 """
 
@@ -105,11 +109,44 @@ if HAVE_TRITON:
         return prmt(lo, hi, pick, EMULATE)
 
     @jit
+    def _gather8(grid_all, i0, i1, i2, i3, i4, i5, i6, i7, BLOCK_N: tl.constexpr):
+        """The grid words of 8 index tiles `[BLOCK_N, 8]` in one `tl.gather` (one shared-memory copy of the
+        table and one barrier pair per call): joined along new in-thread axes, gathered, split back."""
+        idx = tl.join(tl.join(tl.join(i0, i4), tl.join(i2, i6)), tl.join(tl.join(i1, i5), tl.join(i3, i7)))
+        g = tl.reshape(tl.gather(grid_all, tl.reshape(idx, [BLOCK_N * 64]), 0), [BLOCK_N, 8, 2, 2, 2])
+        g_even, g_odd = tl.split(g)
+        g_0426, g_2637 = tl.split(g_even)
+        g_1537, g_3715 = tl.split(g_odd)
+        g0, g4 = tl.split(g_0426)
+        g2, g6 = tl.split(g_2637)
+        g1, g5 = tl.split(g_1537)
+        g3, g7 = tl.split(g_3715)
+        return g0, g1, g2, g3, g4, g5, g6, g7
+
+    @jit
+    def _load8(grid_ptr, i0, i1, i2, i3, i4, i5, i6, i7):
+        """The grid words of 8 index tiles as global (L1) loads."""
+        return (tl.load(grid_ptr + i0.to(tl.uint32)), tl.load(grid_ptr + i1.to(tl.uint32)),
+                tl.load(grid_ptr + i2.to(tl.uint32)), tl.load(grid_ptr + i3.to(tl.uint32)),
+                tl.load(grid_ptr + i4.to(tl.uint32)), tl.load(grid_ptr + i5.to(tl.uint32)),
+                tl.load(grid_ptr + i6.to(tl.uint32)), tl.load(grid_ptr + i7.to(tl.uint32)))
+
+    @jit
+    def _iq3_s_dot(g, sg, P: tl.constexpr, xw, isum, EMULATE: tl.constexpr):
+        """isum + dp4a(grid word g with signs bits 4P..4P+3 of sg, activation word P of the sub-block)."""
+        neg = (((sg >> (4 * P)) & 0xF) * 0x204081) & 0x01010101  # sign bit j -> bit 8j
+        wq = (g ^ (neg * 255)) + neg  # -m = ~m + 1 per byte; no carries: magnitudes are 1..15
+        xv = tl.load(xw + P)
+        return dp4a(tl.broadcast_to(wq[None, :, :], isum.shape), tl.broadcast_to(xv, isum.shape), isum,
+                    EMULATE)
+
+    @jit
     def _gemv_q8_iq_kernel(
         w_ptr, xq_ptr, xd_ptr, y_ptr, grid_ptr,
         N, K, M, row_units, stride_xq, stride_xd, stride_ym,
         FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
         T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, EMULATE: tl.constexpr,
+        GRID_SMEM: tl.constexpr,
     ):
         # w_ptr: iq3_s rows as uint16 (2-byte aligned blocks, 55 units each), iq4_xs as int32 (34 per block)
         pid_n = tl.program_id(0)
@@ -118,18 +155,20 @@ if HAVE_TRITON:
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         n_ok = offs_n < N
         sb = tl.arange(0, 8)[None, :]  # sub-block of 32 codes
-        sb3 = tl.arange(0, 8)[None, :, None]
+        sb3 = tl.arange(0, 8)[None, None, :]
         # rows and columns past the ends read the last one (never stored): no masks in the loop
-        m3 = tl.minimum(offs_m, M - 1)[None, None, :]
+        m3 = tl.minimum(offs_m, M - 1)[:, None, None]
         row = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * row_units
         xq_row = xq_ptr + m3.to(tl.int64) * stride_xq + 8 * sb3  # the sub-block's 8 activation words
         xd_row = xd_ptr + m3.to(tl.int64) * stride_xd + sb3
-        acc = tl.zeros([BLOCK_N, 8, BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.float32)
+        if GRID_SMEM:  # iq3_s grid in registers; tl.gather looks it up through shared memory
+            grid_all = tl.load(grid_ptr + tl.arange(0, 512))
         blocks = K // 256
         per_split = (blocks + SPLIT_K - 1) // SPLIT_K
         for blk in range(pid_k * per_split, tl.minimum(blocks, (pid_k + 1) * per_split)):
             xw = xq_row + blk * 64
-            isum = tl.zeros([BLOCK_N, 8, BLOCK_M], dtype=tl.int32)
+            isum = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.int32)
             if FMT == 0:  # iq3_s, in uint16 units: d 0, qs 1..32, qh 33..36, signs 37..52, scales 53..54
                 b = row + blk * 55
                 d = tl.load(b).to(tl.int16, bitcast=True).to(tl.float16, bitcast=True).to(tl.float32)
@@ -140,19 +179,32 @@ if HAVE_TRITON:
                 qh_lo = ((qh & 0xF) * 0x204081) & 0x01010101
                 qh_hi = (((qh >> 4) & 0xF) * 0x204081) & 0x01010101
                 sg = tl.load(b + 37 + 2 * sb).to(tl.int32) | (tl.load(b + 38 + 2 * sb).to(tl.int32) << 16)
-                for h in tl.static_range(4):  # uint16 h of the sub-block's qs: grid entries 2h, 2h + 1
-                    qs2 = tl.load(b + 1 + 4 * sb + h).to(tl.int32)
-                    for e in tl.static_range(2):
-                        p = 2 * h + e
-                        # index = qs byte e | qh bit p << 8 (bytes 2, 3 from qs2's zero high half)
-                        sel = tl.full(qs2.shape, e | ((4 + p % 4) << 4) | 0x2200, tl.int32)
-                        idx = prmt(qs2, qh_lo if p < 4 else qh_hi, sel, EMULATE)
-                        g = tl.load(grid_ptr + idx.to(tl.uint32))
-                        neg = (((sg >> (4 * p)) & 0xF) * 0x204081) & 0x01010101  # sign bit j -> bit 8j
-                        wq = (g ^ (neg * 255)) + neg
-                        xv = tl.load(xw + p)
-                        isum = dp4a(tl.broadcast_to(wq[:, :, None], isum.shape),
-                                    tl.broadcast_to(xv, isum.shape), isum, EMULATE)
+                # grid index of entry p = qs byte p | qh bit p << 8: one prmt (qs bytes 2, 3 are zero)
+                qa = tl.load(b + 1 + 4 * sb).to(tl.int32)
+                qb = tl.load(b + 2 + 4 * sb).to(tl.int32)
+                qc = tl.load(b + 3 + 4 * sb).to(tl.int32)
+                qd = tl.load(b + 4 + 4 * sb).to(tl.int32)
+                i0 = prmt(qa, qh_lo, tl.full(qa.shape, 0x2240, tl.int32), EMULATE)
+                i1 = prmt(qa, qh_lo, tl.full(qa.shape, 0x2251, tl.int32), EMULATE)
+                i2 = prmt(qb, qh_lo, tl.full(qa.shape, 0x2260, tl.int32), EMULATE)
+                i3 = prmt(qb, qh_lo, tl.full(qa.shape, 0x2271, tl.int32), EMULATE)
+                i4 = prmt(qc, qh_hi, tl.full(qa.shape, 0x2240, tl.int32), EMULATE)
+                i5 = prmt(qc, qh_hi, tl.full(qa.shape, 0x2251, tl.int32), EMULATE)
+                i6 = prmt(qd, qh_hi, tl.full(qa.shape, 0x2260, tl.int32), EMULATE)
+                i7 = prmt(qd, qh_hi, tl.full(qa.shape, 0x2271, tl.int32), EMULATE)
+                if GRID_SMEM:
+                    g0, g1, g2, g3, g4, g5, g6, g7 = _gather8(grid_all, i0, i1, i2, i3, i4, i5, i6, i7,
+                                                              BLOCK_N)
+                else:
+                    g0, g1, g2, g3, g4, g5, g6, g7 = _load8(grid_ptr, i0, i1, i2, i3, i4, i5, i6, i7)
+                isum = _iq3_s_dot(g0, sg, 0, xw, isum, EMULATE)
+                isum = _iq3_s_dot(g1, sg, 1, xw, isum, EMULATE)
+                isum = _iq3_s_dot(g2, sg, 2, xw, isum, EMULATE)
+                isum = _iq3_s_dot(g3, sg, 3, xw, isum, EMULATE)
+                isum = _iq3_s_dot(g4, sg, 4, xw, isum, EMULATE)
+                isum = _iq3_s_dot(g5, sg, 5, xw, isum, EMULATE)
+                isum = _iq3_s_dot(g6, sg, 6, xw, isum, EMULATE)
+                isum = _iq3_s_dot(g7, sg, 7, xw, isum, EMULATE)
             else:  # iq4_xs, in int32 units: d | scales_h << 16 at 0, scales_l 1, qs 2..33 (4 words per group)
                 b = row + blk * 34
                 h0 = tl.load(b)
@@ -169,15 +221,15 @@ if HAVE_TRITON:
                     x_hi = tl.load(xw + 4 + j)
                     x_a = prmt(x_lo, x_hi, tl.full(x_lo.shape, 0x5140, tl.int32), EMULATE)
                     x_b = prmt(x_lo, x_hi, tl.full(x_lo.shape, 0x7362, tl.int32), EMULATE)
-                    isum = dp4a(tl.broadcast_to(w_a[:, :, None], isum.shape),
+                    isum = dp4a(tl.broadcast_to(w_a[None, :, :], isum.shape),
                                 tl.broadcast_to(x_a, isum.shape), isum, EMULATE)
-                    isum = dp4a(tl.broadcast_to(w_b[:, :, None], isum.shape),
+                    isum = dp4a(tl.broadcast_to(w_b[None, :, :], isum.shape),
                                 tl.broadcast_to(x_b, isum.shape), isum, EMULATE)
             dx = tl.load(xd_row + blk * 8)
-            acc += isum.to(tl.float32) * (dw[:, :, None] * dx)
-        out = tl_sum(acc, 1)
-        ptrs = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
-        mask = n_ok[:, None] & (offs_m < M)[None, :]
+            acc += isum.to(tl.float32) * (dw[None, :, :] * dx)
+        out = tl_sum(acc, 2)
+        ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        mask = (offs_m < M)[:, None] & n_ok[None, :]
         if SPLIT_K == 1:
             tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
         else:
@@ -191,7 +243,7 @@ def _grid_words(device: torch.device) -> torch.Tensor:
 
 
 def _gemv_q8_iq(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_features: int,
-                schedule: MatmulSchedule | str | None) -> torch.Tensor:
+                schedule: MatmulSchedule | str | None, grid_in_shared: bool = False) -> torch.Tensor:
     n, in_features = xa.q.shape
     check_weight(raw, fmt, out_features, in_features)
     if not 1 <= n <= MAX_COLUMNS:
@@ -217,15 +269,17 @@ def _gemv_q8_iq(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_featur
         units, words, xa.d, y, _grid_words(raw.device),
         out_features, in_features, n, units.shape[1], words.stride(0), xa.d.stride(0), y.stride(0),
         FMT=IQ_Q8_FORMATS.index(fmt), BLOCK_N=s.block_n, BLOCK_M=s.block_m, SPLIT_K=s.split_k,
-        T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=EMULATE_DP4A, **extra)
+        T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=EMULATE_DP4A,
+        GRID_SMEM=grid_in_shared and fmt == "iq3_s", **extra)
     return y.to(xa.dtype)
 
 
 def gemv_q8_iq3_s(raw: torch.Tensor, xa: QuantizedActivation, out_features: int,
-                  schedule: MatmulSchedule | str | None = None) -> torch.Tensor:
+                  schedule: MatmulSchedule | str | None = None, grid_in_shared: bool = True) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in the activation's dtype, W the iq3_s rows `raw` (uint8
-    `[out_features, row_bytes]`), 1–8 activation rows."""
-    return _gemv_q8_iq(raw, "iq3_s", xa, out_features, schedule)
+    `[out_features, row_bytes]`), 1–8 activation rows. `grid_in_shared`: look the 2 KB grid up in shared
+    memory (`tl.gather`; one table copy and barrier pair per block) rather than through L1 (global loads)."""
+    return _gemv_q8_iq(raw, "iq3_s", xa, out_features, schedule, grid_in_shared)
 
 
 def gemv_q8_iq4_xs(raw: torch.Tensor, xa: QuantizedActivation, out_features: int,

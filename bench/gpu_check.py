@@ -336,14 +336,21 @@ def time_gdn(log: Log, dev: torch.device) -> dict:
     return out
 
 
-def decode_step_graph(log: Log, dev: torch.device, fmt: str, best: dict, width: int, state_dtype) -> float:
-    """All 27B decode GEMVs (64 layers + head) and 48 GDN decode steps in one CUDA graph: ms per step."""
+def decode_step_graph(log: Log, dev: torch.device, fmt: str, best: dict, width: int, state_dtype,
+                      q8: bool = False) -> float:
+    """All 27B decode GEMVs (64 layers + head) and 48 GDN decode steps in one CUDA graph: ms per step.
+    `q8`: the int8 activation is re-quantised where the model has a new activation (first projection of
+    each group: qkv/q, out/o, gate, down, head), as the memo does in the model."""
+    from ninfer.kernels import gemv_q8
+
     gen_layers = []
     for i in range(64):
         shapes = {**(ATTN_SHAPES if i % 4 == 3 else GDN_SHAPES), **MLP_SHAPES}
-        gen_layers.append([(random_gguf_weight(fmt, r, c, dev), r, c) for r, c in shapes.values()])
+        gen_layers.append([(random_gguf_weight(fmt, r, c, dev), r, c, name in ("qkv", "q", "out", "o", "gate",
+                                                                                "down"))
+                           for name, (r, c) in shapes.items()])
     head = random_gguf_weight("q6_k", VOCAB, HIDDEN, dev)
-    weight_bytes = sum(w.numel() for layer in gen_layers for w, _, _ in layer) + head.numel()
+    weight_bytes = sum(w.numel() for layer in gen_layers for w, _, _, _ in layer) + head.numel()
     xs = {c: torch.randn(width, c, device=dev, dtype=torch.bfloat16) for c in (HIDDEN, 6144, FFN)}
     gdn = gdn_inputs(dev, width, 1, state_dtype, slots=48 * width)
     ids = [torch.arange(i * width, (i + 1) * width, device=dev, dtype=torch.int32) for i in range(48)]
@@ -351,13 +358,18 @@ def decode_step_graph(log: Log, dev: torch.device, fmt: str, best: dict, width: 
     def step():
         j = 0
         for i, layer in enumerate(gen_layers):
-            for w, r, c in layer:
+            for w, r, c, fresh in layer:
+                if q8 and fresh:
+                    gemv_q8._MEMO.clear()
                 sched = best.get((fmt, r, c, width), ("sub_n32",))[0]
                 quant_matmul(w, fmt, xs[c], r, schedule=sched)
             if i % 4 != 3:
                 gdn_decode(**gdn, slot_ids=ids[j], num_key_heads=16)
                 j += 1
         head_sched = best.get(("q6_k", VOCAB, HIDDEN, 1), ("sub_n32_w2",))[0]  # run 2's best
+        if q8:
+            gemv_q8._MEMO.clear()
+            head_sched = best.get(("q6_k", VOCAB, HIDDEN, width), (head_sched,))[0]
         quant_matmul(head, "q6_k", xs[HIDDEN], VOCAB, schedule=head_sched)
 
     step()
@@ -373,14 +385,39 @@ def decode_step_graph(log: Log, dev: torch.device, fmt: str, best: dict, width: 
         graph.replay()
     torch.cuda.synchronize()
     ms = (time.time() - t0) * 1e3 / n
-    log(f"decode step graph {fmt} width {width} ({str(state_dtype)[6:]} state): {ms:.3f} ms/step = "
+    log(f"decode step graph {fmt}{' q8' if q8 else ''} width {width} ({str(state_dtype)[6:]} state): "
+        f"{ms:.3f} ms/step = "
         f"{1e3 / ms:.0f} steps/s; weights {weight_bytes / 1e9:.2f} GB -> {weight_bytes / ms / 1e9:.2f} TB/s "
         f"(limit {1e3 / (weight_bytes / FLOOR_TBPS / 1e9):.0f} steps/s)")
     log.record(kind="time", op="decode_step_graph", format=fmt, width=width, ms=ms, weight_bytes=weight_bytes)
     return ms
 
 
+def random_kv_pages(dev, fmt, kv_heads: int, lens: list[int], spare: int = 2):
+    """Random K/V of sequences of `lens` tokens (lane i holds lens[i]) on shuffled pages among `spare` pages
+    of garbage bytes; returns (storage, page tables)."""
+    from ninfer.kernels import kv_quant
+
+    D = fmt.head_dim
+    pages = sum(-(-n // 64) for n in lens) + spare
+    storage = torch.randint(0, 256, (pages, kv_heads, 64, fmt.token_bytes), dtype=torch.uint8, device=dev)
+    tables = torch.full((len(lens), max(-(-n // 64) for n in lens)), -1, dtype=torch.int32, device=dev)
+    perm = torch.randperm(pages).tolist()
+    for lane, n in enumerate(lens):
+        ids = [perm.pop() for _ in range(-(-n // 64))]
+        tables[lane, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        k, v = (torch.randn(len(ids), kv_heads, 64, D, device=dev) for _ in range(2))
+        storage[torch.tensor(ids, device=dev)] = kv_quant.encode_kv(fmt, k, v)
+    return storage, tables
+
+
 def check_and_time_attention(log: Log, dev: torch.device, quick: bool) -> bool:
+    """Paged decode and prefill attention vs their references on the same bytes; then their timings."""
+    ok = check_and_time_decode_attention(log, dev, quick)
+    return check_and_time_prefill_attention(log, dev, quick) and ok
+
+
+def check_and_time_decode_attention(log: Log, dev: torch.device, quick: bool) -> bool:
     """Paged decode attention vs the reference on the same bytes; then µs per layer at 16K context."""
     from ninfer.kernels import kv_quant
     from ninfer.kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
@@ -390,16 +427,7 @@ def check_and_time_attention(log: Log, dev: torch.device, quick: bool) -> bool:
     for name in ("bf16", "int8", "rk8v4", "rk4v4"):
         fmt = kv_quant.kv_format(name, D)
         lens = [70, 5] if quick else [1000, 64, 333]
-        pages = sum(-(-n // 64) for n in lens) + 2
-        storage = torch.randint(0, 256, (pages, Hkv, 64, fmt.token_bytes), dtype=torch.uint8, device=dev)
-        tables = torch.full((len(lens), max(-(-n // 64) for n in lens)), -1, dtype=torch.int32, device=dev)
-        perm = torch.randperm(pages).tolist()
-        for lane, n in enumerate(lens):
-            for i in range(-(-n // 64)):
-                page = perm.pop()
-                tables[lane, i] = page
-                storage[page] = kv_quant.encode_kv(fmt, torch.randn(Hkv, 64, D, device=dev),
-                                                   torch.randn(Hkv, 64, D, device=dev))
+        storage, tables = random_kv_pages(dev, fmt, Hkv, lens)
         ids = torch.arange(len(lens), device=dev, dtype=torch.int32).flip(0)
         seq = torch.tensor(lens, device=dev, dtype=torch.int32).flip(0)
         q = torch.randn(len(lens), Hq, D, device=dev, dtype=torch.bfloat16)
@@ -429,6 +457,78 @@ def check_and_time_attention(log: Log, dev: torch.device, quick: bool) -> bool:
     return ok
 
 
+PREFILL_ATTN_TILES = ((64, 8), (128, 8), (64, 4))  # (query rows per program, warps) swept at D = 256
+
+
+def check_and_time_prefill_attention(log: Log, dev: torch.device, quick: bool) -> bool:
+    """Prefill (flash) attention of a span vs its reference on the same pool bytes (fp16 dots on the GPU),
+    then TFLOP/s of a 2048-token chunk at the 27B's shapes (Hq 24, Hkv 4, D 256) after 0..14336 cached."""
+    from ninfer.kernels import kv_quant
+    from ninfer.kernels.prefill_attention import prefill_attention, prefill_attention_reference
+
+    ok = True
+    Hq, Hkv, D = (4, 2, 64) if quick else (24, 4, 256)
+    cases = [(0, 40), (70, 9)] if quick else [(0, 300), (1000, 77), (130, 512)]  # (cached, chunk)
+    for name in ("bf16", "int8", "rk8v4", "rk4v4"):
+        fmt = kv_quant.kv_format(name, D)
+        for cached, length in cases:
+            storage, tables = random_kv_pages(dev, fmt, Hkv, [5, cached + length])
+            q = torch.randn(length, Hq, D, device=dev)
+            ref = prefill_attention_reference(q, storage, tables, 1, cached, fmt)
+            out = prefill_attention(q, storage, tables, 1, cached, fmt, dot_f16=True)
+            err = rel_err(out, ref)
+            passed = bool(torch.isfinite(out).all()) and err < 3e-3  # fp16 dot operands: CPU 2.5e-4..5.1e-4
+            ok &= passed
+            log(f"check prefill attention {name} cached {cached} chunk {length}: rel err {err:.1e} "
+                f"{'ok' if passed else 'FAIL'}")
+            log.record(kind="check", op="prefill_attention", format=name, cached=cached, chunk=length,
+                       rel_err=err, ok=passed)
+        if not quick:
+            time_prefill_attention(log, dev, fmt, Hq, Hkv)
+    return ok
+
+
+def time_prefill_attention(log: Log, dev: torch.device, fmt, Hq: int, Hkv: int) -> None:
+    """ms and TFLOP/s (causal FLOPs: 4·D per visible query-key pair and head) of a 2048-token chunk, per tile;
+    the pp8192 estimate sums the four 2048-token chunks of an 8192-token prompt over 16 attention layers."""
+    from ninfer.kernels.prefill_attention import prefill_attention
+
+    D, L = fmt.head_dim, 2048
+    storage, tables = random_kv_pages(dev, fmt, Hkv, [16384], spare=0)
+    q = torch.randn(L, Hq, D, device=dev, dtype=torch.bfloat16)
+    best = None
+    for rows, warps in PREFILL_ATTN_TILES:
+        times = {}
+        for cached in (0, 2048, 4096, 6144, 14336):
+            times[cached] = bench_ms(lambda c=cached, r=rows, w=warps: prefill_attention(
+                q, storage, tables, 0, c, fmt, block_rows=r, num_warps=w))
+            tflops = 4 * D * Hq * (L * cached + L * (L + 1) / 2) / times[cached] / 1e9
+            log.record(kind="time", op="prefill_attention", format=fmt.name, block_rows=rows, warps=warps,
+                       cached=cached, chunk=L, ms=times[cached], tflops=tflops)
+            if cached in (0, 14336):
+                log(f"prefill attention {fmt.name} r{rows} w{warps} chunk {L} after {cached}: "
+                    f"{times[cached]:.3f} ms = {tflops:.0f} TFLOP/s")
+        pp8192 = 16 * sum(times[c] for c in (0, 2048, 4096, 6144))
+        log(f"prefill attention {fmt.name} r{rows} w{warps}: pp8192 (16 layers, 2048-token chunks) "
+            f"{pp8192:.1f} ms")
+        if best is None or pp8192 < best[0]:
+            best = (pp8192, rows, warps)
+    log.record(kind="time", op="prefill_attention_pp8192", format=fmt.name, ms=best[0], block_rows=best[1],
+               warps=best[2])
+    if fmt.name == "bf16":  # the path the engine took before: decode every page to fp32, SDPA with a mask
+        from ninfer.engine.paged_context import causal_attention
+        from ninfer.kernels import kv_quant
+
+        def gathered():
+            rows = storage[tables[0].long()].transpose(0, 1).reshape(Hkv, -1, fmt.token_bytes)
+            k, v = kv_quant.decode_kv(fmt, rows[:, : 14336 + L])
+            return causal_attention(q.float(), k, v, 14336)
+
+        ms = bench_ms(gathered)
+        log(f"prefill attention bf16 chunk {L} after 14336, gathered fp32 + SDPA (the old path): {ms:.3f} ms")
+        log.record(kind="time", op="prefill_attention_gathered", format="bf16", cached=14336, ms=ms)
+
+
 def compile_all(log: Log) -> bool:
     """Compile every kernel × format × tile variant the routes use for sm_90 (Triton front end + ptxas)."""
     import triton
@@ -439,6 +539,7 @@ def compile_all(log: Log) -> bool:
     from ninfer.kernels import gguf_matmul as gm
     from ninfer.kernels import kv_quant
     from ninfer.kernels import paged_attention as pa
+    from ninfer.kernels import prefill_attention as pf
 
     target = GPUTarget("cuda", 90, 32)
     ok = True
@@ -483,11 +584,18 @@ def compile_all(log: Log) -> bool:
           {"HK": 16, "DK": 128, "DV": 128, "BLOCK_V": 32, "STORE_ALL": True}, "gdn recurrent")
     attn = {"q_ptr": "*fp32", "kv_ptr": "*u8", "kv16_ptr": "*i16", "pt_ptr": "*i32", "lane_ptr": "*i32",
             "len_ptr": "*i32", "levels_ptr": "*fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "Hq": "i32",
-            "Hkv": "i32", "pt_stride": "i32", "token_bytes": "i32", "pages_per_split": "i32", "scale": "fp32"}
+            "Hkv": "i32", "pt_stride": "i32", "pages_per_split": "i32", "scale": "fp32"}
+    prefill = {"q_ptr": "*bf16", "kv_ptr": "*u8", "kv16_ptr": "*i16", "pt_ptr": "*i32", "levels_ptr": "*fp32",
+               "o_ptr": "*bf16", "L": "i32", "cached": "i32", "Hq": "i32", "Hkv": "i32", "scale": "fp32"}
     for name, code in pa.KERNEL_KV_CODES.items():
-        kb = kv_quant.kv_format(name, 256).key_bytes
-        const = {"FMT": code, "D": 256, "G": 6, "GPAD": 16, "KB": kb, "SPLITS": 4}
+        fmt = kv_quant.kv_format(name, 256)
+        rows = {"KB": fmt.key_bytes, "TB": fmt.token_bytes}
+        const = {"FMT": code, "D": 256, "G": 6, "GPAD": 16, **rows, "SPLITS": 4}
         build(pa._paged_decode_kernel, attn, const, f"paged attention {name}")
+        sig = {**prefill, "q_ptr": "*fp32"} if fmt.rotated_keys else prefill  # rotated queries are fp32
+        for block_rows, warps in PREFILL_ATTN_TILES:
+            const = {"FMT": code, "D": 256, "G": 6, **rows, "BLOCK_R": block_rows, "DOT_F16": True}
+            build(pf._prefill_kernel, sig, const, f"prefill attention {name} r{block_rows} w{warps}", warps)
     return ok
 
 
@@ -544,6 +652,213 @@ def sass_counts(log: Log) -> bool:
     return True
 
 
+# ---------------------------------------------------------------------------------------------------------
+# int8-activation ("q8") dp4a GEMV (ninfer/kernels/gemv_q8.py): check, sweep, decode-step graphs, SASS
+
+Q8_SWEEP = {1: ["q8_n16_m1", "q8_n32_m1", "q8_n64_m1", "q8_n16_m1_s2", "q8_n32_m1_s2", "q8_n16_m1_s4",
+                "q8_n32_m1_s4", "q8_n8_m1_s4"],
+            4: ["q8_n32_m4", "q8_n16_m4_s4", "q8_n8_m8", "q8_n16_m8", "q8_n16_m8_s4"],
+            8: ["q8_n8_m8", "q8_n16_m8", "q8_n32_m8", "q8_n16_m8_s4", "q8_n8_m8_s4"]}
+Q8_CHECK = {1: ["q8_n32_m1", "q8_n16_m1_s4", "q8_n8_m1_s4"], 4: ["q8_n32_m4", "q8_n16_m8_s4"],
+            8: ["q8_n16_m8", "q8_n8_m8_s4"], 3: ["tiny_q8_m4", "q8_n8_m8"]}
+
+
+def check_q8(log: Log, dev: torch.device, quick: bool) -> bool:
+    """Every q8 format vs the float64 twin (the same int8 activation): the activation quantiser bit-exact vs
+    its reference, each kernel within the bf16 output rounding, and quant_matmul's default route on CUDA."""
+    from ninfer.kernels.gemv_q8 import Q8_FORMATS, gemv_q8, quantize_activation, quantize_activation_reference
+
+    ok = True
+    shapes = [(24, 512)] if quick else [(384, 2048), (1040, 5120), (17408, 5120)]
+    widths = [1, 3] if quick else [1, 4, 8]
+    for fmt in Q8_FORMATS:
+        worst, exact = 0.0, True
+        for rows, cols in shapes:
+            raw = random_gguf_weight(fmt, rows, cols, dev)
+            w = dequantize(raw.cpu().reshape(-1), "gguf_" + fmt, (rows, cols)).to(dev).double()
+            for width in widths:
+                x = torch.randn(width, cols, device=dev, dtype=torch.float32 if quick else torch.bfloat16)
+                xa, xr = quantize_activation(x), quantize_activation_reference(x.cpu())
+                exact &= all(torch.equal(a.cpu(), b) for a, b in ((xa.q, xr.q), (xa.d, xr.d), (xa.s, xr.s)))
+                want = xa.dequantize().to(dev) @ w.t()
+                outs = [gemv_q8(raw, fmt, xa, rows, s) for s in Q8_CHECK[width]]
+                if dev.type == "cuda":
+                    outs.append(quant_matmul(raw, fmt, x, rows))  # the default route: q8 on CUDA
+                for out in outs:
+                    err = rel_err(out, want) if bool(torch.isfinite(out).all()) else float("inf")
+                    worst = max(worst, err)
+        passed = worst < 5e-3 and exact  # bf16 output rounding (2^-9)
+        ok &= passed
+        log(f"check q8 {fmt:5s} worst rel err vs twin {worst:.2e}, quantiser bit-exact {exact} "
+            f"{'ok' if passed else 'FAIL'}")
+        log.record(kind="check", op="gemv_q8", format=fmt, rel_err=worst, quantiser_exact=exact, ok=passed)
+    return ok
+
+
+def time_q8(log: Log, dev: torch.device, floor: float, formats=("q4_k",)) -> tuple[dict, dict]:
+    """Per-shape q8 schedules (CUDA graph over weight copies > L2, one activation: its quantisation is
+    done once per graph) at 1, 4, 8 columns beside the wv default route; then the activation quantiser."""
+    from ninfer.kernels import gemv_q8
+    from ninfer.kernels.gguf_matmul import default_schedule
+
+    best_q8: dict = {}
+    best_wv: dict = {}
+    shapes = sorted(set({**GDN_SHAPES, **ATTN_SHAPES, **MLP_SHAPES}.values()))
+    cases = [(fmt, r, c) for fmt in formats for r, c in shapes] + [("q6_k", VOCAB, HIDDEN)]
+    for fmt, rows, cols in cases:
+        one = random_gguf_weight(fmt, rows, cols, dev)
+        nbytes = one.numel()
+        n_copies = min(64, -(-3 * L2_BYTES // nbytes))
+        copies = [one] + [random_gguf_weight(fmt, rows, cols, dev) for _ in range(n_copies - 1)]
+        for width in (1, 4, 8):
+            x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
+            times = {}
+            for sched in Q8_SWEEP[width]:
+                gemv_q8._MEMO.clear()
+                times[sched] = graph_us([lambda w=w, s=sched, fmt=fmt, x=x, rows=rows: quant_matmul(
+                    w, fmt, x, rows, schedule=s) for w in copies])
+            wv = default_schedule(width, fmt, rows, cols).name
+            wv_us = graph_us([lambda w=w, s=wv, fmt=fmt, x=x, rows=rows: quant_matmul(
+                w, fmt, x, rows, schedule=s) for w in copies])
+            sched = min(times, key=times.get)
+            us = times[sched]
+            best_q8[(fmt, rows, cols, width)] = (sched, us)
+            best_wv[(fmt, rows, cols, width)] = (wv, wv_us)
+            log(f"q8 gemv {fmt} {rows}x{cols} w{width}: best {sched} {us:.1f} us "
+                f"({nbytes / us / 1e6:.2f} TB/s, {100 * nbytes / us / 1e6 / floor:.0f}% of copy) vs wv "
+                f"default {wv} {wv_us:.1f} us; " + " ".join(f"{k}={v:.1f}" for k, v in times.items()))
+            log.record(kind="time", op="gemv_q8", format=fmt, shape=[rows, cols], width=width, us=times,
+                       best=sched, wv_default=wv, wv_us=wv_us, bytes=nbytes)
+        del copies, one
+    for cols in (HIDDEN, 6144, FFN):
+        for width in (1, 8):
+            xs = [torch.randn(width, cols, device=dev, dtype=torch.bfloat16) for _ in range(64)]
+            us = graph_us([lambda x=x: gemv_q8.quantize_activation(x) for x in xs])
+            log(f"quantize_activation {width}x{cols}: {us:.1f} us")
+            log.record(kind="time", op="quantize_activation", shape=[width, cols], us=us)
+    return best_q8, best_wv
+
+
+def sass_q8(log: Log) -> None:
+    """SASS instructions per weight in the block loop of each q8 schedule × format (sm_90, no GPU needed);
+    per weight of a thread's share of a 256-code step, all columns of the tile together."""
+    import collections
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ninfer.kernels import gemv_q8 as q8
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    hinted = ("w_ptr", "u_ptr", "xw_ptr", "xd_ptr", "xs_ptr", "y_ptr", "K", "row_bytes", "row_units",
+              "stride_ym")
+    for fmt in q8.Q8_FORMATS:
+        for sc in [s for s in SCHEDULES.values() if s.kernel == "q8" and s.block_m in (1, 8)]:
+            sig = q8_signature(fmt, sc.split_k)
+            names = list(sig)
+            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
+            const = dict(FMT=q8._FMT[fmt], BLOCK_N=sc.block_n, BLOCK_M=sc.block_m, SPLIT_K=sc.split_k,
+                         EMULATE=False)
+            src = ASTSource(q8._gemv_q8_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, attrs)
+            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": sc.num_warps})
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
+                tmp.write(c.asm["cubin"])
+                tmp.flush()
+                sass = subprocess.run([str(cuobjdump), "-sass", tmp.name], capture_output=True,
+                                      text=True).stdout
+            pattern = r"/\*([0-9a-f]{4})\*/\s+([^;]*);"
+            ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(pattern, sass)]
+            loops = [(int(t.group(1), 16), a) for a, i in ins for t in [re.search(r"BRA (0x[0-9a-f]+)", i)]
+                     if t and int(t.group(1), 16) < a]
+            if not loops:
+                log(f"sass q8 {fmt} {sc.name}: no loop found")
+                continue
+            lo, hi = max(loops, key=lambda r: r[1] - r[0])
+            body = [i for a, i in ins if lo <= a <= hi]
+            mix = collections.Counter(re.sub(r"^@!?U?P\S+ ", "", i).split()[0].split(".")[0] for i in body)
+            per_thread = sc.block_n * 256 / (32 * sc.num_warps)
+            top = " ".join(f"{k} {v}" for k, v in mix.most_common(8))
+            log(f"sass q8 {fmt} {sc.name}: {len(body)} instructions per step = {len(body) / per_thread:.2f} "
+                f"per weight ({len(body) / per_thread / sc.block_m:.2f} per weight and column); IDP4A "
+                f"{mix.get('IDP', 0)}; {top}")
+
+
+def q8_signature(fmt: str, split_k: int) -> dict:
+    unit = "*i32" if fmt in ("q4_k", "q5_k") else "*i16"
+    return {"w_ptr": "*u8", "u_ptr": unit, "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32",
+            "y_ptr": "*bf16" if split_k == 1 else "*fp32", "N": "i32", "K": "i32", "M": "i32",
+            "row_bytes": "i32", "row_units": "i32", "stride_ym": "i32"}
+
+
+def compile_q8(log: Log) -> bool:
+    """Compile the activation quantiser and every q8 schedule × format for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ninfer.kernels import gemv_q8 as q8
+
+    ok = True
+
+    def build(fn, sig, const, name, warps):
+        nonlocal ok
+        try:
+            triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+            log(f"compile {name}: ok")
+        except Exception as e:  # report every failure, keep going
+            ok = False
+            log(f"compile {name}: FAILED {type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}")
+
+    for dt in ("bf16", "fp16", "fp32"):
+        build(q8._quantize_activation_kernel, {"x_ptr": f"*{dt}", "q_ptr": "*i8", "d_ptr": "*fp32",
+                                               "s_ptr": "*fp32", "K": "i32", "stride_xm": "i32"},
+              {"BLOCKS": 8}, f"quantize_activation {dt}", 4)
+    for fmt in q8.Q8_FORMATS:
+        for sc in [s for s in SCHEDULES.values() if s.kernel == "q8"]:
+            const = dict(FMT=q8._FMT[fmt], BLOCK_N=sc.block_n, BLOCK_M=sc.block_m, SPLIT_K=sc.split_k,
+                         EMULATE=False)
+            build(q8._gemv_q8_kernel, q8_signature(fmt, sc.split_k), const, f"q8 {fmt} {sc.name}",
+                  sc.num_warps)
+    return ok
+
+
+def run_q8(log: Log, dev: torch.device, quick: bool, widths: list[int]) -> bool:
+    """`--q8` / `--q8-only`: check, per-shape sweep beside the wv default route, decode-step graphs with the
+    wv default routes and with the best q8 schedules."""
+    ok = check_q8(log, dev, quick)
+    log.save()
+    if quick or dev.type != "cuda":
+        return ok
+    floor = copy_bandwidth(log, dev)
+    best_q8, best_wv = time_q8(log, dev, floor)
+    log.save()
+    steps = {}
+    for width in widths:
+        for name, best in (("wv", best_wv), ("q8", best_q8)):
+            steps[(name, width)] = decode_step_graph(log, dev, "q4_k", best, width, torch.float32,
+                                                     q8=name == "q8")
+            torch.cuda.empty_cache()
+    log.save()
+    print("\n==== q8 summary ====")
+    print(f"checks: {'all passed' if ok else 'FAILURES (see above)'}; copy {floor:.2f} TB/s")
+    for key, (sched, us) in sorted(best_q8.items()):
+        fmt, rows, cols, width = key
+        nbytes = rows * cols // FORMATS[fmt].block_elems * FORMATS[fmt].block_bytes
+        wv, wv_us = best_wv[key]
+        print(f"gemv {fmt:5s} {rows:6d}x{cols:<6d} w{width}: q8 {us:7.1f} us {nbytes / us / 1e6:5.2f} TB/s "
+              f"({100 * nbytes / us / 1e6 / floor:3.0f}% of copy) {sched:14s} | wv default {wv_us:7.1f} us "
+              f"{wv}")
+    for (name, width), ms in steps.items():
+        print(f"decode step q4_k {name} routes w{width}: {ms:.3f} ms -> {1e3 / ms:.0f} steps/s "
+              f"({width * 1e3 / ms:.0f} tok/s aggregate)")
+    return ok
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="folder for gpu_check.json")
@@ -557,13 +872,19 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true", help="compile every kernel for sm_90, run nothing")
     ap.add_argument("--sass", action="store_true",
                     help="SASS instructions per weight of the 1-column wv schedules (sm_90, no GPU needed)")
-    ap.add_argument("--attention-only", action="store_true", help="only the paged attention check and timing")
+    ap.add_argument("--attention-only", action="store_true",
+                    help="only the attention checks and timings (paged decode and prefill)")
+    ap.add_argument("--q8", action="store_true", help="also the q8 (int8-activation dp4a GEMV) sections")
+    ap.add_argument("--q8-only", action="store_true",
+                    help="only the q8 sections: check, sweep beside wv, decode-step graphs (< 3 min, H200)")
     args = ap.parse_args(argv)
     log = Log(args.out)
     if args.sass:
-        return 0 if sass_counts(log) else 1
+        ok = sass_counts(log)
+        sass_q8(log)
+        return 0 if ok else 1
     if args.compile_only:
-        ok = compile_all(log)
+        ok = compile_all(log) & compile_q8(log)
         log(f"compile {'passed' if ok else 'FAILED'}")
         return 0 if ok else 1
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -577,8 +898,15 @@ def main(argv=None) -> int:
         log.save()
         log(f"attention {'passed' if ok else 'FAILED'}")
         return 0 if ok else 1
+    if args.q8_only:
+        ok = run_q8(log, dev, args.quick, [int(w) for w in args.graph_widths.split(",")])
+        log.save()
+        log(f"q8 {'passed' if ok else 'FAILED'}")
+        return 0 if ok else 1
     skip = set(args.skip.split(","))
     ok = check_gemm(log, dev, args.quick, args.check_formats.split(","))
+    if args.q8:
+        ok &= run_q8(log, dev, args.quick, [int(w) for w in args.graph_widths.split(",")])
     if "gdn" not in skip:
         ok &= check_gdn(log, dev, args.quick)
     log.save()

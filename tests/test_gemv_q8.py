@@ -161,3 +161,16 @@ def test_q8_rejects_unsupported_weights():
     xa = quantize_activation(torch.randn(1, 160))
     with pytest.raises(NinferError, match="256-column"):
         gemv_q8(random_gguf_weight("q8_0", 4, 160, generator=g), "q8_0", xa, 4, "q8_n16_m1")
+
+
+def test_memo_inference_tensors_and_capture_state(monkeypatch):
+    q8mod._MEMO.clear()
+    with torch.inference_mode():
+        x = torch.randn(1, 64)
+        a = quantize_activation_cached(x)
+        assert quantize_activation_cached(x) is a  # identity alone: no version counter
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(q8mod, "quantize_activation", quantize_activation_reference)
+    b = quantize_activation_cached(x)  # a capture never reuses an entry made outside it
+    assert b is not a and quantize_activation_cached(x) is b

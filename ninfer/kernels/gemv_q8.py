@@ -125,24 +125,29 @@ def quantize_activation(x: torch.Tensor, blocks_per_program: int = 8) -> Quantiz
 class _ActivationMemo:
     """The last quantised activation, keyed by tensor identity and in-place version: the GDN layer feeds one
     x to six projections and the MLP feeds one x to gate and up, each quantises it once. Pure host-side
-    bookkeeping (no syncs), so it is safe under CUDA-graph capture. Inference-mode tensors carry no version
-    counter: for them identity alone is the key (model code never writes a Linear's input in place)."""
+    bookkeeping (no syncs). Inference-mode tensors carry no version counter: for them identity alone is the
+    key (model code never writes a Linear's input in place, and every other Linear evicts the entry). An
+    entry made outside a CUDA-graph capture is never used inside one (nor the reverse), so a captured graph
+    always holds its own quantisation."""
 
     def __init__(self) -> None:
-        self.ref: weakref.ref | None = None
-        self.version = -1
-        self.result: QuantizedActivation | None = None
+        self.clear()
 
     def get(self, x: torch.Tensor) -> QuantizedActivation:
         version = -2 if x.is_inference() else x._version
-        if self.ref is not None and self.ref() is x and version == self.version:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if (self.ref is not None and self.ref() is x and version == self.version
+                and capturing == self.capturing):
             return self.result
         result = quantize_activation(x.reshape(-1, x.shape[-1]))
-        self.ref, self.version, self.result = weakref.ref(x), version, result
+        self.ref, self.version, self.capturing, self.result = weakref.ref(x), version, capturing, result
         return result
 
     def clear(self) -> None:
-        self.ref, self.version, self.result = None, -1, None
+        self.ref: weakref.ref | None = None
+        self.version = -1
+        self.capturing = False
+        self.result: QuantizedActivation | None = None
 
 
 _MEMO = _ActivationMemo()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ninfer.errors import ArtifactError
-from ninfer.kernels import reference as ops
+from ninfer.kernels import ops
 from ninfer.models.cache_spec import CacheSpec
 from ninfer.models.context import BatchContext
 from ninfer.models.layers import RMSNorm, SwiGLUMLP
@@ -116,8 +116,9 @@ class DenseAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: BatchContext
     ) -> torch.Tensor:
         cfg, T = self.cfg, x.shape[0]
-        q = ops.apply_rotary(self.query(x).view(T, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = ops.apply_rotary(self.key(x).view(T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        eps = cfg.rms_norm_eps  # unused: no q/k norm here, rotary only
+        q = ops.norm_rotary(self.query(x).view(T, cfg.num_heads, cfg.head_dim), None, cos, sin, eps)
+        k = ops.norm_rotary(self.key(x).view(T, cfg.num_kv_heads, cfg.head_dim), None, cos, sin, eps)
         v = self.value(x).view(T, cfg.num_kv_heads, cfg.head_dim)
         return self.output(ctx.attention(self.kv_layer, q, k, v).reshape(T, -1))
 
@@ -131,9 +132,13 @@ class DenseLayer(nn.Module):
         self.post_attention_norm = RMSNorm(source, f"{prefix}/post_attention_norm", eps, False, device)
         self.mlp = SwiGLUMLP(source, prefix, dtype, device)
 
-    def forward(self, x, cos, sin, ctx: BatchContext) -> torch.Tensor:
-        x = x + self.attention(self.input_norm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_norm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, ctx: BatchContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `qwen3_5.DecoderLayer`: the residual stream beside the output, each add fused into a norm."""
+        h, residual = self.input_norm.add_forward(x, residual)
+        h, residual = self.post_attention_norm.add_forward(self.attention(h, cos, sin, ctx), residual)
+        return self.mlp(h), residual
 
 
 class DenseModel(nn.Module):
@@ -174,9 +179,10 @@ class DenseModel(nn.Module):
         if positions.dim() == 2:  # [3, T] multimodal positions: dense models use the text axis
             positions = positions[0]
         cos, sin = rope_tables(self.inv_freq, positions)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.final_norm(x)
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return self.final_norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.output_head(hidden).float()

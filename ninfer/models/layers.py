@@ -1,12 +1,12 @@
-"""Building blocks shared by the model files: RMSNorm and the SwiGLU MLP."""
+"""Building blocks shared by the model files: RMSNorm (with the fused residual add) and the SwiGLU MLP."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ninfer.kernels import reference as ops
-from ninfer.models.weights import Linear, WeightSource, load_vector
+from ninfer.kernels import ops
+from ninfer.models.weights import Linear, MergedLinear, WeightSource, load_vector, merging_projections
 
 
 class RMSNorm(nn.Module):
@@ -21,15 +21,28 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps, self.zero_centred)
 
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(residual + x), residual + x)` fused; residual None (first layer): `(norm(x), x)`."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, self.zero_centred)
+
 
 class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) · up(x)); weights under `{prefix}/mlp/{gate,up,down}`."""
+    """down(silu(gate(x)) · up(x)); weights under `{prefix}/mlp/{gate,up,down}`. In quantized mode gate|up
+    run as one merged matmul (`gate_up`)."""
 
     def __init__(self, source: WeightSource, prefix: str, dtype: torch.dtype, device):
         super().__init__()
-        self.gate = Linear(source, f"{prefix}/mlp/gate", dtype, device)
-        self.up = Linear(source, f"{prefix}/mlp/up", dtype, device)
+        gate, up = f"{prefix}/mlp/gate", f"{prefix}/mlp/up"
+        if merging_projections():
+            self.gate_up = MergedLinear(source, [[gate], [up]], dtype, device)
+        else:
+            self.gate_up = None
+            self.gate = Linear(source, gate, dtype, device)
+            self.up = Linear(source, up, dtype, device)
         self.down = Linear(source, f"{prefix}/mlp/down", dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(ops.swiglu(self.gate(x), self.up(x)))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate(x), self.up(x))
+        return self.down(ops.swiglu(gate, up))

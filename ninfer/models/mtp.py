@@ -51,7 +51,8 @@ class MtpHead(nn.Module):
         h = self.hidden_norm(hidden.to(e.dtype))
         x = self.input_projection(torch.cat([e, h], dim=-1))
         cos, sin = rope_tables(self.cfg, positions)
-        return self.final_norm(self.layer(x, cos, sin, ctx))
+        h, residual = self.layer(x, None, cos, sin, ctx)
+        return self.final_norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits through the shared output head, fp32 [N, vocab]."""

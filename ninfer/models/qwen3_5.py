@@ -17,16 +17,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.errors import ArtifactError
-from ninfer.kernels import reference as ops
+from ninfer.kernels import ops
 from ninfer.models.cache_spec import CacheSpec
 from ninfer.models.context import BatchContext
 from ninfer.models.layers import RMSNorm, SwiGLUMLP
 from ninfer.models.weights import (
     Embedding,
     Linear,
+    MergedLinear,
     WeightSource,
     has_tensor,
     load_vector,
+    merging_projections,
     same_stored_object,
 )
 
@@ -130,18 +132,28 @@ class GdnParams:
 
 
 class GatedDeltaNet(nn.Module):
-    """Linear-attention token mixer; `gdn_index` is its number among the GDN layers (state slot)."""
+    """Linear-attention token mixer; `gdn_index` is its number among the GDN layers (state slot).
+
+    In quantized mode the input projections run merged (`in_proj`: q|k|v, z, a, b per storage format);
+    `mixed`, z, a and b are then column views of the merged outputs.
+    """
 
     def __init__(self, source: WeightSource, prefix: str, cfg: Qwen35Config, gdn_index: int, dtype, device):
         super().__init__()
         p = f"{prefix}/gdn"
         self.cfg, self.gdn_index = cfg, gdn_index
-        self.query = Linear(source, f"{p}/query", dtype, device)
-        self.key = Linear(source, f"{p}/key", dtype, device)
-        self.value = Linear(source, f"{p}/value", dtype, device)
-        self.z = Linear(source, f"{p}/z", dtype, device)
-        self.a_projection = Linear(source, f"{p}/a_projection", dtype, device)
-        self.b_projection = Linear(source, f"{p}/b_projection", dtype, device)
+        roles = ("query", "key", "value", "z", "a_projection", "b_projection")
+        q, k, v, z, a, b = (f"{p}/{r}" for r in roles)
+        if merging_projections():
+            self.in_proj = MergedLinear(source, [[q, k, v], [z], [a], [b]], dtype, device)
+        else:
+            self.in_proj = None
+            self.query = Linear(source, q, dtype, device)
+            self.key = Linear(source, k, dtype, device)
+            self.value = Linear(source, v, dtype, device)
+            self.z = Linear(source, z, dtype, device)
+            self.a_projection = Linear(source, a, dtype, device)
+            self.b_projection = Linear(source, b, dtype, device)
         self.output = Linear(source, f"{p}/output", dtype, device)  # applies the recorded input_columns
         self.a_log = nn.Buffer(load_vector(source, f"{p}/a_log", device))
         self.dt_bias = nn.Buffer(load_vector(source, f"{p}/dt_bias", device))
@@ -156,11 +168,17 @@ class GatedDeltaNet(nn.Module):
         return GdnParams(self.conv_weight, self.a_log, self.dt_bias, cfg.gdn_key_heads, cfg.gdn_key_dim,
                          cfg.gdn_value_heads, cfg.gdn_value_dim)  # fmt: skip
 
+    def _project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """mixed (conv channels q|k|v) [T, C], z [T, Hv·Dv], a, b [T, Hv]."""
+        if self.in_proj is not None:
+            return self.in_proj(x)
+        mixed = torch.cat([self.query(x), self.key(x), self.value(x)], dim=-1)
+        return [mixed, self.z(x), self.a_projection(x), self.b_projection(x)]
+
     def forward(self, x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         cfg = self.cfg
-        mixed = torch.cat([self.query(x), self.key(x), self.value(x)], dim=-1)  # conv channels q|k|v
-        z = self.z(x).view(-1, cfg.gdn_value_heads, cfg.gdn_value_dim)
-        a, b = self.a_projection(x), self.b_projection(x)
+        mixed, z, a, b = self._project(x)
+        z = z.view(-1, cfg.gdn_value_heads, cfg.gdn_value_dim)
         fused = getattr(ctx, "gdn_mix", None)  # optional backend hook, see GdnParams
         if fused is not None:
             core = fused(self.gdn_index, mixed, a, b, self.params).to(x.dtype)
@@ -201,16 +219,22 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    """Full attention with a per-head output gate, per-head q/k RMSNorm and partial (m)RoPE."""
+    """Full attention with a per-head output gate, per-head q/k RMSNorm and partial (m)RoPE. In quantized
+    mode query|gate|key|value run merged (`in_proj`)."""
 
     def __init__(self, source: WeightSource, prefix: str, cfg: Qwen35Config, kv_layer: int, dtype, device):
         super().__init__()
         p = f"{prefix}/attention"
         self.cfg, self.kv_layer = cfg, kv_layer
-        self.query = Linear(source, f"{p}/query", dtype, device)
-        self.gate = Linear(source, f"{p}/gate", dtype, device)
-        self.key = Linear(source, f"{p}/key", dtype, device)
-        self.value = Linear(source, f"{p}/value", dtype, device)
+        q, g, k, v = (f"{p}/{r}" for r in ("query", "gate", "key", "value"))
+        if merging_projections():
+            self.in_proj = MergedLinear(source, [[q], [g], [k], [v]], dtype, device)
+        else:
+            self.in_proj = None
+            self.query = Linear(source, q, dtype, device)
+            self.gate = Linear(source, g, dtype, device)
+            self.key = Linear(source, k, dtype, device)
+            self.value = Linear(source, v, dtype, device)
         self.output = Linear(source, f"{p}/output", dtype, device)
         self.query_norm = RMSNorm(source, f"{p}/query_norm", cfg.rms_norm_eps, True, device)
         self.key_norm = RMSNorm(source, f"{p}/key_norm", cfg.rms_norm_eps, True, device)
@@ -219,16 +243,25 @@ class GatedAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: BatchContext
     ) -> torch.Tensor:
         cfg, T = self.cfg, x.shape[0]
-        q = self.query_norm(self.query(x).view(T, cfg.num_heads, cfg.head_dim))
-        k = self.key_norm(self.key(x).view(T, cfg.num_kv_heads, cfg.head_dim))
-        v = self.value(x).view(T, cfg.num_kv_heads, cfg.head_dim)
-        q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
+        if self.in_proj is not None:
+            q, gate, k, v = self.in_proj(x)
+        else:
+            q, gate, k, v = self.query(x), self.gate(x), self.key(x), self.value(x)
+        eps = cfg.rms_norm_eps
+        q = ops.norm_rotary(q.view(T, cfg.num_heads, cfg.head_dim), self.query_norm.weight, cos, sin, eps)
+        k = ops.norm_rotary(k.view(T, cfg.num_kv_heads, cfg.head_dim), self.key_norm.weight, cos, sin, eps)
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         attn = ctx.attention(self.kv_layer, q, k, v).reshape(T, -1)
-        return self.output(attn * torch.sigmoid(self.gate(x).float()).to(attn.dtype))
+        return self.output(ops.sigmoid_gate_mul(attn, gate))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: token mixer (GDN or gated attention), then SwiGLU MLP."""
+    """Pre-norm residual block: token mixer (GDN or gated attention), then SwiGLU MLP.
+
+    The residual stream travels beside the layer output (`forward(x, residual) -> (mlp_out, residual)`) so
+    each residual add is fused into the norm that follows it (this layer's two, the next layer's input
+    norm, and the model's final norm).
+    """
 
     def __init__(self, source: WeightSource, prefix: str, cfg: Qwen35Config, mixer: nn.Module, dtype, device):
         super().__init__()
@@ -238,14 +271,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(source, f"{prefix}/post_attention_norm", eps, True, device)
         self.mlp = SwiGLUMLP(source, prefix, dtype, device)
 
-    def forward(self, x, cos, sin, ctx: BatchContext) -> torch.Tensor:
-        h = self.input_norm(x)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, ctx: BatchContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (or the embeddings, with residual None)."""
+        h, residual = self.input_norm.add_forward(x, residual)
         if isinstance(self.mixer, GatedAttention):
             h = self.mixer(h, cos, sin, ctx)
         else:
             h = self.mixer(h, ctx)
-        x = x + h
-        return x + self.mlp(self.post_attention_norm(x))
+        h, residual = self.post_attention_norm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen35Model(nn.Module):
@@ -294,9 +330,10 @@ class Qwen35Model(nn.Module):
         """`inputs_embeds` (optional, [T, H]) replaces the token embeddings (image tokens, later)."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(self.dtype)
         cos, sin = rope_tables(self.cfg, positions)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.final_norm(x)
+            x, residual = layer(x, residual, cos, sin, ctx)
+        return self.final_norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final-normed hidden -> [N, vocab] fp32 logits (padding rows included)."""

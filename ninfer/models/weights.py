@@ -7,7 +7,7 @@ A quantized GPU backend replaces `Linear.forward` (it has `stored`, the raw GGUF
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Protocol
@@ -30,6 +30,26 @@ def quantized_linears(enabled: bool) -> Iterator[None]:
         yield
     finally:
         QUANTIZED_LINEARS.reset(token)
+
+
+# Whether quantized-mode models run the Linears of one input as one `MergedLinear` (default on; tests turn it
+# off to compare). Dense mode never merges: the CPU reference stays one matmul per parameter.
+MERGED_PROJECTIONS: ContextVar[bool] = ContextVar("merged_projections", default=True)
+
+
+@contextmanager
+def merged_projections(enabled: bool) -> Iterator[None]:
+    """Build quantized-mode models in this block with (default) or without merged projections."""
+    token = MERGED_PROJECTIONS.set(enabled)
+    try:
+        yield
+    finally:
+        MERGED_PROJECTIONS.reset(token)
+
+
+def merging_projections() -> bool:
+    """True while building a model whose same-input Linears become `MergedLinear`s (quantized mode)."""
+    return QUANTIZED_LINEARS.get() and MERGED_PROJECTIONS.get()
 
 
 class StoredLike(Protocol):
@@ -125,6 +145,85 @@ class Linear(nn.Module):
 
         y = quant_matmul(self.raw, self.format, x, self.out_features)
         return y if self.bias is None else y + self.bias
+
+    @classmethod
+    def stacked(
+        cls, source: WeightSource, names: Sequence[str], dtype: torch.dtype, device: torch.device | str,
+        quantized: bool,
+    ) -> Linear:
+        """One Linear over the rows of several stored tensors of one format and input width (no bias, no
+        input columns): GGUF rows are copied side by side into one `raw` buffer on `device`."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        stored = [source.tensor(n) for n in names]
+        self.name, self.dtype, self.stored = "|".join(names), dtype, None
+        self.out_features, self.in_features = sum(int(s.shape[0]) for s in stored), int(stored[0].shape[1])
+        self.format = getattr(stored[0], "format", "f32")
+        if quantized and self.format.startswith("gguf_"):
+            raw = torch.empty((self.out_features, stored[0].data.shape[1]), dtype=torch.uint8, device=device)
+            row = 0
+            for s in stored:
+                raw[row : row + s.data.shape[0]].copy_(s.data)
+                row += s.data.shape[0]
+            self.weight, self.raw = None, nn.Buffer(raw)
+        else:
+            dense = torch.cat([load_dense(source, n, dtype, device) for n in names])
+            self.weight, self.raw = nn.Buffer(dense), None
+        self.input_columns, self.bias = None, None
+        return self
+
+
+class MergedLinear(nn.Module):
+    """Linears that read the same input, run as one matmul per storage format over their concatenated rows
+    (GGUF rows of one format and width concatenate as bytes), e.g. GDN q|k|v|z in q4_k and a|b in q8_0.
+
+    `parts` names the outputs: each is one or more member names whose outputs come back side by side —
+    a column view of one matmul's output when its members share a format, else concatenated.
+    """
+
+    def __init__(
+        self, source: WeightSource, parts: Sequence[Sequence[str]], dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        super().__init__()
+        names = [n for part in parts for n in part]
+        by_format: dict[str, list[str]] = {}
+        rows: dict[str, int] = {}
+        for n in names:
+            st = source.tensor(n)
+            if source.input_columns(n) is not None:
+                raise ValueError(f"{n} has recorded input columns; it cannot share a merged matmul")
+            if int(st.shape[1]) != int(source.tensor(names[0]).shape[1]):
+                raise ValueError(f"{n} does not read the same input width as {names[0]}")
+            by_format.setdefault(getattr(st, "format", "f32"), []).append(n)
+            rows[n] = int(st.shape[0])
+        quantized = QUANTIZED_LINEARS.get()
+        self.groups = nn.ModuleList(
+            Linear.stacked(source, members, dtype, device, quantized) for members in by_format.values())
+        where: dict[str, tuple[int, int, int]] = {}  # name -> (group, first column, end column)
+        for g, members in enumerate(by_format.values()):
+            col = 0
+            for n in members:
+                where[n] = (g, col, col + rows[n])
+                col += rows[n]
+        self.parts: list[tuple[tuple[int, int, int], ...]] = []
+        for part in parts:
+            spans: list[tuple[int, int, int]] = []
+            for g, a, b in (where[n] for n in part):
+                if spans and spans[-1][0] == g and spans[-1][2] == a:
+                    spans[-1] = (g, spans[-1][1], b)
+                else:
+                    spans.append((g, a, b))
+            self.parts.append(tuple(spans))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """One output per part, `[..., part width]` (views into the group outputs where possible)."""
+        ys = [group(x) for group in self.groups]
+        outs = []
+        for spans in self.parts:
+            pieces = [ys[g][..., a:b] for g, a, b in spans]
+            outs.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1))
+        return outs
 
 
 class Embedding(nn.Module):

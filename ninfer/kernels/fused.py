@@ -1,0 +1,300 @@
+"""Fused elementwise Triton kernels of the decoder layers: one launch each where PyTorch needs several.
+
+Each kernel computes in fp32 and rounds where its reference (`*_reference` here, built only from
+`ninfer.kernels.reference`) rounds, so the two agree to fp32 reduction order; inputs may be strided row
+views (the split outputs of a merged projection). The models reach these through `ninfer.kernels.ops`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.errors import NinferError
+from ninfer.kernels import reference
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, triton_runs_on
+
+MAX_ROW = 65536  # the norms hold a whole row in one program
+ELEMENTWISE_BLOCK = 1024
+
+
+class FusedKernelError(NinferError):
+    """Inputs a fused kernel cannot take (shape, width, layout)."""
+
+
+def runs_on(t: torch.Tensor) -> bool:
+    """True when the fused kernels should take `t` (CUDA, or CPU under NINFER_TRITON_ON_CPU=1)."""
+    return HAVE_TRITON and triton_runs_on(t)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# References: compositions of the plain-PyTorch ops, in the order the models ran them before fusion
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, zero_centred: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`new_residual = x + residual` (x when residual is None), then `rms_norm(new_residual)`."""
+    new_residual = x if residual is None else residual + x
+    return reference.rms_norm(new_residual, weight, eps, zero_centred), new_residual
+
+
+def norm_rotary_reference(
+    x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+    zero_centred: bool = True,
+) -> torch.Tensor:
+    """Per-head RMSNorm of x [T, H, D] (skipped when weight is None), then partial rotate-half RoPE."""
+    if weight is not None:
+        x = reference.rms_norm(x, weight, eps, zero_centred)
+    return reference.apply_rotary(x, cos, sin)
+
+
+def sigmoid_gate_mul_reference(attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The attention output gate: `attn · sigmoid(gate)` (the sigmoid rounded to attn's dtype first)."""
+    return attn * torch.sigmoid(gate.float()).to(attn.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernels
+
+
+def _extra(t: torch.Tensor, num_warps: int) -> dict:
+    return {} if t.device.type == "cpu" else {"num_warps": num_warps}
+
+
+def _row_warps(block: int) -> int:
+    return max(1, min(16, block // 256))
+
+
+if HAVE_TRITON:
+
+    @jit
+    def _sigmoid(x):
+        # spelled out: tl.sigmoid is compiled-only when triton was imported before interpreter mode
+        return 1.0 / (1.0 + tl.exp(-x))
+
+    @jit
+    def _row_sum(x):
+        """`tl.sum(x, 0)` as a reduce with Triton's own sum combiner: the interpreter recognises it and
+        sums in NumPy (an element-by-element Python loop for any other combiner), whichever mode Triton was
+        imported in."""
+        return tl.reduce(x, 0, tl.standard._sum_combine)
+
+    @jit
+    def _round(x, ty: tl.constexpr):
+        """fp32 -> the I/O dtype, round to nearest even as PyTorch does. bf16 by integer arithmetic: Triton's
+        interpreter truncates a plain `.to(bfloat16)` (and its "rtne" mode does not carry), and the tests run
+        this very source there."""
+        if ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return x.to(ty)
+
+    @jit
+    def _norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, N, H, sx0, sx1, sr0, sr1, so0, so1,
+                     sro0, sro1, eps, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        """One row of N per program; rows are (i // H, i % H) of a [T, H, N] strided view."""
+        i = tl.program_id(0)
+        t, h = i // H, i % H
+        cols = tl.arange(0, BLOCK)
+        ok = cols < N
+        s = tl.load(x_ptr + t * sx0 + h * sx1 + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(r_ptr + t * sr0 + h * sr1 + cols, mask=ok, other=0.0).to(tl.float32)
+            s = _round(s + r, res_out_ptr.dtype.element_ty)  # the residual stream is kept in its dtype
+            tl.store(res_out_ptr + t * sro0 + h * sro1 + cols, s, mask=ok)
+            s = s.to(tl.float32)
+        inv = tl.math.rsqrt(_row_sum(s * s) / N + eps)
+        y = s * inv
+        if HAS_W:
+            w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+            y = y * (1.0 + w if ZERO_CENTRED else w)
+        tl.store(out_ptr + t * so0 + h * so1 + cols, _round(y, out_ptr.dtype.element_ty), mask=ok)
+
+    @jit
+    def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, N, H, so0, so1, sz0, sz1, eps, BLOCK: tl.constexpr):
+        """`rmsnorm(o)·w·silu(z)` per row of N; rows (i // H, i % H); out contiguous."""
+        i = tl.program_id(0)
+        t, h = i // H, i % H
+        cols = tl.arange(0, BLOCK)
+        ok = cols < N
+        o = tl.load(o_ptr + t * so0 + h * so1 + cols, mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + t * sz0 + h * sz1 + cols, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        inv = tl.math.rsqrt(_row_sum(o * o) / N + eps)
+        y = o * inv * w * (z * _sigmoid(z))
+        tl.store(out_ptr + i * N + cols, _round(y, out_ptr.dtype.element_ty), mask=ok)
+
+    @jit
+    def _norm_rotary_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, D, H, R, sx0, sx1, sc0, ss0, eps,
+                            HAS_W: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
+        """Per head row of D: RMSNorm (rounded to the dtype, as the unfused ops did), then rotate-half on
+        the first R dims: `y[d] = n[d]·cos[d] + n[partner(d)]·sin[d]·(−1 if d < R/2)`; out contiguous."""
+        i = tl.program_id(0)
+        t, h = i // H, i % H
+        cols = tl.arange(0, BLOCK)
+        ok = cols < D
+        half = R // 2
+        rot = cols < R
+        partner = tl.where(cols < half, cols + half, cols - half)
+        row = x_ptr + t * sx0 + h * sx1
+        x = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
+        xp = tl.load(row + partner, mask=rot, other=0.0).to(tl.float32)
+        if HAS_W:
+            inv = tl.math.rsqrt(_row_sum(x * x) / D + eps)
+            w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+            if ZERO_CENTRED:
+                w, wp = 1.0 + w, 1.0 + wp
+            x = _round(x * inv * w, out_ptr.dtype.element_ty).to(tl.float32)
+            xp = _round(xp * inv * wp, out_ptr.dtype.element_ty).to(tl.float32)
+        c = tl.load(cos_ptr + t * sc0 + cols, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * ss0 + cols, mask=rot, other=0.0).to(tl.float32)
+        y = x * c + tl.where(cols < half, -xp, xp) * s
+        tl.store(out_ptr + i * D + cols, _round(y, out_ptr.dtype.element_ty), mask=ok)
+
+    @jit
+    def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, sg, su, BLOCK: tl.constexpr):
+        """`silu(gate)·up` over [T, N] row views; out contiguous."""
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        g = tl.load(g_ptr + t * sg + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + t * su + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * N + cols, _round(g * _sigmoid(g) * u, out_ptr.dtype.element_ty), mask=ok)
+
+    @jit
+    def _gate_mul_kernel(a_ptr, g_ptr, out_ptr, N, sa, sg, BLOCK: tl.constexpr):
+        """`attn · sigmoid(gate)` over [T, N] row views, the sigmoid rounded to the output dtype first."""
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < N
+        a = tl.load(a_ptr + t * sa + cols, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * sg + cols, mask=ok, other=0.0).to(tl.float32)
+        gate = _round(_sigmoid(g), out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + t * N + cols, _round(a * gate, out_ptr.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _rows3(x: torch.Tensor, what: str) -> torch.Tensor:
+    """x as a [T, H, N] view with unit stride along N (2D inputs get H = 1)."""
+    if x.dim() == 2:
+        x = x[:, None, :]
+    if x.dim() != 3 or x.stride(2) != 1:
+        raise FusedKernelError(f"{what} must be [T, N] or [T, H, N] with unit stride along N, got shape "
+                               f"{tuple(x.shape)} strides {x.stride()}; pass a contiguous tensor")
+    if x.shape[2] > MAX_ROW:
+        raise FusedKernelError(f"{what} rows of {x.shape[2]} exceed the fused norms' {MAX_ROW}; use the "
+                               "reference op")
+    return x
+
+
+def _block(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, zero_centred: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(x + residual), x + residual)` in one launch; residual None: `(rms_norm(x), x)`."""
+    x3 = _rows3(x, "x")
+    T, H, N = x3.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o3 = out.view(T, H, N)
+    if residual is None:
+        r3 = ro3 = x3
+        new_residual = x
+    else:
+        if residual.shape != x.shape:
+            raise FusedKernelError(f"residual shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
+        r3 = _rows3(residual, "residual")
+        new_residual = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
+        ro3 = new_residual.view(T, H, N)
+    if T * H:
+        block = _block(N)
+        _norm_kernel[(T * H,)](x3, r3, weight, o3, ro3, N, H, x3.stride(0), x3.stride(1), r3.stride(0),
+                               r3.stride(1), o3.stride(0), o3.stride(1), ro3.stride(0), ro3.stride(1), eps,
+                               HAS_RES=residual is not None, HAS_W=True, ZERO_CENTRED=zero_centred,
+                               BLOCK=block, **_extra(x, _row_warps(block)))
+    return out, new_residual
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
+    """RMSNorm over the last dim of [T, N] or [T, H, N] (per head), one launch."""
+    return add_rms_norm(x, None, weight, eps, zero_centred)[0]
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The GDN output norm `rmsnorm(o)·w·silu(z)` over the last dim, in o's dtype."""
+    o3, z3 = _rows3(o, "o"), _rows3(z, "z")
+    if o3.shape != z3.shape:
+        raise FusedKernelError(f"gated norm: o {tuple(o.shape)} and z {tuple(z.shape)} differ")
+    T, H, N = o3.shape
+    out = torch.empty(o.shape, dtype=o.dtype, device=o.device)
+    if T * H:
+        block = _block(N)
+        _gated_norm_kernel[(T * H,)](o3, z3, weight, out, N, H, o3.stride(0), o3.stride(1), z3.stride(0),
+                                     z3.stride(1), eps, BLOCK=block, **_extra(o, _row_warps(block)))
+    return out
+
+
+def norm_rotary(
+    x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+    zero_centred: bool = True,
+) -> torch.Tensor:
+    """Per-head RMSNorm (none when weight is None) + rotate-half RoPE on the first cos.shape[-1] dims of
+    x [T, H, D]; cos/sin [T, R] fp32 (`reference.mrope_cos_sin`). One launch; out contiguous."""
+    if x.dim() != 3 or x.stride(2) != 1:
+        raise FusedKernelError(f"norm_rotary takes x [T, H, D], unit stride along D; got {tuple(x.shape)}")
+    T, H, D = x.shape
+    R = cos.shape[-1]
+    unit_stride = cos.stride(-1) == 1 and sin.stride(-1) == 1
+    if R % 2 or R > D or cos.shape[0] != T or sin.shape != cos.shape or not unit_stride:
+        raise FusedKernelError(f"norm_rotary: cos/sin {tuple(cos.shape)} must be [T={T}, R], even R <= {D}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if T * H:
+        block = _block(D)
+        w = x if weight is None else weight  # any pointer when there is no norm
+        _norm_rotary_kernel[(T * H,)](x, w, cos, sin, out, D, H, R, x.stride(0), x.stride(1), cos.stride(0),
+                                      sin.stride(0), eps, HAS_W=weight is not None, ZERO_CENTRED=zero_centred,
+                                      BLOCK=block, **_extra(x, _row_warps(block)))
+    return out
+
+
+def _rows2(x: torch.Tensor, what: str) -> torch.Tensor:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise FusedKernelError(f"{what} must be a [T, N] row view with unit column stride, got shape "
+                               f"{tuple(x.shape)} strides {x.stride()}")
+    return x
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate)·up` of two [T, I] row views (e.g. the halves of a merged gate|up output), gate's dtype."""
+    g, u = _rows2(gate, "gate"), _rows2(up, "up")
+    if g.shape != u.shape:
+        raise FusedKernelError(f"swiglu: gate {tuple(g.shape)} and up {tuple(u.shape)} differ")
+    T, N = g.shape
+    out = torch.empty((T, N), dtype=gate.dtype, device=gate.device)
+    if T * N:
+        grid = (T, -(-N // ELEMENTWISE_BLOCK))
+        _swiglu_kernel[grid](g, u, out, N, g.stride(0), u.stride(0), BLOCK=ELEMENTWISE_BLOCK,
+                             **_extra(g, 4))
+    return out
+
+
+def sigmoid_gate_mul(attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`attn · sigmoid(gate)` of two [T, N] row views, in attn's dtype."""
+    a, g = _rows2(attn, "attn"), _rows2(gate, "gate")
+    if a.shape != g.shape:
+        raise FusedKernelError(f"sigmoid_gate_mul: attn {tuple(a.shape)} and gate {tuple(g.shape)} differ")
+    T, N = a.shape
+    out = torch.empty((T, N), dtype=attn.dtype, device=attn.device)
+    if T * N:
+        grid = (T, -(-N // ELEMENTWISE_BLOCK))
+        _gate_mul_kernel[grid](a, g, out, N, a.stride(0), g.stride(0), BLOCK=ELEMENTWISE_BLOCK,
+                               **_extra(a, 4))
+    return out

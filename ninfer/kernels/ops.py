@@ -1,0 +1,69 @@
+"""The models' op set: `reference.py`'s names plus the fused forms, each running its Triton kernel where
+Triton takes the tensor (`triton_runs_on`: CUDA, or CPU under NINFER_TRITON_ON_CPU=1) and the plain-PyTorch
+reference otherwise, so CPU inference computes exactly what the references compute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ninfer.kernels import fused, reference
+from ninfer.kernels.reference import (  # noqa: F401  (re-exported: no fused form, PyTorch on every device)
+    apply_rotary,
+    attention_reference,
+    causal_conv1d,
+    gdn_chunked,
+    gdn_recurrent,
+    l2_norm,
+    mrope_axis_of_frequency,
+    mrope_cos_sin,
+    rope_inv_freq,
+    rotate_half,
+)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
+    """RMSNorm over the last dim (rows of [T, N] or per head of [T, H, D]); see `reference.rms_norm`."""
+    if fused.runs_on(x) and x.dim() in (2, 3) and x.stride(-1) == 1:
+        return fused.rms_norm(x, w, eps, zero_centred)
+    return reference.rms_norm(x, w, eps, zero_centred)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, zero_centred: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(residual + x), residual + x)`; with residual None `(rms_norm(x), x)` (the first layer)."""
+    if fused.runs_on(x) and x.dim() == 2 and x.stride(-1) == 1:
+        return fused.add_rms_norm(x, residual, w, eps, zero_centred)
+    return fused.add_rms_norm_reference(x, residual, w, eps, zero_centred)
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The GDN output norm `rmsnorm(o)·w·silu(z)`; see `reference.gated_rms_norm`."""
+    if fused.runs_on(o) and o.dim() in (2, 3) and o.stride(-1) == 1 and z.stride(-1) == 1:
+        return fused.gated_rms_norm(o, z, w, eps)
+    return reference.gated_rms_norm(o, z, w, eps)
+
+
+def norm_rotary(
+    x: torch.Tensor, w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+    zero_centred: bool = True,
+) -> torch.Tensor:
+    """Per-head q/k RMSNorm (none when w is None) then partial rotate-half RoPE of x [T, H, D]."""
+    if fused.runs_on(x) and x.dim() == 3 and x.stride(-1) == 1:
+        return fused.norm_rotary(x, w, cos.contiguous(), sin.contiguous(), eps, zero_centred)
+    return fused.norm_rotary_reference(x, w, cos, sin, eps, zero_centred)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate)·up`; gate and up may be the two halves of a merged gate|up output."""
+    if fused.runs_on(gate) and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:
+        return fused.swiglu(gate, up)
+    return reference.swiglu(gate, up)
+
+
+def sigmoid_gate_mul(attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The attention output gate `attn · sigmoid(gate)` in attn's dtype."""
+    if fused.runs_on(attn) and attn.dim() == 2 and attn.stride(-1) == 1 and gate.stride(-1) == 1:
+        return fused.sigmoid_gate_mul(attn, gate)
+    return fused.sigmoid_gate_mul_reference(attn, gate)

@@ -1,0 +1,321 @@
+"""Fused elementwise kernels (`kernels.fused`, through `kernels.ops`) and merged projections (`MergedLinear`).
+
+Kernels run in Triton's interpreter on CPU (NINFER_TRITON_ON_CPU=1) against their references on fresh random
+inputs; the models' CPU path must stay the reference exactly; merged quantized projections must give the
+unmerged model's logits; and a decode step's kernel launches are counted before and after fusion.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+import torch
+from conftest import TINY_GGUF, TINY_HF
+from simple_context import Sequence, SequenceCache, SimpleContext, prefill_logits, single_thread, step
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ninfer.artifact import open_artifact
+from ninfer.cli.convert import main as convert_main
+from ninfer.errors import NinferError
+from ninfer.kernels import fused, gguf_matmul, ops, reference
+from ninfer.models import load_model
+from ninfer.models.weights import MergedLinear, merged_projections
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Measured (interpreter vs reference, these shapes): fp32 ≤ 2.9e-6 abs on outputs of magnitude ≤ ~5 (fp32
+# reduction order); bf16/fp16 outputs equal except ≤ 0.1 % of elements one unit in the last place apart
+# (a rounding boundary crossed by that reduction-order difference).
+FP32_ATOL = 1e-5
+ULP_RTOL = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+MAX_OFF_BY_ONE = 0.01
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on_cpu(monkeypatch):
+    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
+
+
+@pytest.fixture
+def gen():
+    g = torch.Generator().manual_seed(time.time_ns() % 2**31)  # fresh inputs every run
+    return g
+
+
+def _randn(gen, *shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, operand_ulps: float = 0.0) -> None:
+    """Equal up to one unit in the last place (most elements exactly equal); `operand_ulps`: also allow that
+    many ulps of the largest output, for a sum of rounded operands (rotary: `n·cos ± n'·sin`, where a flipped
+    ulp of n shows in full when the two terms cancel)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=0, atol=FP32_ATOL)
+        return
+    rtol = ULP_RTOL[want.dtype]
+    atol = max(1e-6, operand_ulps * rtol * want.float().abs().max().item())
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+    assert (got != want).float().mean().item() <= MAX_OFF_BY_ONE
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [5120, 6144, 200])
+def test_add_rms_norm_matches_reference(gen, dtype, width):
+    x, res = _randn(gen, 3, width, dtype=dtype), _randn(gen, 3, width, dtype=dtype, scale=4.0)
+    w = _randn(gen, width, scale=0.2)
+    for zero_centred in (True, False):
+        normed, new_res = fused.add_rms_norm(x, res, w, 1e-6, zero_centred)
+        want_normed, want_res = fused.add_rms_norm_reference(x, res, w, 1e-6, zero_centred)
+        assert torch.equal(new_res, want_res)  # one rounding of an fp32 sum, as PyTorch's add
+        _close(normed, want_normed)
+    normed, same = fused.add_rms_norm(x, None, w, 1e-6, True)
+    assert same is x
+    _close(normed, reference.rms_norm(x, w, 1e-6, True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_per_head_rms_norm_on_a_strided_view(gen, dtype, head_dim):
+    merged = _randn(gen, 2, 5 * head_dim + 7, dtype=dtype)  # q heads are a column view of a merged output
+    q = merged[:, : 4 * head_dim].view(2, 4, head_dim)
+    w = _randn(gen, head_dim, scale=0.2)
+    _close(ops.rms_norm(q, w, 1e-6, True), reference.rms_norm(q, w, 1e-6, True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_dim", "rotary_dim", "sections"),
+                         [(256, 64, (11, 11, 10)), (128, 32, (6, 5, 5)), (128, 128, None)])
+def test_norm_rotary_matches_reference(gen, dtype, head_dim, rotary_dim, sections):
+    T, H = 3, 6
+    merged = _randn(gen, T, H * head_dim + 64, dtype=dtype)
+    x = merged[:, 64:].view(T, H, head_dim)
+    w = _randn(gen, head_dim, scale=0.2)
+    positions = torch.randint(0, 5000, (3, T), generator=gen) if sections else torch.arange(T) + 900
+    cos, sin = reference.mrope_cos_sin(positions, rotary_dim, 1e7, sections, True)
+    # measured over 400 seeds (fp16): ≤ 0.0038 relative where the two rotary terms cancel, ≤ 1 ulp elsewhere
+    _close(fused.norm_rotary(x, w, cos, sin, 1e-6), fused.norm_rotary_reference(x, w, cos, sin, 1e-6), 2.0)
+    _close(fused.norm_rotary(x, None, cos, sin, 1e-6), reference.apply_rotary(x, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [17408, 768, 1000])
+def test_swiglu_on_merged_gate_up(gen, dtype, width):
+    gate_up = _randn(gen, 2, 2 * width, dtype=dtype, scale=3.0)
+    gate, up = gate_up[:, :width], gate_up[:, width:]
+    _close(fused.swiglu(gate, up), reference.swiglu(gate, up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "dim"), [(48, 128), (6, 128), (3, 100)])
+def test_gated_rms_norm_matches_reference(gen, dtype, heads, dim):
+    core = _randn(gen, 2, heads, dim, dtype=dtype)
+    z_merged = _randn(gen, 2, heads * dim + 33, dtype=dtype, scale=2.0)  # z: a column view
+    z = z_merged[:, 33:].view(2, heads, dim)
+    w = _randn(gen, dim).abs()
+    _close(fused.gated_rms_norm(core, z, w, 1e-6), reference.gated_rms_norm(core, z, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [6144, 512, 300])
+def test_sigmoid_gate_mul_matches_reference(gen, dtype, width):
+    attn = _randn(gen, 3, width, dtype=dtype)
+    gate = _randn(gen, 3, 2 * width, dtype=dtype, scale=3.0)[:, width:]
+    _close(fused.sigmoid_gate_mul(attn, gate), fused.sigmoid_gate_mul_reference(attn, gate))
+
+
+def test_ops_take_the_reference_path_off_triton(gen, monkeypatch):
+    """Without NINFER_TRITON_ON_CPU (ordinary CPU inference) every op is its reference, bit for bit."""
+    monkeypatch.delenv("NINFER_TRITON_ON_CPU")
+    x, r = _randn(gen, 2, 256, dtype=torch.bfloat16), _randn(gen, 2, 256, dtype=torch.bfloat16)
+    w = _randn(gen, 256)
+    cos, sin = reference.mrope_cos_sin(torch.arange(2), 64, 1e7)
+    h = x.view(2, 2, 128)
+    pairs = [
+        (ops.add_rms_norm(x, r, w, 1e-6, True), fused.add_rms_norm_reference(x, r, w, 1e-6, True)),
+        (ops.rms_norm(x, w, 1e-6, False), reference.rms_norm(x, w, 1e-6, False)),
+        (ops.gated_rms_norm(h, h, w[:128], 1e-6), reference.gated_rms_norm(h, h, w[:128], 1e-6)),
+        (ops.norm_rotary(h, w[:128], cos, sin, 1e-6),
+         fused.norm_rotary_reference(h, w[:128], cos, sin, 1e-6)),
+        (ops.swiglu(x, r), reference.swiglu(x, r)),
+        (ops.sigmoid_gate_mul(x, r), fused.sigmoid_gate_mul_reference(x, r)),
+    ]
+    for got, want in pairs:
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        assert all(torch.equal(g, wt) for g, wt in zip(got, want, strict=True))
+
+
+def test_bad_inputs_are_clear_errors(gen):
+    x = _randn(gen, 2, 4, 128)
+    with pytest.raises(NinferError, match="unit stride"):
+        fused.rms_norm(x.transpose(1, 2), torch.ones(4), 1e-6, True)
+    with pytest.raises(NinferError, match="differ"):
+        fused.swiglu(x[:, 0], x[:, 1, :64])
+    cos, sin = reference.mrope_cos_sin(torch.arange(3), 64, 1e7)
+    with pytest.raises(NinferError, match="cos/sin"):
+        fused.norm_rotary(x, None, cos, sin, 1e-6)
+
+
+# ---- the model on the fused ops, merged projections --------------------------------------------------------
+
+
+def _convert(out, wtype: str):
+    rc = convert_main(["--recipe", "qwen3_5_gguf", "--source", f"gguf={TINY_GGUF / f'model-{wtype}.gguf'}",
+                       "--model", str(TINY_HF), "--out", str(out), "--quiet"])
+    assert rc == 0
+    return open_artifact(out)
+
+
+@pytest.fixture(scope="module")
+def q4km(tmp_path_factory):
+    """q4_k_m: layer 2's GDN q|k|v is q6_k while z, a, b are q4_k — two merged matmuls in that layer."""
+    return _convert(tmp_path_factory.mktemp("fused") / "q4km.ninfer", "q4_k_m")
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny_artifact):
+    return open_artifact(tiny_artifact)
+
+
+def _reference_matmul(monkeypatch):
+    monkeypatch.setattr(gguf_matmul, "quant_matmul", lambda raw, format, x, out_features, **kw:
+                        gguf_matmul.quant_matmul_reference(raw, format, x, out_features))
+
+
+def test_merged_projections_give_the_unmerged_logits(q4km, monkeypatch):
+    monkeypatch.delenv("NINFER_TRITON_ON_CPU")
+    _reference_matmul(monkeypatch)
+    with single_thread():
+        merged = load_model(q4km, quantized_weights=True)
+        with merged_projections(False):
+            plain = load_model(q4km, quantized_weights=True)
+        gdn2 = merged.layers[2].mixer.in_proj
+        assert isinstance(gdn2, MergedLinear) and len(gdn2.groups) == 2
+        assert [g.format for g in gdn2.groups] == ["gguf_q6_k", "gguf_q4_k"]
+        assert len(merged.layers[0].mixer.in_proj.groups) == len(merged.layers[0].mlp.gate_up.groups) == 1
+        assert not any(isinstance(m, MergedLinear) for m in plain.modules())
+        assert not any(isinstance(m, MergedLinear) for m in load_model(q4km).modules())  # dense: never
+        # the same bytes in one buffer: merged raw rows are the members' rows, in order
+        attn = merged.layers[3].mixer.in_proj
+        rows = [getattr(plain.layers[3].mixer, r).raw for r in ("query", "gate", "key", "value")]
+        assert len(attn.groups) == 1 and torch.equal(attn.groups[0].raw, torch.cat(rows))
+        ids = [5, 17, 300, 42, 7, 99, 1000, 3, 8]
+        torch.testing.assert_close(prefill_logits(merged, ids), prefill_logits(plain, ids), rtol=0, atol=2e-5)
+
+
+def test_merged_outputs_are_views(q4km, monkeypatch):
+    _reference_matmul(monkeypatch)
+    with single_thread():
+        model = load_model(q4km, quantized_weights=True)
+        x = torch.randn(3, 256)
+        mixed, z, a, b = model.layers[0].mixer.in_proj(x)
+        base = mixed.untyped_storage().data_ptr()
+        assert all(t.untyped_storage().data_ptr() == base for t in (z, a, b))
+        assert mixed.shape == (3, model.cfg.gdn_conv_channels) and a.shape == (3, model.cfg.gdn_value_heads)
+
+
+def test_model_on_fused_kernels_matches_the_reference_path(tiny_bf16, monkeypatch):
+    """The bf16 tiny model with every fused op in the interpreter vs the same model on the references."""
+    with single_thread():
+        model = load_model(tiny_bf16, dtype=torch.bfloat16)
+        ids = [5, 17, 300, 42, 7, 99]
+
+        def run():
+            seq = Sequence(SequenceCache(model.cache_spec), ids + [11, 12])
+            logits = [model.compute_logits(step(model, [seq], [len(ids)]))[-1]]
+            logits += [model.compute_logits(step(model, [seq], [1]))[-1] for _ in range(2)]
+            return torch.stack(logits)
+
+        monkeypatch.delenv("NINFER_TRITON_ON_CPU")
+        want = run()
+        monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
+        got = run()
+    # measured: max |Δlogit| 0.0 to 0.03 (logits up to ~8; bf16 ulps flipped inside the layers), argmax equal
+    torch.testing.assert_close(got, want, rtol=0, atol=0.1)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+# ---- launch count of one decode step ---------------------------------------------------------------------
+
+REFERENCE_FORMS = {"add_rms_norm": fused.add_rms_norm_reference, "rms_norm": reference.rms_norm,
+                   "gated_rms_norm": reference.gated_rms_norm, "norm_rotary": fused.norm_rotary_reference,
+                   "swiglu": reference.swiglu, "sigmoid_gate_mul": fused.sigmoid_gate_mul_reference}
+NOT_LAUNCHES = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                torch.ops.aten.empty_like.default, torch.ops.aten.lift_fresh.default}
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts ATen ops that launch a kernel on a GPU (views and allocations excluded); calls wrapped with
+    `launches(n)` count as n kernels whatever their CPU stand-in does."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.inside = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside and not func.is_view and func not in NOT_LAUNCHES:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+    def launches(self, n: int, fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            self.count += n
+            self.inside += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.inside -= 1
+
+        return wrapped
+
+
+class KernelGdnContext(SimpleContext):
+    """GDN through the `gdn_mix` hook, as the engine's GPU contexts run it (conv + recurrent: 2 kernels)."""
+
+    def gdn_mix(self, gdn_layer, mixed, a, b, params):
+        from ninfer.kernels.gdn_decode import gdn_decode_reference
+
+        st = self.gdn_state(gdn_layer, 0)
+        return gdn_decode_reference(mixed[None], a[None], b[None], params.conv_weight, params.a_log,
+                                    params.dt_bias, st.conv[None], st.recurrent[None], torch.tensor([0]),
+                                    params.num_key_heads).output[0]
+
+
+def decode_step_launches(model, fused_kernels: bool, monkeypatch) -> int:
+    """Kernels one decode step of `model` would launch: ATen ops, plus 1 per quantized matmul, attention and
+    fused op and 2 per GDN mix; `fused_kernels` routes ops' fused forms to (counted) kernels."""
+    counter = LaunchCounter()
+    cache = SequenceCache(model.cache_spec)
+    with monkeypatch.context() as m:
+        m.delenv("NINFER_TRITON_ON_CPU", raising=False)
+        _reference_matmul(m)
+        step(model, [Sequence(cache, [5, 6, 7])], [2])  # some context first
+        m.setattr(gguf_matmul, "quant_matmul", counter.launches(1, gguf_matmul.quant_matmul))
+        m.setattr(KernelGdnContext, "attention", counter.launches(1, SimpleContext.attention))
+        m.setattr(KernelGdnContext, "gdn_mix", counter.launches(2, KernelGdnContext.gdn_mix))
+        if fused_kernels:
+            m.setattr(fused, "runs_on", lambda t: True)
+            for name, reference_form in REFERENCE_FORMS.items():
+                m.setattr(fused, name, counter.launches(1, reference_form))
+        ctx = KernelGdnContext([cache], [1], [2])
+        with counter:
+            model(torch.tensor([7]), torch.tensor([2]), ctx)
+    return counter.count
+
+
+def test_decode_step_launch_count(q4km, monkeypatch, capsys):
+    with single_thread():
+        with merged_projections(False):
+            plain = load_model(q4km, dtype=torch.bfloat16, quantized_weights=True, load_mtp=False)
+        merged = load_model(q4km, dtype=torch.bfloat16, quantized_weights=True, load_mtp=False)
+        before = decode_step_launches(plain, False, monkeypatch)
+        after = decode_step_launches(merged, True, monkeypatch)
+    n = len(plain.layers)
+    with capsys.disabled():
+        print(f"\ndecode step launches ({n} layers): before {before} ({before / n:.1f}/layer), "
+              f"after {after} ({after / n:.1f}/layer)")
+    assert after < before

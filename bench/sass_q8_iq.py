@@ -31,7 +31,7 @@ def compile_schedule(fmt: str, sched) -> str:
 
     smem = fmt == "iq3_s"
     fmt = fmt.removesuffix("_l1")
-    sig = {"w_ptr": "*u16" if fmt == "iq3_s" else "*i32", "xq_ptr": "*i32", "xd_ptr": "*fp32",
+    sig = {"w_ptr": "*u16" if fmt == "iq3_s" else "*i32", "xq_ptr": "*i64", "xd_ptr": "*fp32",
            "y_ptr": "*fp32" if sched.split_k > 1 else "*bf16", "grid_ptr": "*i32", "N": "i32", "K": "i32",
            "M": "i32", "row_units": "i32", "stride_xq": "i32", "stride_xd": "i32", "stride_ym": "i32"}
     names = list(sig)

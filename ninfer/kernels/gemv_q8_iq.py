@@ -132,12 +132,31 @@ if HAVE_TRITON:
                 tl.load(grid_ptr + i6.to(tl.uint32)), tl.load(grid_ptr + i7.to(tl.uint32)))
 
     @jit
-    def _iq3_s_dot(g, sg, P: tl.constexpr, xw, isum, EMULATE: tl.constexpr):
-        """isum + dp4a(grid word g with signs bits 4P..4P+3 of sg, activation word P of the sub-block)."""
-        neg = (((sg >> (4 * P)) & 0xF) * 0x204081) & 0x01010101  # sign bit j -> bit 8j
+    def _iq3_s_dot(g, t, xv, isum, EMULATE: tl.constexpr):
+        """isum + dp4a(grid word g with the 4 sign bits t, activation word xv)."""
+        neg = ((t & 0xF) * 0x204081) & 0x01010101  # sign bit j -> bit 8j
         wq = (g ^ (neg * 255)) + neg  # -m = ~m + 1 per byte; no carries: magnitudes are 1..15
-        xv = tl.load(xw + P)
         return dp4a(tl.broadcast_to(wq[None, :, :], isum.shape), tl.broadcast_to(xv, isum.shape), isum,
+                    EMULATE)
+
+    @jit
+    def _halves(pair):
+        """The low and high int32 words of an int64 (two activation words read at once)."""
+        return pair.to(tl.int32), (pair >> 32).to(tl.int32)
+
+    @jit
+    def _iq4_xs_dot(qw, x_lo, x_hi, isum, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+                    T3: tl.constexpr, EMULATE: tl.constexpr):
+        """isum + the dot of one iq4_xs qs word (8 codes) with its activation words: x_lo holds codes
+        4j..4j+3, x_hi codes 16+4j..; the nibbles come in the word's order (4j, 16+4j, 4j+1, 17+4j) then
+        (4j+2, 18+4j, 4j+3, 19+4j), and the activation bytes are interleaved to match."""
+        w_a = _iq4_levels(qw, T0, T1, T2, T3, EMULATE)
+        w_b = _iq4_levels(qw >> 16, T0, T1, T2, T3, EMULATE)
+        x_a = prmt(x_lo, x_hi, tl.full(x_lo.shape, 0x5140, tl.int32), EMULATE)
+        x_b = prmt(x_lo, x_hi, tl.full(x_lo.shape, 0x7362, tl.int32), EMULATE)
+        isum = dp4a(tl.broadcast_to(w_a[None, :, :], isum.shape), tl.broadcast_to(x_a, isum.shape), isum,
+                    EMULATE)
+        return dp4a(tl.broadcast_to(w_b[None, :, :], isum.shape), tl.broadcast_to(x_b, isum.shape), isum,
                     EMULATE)
 
     @jit
@@ -159,7 +178,7 @@ if HAVE_TRITON:
         # rows and columns past the ends read the last one (never stored): no masks in the loop
         m3 = tl.minimum(offs_m, M - 1)[:, None, None]
         row = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * row_units
-        xq_row = xq_ptr + m3.to(tl.int64) * stride_xq + 8 * sb3  # the sub-block's 8 activation words
+        xq_row = xq_ptr + m3.to(tl.int64) * stride_xq + 4 * sb3  # the sub-block's 8 words as 4 int64
         xd_row = xd_ptr + m3.to(tl.int64) * stride_xd + sb3
         acc = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.float32)
         if GRID_SMEM:  # iq3_s grid in registers; tl.gather looks it up through shared memory
@@ -167,7 +186,11 @@ if HAVE_TRITON:
         blocks = K // 256
         per_split = (blocks + SPLIT_K - 1) // SPLIT_K
         for blk in range(pid_k * per_split, tl.minimum(blocks, (pid_k + 1) * per_split)):
-            xw = xq_row + blk * 64
+            xw = xq_row + blk * 32
+            x01, x23 = _halves(tl.load(xw))
+            x45, x67 = _halves(tl.load(xw + 1))
+            x89, xab = _halves(tl.load(xw + 2))
+            xcd, xef = _halves(tl.load(xw + 3))
             isum = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.int32)
             if FMT == 0:  # iq3_s, in uint16 units: d 0, qs 1..32, qh 33..36, signs 37..52, scales 53..54
                 b = row + blk * 55
@@ -178,7 +201,8 @@ if HAVE_TRITON:
                 # qh bit p as byte p % 4 of spread word p // 4 (0 or 1), the grid index's high byte
                 qh_lo = ((qh & 0xF) * 0x204081) & 0x01010101
                 qh_hi = (((qh >> 4) & 0xF) * 0x204081) & 0x01010101
-                sg = tl.load(b + 37 + 2 * sb).to(tl.int32) | (tl.load(b + 38 + 2 * sb).to(tl.int32) << 16)
+                sg_lo = tl.load(b + 37 + 2 * sb).to(tl.int32)  # sign bits of entries 0-3, 4 each
+                sg_hi = tl.load(b + 38 + 2 * sb).to(tl.int32)  # entries 4-7
                 # grid index of entry p = qs byte p | qh bit p << 8: one prmt (qs bytes 2, 3 are zero)
                 qa = tl.load(b + 1 + 4 * sb).to(tl.int32)
                 qb = tl.load(b + 2 + 4 * sb).to(tl.int32)
@@ -197,14 +221,14 @@ if HAVE_TRITON:
                                                               BLOCK_N)
                 else:
                     g0, g1, g2, g3, g4, g5, g6, g7 = _load8(grid_ptr, i0, i1, i2, i3, i4, i5, i6, i7)
-                isum = _iq3_s_dot(g0, sg, 0, xw, isum, EMULATE)
-                isum = _iq3_s_dot(g1, sg, 1, xw, isum, EMULATE)
-                isum = _iq3_s_dot(g2, sg, 2, xw, isum, EMULATE)
-                isum = _iq3_s_dot(g3, sg, 3, xw, isum, EMULATE)
-                isum = _iq3_s_dot(g4, sg, 4, xw, isum, EMULATE)
-                isum = _iq3_s_dot(g5, sg, 5, xw, isum, EMULATE)
-                isum = _iq3_s_dot(g6, sg, 6, xw, isum, EMULATE)
-                isum = _iq3_s_dot(g7, sg, 7, xw, isum, EMULATE)
+                isum = _iq3_s_dot(g0, sg_lo, x01, isum, EMULATE)
+                isum = _iq3_s_dot(g1, sg_lo >> 4, x23, isum, EMULATE)
+                isum = _iq3_s_dot(g2, sg_lo >> 8, x45, isum, EMULATE)
+                isum = _iq3_s_dot(g3, sg_lo >> 12, x67, isum, EMULATE)
+                isum = _iq3_s_dot(g4, sg_hi, x89, isum, EMULATE)
+                isum = _iq3_s_dot(g5, sg_hi >> 4, xab, isum, EMULATE)
+                isum = _iq3_s_dot(g6, sg_hi >> 8, xcd, isum, EMULATE)
+                isum = _iq3_s_dot(g7, sg_hi >> 12, xef, isum, EMULATE)
             else:  # iq4_xs, in int32 units: d | scales_h << 16 at 0, scales_l 1, qs 2..33 (4 words per group)
                 b = row + blk * 34
                 h0 = tl.load(b)
@@ -212,19 +236,12 @@ if HAVE_TRITON:
                 sc_lo = (tl.load(b + 1) >> (4 * sb)) & 0xF
                 sc_hi = (h0 >> (16 + 2 * sb)) & 3
                 dw = d * ((sc_lo | (sc_hi << 4)) - 32).to(tl.float32)
-                for j in tl.static_range(4):  # word j: codes 4j..4j+3 (low nibbles), 16+4j.. (high)
-                    qw = tl.load(b + 2 + 4 * sb + j)
-                    # nibbles in the word's order: (4j, 16+4j, 4j+1, 17+4j) then (4j+2, 18+4j, 4j+3, 19+4j)
-                    w_a = _iq4_levels(qw, T0, T1, T2, T3, EMULATE)
-                    w_b = _iq4_levels(qw >> 16, T0, T1, T2, T3, EMULATE)
-                    x_lo = tl.load(xw + j)
-                    x_hi = tl.load(xw + 4 + j)
-                    x_a = prmt(x_lo, x_hi, tl.full(x_lo.shape, 0x5140, tl.int32), EMULATE)
-                    x_b = prmt(x_lo, x_hi, tl.full(x_lo.shape, 0x7362, tl.int32), EMULATE)
-                    isum = dp4a(tl.broadcast_to(w_a[None, :, :], isum.shape),
-                                tl.broadcast_to(x_a, isum.shape), isum, EMULATE)
-                    isum = dp4a(tl.broadcast_to(w_b[None, :, :], isum.shape),
-                                tl.broadcast_to(x_b, isum.shape), isum, EMULATE)
+                # qs word j of the group: codes 4j..4j+3 (low nibbles) and 16+4j.. (high)
+                qs = b + 2 + 4 * sb
+                isum = _iq4_xs_dot(tl.load(qs), x01, x89, isum, T0, T1, T2, T3, EMULATE)
+                isum = _iq4_xs_dot(tl.load(qs + 1), x23, xab, isum, T0, T1, T2, T3, EMULATE)
+                isum = _iq4_xs_dot(tl.load(qs + 2), x45, xcd, isum, T0, T1, T2, T3, EMULATE)
+                isum = _iq4_xs_dot(tl.load(qs + 3), x67, xef, isum, T0, T1, T2, T3, EMULATE)
             dx = tl.load(xd_row + blk * 8)
             acc += isum.to(tl.float32) * (dw[None, :, :] * dx)
         out = tl_sum(acc, 2)
@@ -261,7 +278,7 @@ def _gemv_q8_iq(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_featur
     y = (torch.zeros if s.split_k > 1 else torch.empty)(
         (n, out_features), dtype=torch.float32 if s.split_k > 1 else xa.dtype, device=raw.device)
     units = raw.view(torch.uint16) if fmt == "iq3_s" else raw.view(torch.int32)
-    words = xa.q.view(torch.int32)
+    words = xa.q.view(torch.int64)  # 8 codes per unit: two activation words per load
     launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
     extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}
     t0, t1, t2, t3 = _IQ4_WORDS

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ninfer.engine.gdn_mix import GdnMixPlan
+from ninfer.engine.gdn_mix import mix as mix_spans
 from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.state_pool import GdnStatePool
 from ninfer.kernels.kv_quant import rotate
@@ -33,10 +35,13 @@ class PagedBatchContext:
     """One forward's view of the pools; `spans[i].slot` is the lane (page table row and GDN slot)."""
 
     def __init__(self, spans: list[SequenceSpan], kv: KvPool, states: GdnStatePool,
-                 batched_decode: bool | None = None):
+                 batched_decode: bool | None = None, gdn_kernels: bool | None = None):
         self.spans = spans
         # one-token spans go through ninfer.kernels.paged_attention in one call (default: on CUDA)
         self.batched_decode = kv.device.type == "cuda" if batched_decode is None else batched_decode
+        if not (kv.device.type == "cuda" if gdn_kernels is None else gdn_kernels):
+            self.gdn_mix = None  # no hook: GDN layers run their reference ops (the CPU path)
+        self._gdn_plan = None
         self._kv = kv
         self._states = states
         self._handed_out: dict[tuple[int, int], GdnState] = {}
@@ -90,6 +95,13 @@ class PagedBatchContext:
             self._where[span_index] = (self._kv.locate(span.slot, span.cached_tokens, span.length),
                                        self._kv.page_index(span.slot, span.cached_tokens + span.length))
         return self._where[span_index]
+
+    def gdn_mix(self, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                params) -> torch.Tensor:
+        """GDN token mixing on the kernels (`ninfer.engine.gdn_mix`; contract: `models.qwen3_5.GdnParams`)."""
+        if self._gdn_plan is None:  # once per forward, shared by every GDN layer
+            self._gdn_plan = GdnMixPlan.of(self.spans, mixed_qkv.device)
+        return mix_spans(self._gdn_plan, self._states, gdn_layer, mixed_qkv, a, b, params)
 
     def gdn_state(self, gdn_layer: int, span_index: int) -> GdnState:
         key = (gdn_layer, span_index)

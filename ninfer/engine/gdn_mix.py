@@ -1,0 +1,97 @@
+"""Gated DeltaNet token mixing on the kernels: what the engine's batch contexts plug into the `gdn_mix` hook.
+
+One-token spans (decode) of a forward go through `kernels.gdn_decode` in one call, the lanes' slot ids as a
+tensor, conv and recurrent slots updated in place (fp32 or fp16 state). Longer spans (prefill chunks) run the
+causal conv with `F.conv1d` over [cached conv inputs ; chunk] and the chunked rule `kernels.gdn_prefill`
+(fla-core on CUDA, `reference.gdn_chunked` elsewhere), continuing from and writing back the span's slots.
+Same numbers as the model's reference `GatedDeltaNet._mix` within fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.engine.state_pool import GdnStatePool
+from ninfer.kernels.gdn_decode import gdn_decode
+from ninfer.kernels.gdn_prefill import gdn_prefill
+from ninfer.kernels.reference import l2_norm
+from ninfer.models.context import SequenceSpan
+
+
+@dataclass(frozen=True)
+class GdnMixPlan:
+    """Where a forward's spans sit, computed once and shared by every GDN layer.
+
+    decode_rows / decode_slots: rows and slots of the one-token spans (device tensors; `decode_rows` None when
+    every row of the batch is a one-token span in order, so no gather is needed); spans: the longer ones.
+    """
+
+    decode_rows: torch.Tensor | None
+    decode_slots: torch.Tensor | None
+    spans: tuple[SequenceSpan, ...]
+    rows: int
+
+    @classmethod
+    def of(cls, spans: list[SequenceSpan], device: torch.device) -> GdnMixPlan:
+        one = [s for s in spans if s.length == 1]
+        longer = tuple(s for s in spans if s.length > 1)
+        rows = sum(s.length for s in spans)
+        if not one:
+            return cls(None, None, longer, rows)
+        slots = torch.tensor([s.slot for s in one], dtype=torch.int32, device=device)
+        in_order = not longer and all(s.start == i for i, s in enumerate(one))
+        index = None if in_order else torch.tensor([s.start for s in one], dtype=torch.long, device=device)
+        return cls(index, slots, longer, rows)
+
+
+def decode_mix(states: GdnStatePool, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor,
+               b: torch.Tensor, params, slot_ids: torch.Tensor) -> torch.Tensor:
+    """B one-token spans in one `gdn_decode` call: mixed_qkv [B, C], a/b [B, Hv] -> o [B, Hv, Dv] fp32.
+    No host synchronisation (the slot ids stay on the device): safe inside a CUDA graph."""
+    result = gdn_decode(mixed_qkv[:, None], a[:, None], b[:, None], params.conv_weight, params.a_log,
+                        params.dt_bias, states.conv[gdn_layer], states.recurrent[gdn_layer], slot_ids,
+                        params.num_key_heads)
+    return result.output[:, 0]
+
+
+def span_mix(states: GdnStatePool, gdn_layer: int, slot: int, mixed_qkv: torch.Tensor, a: torch.Tensor,
+             b: torch.Tensor, params) -> torch.Tensor:
+    """One sequence's chunk: mixed_qkv [L, C], a/b [L, Hv] -> o [L, Hv, Dv] fp32; slot updated in place."""
+    L = mixed_qkv.shape[0]
+    conv_slot = states.conv[gdn_layer][slot]  # [C, K-1], oldest input first
+    width = conv_slot.shape[1]
+    full = torch.cat([conv_slot.float(), mixed_qkv.float().t()], dim=1)  # [C, K-1+L]
+    y = F.conv1d(full[None], params.conv_weight.float()[:, None, :], groups=full.shape[0])[0]
+    conv_slot.copy_(full[:, full.shape[1] - width:])
+    y = F.silu(y.t())  # [L, C]
+    Hk, Dk, Hv, Dv = params.num_key_heads, params.key_dim, params.num_value_heads, params.value_dim
+    q, k, v = y.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    q = l2_norm(q.reshape(L, Hk, Dk)) * Dk ** -0.5
+    k = l2_norm(k.reshape(L, Hk, Dk))
+    g = -params.a_log.float().exp() * F.softplus(a.float() + params.dt_bias.float())
+    beta = torch.sigmoid(b.float())
+    # fla wants q, k, v in one dtype: the model's (fp32 on the CPU reference, bf16 on the GPU)
+    dt = mixed_qkv.dtype
+    recurrent = states.recurrent[gdn_layer][slot]
+    o, final = gdn_prefill(q.to(dt), k.to(dt), v.reshape(L, Hv, Dv).to(dt), g, beta, recurrent.float())
+    recurrent.copy_(final)
+    return o.float()
+
+
+def mix(plan: GdnMixPlan, states: GdnStatePool, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor,
+        b: torch.Tensor, params) -> torch.Tensor:
+    """The `gdn_mix` hook over a forward's spans -> o [T, Hv, Dv] fp32."""
+    if plan.decode_slots is not None and plan.decode_rows is None:
+        return decode_mix(states, gdn_layer, mixed_qkv, a, b, params, plan.decode_slots)
+    out = torch.empty(plan.rows, params.num_value_heads, params.value_dim, dtype=torch.float32,
+                      device=mixed_qkv.device)
+    if plan.decode_slots is not None:
+        r = plan.decode_rows
+        out[r] = decode_mix(states, gdn_layer, mixed_qkv[r], a[r], b[r], params, plan.decode_slots)
+    for s in plan.spans:
+        rows = slice(s.start, s.start + s.length)
+        out[rows] = span_mix(states, gdn_layer, s.slot, mixed_qkv[rows], a[rows], b[rows], params)
+    return out

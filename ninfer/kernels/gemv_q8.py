@@ -204,39 +204,59 @@ if HAVE_TRITON:
         return tl.broadcast_to(ptrs, [BLOCK_M, BLOCK_N, 4])
 
     @jit
+    def _halves(p64, mask):
+        """The low and high int32 words of the int64 at p64 (one 8-byte load for two words)."""
+        v = tl.load(p64, mask=mask, other=0)
+        return v.to(tl.int32), (v >> 32).to(tl.int32)
+
+    @jit
+    def _half(p64, HIGH: tl.constexpr, mask):
+        """One int32 word of the int64 at p64 (the loads of both halves are one load after CSE)."""
+        v = tl.load(p64, mask=mask, other=0)
+        if HIGH:
+            return (v >> 32).to(tl.int32)
+        else:
+            return v.to(tl.int32)
+
+    @jit
     def _kquant_q8(u_ptr, xw_ptr, xd_ptr, xs_ptr, offs_n, n_ok, offs_m, m_ok, K, row_units, s0, s1,
                    FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr):
-        """q4_k (36 words per block) / q5_k (44): qs word (c, p) holds codes 64c + 4p..+3 in its low nibbles
+        """q4_k (18 int64 per block) / q5_k (22): qs word (c, p) holds codes 64c + 4p..+3 in its low nibbles
         and 64c + 32 + 4p.. in its high ones; q5_k's fifth bit of code 32s + l is bit s of qh byte l. Group =
-        chunk c (sub-blocks 2c, 2c + 1): d·sc·dx·Σq·qx − dmin·mn·(dx·Σqx) per sub-block."""
+        chunk c (sub-blocks 2c, 2c + 1): d·sc·dx·Σq·qx − dmin·mn·(dx·Σqx) per sub-block. Weight and activation
+        words are read in int64 pairs."""
         c3 = tl.arange(0, 4)[None, None, :]
         nm = n_ok[None, :, None]
         xm = m_ok[:, None, None] & (c3 >= 0)
         row = u_ptr + offs_n.to(tl.int64)[None, :, None] * row_units
-        xw = _full(xw_ptr + offs_m.to(tl.int64)[:, None, None] * (K // 4) + 16 * c3, BLOCK_M, BLOCK_N)
+        xw = _full(xw_ptr + offs_m.to(tl.int64)[:, None, None] * (K // 8) + 8 * c3, BLOCK_M, BLOCK_N)
         xd = _full(offs_m.to(tl.int64)[:, None, None] * (K // 32) + 2 * c3, BLOCK_M, BLOCK_N)
-        WB: tl.constexpr = 36 if FMT == 4 else 44
-        QS0: tl.constexpr = 4 if FMT == 4 else 12
+        WB: tl.constexpr = 18 if FMT == 4 else 22
+        QS0: tl.constexpr = 2 if FMT == 4 else 6
         acc = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.float32)
         for blk in range(s0, s1):
             wb = row + blk * WB
-            xb = xw + blk * 64
+            xb = xw + blk * 32
             i_lo = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
             i_hi = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
-            for p in tl.static_range(8):
-                words = tl.load(wb + QS0 + 8 * c3 + p, mask=nm, other=0)
-                lo = words & 0x0F0F0F0F
-                hi = (words >> 4) & 0x0F0F0F0F
+            for p2 in tl.static_range(4):
+                w0, w1 = _halves(wb + QS0 + 4 * c3 + p2, nm)
+                x0, x1 = _halves(xb + p2, xm)
+                y0, y1 = _halves(xb + 4 + p2, xm)
                 if FMT == 5:
-                    qh = tl.load(wb + 4 + p, mask=nm, other=0) >> (2 * c3)
-                    lo = lo | ((qh << 4) & 0x10101010)
-                    hi = hi | ((qh << 3) & 0x10101010)
-                i_lo = dp4a(lo, tl.load(xb + p, mask=xm, other=0), i_lo, EMULATE)
-                i_hi = dp4a(hi, tl.load(xb + 8 + p, mask=xm, other=0), i_hi, EMULATE)
-            h0 = tl.load(wb, mask=nm, other=0)
-            h1 = tl.load(wb + 1, mask=nm, other=0)
-            h2 = tl.load(wb + 2, mask=nm, other=0)
-            h3 = tl.load(wb + 3, mask=nm, other=0)
+                    qh0, qh1 = _halves(wb + 2 + p2, nm)
+                for k in tl.static_range(2):
+                    words = w0 if k == 0 else w1
+                    lo = words & 0x0F0F0F0F
+                    hi = (words >> 4) & 0x0F0F0F0F
+                    if FMT == 5:
+                        qh = (qh0 if k == 0 else qh1) >> (2 * c3)
+                        lo = lo | ((qh << 4) & 0x10101010)
+                        hi = hi | ((qh << 3) & 0x10101010)
+                    i_lo = dp4a(lo, x0 if k == 0 else x1, i_lo, EMULATE)
+                    i_hi = dp4a(hi, y0 if k == 0 else y1, i_hi, EMULATE)
+            h0, h1 = _halves(wb, nm)
+            h2, h3 = _halves(wb + 1, nm)
             d = _f16_lo(h0)
             dmin = _f16_lo(h0 >> 16)
             sc_lo, mn_lo = _k_scale_min_words(h1, h2, h3, 2 * c3)
@@ -264,12 +284,12 @@ if HAVE_TRITON:
         urow = u_ptr + offs_n.to(tl.int64)[None, :, None] * row_units
         brow = w_ptr + offs_n.to(tl.int64)[None, :, None] * row_bytes
         xrow = offs_m.to(tl.int64)[:, None, None]
-        xw = _full(xw_ptr + xrow * (K // 4) + 32 * h3 + 4 * half, BLOCK_M, BLOCK_N)
+        xw = _full(xw_ptr + xrow * (K // 8) + 16 * h3 + 2 * half, BLOCK_M, BLOCK_N)
         xd = _full(xd_ptr + xrow * (K // 32) + 4 * h3, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.float32)
         for blk in range(s0, s1):
             ub = urow + blk * 105
-            xb = xw + blk * 64
+            xb = xw + blk * 32
             i0 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
             i1 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
             i2 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
@@ -287,7 +307,7 @@ if HAVE_TRITON:
                             hi2 = (qh >> (2 * j - 4)) & 0x30303030
                         x = (lo4 | hi2) ^ 0x20202020
                         q = x + 6 * (x & 0x20202020)
-                        xj = tl.load(xb + 8 * j + p, mask=xm, other=0)
+                        xj = _half(xb + 4 * j + p // 2, p % 2, xm)
                         if j == 0:
                             i0 = dp4a(q, xj, i0, EMULATE)
                         elif j == 1:
@@ -319,16 +339,16 @@ if HAVE_TRITON:
         nm = n_ok[None, :, None]
         xm = m_ok[:, None, None] & (g3 >= 0)
         urow = u_ptr + offs_n.to(tl.int64)[None, :, None] * row_units + 34 * g3
-        xw = _full(xw_ptr + offs_m.to(tl.int64)[:, None, None] * (K // 4) + 16 * g3, BLOCK_M, BLOCK_N)
+        xw = _full(xw_ptr + offs_m.to(tl.int64)[:, None, None] * (K // 8) + 8 * g3, BLOCK_M, BLOCK_N)
         xd = _full(xd_ptr + offs_m.to(tl.int64)[:, None, None] * (K // 32) + 2 * g3, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.float32)
         for step in range(s0, s1):
             ub = urow + step * 136
-            xb = xw + step * 64
+            xb = xw + step * 32
             for b in tl.static_range(2):
                 isum = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
                 for p in tl.static_range(8):
-                    xj = tl.load(xb + 8 * b + p, mask=xm, other=0)
+                    xj = _half(xb + 4 * b + p // 2, p % 2, xm)
                     isum = dp4a(_word16(ub + 17 * b + 1 + 2 * p, nm), xj, isum, EMULATE)
                 d = tl.load(ub + 17 * b, mask=nm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
                 acc += d * (isum.to(tl.float32) * tl.load(xd + step * 8 + b, mask=xm, other=0.0))
@@ -364,10 +384,9 @@ if HAVE_TRITON:
 
 
 def q8_units(raw: torch.Tensor, format: str) -> tuple[torch.Tensor, int]:
-    """The weight rows as the units the q8 kernel reads: int32 words (q4_k, q5_k: 16-byte aligned blocks) or
-    int16 (q6_k, q8_0: 2-byte aligned), and units per row."""
-    unit = torch.int32 if format in ("q4_k", "q5_k") else torch.int16
-    size = 4 if unit == torch.int32 else 2
+    """The weight rows as the units the q8 kernel reads: int64 word pairs (q4_k, q5_k: 16-byte aligned blocks)
+    or int16 (q6_k, q8_0: 2-byte aligned), and units per row."""
+    unit, size = (torch.int64, 8) if format in ("q4_k", "q5_k") else (torch.int16, 2)
     return raw.view(unit), raw.shape[1] // size
 
 
@@ -391,7 +410,8 @@ def gemv_q8(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_feature
         (n, out_features), dtype=torch.float32 if split else xa.dtype, device=raw.device)
     launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
     extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}
-    _gemv_q8_kernel[launch](raw, units, xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1], row_units,
+    xw = xa.q.view(torch.int64)  # activation words read in pairs
+    _gemv_q8_kernel[launch](raw, units, xw, xa.d, xa.s, y, out_features, k, n, raw.shape[1], row_units,
                             y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m,
                             SPLIT_K=s.split_k, EMULATE=EMULATE_DP4A, **extra)
     return y.to(xa.dtype)

@@ -16,6 +16,7 @@ from ninfer.kernels.gemv_q8 import quantize_activation, quantize_activation_refe
 from ninfer.kernels.gemv_q8_iq import (
     SCHEDULES,
     default_iq_schedule,
+    gemv_q8_iq,
     gemv_q8_iq3_s,
     gemv_q8_iq4_xs,
     gemv_q8_iq_reference,
@@ -68,6 +69,12 @@ def test_kernel_matches_twin(kernel_on_cpu, fmt, n, schedule):
     assert _rel_max(out, ref) < KERNEL_TOL
 
 
+def test_gguf_matmul_q8_schedule_by_name(kernel_on_cpu):
+    raw, _, xa = _case("iq3_s", 6, 512, 3, seed=9)  # tiny_q8_m4: 4-row tiles, split-K 2
+    out = gemv_q8_iq(raw, "gguf_iq3_s", xa, 6, "tiny_q8_m4")
+    assert _rel_max(out, gemv_q8_iq_reference(raw, "iq3_s", xa, 6)) < KERNEL_TOL
+
+
 def test_iq3_s_grid_through_l1(kernel_on_cpu):
     raw, _, xa = _case("iq3_s", 20, 512, 2, seed=5)
     out = gemv_q8_iq3_s(raw, xa, 20, "q8_n16_m4", grid_in_shared=False)
@@ -112,6 +119,10 @@ def test_errors():
                       schedule=MATMUL_SCHEDULES["wv_n16_m1"])
     with pytest.raises(QuantKernelError, match="q4_k"):
         default_iq_schedule("q4_k", 16, 256, 1)
+    with pytest.raises(QuantKernelError, match="not q6_k"):
+        gemv_q8_iq(raw, "q6_k", quantize_activation_reference(torch.randn(1, 256, generator=g)), 16)
+    with pytest.raises(QuantKernelError, match="unknown schedule"):
+        gemv_q8_iq3_s(raw, quantize_activation_reference(torch.randn(1, 256, generator=g)), 16, "q8_fast")
 
 
 def test_default_schedules_cover_1_to_8_columns():

@@ -259,8 +259,27 @@ def _grid_words(device: torch.device) -> torch.Tensor:
     return _tables(device)[1]
 
 
-def _gemv_q8_iq(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_features: int,
-                schedule: MatmulSchedule | str | None, grid_in_shared: bool = False) -> torch.Tensor:
+def _schedule(name: str) -> MatmulSchedule:
+    from ninfer.kernels import gguf_matmul
+
+    s = SCHEDULES.get(name) or gguf_matmul.SCHEDULES.get(name)
+    if s is None:
+        raise QuantKernelError(f"unknown schedule {name!r}; the q8 i-quant schedules are "
+                               f"{', '.join(SCHEDULES)}")
+    return s
+
+
+def gemv_q8_iq(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_features: int,
+               schedule: MatmulSchedule | str | None = None, grid_in_shared: bool = True) -> torch.Tensor:
+    """`(q·d) @ Wᵀ -> [n, out_features]` in the activation's dtype for `fmt` iq3_s or iq4_xs (`gguf_` prefix
+    allowed), W the rows `raw` (uint8 `[out_features, row_bytes]`), 1–8 activation rows; any q8
+    `MatmulSchedule` (ours or gguf_matmul's) or its name; None: `default_iq_schedule`. `grid_in_shared`
+    (iq3_s): the grid lookup in shared memory rather than through L1. The float64 reference runs where
+    Triton cannot take the weight's device."""
+    fmt = fmt.removeprefix(GGUF_PREFIX)
+    if fmt not in IQ_Q8_FORMATS:
+        raise QuantKernelError(f"the q8 i-quant GEMV decodes {', '.join(IQ_Q8_FORMATS)}, not {fmt}; use "
+                               "gemv_q8 or quant_matmul for other formats")
     n, in_features = xa.q.shape
     check_weight(raw, fmt, out_features, in_features)
     if not 1 <= n <= MAX_COLUMNS:
@@ -269,7 +288,7 @@ def _gemv_q8_iq(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_featur
     if raw.device != xa.q.device:
         raise QuantKernelError(f"weight on {raw.device} but activation on {xa.q.device}; move both to one "
                                "device")
-    s = SCHEDULES[schedule] if isinstance(schedule, str) else (
+    s = _schedule(schedule) if isinstance(schedule, str) else (
         schedule or default_iq_schedule(fmt, out_features, in_features, n))
     if s.kernel != "q8":
         raise QuantKernelError(f"schedule {s.name} is not a q8 schedule; pick one of {', '.join(SCHEDULES)}")
@@ -296,10 +315,10 @@ def gemv_q8_iq3_s(raw: torch.Tensor, xa: QuantizedActivation, out_features: int,
     """`(q·d) @ Wᵀ -> [n, out_features]` in the activation's dtype, W the iq3_s rows `raw` (uint8
     `[out_features, row_bytes]`), 1–8 activation rows. `grid_in_shared`: look the 2 KB grid up in shared
     memory (`tl.gather`; one table copy and barrier pair per block) rather than through L1 (global loads)."""
-    return _gemv_q8_iq(raw, "iq3_s", xa, out_features, schedule, grid_in_shared)
+    return gemv_q8_iq(raw, "iq3_s", xa, out_features, schedule, grid_in_shared)
 
 
 def gemv_q8_iq4_xs(raw: torch.Tensor, xa: QuantizedActivation, out_features: int,
                    schedule: MatmulSchedule | str | None = None) -> torch.Tensor:
     """As `gemv_q8_iq3_s` for iq4_xs rows."""
-    return _gemv_q8_iq(raw, "iq4_xs", xa, out_features, schedule)
+    return gemv_q8_iq(raw, "iq4_xs", xa, out_features, schedule)

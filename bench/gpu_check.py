@@ -655,8 +655,7 @@ def sass_counts(log: Log) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 # int8-activation ("q8") dp4a GEMV (ninfer/kernels/gemv_q8.py): check, sweep, decode-step graphs, SASS
 
-Q8_SWEEP = {1: ["q8_n16_m1", "q8_n32_m1", "q8_n64_m1", "q8_n16_m1_s2", "q8_n32_m1_s2", "q8_n16_m1_s4",
-                "q8_n32_m1_s4", "q8_n8_m1_s4"],
+Q8_SWEEP = {1: ["q8_n16_m1", "q8_n32_m1", "q8_n64_m1", "q8_n32_m1_s2", "q8_n16_m1_s4", "q8_n8_m1_s4"],
             4: ["q8_n32_m4", "q8_n16_m4_s4", "q8_n8_m8", "q8_n16_m8", "q8_n16_m8_s4"],
             8: ["q8_n8_m8", "q8_n16_m8", "q8_n32_m8", "q8_n16_m8_s4", "q8_n8_m8_s4"]}
 Q8_CHECK = {1: ["q8_n32_m1", "q8_n16_m1_s4", "q8_n8_m1_s4"], 4: ["q8_n32_m4", "q8_n16_m8_s4"],

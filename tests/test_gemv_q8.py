@@ -19,7 +19,7 @@ from ninfer.kernels.gemv_q8 import (
     quantize_activation_cached,
     quantize_activation_reference,
 )
-from ninfer.kernels.gguf_matmul import quant_matmul, random_gguf_weight
+from ninfer.kernels.gguf_matmul import SCHEDULES, quant_matmul, random_gguf_weight
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl
 from ninfer.quant import dequantize
 
@@ -57,7 +57,7 @@ def test_dp4a_emulation_matches_numpy():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(1, 32), (3, 256), (4, 608)])
+@pytest.mark.parametrize("shape", [(1, 32), (4, 608)])
 def test_quantize_activation_bit_exact(dtype, shape):
     g = torch.Generator().manual_seed(hash((str(dtype), shape)) % 2**31)
     x = (torch.randn(shape, generator=g) * torch.rand(shape[0], 1, generator=g) * 10).to(dtype)
@@ -112,14 +112,15 @@ def _case(fmt: str, rows: int, cols: int, width: int, seed: int):
     return raw, x
 
 
-# (format, schedule, columns); 12 rows (no multiple of a tile), 512 columns (2 steps: split-K splits them)
+# (format, schedule, columns); 12 rows (no multiple of a tile); split-K schedules get 2 steps of 256 to split
 KERNEL_CASES = [(fmt, sched, m) for fmt in Q8_FORMATS
                 for sched, m in (("q8_n8_m1_s4", 1), ("tiny_q8_m4", 3), ("q8_n8_m8", 8))]
 
 
 @pytest.mark.parametrize("fmt,sched,width", KERNEL_CASES)
 def test_kernel_equals_twin(fmt, sched, width):
-    raw, x = _case(fmt, 12, 512, width, seed=Q8_FORMATS.index(fmt) * 10 + width)
+    cols = 512 if SCHEDULES[sched].split_k > 1 else 256
+    raw, x = _case(fmt, 12, cols, width, seed=Q8_FORMATS.index(fmt) * 10 + width)
     xa = quantize_activation(x)
     y = gemv_q8(raw, fmt, xa, 12, sched)
     want = gemv_q8_reference(raw, fmt, xa, 12)

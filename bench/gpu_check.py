@@ -529,6 +529,51 @@ def time_prefill_attention(log: Log, dev: torch.device, fmt, Hq: int, Hkv: int) 
         log.record(kind="time", op="prefill_attention_gathered", format="bf16", cached=14336, ms=ms)
 
 
+def compile_attention(log: Log) -> bool:
+    """Compile the paged decode (+ merge) and prefill attention kernels of every KV dtype for sm_90 at the
+    27B's head dim, pointers hinted 16-byte aligned as Triton specialises them at run time."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ninfer.kernels import kv_quant
+    from ninfer.kernels import paged_attention as pa
+    from ninfer.kernels import prefill_attention as pf
+
+    ok = True
+
+    def build(fn, sig, const, name, warps=4):
+        nonlocal ok
+        aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+        try:
+            triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, aligned),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+            log(f"compile {name}: ok")
+        except Exception as e:  # report every failure, keep going
+            ok = False
+            log(f"compile {name}: FAILED {type(e).__name__}: {str(e).splitlines()[-1] if str(e) else ''}")
+
+    attn = {"q_ptr": "*fp32", "kv_ptr": "*u8", "kv16_ptr": "*i16", "pt_ptr": "*i32", "lane_ptr": "*i32",
+            "len_ptr": "*i32", "levels_ptr": "*fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "Hq": "i32",
+            "Hkv": "i32", "pt_stride": "i32", "pages_per_split": "i32", "scale": "fp32"}
+    merge = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": "*bf16", "Hq": "i32",
+             "pages_per_split": "i32"}
+    build(pa._merge_splits_kernel, merge, {"D": 256, "SPLITS": 64, "BS": 64}, "paged attention merge")
+    prefill = {"q_ptr": "*bf16", "kv_ptr": "*u8", "kv16_ptr": "*i16", "pt_ptr": "*i32", "levels_ptr": "*fp32",
+               "o_ptr": "*bf16", "L": "i32", "cached": "i32", "Hq": "i32", "Hkv": "i32", "scale": "fp32"}
+    for name, code in pa.KERNEL_KV_CODES.items():
+        fmt = kv_quant.kv_format(name, 256)
+        rows = {"KB": fmt.key_bytes, "TB": fmt.token_bytes}
+        const = {"FMT": code, "D": 256, "G": 6, "GPAD": 16, **rows, "SPLITS": 64}
+        build(pa._paged_decode_kernel, attn if fmt.rotated_keys else {**attn, "q_ptr": "*bf16"}, const,
+              f"paged attention {name}")
+        sig = {**prefill, "q_ptr": "*fp32"} if fmt.rotated_keys else prefill  # rotated queries are fp32
+        for block_rows, warps in PREFILL_ATTN_TILES:
+            const = {"FMT": code, "D": 256, "G": 6, **rows, "BLOCK_R": block_rows, "DOT_F16": True}
+            build(pf._prefill_kernel, sig, const, f"prefill attention {name} r{block_rows} w{warps}", warps)
+    return ok
+
+
 def compile_all(log: Log) -> bool:
     """Compile every kernel × format × tile variant the routes use for sm_90 (Triton front end + ptxas)."""
     import triton
@@ -537,9 +582,6 @@ def compile_all(log: Log) -> bool:
 
     from ninfer.kernels import gdn_decode as gd
     from ninfer.kernels import gguf_matmul as gm
-    from ninfer.kernels import kv_quant
-    from ninfer.kernels import paged_attention as pa
-    from ninfer.kernels import prefill_attention as pf
 
     target = GPUTarget("cuda", 90, 32)
     ok = True
@@ -582,20 +624,7 @@ def compile_all(log: Log) -> bool:
            "C": "i32", "Hv": "i32", "s_ab": "i32", "s_at": "i32", "s_ss": "i32", "s_sh": "i32"}
     build(gd._recurrent_kernel, rec,
           {"HK": 16, "DK": 128, "DV": 128, "BLOCK_V": 32, "STORE_ALL": True}, "gdn recurrent")
-    attn = {"q_ptr": "*fp32", "kv_ptr": "*u8", "kv16_ptr": "*i16", "pt_ptr": "*i32", "lane_ptr": "*i32",
-            "len_ptr": "*i32", "levels_ptr": "*fp32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "Hq": "i32",
-            "Hkv": "i32", "pt_stride": "i32", "pages_per_split": "i32", "scale": "fp32"}
-    prefill = {"q_ptr": "*bf16", "kv_ptr": "*u8", "kv16_ptr": "*i16", "pt_ptr": "*i32", "levels_ptr": "*fp32",
-               "o_ptr": "*bf16", "L": "i32", "cached": "i32", "Hq": "i32", "Hkv": "i32", "scale": "fp32"}
-    for name, code in pa.KERNEL_KV_CODES.items():
-        fmt = kv_quant.kv_format(name, 256)
-        rows = {"KB": fmt.key_bytes, "TB": fmt.token_bytes}
-        const = {"FMT": code, "D": 256, "G": 6, "GPAD": 16, **rows, "SPLITS": 4}
-        build(pa._paged_decode_kernel, attn, const, f"paged attention {name}")
-        sig = {**prefill, "q_ptr": "*fp32"} if fmt.rotated_keys else prefill  # rotated queries are fp32
-        for block_rows, warps in PREFILL_ATTN_TILES:
-            const = {"FMT": code, "D": 256, "G": 6, **rows, "BLOCK_R": block_rows, "DOT_F16": True}
-            build(pf._prefill_kernel, sig, const, f"prefill attention {name} r{block_rows} w{warps}", warps)
+    ok &= compile_attention(log)
     return ok
 
 
@@ -883,7 +912,7 @@ def main(argv=None) -> int:
         sass_q8(log)
         return 0 if ok else 1
     if args.compile_only:
-        ok = compile_all(log) & compile_q8(log)
+        ok = compile_attention(log) if args.attention_only else compile_all(log) & compile_q8(log)
         log(f"compile {'passed' if ok else 'FAILED'}")
         return 0 if ok else 1
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

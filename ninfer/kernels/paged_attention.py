@@ -4,9 +4,10 @@ Layout (docs/engine.md): per layer a uint8 pool `[num_pages, kv_heads, 64, token
 `[lanes, max_pages]`; a token row is K part then V part, codes then fp16 scales. One program handles one
 sequence × one KV head × one slice of its pages (split over the context for long prompts), for all the query
 heads of that KV head at once (GQA: K and V are read once per group). Each split keeps an online softmax;
-the splits are merged in PyTorch. Rotated-key formats take the query rotated by the same Walsh–Hadamard
-matrix, so keys are used as stored. `paged_decode_attention_reference` decodes the same bytes with
-`kv_quant.decode_kv` and runs `reference.attention_reference`: the oracle and the fallback.
+a second kernel merges the splits that hold pages of the sequence. Rotated-key formats take the query
+rotated by the same Walsh–Hadamard matrix, so keys are used as stored. `paged_decode_attention_reference`
+decodes the same bytes with `kv_quant.decode_kv` and runs `reference.attention_reference`: the oracle and
+the fallback.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ninfer.kernels import kv_quant, reference
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_max, tl_sum, triton_runs_on
 
 PAGE_TOKENS = 64
+PAGES_PER_SPLIT = 4  # pages one decode program reads: 16K context = 64 splits per sequence and KV head
 KERNEL_KV_CODES = {"bf16": 0, "int8": 1, "rk8v4": 2, "rk4v4": 3}
 
 
@@ -97,27 +99,26 @@ def _paged_decode_kernel(
     q_ptr, kv_ptr, kv16_ptr, pt_ptr, lane_ptr, len_ptr, levels_ptr, acc_ptr, ml_ptr,
     Hq, Hkv, pt_stride, pages_per_split, scale,
     FMT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GPAD: tl.constexpr, KB: tl.constexpr,
-    TB: tl.constexpr,
-    SPLITS: tl.constexpr,
+    TB: tl.constexpr, SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
     lane = tl.load(lane_ptr + b).to(tl.int64)
     n = tl.load(len_ptr + b)
+    first = sp * pages_per_split
+    last = tl.minimum((n + 63) // 64, first + pages_per_split)
     g = tl.arange(0, GPAD)
     g_ok = g < G
     d = tl.arange(0, D)[None, :]
     t = tl.arange(0, 64)
     heads = h * G + g
     q = tl.load(q_ptr + (b * Hq + heads)[:, None] * D + d, mask=g_ok[:, None], other=0.0).to(tl.float32)
-    q = q * scale
+    q = q * (scale * 1.4426950408889634)  # scores in log2 units: exp2 below
     m_i = tl.full([GPAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GPAD], dtype=tl.float32)
     acc = tl.zeros([GPAD, D], dtype=tl.float32)
-    first = sp * pages_per_split
-    last = tl.minimum((n + 63) // 64, first + pages_per_split)
-    for pi in range(first, last):
+    for pi in range(first, last):  # empty past the sequence's pages: the split writes nothing
         page = tl.load(pt_ptr + lane * pt_stride + pi).to(tl.int64)
         tok = (page * Hkv + h) * 64 + t
         tok_ok = (pi * 64 + t) < n
@@ -127,16 +128,49 @@ def _paged_decode_kernel(
         s = tl.dot(q, tl.trans(k))
         s = tl.where(tok_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl_max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl_sum(p, 1)
         v = _load_v(row, row16, tok_ok[:, None], FMT, D, KB, 64)
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     part = (b * Hq + heads) * SPLITS + sp
-    tl.store(acc_ptr + part[:, None] * D + d, acc, mask=g_ok[:, None])
-    tl.store(ml_ptr + part * 2, m_i, mask=g_ok)
-    tl.store(ml_ptr + part * 2 + 1, l_i, mask=g_ok)
+    mine = g_ok & (first + 0 * g < last)  # (a tensor compare: the interpreter rejects a scalar bool mask)
+    tl.store(acc_ptr + part[:, None] * D + d, acc, mask=mine[:, None])
+    tl.store(ml_ptr + part * 2, m_i, mask=mine)
+    tl.store(ml_ptr + part * 2 + 1, l_i, mask=mine)
+
+
+@jit
+def _merge_splits_kernel(
+    acc_ptr, ml_ptr, len_ptr, out_ptr, Hq, pages_per_split,
+    D: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr,
+):
+    """out[b, head] from the partial softmaxes of the splits that hold pages of sequence b (the rest were not
+    written): two passes over those splits, max then weighted sums."""
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    n = tl.load(len_ptr + b)
+    active = ((n + 63) // 64 + pages_per_split - 1) // pages_per_split
+    base = (b * Hq + hq) * SPLITS
+    s = tl.arange(0, BS)
+    d = tl.arange(0, D)
+    top = tl.full([BS], float("-inf"), dtype=tl.float32)
+    for c in range(0, active, BS):
+        m = tl.load(ml_ptr + (base + c + s) * 2, mask=c + s < active, other=float("-inf"))
+        top = tl.maximum(top, m)
+    mx = tl_max(top, 0)
+    den = tl.zeros([BS], dtype=tl.float32)
+    out = tl.zeros([D], dtype=tl.float32)
+    for c in range(0, active, BS):
+        ok = c + s < active
+        m = tl.load(ml_ptr + (base + c + s) * 2, mask=ok, other=float("-inf"))
+        w = tl.where(ok, tl.exp2(m - mx), 0.0)
+        den += w * tl.load(ml_ptr + (base + c + s) * 2 + 1, mask=ok, other=0.0)
+        part = tl.load(acc_ptr + (base + c + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        out += tl_sum(part * w[:, None], 0)
+    out = out / tl_sum(den, 0)
+    tl.store(out_ptr + (b * Hq + hq) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
@@ -160,36 +194,42 @@ def _check(q, storage, page_tables, lane_ids, seq_lens, fmt) -> None:
         raise PagedAttentionError("lane_ids and seq_lens must be [batch] and page tables int32")
 
 
+def kernel_supports(fmt: kv_quant.KvFormat) -> bool:
+    """Formats and head dims the Triton kernels decode (power-of-two head dims from 16)."""
+    D = fmt.head_dim
+    return fmt.name in KERNEL_KV_CODES and D >= 16 and D & (D - 1) == 0
+
+
 def paged_decode_attention(
     q: torch.Tensor, storage: torch.Tensor, page_tables: torch.Tensor, lane_ids: torch.Tensor,
-    seq_lens: torch.Tensor, fmt: kv_quant.KvFormat, scale: float | None = None, splits: int | None = None,
+    seq_lens: torch.Tensor, fmt: kv_quant.KvFormat, scale: float | None = None,
+    pages_per_split: int = PAGES_PER_SPLIT,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached pages (the new token's K/V already
-    written). q `[B, Hq, D]` not rotated; seq_lens include the new token. Returns `[B, Hq, D]`, q's dtype."""
+    written). q `[B, Hq, D]` not rotated; seq_lens include the new token. Returns `[B, Hq, D]`, q's dtype.
+
+    The context is split into runs of `pages_per_split` pages, one program each (per sequence and KV head);
+    the split count comes from the page table's width, never from the lengths (no host sync: graph-safe)."""
     _check(q, storage, page_tables, lane_ids, seq_lens, fmt)
-    if not (HAVE_TRITON and triton_runs_on(q) and fmt.name in KERNEL_KV_CODES):
+    if not (HAVE_TRITON and triton_runs_on(q) and kernel_supports(fmt)):
         return paged_decode_attention_reference(q, storage, page_tables, lane_ids, seq_lens, fmt, scale)
     B, Hq, D = q.shape
     Hkv = storage.shape[1]
     G = Hq // Hkv
-    max_pages = page_tables.shape[1]
-    if splits is None:  # enough programs to cover the GPU on long contexts; one split when short
-        splits = max(1, min(max_pages, -(-264 // (B * Hkv))))
-    per_split = -(-max_pages // splits)
+    splits = -(-page_tables.shape[1] // pages_per_split)
     hadamard, levels = _device_tables(D, q.device)
-    qr = (q.float() @ hadamard if fmt.rotated_keys else q.float()).contiguous()
+    qr = (q.float() @ hadamard if fmt.rotated_keys else q).contiguous()
     acc = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
     ml = torch.empty((B, Hq, splits, 2), dtype=torch.float32, device=q.device)
+    lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+    lanes = lane_ids if lane_ids.dtype == torch.int32 else lane_ids.to(torch.int32)
     _paged_decode_kernel[(B, Hkv, splits)](
-        qr, storage, storage.view(torch.int16), page_tables, lane_ids.to(torch.int32),
-        seq_lens.to(torch.int32), levels, acc, ml, Hq, Hkv, page_tables.stride(0), per_split,
-        scale if scale is not None else 1.0 / math.sqrt(D),
+        qr, storage, storage.view(torch.int16), page_tables, lanes, lens, levels, acc, ml, Hq, Hkv,
+        page_tables.stride(0), pages_per_split, scale if scale is not None else 1.0 / math.sqrt(D),
         FMT=KERNEL_KV_CODES[fmt.name], D=D, G=G, GPAD=max(16, 1 << (G - 1).bit_length()), KB=fmt.key_bytes,
-        TB=fmt.token_bytes,
-        SPLITS=splits,
+        TB=fmt.token_bytes, SPLITS=splits,
     )
-    m, lse = ml[..., 0], ml[..., 1]
-    top = m.max(dim=2, keepdim=True).values
-    w = torch.where(torch.isfinite(m), torch.exp(m - top), torch.zeros_like(m))
-    out = (acc * w[..., None]).sum(2) / (lse * w).sum(2)[..., None]
-    return out.to(q.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _merge_splits_kernel[(B, Hq)](acc, ml, lens, out, Hq, pages_per_split, D=D, SPLITS=splits,
+                                  BS=min(64, 1 << (splits - 1).bit_length()))
+    return out

@@ -24,6 +24,7 @@ from ninfer.kernels.paged_attention import (
     _device_tables,
     _load_k,
     _load_v,
+    kernel_supports,
 )
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_max, tl_sum, triton_runs_on
 
@@ -111,12 +112,6 @@ def _check(q, storage, row, cached, fmt) -> None:
     if row.dtype != torch.int32 or -(-(cached + L) // PAGE_TOKENS) > row.shape[0]:
         raise PagedAttentionError(f"the page table row must be int32 and hold the pages of {cached + L} "
                                   "positions")
-
-
-def kernel_supports(fmt: kv_quant.KvFormat) -> bool:
-    """Formats and head dims the Triton kernels decode (power-of-two head dims from 16)."""
-    D = fmt.head_dim
-    return fmt.name in KERNEL_KV_CODES and D >= 16 and D & (D - 1) == 0
 
 
 def prefill_attention(

@@ -448,12 +448,19 @@ def check_and_time_decode_attention(log: Log, dev: torch.device, quick: bool) ->
                         for i in range(16)]
         one = torch.zeros(1, device=dev, dtype=torch.int32)
         lens16 = torch.full((1,), ctx, device=dev, dtype=torch.int32)
-        q1 = torch.randn(1, Hq, D, device=dev)
-        us = graph_us([lambda t=t, big=big, fmt=fmt, q1=q1, one=one, n=lens16: paged_decode_attention(
-            q1, big, t, one, n, fmt) for t in layer_tables])
+        q1 = torch.randn(1, Hq, D, device=dev, dtype=torch.bfloat16)
         floor = n_pages * 64 * Hkv * fmt.token_bytes / FLOOR_TBPS / 1e6
-        log(f"paged attention {name} 16K context, batch 1: {us:.1f} us/layer (floor {floor:.1f} us)")
-        log.record(kind="time", op="paged_attention", format=name, context=ctx, us=us)
+        # the engine's tables are max_context wide: 4096 pages (256K) leaves 15/16 of the splits empty
+        for width, per_split in ((n_pages, 1), (n_pages, 2), (n_pages, 4), (n_pages, 8), (4096, 4)):
+            tables = [torch.cat([t, torch.full((1, width - n_pages), -1, device=dev, dtype=torch.int32)], 1)
+                      for t in layer_tables]
+            calls = [lambda t=t, big=big, fmt=fmt, q1=q1, one=one, n=lens16, s=per_split:
+                     paged_decode_attention(q1, big, t, one, n, fmt, pages_per_split=s) for t in tables]
+            us = graph_us(calls)
+            log(f"paged attention {name} 16K context, batch 1, {per_split} pages per split, table {width} "
+                f"pages: {us:.1f} us/layer (floor {floor:.1f} us, {us / floor:.1f}x)")
+            log.record(kind="time", op="paged_attention", format=name, context=ctx, us=us,
+                       pages_per_split=per_split, table_pages=width)
     return ok
 
 

@@ -79,6 +79,26 @@ def test_paged_attention_on_gpu(name):
     assert rel(out, ref) < 5e-3  # tf32 dots: H200 measured 3e-4..1.1e-3
 
 
+@pytest.mark.parametrize("name", ["bf16", "int8", "rk8v4", "rk4v4"])
+@pytest.mark.parametrize("cached,length", [(0, 300), (1000, 77), (130, 512)])
+def test_prefill_attention_on_gpu(name, cached, length):
+    from ninfer.kernels.prefill_attention import prefill_attention, prefill_attention_reference
+
+    fmt = kv_quant.kv_format(name, 256)
+    pages = -(-(cached + length) // 64) + 2
+    storage = torch.randint(0, 256, (pages, 4, 64, fmt.token_bytes), dtype=torch.uint8, device="cuda")
+    order = torch.randperm(pages, device="cuda")[: pages - 2]  # two pages of garbage bytes stay unused
+    tables = torch.full((2, pages), -1, dtype=torch.int32, device="cuda")
+    tables[1, : pages - 2] = order.to(torch.int32)
+    storage[order] = kv_quant.encode_kv(fmt, torch.randn(pages - 2, 4, 64, 256, device="cuda"),
+                                        torch.randn(pages - 2, 4, 64, 256, device="cuda"))
+    q = torch.randn(length, 24, 256, device="cuda", dtype=torch.bfloat16)
+    ref = prefill_attention_reference(q.float(), storage, tables, 1, cached, fmt)
+    out = prefill_attention(q, storage, tables, 1, cached, fmt)
+    # fp16 dot operands (CPU interpreter: 2.5e-4..5.1e-4) plus the bf16 output rounding (2^-9)
+    assert rel(out, ref) < 5e-3
+
+
 def _greedy(model, device: str, dtype: str, kv_dtype: str, ref) -> tuple[dict, dict]:
     from test_engine_invariants import capture_logits, drive, req
 

@@ -54,6 +54,8 @@ class EngineConfig:
     kv_headroom_mib: int = 1024
     # GGUF weights stay blocks on the device (quantized matmul kernels); None: on CUDA yes, on CPU no
     quantized_weights: bool | None = None
+    # decode rounds (all one-token items) replay captured CUDA graphs on CUDA; False: eager (--no-cuda-graphs)
+    cuda_graphs: bool = True
 
     @property
     def keeps_quantized_weights(self) -> bool:
@@ -148,7 +150,9 @@ class Engine:
         self.spec: CacheSpec = model.cache_spec
         budget = device_budget_bytes(config.device, config.gpu_memory_limit_mib)
         weights = module_bytes(model)
-        gdn_bytes = GdnStatePool.bytes_per_slot(self.spec, config.gdn_state_fp16) * config.max_concurrency
+        # + 1: the scratch slot that pads CUDA-graph decode batches
+        slots = config.max_concurrency + 1
+        gdn_bytes = GdnStatePool.bytes_per_slot(self.spec, config.gdn_state_fp16) * slots
         capacity = plan_kv_capacity(
             config.kv_capacity, spec=self.spec, kv_dtype=config.kv_dtype, device=config.device,
             budget_bytes=budget, weights_bytes=weights, gdn_bytes=gdn_bytes,
@@ -157,7 +161,8 @@ class Engine:
         self.kv = KvPool(self.spec, config.kv_dtype, capacity, config.max_concurrency, config.max_context,
                          config.device)
         self.states = GdnStatePool(self.spec, config.max_concurrency, config.gdn_state_fp16, config.device)
-        self.runner = ModelRunner(model, self.kv, self.states, config.device)
+        self.runner = ModelRunner(model, self.kv, self.states, config.device,
+                                  decode_graphs=config.cuda_graphs and config.device.startswith("cuda"))
         timeout = config.pending_timeout_ms / 1000 if config.pending_timeout_ms else None
         limits = SchedulerLimits(config.max_concurrency, config.max_context, config.max_pending_requests,
                                  timeout, config.prefill_chunk)

@@ -59,13 +59,17 @@ class KvPool:
         self.capacity_tokens = self.num_pages * PAGE_TOKENS
         self.allocator = PageAllocator(self.num_pages)
         self.device = torch.device(device)
-        shape = (self.num_pages, spec.kv_heads, PAGE_TOKENS, self.fmt.token_bytes)
+        # one page past the allocator's and one page-table row past the lanes: the scratch lane that pads
+        # a CUDA-graph decode batch to its captured size (its results are dropped; it owns nothing else)
+        self.scratch_page, self.scratch_lane = self.num_pages, max_lanes
+        shape = (self.num_pages + 1, spec.kv_heads, PAGE_TOKENS, self.fmt.token_bytes)
         self.storage = [torch.zeros(shape, dtype=torch.uint8, device=self.device)
                         for _ in range(spec.total_kv_layers)]
         self.max_pages_per_seq = pages_for(max_context)
         # -1 marks an unused entry; a GPU kernel reads rows [lane, : pages_for(len)]
-        self.page_tables = torch.full((max_lanes, self.max_pages_per_seq), -1, dtype=torch.int32,
+        self.page_tables = torch.full((max_lanes + 1, self.max_pages_per_seq), -1, dtype=torch.int32,
                                       device=device)
+        self.page_tables[self.scratch_lane, 0] = self.scratch_page
         self._lane_pages: dict[int, list[int]] = {}
 
     # -- accounting ------------------------------------------------------------------------------------------
@@ -76,7 +80,8 @@ class KvPool:
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.numel() for t in self.storage)
+        """Bytes of the lanes' pages (the scratch page adds one page more per layer)."""
+        return sum(t[: self.num_pages].numel() for t in self.storage)
 
     def reserve(self, pages: int) -> list[int]:
         return self.allocator.reserve(pages)

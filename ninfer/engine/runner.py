@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ninfer.engine.graphs import DecodeGraphs
 from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.paged_context import PagedBatchContext
 from ninfer.engine.scheduler import Round
@@ -12,12 +13,16 @@ from ninfer.models.context import SequenceSpan
 
 
 class ModelRunner:
-    def __init__(self, model, kv: KvPool, states: GdnStatePool, device: str | torch.device = "cpu"):
+    def __init__(self, model, kv: KvPool, states: GdnStatePool, device: str | torch.device = "cpu",
+                 decode_graphs: bool = False):
         self.model = model
         self.kv = kv
         self.states = states
         self.device = torch.device(device)
         self.batched_decode: bool | None = None  # None: the paged decode kernel on CUDA only
+        self.gdn_kernels: bool | None = None  # None: GDN mixing on the kernels on CUDA only
+        # rounds of one-token decode items through DecodeGraphs (captured on CUDA, eager elsewhere)
+        self.graphs = DecodeGraphs(model, kv, states) if decode_graphs else None
 
     def install(self, rnd: Round) -> None:
         """Apply the scheduler's lane changes: forget released lanes, map and zero admitted ones."""
@@ -34,6 +39,10 @@ class ModelRunner:
         self.install(rnd)
         if not rnd.items:
             return None
+        if self.graphs is not None and not all_rows and all(
+                len(it.token_ids) == 1 and it.sample for it in rnd.items):
+            return self.graphs.run([it.lane for it in rnd.items], [it.token_ids[0] for it in rnd.items],
+                                   [it.start for it in rnd.items])
         ids, positions, spans, last_rows = [], [], [], []
         row = 0
         for item in rnd.items:
@@ -44,7 +53,7 @@ class ModelRunner:
             if item.sample:
                 last_rows.append(row + n - 1)
             row += n
-        ctx = PagedBatchContext(spans, self.kv, self.states, self.batched_decode)
+        ctx = PagedBatchContext(spans, self.kv, self.states, self.batched_decode, self.gdn_kernels)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model.forward(input_ids, pos, ctx)

@@ -10,16 +10,18 @@ from ninfer.models.cache_spec import CacheSpec
 
 
 class GdnStatePool:
-    """Per GDN layer: conv `[slots, conv_channels, kernel-1]` (fp32) and recurrent `[slots, Hv, Dk, Dv]`."""
+    """Per GDN layer: conv `[slots + 1, conv_channels, kernel-1]` (fp32), recurrent `[slots + 1, Hv, Dk, Dv]`;
+    slot `slots` is the scratch slot of padded graph batches."""
 
     def __init__(self, spec: CacheSpec, slots: int, fp16: bool = False, device: str | torch.device = "cpu"):
         self.spec = spec
         self.slots = slots
+        self.scratch_slot = slots  # one slot more: the padding lane of a CUDA-graph decode batch
         self.recurrent_dtype = torch.float16 if fp16 else torch.float32
-        self.conv = [torch.zeros(slots, *spec.conv_state_shape, device=device)
+        self.conv = [torch.zeros(slots + 1, *spec.conv_state_shape, device=device)
                      for _ in range(spec.num_gdn_layers)]
         self.recurrent = [
-            torch.zeros(slots, *spec.recurrent_state_shape, dtype=self.recurrent_dtype, device=device)
+            torch.zeros(slots + 1, *spec.recurrent_state_shape, dtype=self.recurrent_dtype, device=device)
             for _ in range(spec.num_gdn_layers)
         ]
 
@@ -30,7 +32,8 @@ class GdnStatePool:
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.conv + self.recurrent)
+        """Bytes of the lanes' slots (the scratch slot adds one slot more)."""
+        return sum(t[: self.slots].numel() * t.element_size() for t in self.conv + self.recurrent)
 
     def reset(self, slot: int) -> None:
         """A new sequence starts from zero state."""

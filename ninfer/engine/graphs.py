@@ -1,0 +1,183 @@
+"""Decode rounds as CUDA graphs: one captured forward (embedding → layers → norm → logits) per batch size.
+
+A round of B one-token decode items replays the graph of the smallest captured size ≥ B (1, 2, 4, 8, then
+multiples of 8), padded with the scratch lane (`KvPool.scratch_lane`, `GdnStatePool.scratch_slot`) whose rows
+are dropped. Everything a round changes (token ids, positions, lanes, lengths, GDN slots) lives in static
+device tensors filled by one host-to-device copy before `replay()`; the captured region never reads a tensor
+on the host. The same `GraphDecodeContext` runs eagerly where nothing is captured (CPU), which is how the CPU
+tests check it against `PagedBatchContext`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ninfer.engine.gdn_mix import decode_mix
+from ninfer.engine.kv_pool import PAGE_TOKENS, KvPool
+from ninfer.engine.state_pool import GdnStatePool
+from ninfer.kernels.kv_quant import encode_kv
+from ninfer.kernels.paged_attention import paged_decode_attention
+from ninfer.models.context import GdnState, SequenceSpan
+
+# rows of the static input block: token id, position, lane (page-table row), sequence length, GDN slot
+_IDS, _POS, _LANE, _LEN, _SLOT = range(5)
+
+
+def capture_sizes(max_lanes: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, ... up to the first size ≥ max_lanes."""
+    sizes, n = [], 1
+    while not sizes or sizes[-1] < max_lanes:
+        sizes.append(n)
+        n = n * 2 if n < 8 else n + 8
+    return sizes
+
+
+class GraphDecodeContext:
+    """BatchContext of B one-token spans whose addresses are device tensors (static across replays).
+
+    `inputs` is a `[5, B]` int64 block (see `_IDS`...). `begin()` computes the KV write slots from the page
+    tables on the device; attention writes k/v with tensor indexing and runs `paged_decode_attention`; GDN
+    layers mix through `gdn_decode` with the slot tensor. No host synchronisation anywhere.
+    """
+
+    def __init__(self, inputs: torch.Tensor, kv: KvPool, states: GdnStatePool):
+        self.inputs = inputs
+        self._kv = kv
+        self._states = states
+        # rows only (lanes and lengths are tensors): the GDN hook means no model reads them
+        self.spans = [SequenceSpan(i, 1, 0, -1) for i in range(inputs.shape[1])]
+        self._write_pages = self._write_offsets = None
+
+    @property
+    def batch(self) -> int:
+        return self.inputs.shape[1]
+
+    def begin(self) -> None:
+        """Per forward, on the device: page id and in-page row of every lane's new token."""
+        lanes, pos = self.inputs[_LANE], self.inputs[_POS]
+        self._write_pages = self._kv.page_tables[lanes, pos // PAGE_TOKENS].long()
+        self._write_offsets = pos % PAGE_TOKENS
+
+    def attention(self, kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        storage = self._kv.storage[kv_layer]
+        storage[self._write_pages, :, self._write_offsets] = encode_kv(self._kv.fmt, k, v)
+        return paged_decode_attention(q, storage, self._kv.page_tables, self.inputs[_LANE], self.inputs[_LEN],
+                                      self._kv.fmt)
+
+    def gdn_mix(self, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                params) -> torch.Tensor:
+        return decode_mix(self._states, gdn_layer, mixed_qkv, a, b, params, self.inputs[_SLOT])
+
+    def gdn_state(self, gdn_layer: int, span_index: int) -> GdnState:
+        raise RuntimeError("GraphDecodeContext mixes GDN layers through gdn_mix; a model asked for gdn_state")
+
+
+@dataclass
+class _Captured:
+    graph: object | None  # torch.cuda.CUDAGraph, or None when run eagerly
+    ctx: GraphDecodeContext
+    logits: torch.Tensor | None  # the graph's static output [size, vocab]
+
+
+@dataclass(frozen=True)
+class CaptureRecord:
+    batch: int
+    seconds: float
+    pool_bytes: int  # growth of the shared graph memory pool (reserved bytes) during this capture
+
+    def line(self) -> str:
+        return (f"cuda graph: decode batch {self.batch} captured in {self.seconds:.2f} s, "
+                f"graph pool +{self.pool_bytes / 2**20:.0f} MiB")
+
+
+class DecodeGraphs:
+    """The runner's decode path for rounds of one-token items: captured graphs on CUDA, eager elsewhere."""
+
+    def __init__(self, model, kv: KvPool, states: GdnStatePool, capture: bool | None = None, log=None):
+        self.model = model
+        self.kv = kv
+        self.states = states
+        self.capture = kv.device.type == "cuda" if capture is None else capture
+        self.sizes = capture_sizes(kv.scratch_lane)  # scratch_lane == max lanes
+        n = self.sizes[-1]
+        self._inputs = torch.zeros(5, n, dtype=torch.long, device=kv.device)
+        pin = kv.device.type == "cuda"
+        self._host = torch.zeros(5, n, dtype=torch.long, pin_memory=pin)
+        self._padding = (0, 0, kv.scratch_lane, 1, states.scratch_slot)
+        self._graphs: dict[int, _Captured] = {}
+        self._pool = None
+        self.records: list[CaptureRecord] = []
+        self._log = log if log is not None else (lambda line: print(line, file=sys.stderr))
+
+    def padded_size(self, batch: int) -> int:
+        return next(s for s in self.sizes if s >= batch)
+
+    @property
+    def graph_bytes(self) -> int:
+        return sum(r.pool_bytes for r in self.records)
+
+    def run(self, lanes: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """Logits fp32 `[B, vocab]` of B one-token decode items (lane, token at position)."""
+        B = len(lanes)
+        n = self.padded_size(B)
+        self._stage(n, [token_ids, positions, lanes, [p + 1 for p in positions], lanes])
+        entry = self._graphs.get(n) or self._build(n)
+        if entry.graph is None:
+            return self._forward(entry.ctx)[:B]
+        entry.graph.replay()
+        return entry.logits[:B].clone()  # the static output is overwritten by the next replay
+
+    def _stage(self, n: int, rows: list[list[int]]) -> None:
+        """One host-to-device copy of the round's inputs (padding rows point at the scratch lane)."""
+        B = len(rows[0])
+        host = self._host[:, :n]
+        if B:
+            host[:, :B] = torch.tensor(rows, dtype=torch.long)
+        for r, value in enumerate(self._padding):
+            host[r, B:] = value
+        self._inputs[:, :n].copy_(host, non_blocking=True)
+
+    def _forward(self, ctx: GraphDecodeContext) -> torch.Tensor:
+        with torch.inference_mode():
+            ctx.begin()
+            hidden = self.model.forward(ctx.inputs[_IDS], ctx.inputs[_POS], ctx)
+            return self.model.compute_logits(hidden).float()
+
+    def _build(self, n: int) -> _Captured:
+        ctx = GraphDecodeContext(self._inputs[:, :n], self.kv, self.states)
+        entry = _Captured(None, ctx, None)
+        if self.capture:
+            entry = self._capture(n, ctx)
+        self._graphs[n] = entry
+        return entry
+
+    def _capture(self, n: int, ctx: GraphDecodeContext) -> _Captured:
+        """The torch recipe: warm-up on a side stream, then capture into the shared pool. Warm-up and capture
+        run on the scratch lane only, so no real lane's KV or state moves; the round's inputs go in after."""
+        started = time.perf_counter()
+        torch.cuda.synchronize()  # the round's staged copy has left the pinned buffer before it is reused
+        real = self._inputs[:, :n].clone()
+        self._stage(n, [[] for _ in range(5)])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(ctx)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        before = torch.cuda.memory_reserved(self.kv.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self._forward(ctx)
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_reserved(self.kv.device) - before
+        record = CaptureRecord(n, time.perf_counter() - started, grown)
+        self.records.append(record)
+        self._log(record.line())
+        self._inputs[:, :n].copy_(real)
+        return _Captured(graph, ctx, logits)

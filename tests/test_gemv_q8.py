@@ -172,6 +172,28 @@ def test_memo_inference_tensors_and_capture_state(monkeypatch):
         assert quantize_activation_cached(x) is a  # identity alone: no version counter
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(q8mod, "quantize_activation", quantize_activation_reference)
     b = quantize_activation_cached(x)  # a capture never reuses an entry made outside it
     assert b is not a and quantize_activation_cached(x) is b
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "iq3_s"])
+def test_default_route_on_cuda_is_q8_unless_wv_is_asked(monkeypatch, fmt):
+    """quant_matmul's default on CUDA (faked: is_cuda patched, the kernels run in the interpreter) takes the
+    q8 GEMV for 1–8 columns (gemv_q8_iq for the i-quants); NINFER_GEMV=wv restores the word-vector route."""
+    import ninfer.kernels.gemv_q8_iq as iqmod
+
+    calls = []
+    real_q8, real_iq = q8mod.gemv_q8, iqmod.gemv_q8_iq
+    monkeypatch.setattr(q8mod, "gemv_q8", lambda *a: calls.append("q8") or real_q8(*a))
+    monkeypatch.setattr(iqmod, "gemv_q8_iq", lambda *a: calls.append("iq") or real_iq(*a))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "cpu"))
+    raw, x = _case(fmt, 8, 256, 2, seed=9)
+    want = gemv_q8_reference(raw, fmt, quantize_activation_reference(x), 8)
+    y = quant_matmul(raw, fmt, x, 8)
+    assert calls == ["q8" if fmt == "q4_k" else "iq"]
+    assert (y.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    monkeypatch.setenv("NINFER_GEMV", "wv")
+    quant_matmul(raw, fmt, x, 8)
+    assert len(calls) == 1

@@ -135,7 +135,7 @@ class _ActivationMemo:
 
     def get(self, x: torch.Tensor) -> QuantizedActivation:
         version = -2 if x.is_inference() else x._version
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        capturing = x.is_cuda and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if (self.ref is not None and self.ref() is x and version == self.version
                 and capturing == self.capturing):
             return self.result

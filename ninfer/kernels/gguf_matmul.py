@@ -143,6 +143,7 @@ def default_route(format: str, out_features: int, in_features: int = 0) -> list[
 
 
 Q8_ROUTE_FORMATS = ("q4_k", "q6_k", "q5_k", "q8_0")  # formats of the int8-activation GEMV (gemv_q8.py)
+IQ_Q8_ROUTE_FORMATS = ("iq3_s", "iq4_xs")  # and of gemv_q8_iq.py (its own default tiles)
 
 
 def q8_route(format: str, out_features: int, in_features: int) -> list[tuple[int, str]]:
@@ -812,12 +813,22 @@ def quant_matmul(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    s = SCHEDULES[schedule] if isinstance(schedule, str) else (
-        schedule or default_schedule(M, format, out_features, in_features, q8=x.is_cuda and q8_enabled()))
-    if s.kernel == "q8":  # int8 activation (quantised once per tensor: the memo), dp4a GEMV
+    q8 = schedule is None and x.is_cuda and q8_enabled()
+    if q8 and format in IQ_Q8_ROUTE_FORMATS and M <= 8:  # gemv_q8_iq picks its own tile
+        s = None
+    else:
+        s = SCHEDULES[schedule] if isinstance(schedule, str) else (
+            schedule or default_schedule(M, format, out_features, in_features, q8=q8))
+    if s is None or s.kernel == "q8":  # int8 activation (quantised once per tensor: the memo), dp4a GEMV
         from ninfer.kernels.gemv_q8 import gemv_q8, quantize_activation_cached
 
-        y = gemv_q8(raw, format, quantize_activation_cached(x), out_features, s)
+        xa = quantize_activation_cached(x)
+        if format in IQ_Q8_ROUTE_FORMATS:
+            from ninfer.kernels.gemv_q8_iq import gemv_q8_iq
+
+            y = gemv_q8_iq(raw, format, xa, out_features, s)
+        else:
+            y = gemv_q8(raw, format, xa, out_features, s)
         return y.reshape(*x.shape[:-1], out_features)
     if s.kernel == "dequant_mm":
         w = dequantize_rows(raw, format, out_features, in_features, x.dtype if x.is_cuda else torch.float32)

@@ -29,6 +29,7 @@ from ninfer.quant.formats import GGUF_PREFIX
 from ninfer.quant.tables import IQ4_LEVELS
 
 IQ_Q8_FORMATS = ("iq3_s", "iq4_xs")
+# Schedules should keep BLOCK_N·8 ≥ 32·num_warps: a smaller tile is replicated across the spare threads.
 MAX_COLUMNS = 8
 
 SCHEDULES: dict[str, MatmulSchedule] = {
@@ -42,6 +43,7 @@ SCHEDULES: dict[str, MatmulSchedule] = {
         MatmulSchedule("q8_n8_m1_s4_w2", "q8", 8, 1, split_k=4, num_warps=2),
         MatmulSchedule("q8_n16_m4", "q8", 16, 4),
         MatmulSchedule("q8_n16_m4_s4", "q8", 16, 4, split_k=4),
+        MatmulSchedule("q8_n32_m4", "q8", 32, 4),
         MatmulSchedule("q8_n16_m8", "q8", 16, 8),
         MatmulSchedule("q8_n32_m8", "q8", 32, 8, num_warps=8),
     )
@@ -50,7 +52,7 @@ SCHEDULES: dict[str, MatmulSchedule] = {
 
 def default_iq_schedule(fmt: str, out_features: int, in_features: int, columns: int) -> MatmulSchedule:
     """A starting schedule (not yet timed on a GPU): split-K where few rows would leave SMs idle, the column
-    tile the next power of two ≥ columns."""
+    tile the next power of two ≥ columns, two rows per thread at 2–4 columns (fewest SASS per weight)."""
     fmt = fmt.removeprefix(GGUF_PREFIX)
     if fmt not in IQ_Q8_FORMATS or not 1 <= columns <= MAX_COLUMNS:
         raise QuantKernelError(f"the q8 i-quant GEMV takes {', '.join(IQ_Q8_FORMATS)} at 1–{MAX_COLUMNS} "
@@ -59,7 +61,7 @@ def default_iq_schedule(fmt: str, out_features: int, in_features: int, columns: 
     if columns == 1:
         return SCHEDULES["q8_n8_m1_s4_w2" if small else "q8_n16_m1_s4"]
     if columns <= 4:
-        return SCHEDULES["q8_n16_m4_s4" if small or in_features >= 16384 else "q8_n16_m4"]
+        return SCHEDULES["q8_n16_m4_s4" if small else "q8_n32_m4"]
     return SCHEDULES["q8_n16_m8"]
 
 

@@ -37,6 +37,7 @@ from ninfer.kernels.gguf_matmul import (  # noqa: E402
     KERNEL_FORMATS,
     SCHEDULES,
     WV_FORMATS,
+    default_schedule,
     dequantize_rows,
     quant_matmul,
     random_gguf_weight,
@@ -127,7 +128,8 @@ def check_gemm(log: Log, dev: torch.device, quick: bool, formats=KERNEL_FORMATS)
             w = dequantize(raw.cpu().reshape(-1), "gguf_" + fmt, (rows, cols)).to(dev).double()
             for width in widths:
                 x = torch.randn(width, cols, device=dev, dtype=torch.float32 if quick else torch.bfloat16)
-                names = ["tiny_sub" if quick else None]
+                # the wv default route (the CUDA default, q8, is checked against its twin in check_q8)
+                names = ["tiny_sub" if quick else default_schedule(width, fmt, rows, cols).name]
                 if fmt in FMA_FORMATS and width <= 4:
                     names.append("tiny_fma_m2" if quick else ("fma_n32_m1" if width == 1 else "fma_n32_m4"))
                 if fmt in WV_FORMATS and width <= 16:
@@ -734,7 +736,6 @@ def time_q8(log: Log, dev: torch.device, floor: float, formats=("q4_k",)) -> tup
     """Per-shape q8 schedules (CUDA graph over weight copies > L2, one activation: its quantisation is
     done once per graph) at 1, 4, 8 columns beside the wv default route; then the activation quantiser."""
     from ninfer.kernels import gemv_q8
-    from ninfer.kernels.gguf_matmul import default_schedule
 
     best_q8: dict = {}
     best_wv: dict = {}

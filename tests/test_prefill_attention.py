@@ -92,13 +92,15 @@ def test_short_page_table_is_a_user_error():
 
 
 @needs_triton
-def test_batch_context_routes_prefill_spans_through_the_kernel(kernel_only):
+def test_batch_context_routes_spans_through_the_kernels(kernel_only, monkeypatch):
+    import ninfer.kernels.paged_attention as pa
     from ninfer.engine.kv_pool import KvPool
     from ninfer.engine.paged_context import PagedBatchContext
     from ninfer.engine.state_pool import GdnStatePool
     from ninfer.models.cache_spec import CacheSpec
     from ninfer.models.context import SequenceSpan
 
+    monkeypatch.setattr(pa, "paged_decode_attention_reference", _no_fallback)
     spec = CacheSpec(num_kv_layers=1, kv_heads=2, head_dim=64)
     gen = torch.Generator().manual_seed(3)
     pools = [KvPool(spec, "rk8v4", 512, 2, 256) for _ in range(2)]
@@ -114,8 +116,8 @@ def test_batch_context_routes_prefill_spans_through_the_kernel(kernel_only):
         T = sum(s.length for s in spans)
         q, k, v = (torch.randn(T, h, 64, generator=gen) for h in (4, 2, 2))
         outs = []
-        for pool, kernel in zip(pools, (False, True), strict=True):
-            ctx = PagedBatchContext(spans, pool, GdnStatePool(spec, 2), batched_decode=False)
+        for pool, kernel in zip(pools, (False, True), strict=True):  # kernels: prefill and batched decode
+            ctx = PagedBatchContext(spans, pool, GdnStatePool(spec, 2), batched_decode=kernel)
             ctx.prefill_kernel = kernel
             outs.append(ctx.attention(0, q, k, v))
         assert torch.equal(pools[0].storage[0], pools[1].storage[0])

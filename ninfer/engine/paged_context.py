@@ -46,6 +46,7 @@ class PagedBatchContext:
         self._states = states
         self._handed_out: dict[tuple[int, int], GdnState] = {}
         self._where: dict[int, tuple] = {}
+        self._decode_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     # spans of several tokens go through ninfer.kernels.prefill_attention (None: on CUDA only)
     prefill_kernel: bool | None = None
@@ -72,21 +73,25 @@ class PagedBatchContext:
                 qs = rotate(qs)
             out[rows] = causal_attention(qs, keys, values, span.cached_tokens).to(q.dtype)
         if decode:
-            out[self._decode_rows(decode)] = self._decode_attention(kv_layer, q, decode)
+            out[self._decode_batch(decode)[0]] = self._decode_attention(kv_layer, q, decode)
         return out
 
-    def _decode_rows(self, decode: list[int]) -> torch.Tensor:
-        return torch.tensor([self.spans[i].start for i in decode], device=self._kv.device)
+    def _decode_batch(self, decode: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows, lanes and lengths of the one-token spans (one host-to-device copy per forward)."""
+        if self._decode_meta is None:
+            spans = [self.spans[i] for i in decode]
+            meta = torch.tensor([[s.start for s in spans], [s.slot for s in spans],
+                                 [s.cached_tokens + 1 for s in spans]], dtype=torch.int32).to(self._kv.device)
+            self._decode_meta = (meta[0].long(), meta[1], meta[2])
+        return self._decode_meta
 
     def _decode_attention(self, kv_layer: int, q: torch.Tensor, decode: list[int]) -> torch.Tensor:
         """One-token spans in one paged-kernel call (Triton on CUDA, its reference elsewhere)."""
         from ninfer.kernels.paged_attention import paged_decode_attention
 
-        spans = [self.spans[i] for i in decode]
-        lanes = torch.tensor([s.slot for s in spans], dtype=torch.int32, device=self._kv.device)
-        lens = torch.tensor([s.cached_tokens + 1 for s in spans], dtype=torch.int32, device=self._kv.device)
-        return paged_decode_attention(q[self._decode_rows(decode)], self._kv.storage[kv_layer],
-                                      self._kv.page_tables, lanes, lens, self._kv.fmt)
+        rows, lanes, lens = self._decode_batch(decode)
+        return paged_decode_attention(q[rows], self._kv.storage[kv_layer], self._kv.page_tables, lanes, lens,
+                                      self._kv.fmt)
 
     def _addresses(self, span_index: int):
         """Write slots and read pages of a span, computed once per forward (all layers share them)."""

@@ -8,6 +8,7 @@ Conventions (token-major, one sequence per call unless noted):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -45,6 +46,12 @@ def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
 
 
+@functools.cache
+def _inv_freq_on(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """`rope_inv_freq` made once per device: no host-to-device copy per forward (CUDA-graph capture)."""
+    return rope_inv_freq(rotary_dim, theta).to(device)
+
+
 def mrope_cos_sin(
     positions: torch.Tensor,
     rotary_dim: int,
@@ -60,7 +67,7 @@ def mrope_cos_sin(
     t. Not interleaved (Qwen2-VL): contiguous blocks t | h | w. The frequencies are then repeated for the
     two halves, as rotate-half expects.
     """
-    inv_freq = rope_inv_freq(rotary_dim, theta).to(positions.device)
+    inv_freq = _inv_freq_on(rotary_dim, theta, positions.device)
     pos = positions.to(torch.float32)
     if pos.dim() == 1:
         freqs = pos[:, None] * inv_freq[None, :]

@@ -11,8 +11,9 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ninfer.engine.graphs import DecodeGraphs, capture_sizes
+from ninfer.engine.graphs import DecodeGraphs, GraphDecodeContext, capture_sizes
 from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.paged_context import PagedBatchContext
 from ninfer.engine.state_pool import GdnStatePool
@@ -211,3 +212,55 @@ def test_graph_context_kernels_equal_paged_context(model, triton_on_cpu, kv_dtyp
     lengths = {0: 63, 1: 64, 2: 5}
     # measured 1.6e-6 for both (rk8v4: both sides decode the same stored bytes)
     compare_rounds(model, lengths, [[1, 0, 2], [0, 2]], tol=1e-5, kv_dtype=kv_dtype)
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on the ops that read a tensor on the host or build one from Python data (.item(), int(t),
+    bool(t), torch.tensor(list), nonzero...): none may run inside a captured CUDA graph."""
+
+    FORBIDDEN = {"_local_scalar_dense", "lift_fresh", "nonzero", "masked_select", "is_nonzero", "unique",
+                 "_unique2"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        assert name not in self.FORBIDDEN, f"host sync / host data inside the graph region: aten.{name}"
+        return func(*args, **(kwargs or {}))
+
+
+def test_graph_region_has_no_host_sync(model, triton_on_cpu):
+    pools = Pools(model, "rk8v4")
+    prefill_lanes(model, pools, {0: 63, 1: 5, 2: 64})
+    graphs = DecodeGraphs(model, pools.kv, pools.states, capture=False)
+    graphs._stage(4, [[1, 2, 3], [63, 5, 64], [0, 1, 2], [64, 6, 65], [0, 1, 2]])
+    ctx = GraphDecodeContext(graphs._inputs[:, :4], pools.kv, pools.states)
+    graphs._forward(ctx)  # the warm-up before capture (fills the kernels' cached device tables)
+    with NoHostSync():
+        logits = graphs._forward(ctx)
+    assert logits.shape == (4, VOCAB) and torch.isfinite(logits).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["bf16", "rk8v4"])
+def test_cuda_graph_replay_equals_eager(kv_dtype):
+    """Captured and replayed on CUDA vs the same context run eagerly, over rounds of 1, 3, 5 and 2 lanes."""
+    model = synthetic_model("tiny", device="cuda").eval()
+    pools = {}
+    for mode in ("eager", "graph"):
+        torch.manual_seed(0)
+        kv = KvPool(model.cache_spec, kv_dtype, 64 * 40, MAX_LANES, 320, device="cuda")
+        states = GdnStatePool(model.cache_spec, MAX_LANES, device="cuda")
+        for lane in range(MAX_LANES):
+            kv.assign(lane, kv.reserve(5))
+        pools[mode] = (kv, states, DecodeGraphs(model, kv, states, capture=mode == "graph"))
+    pos = dict.fromkeys(range(MAX_LANES), 0)
+    for r, lanes in enumerate([[0], [0, 1, 2], [4, 3, 0, 2, 1], [5, 3], [0, 1, 2, 3, 4, 5]] * 3):
+        toks = [tokens(1, 50 * r + lane)[0] for lane in lanes]
+        at = [pos[lane] for lane in lanes]
+        want = pools["eager"][2].run(lanes, toks, at)
+        got = pools["graph"][2].run(lanes, toks, at)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert rel(got, want) < 1e-5  # the same kernels on the same inputs: equal up to atomics' order
+        for lane in lanes:
+            pos[lane] += 1
+    assert sorted(pools["graph"][2]._graphs) == [1, 2, 4, 8]
+    assert all(r.seconds > 0 for r in pools["graph"][2].records)

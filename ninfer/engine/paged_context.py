@@ -2,7 +2,9 @@
 
 Attention (CPU reference): write the span's new k/v into its pages, gather the sequence's pages, decode
 them, rotate the query when keys are stored rotated, attend causally in fp32. Every key goes through the
-pool's encoding, so the result does not depend on how the prompt was chunked.
+pool's encoding, so the result does not depend on how the prompt was chunked. On CUDA the same attention
+runs in the kernels that read the pages as stored: `prefill_attention` per span of several tokens,
+`paged_decode_attention` for all one-token spans at once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from ninfer.engine.gdn_mix import mix as mix_spans
 from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.state_pool import GdnStatePool
 from ninfer.kernels.kv_quant import rotate
+from ninfer.kernels.paged_attention import kernel_supports
+from ninfer.kernels.prefill_attention import prefill_attention
 from ninfer.models.context import GdnState, SequenceSpan
 
 
@@ -55,6 +59,7 @@ class PagedBatchContext:
         out = torch.empty_like(q)
         decode = [i for i, s in enumerate(self.spans) if s.length == 1] if self.batched_decode else []
         kernel = self._kv.device.type == "cuda" if self.prefill_kernel is None else self.prefill_kernel
+        kernel = kernel and kernel_supports(self._kv.fmt)  # e.g. fp32 KV keeps the SDPA path
         for i, span in enumerate(self.spans):
             rows = slice(span.start, span.start + span.length)
             where, pages = self._addresses(i)
@@ -62,8 +67,6 @@ class PagedBatchContext:
             if i in decode:
                 continue
             if kernel:  # flash attention over the pages in their stored format
-                from ninfer.kernels.prefill_attention import prefill_attention
-
                 out[rows] = prefill_attention(q[rows], self._kv.storage[kv_layer], self._kv.page_tables,
                                               span.slot, span.cached_tokens, self._kv.fmt)
                 continue

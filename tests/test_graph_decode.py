@@ -264,3 +264,34 @@ def test_cuda_graph_replay_equals_eager(kv_dtype):
             pos[lane] += 1
     assert sorted(pools["graph"][2]._graphs) == [1, 2, 4, 8]
     assert all(r.seconds > 0 for r in pools["graph"][2].records)
+
+
+def test_engine_decode_rounds_through_graphs_same_tokens(tiny):
+    """The runner sends all-decode rounds to DecodeGraphs (eager here): same greedy tokens as without,
+    with lanes admitted and released between rounds."""
+    from test_engine_invariants import drive
+
+    from ninfer.engine.api import GenerationRequest, SamplingParams
+    from ninfer.engine.engine import Engine, EngineConfig
+
+    outs, used = [], []
+    for graphs in (False, True):
+        config = EngineConfig(max_concurrency=3, max_context=256, kv_capacity=1024, kv_dtype="fp32",
+                              prefill_chunk=48)
+        engine = Engine.from_model(tiny, config)
+        if graphs:
+            engine.runner.graphs = DecodeGraphs(tiny, engine.kv, engine.states, capture=False)
+        handles = [engine.submit(GenerationRequest(f"r{i}", tuple(tokens(n, 300 + i)),
+                                                   SamplingParams(max_tokens=m, temperature=0)))
+                   for i, (n, m) in enumerate([(60, 12), (7, 20), (100, 6), (30, 10)])]
+        outs.append(drive(engine, handles))
+        used.append(engine.runner.graphs)
+    assert outs[0] == outs[1]
+    assert used[0] is None and sorted(used[1]._graphs)  # decode rounds went through the graphs
+
+
+def test_no_cuda_graphs_flag_reaches_engine_config():
+    from ninfer.cli.serve import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args(["m.ninfer", "--no-cuda-graphs"])).cuda_graphs is False
+    assert engine_config(build_parser().parse_args(["m.ninfer"])).cuda_graphs is True

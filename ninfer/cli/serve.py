@@ -137,6 +137,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "--gdn-state-fp16", action="store_true", help="keep Gated DeltaNet states in fp16 (default fp32)"
     )
     eng.add_argument(
+        "--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+        help="run decode rounds eagerly instead of replaying captured CUDA graphs (default: graphs on CUDA)",
+    )
+    eng.add_argument(
         "--prefill-chunk",
         metavar="N",
         type=int,
@@ -295,6 +299,7 @@ def engine_config(args: argparse.Namespace):
         dtype=dtype,
         gpu_memory_limit_mib=args.gpu_memory_limit_mib,
         kv_headroom_mib=args.kv_headroom_mib,
+        cuda_graphs=args.cuda_graphs,
         **extra,
     )
 

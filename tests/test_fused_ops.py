@@ -8,7 +8,11 @@ unmerged model's logits; and a decode step's kernel launches are counted before 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,6 +120,20 @@ def test_gated_rms_norm_matches_reference(gen, dtype, heads, dim):
     z = z_merged[:, 33:].view(2, heads, dim)
     w = _randn(gen, dim).abs()
     _close(fused.gated_rms_norm(core, z, w, 1e-6), reference.gated_rms_norm(core, z, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gated_rms_norm_casts_and_scatters_for_the_output_projection(gen, dtype):
+    """fp32 mixer output cast to the compute dtype and the output Linear's input-column order applied, in the
+    same launch: equal to cast → norm → flatten → index_select (what the unfused model ran)."""
+    T, H, N = 2, 6, 128
+    core, z = _randn(gen, T, H, N), _randn(gen, T, H, N, dtype=dtype)
+    w = _randn(gen, N).abs()
+    gather = torch.randperm(H * N, generator=gen)
+    got = ops.gated_rms_norm(core, z, w, 1e-6, dtype, gather, torch.argsort(gather))
+    want = reference.gated_rms_norm(core.to(dtype), z, w, 1e-6).reshape(T, -1).index_select(-1, gather)
+    _close(got, want)
+    _close(fused.gated_rms_norm_reference(core, z, w, 1e-6, dtype, gather), want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -239,8 +257,13 @@ def test_model_on_fused_kernels_matches_the_reference_path(tiny_bf16, monkeypatc
 
 # ---- launch count of one decode step ---------------------------------------------------------------------
 
+def _gated_norm_stand_in(o, z, w, eps, out_dtype=None, scatter=None):
+    gather = None if scatter is None else torch.argsort(scatter)
+    return fused.gated_rms_norm_reference(o, z, w, eps, out_dtype, gather)
+
+
 REFERENCE_FORMS = {"add_rms_norm": fused.add_rms_norm_reference, "rms_norm": reference.rms_norm,
-                   "gated_rms_norm": reference.gated_rms_norm, "norm_rotary": fused.norm_rotary_reference,
+                   "gated_rms_norm": _gated_norm_stand_in, "norm_rotary": fused.norm_rotary_reference,
                    "swiglu": reference.swiglu, "sigmoid_gate_mul": fused.sigmoid_gate_mul_reference}
 NOT_LAUNCHES = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                 torch.ops.aten.empty_like.default, torch.ops.aten.lift_fresh.default}
@@ -285,10 +308,15 @@ class KernelGdnContext(SimpleContext):
                                     params.num_key_heads).output[0]
 
 
-def decode_step_launches(model, fused_kernels: bool, monkeypatch) -> int:
-    """Kernels one decode step of `model` would launch: ATen ops, plus 1 per quantized matmul, attention and
-    fused op and 2 per GDN mix; `fused_kernels` routes ops' fused forms to (counted) kernels."""
+def decode_step_launches(model, fused_kernels: bool, monkeypatch) -> tuple[int, list[int]]:
+    """Kernels one decode step of `model` would launch (total, per layer): ATen ops, plus 1 per quantized
+    matmul, attention and fused op and 2 per GDN mix; `fused_kernels` routes ops' fused forms to (counted)
+    kernels."""
     counter = LaunchCounter()
+    per_layer: list[int] = []
+    for layer in model.layers:
+        layer.register_forward_pre_hook(lambda *_: per_layer.append(-counter.count))
+        layer.register_forward_hook(lambda *_: per_layer.append(per_layer.pop() + counter.count))
     cache = SequenceCache(model.cache_spec)
     with monkeypatch.context() as m:
         m.delenv("NINFER_TRITON_ON_CPU", raising=False)
@@ -302,9 +330,10 @@ def decode_step_launches(model, fused_kernels: bool, monkeypatch) -> int:
             for name, reference_form in REFERENCE_FORMS.items():
                 m.setattr(fused, name, counter.launches(1, reference_form))
         ctx = KernelGdnContext([cache], [1], [2])
+        per_layer.clear()
         with counter:
             model(torch.tensor([7]), torch.tensor([2]), ctx)
-    return counter.count
+    return counter.count, per_layer
 
 
 def test_decode_step_launch_count(q4km, monkeypatch, capsys):
@@ -312,10 +341,67 @@ def test_decode_step_launch_count(q4km, monkeypatch, capsys):
         with merged_projections(False):
             plain = load_model(q4km, dtype=torch.bfloat16, quantized_weights=True, load_mtp=False)
         merged = load_model(q4km, dtype=torch.bfloat16, quantized_weights=True, load_mtp=False)
-        before = decode_step_launches(plain, False, monkeypatch)
-        after = decode_step_launches(merged, True, monkeypatch)
-    n = len(plain.layers)
+        before, layers_before = decode_step_launches(plain, False, monkeypatch)
+        after, layers_after = decode_step_launches(merged, True, monkeypatch)
     with capsys.disabled():
-        print(f"\ndecode step launches ({n} layers): before {before} ({before / n:.1f}/layer), "
-              f"after {after} ({after / n:.1f}/layer)")
-    assert after < before
+        print(f"\ndecode step launches: before {before}, per layer {layers_before}; "
+              f"after {after}, per layer {layers_after} (layer types {plain.cfg.layer_types})")
+    # measured: before 272, per layer [50, 51, 51, 72]; after 81, per layer [10, 10, 11, 11] (layer 2: q|k|v
+    # in q6_k apart from z|a|b in q4_k). The rest of a step (embedding lookup: here the CPU stand-in of the
+    # quantized row decode, ~20 ops; RoPE tables ~10) is the same before and after.
+    assert max(layers_after) <= 11 and sum(layers_after) * 4 < sum(layers_before)
+
+
+# ---- compiled for the GPU (sm_90) without a GPU: front end + ptxas ---------------------------------------
+
+
+def compile_for_sm90() -> list[str]:
+    """Compile every fused kernel variant for sm_90 (run with NINFER_TRITON_COMPILE_CHECK=1); failures."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    failures = []
+
+    def build(fn, sig, const, warps):
+        try:
+            triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        except Exception as e:  # report every variant
+            failures.append(f"{fn.__name__} {const}: {type(e).__name__} {e}")
+
+    for ty in ("bf16", "fp16", "fp32"):
+        ints = lambda *names: dict.fromkeys(names, "i32")  # noqa: E731
+        norm = {"x_ptr": f"*{ty}", "r_ptr": f"*{ty}", "w_ptr": "*fp32", "out_ptr": f"*{ty}",
+                "res_out_ptr": f"*{ty}", **ints("N", "H", "sx0", "sx1", "sr0", "sr1", "so0", "so1", "sro0"),
+                **ints("sro1"), "eps": "fp32"}
+        for res in (True, False):
+            flags = {"HAS_RES": res, "HAS_W": True, "ZERO_CENTRED": res, "BLOCK": 8192}
+            build(fused._norm_kernel, norm, flags, 16)
+        gated = {"o_ptr": "*fp32", "z_ptr": f"*{ty}", "w_ptr": "*fp32", "out_ptr": f"*{ty}",
+                 "scatter_ptr": "*i64", **ints("N", "H", "so0", "so1", "sz0", "sz1"), "eps": "fp32"}
+        for scatter in (True, False):
+            build(fused._gated_norm_kernel, gated, {"SCATTER": scatter, "BLOCK": 128}, 1)
+        rotary = {"x_ptr": f"*{ty}", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                  "out_ptr": f"*{ty}", **ints("D", "H", "R", "sx0", "sx1", "sc0", "ss0"), "eps": "fp32"}
+        for has_w in (True, False):
+            build(fused._norm_rotary_kernel, rotary, {"HAS_W": has_w, "ZERO_CENTRED": True, "BLOCK": 256}, 1)
+        pair = {"a_ptr": f"*{ty}", "b_ptr": f"*{ty}", "out_ptr": f"*{ty}", **ints("N", "sa", "sb")}
+        build(fused._swiglu_kernel, dict(zip(["g_ptr", "u_ptr", "out_ptr", "N", "sg", "su"], pair.values(),
+                                             strict=True)), {"BLOCK": 1024}, 4)
+        build(fused._gate_mul_kernel, dict(zip(["a_ptr", "g_ptr", "out_ptr", "N", "sa", "sg"], pair.values(),
+                                               strict=True)), {"BLOCK": 1024}, 4)
+    return failures
+
+
+def test_kernels_compile_for_sm90():
+    """Every variant through Triton's front end and ptxas for an H200, in a process where Triton compiles."""
+    code = ("import test_fused_ops as t; f = t.compile_for_sm90(); print(*f, sep='\\n'); "
+            "raise SystemExit(bool(f))")
+    env = {**os.environ, "NINFER_TRITON_COMPILE_CHECK": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    env.pop("NINFER_TRITON_ON_CPU", None)
+    here = Path(__file__).parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -113,18 +113,26 @@ if HAVE_TRITON:
         tl.store(out_ptr + t * so0 + h * so1 + cols, _round(y, out_ptr.dtype.element_ty), mask=ok)
 
     @jit
-    def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, N, H, so0, so1, sz0, sz1, eps, BLOCK: tl.constexpr):
-        """`rmsnorm(o)·w·silu(z)` per row of N; rows (i // H, i % H); out contiguous."""
+    def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, scatter_ptr, N, H, so0, so1, sz0, sz1, eps,
+                           SCATTER: tl.constexpr, BLOCK: tl.constexpr):
+        """`rmsnorm(o)·w·silu(z)` per row of N; rows (i // H, i % H); o first rounded to the output dtype (the
+        unfused model cast the mixer's fp32 output first). Out contiguous [T, H·N]; with SCATTER, flat column
+        c of row t lands in column scatter[c] (a Linear's input-column order applied on the way out)."""
         i = tl.program_id(0)
         t, h = i // H, i % H
         cols = tl.arange(0, BLOCK)
         ok = cols < N
         o = tl.load(o_ptr + t * so0 + h * so1 + cols, mask=ok, other=0.0).to(tl.float32)
+        o = _round(o, out_ptr.dtype.element_ty).to(tl.float32)
         z = tl.load(z_ptr + t * sz0 + h * sz1 + cols, mask=ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         inv = tl.math.rsqrt(_row_sum(o * o) / N + eps)
-        y = o * inv * w * (z * _sigmoid(z))
-        tl.store(out_ptr + i * N + cols, _round(y, out_ptr.dtype.element_ty), mask=ok)
+        y = _round(o * inv * w * (z * _sigmoid(z)), out_ptr.dtype.element_ty)
+        if SCATTER:
+            dest = tl.load(scatter_ptr + h * N + cols, mask=ok, other=0)
+            tl.store(out_ptr + t * H * N + dest, y, mask=ok)
+        else:
+            tl.store(out_ptr + i * N + cols, y, mask=ok)
 
     @jit
     def _norm_rotary_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, D, H, R, sx0, sx1, sc0, ss0, eps,
@@ -228,18 +236,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     return add_rms_norm(x, None, weight, eps, zero_centred)[0]
 
 
-def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The GDN output norm `rmsnorm(o)·w·silu(z)` over the last dim, in o's dtype."""
+def gated_rms_norm(
+    o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
+    scatter: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The GDN output norm `rmsnorm(o)·w·silu(z)` over the last dim, in `out_dtype` (default o's; o is rounded
+    to it first). `scatter` (int [H·N], a permutation): output `[T, H·N]` whose column scatter[c] holds
+    flat column c, i.e. `gated_rms_norm_reference(...)[:, argsort(scatter)]` in the same launch."""
     o3, z3 = _rows3(o, "o"), _rows3(z, "z")
     if o3.shape != z3.shape:
         raise FusedKernelError(f"gated norm: o {tuple(o.shape)} and z {tuple(z.shape)} differ")
     T, H, N = o3.shape
-    out = torch.empty(o.shape, dtype=o.dtype, device=o.device)
+    if scatter is not None and (scatter.shape != (H * N,) or scatter.device != o.device):
+        raise FusedKernelError(f"gated norm: scatter must be [{H * N}] on {o.device}, got "
+                               f"{tuple(scatter.shape)} on {scatter.device}")
+    out = torch.empty(o.shape, dtype=out_dtype or o.dtype, device=o.device)
     if T * H:
         block = _block(N)
-        _gated_norm_kernel[(T * H,)](o3, z3, weight, out, N, H, o3.stride(0), o3.stride(1), z3.stride(0),
-                                     z3.stride(1), eps, BLOCK=block, **_extra(o, _row_warps(block)))
-    return out
+        dest = o3 if scatter is None else scatter  # any pointer when not scattering
+        _gated_norm_kernel[(T * H,)](o3, z3, weight, out, dest, N, H, o3.stride(0), o3.stride(1),
+                                     z3.stride(0), z3.stride(1), eps, SCATTER=scatter is not None,
+                                     BLOCK=block, **_extra(o, _row_warps(block)))
+    return out if scatter is None else out.view(T, H * N)
+
+
+def gated_rms_norm_reference(
+    o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
+    gather: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`reference.gated_rms_norm(o.to(out_dtype))`; with `gather` (the inverse of the kernel's scatter) the
+    flattened `[T, H·N]` output's columns `gather`, as `Linear` applies recorded input columns."""
+    out = reference.gated_rms_norm(o.to(out_dtype or o.dtype), z, weight, eps)
+    return out if gather is None else out.reshape(o.shape[0], -1).index_select(-1, gather)
 
 
 def norm_rotary(

@@ -38,11 +38,17 @@ def add_rms_norm(
     return fused.add_rms_norm_reference(x, residual, w, eps, zero_centred)
 
 
-def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """The GDN output norm `rmsnorm(o)·w·silu(z)`; see `reference.gated_rms_norm`."""
+def gated_rms_norm(
+    o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
+    gather: torch.Tensor | None = None, scatter: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The GDN output norm `rmsnorm(o)·w·silu(z)` (`reference.gated_rms_norm`) of o cast to `out_dtype`;
+    with `gather` (and its inverse permutation `scatter`) the flattened output's columns `gather`, ready for
+    a Linear with those recorded input columns."""
     if fused.runs_on(o) and o.dim() in (2, 3) and o.stride(-1) == 1 and z.stride(-1) == 1:
-        return fused.gated_rms_norm(o, z, w, eps)
-    return reference.gated_rms_norm(o, z, w, eps)
+        if gather is None or scatter is not None:
+            return fused.gated_rms_norm(o, z, w, eps, out_dtype, scatter)
+    return fused.gated_rms_norm_reference(o, z, w, eps, out_dtype, gather)
 
 
 def norm_rotary(

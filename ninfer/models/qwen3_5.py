@@ -154,7 +154,7 @@ class GatedDeltaNet(nn.Module):
             self.z = Linear(source, z, dtype, device)
             self.a_projection = Linear(source, a, dtype, device)
             self.b_projection = Linear(source, b, dtype, device)
-        self.output = Linear(source, f"{p}/output", dtype, device)  # applies the recorded input_columns
+        self.output = Linear(source, f"{p}/output", dtype, device)  # input_columns: applied by the gated norm
         self.a_log = nn.Buffer(load_vector(source, f"{p}/a_log", device))
         self.dt_bias = nn.Buffer(load_vector(source, f"{p}/dt_bias", device))
         conv = load_vector(source, f"{p}/convolution", device)
@@ -181,11 +181,13 @@ class GatedDeltaNet(nn.Module):
         z = z.view(-1, cfg.gdn_value_heads, cfg.gdn_value_dim)
         fused = getattr(ctx, "gdn_mix", None)  # optional backend hook, see GdnParams
         if fused is not None:
-            core = fused(self.gdn_index, mixed, a, b, self.params).to(x.dtype)
+            core = fused(self.gdn_index, mixed, a, b, self.params)  # fp32: cast inside the gated norm
         else:
             core = self._mix(mixed, a, b, ctx)
-        out = ops.gated_rms_norm(core, z, self.norm_weight, self.eps)
-        return self.output(out.reshape(x.shape[0], -1))
+        # the output projection's recorded input-column order is applied by the norm as it writes
+        out = ops.gated_rms_norm(core, z, self.norm_weight, self.eps, x.dtype, self.output.input_columns,
+                                 self.output.input_scatter)
+        return self.output(out.reshape(x.shape[0], -1), columns_applied=True)
 
     def _mix(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         """Reference token mixing: per sequence span, conv + gated delta rule on its GdnState."""

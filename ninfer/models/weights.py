@@ -133,10 +133,13 @@ class Linear(nn.Module):
             self.weight, self.raw = nn.Buffer(load_dense(source, name, dtype, device)), None
         columns = source.input_columns(name)
         self.input_columns = None if columns is None else columns.to(device=device, dtype=torch.long)
+        # where each input column goes in the gathered order: lets the producer of x write it pre-gathered
+        self.input_scatter = None if columns is None else torch.argsort(self.input_columns)
         self.bias = None if bias_name is None else nn.Buffer(load_dense(source, bias_name, dtype, device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_columns is not None:
+    def forward(self, x: torch.Tensor, columns_applied: bool = False) -> torch.Tensor:
+        """`columns_applied`: x already is in `input_columns` order (`ops.gated_rms_norm(gather=...)`)."""
+        if self.input_columns is not None and not columns_applied:
             x = x.index_select(-1, self.input_columns)
         x = x.to(self.dtype)
         if self.raw is None:
@@ -169,7 +172,7 @@ class Linear(nn.Module):
         else:
             dense = torch.cat([load_dense(source, n, dtype, device) for n in names])
             self.weight, self.raw = nn.Buffer(dense), None
-        self.input_columns, self.bias = None, None
+        self.input_columns, self.input_scatter, self.bias = None, None, None
         return self
 
 

@@ -92,9 +92,15 @@ def hadamard_matrix(size: int) -> torch.Tensor:
     return (h / math.sqrt(size)).to(torch.float32)
 
 
+@lru_cache(maxsize=16)
+def _on_device(table: str, size: int, device: torch.device) -> torch.Tensor:
+    """A constant table copied to `device` once (no host-to-device copy per call: CUDA-graph capture)."""
+    return (hadamard_matrix(size) if table == "hadamard" else lloyd_max_gaussian_levels()).to(device)
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """x @ H over the last dim (its own inverse). Keeps x's dtype; computes in fp32."""
-    h = hadamard_matrix(x.shape[-1]).to(x.device)
+    h = _on_device("hadamard", x.shape[-1], x.device)
     return (x.float() @ h).to(x.dtype)
 
 
@@ -178,7 +184,7 @@ def decode_int4(raw: torch.Tensor, dim: int) -> torch.Tensor:
 
 def encode_codebook4(x: torch.Tensor) -> torch.Tensor:
     """[..., D] -> [..., D/2 + D/32] bytes: packed Lloyd–Max indices then f16 rms scales per 64."""
-    levels = lloyd_max_gaussian_levels().to(x.device)
+    levels = _on_device("levels", 16, x.device)
     g = _groups(x, CODEBOOK_GROUP)
     scale = g.pow(2).mean(-1, keepdim=True).sqrt().to(torch.float16).float()
     u = _safe_div(g, scale).flatten(-2)
@@ -188,7 +194,7 @@ def encode_codebook4(x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_codebook4(raw: torch.Tensor, dim: int) -> torch.Tensor:
-    levels = lloyd_max_gaussian_levels().to(raw.device)
+    levels = _on_device("levels", 16, raw.device)
     values = levels[_unpack_nibbles(raw[..., :dim // 2]).long()]
     scale = _f16_from(raw[..., dim // 2:dim // 2 + dim // 32])
     return (_groups(values, CODEBOOK_GROUP) * scale.unsqueeze(-1)).flatten(-2)

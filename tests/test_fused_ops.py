@@ -180,8 +180,9 @@ def test_bad_inputs_are_clear_errors(gen):
 
 
 def _convert(out, wtype: str):
-    rc = convert_main(["--recipe", "qwen3_5_gguf", "--source", f"gguf={TINY_GGUF / f'model-{wtype}.gguf'}",
-                       "--model", str(TINY_HF), "--out", str(out), "--quiet"])
+    f = TINY_GGUF / f"model-{wtype}.gguf"
+    rc = convert_main(["--recipe", "qwen3_5_gguf", "--source", f"gguf={f}", "--source", f"mtp={f}",
+                       "--components", "text,mtp", "--model", str(TINY_HF), "--out", str(out), "--quiet"])
     assert rc == 0
     return open_artifact(out)
 
@@ -221,6 +222,15 @@ def test_merged_projections_give_the_unmerged_logits(q4km, monkeypatch):
         assert len(attn.groups) == 1 and torch.equal(attn.groups[0].raw, torch.cat(rows))
         ids = [5, 17, 300, 42, 7, 99, 1000, 3, 8]
         torch.testing.assert_close(prefill_logits(merged, ids), prefill_logits(plain, ids), rtol=0, atol=2e-5)
+        assert isinstance(merged.mtp.layer.mixer.in_proj, MergedLinear)  # MTP's v is q6_k, the rest q4_k
+        torch.testing.assert_close(_mtp_logits(merged, ids), _mtp_logits(plain, ids), rtol=0, atol=2e-5)
+
+
+def _mtp_logits(model, ids: list[int]) -> torch.Tensor:
+    cache = SequenceCache(model.cache_spec, mtp=True)
+    ctx = SimpleContext([cache], [len(ids) - 1], [0])
+    hidden = model(torch.tensor(ids[:-1]), torch.arange(len(ids) - 1), ctx)
+    return model.mtp.compute_logits(model.mtp(hidden, torch.tensor(ids[1:]), torch.arange(len(ids) - 1), ctx))
 
 
 def test_merged_outputs_are_views(q4km, monkeypatch):

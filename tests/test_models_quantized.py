@@ -19,6 +19,7 @@ from ninfer.artifact import open_artifact
 from ninfer.cli.convert import main as convert_main
 from ninfer.kernels import gguf_matmul
 from ninfer.models import load_model
+from ninfer.models.weights import merged_projections
 
 TYPES = ("q8_0", "q4_k_m", "iq3_s")
 FP32_ATOL = 2e-5
@@ -61,7 +62,8 @@ def test_quantized_projections_wired_like_dense(artifacts, ref, wtype, monkeypat
 
     monkeypatch.setattr(gguf_matmul, "quant_matmul", reference_matmul)
     art = open_artifact(artifacts[wtype])
-    quant = load_model(art, quantized_weights=True)
+    with merged_projections(False):  # one Linear per stored projection (merging: tests/test_fused_ops.py)
+        quant = load_model(art, quantized_weights=True)
     dense = load_model(art)
     linears = [m for m in quant.modules() if hasattr(m, "raw")]
     assert all(m.raw is not None and m.weight is None for m in linears if m.format.startswith("gguf_"))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.errors import ArtifactError
+from ninfer.kernels.gguf_matmul import KERNEL_FORMATS
 
 # Set by `load_model(..., quantized_weights=True)` while it builds a model: Linears keep GGUF blocks.
 QUANTIZED_LINEARS: ContextVar[bool] = ContextVar("quantized_linears", default=False)
@@ -127,7 +128,7 @@ class Linear(nn.Module):
         self.format = getattr(self.stored, "format", "f32")
         if quantized is None:
             quantized = QUANTIZED_LINEARS.get()
-        if quantized and self.format.startswith("gguf_"):
+        if quantized and self.format.removeprefix("gguf_") in KERNEL_FORMATS:
             self.weight, self.raw = None, nn.Buffer(self.stored.data.to(device))
         else:
             self.weight, self.raw = nn.Buffer(load_dense(source, name, dtype, device)), None
@@ -162,7 +163,7 @@ class Linear(nn.Module):
         self.name, self.dtype, self.stored = "|".join(names), dtype, None
         self.out_features, self.in_features = sum(int(s.shape[0]) for s in stored), int(stored[0].shape[1])
         self.format = getattr(stored[0], "format", "f32")
-        if quantized and self.format.startswith("gguf_"):
+        if quantized and self.format.removeprefix("gguf_") in KERNEL_FORMATS:
             raw = torch.empty((self.out_features, stored[0].data.shape[1]), dtype=torch.uint8, device=device)
             row = 0
             for s in stored:
@@ -246,7 +247,6 @@ class Embedding(nn.Module):
         quantized: bool | None = None,
     ):
         super().__init__()
-        from ninfer.kernels.gguf_matmul import KERNEL_FORMATS
 
         self.name = name
         self.dtype = dtype

@@ -19,6 +19,8 @@ L1 (global loads), `grid_in_shared`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
@@ -32,20 +34,52 @@ IQ_Q8_FORMATS = ("iq3_s", "iq4_xs")
 # Schedules should keep BLOCK_N·8 ≥ 32·num_warps: a smaller tile is replicated across the spare threads.
 MAX_COLUMNS = 8
 
+
+
+@dataclass(frozen=True)
+class IqSchedule(MatmulSchedule):
+    """A q8 i-quant schedule; `prefetch` 1: the next block's weight units are loaded one loop step ahead into
+    registers (latency hiding), 2: its activation words too. gguf_matmul's q8 schedules mean prefetch 0."""
+
+    prefetch: int = 0
+
+
+def _sched(name: str, block_n: int, block_m: int, split_k: int = 1, num_warps: int = 4,
+           prefetch: int = 0) -> IqSchedule:
+    return IqSchedule(name, "q8", block_n, block_m, split_k=split_k, num_warps=num_warps, prefetch=prefetch)
+
+
 SCHEDULES: dict[str, MatmulSchedule] = {
     s.name: s
     for s in (
-        MatmulSchedule("q8_n16_m1", "q8", 16, 1),
-        MatmulSchedule("q8_n32_m1", "q8", 32, 1),
-        MatmulSchedule("q8_n64_m1", "q8", 64, 1, num_warps=8),
-        MatmulSchedule("q8_n16_m1_s2", "q8", 16, 1, split_k=2),
-        MatmulSchedule("q8_n16_m1_s4", "q8", 16, 1, split_k=4),
-        MatmulSchedule("q8_n8_m1_s4_w2", "q8", 8, 1, split_k=4, num_warps=2),
-        MatmulSchedule("q8_n16_m4", "q8", 16, 4),
-        MatmulSchedule("q8_n16_m4_s4", "q8", 16, 4, split_k=4),
-        MatmulSchedule("q8_n32_m4", "q8", 32, 4),
-        MatmulSchedule("q8_n16_m8", "q8", 16, 8),
-        MatmulSchedule("q8_n32_m8", "q8", 32, 8, num_warps=8),
+        _sched("q8_n16_m1", 16, 1),
+        _sched("q8_n32_m1", 32, 1),
+        _sched("q8_n64_m1", 64, 1, num_warps=8),
+        _sched("q8_n16_m1_s2", 16, 1, split_k=2),
+        _sched("q8_n16_m1_s4", 16, 1, split_k=4),
+        _sched("q8_n8_m1_s4_w2", 8, 1, split_k=4, num_warps=2),
+        _sched("q8_n16_m4", 16, 4),
+        _sched("q8_n16_m4_s4", 16, 4, split_k=4),
+        _sched("q8_n32_m4", 32, 4),
+        _sched("q8_n16_m8", 16, 8),
+        _sched("q8_n32_m8", 32, 8, num_warps=8),
+        # register double-buffering (p1: weights, p2: weights and activations one block ahead)
+        _sched("q8_n16_m1_p1", 16, 1, prefetch=1),
+        _sched("q8_n16_m1_p2", 16, 1, prefetch=2),
+        _sched("q8_n32_m1_p2", 32, 1, prefetch=2),
+        _sched("q8_n16_m1_s2_p2", 16, 1, split_k=2, prefetch=2),
+        _sched("q8_n16_m1_s4_p2", 16, 1, split_k=4, prefetch=2),
+        _sched("q8_n8_m1_s4_w2_p2", 8, 1, split_k=4, num_warps=2, prefetch=2),
+        _sched("q8_n16_m4_p2", 16, 4, prefetch=2),
+        _sched("q8_n16_m4_s4_p2", 16, 4, split_k=4, prefetch=2),
+        _sched("q8_n32_m4_p1", 32, 4, prefetch=1),
+        _sched("q8_n32_m4_p2", 32, 4, prefetch=2),
+        _sched("q8_n16_m8_p1", 16, 8, prefetch=1),
+        _sched("q8_n16_m8_s4_p1", 16, 8, split_k=4, prefetch=1),
+        # several rows per thread at 8 columns: the activation words are loaded once per thread for its rows
+        _sched("q8_n32_m8_w4", 32, 8),
+        _sched("q8_n32_m8_w4_p1", 32, 8, prefetch=1),
+        _sched("q8_n64_m8_w4_p1", 64, 8, prefetch=1),
     )
 }
 
@@ -162,14 +196,100 @@ if HAVE_TRITON:
                     EMULATE)
 
     @jit
+    def _iq3_s_load(b, sb):
+        """The raw uint16 units of one iq3_s block a thread reads (b: the rows' block start `[BLOCK_N, 1]`):
+        d 0, qs 1..32, qh 33..36, signs 37..52, scales 53..54."""
+        return (tl.load(b), tl.load(b + 53 + sb // 4), tl.load(b + 33 + sb // 2), tl.load(b + 37 + 2 * sb),
+                tl.load(b + 38 + 2 * sb), tl.load(b + 1 + 4 * sb), tl.load(b + 2 + 4 * sb),
+                tl.load(b + 3 + 4 * sb), tl.load(b + 4 + 4 * sb))
+
+    @jit
+    def _iq3_s_sums(hd, scw, qhw, sg_lo, sg_hi, qa, qb, qc, qd, p0, p1, p2, p3, isum, sb, grid_all, grid_ptr,
+                    BLOCK_N: tl.constexpr, EMULATE: tl.constexpr, GRID_SMEM: tl.constexpr):
+        """(isum + the sub-block dots, the sub-block weight scales) of one iq3_s block from its units."""
+        x01, x23 = _halves(p0)
+        x45, x67 = _halves(p1)
+        x89, xab = _halves(p2)
+        xcd, xef = _halves(p3)
+        d = hd.to(tl.int16, bitcast=True).to(tl.float16, bitcast=True).to(tl.float32)
+        sc = (scw.to(tl.int32) >> (4 * (sb % 4))) & 0xF
+        dw = d * (1 + 2 * sc).to(tl.float32)
+        qh = qhw.to(tl.int32) >> (8 * (sb % 2))
+        # qh bit p as byte p % 4 of spread word p // 4 (0 or 1), the grid index's high byte
+        qh_lo = ((qh & 0xF) * 0x204081) & 0x01010101
+        qh_hi = (((qh >> 4) & 0xF) * 0x204081) & 0x01010101
+        t_lo = sg_lo.to(tl.int32)  # sign bits of entries 0-3, 4 each
+        t_hi = sg_hi.to(tl.int32)  # entries 4-7
+        # grid index of entry p = qs byte p | qh bit p << 8: one prmt (qs bytes 2, 3 are zero)
+        qa = qa.to(tl.int32)
+        qb = qb.to(tl.int32)
+        qc = qc.to(tl.int32)
+        qd = qd.to(tl.int32)
+        i0 = prmt(qa, qh_lo, tl.full(qa.shape, 0x2240, tl.int32), EMULATE)
+        i1 = prmt(qa, qh_lo, tl.full(qa.shape, 0x2251, tl.int32), EMULATE)
+        i2 = prmt(qb, qh_lo, tl.full(qa.shape, 0x2260, tl.int32), EMULATE)
+        i3 = prmt(qb, qh_lo, tl.full(qa.shape, 0x2271, tl.int32), EMULATE)
+        i4 = prmt(qc, qh_hi, tl.full(qa.shape, 0x2240, tl.int32), EMULATE)
+        i5 = prmt(qc, qh_hi, tl.full(qa.shape, 0x2251, tl.int32), EMULATE)
+        i6 = prmt(qd, qh_hi, tl.full(qa.shape, 0x2260, tl.int32), EMULATE)
+        i7 = prmt(qd, qh_hi, tl.full(qa.shape, 0x2271, tl.int32), EMULATE)
+        if GRID_SMEM:
+            g0, g1, g2, g3, g4, g5, g6, g7 = _gather8(grid_all, i0, i1, i2, i3, i4, i5, i6, i7, BLOCK_N)
+        else:
+            g0, g1, g2, g3, g4, g5, g6, g7 = _load8(grid_ptr, i0, i1, i2, i3, i4, i5, i6, i7)
+        isum = _iq3_s_dot(g0, t_lo, x01, isum, EMULATE)
+        isum = _iq3_s_dot(g1, t_lo >> 4, x23, isum, EMULATE)
+        isum = _iq3_s_dot(g2, t_lo >> 8, x45, isum, EMULATE)
+        isum = _iq3_s_dot(g3, t_lo >> 12, x67, isum, EMULATE)
+        isum = _iq3_s_dot(g4, t_hi, x89, isum, EMULATE)
+        isum = _iq3_s_dot(g5, t_hi >> 4, xab, isum, EMULATE)
+        isum = _iq3_s_dot(g6, t_hi >> 8, xcd, isum, EMULATE)
+        isum = _iq3_s_dot(g7, t_hi >> 12, xef, isum, EMULATE)
+        return isum, dw
+
+    @jit
+    def _iq4_xs_load(b, sb):
+        """The int32 units of one iq4_xs block a thread reads: d | scales_h << 16 at 0, scales_l 1, qs 2..33
+        (4 words per group)."""
+        qs = b + 2 + 4 * sb
+        return tl.load(b), tl.load(b + 1), tl.load(qs), tl.load(qs + 1), tl.load(qs + 2), tl.load(qs + 3)
+
+    @jit
+    def _iq4_xs_sums(h0, scl, q0, q1, q2, q3, p0, p1, p2, p3, isum, sb, T0: tl.constexpr, T1: tl.constexpr,
+                     T2: tl.constexpr, T3: tl.constexpr, EMULATE: tl.constexpr):
+        """(isum + the sub-block dots, the sub-block weight scales) of one iq4_xs block from its units; qs
+        word j of a group holds codes 4j..4j+3 (low nibbles) and 16+4j.. (high)."""
+        x01, x23 = _halves(p0)
+        x45, x67 = _halves(p1)
+        x89, xab = _halves(p2)
+        xcd, xef = _halves(p3)
+        d = (h0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        sc_lo = (scl >> (4 * sb)) & 0xF
+        sc_hi = (h0 >> (16 + 2 * sb)) & 3
+        dw = d * ((sc_lo | (sc_hi << 4)) - 32).to(tl.float32)
+        isum = _iq4_xs_dot(q0, x01, x89, isum, T0, T1, T2, T3, EMULATE)
+        isum = _iq4_xs_dot(q1, x23, xab, isum, T0, T1, T2, T3, EMULATE)
+        isum = _iq4_xs_dot(q2, x45, xcd, isum, T0, T1, T2, T3, EMULATE)
+        isum = _iq4_xs_dot(q3, x67, xef, isum, T0, T1, T2, T3, EMULATE)
+        return isum, dw
+
+    @jit
+    def _x_load(xq_row, xd_row, blk):
+        """A block's activation words of the thread's sub-block (4 int64 pairs) and their scale."""
+        xw = xq_row + blk * 32
+        return tl.load(xw), tl.load(xw + 1), tl.load(xw + 2), tl.load(xw + 3), tl.load(xd_row + blk * 8)
+
+    @jit
     def _gemv_q8_iq_kernel(
         w_ptr, xq_ptr, xd_ptr, y_ptr, grid_ptr,
         N, K, M, row_units, stride_xq, stride_xd, stride_ym,
         FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
         T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, EMULATE: tl.constexpr,
-        GRID_SMEM: tl.constexpr,
+        GRID_SMEM: tl.constexpr, PREFETCH: tl.constexpr,
     ):
-        # w_ptr: iq3_s rows as uint16 (2-byte aligned blocks, 55 units each), iq4_xs as int32 (34 per block)
+        # w_ptr: iq3_s rows as uint16 (2-byte aligned blocks, 55 units each), iq4_xs as int32 (34 per block).
+        # PREFETCH 1: block b + 1's weight units are loaded into loop-carried registers before block b is
+        # computed (its loads stay in flight during b's arithmetic); 2: its activation words too.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(2)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -185,67 +305,51 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.float32)
         if GRID_SMEM:  # iq3_s grid in registers; tl.gather looks it up through shared memory
             grid_all = tl.load(grid_ptr + tl.arange(0, 512))
+        else:
+            grid_all = tl.zeros([1], dtype=tl.int32)  # unused
         blocks = K // 256
         per_split = (blocks + SPLIT_K - 1) // SPLIT_K
-        for blk in range(pid_k * per_split, tl.minimum(blocks, (pid_k + 1) * per_split)):
-            xw = xq_row + blk * 32
-            x01, x23 = _halves(tl.load(xw))
-            x45, x67 = _halves(tl.load(xw + 1))
-            x89, xab = _halves(tl.load(xw + 2))
-            xcd, xef = _halves(tl.load(xw + 3))
-            isum = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.int32)
-            if FMT == 0:  # iq3_s, in uint16 units: d 0, qs 1..32, qh 33..36, signs 37..52, scales 53..54
-                b = row + blk * 55
-                d = tl.load(b).to(tl.int16, bitcast=True).to(tl.float16, bitcast=True).to(tl.float32)
-                sc = (tl.load(b + 53 + sb // 4).to(tl.int32) >> (4 * (sb % 4))) & 0xF
-                dw = d * (1 + 2 * sc).to(tl.float32)
-                qh = tl.load(b + 33 + sb // 2).to(tl.int32) >> (8 * (sb % 2))
-                # qh bit p as byte p % 4 of spread word p // 4 (0 or 1), the grid index's high byte
-                qh_lo = ((qh & 0xF) * 0x204081) & 0x01010101
-                qh_hi = (((qh >> 4) & 0xF) * 0x204081) & 0x01010101
-                sg_lo = tl.load(b + 37 + 2 * sb).to(tl.int32)  # sign bits of entries 0-3, 4 each
-                sg_hi = tl.load(b + 38 + 2 * sb).to(tl.int32)  # entries 4-7
-                # grid index of entry p = qs byte p | qh bit p << 8: one prmt (qs bytes 2, 3 are zero)
-                qa = tl.load(b + 1 + 4 * sb).to(tl.int32)
-                qb = tl.load(b + 2 + 4 * sb).to(tl.int32)
-                qc = tl.load(b + 3 + 4 * sb).to(tl.int32)
-                qd = tl.load(b + 4 + 4 * sb).to(tl.int32)
-                i0 = prmt(qa, qh_lo, tl.full(qa.shape, 0x2240, tl.int32), EMULATE)
-                i1 = prmt(qa, qh_lo, tl.full(qa.shape, 0x2251, tl.int32), EMULATE)
-                i2 = prmt(qb, qh_lo, tl.full(qa.shape, 0x2260, tl.int32), EMULATE)
-                i3 = prmt(qb, qh_lo, tl.full(qa.shape, 0x2271, tl.int32), EMULATE)
-                i4 = prmt(qc, qh_hi, tl.full(qa.shape, 0x2240, tl.int32), EMULATE)
-                i5 = prmt(qc, qh_hi, tl.full(qa.shape, 0x2251, tl.int32), EMULATE)
-                i6 = prmt(qd, qh_hi, tl.full(qa.shape, 0x2260, tl.int32), EMULATE)
-                i7 = prmt(qd, qh_hi, tl.full(qa.shape, 0x2271, tl.int32), EMULATE)
-                if GRID_SMEM:
-                    g0, g1, g2, g3, g4, g5, g6, g7 = _gather8(grid_all, i0, i1, i2, i3, i4, i5, i6, i7,
-                                                              BLOCK_N)
+        lo = pid_k * per_split
+        hi = tl.minimum(blocks, lo + per_split)
+        unit = 55 if FMT == 0 else 34  # units per block
+        # the block loaded before the loop (clamped: an empty split-K part reads a valid block, unused)
+        first = tl.minimum(lo, blocks - 1)
+        if FMT == 0:
+            u0, u1, u2, u3, u4, u5, u6, u7, u8 = _iq3_s_load(row + first * unit, sb)
+        else:
+            u0, u1, u2, u3, u4, u5 = _iq4_xs_load(row + first * unit, sb)
+        p0, p1, p2, p3, dx = _x_load(xq_row, xd_row, first)
+        for blk in range(lo, hi):
+            nxt = tl.minimum(blk + 1, hi - 1)  # the last step reloads its own block (cached, unused)
+            if PREFETCH == 0:
+                if FMT == 0:
+                    u0, u1, u2, u3, u4, u5, u6, u7, u8 = _iq3_s_load(row + blk * unit, sb)
                 else:
-                    g0, g1, g2, g3, g4, g5, g6, g7 = _load8(grid_ptr, i0, i1, i2, i3, i4, i5, i6, i7)
-                isum = _iq3_s_dot(g0, sg_lo, x01, isum, EMULATE)
-                isum = _iq3_s_dot(g1, sg_lo >> 4, x23, isum, EMULATE)
-                isum = _iq3_s_dot(g2, sg_lo >> 8, x45, isum, EMULATE)
-                isum = _iq3_s_dot(g3, sg_lo >> 12, x67, isum, EMULATE)
-                isum = _iq3_s_dot(g4, sg_hi, x89, isum, EMULATE)
-                isum = _iq3_s_dot(g5, sg_hi >> 4, xab, isum, EMULATE)
-                isum = _iq3_s_dot(g6, sg_hi >> 8, xcd, isum, EMULATE)
-                isum = _iq3_s_dot(g7, sg_hi >> 12, xef, isum, EMULATE)
-            else:  # iq4_xs, in int32 units: d | scales_h << 16 at 0, scales_l 1, qs 2..33 (4 words per group)
-                b = row + blk * 34
-                h0 = tl.load(b)
-                d = (h0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                sc_lo = (tl.load(b + 1) >> (4 * sb)) & 0xF
-                sc_hi = (h0 >> (16 + 2 * sb)) & 3
-                dw = d * ((sc_lo | (sc_hi << 4)) - 32).to(tl.float32)
-                # qs word j of the group: codes 4j..4j+3 (low nibbles) and 16+4j.. (high)
-                qs = b + 2 + 4 * sb
-                isum = _iq4_xs_dot(tl.load(qs), x01, x89, isum, T0, T1, T2, T3, EMULATE)
-                isum = _iq4_xs_dot(tl.load(qs + 1), x23, xab, isum, T0, T1, T2, T3, EMULATE)
-                isum = _iq4_xs_dot(tl.load(qs + 2), x45, xcd, isum, T0, T1, T2, T3, EMULATE)
-                isum = _iq4_xs_dot(tl.load(qs + 3), x67, xef, isum, T0, T1, T2, T3, EMULATE)
-            dx = tl.load(xd_row + blk * 8)
+                    u0, u1, u2, u3, u4, u5 = _iq4_xs_load(row + blk * unit, sb)
+            if PREFETCH < 2:
+                p0, p1, p2, p3, dx = _x_load(xq_row, xd_row, blk)
+            if PREFETCH > 0:  # issue block b + 1's loads before block b's arithmetic
+                if FMT == 0:
+                    n0, n1, n2, n3, n4, n5, n6, n7, n8 = _iq3_s_load(row + nxt * unit, sb)
+                else:
+                    n0, n1, n2, n3, n4, n5 = _iq4_xs_load(row + nxt * unit, sb)
+            if PREFETCH == 2:
+                np0, np1, np2, np3, ndx = _x_load(xq_row, xd_row, nxt)
+            isum = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.int32)
+            if FMT == 0:
+                isum, dw = _iq3_s_sums(u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, isum, sb, grid_all,
+                                       grid_ptr, BLOCK_N, EMULATE, GRID_SMEM)
+            else:
+                isum, dw = _iq4_xs_sums(u0, u1, u2, u3, u4, u5, p0, p1, p2, p3, isum, sb, T0, T1, T2, T3,
+                                        EMULATE)
             acc += isum.to(tl.float32) * (dw[None, :, :] * dx)
+            if PREFETCH > 0:
+                if FMT == 0:
+                    u0, u1, u2, u3, u4, u5, u6, u7, u8 = n0, n1, n2, n3, n4, n5, n6, n7, n8
+                else:
+                    u0, u1, u2, u3, u4, u5 = n0, n1, n2, n3, n4, n5
+            if PREFETCH == 2:
+                p0, p1, p2, p3, dx = np0, np1, np2, np3, ndx
         out = tl_sum(acc, 2)
         ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         mask = (offs_m < M)[:, None] & n_ok[None, :]
@@ -308,7 +412,7 @@ def gemv_q8_iq(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_feature
         out_features, in_features, n, units.shape[1], words.stride(0), xa.d.stride(0), y.stride(0),
         FMT=IQ_Q8_FORMATS.index(fmt), BLOCK_N=s.block_n, BLOCK_M=s.block_m, SPLIT_K=s.split_k,
         T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=EMULATE_DP4A,
-        GRID_SMEM=grid_in_shared and fmt == "iq3_s", **extra)
+        GRID_SMEM=grid_in_shared and fmt == "iq3_s", PREFETCH=getattr(s, "prefetch", 0), **extra)
     return y.to(xa.dtype)
 
 

@@ -123,12 +123,13 @@ def test_gdn_kernels_equal_reference_mixing(model, triton_on_cpu, fp16_state):
         worst = max(worst, rel(got, want))
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     # measured: fp32 state 3.2e-6 logits / 1.3e-6 state (summation order of kernel vs reference); fp16 state
-    # 1.3e-4 / 3.3e-4: a near-tie fp32 value rounds to the neighbouring fp16, one fp16 ulp is 2^-10
+    # 1.3e-4 / 3.3e-4: a near-tie fp32 value rounds to the neighbouring fp16, one fp16 ulp is 2^-10; the conv
+    # slots hold later layers' inputs, which carry the earlier layers' output differences (2.9e-5 with fp16)
     tol_logits, tol_state = (5e-4, 2 ** -10) if fp16_state else (1e-5, 1e-5)
     assert worst < tol_logits, worst
     for layer in range(len(mine.states.recurrent)):
         assert rel(mine.states.recurrent[layer], ref_pools.states.recurrent[layer]) < tol_state
-        assert rel(mine.states.conv[layer], ref_pools.states.conv[layer]) < 1e-5
+        assert rel(mine.states.conv[layer], ref_pools.states.conv[layer]) < tol_logits
 
 
 def test_gdn_hook_only_where_asked(model):
@@ -231,8 +232,8 @@ def test_graph_region_has_no_host_sync(model, triton_on_cpu):
     pools = Pools(model, "rk8v4")
     prefill_lanes(model, pools, {0: 63, 1: 5, 2: 64})
     graphs = DecodeGraphs(model, pools.kv, pools.states, capture=False)
-    graphs._stage(4, [[1, 2, 3], [63, 5, 64], [0, 1, 2], [64, 6, 65], [0, 1, 2]])
-    ctx = GraphDecodeContext(graphs._inputs[:, :4], pools.kv, pools.states)
+    ctx = GraphDecodeContext(torch.zeros(5, 4, dtype=torch.long), pools.kv, pools.states)
+    graphs._stage(ctx.inputs, [[1, 2, 3], [63, 5, 64], [0, 1, 2], [64, 6, 65], [0, 1, 2]])
     graphs._forward(ctx)  # the warm-up before capture (fills the kernels' cached device tables)
     with NoHostSync():
         logits = graphs._forward(ctx)

@@ -103,10 +103,9 @@ class DecodeGraphs:
         self.states = states
         self.capture = kv.device.type == "cuda" if capture is None else capture
         self.sizes = capture_sizes(kv.scratch_lane)  # scratch_lane == max lanes
-        n = self.sizes[-1]
-        self._inputs = torch.zeros(5, n, dtype=torch.long, device=kv.device)
         pin = kv.device.type == "cuda"
-        self._host = torch.zeros(5, n, dtype=torch.long, pin_memory=pin)
+        self._host = torch.zeros(5 * self.sizes[-1], dtype=torch.long, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None  # the last staged copy left the pinned buffer
         self._padding = (0, 0, kv.scratch_lane, 1, states.scratch_slot)
         self._graphs: dict[int, _Captured] = {}
         self._pool = None
@@ -124,22 +123,27 @@ class DecodeGraphs:
         """Logits fp32 `[B, vocab]` of B one-token decode items (lane, token at position)."""
         B = len(lanes)
         n = self.padded_size(B)
-        self._stage(n, [token_ids, positions, lanes, [p + 1 for p in positions], lanes])
         entry = self._graphs.get(n) or self._build(n)
+        self._stage(entry.ctx.inputs, [token_ids, positions, lanes, [p + 1 for p in positions], lanes])
         if entry.graph is None:
             return self._forward(entry.ctx)[:B]
         entry.graph.replay()
         return entry.logits[:B].clone()  # the static output is overwritten by the next replay
 
-    def _stage(self, n: int, rows: list[list[int]]) -> None:
-        """One host-to-device copy of the round's inputs (padding rows point at the scratch lane)."""
-        B = len(rows[0])
-        host = self._host[:, :n]
+    def _stage(self, inputs: torch.Tensor, rows: list[list[int]]) -> None:
+        """One host-to-device copy of a round's inputs into a graph's static `[5, n]` block (padding rows
+        point at the scratch lane), from a pinned buffer on CUDA."""
+        n, B = inputs.shape[1], len(rows[0])
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = self._host[: 5 * n].view(5, n)
         if B:
             host[:, :B] = torch.tensor(rows, dtype=torch.long)
         for r, value in enumerate(self._padding):
             host[r, B:] = value
-        self._inputs[:, :n].copy_(host, non_blocking=True)
+        inputs.copy_(host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def _forward(self, ctx: GraphDecodeContext) -> torch.Tensor:
         with torch.inference_mode():
@@ -148,10 +152,16 @@ class DecodeGraphs:
             return self.model.compute_logits(hidden).float()
 
     def _build(self, n: int) -> _Captured:
-        ctx = GraphDecodeContext(self._inputs[:, :n], self.kv, self.states)
+        ctx = GraphDecodeContext(torch.zeros(5, n, dtype=torch.long, device=self.kv.device), self.kv,
+                                 self.states)
         entry = _Captured(None, ctx, None)
         if self.capture:
-            entry = self._capture(n, ctx)
+            try:
+                entry = self._capture(n, ctx)
+            except RuntimeError as exc:  # an op that cannot be captured: keep serving, eagerly, and say so
+                self._log(f"cuda graph: capture of decode batch {n} failed ({str(exc).splitlines()[0]}); "
+                          "decode rounds run eagerly from now on")
+                self.capture = False
         self._graphs[n] = entry
         return entry
 
@@ -159,9 +169,7 @@ class DecodeGraphs:
         """The torch recipe: warm-up on a side stream, then capture into the shared pool. Warm-up and capture
         run on the scratch lane only, so no real lane's KV or state moves; the round's inputs go in after."""
         started = time.perf_counter()
-        torch.cuda.synchronize()  # the round's staged copy has left the pinned buffer before it is reused
-        real = self._inputs[:, :n].clone()
-        self._stage(n, [[] for _ in range(5)])
+        self._stage(ctx.inputs, [[] for _ in range(5)])
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -179,5 +187,4 @@ class DecodeGraphs:
         record = CaptureRecord(n, time.perf_counter() - started, grown)
         self.records.append(record)
         self._log(record.line())
-        self._inputs[:, :n].copy_(real)
         return _Captured(graph, ctx, logits)

@@ -524,6 +524,12 @@ def time_prefill_attention(log: Log, dev: torch.device, fmt, Hq: int, Hkv: int) 
             best = (pp8192, rows, warps)
     log.record(kind="time", op="prefill_attention_pp8192", format=fmt.name, ms=best[0], block_rows=best[1],
                warps=best[2])
+    for span in (2, 4, 8):  # verification spans at 16K: the context split over programs, merged
+        qs = q[:span].contiguous()
+        ms = bench_ms(lambda qs=qs, n=span: prefill_attention(qs, storage, tables, 0, 16384 - n, fmt))
+        log(f"prefill attention {fmt.name} span {span} after {16384 - span} (split context): "
+            f"{ms * 1e3:.1f} us")
+        log.record(kind="time", op="prefill_attention_span", format=fmt.name, span=span, us=ms * 1e3)
     if fmt.name == "bf16":  # the path the engine took before: decode every page to fp32, SDPA with a mask
         from ninfer.engine.paged_context import causal_attention
         from ninfer.kernels import kv_quant
@@ -569,7 +575,8 @@ def compile_attention(log: Log) -> bool:
              "pages_per_split": "i32"}
     build(pa._merge_splits_kernel, merge, {"D": 256, "SPLITS": 64, "BS": 64}, "paged attention merge")
     prefill = {"q_ptr": "*bf16", "kv_ptr": "*u8", "kv16_ptr": "*i16", "pt_ptr": "*i32", "levels_ptr": "*fp32",
-               "o_ptr": "*bf16", "L": "i32", "cached": "i32", "Hq": "i32", "Hkv": "i32", "scale": "fp32"}
+               "o_ptr": "*bf16", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "L": "i32", "cached": "i32",
+               "Hq": "i32", "Hkv": "i32", "pages_per_split": "i32", "scale": "fp32"}
     for name, code in pa.KERNEL_KV_CODES.items():
         fmt = kv_quant.kv_format(name, 256)
         rows = {"KB": fmt.key_bytes, "TB": fmt.token_bytes}
@@ -578,8 +585,11 @@ def compile_attention(log: Log) -> bool:
               f"paged attention {name}")
         sig = {**prefill, "q_ptr": "*fp32"} if fmt.rotated_keys else prefill  # rotated queries are fp32
         for block_rows, warps in PREFILL_ATTN_TILES:
-            const = {"FMT": code, "D": 256, "G": 6, **rows, "BLOCK_R": block_rows, "DOT_F16": True}
+            const = {"FMT": code, "D": 256, "G": 6, **rows, "BLOCK_R": block_rows, "DOT_F16": True,
+                     "SPLITS": 1}
             build(pf._prefill_kernel, sig, const, f"prefill attention {name} r{block_rows} w{warps}", warps)
+        const = {"FMT": code, "D": 256, "G": 6, **rows, "BLOCK_R": 64, "DOT_F16": True, "SPLITS": 64}
+        build(pf._prefill_kernel, sig, const, f"prefill attention {name} r64 w8, 64 splits", 8)
     return ok
 
 

@@ -231,5 +231,5 @@ def paged_decode_attention(
     )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _merge_splits_kernel[(B, Hq)](acc, ml, lens, out, Hq, pages_per_split, D=D, SPLITS=splits,
-                                  BS=min(64, 1 << (splits - 1).bit_length()))
+                                  BS=min(64, max(16, 1 << (splits - 1).bit_length())))
     return out

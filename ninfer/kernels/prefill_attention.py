@@ -20,10 +20,12 @@ from ninfer.kernels import kv_quant, reference
 from ninfer.kernels.paged_attention import (
     KERNEL_KV_CODES,
     PAGE_TOKENS,
+    PAGES_PER_SPLIT,
     PagedAttentionError,
     _device_tables,
     _load_k,
     _load_v,
+    _merge_splits_kernel,
     kernel_supports,
 )
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_max, tl_sum, triton_runs_on
@@ -48,14 +50,17 @@ def prefill_attention_reference(
 
 @jit
 def _prefill_kernel(
-    q_ptr, kv_ptr, kv16_ptr, pt_ptr, levels_ptr, o_ptr,
-    L, cached, Hq, Hkv, scale,
+    q_ptr, kv_ptr, kv16_ptr, pt_ptr, levels_ptr, o_ptr, acc_ptr, ml_ptr,
+    L, cached, Hq, Hkv, pages_per_split, scale,
     FMT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, TB: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    DOT_F16: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_F16: tl.constexpr, SPLITS: tl.constexpr,
 ):
+    """SPLITS == 1: each program attends to all pages its rows see and writes the output. SPLITS > 1 (short
+    spans over long contexts): program (tile, head, split) takes `pages_per_split` pages and writes its
+    partial softmax for the rows that see any of them; `paged_attention._merge_splits_kernel` merges."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) rows start first
     h = tl.program_id(1)
+    sp = tl.program_id(2)
     f = tile * BLOCK_R + tl.arange(0, BLOCK_R)  # flattened (position, head-in-group) pairs
     row_ok = f < L * G
     pos = f // G
@@ -72,7 +77,8 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-    for pi in range(0, last // 64 + 1):
+    first = sp * pages_per_split
+    for pi in range(first, tl.minimum(last // 64 + 1, first + pages_per_split)):
         page = tl.load(pt_ptr + pi).to(tl.int64)
         tok = (page * Hkv + h) * 64 + t
         key = pi * 64 + t
@@ -85,8 +91,9 @@ def _prefill_kernel(
         s = tl.dot(q, tl.trans(k))
         s = tl.where(key[None, :] <= sees[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl_max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet (splits): p = 0
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl_sum(p, 1)
         v = _load_v(row, row16, tok_ok, FMT, D, KB, 64)
         if DOT_F16:
@@ -94,9 +101,16 @@ def _prefill_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
-    out = acc / l_i[:, None]
-    out_ptr = o_ptr + (pos * Hq + heads)[:, None] * D + d
-    tl.store(out_ptr, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if SPLITS == 1:
+        out = acc / l_i[:, None]
+        out_ptr = o_ptr + (pos * Hq + heads)[:, None] * D + d
+        tl.store(out_ptr, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:  # rows that see no key of this split are not stored
+        seen = row_ok & (first * 64 <= sees)
+        part = (pos * Hq + heads) * SPLITS + sp
+        tl.store(acc_ptr + part[:, None] * D + d, acc, mask=seen[:, None])
+        tl.store(ml_ptr + part * 2, m_i, mask=seen)
+        tl.store(ml_ptr + part * 2 + 1, l_i, mask=seen)
 
 
 def _check(q, storage, row, cached, fmt) -> None:
@@ -117,11 +131,12 @@ def _check(q, storage, row, cached, fmt) -> None:
 def prefill_attention(
     q: torch.Tensor, storage: torch.Tensor, page_tables: torch.Tensor, lane: int, cached: int,
     fmt: kv_quant.KvFormat, scale: float | None = None, *, block_rows: int = 64, num_warps: int | None = None,
-    dot_f16: bool | None = None,
+    dot_f16: bool | None = None, pages_per_split: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a span's queries `q [L, Hq, D]` (not rotated; positions cached..cached+L-1) over
     the sequence's pages (the span's K/V already written). `page_tables` is the pool's `[lanes, max_pages]`
-    int32 table (row `lane` used) or one row. Returns `[L, Hq, D]` in q's dtype."""
+    int32 table (row `lane` used) or one row. Returns `[L, Hq, D]` in q's dtype. `pages_per_split` (default:
+    automatic) splits the context over programs, for spans too short to fill the GPU."""
     row = _table_row(page_tables, lane)
     _check(q, storage, row, cached, fmt)
     if not (HAVE_TRITON and triton_runs_on(q) and kernel_supports(fmt)):
@@ -136,11 +151,22 @@ def prefill_attention(
         dot_f16 = q.is_cuda
     if num_warps is None:
         num_warps = 8 if D * block_rows >= 128 * 128 else 4
-    _prefill_kernel[(-(-L * G // block_rows), Hkv)](
-        qr, storage, storage.view(torch.int16), row, levels, out, L, cached, Hq, Hkv,
-        scale if scale is not None else 1.0 / math.sqrt(D),
+    tiles, pages = -(-L * G // block_rows), -(-(cached + L) // PAGE_TOKENS)
+    if pages_per_split is None:  # few programs over a long context (verification spans): split the pages
+        pages_per_split = PAGES_PER_SPLIT if tiles * Hkv < 128 and pages > 2 * PAGES_PER_SPLIT else pages
+    splits = -(-pages // pages_per_split)
+    acc = ml = out
+    if splits > 1:
+        acc = torch.empty((L, Hq, splits, D), dtype=torch.float32, device=q.device)
+        ml = torch.empty((L, Hq, splits, 2), dtype=torch.float32, device=q.device)
+    _prefill_kernel[(tiles, Hkv, splits)](
+        qr, storage, storage.view(torch.int16), row, levels, out, acc, ml, L, cached, Hq, Hkv,
+        pages_per_split, scale if scale is not None else 1.0 / math.sqrt(D),
         FMT=KERNEL_KV_CODES[fmt.name], D=D, G=G, KB=fmt.key_bytes, TB=fmt.token_bytes, BLOCK_R=block_rows,
-        DOT_F16=dot_f16,
-        num_warps=num_warps,
+        DOT_F16=dot_f16, SPLITS=splits, num_warps=num_warps,
     )
+    if splits > 1:  # row i sees cached + i + 1 keys: the merge takes its active splits from that
+        lens = torch.arange(cached + 1, cached + L + 1, dtype=torch.int32, device=q.device)
+        _merge_splits_kernel[(L, Hq)](acc, ml, lens, out, Hq, pages_per_split, D=D, SPLITS=splits,
+                                      BS=min(64, max(16, 1 << (splits - 1).bit_length())))
     return out

@@ -5,7 +5,8 @@ keys 0..cached+i. One program takes one KV head and a tile of BLOCK_R (position,
 head's GQA group, flattened position-major, so K/V pages are decoded once for the whole group. Pages are
 64-token tiles decoded in the kernel like `paged_attention` (bf16 / int8 / rk8v4 / rk4v4; rotated-key formats
 take the query rotated by the same Walsh–Hadamard matrix); online softmax with fp32 accumulation; the dots
-take fp16 operands on the GPU (tensor cores) or fp32 (`dot_f16=False`, exact in the CPU interpreter).
+take fp16 operands on the GPU (tensor cores) or fp32 (`dot_f16=False`, exact in the CPU interpreter). Short
+spans over long contexts (verification) split the pages over programs too, merged like paged decode.
 `prefill_attention_reference` decodes the same bytes with `kv_quant.decode_kv` and runs
 `reference.attention_reference`: the oracle and the CPU path.
 """

@@ -40,7 +40,7 @@ def compile_schedule(fmt: str, sched) -> str:
     t0, t1, t2, t3 = q._IQ4_WORDS
     const = dict(FMT=q.IQ_Q8_FORMATS.index(fmt), BLOCK_N=sched.block_n, BLOCK_M=sched.block_m,
                  SPLIT_K=sched.split_k, T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=False,
-                 GRID_SMEM=smem, PREFETCH=getattr(sched, "prefetch", 0))
+                 GRID_SMEM=smem, PREFETCH=getattr(sched, "prefetch", 0), FENCE=getattr(sched, "fence", True))
     src = ASTSource(q._gemv_q8_iq_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, attrs)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": sched.num_warps})
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

@@ -42,6 +42,7 @@ class IqSchedule(MatmulSchedule):
     registers (latency hiding), 2: its activation words too. gguf_matmul's q8 schedules mean prefetch 0."""
 
     prefetch: int = 0
+    fence: bool = True  # prefetch: the block's arithmetic behind a run-time branch (loads stay ahead)
 
 
 def _sched(name: str, block_n: int, block_m: int, split_k: int = 1, num_warps: int = 4,
@@ -280,12 +281,35 @@ if HAVE_TRITON:
         return tl.load(xw), tl.load(xw + 1), tl.load(xw + 2), tl.load(xw + 3), tl.load(xd_row + blk * 8)
 
     @jit
+    def _opaque(v, EMULATE: tl.constexpr):
+        """v through an asm `mov` (the compiler cannot reason about the result)."""
+        if EMULATE:
+            return v
+        else:
+            return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32, is_pure=True,
+                                             pack=1)
+
+    @jit
+    def _acc_block(acc, u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, dx, sb, grid_all, grid_ptr,
+                   FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T0: tl.constexpr,
+                   T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, EMULATE: tl.constexpr,
+                   GRID_SMEM: tl.constexpr):
+        """acc + one block's scaled sub-block dots, from its units u (iq4_xs: u0..u5) and activation words."""
+        isum = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.int32)
+        if FMT == 0:
+            isum, dw = _iq3_s_sums(u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, isum, sb, grid_all,
+                                   grid_ptr, BLOCK_N, EMULATE, GRID_SMEM)
+        else:
+            isum, dw = _iq4_xs_sums(u0, u1, u2, u3, u4, u5, p0, p1, p2, p3, isum, sb, T0, T1, T2, T3, EMULATE)
+        return acc + isum.to(tl.float32) * (dw[None, :, :] * dx)
+
+    @jit
     def _gemv_q8_iq_kernel(
         w_ptr, xq_ptr, xd_ptr, y_ptr, grid_ptr,
         N, K, M, row_units, stride_xq, stride_xd, stride_ym,
         FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
         T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, EMULATE: tl.constexpr,
-        GRID_SMEM: tl.constexpr, PREFETCH: tl.constexpr,
+        GRID_SMEM: tl.constexpr, PREFETCH: tl.constexpr, FENCE: tl.constexpr,
     ):
         # w_ptr: iq3_s rows as uint16 (2-byte aligned blocks, 55 units each), iq4_xs as int32 (34 per block).
         # PREFETCH 1: block b + 1's weight units are loaded into loop-carried registers before block b is
@@ -318,6 +342,7 @@ if HAVE_TRITON:
             u0, u1, u2, u3, u4, u5, u6, u7, u8 = _iq3_s_load(row + first * unit, sb)
         else:
             u0, u1, u2, u3, u4, u5 = _iq4_xs_load(row + first * unit, sb)
+            u6, u7, u8 = u0, u0, u0  # unused
         p0, p1, p2, p3, dx = _x_load(xq_row, xd_row, first)
         for blk in range(lo, hi):
             nxt = tl.minimum(blk + 1, hi - 1)  # the last step reloads its own block (cached, unused)
@@ -335,14 +360,17 @@ if HAVE_TRITON:
                     n0, n1, n2, n3, n4, n5 = _iq4_xs_load(row + nxt * unit, sb)
             if PREFETCH == 2:
                 np0, np1, np2, np3, ndx = _x_load(xq_row, xd_row, nxt)
-            isum = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.int32)
-            if FMT == 0:
-                isum, dw = _iq3_s_sums(u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, isum, sb, grid_all,
-                                       grid_ptr, BLOCK_N, EMULATE, GRID_SMEM)
+            if PREFETCH > 0 and FENCE:
+                # a run-time branch (always taken; its condition opaque to LLVM, so not unswitched): ptxas
+                # schedules within basic blocks, so the loads above stay ahead of this block's arithmetic
+                # instead of sinking to the loop's end
+                if _opaque(blk, EMULATE) < hi:
+                    acc = _acc_block(acc, u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, dx, sb,
+                                     grid_all, grid_ptr, FMT, BLOCK_M, BLOCK_N, T0, T1, T2, T3, EMULATE,
+                                     GRID_SMEM)
             else:
-                isum, dw = _iq4_xs_sums(u0, u1, u2, u3, u4, u5, p0, p1, p2, p3, isum, sb, T0, T1, T2, T3,
-                                        EMULATE)
-            acc += isum.to(tl.float32) * (dw[None, :, :] * dx)
+                acc = _acc_block(acc, u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, dx, sb, grid_all,
+                                 grid_ptr, FMT, BLOCK_M, BLOCK_N, T0, T1, T2, T3, EMULATE, GRID_SMEM)
             if PREFETCH > 0:
                 if FMT == 0:
                     u0, u1, u2, u3, u4, u5, u6, u7, u8 = n0, n1, n2, n3, n4, n5, n6, n7, n8
@@ -412,7 +440,8 @@ def gemv_q8_iq(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_feature
         out_features, in_features, n, units.shape[1], words.stride(0), xa.d.stride(0), y.stride(0),
         FMT=IQ_Q8_FORMATS.index(fmt), BLOCK_N=s.block_n, BLOCK_M=s.block_m, SPLIT_K=s.split_k,
         T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=EMULATE_DP4A,
-        GRID_SMEM=grid_in_shared and fmt == "iq3_s", PREFETCH=getattr(s, "prefetch", 0), **extra)
+        GRID_SMEM=grid_in_shared and fmt == "iq3_s", PREFETCH=getattr(s, "prefetch", 0),
+        FENCE=getattr(s, "fence", True), **extra)
     return y.to(xa.dtype)
 
 

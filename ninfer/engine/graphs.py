@@ -10,6 +10,7 @@ tests check it against `PagedBatchContext`.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass
@@ -105,12 +106,18 @@ class DecodeGraphs:
         self.sizes = capture_sizes(kv.scratch_lane)  # scratch_lane == max lanes
         pin = kv.device.type == "cuda"
         self._host = torch.zeros(5 * self.sizes[-1], dtype=torch.long, pin_memory=pin)
-        self._copied = torch.cuda.Event() if pin else None  # the last staged copy left the pinned buffer
+        with self._on_device():
+            self._copied = torch.cuda.Event() if pin else None  # the last staged copy left the pinned buffer
         self._padding = (0, 0, kv.scratch_lane, 1, states.scratch_slot)
         self._graphs: dict[int, _Captured] = {}
         self._pool = None
         self.records: list[CaptureRecord] = []
         self._log = log if log is not None else (lambda line: print(line, file=sys.stderr))
+
+    def _on_device(self):
+        """Streams, events and graphs of the pools' GPU (which need not be the current device)."""
+        on_gpu = self.kv.device.type == "cuda"
+        return torch.cuda.device(self.kv.device) if on_gpu else contextlib.nullcontext()
 
     def padded_size(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)
@@ -123,12 +130,13 @@ class DecodeGraphs:
         """Logits fp32 `[B, vocab]` of B one-token decode items (lane, token at position)."""
         B = len(lanes)
         n = self.padded_size(B)
-        entry = self._graphs.get(n) or self._build(n)
-        self._stage(entry.ctx.inputs, [token_ids, positions, lanes, [p + 1 for p in positions], lanes])
-        if entry.graph is None:
-            return self._forward(entry.ctx)[:B]
-        entry.graph.replay()
-        return entry.logits[:B].clone()  # the static output is overwritten by the next replay
+        with self._on_device():
+            entry = self._graphs.get(n) or self._build(n)
+            self._stage(entry.ctx.inputs, [token_ids, positions, lanes, [p + 1 for p in positions], lanes])
+            if entry.graph is None:
+                return self._forward(entry.ctx)[:B]
+            entry.graph.replay()
+            return entry.logits[:B].clone()  # the static output is overwritten by the next replay
 
     def _stage(self, inputs: torch.Tensor, rows: list[list[int]]) -> None:
         """One host-to-device copy of a round's inputs into a graph's static `[5, n]` block (padding rows

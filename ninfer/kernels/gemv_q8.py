@@ -220,7 +220,8 @@ if HAVE_TRITON:
 
     @jit
     def _kquant_q8(u_ptr, xw_ptr, xd_ptr, xs_ptr, offs_n, n_ok, offs_m, m_ok, K, row_units, s0, s1,
-                   FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr):
+                   FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr,
+                   STAGES: tl.constexpr):
         """q4_k (18 int64 per block) / q5_k (22): qs word (c, p) holds codes 64c + 4p..+3 in its low nibbles
         and 64c + 32 + 4p.. in its high ones; q5_k's fifth bit of code 32s + l is bit s of qh byte l. Group =
         chunk c (sub-blocks 2c, 2c + 1): d·sc·dx·Σq·qx − dmin·mn·(dx·Σqx) per sub-block. Weight and activation
@@ -234,7 +235,7 @@ if HAVE_TRITON:
         WB: tl.constexpr = 18 if FMT == 4 else 22
         QS0: tl.constexpr = 2 if FMT == 4 else 6
         acc = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.float32)
-        for blk in range(s0, s1):
+        for blk in tl.range(s0, s1, num_stages=STAGES):
             wb = row + blk * WB
             xb = xw + blk * 32
             i_lo = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
@@ -271,7 +272,7 @@ if HAVE_TRITON:
 
     @jit
     def _q6k_q8(w_ptr, u_ptr, xw_ptr, xd_ptr, offs_n, n_ok, offs_m, m_ok, K, row_bytes, row_units, s0, s1,
-                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
         """q6_k (210 bytes = 105 int16): code 128h + 32j + l has its low 4 bits in ql byte 64h + 32(j % 2) + l
         (nibble j // 2) and its high 2 bits in qh byte 32h + l (bits 2j); int8 scale per 16 codes at byte
         192 + 8h + 2j + (l ≥ 16). Group t = (h, half of each 32-code run): 4 words × 4 runs j. A code word
@@ -287,7 +288,7 @@ if HAVE_TRITON:
         xw = _full(xw_ptr + xrow * (K // 8) + 16 * h3 + 2 * half, BLOCK_M, BLOCK_N)
         xd = _full(xd_ptr + xrow * (K // 32) + 4 * h3, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.float32)
-        for blk in range(s0, s1):
+        for blk in tl.range(s0, s1, num_stages=STAGES):
             ub = urow + blk * 105
             xb = xw + blk * 32
             i0 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
@@ -332,7 +333,7 @@ if HAVE_TRITON:
 
     @jit
     def _q80_q8(u_ptr, xw_ptr, xd_ptr, offs_n, n_ok, offs_m, m_ok, K, row_units, s0, s1,
-                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
         """q8_0, 8 blocks of 34 bytes (17 int16: d, then code pairs) per step; group g = blocks 2g, 2g + 1:
         d·dx·Σq·qx per block."""
         g3 = tl.arange(0, 4)[None, None, :]
@@ -342,7 +343,7 @@ if HAVE_TRITON:
         xw = _full(xw_ptr + offs_m.to(tl.int64)[:, None, None] * (K // 8) + 8 * g3, BLOCK_M, BLOCK_N)
         xd = _full(xd_ptr + offs_m.to(tl.int64)[:, None, None] * (K // 32) + 2 * g3, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.float32)
-        for step in range(s0, s1):
+        for step in tl.range(s0, s1, num_stages=STAGES):
             ub = urow + step * 136
             xb = xw + step * 32
             for b in tl.static_range(2):
@@ -357,7 +358,7 @@ if HAVE_TRITON:
     @jit
     def _gemv_q8_kernel(w_ptr, u_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_bytes, row_units, stride_ym,
                         FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                        SPLIT_K: tl.constexpr, EMULATE: tl.constexpr):
+                        SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         n_ok = offs_n < N
@@ -368,13 +369,13 @@ if HAVE_TRITON:
         s1 = tl.minimum(steps, s0 + per_split)
         if FMT == 6:
             out = _q6k_q8(w_ptr, u_ptr, xw_ptr, xd_ptr, offs_n, n_ok, offs_m, m_ok, K, row_bytes, row_units,
-                          s0, s1, BLOCK_N, BLOCK_M, EMULATE)
+                          s0, s1, BLOCK_N, BLOCK_M, EMULATE, STAGES)
         elif FMT == 3:
             out = _q80_q8(u_ptr, xw_ptr, xd_ptr, offs_n, n_ok, offs_m, m_ok, K, row_units, s0, s1,
-                          BLOCK_N, BLOCK_M, EMULATE)
+                          BLOCK_N, BLOCK_M, EMULATE, STAGES)
         else:
             out = _kquant_q8(u_ptr, xw_ptr, xd_ptr, xs_ptr, offs_n, n_ok, offs_m, m_ok, K, row_units, s0, s1,
-                             FMT, BLOCK_N, BLOCK_M, EMULATE)
+                             FMT, BLOCK_N, BLOCK_M, EMULATE, STAGES)
         ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K == 1:
@@ -413,5 +414,5 @@ def gemv_q8(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_feature
     xw = xa.q.view(torch.int64)  # activation words read in pairs
     _gemv_q8_kernel[launch](raw, units, xw, xa.d, xa.s, y, out_features, k, n, raw.shape[1], row_units,
                             y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m,
-                            SPLIT_K=s.split_k, EMULATE=EMULATE_DP4A, **extra)
+                            SPLIT_K=s.split_k, EMULATE=EMULATE_DP4A, STAGES=s.num_stages, **extra)
     return y.to(xa.dtype)

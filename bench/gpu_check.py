@@ -838,7 +838,7 @@ def sass_q8(log: Log) -> None:
 
 
 def q8_signature(fmt: str, split_k: int) -> dict:
-    unit = "*i64" if fmt in ("q4_k", "q5_k") else "*i16"
+    unit = "*i64" if fmt in ("q4_k", "q5_k") else "*i32" if fmt == "q6_k" else "*i16"
     return {"w_ptr": "*u8", "u_ptr": unit, "xw_ptr": "*i64", "xd_ptr": "*fp32", "xs_ptr": "*fp32",
             "y_ptr": "*bf16" if split_k == 1 else "*fp32", "N": "i32", "K": "i32", "M": "i32",
             "row_bytes": "i32", "row_units": "i32", "stride_ym": "i32"}

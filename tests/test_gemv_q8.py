@@ -198,3 +198,18 @@ def test_default_route_on_cuda_is_q8_unless_wv_is_asked(monkeypatch, fmt):
     monkeypatch.setenv("NINFER_GEMV", "wv")
     quant_matmul(raw, fmt, x, 8)
     assert len(calls) == 1
+
+
+def test_q6k_any_size_and_alignment():
+    """q6_k is read as aligned int32 words: a tensor whose size (13 rows × 3 blocks = 8190 bytes) or address
+    (2 bytes into a buffer) is no multiple of 4 still gives the twin's result (odd blocks start mid-word)."""
+    raw, x = _case("q6_k", 13, 768, 2, seed=21)
+    xa = quantize_activation(x)
+    want = gemv_q8_reference(raw, "q6_k", xa, 13)
+    buf = torch.zeros(raw.numel() + 2, dtype=torch.uint8)
+    buf[2:] = raw.reshape(-1)
+    shifted = buf[2:].view(13, -1)
+    assert raw.numel() % 4 and shifted.data_ptr() % 4
+    for w in (raw, shifted):
+        y = gemv_q8(w, "q6_k", xa, 13, "q8_n16_m1_p3")
+        assert (y.double() - want).abs().max() <= 1e-6 * want.abs().max()

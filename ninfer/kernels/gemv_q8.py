@@ -271,34 +271,45 @@ if HAVE_TRITON:
         return tl_sum(acc, 2)
 
     @jit
-    def _q6k_q8(w_ptr, u_ptr, xw_ptr, xd_ptr, offs_n, n_ok, offs_m, m_ok, K, row_bytes, row_units, s0, s1,
+    def _funnel(lo, hi, odd):
+        """The int32 word 2 bytes into the int32 pair (lo, hi) where `odd`, else lo."""
+        return tl.where(odd, ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
+
+    @jit
+    def _q6k_q8(u_ptr, xw_ptr, xd_ptr, offs_n, n_ok, offs_m, m_ok, K, row_bytes, s0, s1,
                 BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
-        """q6_k (210 bytes = 105 int16): code 128h + 32j + l has its low 4 bits in ql byte 64h + 32(j % 2) + l
-        (nibble j // 2) and its high 2 bits in qh byte 32h + l (bits 2j); int8 scale per 16 codes at byte
-        192 + 8h + 2j + (l ≥ 16). Group t = (h, half of each 32-code run): 4 words × 4 runs j. A code word
-        becomes 4 signed bytes q − 32 with x = c ^ 0x20 per byte and the sign spread x + 6·(x & 0x20)."""
+        """q6_k (210 bytes): code 128h + 32j + l has its low 4 bits in ql byte 64h + 32(j % 2) + l (nibble
+        j // 2) and its high 2 bits in qh byte 32h + l (bits 2j); int8 scale per 16 codes at byte
+        192 + 8h + 2j + (l ≥ 16), fp16 d at byte 208. Group t = (h, half of each 32-code run): 4 words × 4
+        runs j. A code word becomes 4 signed bytes q − 32 with x = c ^ 0x20 per byte and the sign spread
+        x + 6·(x & 0x20). The weight is read as aligned int32 words (u_ptr: the whole tensor as int32, so the
+        loads are 4-byte and the pipeliner can copy them asynchronously): a block starts 0 or 2 bytes into a
+        word, its word i is then the funnel of aligned words i and i + 1 (adjacent words share the loads)."""
         t3 = tl.arange(0, 4)[None, None, :]
         h3 = t3 // 2
         half = t3 % 2
         nm = n_ok[None, :, None]
         xm = m_ok[:, None, None] & (t3 >= 0)
-        urow = u_ptr + offs_n.to(tl.int64)[None, :, None] * row_units
-        brow = w_ptr + offs_n.to(tl.int64)[None, :, None] * row_bytes
+        row = offs_n.to(tl.int64)[None, :, None] * row_bytes
         xrow = offs_m.to(tl.int64)[:, None, None]
         xw = _full(xw_ptr + xrow * (K // 8) + 16 * h3 + 2 * half, BLOCK_M, BLOCK_N)
         xd = _full(xd_ptr + xrow * (K // 32) + 4 * h3, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.float32)
         for blk in tl.range(s0, s1, num_stages=STAGES):
-            ub = urow + blk * 105
+            start = row + blk * 210
+            odd = (start & 2) != 0
+            ub = u_ptr + (start >> 2)
             xb = xw + blk * 32
             i0 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
             i1 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
             i2 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
             i3 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
             for p in tl.static_range(4):
-                qh = _word16(ub + 64 + 2 * (8 * h3 + 4 * half + p), nm)
+                at = ub + 32 + 8 * h3 + 4 * half + p
+                qh = _funnel(tl.load(at, mask=nm, other=0), tl.load(at + 1, mask=nm, other=0), odd)
                 for a in tl.static_range(2):
-                    ql = _word16(ub + 2 * (16 * h3 + 8 * a + 4 * half + p), nm)
+                    at = ub + 16 * h3 + 8 * a + 4 * half + p
+                    ql = _funnel(tl.load(at, mask=nm, other=0), tl.load(at + 1, mask=nm, other=0), odd)
                     for hi in tl.static_range(2):
                         j = a + 2 * hi
                         lo4 = (ql >> (4 * hi)) & 0x0F0F0F0F
@@ -317,12 +328,20 @@ if HAVE_TRITON:
                             i2 = dp4a(q, xj, i2, EMULATE)
                         else:
                             i3 = dp4a(q, xj, i3, EMULATE)
-            sb = brow + blk * 210 + 192 + 8 * h3 + half
-            s_0 = tl.load(sb, mask=nm, other=0).to(tl.int8, bitcast=True).to(tl.int32)
-            s_1 = tl.load(sb + 2, mask=nm, other=0).to(tl.int8, bitcast=True).to(tl.int32)
-            s_2 = tl.load(sb + 4, mask=nm, other=0).to(tl.int8, bitcast=True).to(tl.int32)
-            s_3 = tl.load(sb + 6, mask=nm, other=0).to(tl.int8, bitcast=True).to(tl.int32)
-            d = tl.load(ub + 104, mask=nm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+            # scale bytes 192 + 8h .. + 7 (words 48 + 2h, 49 + 2h), d in the low or high half of word 52
+            sa = ub + 48 + 2 * h3
+            w48 = tl.load(sa, mask=nm, other=0)
+            w49 = tl.load(sa + 1, mask=nm, other=0)
+            w50 = tl.load(sa + 2, mask=nm, other=0)
+            sc01 = _funnel(w48, w49, odd)
+            sc23 = _funnel(w49, w50, odd)
+            sh0 = 24 - 8 * half
+            s_0 = (sc01 << sh0) >> 24
+            s_1 = (sc01 << (sh0 - 16)) >> 24
+            s_2 = (sc23 << sh0) >> 24
+            s_3 = (sc23 << (sh0 - 16)) >> 24
+            w52 = tl.load(ub + 52, mask=nm, other=0)
+            d = _f16_lo(tl.where(odd, w52 >> 16, w52))
             xdb = xd + blk * 8
             part = (s_0 * i0).to(tl.float32) * tl.load(xdb, mask=xm, other=0.0)
             part += (s_1 * i1).to(tl.float32) * tl.load(xdb + 1, mask=xm, other=0.0)
@@ -368,8 +387,8 @@ if HAVE_TRITON:
         s0 = tl.program_id(2) * per_split
         s1 = tl.minimum(steps, s0 + per_split)
         if FMT == 6:
-            out = _q6k_q8(w_ptr, u_ptr, xw_ptr, xd_ptr, offs_n, n_ok, offs_m, m_ok, K, row_bytes, row_units,
-                          s0, s1, BLOCK_N, BLOCK_M, EMULATE, STAGES)
+            out = _q6k_q8(u_ptr, xw_ptr, xd_ptr, offs_n, n_ok, offs_m, m_ok, K, row_bytes, s0, s1,
+                          BLOCK_N, BLOCK_M, EMULATE, STAGES)
         elif FMT == 3:
             out = _q80_q8(u_ptr, xw_ptr, xd_ptr, offs_n, n_ok, offs_m, m_ok, K, row_units, s0, s1,
                           BLOCK_N, BLOCK_M, EMULATE, STAGES)
@@ -385,8 +404,14 @@ if HAVE_TRITON:
 
 
 def q8_units(raw: torch.Tensor, format: str) -> tuple[torch.Tensor, int]:
-    """The weight rows as the units the q8 kernel reads: int64 word pairs (q4_k, q5_k: 16-byte aligned blocks)
-    or int16 (q6_k, q8_0: 2-byte aligned), and units per row."""
+    """The weight rows as the units the q8 kernel reads, and units per row: int64 word pairs (q4_k, q5_k:
+    16-byte aligned blocks), int16 (q8_0: 2-byte aligned) or, for q6_k, the whole tensor as aligned int32
+    words (a copy padded to whole words in the rare case that its size or address is not a multiple of 4)."""
+    if format == "q6_k":
+        flat = raw.reshape(-1)
+        if flat.numel() % 4 or flat.data_ptr() % 4:
+            flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 4)])
+        return flat.view(torch.int32), raw.shape[1] // 4
     unit, size = (torch.int64, 8) if format in ("q4_k", "q5_k") else (torch.int16, 2)
     return raw.view(unit), raw.shape[1] // size
 

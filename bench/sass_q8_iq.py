@@ -20,6 +20,9 @@ from pathlib import Path
 os.environ.setdefault("NINFER_TRITON_COMPILE_CHECK", "1")  # before ninfer imports triton_support
 
 
+REGS: dict = {}  # (format, schedule) -> (registers per thread, spills) of the last compile
+
+
 def compile_schedule(fmt: str, sched) -> str:
     """The SASS of one (format, schedule), compiled for sm_90 with 16-divisibility hints. Format "iq3_s_l1":
     iq3_s with the grid looked up through L1 (global loads) instead of shared memory."""
@@ -29,7 +32,7 @@ def compile_schedule(fmt: str, sched) -> str:
 
     from ninfer.kernels import gemv_q8_iq as q
 
-    smem = fmt == "iq3_s"
+    smem = fmt == "iq3_s" and not getattr(sched, "grid_l1", False)
     fmt = fmt.removesuffix("_l1")
     sig = {"w_ptr": "*u16" if fmt == "iq3_s" else "*i32", "xq_ptr": "*i64", "xd_ptr": "*fp32",
            "y_ptr": "*fp32" if sched.split_k > 1 else "*bf16", "grid_ptr": "*i32", "N": "i32", "K": "i32",
@@ -40,13 +43,19 @@ def compile_schedule(fmt: str, sched) -> str:
     t0, t1, t2, t3 = q._IQ4_WORDS
     const = dict(FMT=q.IQ_Q8_FORMATS.index(fmt), BLOCK_N=sched.block_n, BLOCK_M=sched.block_m,
                  SPLIT_K=sched.split_k, T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=False,
-                 GRID_SMEM=smem, PREFETCH=getattr(sched, "prefetch", 0), FENCE=getattr(sched, "fence", True))
+                 GRID_SMEM=smem, PREFETCH=getattr(sched, "prefetch", 0), FENCE=getattr(sched, "fence", True),
+                 DEPTH=getattr(sched, "depth", 1))
     src = ASTSource(q._gemv_q8_iq_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, attrs)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": sched.num_warps})
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
         tmp.write(c.asm["cubin"])
         tmp.flush()
+        res = subprocess.run([str(cuobjdump), "-res-usage", tmp.name], capture_output=True, text=True,
+                             check=True).stdout
+        regs = re.search(r"REG:(\d+)", res)
+        spills = re.search(r"STACK:(\d+)", res)
+        REGS[(fmt, sched.name)] = (int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else -1)
         return subprocess.run([str(cuobjdump), "-sass", tmp.name], capture_output=True, text=True,
                               check=True).stdout
 
@@ -88,8 +97,9 @@ def main(argv=None) -> int:
                 continue
             pw, n, mix = per_weight(fmt, s)
             top = " ".join(f"{k} {v}" for k, v in mix.most_common(10))
+            regs, spills = REGS[(fmt.removesuffix("_l1"), s.name)]
             print(f"{fmt} {s.name}: {n} loop instructions = {pw:.2f} per weight (IDP4A {mix.get('IDP', 0)}, "
-                  f"BAR {mix.get('BAR', 0)}); {top}", flush=True)
+                  f"BAR {mix.get('BAR', 0)}); {regs} regs, stack {spills}; {top}", flush=True)
     return 0
 
 

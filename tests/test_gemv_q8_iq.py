@@ -61,7 +61,9 @@ def _rel_max(out: torch.Tensor, ref: torch.Tensor) -> float:
                                          (8, "q8_n16_m8"), (5, "q8_n32_m8"), (4, "q8_n32_m4"),
                                          (1, "q8_n16_m1_p2"), (2, "q8_n16_m4_s4_p2"),
                                          (1, "q8_n8_m1_s4_w2_p2"), (7, "q8_n16_m8_s4_p1"),
-                                         (8, "q8_n64_m8_w4_p1")])
+                                         (8, "q8_n64_m8_w4_p1"), (1, "q8_n16_m1_p2_d2"),
+                                         (3, "q8_n16_m4_s4_p2_d2_l1"), (6, "q8_n16_m8_s4_p1_d2"),
+                                         (1, "q8_n8_m1_s4_w2_p2_d2_l1")])
 def test_kernel_matches_twin(kernel_on_cpu, fmt, n, schedule):
     # split-K over 3 blocks: uneven parts; 20 rows: a partial row tile
     cols = 768 if SCHEDULES[schedule].split_k > 1 else 512

@@ -42,12 +42,13 @@ class IqSchedule(MatmulSchedule):
     registers (latency hiding), 2: its activation words too. gguf_matmul's q8 schedules mean prefetch 0."""
 
     prefetch: int = 0
+    depth: int = 1  # prefetch distance of the weight units in blocks (1 or 2)
     fence: bool = True  # prefetch: the block's arithmetic behind a run-time branch (loads stay ahead)
+    grid_l1: bool = False  # iq3_s: the grid looked up through L1 (global loads), not shared memory
 
 
-def _sched(name: str, block_n: int, block_m: int, split_k: int = 1, num_warps: int = 4,
-           prefetch: int = 0) -> IqSchedule:
-    return IqSchedule(name, "q8", block_n, block_m, split_k=split_k, num_warps=num_warps, prefetch=prefetch)
+def _sched(name: str, block_n: int, block_m: int, split_k: int = 1, num_warps: int = 4, **kw) -> IqSchedule:
+    return IqSchedule(name, "q8", block_n, block_m, split_k=split_k, num_warps=num_warps, **kw)
 
 
 SCHEDULES: dict[str, MatmulSchedule] = {
@@ -81,6 +82,20 @@ SCHEDULES: dict[str, MatmulSchedule] = {
         _sched("q8_n32_m8_w4", 32, 8),
         _sched("q8_n32_m8_w4_p1", 32, 8, prefetch=1),
         _sched("q8_n64_m8_w4_p1", 64, 8, prefetch=1),
+        # weights two blocks ahead
+        _sched("q8_n16_m1_p2_d2", 16, 1, prefetch=2, depth=2),
+        _sched("q8_n16_m1_s4_p2_d2", 16, 1, split_k=4, prefetch=2, depth=2),
+        _sched("q8_n8_m1_s4_w2_p2_d2", 8, 1, split_k=4, num_warps=2, prefetch=2, depth=2),
+        _sched("q8_n16_m4_s4_p2_d2", 16, 4, split_k=4, prefetch=2, depth=2),
+        _sched("q8_n16_m4_p2_d2", 16, 4, prefetch=2, depth=2),
+        _sched("q8_n16_m8_p1_d2", 16, 8, prefetch=1, depth=2),
+        _sched("q8_n16_m8_s4_p1_d2", 16, 8, split_k=4, prefetch=1, depth=2),
+        # iq3_s grid through L1 (no barriers in the loop)
+        _sched("q8_n16_m1_p2_l1", 16, 1, prefetch=2, grid_l1=True),
+        _sched("q8_n16_m1_s4_p2_d2_l1", 16, 1, split_k=4, prefetch=2, depth=2, grid_l1=True),
+        _sched("q8_n8_m1_s4_w2_p2_d2_l1", 8, 1, split_k=4, num_warps=2, prefetch=2, depth=2, grid_l1=True),
+        _sched("q8_n16_m4_s4_p2_d2_l1", 16, 4, split_k=4, prefetch=2, depth=2, grid_l1=True),
+        _sched("q8_n16_m8_s4_p1_d2_l1", 16, 8, split_k=4, prefetch=1, depth=2, grid_l1=True),
     )
 }
 
@@ -275,6 +290,15 @@ if HAVE_TRITON:
         return isum, dw
 
     @jit
+    def _w_load(FMT: tl.constexpr, b, sb):
+        """A block's weight units as 9 values (iq4_xs: 6, padded with copies of the first)."""
+        if FMT == 0:
+            return _iq3_s_load(b, sb)
+        else:
+            h0, scl, q0, q1, q2, q3 = _iq4_xs_load(b, sb)
+            return h0, scl, q0, q1, q2, q3, h0, h0, h0
+
+    @jit
     def _x_load(xq_row, xd_row, blk):
         """A block's activation words of the thread's sub-block (4 int64 pairs) and their scale."""
         xw = xq_row + blk * 32
@@ -309,11 +333,12 @@ if HAVE_TRITON:
         N, K, M, row_units, stride_xq, stride_xd, stride_ym,
         FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
         T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, EMULATE: tl.constexpr,
-        GRID_SMEM: tl.constexpr, PREFETCH: tl.constexpr, FENCE: tl.constexpr,
+        GRID_SMEM: tl.constexpr, PREFETCH: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
     ):
         # w_ptr: iq3_s rows as uint16 (2-byte aligned blocks, 55 units each), iq4_xs as int32 (34 per block).
         # PREFETCH 1: block b + 1's weight units are loaded into loop-carried registers before block b is
-        # computed (its loads stay in flight during b's arithmetic); 2: its activation words too.
+        # computed (its loads stay in flight during b's arithmetic); 2: its activation words too. DEPTH 2:
+        # the weight units of block b + 2 instead (two blocks' loads in flight per thread).
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(2)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -336,30 +361,23 @@ if HAVE_TRITON:
         lo = pid_k * per_split
         hi = tl.minimum(blocks, lo + per_split)
         unit = 55 if FMT == 0 else 34  # units per block
-        # the block loaded before the loop (clamped: an empty split-K part reads a valid block, unused)
+        # the blocks loaded before the loop (clamped: an empty split-K part reads a valid block, unused)
         first = tl.minimum(lo, blocks - 1)
-        if FMT == 0:
-            u0, u1, u2, u3, u4, u5, u6, u7, u8 = _iq3_s_load(row + first * unit, sb)
-        else:
-            u0, u1, u2, u3, u4, u5 = _iq4_xs_load(row + first * unit, sb)
-            u6, u7, u8 = u0, u0, u0  # unused
+        u0, u1, u2, u3, u4, u5, u6, u7, u8 = _w_load(FMT, row + first * unit, sb)
+        if DEPTH == 2:
+            second = tl.minimum(first + 1, blocks - 1)
+            v0, v1, v2, v3, v4, v5, v6, v7, v8 = _w_load(FMT, row + second * unit, sb)
         p0, p1, p2, p3, dx = _x_load(xq_row, xd_row, first)
         for blk in range(lo, hi):
-            nxt = tl.minimum(blk + 1, hi - 1)  # the last step reloads its own block (cached, unused)
             if PREFETCH == 0:
-                if FMT == 0:
-                    u0, u1, u2, u3, u4, u5, u6, u7, u8 = _iq3_s_load(row + blk * unit, sb)
-                else:
-                    u0, u1, u2, u3, u4, u5 = _iq4_xs_load(row + blk * unit, sb)
+                u0, u1, u2, u3, u4, u5, u6, u7, u8 = _w_load(FMT, row + blk * unit, sb)
             if PREFETCH < 2:
                 p0, p1, p2, p3, dx = _x_load(xq_row, xd_row, blk)
-            if PREFETCH > 0:  # issue block b + 1's loads before block b's arithmetic
-                if FMT == 0:
-                    n0, n1, n2, n3, n4, n5, n6, n7, n8 = _iq3_s_load(row + nxt * unit, sb)
-                else:
-                    n0, n1, n2, n3, n4, n5 = _iq4_xs_load(row + nxt * unit, sb)
+            if PREFETCH > 0:  # issue block b + DEPTH's loads before block b's arithmetic (clamped: unused)
+                nb = tl.minimum(blk + DEPTH, hi - 1)
+                n0, n1, n2, n3, n4, n5, n6, n7, n8 = _w_load(FMT, row + nb * unit, sb)
             if PREFETCH == 2:
-                np0, np1, np2, np3, ndx = _x_load(xq_row, xd_row, nxt)
+                np0, np1, np2, np3, ndx = _x_load(xq_row, xd_row, tl.minimum(blk + 1, hi - 1))
             if PREFETCH > 0 and FENCE:
                 # a run-time branch (always taken; its condition opaque to LLVM, so not unswitched): ptxas
                 # schedules within basic blocks, so the loads above stay ahead of this block's arithmetic
@@ -372,10 +390,11 @@ if HAVE_TRITON:
                 acc = _acc_block(acc, u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, dx, sb, grid_all,
                                  grid_ptr, FMT, BLOCK_M, BLOCK_N, T0, T1, T2, T3, EMULATE, GRID_SMEM)
             if PREFETCH > 0:
-                if FMT == 0:
-                    u0, u1, u2, u3, u4, u5, u6, u7, u8 = n0, n1, n2, n3, n4, n5, n6, n7, n8
+                if DEPTH == 2:
+                    u0, u1, u2, u3, u4, u5, u6, u7, u8 = v0, v1, v2, v3, v4, v5, v6, v7, v8
+                    v0, v1, v2, v3, v4, v5, v6, v7, v8 = n0, n1, n2, n3, n4, n5, n6, n7, n8
                 else:
-                    u0, u1, u2, u3, u4, u5 = n0, n1, n2, n3, n4, n5
+                    u0, u1, u2, u3, u4, u5, u6, u7, u8 = n0, n1, n2, n3, n4, n5, n6, n7, n8
             if PREFETCH == 2:
                 p0, p1, p2, p3, dx = np0, np1, np2, np3, ndx
         out = tl_sum(acc, 2)
@@ -440,8 +459,9 @@ def gemv_q8_iq(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_feature
         out_features, in_features, n, units.shape[1], words.stride(0), xa.d.stride(0), y.stride(0),
         FMT=IQ_Q8_FORMATS.index(fmt), BLOCK_N=s.block_n, BLOCK_M=s.block_m, SPLIT_K=s.split_k,
         T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=EMULATE_DP4A,
-        GRID_SMEM=grid_in_shared and fmt == "iq3_s", PREFETCH=getattr(s, "prefetch", 0),
-        FENCE=getattr(s, "fence", True), **extra)
+        GRID_SMEM=grid_in_shared and fmt == "iq3_s" and not getattr(s, "grid_l1", False),
+        PREFETCH=getattr(s, "prefetch", 0), FENCE=getattr(s, "fence", True), DEPTH=getattr(s, "depth", 1),
+        **extra)
     return y.to(xa.dtype)
 
 

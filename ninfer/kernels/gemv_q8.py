@@ -198,10 +198,14 @@ if HAVE_TRITON:
         return lo | (hi << 16)
 
     @jit
-    def _full(ptrs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _full(ptrs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
         """A [BLOCK_M, 1, 4] pointer tile broadcast to the program's [BLOCK_M, BLOCK_N, 4] tile (each thread
-        loads the words its own (row, group) needs)."""
-        return tl.broadcast_to(ptrs, [BLOCK_M, BLOCK_N, 4])
+        loads the words its own (row, group) needs) for a plain loop; kept [BLOCK_M, 1, 4] for a pipelined
+        one (STAGES > 1), whose copies go through shared memory once per program, not once per row."""
+        if STAGES > 1:
+            return ptrs
+        else:
+            return tl.broadcast_to(ptrs, [BLOCK_M, BLOCK_N, 4])
 
     @jit
     def _halves(p64, mask):
@@ -230,8 +234,9 @@ if HAVE_TRITON:
         nm = n_ok[None, :, None]
         xm = m_ok[:, None, None] & (c3 >= 0)
         row = u_ptr + offs_n.to(tl.int64)[None, :, None] * row_units
-        xw = _full(xw_ptr + offs_m.to(tl.int64)[:, None, None] * (K // 8) + 8 * c3, BLOCK_M, BLOCK_N)
-        xd = _full(offs_m.to(tl.int64)[:, None, None] * (K // 32) + 2 * c3, BLOCK_M, BLOCK_N)
+        xrow = offs_m.to(tl.int64)[:, None, None]
+        xw = _full(xw_ptr + xrow * (K // 8) + 8 * c3, BLOCK_M, BLOCK_N, STAGES)
+        xd = _full(xrow * (K // 32) + 2 * c3, BLOCK_M, BLOCK_N, STAGES)
         WB: tl.constexpr = 18 if FMT == 4 else 22
         QS0: tl.constexpr = 2 if FMT == 4 else 6
         acc = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.float32)
@@ -292,8 +297,8 @@ if HAVE_TRITON:
         xm = m_ok[:, None, None] & (t3 >= 0)
         row = offs_n.to(tl.int64)[None, :, None] * row_bytes
         xrow = offs_m.to(tl.int64)[:, None, None]
-        xw = _full(xw_ptr + xrow * (K // 8) + 16 * h3 + 2 * half, BLOCK_M, BLOCK_N)
-        xd = _full(xd_ptr + xrow * (K // 32) + 4 * h3, BLOCK_M, BLOCK_N)
+        xw = _full(xw_ptr + xrow * (K // 8) + 16 * h3 + 2 * half, BLOCK_M, BLOCK_N, STAGES)
+        xd = _full(xd_ptr + xrow * (K // 32) + 4 * h3, BLOCK_M, BLOCK_N, STAGES)
         acc = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.float32)
         for blk in tl.range(s0, s1, num_stages=STAGES):
             start = row + blk * 210
@@ -359,8 +364,9 @@ if HAVE_TRITON:
         nm = n_ok[None, :, None]
         xm = m_ok[:, None, None] & (g3 >= 0)
         urow = u_ptr + offs_n.to(tl.int64)[None, :, None] * row_units + 34 * g3
-        xw = _full(xw_ptr + offs_m.to(tl.int64)[:, None, None] * (K // 8) + 8 * g3, BLOCK_M, BLOCK_N)
-        xd = _full(xd_ptr + offs_m.to(tl.int64)[:, None, None] * (K // 32) + 2 * g3, BLOCK_M, BLOCK_N)
+        xrow = offs_m.to(tl.int64)[:, None, None]
+        xw = _full(xw_ptr + xrow * (K // 8) + 8 * g3, BLOCK_M, BLOCK_N, STAGES)
+        xd = _full(xd_ptr + xrow * (K // 32) + 2 * g3, BLOCK_M, BLOCK_N, STAGES)
         acc = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.float32)
         for step in tl.range(s0, s1, num_stages=STAGES):
             ub = urow + step * 136

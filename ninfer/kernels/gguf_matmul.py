@@ -102,7 +102,8 @@ SCHEDULES: dict[str, MatmulSchedule] = {
         MatmulSchedule("q8_n32_m4", "q8", 32, 4, num_stages=1, num_warps=4),
         MatmulSchedule("q8_n16_m4_s4", "q8", 16, 4, split_k=4, num_stages=1, num_warps=2),
         # the same tiles with the block loop software-pipelined (`num_stages` ≥ 2: cp.async of the weight and
-        # activation words `num_stages - 1` steps ahead, through shared memory): latency hiding
+        # activation words `num_stages - 1` steps ahead, through shared memory): latency hiding; the
+        # activation words are copied once per program and read from shared memory by every row
         MatmulSchedule("q8_n16_m1_p3", "q8", 16, 1, num_stages=3, num_warps=2),
         MatmulSchedule("q8_n16_m1_p4", "q8", 16, 1, num_stages=4, num_warps=2),
         MatmulSchedule("q8_n32_m1_p3", "q8", 32, 1, num_stages=3, num_warps=4),
@@ -112,6 +113,8 @@ SCHEDULES: dict[str, MatmulSchedule] = {
         MatmulSchedule("q8_n32_m4_p3", "q8", 32, 4, num_stages=3, num_warps=4),
         MatmulSchedule("q8_n16_m8_p3", "q8", 16, 8, num_stages=3, num_warps=2),
         MatmulSchedule("q8_n16_m8_s4_p3", "q8", 16, 8, split_k=4, num_stages=3, num_warps=2),
+        MatmulSchedule("q8_n32_m8_p3", "q8", 32, 8, num_stages=3, num_warps=4),
+        MatmulSchedule("q8_n16_m4_p3", "q8", 16, 4, num_stages=3, num_warps=2),
         MatmulSchedule("tiny_q8_m4", "q8", 4, 4, split_k=2, num_warps=1),
     )
 }

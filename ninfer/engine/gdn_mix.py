@@ -1,7 +1,8 @@
 """Gated DeltaNet token mixing on the kernels: what the engine's batch contexts plug into the `gdn_mix` hook.
 
 One-token spans (decode) of a forward go through `kernels.gdn_decode` in one call, the lanes' slot ids as a
-tensor, conv and recurrent slots updated in place (fp32 or fp16 state). Longer spans (prefill chunks) run the
+tensor, conv and recurrent slots updated in place (fp32 or fp16 state); spans of 2..SHORT_SPAN tokens (the
+verification shape) through the same kernel with T positions. Longer spans (prefill chunks) run the
 causal conv with `F.conv1d` over [cached conv inputs ; chunk] and the chunked rule `kernels.gdn_prefill`
 (fla-core on CUDA, `reference.gdn_chunked` elsewhere), continuing from and writing back the span's slots.
 Same numbers as the model's reference `GatedDeltaNet._mix` within fp32 rounding.
@@ -20,6 +21,10 @@ from ninfer.kernels.gdn_prefill import gdn_prefill
 from ninfer.kernels.reference import l2_norm
 from ninfer.models.context import SequenceSpan
 
+# Spans up to this many tokens (speculative verification) take the recurrent decode kernel (T positions in
+# one launch pair); longer ones (prefill chunks) the chunked kernels.
+SHORT_SPAN = 8
+
 
 @dataclass(frozen=True)
 class GdnMixPlan:
@@ -33,18 +38,21 @@ class GdnMixPlan:
     decode_slots: torch.Tensor | None
     spans: tuple[SequenceSpan, ...]
     rows: int
+    short_slots: tuple[torch.Tensor | None, ...] = ()  # per span: its slot id on the device when short
 
     @classmethod
     def of(cls, spans: list[SequenceSpan], device: torch.device) -> GdnMixPlan:
         one = [s for s in spans if s.length == 1]
         longer = tuple(s for s in spans if s.length > 1)
         rows = sum(s.length for s in spans)
+        short = tuple(torch.tensor([s.slot], dtype=torch.int32, device=device) if s.length <= SHORT_SPAN
+                      else None for s in longer)
         if not one:
-            return cls(None, None, longer, rows)
+            return cls(None, None, longer, rows, short)
         slots = torch.tensor([s.slot for s in one], dtype=torch.int32, device=device)
         in_order = not longer and all(s.start == i for i, s in enumerate(one))
         index = None if in_order else torch.tensor([s.start for s in one], dtype=torch.long, device=device)
-        return cls(index, slots, longer, rows)
+        return cls(index, slots, longer, rows, short)
 
 
 def decode_mix(states: GdnStatePool, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor,
@@ -91,7 +99,12 @@ def mix(plan: GdnMixPlan, states: GdnStatePool, gdn_layer: int, mixed_qkv: torch
     if plan.decode_slots is not None:
         r = plan.decode_rows
         out[r] = decode_mix(states, gdn_layer, mixed_qkv[r], a[r], b[r], params, plan.decode_slots)
-    for s in plan.spans:
+    for s, slot_id in zip(plan.spans, plan.short_slots, strict=True):
         rows = slice(s.start, s.start + s.length)
-        out[rows] = span_mix(states, gdn_layer, s.slot, mixed_qkv[rows], a[rows], b[rows], params)
+        if slot_id is not None:  # a few positions (speculative verification): the recurrent decode kernel
+            out[rows] = gdn_decode(mixed_qkv[rows][None], a[rows][None], b[rows][None], params.conv_weight,
+                                   params.a_log, params.dt_bias, states.conv[gdn_layer],
+                                   states.recurrent[gdn_layer], slot_id, params.num_key_heads).output[0]
+        else:
+            out[rows] = span_mix(states, gdn_layer, s.slot, mixed_qkv[rows], a[rows], b[rows], params)
     return out

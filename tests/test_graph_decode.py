@@ -208,7 +208,7 @@ def test_graph_context_equals_paged_context_tiny(tiny):
     rounds = [[2], [0, 1, 2], [4, 3, 0, 2, 1], [1, 0, 3], [0]]
     # measured 1.6e-6: SDPA vs the per-lane reference attention, the GDN ops in another order
     graphs = compare_rounds(tiny, lengths, rounds, tol=1e-5)
-    assert sorted(graphs._graphs) == [1, 4, 8]
+    assert sorted(graphs._graphs) == [(1, 1), (4, 1), (8, 1)]
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "rk8v4"])
@@ -217,6 +217,45 @@ def test_graph_context_kernels_equal_paged_context(model, triton_on_cpu, kv_dtyp
     lengths = {0: 63, 1: 64, 2: 5}
     # measured 1.6e-6 for both (rk8v4: both sides decode the same stored bytes)
     compare_rounds(model, lengths, [[1, 0, 2], [0, 2]], tol=1e-5, kv_dtype=kv_dtype)
+
+
+def compare_spans(model, lengths: dict[int, int], rounds: list[list[int]], T: int, tol: float,
+                  kv_dtype="fp32"):
+    """Verification-shaped rounds (every lane of a round feeds T tokens, logits of every row) through
+    DecodeGraphs.run_spans (eager) and PagedBatchContext."""
+    ref = Pools(model, kv_dtype)
+    pos = prefill_lanes(model, ref, lengths)
+    mine = ref.clone()
+    graphs = DecodeGraphs(model, mine.kv, mine.states, capture=False)
+    worst = 0.0
+    for r, lanes in enumerate(rounds):
+        toks = [tokens(T, 2000 + 10 * r + lane) for lane in lanes]
+        want = run_forward(model, ref, [(lane, t, pos[lane]) for lane, t in zip(lanes, toks, strict=True)])
+        before = snapshot(mine)
+        got = graphs.run_spans(lanes, toks, [pos[lane] for lane in lanes])
+        check_untouched(before, mine, lanes)
+        assert got.shape == want.shape and got.shape[0] == len(lanes) * T
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        worst = max(worst, rel(got, want))
+        for lane in lanes:
+            pos[lane] += T
+    assert worst < tol, worst
+    for lane in {lane for lanes in rounds for lane in lanes}:
+        for layer in range(len(mine.states.recurrent)):
+            assert rel(mine.states.recurrent[layer][lane], ref.states.recurrent[layer][lane]) < tol
+            assert rel(mine.states.conv[layer][lane], ref.states.conv[layer][lane]) < tol
+    return graphs
+
+
+def test_graph_context_verification_spans_tiny(tiny):
+    # 4-token spans of 1, 3 and 2 lanes (padded to 1, 4, 2); lane 2's second span crosses into a new page
+    graphs = compare_spans(tiny, {0: 30, 1: 64, 2: 61}, [[2], [0, 1, 2], [1, 2]], T=4, tol=1e-5)
+    assert sorted(graphs._graphs) == [(1, 4), (2, 4), (4, 4)]
+
+
+def test_graph_context_verification_spans_kernels(model, triton_on_cpu):
+    """The kernels (interpreter): paged decode attention with one row per position, gdn_decode with T = 3."""
+    compare_spans(model, {0: 62, 1: 5}, [[0, 1], [1]], T=3, tol=1e-5, kv_dtype="rk8v4")
 
 
 class NoHostSync(TorchDispatchMode):
@@ -267,7 +306,7 @@ def test_cuda_graph_replay_equals_eager(kv_dtype):
         assert rel(got, want) < 1e-5  # the same kernels on the same inputs: equal up to atomics' order
         for lane in lanes:
             pos[lane] += 1
-    assert sorted(pools["graph"][2]._graphs) == [1, 2, 4, 8]
+    assert sorted(pools["graph"][2]._graphs) == [(1, 1), (2, 1), (4, 1), (8, 1)]
     assert all(r.seconds > 0 for r in pools["graph"][2].records)
 
 

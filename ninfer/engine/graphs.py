@@ -1,11 +1,12 @@
-"""Decode rounds as CUDA graphs: one captured forward (embedding → layers → norm → logits) per batch size.
+"""Decode rounds as CUDA graphs: one captured forward (embedding → layers → norm → logits) per batch shape.
 
-A round of B one-token decode items replays the graph of the smallest captured size ≥ B (1, 2, 4, 8, then
-multiples of 8), padded with the scratch lane (`KvPool.scratch_lane`, `GdnStatePool.scratch_slot`) whose rows
-are dropped. Everything a round changes (token ids, positions, lanes, lengths, GDN slots) lives in static
-device tensors filled by one host-to-device copy before `replay()`; the captured region never reads a tensor
-on the host. The same `GraphDecodeContext` runs eagerly where nothing is captured (CPU), which is how the CPU
-tests check it against `PagedBatchContext`.
+A round of B decode items of T tokens each (T = 1: plain decode; 2..SHORT_SPAN: the verification shape of
+speculative decoding, logits of every position) replays the graph of (the smallest captured size ≥ B, T)
+(sizes 1, 2, 4, 8, then multiples of 8), padded with the scratch lane (`KvPool.scratch_lane`,
+`GdnStatePool.scratch_slot`) whose rows are dropped. Everything a round changes (token ids, positions, lanes,
+lengths, GDN slots) lives in static device tensors filled by one host-to-device copy before `replay()`; the
+captured region never reads a tensor on the host. The same `GraphDecodeContext` runs eagerly where nothing is
+captured (CPU), which is how the CPU tests check it against `PagedBatchContext`.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ninfer.engine.gdn_mix import decode_mix
+from ninfer.engine.gdn_mix import SHORT_SPAN, decode_mix
 from ninfer.engine.kv_pool import PAGE_TOKENS, KvPool
 from ninfer.engine.state_pool import GdnStatePool
+from ninfer.kernels.gdn_decode import gdn_decode
 from ninfer.kernels.kv_quant import encode_kv
 from ninfer.kernels.paged_attention import paged_decode_attention
 from ninfer.models.context import GdnState, SequenceSpan
@@ -38,30 +40,34 @@ def capture_sizes(max_lanes: int) -> list[int]:
 
 
 class GraphDecodeContext:
-    """BatchContext of B one-token spans whose addresses are device tensors (static across replays).
+    """BatchContext of B spans of T tokens whose addresses are device tensors (static across replays).
 
-    `inputs` is a `[5, B]` int64 block (see `_IDS`...). `begin()` computes the KV write slots from the page
-    tables on the device; attention writes k/v with tensor indexing and runs `paged_decode_attention`; GDN
-    layers mix through `gdn_decode` with the slot tensor. No host synchronisation anywhere.
+    `inputs` is a `[5, B·T]` int64 block (see `_IDS`...), lane-major (the T rows of a lane are adjacent).
+    `begin()` computes the KV write slots from the page tables on the device; attention writes the k/v of
+    every row with tensor indexing, then runs `paged_decode_attention` with one query row per position whose
+    length stops at itself (causal inside the span); GDN layers mix through `gdn_decode` (T positions per
+    lane) with the slot tensor. No host synchronisation anywhere.
     """
 
-    def __init__(self, inputs: torch.Tensor, kv: KvPool, states: GdnStatePool):
+    def __init__(self, inputs: torch.Tensor, kv: KvPool, states: GdnStatePool, positions: int = 1):
         self.inputs = inputs
+        self.positions = positions
         self._kv = kv
         self._states = states
         # rows only (lanes and lengths are tensors): the GDN hook means no model reads them
         self.spans = [SequenceSpan(i, 1, 0, -1) for i in range(inputs.shape[1])]
-        self._write_pages = self._write_offsets = None
+        self._write_pages = self._write_offsets = self._lane_slots = None
 
     @property
     def batch(self) -> int:
-        return self.inputs.shape[1]
+        return self.inputs.shape[1] // self.positions
 
     def begin(self) -> None:
-        """Per forward, on the device: page id and in-page row of every lane's new token."""
+        """Per forward, on the device: page id and in-page row of every new token; each lane's GDN slot."""
         lanes, pos = self.inputs[_LANE], self.inputs[_POS]
         self._write_pages = self._kv.page_tables[lanes, pos // PAGE_TOKENS].long()
         self._write_offsets = pos % PAGE_TOKENS
+        self._lane_slots = self.inputs[_SLOT][:: self.positions].contiguous()
 
     def attention(self, kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         storage = self._kv.storage[kv_layer]
@@ -71,7 +77,13 @@ class GraphDecodeContext:
 
     def gdn_mix(self, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 params) -> torch.Tensor:
-        return decode_mix(self._states, gdn_layer, mixed_qkv, a, b, params, self.inputs[_SLOT])
+        if self.positions == 1:
+            return decode_mix(self._states, gdn_layer, mixed_qkv, a, b, params, self._lane_slots)
+        shape = (self.batch, self.positions)
+        out = gdn_decode(mixed_qkv.unflatten(0, shape), a.unflatten(0, shape), b.unflatten(0, shape),
+                         params.conv_weight, params.a_log, params.dt_bias, self._states.conv[gdn_layer],
+                         self._states.recurrent[gdn_layer], self._lane_slots, params.num_key_heads).output
+        return out.flatten(0, 1)
 
     def gdn_state(self, gdn_layer: int, span_index: int) -> GdnState:
         raise RuntimeError("GraphDecodeContext mixes GDN layers through gdn_mix; a model asked for gdn_state")
@@ -89,14 +101,17 @@ class CaptureRecord:
     batch: int
     seconds: float
     pool_bytes: int  # growth of the shared graph memory pool (reserved bytes) during this capture
+    positions: int = 1
 
     def line(self) -> str:
-        return (f"cuda graph: decode batch {self.batch} captured in {self.seconds:.2f} s, "
+        shape = f"{self.batch}" if self.positions == 1 else f"{self.batch} x {self.positions} positions"
+        return (f"cuda graph: decode batch {shape} captured in {self.seconds:.2f} s, "
                 f"graph pool +{self.pool_bytes / 2**20:.0f} MiB")
 
 
 class DecodeGraphs:
-    """The runner's decode path for rounds of one-token items: captured graphs on CUDA, eager elsewhere."""
+    """The runner's decode path for rounds of B items of T ≤ SHORT_SPAN tokens each: captured graphs on CUDA,
+    eager elsewhere."""
 
     def __init__(self, model, kv: KvPool, states: GdnStatePool, capture: bool | None = None, log=None):
         self.model = model
@@ -105,11 +120,11 @@ class DecodeGraphs:
         self.capture = kv.device.type == "cuda" if capture is None else capture
         self.sizes = capture_sizes(kv.scratch_lane)  # scratch_lane == max lanes
         pin = kv.device.type == "cuda"
-        self._host = torch.zeros(5 * self.sizes[-1], dtype=torch.long, pin_memory=pin)
+        self._host = torch.zeros(5 * self.sizes[-1] * SHORT_SPAN, dtype=torch.long, pin_memory=pin)
         with self._on_device():
             self._copied = torch.cuda.Event() if pin else None  # the last staged copy left the pinned buffer
         self._padding = (0, 0, kv.scratch_lane, 1, states.scratch_slot)
-        self._graphs: dict[int, _Captured] = {}
+        self._graphs: dict[tuple[int, int], _Captured] = {}
         self._pool = None
         self.records: list[CaptureRecord] = []
         self._log = log if log is not None else (lambda line: print(line, file=sys.stderr))
@@ -128,15 +143,22 @@ class DecodeGraphs:
 
     def run(self, lanes: list[int], token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """Logits fp32 `[B, vocab]` of B one-token decode items (lane, token at position)."""
-        B = len(lanes)
+        return self.run_spans(lanes, [[t] for t in token_ids], positions)
+
+    def run_spans(self, lanes: list[int], token_ids: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Logits fp32 `[B·T, vocab]` (lane-major) of B items of T tokens each (lane, tokens from start)."""
+        B, T = len(lanes), len(token_ids[0])
         n = self.padded_size(B)
+        rows = [[t for ids in token_ids for t in ids], [p for s in starts for p in range(s, s + T)],
+                [lane for lane in lanes for _ in range(T)]]
+        rows += [[p + 1 for p in rows[1]], rows[2]]
         with self._on_device():
-            entry = self._graphs.get(n) or self._build(n)
-            self._stage(entry.ctx.inputs, [token_ids, positions, lanes, [p + 1 for p in positions], lanes])
+            entry = self._graphs.get((n, T)) or self._build(n, T)
+            self._stage(entry.ctx.inputs, rows)
             if entry.graph is None:
-                return self._forward(entry.ctx)[:B]
+                return self._forward(entry.ctx)[: B * T]
             entry.graph.replay()
-            return entry.logits[:B].clone()  # the static output is overwritten by the next replay
+            return entry.logits[: B * T].clone()  # the static output is overwritten by the next replay
 
     def _stage(self, inputs: torch.Tensor, rows: list[list[int]]) -> None:
         """One host-to-device copy of a round's inputs into a graph's static `[5, n]` block (padding rows
@@ -159,18 +181,18 @@ class DecodeGraphs:
             hidden = self.model.forward(ctx.inputs[_IDS], ctx.inputs[_POS], ctx)
             return self.model.compute_logits(hidden).float()
 
-    def _build(self, n: int) -> _Captured:
-        ctx = GraphDecodeContext(torch.zeros(5, n, dtype=torch.long, device=self.kv.device), self.kv,
-                                 self.states)
+    def _build(self, n: int, positions: int = 1) -> _Captured:
+        ctx = GraphDecodeContext(torch.zeros(5, n * positions, dtype=torch.long, device=self.kv.device),
+                                 self.kv, self.states, positions)
         entry = _Captured(None, ctx, None)
         if self.capture:
             try:
                 entry = self._capture(n, ctx)
             except RuntimeError as exc:  # an op that cannot be captured: keep serving, eagerly, and say so
-                self._log(f"cuda graph: capture of decode batch {n} failed ({str(exc).splitlines()[0]}); "
-                          "decode rounds run eagerly from now on")
+                self._log(f"cuda graph: capture of decode batch {n}x{positions} failed "
+                          f"({str(exc).splitlines()[0]}); decode rounds run eagerly from now on")
                 self.capture = False
-        self._graphs[n] = entry
+        self._graphs[n, positions] = entry
         return entry
 
     def _capture(self, n: int, ctx: GraphDecodeContext) -> _Captured:
@@ -192,7 +214,7 @@ class DecodeGraphs:
             logits = self._forward(ctx)
         torch.cuda.synchronize()
         grown = torch.cuda.memory_reserved(self.kv.device) - before
-        record = CaptureRecord(n, time.perf_counter() - started, grown)
+        record = CaptureRecord(n, time.perf_counter() - started, grown, ctx.positions)
         self.records.append(record)
         self._log(record.line())
         return _Captured(graph, ctx, logits)

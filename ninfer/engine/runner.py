@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ninfer.engine.gdn_mix import SHORT_SPAN
 from ninfer.engine.graphs import DecodeGraphs
 from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.paged_context import PagedBatchContext
@@ -32,6 +33,14 @@ class ModelRunner:
             self.kv.assign(lane, pages)
             self.states.reset(lane)
 
+    @staticmethod
+    def _graph_shape(rnd: Round, all_rows: bool) -> bool:
+        """Rounds the decode graphs take: every item samples and has the same T ≤ SHORT_SPAN tokens (T = 1:
+        decode; T > 1: verification, all rows wanted)."""
+        T = len(rnd.items[0].token_ids)
+        return T <= SHORT_SPAN and (T == 1 or all_rows) and all(
+            it.sample and len(it.token_ids) == T for it in rnd.items)
+
     @torch.inference_mode()
     def run(self, rnd: Round, all_rows: bool = False) -> torch.Tensor | None:
         """Forward every item of the round; returns fp32 logits [n_sampled, vocab] in item order
@@ -39,10 +48,12 @@ class ModelRunner:
         self.install(rnd)
         if not rnd.items:
             return None
-        if self.graphs is not None and not all_rows and all(
-                len(it.token_ids) == 1 and it.sample for it in rnd.items):
-            return self.graphs.run([it.lane for it in rnd.items], [it.token_ids[0] for it in rnd.items],
-                                   [it.start for it in rnd.items])
+        if self.graphs is not None and self._graph_shape(rnd, all_rows):
+            items = rnd.items
+            logits = self.graphs.run_spans([it.lane for it in items], [list(it.token_ids) for it in items],
+                                           [it.start for it in items])
+            T = len(rnd.items[0].token_ids)
+            return logits if all_rows or T == 1 else logits[T - 1 :: T]
         ids, positions, spans, last_rows = [], [], [], []
         row = 0
         for item in rnd.items:

@@ -45,7 +45,13 @@ def compile_schedule(fmt: str, sched) -> str:
                  SPLIT_K=sched.split_k, T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=False,
                  GRID_SMEM=smem, PREFETCH=getattr(sched, "prefetch", 0), FENCE=getattr(sched, "fence", True),
                  DEPTH=getattr(sched, "depth", 1))
-    src = ASTSource(q._gemv_q8_iq_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, attrs)
+    kernel = q._gemv_q8_iq_kernel
+    if getattr(sched, "stream", 0):  # stream-K: fp32 atomics, no split / fence / depth
+        kernel = q._gemv_q8_iq_stream_kernel
+        sig["y_ptr"] = "*fp32"
+        for k in ("SPLIT_K", "FENCE", "DEPTH"):
+            const.pop(k)
+    src = ASTSource(kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, attrs)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": sched.num_warps})
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:

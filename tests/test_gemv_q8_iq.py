@@ -74,6 +74,18 @@ def test_kernel_matches_twin(kernel_on_cpu, fmt, n, schedule):
     assert _rel_max(out, ref) < KERNEL_TOL
 
 
+@pytest.mark.parametrize("fmt", ["iq3_s", "iq4_xs"])
+@pytest.mark.parametrize("n, prefetch, grid_l1, programs", [(1, 2, False, 4), (3, 1, True, 5),
+                                                           (2, 0, False, 2), (1, 2, True, 50)])
+def test_stream_k_matches_twin(kernel_on_cpu, fmt, n, prefetch, grid_l1, programs):
+    # 20 rows (2 row tiles) × 3 blocks = 6 steps over `programs` programs (the CPU has "1 SM"): ranges that
+    # cross a row tile's end, one step each, or (50) more programs than steps
+    s = q8iq.IqSchedule("test_k", "q8", 16, 4, stream=programs, prefetch=prefetch, grid_l1=grid_l1)
+    raw, _, xa = _case(fmt, 20, 768, n, seed=programs * 7 + n)
+    out = gemv_q8_iq(raw, fmt, xa, 20, s)
+    assert _rel_max(out, gemv_q8_iq_reference(raw, fmt, xa, 20)) < KERNEL_TOL
+
+
 def test_gguf_matmul_q8_schedule_by_name(kernel_on_cpu):
     raw, _, xa = _case("iq3_s", 6, 512, 3, seed=9)  # tiny_q8_m4: 4-row tiles, split-K 2
     out = gemv_q8_iq(raw, "gguf_iq3_s", xa, 6, "tiny_q8_m4")

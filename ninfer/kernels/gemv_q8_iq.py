@@ -45,6 +45,7 @@ class IqSchedule(MatmulSchedule):
     depth: int = 1  # prefetch distance of the weight units in blocks (1 or 2)
     fence: bool = True  # prefetch: the block's arithmetic behind a run-time branch (loads stay ahead)
     grid_l1: bool = False  # iq3_s: the grid looked up through L1 (global loads), not shared memory
+    stream: int = 0  # > 0: stream-K over a grid of `stream` × the programs the GPU holds at once; no split_k
 
 
 def _sched(name: str, block_n: int, block_m: int, split_k: int = 1, num_warps: int = 4, **kw) -> IqSchedule:
@@ -96,23 +97,63 @@ SCHEDULES: dict[str, MatmulSchedule] = {
         _sched("q8_n8_m1_s4_w2_p2_d2_l1", 8, 1, split_k=4, num_warps=2, prefetch=2, depth=2, grid_l1=True),
         _sched("q8_n16_m4_s4_p2_d2_l1", 16, 4, split_k=4, prefetch=2, depth=2, grid_l1=True),
         _sched("q8_n16_m8_s4_p1_d2_l1", 16, 8, split_k=4, prefetch=1, depth=2, grid_l1=True),
+        # stream-K: one wave of resident programs walks all (row tile, block) steps evenly (no tail wave)
+        _sched("q8_n16_m1_k", 16, 1, stream=1),
+        _sched("q8_n16_m1_k_l1", 16, 1, stream=1, grid_l1=True),
+        _sched("q8_n16_m1_k_p2", 16, 1, stream=1, prefetch=2),
+        _sched("q8_n16_m1_k_p2_l1", 16, 1, stream=1, prefetch=2, grid_l1=True),
+        _sched("q8_n8_m1_k_w2_p2", 8, 1, num_warps=2, stream=1, prefetch=2),
+        _sched("q8_n16_m4_k", 16, 4, stream=1),
+        _sched("q8_n16_m4_k_l1", 16, 4, stream=1, grid_l1=True),
+        _sched("q8_n16_m4_k_p2_l1", 16, 4, stream=1, prefetch=2, grid_l1=True),
+        _sched("q8_n16_m8_k", 16, 8, stream=1),
+        _sched("q8_n16_m8_k_l1", 16, 8, stream=1, grid_l1=True),
+        _sched("q8_n16_m8_k_p1_l1", 16, 8, stream=1, prefetch=1, grid_l1=True),
     )
 }
 
 
 def default_iq_schedule(fmt: str, out_features: int, in_features: int, columns: int) -> MatmulSchedule:
-    """A starting schedule (not yet timed on a GPU): split-K where few rows would leave SMs idle, the column
-    tile the next power of two ≥ columns, two rows per thread at 2–4 columns (fewest SASS per weight)."""
+    """The fastest schedule measured on the H200 (bench/q8_timing.py, two runs, 2026-11-30) for the 27B
+    shapes, by format, rows (out_features), the reduction length and the column tile (1, 2–4, 5–8 columns):
+    stream-K for the small matrices, split-K where the reduction is long (17408), prefetching tiles
+    elsewhere."""
     fmt = fmt.removeprefix(GGUF_PREFIX)
     if fmt not in IQ_Q8_FORMATS or not 1 <= columns <= MAX_COLUMNS:
         raise QuantKernelError(f"the q8 i-quant GEMV takes {', '.join(IQ_Q8_FORMATS)} at 1–{MAX_COLUMNS} "
                                f"columns, not {fmt} at {columns}; use quant_matmul's wv_*/sub_* schedules")
-    small = out_features <= 1024
+    iq3 = fmt == "iq3_s"
+    rows, long_k = out_features, in_features >= 16384
     if columns == 1:
-        return SCHEDULES["q8_n8_m1_s4_w2" if small else "q8_n16_m1_s4"]
-    if columns <= 4:
-        return SCHEDULES["q8_n16_m4_s4" if small else "q8_n32_m4"]
-    return SCHEDULES["q8_n16_m8"]
+        if rows <= 1024:
+            name = "q8_n16_m1_k"  # 1024 rows: 8.2 / 7.1 µs (iq3_s / iq4_xs); split-K 9.3 / 8.4
+        elif long_k:
+            name = "q8_n8_m1_k_w2_p2" if iq3 else "q8_n8_m1_s4_w2"  # 5120×17408: 55.0 / 37.5 µs
+        elif rows >= 16384:
+            name = "q8_n8_m1_s4_w2" if iq3 else "q8_n16_m1_p2"  # 17408×5120: 54.5 / 35.7 µs
+        else:
+            name = "q8_n16_m1_p2"  # 6144–12288 rows: 21.4–38.4 / 15.9–24.4 µs, 8–15 % under split-K
+    elif columns <= 4:
+        if rows <= 1024:
+            name = "q8_n16_m4_k"
+        elif long_k:
+            name = "q8_n16_m4_s4"  # 77.9 / 64.0 µs
+        elif iq3:
+            name = "q8_n16_m4_k" if rows >= 16384 else "q8_n32_m4" if rows > 11000 else "q8_n16_m4"
+        else:
+            name = "q8_n32_m4_p2" if rows > 11000 else "q8_n16_m4" if rows > 8192 else "q8_n16_m4_s4"
+    else:
+        if rows < 512:
+            name = "q8_n16_m8_k"  # 48 rows: 5.4 µs; split-K 8.8
+        elif rows <= 1024:
+            name = "q8_n16_m8_s4_p1"
+        elif long_k:
+            name = "q8_n16_m8_k_l1" if iq3 else "q8_n16_m8_k_p1_l1"  # 110.4 / 98.3 µs
+        elif not iq3 and 8192 < rows < 16384:
+            name = "q8_n32_m8_w4"  # iq4_xs 10240, 12288 rows: 48.8, 49.3 µs; n16 p1 60.8, 61.5
+        else:
+            name = "q8_n16_m8_p1"
+    return SCHEDULES[name]
 
 
 def gemv_q8_iq_reference(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_features: int,
@@ -405,11 +446,107 @@ if HAVE_TRITON:
         else:
             tl.atomic_add(ptrs, out, mask=mask)
 
+    @jit
+    def _gemv_q8_iq_stream_kernel(
+        w_ptr, xq_ptr, xd_ptr, y_ptr, grid_ptr,
+        N, K, M, row_units, stride_xq, stride_xd, stride_ym,
+        FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+        T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, EMULATE: tl.constexpr,
+        GRID_SMEM: tl.constexpr, PREFETCH: tl.constexpr,
+    ):
+        # "stream-K": the (row tile, block) steps of the whole matrix, row tile after row tile, split evenly
+        # over a grid sized to the GPU (no tail wave); a program adds its partial sums atomically (fp32 y)
+        # whenever its range leaves a row tile. PREFETCH 1 / 2 as in _gemv_q8_iq_kernel (distance 1).
+        pid = tl.program_id(0)
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        ar = tl.arange(0, BLOCK_N)
+        sb = tl.arange(0, 8)[None, :]
+        sb3 = tl.arange(0, 8)[None, None, :]
+        m3 = tl.minimum(offs_m, M - 1)[:, None, None]
+        xq_row = xq_ptr + m3.to(tl.int64) * stride_xq + 4 * sb3
+        xd_row = xd_ptr + m3.to(tl.int64) * stride_xd + sb3
+        m_ok = (offs_m < M)[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.float32)
+        if GRID_SMEM:
+            grid_all = tl.load(grid_ptr + tl.arange(0, 512))
+        else:
+            grid_all = tl.zeros([1], dtype=tl.int32)  # unused
+        blocks = K // 256
+        total = (N + BLOCK_N - 1) // BLOCK_N * blocks
+        per = (total + tl.num_programs(0) - 1) // tl.num_programs(0)
+        g_lo = pid * per
+        g_hi = tl.minimum(total, g_lo + per)
+        unit = 55 if FMT == 0 else 34
+        tile = g_lo // blocks
+        blk = g_lo - tile * blocks
+        # the step before the loop (clamped to the last step: an empty range reads a valid block, unused)
+        g0 = tl.minimum(g_lo, total - 1)
+        t0 = g0 // blocks
+        row0 = w_ptr + tl.minimum(t0 * BLOCK_N + ar, N - 1).to(tl.int64)[:, None] * row_units
+        u0, u1, u2, u3, u4, u5, u6, u7, u8 = _w_load(FMT, row0 + (g0 - t0 * blocks) * unit, sb)
+        p0, p1, p2, p3, dx = _x_load(xq_row, xd_row, g0 - t0 * blocks)
+        for g in range(g_lo, g_hi):
+            row = w_ptr + tl.minimum(tile * BLOCK_N + ar, N - 1).to(tl.int64)[:, None] * row_units
+            last = blk == blocks - 1  # the step leaves the row tile after this block
+            if PREFETCH == 0:
+                u0, u1, u2, u3, u4, u5, u6, u7, u8 = _w_load(FMT, row + blk * unit, sb)
+            if PREFETCH < 2:
+                p0, p1, p2, p3, dx = _x_load(xq_row, xd_row, blk)
+            if PREFETCH > 0:  # the next step's block (the next tile's first after a tile's last)
+                n_tile = tl.where(last, tile + 1, tile)
+                n_row = w_ptr + tl.minimum(n_tile * BLOCK_N + ar, N - 1).to(tl.int64)[:, None] * row_units
+                n_blk = tl.where(last, 0, blk + 1)
+                n0, n1, n2, n3, n4, n5, n6, n7, n8 = _w_load(FMT, n_row + n_blk * unit, sb)
+            if PREFETCH == 2:
+                np0, np1, np2, np3, ndx = _x_load(xq_row, xd_row, tl.where(last, 0, blk + 1))
+            if PREFETCH > 0:
+                if _opaque(g, EMULATE) < g_hi:  # keeps the loads above ahead of the arithmetic (see FENCE)
+                    acc = _acc_block(acc, u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, dx, sb,
+                                     grid_all, grid_ptr, FMT, BLOCK_M, BLOCK_N, T0, T1, T2, T3, EMULATE,
+                                     GRID_SMEM)
+            else:
+                acc = _acc_block(acc, u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, dx, sb, grid_all,
+                                 grid_ptr, FMT, BLOCK_M, BLOCK_N, T0, T1, T2, T3, EMULATE, GRID_SMEM)
+            if last | (g == g_hi - 1):  # flush the row tile's partial sums
+                offs_n = tile * BLOCK_N + ar
+                ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+                tl.atomic_add(ptrs, tl_sum(acc, 2), mask=m_ok & (offs_n < N)[None, :])
+                acc = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.float32)
+            if PREFETCH > 0:
+                u0, u1, u2, u3, u4, u5, u6, u7, u8 = n0, n1, n2, n3, n4, n5, n6, n7, n8
+            if PREFETCH == 2:
+                p0, p1, p2, p3, dx = np0, np1, np2, np3, ndx
+            tile = tl.where(last, tile + 1, tile)
+            blk = tl.where(last, 0, blk + 1)
+
 
 def _grid_words(device: torch.device) -> torch.Tensor:
     from ninfer.kernels.gguf_matmul import _tables
 
     return _tables(device)[1]
+
+
+# (format, tile, warps, prefetch, grid_smem, device) -> programs the whole GPU holds at once (stream-K grid)
+_STREAM_SLOTS: dict = {}
+
+
+def _resident_programs(compiled, device: torch.device, num_warps: int) -> int:
+    """How many programs of a compiled kernel all SMs hold at once (registers, shared memory, warp and
+    block limits of sm_90); 1 where it cannot be known (the interpreter: one "SM" running one program)."""
+    if device.type != "cuda":
+        return 1
+    props = torch.cuda.get_device_properties(device)
+    try:
+        regs = max(getattr(compiled, "n_regs", 0), 1)
+        shared = getattr(compiled, "metadata", None)
+        shared = getattr(shared, "shared", 0) if shared is not None else 0
+    except Exception:  # pragma: no cover - a Triton without these attributes: one program per SM
+        return props.multi_processor_count
+    per_warp = -(-regs * 32 // 256) * 256  # registers are allocated per warp in 256s
+    by_regs = (65536 // per_warp) // num_warps
+    by_smem = (233472 - 1024) // (shared + 1024) if shared else 32  # 228 KB per SM, 1 KB reserved per block
+    per_sm = max(1, min(32, 64 // num_warps, by_regs, by_smem))
+    return per_sm * props.multi_processor_count
 
 
 def _schedule(name: str) -> MatmulSchedule:
@@ -447,21 +584,37 @@ def gemv_q8_iq(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_feature
         raise QuantKernelError(f"schedule {s.name} is not a q8 schedule; pick one of {', '.join(SCHEDULES)}")
     if not (HAVE_TRITON and triton_runs_on(raw)):
         return gemv_q8_iq_reference(raw, fmt, xa, out_features, out_dtype=None)
-    y = (torch.zeros if s.split_k > 1 else torch.empty)(
-        (n, out_features), dtype=torch.float32 if s.split_k > 1 else xa.dtype, device=raw.device)
+    stream = getattr(s, "stream", 0)
+    atomic = s.split_k > 1 or stream > 0
+    y = (torch.zeros if atomic else torch.empty)(
+        (n, out_features), dtype=torch.float32 if atomic else xa.dtype, device=raw.device)
     units = raw.view(torch.uint16) if fmt == "iq3_s" else raw.view(torch.int32)
     words = xa.q.view(torch.int64)  # 8 codes per unit: two activation words per load
+    grid_smem = grid_in_shared and fmt == "iq3_s" and not getattr(s, "grid_l1", False)
+    t0, t1, t2, t3 = _IQ4_WORDS
+    if stream > 0:
+        key = (fmt, s.block_n, s.block_m, s.num_warps, getattr(s, "prefetch", 0), grid_smem, raw.device)
+        steps = triton_cdiv(out_features, s.block_n) * (in_features // 256)
+        guess = 4 * torch.cuda.get_device_properties(raw.device).multi_processor_count if raw.is_cuda else 1
+        launch = (min(steps, _STREAM_SLOTS.get(key, guess) * stream), triton_cdiv(n, s.block_m))
+        extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}
+        compiled = _gemv_q8_iq_stream_kernel[launch](
+            units, words, xa.d, y, _grid_words(raw.device),
+            out_features, in_features, n, units.shape[1], words.stride(0), xa.d.stride(0), y.stride(0),
+            FMT=IQ_Q8_FORMATS.index(fmt), BLOCK_N=s.block_n, BLOCK_M=s.block_m, T0=t0, T1=t1, T2=t2, T3=t3,
+            EMULATE=EMULATE_DP4A, GRID_SMEM=grid_smem, PREFETCH=getattr(s, "prefetch", 0), **extra)
+        if key not in _STREAM_SLOTS:  # the first call's grid was a guess: size the next ones to the GPU
+            _STREAM_SLOTS[key] = _resident_programs(compiled, raw.device, s.num_warps)
+        return y.to(xa.dtype)
     launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
     extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}
-    t0, t1, t2, t3 = _IQ4_WORDS
     _gemv_q8_iq_kernel[launch](
         units, words, xa.d, y, _grid_words(raw.device),
         out_features, in_features, n, units.shape[1], words.stride(0), xa.d.stride(0), y.stride(0),
         FMT=IQ_Q8_FORMATS.index(fmt), BLOCK_N=s.block_n, BLOCK_M=s.block_m, SPLIT_K=s.split_k,
         T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=EMULATE_DP4A,
-        GRID_SMEM=grid_in_shared and fmt == "iq3_s" and not getattr(s, "grid_l1", False),
-        PREFETCH=getattr(s, "prefetch", 0), FENCE=getattr(s, "fence", True), DEPTH=getattr(s, "depth", 1),
-        **extra)
+        GRID_SMEM=grid_smem, PREFETCH=getattr(s, "prefetch", 0), FENCE=getattr(s, "fence", True),
+        DEPTH=getattr(s, "depth", 1), **extra)
     return y.to(xa.dtype)
 
 

@@ -704,12 +704,12 @@ def sass_counts(log: Log) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 # int8-activation ("q8") dp4a GEMV (ninfer/kernels/gemv_q8.py): check, sweep, decode-step graphs, SASS
 
-Q8_SWEEP = {1: ["q8_n16_m1", "q8_n8_m1_s4", "q8_n16_m1_s2", "q8_n16_m1_p3", "q8_n16_m1_p4", "q8_n32_m1_p3",
-                "q8_n8_m1_s4_p3", "q8_n16_m1_s2_p3"],
-            4: ["q8_n16_m4_s4", "q8_n16_m4_s4_p3", "q8_n32_m4_p3", "q8_n16_m4_p3"],
-            8: ["q8_n16_m8", "q8_n16_m8_s4", "q8_n16_m8_p3", "q8_n16_m8_s4_p3", "q8_n32_m8_p3"]}
-Q8_CHECK = {1: ["q8_n32_m1", "q8_n8_m1_s4", "q8_n16_m1_p3", "q8_n8_m1_s4_p3"],
-            4: ["q8_n32_m4", "q8_n16_m4_s4_p3"], 8: ["q8_n16_m8", "q8_n16_m8_p3"],
+Q8_SWEEP = {1: ["q8_n8_m1_s4", "q8_n16_m1", "q8_n8_m1", "q8_n8_m1_s2", "q8_n8_m1_s2_u2", "q8_n8_m1_s4_u2",
+                "q8_n16_m1_u2", "q8_n16_m1_s2_u2", "q8_n8_m1_s4_p3"],
+            4: ["q8_n16_m4_s4_p3", "q8_n32_m4_p3", "q8_n16_m4_p3", "q8_n16_m4_p3_u2"],
+            8: ["q8_n16_m8_p3", "q8_n16_m8_s4_p3", "q8_n32_m8_p3", "q8_n16_m8_p3_u2"]}
+Q8_CHECK = {1: ["q8_n32_m1", "q8_n8_m1_s4", "q8_n8_m1_s4_u2", "q8_n8_m1_s4_p3"],
+            4: ["q8_n32_m4", "q8_n16_m4_p3_u2"], 8: ["q8_n16_m8", "q8_n16_m8_p3"],
             3: ["tiny_q8_m4", "q8_n8_m8"]}
 
 
@@ -811,7 +811,8 @@ def sass_q8(log: Log) -> None:
             names = list(sig)
             attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
             const = dict(FMT=q8._FMT[fmt], BLOCK_N=sc.block_n, BLOCK_M=sc.block_m, SPLIT_K=sc.split_k,
-                         EMULATE=False, STAGES=sc.num_stages)
+                         EMULATE=False, STAGES=sc.num_stages,
+                         UNROLL=sc.block_k // 256 if fmt != "q8_0" else 1)
             src = ASTSource(q8._gemv_q8_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, attrs)
             c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": sc.num_warps, "num_stages": sc.num_stages})
@@ -871,7 +872,8 @@ def compile_q8(log: Log) -> bool:
     for fmt in q8.Q8_FORMATS:
         for sc in [s for s in SCHEDULES.values() if s.kernel == "q8"]:
             const = dict(FMT=q8._FMT[fmt], BLOCK_N=sc.block_n, BLOCK_M=sc.block_m, SPLIT_K=sc.split_k,
-                         EMULATE=False, STAGES=sc.num_stages)
+                         EMULATE=False, STAGES=sc.num_stages,
+                         UNROLL=sc.block_k // 256 if fmt != "q8_0" else 1)
             build(q8._gemv_q8_kernel, q8_signature(fmt, sc.split_k), const, f"q8 {fmt} {sc.name}",
                   sc.num_warps)
     return ok

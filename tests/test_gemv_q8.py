@@ -112,15 +112,18 @@ def _case(fmt: str, rows: int, cols: int, width: int, seed: int):
     return raw, x
 
 
-# (format, schedule, columns); 12 rows (no multiple of a tile); split-K schedules get 2 steps of 256 to split,
-# software-pipelined ones (num_stages > 1) 3 steps, more than their stages ahead
+# (format, schedule, columns); 12 rows (no multiple of a tile); split-K, software-pipelined (num_stages > 1)
+# and two-block (block_k 512) schedules get 3 steps of 256: an empty split (s4), an odd last block (u2), more
+# steps than stages ahead
 KERNEL_CASES = [(fmt, sched, m) for fmt in Q8_FORMATS
-                for sched, m in (("q8_n8_m1_s4", 1), ("tiny_q8_m4", 3), ("q8_n8_m8", 8), ("q8_n16_m1_p3", 2))]
+                for sched, m in (("q8_n8_m1_s4", 1), ("tiny_q8_m4", 3), ("q8_n8_m8", 8), ("q8_n16_m1_p3", 2),
+                                 ("q8_n8_m1_s2_u2", 1), ("q8_n16_m4_p3_u2", 4))]
 
 
 @pytest.mark.parametrize("fmt,sched,width", KERNEL_CASES)
 def test_kernel_equals_twin(fmt, sched, width):
-    cols = 512 if SCHEDULES[sched].split_k > 1 else 768 if SCHEDULES[sched].num_stages > 1 else 256
+    s = SCHEDULES[sched]
+    cols = 768 if s.split_k > 1 or s.num_stages > 1 or s.block_k > 256 else 256
     raw, x = _case(fmt, 12, cols, width, seed=Q8_FORMATS.index(fmt) * 10 + width)
     xa = quantize_activation(x)
     y = gemv_q8(raw, fmt, xa, 12, sched)

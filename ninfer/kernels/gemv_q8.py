@@ -223,13 +223,53 @@ if HAVE_TRITON:
             return v.to(tl.int32)
 
     @jit
+    def _kquant_block(row, xw, xd_ptr, xs_ptr, xd, blk, c3, nm, xm, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_M: tl.constexpr, EMULATE: tl.constexpr):
+        """One q4_k / q5_k block's share of the thread tile (see `_kquant_q8`)."""
+        WB: tl.constexpr = 18 if FMT == 4 else 22
+        QS0: tl.constexpr = 2 if FMT == 4 else 6
+        wb = row + blk * WB
+        xb = xw + blk * 32
+        i_lo = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
+        i_hi = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
+        for p2 in tl.static_range(4):
+            w0, w1 = _halves(wb + QS0 + 4 * c3 + p2, nm)
+            x0, x1 = _halves(xb + p2, xm)
+            y0, y1 = _halves(xb + 4 + p2, xm)
+            if FMT == 5:
+                qh0, qh1 = _halves(wb + 2 + p2, nm)
+            for k in tl.static_range(2):
+                words = w0 if k == 0 else w1
+                lo = words & 0x0F0F0F0F
+                hi = (words >> 4) & 0x0F0F0F0F
+                if FMT == 5:
+                    qh = (qh0 if k == 0 else qh1) >> (2 * c3)
+                    lo = lo | ((qh << 4) & 0x10101010)
+                    hi = hi | ((qh << 3) & 0x10101010)
+                i_lo = dp4a(lo, x0 if k == 0 else x1, i_lo, EMULATE)
+                i_hi = dp4a(hi, y0 if k == 0 else y1, i_hi, EMULATE)
+        h0, h1 = _halves(wb, nm)
+        h2, h3 = _halves(wb + 1, nm)
+        d = _f16_lo(h0)
+        dmin = _f16_lo(h0 >> 16)
+        sc_lo, mn_lo = _k_scale_min_words(h1, h2, h3, 2 * c3)
+        sc_hi, mn_hi = _k_scale_min_words(h1, h2, h3, 2 * c3 + 1)
+        dx_lo = tl.load(xd_ptr + xd + blk * 8, mask=xm, other=0.0)
+        dx_hi = tl.load(xd_ptr + xd + blk * 8 + 1, mask=xm, other=0.0)
+        sx_lo = tl.load(xs_ptr + xd + blk * 8, mask=xm, other=0.0)
+        sx_hi = tl.load(xs_ptr + xd + blk * 8 + 1, mask=xm, other=0.0)
+        part = (d * sc_lo) * (i_lo.to(tl.float32) * dx_lo) + (d * sc_hi) * (i_hi.to(tl.float32) * dx_hi)
+        return part - ((dmin * mn_lo) * sx_lo + (dmin * mn_hi) * sx_hi)
+
+    @jit
     def _kquant_q8(u_ptr, xw_ptr, xd_ptr, xs_ptr, offs_n, n_ok, offs_m, m_ok, K, row_units, s0, s1,
                    FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr,
-                   STAGES: tl.constexpr):
+                   STAGES: tl.constexpr, UNROLL: tl.constexpr):
         """q4_k (18 int64 per block) / q5_k (22): qs word (c, p) holds codes 64c + 4p..+3 in its low nibbles
         and 64c + 32 + 4p.. in its high ones; q5_k's fifth bit of code 32s + l is bit s of qh byte l. Group =
         chunk c (sub-blocks 2c, 2c + 1): d·sc·dx·Σq·qx − dmin·mn·(dx·Σqx) per sub-block. Weight and activation
-        words are read in int64 pairs."""
+        words are read in int64 pairs. UNROLL = 2 takes two blocks per loop step (both blocks' loads in
+        flight together; an odd last block is read twice and counted once)."""
         c3 = tl.arange(0, 4)[None, None, :]
         nm = n_ok[None, :, None]
         xm = m_ok[:, None, None] & (c3 >= 0)
@@ -237,42 +277,14 @@ if HAVE_TRITON:
         xrow = offs_m.to(tl.int64)[:, None, None]
         xw = _full(xw_ptr + xrow * (K // 8) + 8 * c3, BLOCK_M, BLOCK_N, STAGES)
         xd = _full(xrow * (K // 32) + 2 * c3, BLOCK_M, BLOCK_N, STAGES)
-        WB: tl.constexpr = 18 if FMT == 4 else 22
-        QS0: tl.constexpr = 2 if FMT == 4 else 6
         acc = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.float32)
-        for blk in tl.range(s0, s1, num_stages=STAGES):
-            wb = row + blk * WB
-            xb = xw + blk * 32
-            i_lo = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
-            i_hi = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
-            for p2 in tl.static_range(4):
-                w0, w1 = _halves(wb + QS0 + 4 * c3 + p2, nm)
-                x0, x1 = _halves(xb + p2, xm)
-                y0, y1 = _halves(xb + 4 + p2, xm)
-                if FMT == 5:
-                    qh0, qh1 = _halves(wb + 2 + p2, nm)
-                for k in tl.static_range(2):
-                    words = w0 if k == 0 else w1
-                    lo = words & 0x0F0F0F0F
-                    hi = (words >> 4) & 0x0F0F0F0F
-                    if FMT == 5:
-                        qh = (qh0 if k == 0 else qh1) >> (2 * c3)
-                        lo = lo | ((qh << 4) & 0x10101010)
-                        hi = hi | ((qh << 3) & 0x10101010)
-                    i_lo = dp4a(lo, x0 if k == 0 else x1, i_lo, EMULATE)
-                    i_hi = dp4a(hi, y0 if k == 0 else y1, i_hi, EMULATE)
-            h0, h1 = _halves(wb, nm)
-            h2, h3 = _halves(wb + 1, nm)
-            d = _f16_lo(h0)
-            dmin = _f16_lo(h0 >> 16)
-            sc_lo, mn_lo = _k_scale_min_words(h1, h2, h3, 2 * c3)
-            sc_hi, mn_hi = _k_scale_min_words(h1, h2, h3, 2 * c3 + 1)
-            dx_lo = tl.load(xd_ptr + xd + blk * 8, mask=xm, other=0.0)
-            dx_hi = tl.load(xd_ptr + xd + blk * 8 + 1, mask=xm, other=0.0)
-            sx_lo = tl.load(xs_ptr + xd + blk * 8, mask=xm, other=0.0)
-            sx_hi = tl.load(xs_ptr + xd + blk * 8 + 1, mask=xm, other=0.0)
-            acc += (d * sc_lo) * (i_lo.to(tl.float32) * dx_lo) + (d * sc_hi) * (i_hi.to(tl.float32) * dx_hi)
-            acc -= (dmin * mn_lo) * sx_lo + (dmin * mn_hi) * sx_hi
+        for blk in tl.range(s0, s1, UNROLL, num_stages=STAGES):
+            part = _kquant_block(row, xw, xd_ptr, xs_ptr, xd, blk, c3, nm, xm, FMT, BLOCK_N, BLOCK_M, EMULATE)
+            if UNROLL == 2:
+                nxt = _kquant_block(row, xw, xd_ptr, xs_ptr, xd, tl.minimum(blk + 1, s1 - 1), c3, nm, xm, FMT,
+                                    BLOCK_N, BLOCK_M, EMULATE)
+                part += tl.where(blk + 1 < s1, nxt, 0.0)
+            acc += part
         return tl_sum(acc, 2)
 
     @jit
@@ -281,15 +293,74 @@ if HAVE_TRITON:
         return tl.where(odd, ((lo >> 16) & 0xFFFF) | (hi << 16), lo)
 
     @jit
+    def _q6k_block(u_ptr, row, xw, xd, blk, h3, half, nm, xm, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                   EMULATE: tl.constexpr):
+        """One q6_k block's share of the thread tile (see `_q6k_q8`)."""
+        start = row + blk * 210
+        odd = (start & 2) != 0
+        ub = u_ptr + (start >> 2)
+        xb = xw + blk * 32
+        i0 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
+        i1 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
+        i2 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
+        i3 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
+        for p in tl.static_range(4):
+            at = ub + 32 + 8 * h3 + 4 * half + p
+            qh = _funnel(tl.load(at, mask=nm, other=0), tl.load(at + 1, mask=nm, other=0), odd)
+            for a in tl.static_range(2):
+                at = ub + 16 * h3 + 8 * a + 4 * half + p
+                ql = _funnel(tl.load(at, mask=nm, other=0), tl.load(at + 1, mask=nm, other=0), odd)
+                for hi in tl.static_range(2):
+                    j = a + 2 * hi
+                    lo4 = (ql >> (4 * hi)) & 0x0F0F0F0F
+                    if j < 2:
+                        hi2 = (qh << (4 - 2 * j)) & 0x30303030
+                    else:
+                        hi2 = (qh >> (2 * j - 4)) & 0x30303030
+                    x = (lo4 | hi2) ^ 0x20202020
+                    q = x + 6 * (x & 0x20202020)
+                    xj = _half(xb + 4 * j + p // 2, p % 2, xm)
+                    if j == 0:
+                        i0 = dp4a(q, xj, i0, EMULATE)
+                    elif j == 1:
+                        i1 = dp4a(q, xj, i1, EMULATE)
+                    elif j == 2:
+                        i2 = dp4a(q, xj, i2, EMULATE)
+                    else:
+                        i3 = dp4a(q, xj, i3, EMULATE)
+        # scale bytes 192 + 8h .. + 7 (words 48 + 2h, 49 + 2h), d in the low or high half of word 52
+        sa = ub + 48 + 2 * h3
+        w48 = tl.load(sa, mask=nm, other=0)
+        w49 = tl.load(sa + 1, mask=nm, other=0)
+        w50 = tl.load(sa + 2, mask=nm, other=0)
+        sc01 = _funnel(w48, w49, odd)
+        sc23 = _funnel(w49, w50, odd)
+        sh0 = 24 - 8 * half
+        s_0 = (sc01 << sh0) >> 24
+        s_1 = (sc01 << (sh0 - 16)) >> 24
+        s_2 = (sc23 << sh0) >> 24
+        s_3 = (sc23 << (sh0 - 16)) >> 24
+        w52 = tl.load(ub + 52, mask=nm, other=0)
+        d = _f16_lo(tl.where(odd, w52 >> 16, w52))
+        xdb = xd + blk * 8
+        part = (s_0 * i0).to(tl.float32) * tl.load(xdb, mask=xm, other=0.0)
+        part += (s_1 * i1).to(tl.float32) * tl.load(xdb + 1, mask=xm, other=0.0)
+        part += (s_2 * i2).to(tl.float32) * tl.load(xdb + 2, mask=xm, other=0.0)
+        part += (s_3 * i3).to(tl.float32) * tl.load(xdb + 3, mask=xm, other=0.0)
+        return d * part
+
+    @jit
     def _q6k_q8(u_ptr, xw_ptr, xd_ptr, offs_n, n_ok, offs_m, m_ok, K, row_bytes, s0, s1,
-                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr,
+                UNROLL: tl.constexpr):
         """q6_k (210 bytes): code 128h + 32j + l has its low 4 bits in ql byte 64h + 32(j % 2) + l (nibble
         j // 2) and its high 2 bits in qh byte 32h + l (bits 2j); int8 scale per 16 codes at byte
         192 + 8h + 2j + (l ≥ 16), fp16 d at byte 208. Group t = (h, half of each 32-code run): 4 words × 4
         runs j. A code word becomes 4 signed bytes q − 32 with x = c ^ 0x20 per byte and the sign spread
         x + 6·(x & 0x20). The weight is read as aligned int32 words (u_ptr: the whole tensor as int32, so the
         loads are 4-byte and the pipeliner can copy them asynchronously): a block starts 0 or 2 bytes into a
-        word, its word i is then the funnel of aligned words i and i + 1 (adjacent words share the loads)."""
+        word, its word i is then the funnel of aligned words i and i + 1 (adjacent words share the loads).
+        UNROLL = 2: two blocks per loop step, as in `_kquant_q8`."""
         t3 = tl.arange(0, 4)[None, None, :]
         h3 = t3 // 2
         half = t3 % 2
@@ -300,59 +371,13 @@ if HAVE_TRITON:
         xw = _full(xw_ptr + xrow * (K // 8) + 16 * h3 + 2 * half, BLOCK_M, BLOCK_N, STAGES)
         xd = _full(xd_ptr + xrow * (K // 32) + 4 * h3, BLOCK_M, BLOCK_N, STAGES)
         acc = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.float32)
-        for blk in tl.range(s0, s1, num_stages=STAGES):
-            start = row + blk * 210
-            odd = (start & 2) != 0
-            ub = u_ptr + (start >> 2)
-            xb = xw + blk * 32
-            i0 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
-            i1 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
-            i2 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
-            i3 = tl.zeros([BLOCK_M, BLOCK_N, 4], dtype=tl.int32)
-            for p in tl.static_range(4):
-                at = ub + 32 + 8 * h3 + 4 * half + p
-                qh = _funnel(tl.load(at, mask=nm, other=0), tl.load(at + 1, mask=nm, other=0), odd)
-                for a in tl.static_range(2):
-                    at = ub + 16 * h3 + 8 * a + 4 * half + p
-                    ql = _funnel(tl.load(at, mask=nm, other=0), tl.load(at + 1, mask=nm, other=0), odd)
-                    for hi in tl.static_range(2):
-                        j = a + 2 * hi
-                        lo4 = (ql >> (4 * hi)) & 0x0F0F0F0F
-                        if j < 2:
-                            hi2 = (qh << (4 - 2 * j)) & 0x30303030
-                        else:
-                            hi2 = (qh >> (2 * j - 4)) & 0x30303030
-                        x = (lo4 | hi2) ^ 0x20202020
-                        q = x + 6 * (x & 0x20202020)
-                        xj = _half(xb + 4 * j + p // 2, p % 2, xm)
-                        if j == 0:
-                            i0 = dp4a(q, xj, i0, EMULATE)
-                        elif j == 1:
-                            i1 = dp4a(q, xj, i1, EMULATE)
-                        elif j == 2:
-                            i2 = dp4a(q, xj, i2, EMULATE)
-                        else:
-                            i3 = dp4a(q, xj, i3, EMULATE)
-            # scale bytes 192 + 8h .. + 7 (words 48 + 2h, 49 + 2h), d in the low or high half of word 52
-            sa = ub + 48 + 2 * h3
-            w48 = tl.load(sa, mask=nm, other=0)
-            w49 = tl.load(sa + 1, mask=nm, other=0)
-            w50 = tl.load(sa + 2, mask=nm, other=0)
-            sc01 = _funnel(w48, w49, odd)
-            sc23 = _funnel(w49, w50, odd)
-            sh0 = 24 - 8 * half
-            s_0 = (sc01 << sh0) >> 24
-            s_1 = (sc01 << (sh0 - 16)) >> 24
-            s_2 = (sc23 << sh0) >> 24
-            s_3 = (sc23 << (sh0 - 16)) >> 24
-            w52 = tl.load(ub + 52, mask=nm, other=0)
-            d = _f16_lo(tl.where(odd, w52 >> 16, w52))
-            xdb = xd + blk * 8
-            part = (s_0 * i0).to(tl.float32) * tl.load(xdb, mask=xm, other=0.0)
-            part += (s_1 * i1).to(tl.float32) * tl.load(xdb + 1, mask=xm, other=0.0)
-            part += (s_2 * i2).to(tl.float32) * tl.load(xdb + 2, mask=xm, other=0.0)
-            part += (s_3 * i3).to(tl.float32) * tl.load(xdb + 3, mask=xm, other=0.0)
-            acc += d * part
+        for blk in tl.range(s0, s1, UNROLL, num_stages=STAGES):
+            part = _q6k_block(u_ptr, row, xw, xd, blk, h3, half, nm, xm, BLOCK_N, BLOCK_M, EMULATE)
+            if UNROLL == 2:
+                nxt = _q6k_block(u_ptr, row, xw, xd, tl.minimum(blk + 1, s1 - 1), h3, half, nm, xm, BLOCK_N,
+                                 BLOCK_M, EMULATE)
+                part += tl.where(blk + 1 < s1, nxt, 0.0)
+            acc += part
         return tl_sum(acc, 2)
 
     @jit
@@ -383,7 +408,8 @@ if HAVE_TRITON:
     @jit
     def _gemv_q8_kernel(w_ptr, u_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_bytes, row_units, stride_ym,
                         FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                        SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr):
+                        SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr,
+                        UNROLL: tl.constexpr):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         n_ok = offs_n < N
@@ -394,13 +420,13 @@ if HAVE_TRITON:
         s1 = tl.minimum(steps, s0 + per_split)
         if FMT == 6:
             out = _q6k_q8(u_ptr, xw_ptr, xd_ptr, offs_n, n_ok, offs_m, m_ok, K, row_bytes, s0, s1,
-                          BLOCK_N, BLOCK_M, EMULATE, STAGES)
+                          BLOCK_N, BLOCK_M, EMULATE, STAGES, UNROLL)
         elif FMT == 3:
             out = _q80_q8(u_ptr, xw_ptr, xd_ptr, offs_n, n_ok, offs_m, m_ok, K, row_units, s0, s1,
                           BLOCK_N, BLOCK_M, EMULATE, STAGES)
         else:
             out = _kquant_q8(u_ptr, xw_ptr, xd_ptr, xs_ptr, offs_n, n_ok, offs_m, m_ok, K, row_units, s0, s1,
-                             FMT, BLOCK_N, BLOCK_M, EMULATE, STAGES)
+                             FMT, BLOCK_N, BLOCK_M, EMULATE, STAGES, UNROLL)
         ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K == 1:
@@ -445,5 +471,6 @@ def gemv_q8(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_feature
     xw = xa.q.view(torch.int64)  # activation words read in pairs
     _gemv_q8_kernel[launch](raw, units, xw, xa.d, xa.s, y, out_features, k, n, raw.shape[1], row_units,
                             y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m,
-                            SPLIT_K=s.split_k, EMULATE=EMULATE_DP4A, STAGES=s.num_stages, **extra)
+                            SPLIT_K=s.split_k, EMULATE=EMULATE_DP4A, STAGES=s.num_stages,
+                            UNROLL=s.block_k // STEP if format != "q8_0" else 1, **extra)
     return y.to(xa.dtype)

@@ -705,7 +705,7 @@ def sass_counts(log: Log) -> bool:
 # int8-activation ("q8") dp4a GEMV (ninfer/kernels/gemv_q8.py): check, sweep, decode-step graphs, SASS
 
 Q8_SWEEP = {1: ["q8_n8_m1_s4", "q8_n16_m1", "q8_n8_m1", "q8_n8_m1_s2", "q8_n8_m1_s2_u2", "q8_n8_m1_s4_u2",
-                "q8_n16_m1_u2", "q8_n16_m1_s2_u2", "q8_n8_m1_s4_p3"],
+                "q8_n16_m1_u2", "q8_n16_m1_s2_u2", "q8_n8_m1_s4_p3", "q8_n32_m1"],
             4: ["q8_n16_m4_s4_p3", "q8_n32_m4_p3", "q8_n16_m4_p3", "q8_n16_m4_p3_u2"],
             8: ["q8_n16_m8_p3", "q8_n16_m8_s4_p3", "q8_n32_m8_p3", "q8_n16_m8_p3_u2"]}
 Q8_CHECK = {1: ["q8_n32_m1", "q8_n8_m1_s4", "q8_n8_m1_s4_u2", "q8_n8_m1_s4_p3"],

@@ -44,12 +44,13 @@ def compile_schedule(fmt: str, sched) -> str:
     const = dict(FMT=q.IQ_Q8_FORMATS.index(fmt), BLOCK_N=sched.block_n, BLOCK_M=sched.block_m,
                  SPLIT_K=sched.split_k, T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=False,
                  GRID_SMEM=smem, PREFETCH=getattr(sched, "prefetch", 0), FENCE=getattr(sched, "fence", True),
-                 DEPTH=getattr(sched, "depth", 1))
+                 DEPTH=getattr(sched, "depth", 1), KB=getattr(sched, "kb", 1),
+                 SB=8 * getattr(sched, "kb", 1))
     kernel = q._gemv_q8_iq_kernel
     if getattr(sched, "stream", 0):  # stream-K: fp32 atomics, no split / fence / depth
         kernel = q._gemv_q8_iq_stream_kernel
         sig["y_ptr"] = "*fp32"
-        for k in ("SPLIT_K", "FENCE", "DEPTH"):
+        for k in ("SPLIT_K", "FENCE", "DEPTH", "KB", "SB"):
             const.pop(k)
     src = ASTSource(kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, attrs)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": sched.num_warps})
@@ -80,7 +81,7 @@ def loop_body(sass: str) -> list[str]:
 def per_weight(fmt: str, sched) -> tuple[float, int, collections.Counter]:
     body = loop_body(compile_schedule(fmt, sched))
     mix = collections.Counter(re.sub(r"^@!?U?P\S+ ", "", i).split()[0].split(".")[0] for i in body)
-    weights_per_thread = sched.block_n * 256 / (32 * sched.num_warps)
+    weights_per_thread = sched.block_n * 256 * getattr(sched, "kb", 1) / (32 * sched.num_warps)
     return len(body) / weights_per_thread, len(body), mix
 
 

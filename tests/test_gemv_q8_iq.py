@@ -63,7 +63,9 @@ def _rel_max(out: torch.Tensor, ref: torch.Tensor) -> float:
                                          (1, "q8_n8_m1_s4_w2_p2"), (7, "q8_n16_m8_s4_p1"),
                                          (8, "q8_n64_m8_w4_p1"), (1, "q8_n16_m1_p2_d2"),
                                          (3, "q8_n16_m4_s4_p2_d2_l1"), (6, "q8_n16_m8_s4_p1_d2"),
-                                         (1, "q8_n8_m1_s4_w2_p2_d2_l1")])
+                                         (1, "q8_n8_m1_s4_w2_p2_d2_l1"), (1, "q8_n4_m1_b4"),
+                                         (1, "q8_n4_m1_b4_s2_p2"), (2, "q8_n4_m1_b4_p2"),
+                                         (1, "q8_n8_m1_b2_p2")])
 def test_kernel_matches_twin(kernel_on_cpu, fmt, n, schedule):
     # split-K over 3 blocks: uneven parts; 20 rows: a partial row tile
     cols = 768 if SCHEDULES[schedule].split_k > 1 else 512

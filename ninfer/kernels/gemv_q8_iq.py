@@ -15,6 +15,14 @@ cross-thread reduction happens per block. The iq3_s grid is looked up either in 
 all 64 indices of the thread's sub-block at once: one table copy and one barrier pair per block) or through
 L1 (global loads), `grid_in_shared`.
 `gemv_q8_iq_reference` (dequantise with `ninfer.quant`, times `q·d`, float64) is the tests' oracle.
+
+Schedule options (`IqSchedule`): `prefetch` loads the next block's weight units (1) and activation words (2)
+one loop step ahead into registers, the block's arithmetic behind an always-taken run-time branch so that
+ptxas keeps those loads ahead of it (it otherwise sinks them to the loop's end); `depth` 2 prefetches the
+weights two blocks ahead; `grid_l1` looks the iq3_s grid up through L1; `kb` spans kb consecutive blocks of
+a row per tile (1 column); `stream` runs "stream-K": a grid of the programs the GPU holds at once (sized from
+the compiled kernel's registers and shared memory) walks all (row tile, block) steps evenly, flushing each
+row tile's partial sums with fp32 atomics. H200 timings (bench/q8_timing.py) pick `default_iq_schedule`.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ class IqSchedule(MatmulSchedule):
     depth: int = 1  # prefetch distance of the weight units in blocks (1 or 2)
     fence: bool = True  # prefetch: the block's arithmetic behind a run-time branch (loads stay ahead)
     grid_l1: bool = False  # iq3_s: the grid looked up through L1 (global loads), not shared memory
+    kb: int = 1  # consecutive blocks of a row the tile spans (BLOCK_N · 8 · kb threads)
     stream: int = 0  # > 0: stream-K over a grid of `stream` × the programs the GPU holds at once; no split_k
 
 
@@ -97,6 +106,12 @@ SCHEDULES: dict[str, MatmulSchedule] = {
         _sched("q8_n8_m1_s4_w2_p2_d2_l1", 8, 1, split_k=4, num_warps=2, prefetch=2, depth=2, grid_l1=True),
         _sched("q8_n16_m4_s4_p2_d2_l1", 16, 4, split_k=4, prefetch=2, depth=2, grid_l1=True),
         _sched("q8_n16_m8_s4_p1_d2_l1", 16, 8, split_k=4, prefetch=1, depth=2, grid_l1=True),
+        # a warp on 4 consecutive blocks of one row (longer contiguous reads per row; not yet timed). At 4-8
+        # columns the sm_90 build converts layouts through shared memory (18-20 BAR per step): 1 column only
+        _sched("q8_n4_m1_b4", 4, 1, kb=4),
+        _sched("q8_n4_m1_b4_p2", 4, 1, kb=4, prefetch=2),
+        _sched("q8_n4_m1_b4_s2_p2", 4, 1, kb=4, split_k=2, prefetch=2),
+        _sched("q8_n8_m1_b2_p2", 8, 1, kb=2, prefetch=2),
         # stream-K: one wave of resident programs walks all (row tile, block) steps evenly (no tail wave)
         _sched("q8_n16_m1_k", 16, 1, stream=1),
         _sched("q8_n16_m1_k_l1", 16, 1, stream=1, grid_l1=True),
@@ -202,11 +217,11 @@ if HAVE_TRITON:
         return prmt(lo, hi, pick, EMULATE)
 
     @jit
-    def _gather8(grid_all, i0, i1, i2, i3, i4, i5, i6, i7, BLOCK_N: tl.constexpr):
+    def _gather8(grid_all, i0, i1, i2, i3, i4, i5, i6, i7, BLOCK_N: tl.constexpr, SB: tl.constexpr):
         """The grid words of 8 index tiles `[BLOCK_N, 8]` in one `tl.gather` (one shared-memory copy of the
         table and one barrier pair per call): joined along new in-thread axes, gathered, split back."""
         idx = tl.join(tl.join(tl.join(i0, i4), tl.join(i2, i6)), tl.join(tl.join(i1, i5), tl.join(i3, i7)))
-        g = tl.reshape(tl.gather(grid_all, tl.reshape(idx, [BLOCK_N * 64]), 0), [BLOCK_N, 8, 2, 2, 2])
+        g = tl.reshape(tl.gather(grid_all, tl.reshape(idx, [BLOCK_N * SB * 8]), 0), [BLOCK_N, SB, 2, 2, 2])
         g_even, g_odd = tl.split(g)
         g_0426, g_2637 = tl.split(g_even)
         g_1537, g_3715 = tl.split(g_odd)
@@ -262,7 +277,7 @@ if HAVE_TRITON:
 
     @jit
     def _iq3_s_sums(hd, scw, qhw, sg_lo, sg_hi, qa, qb, qc, qd, p0, p1, p2, p3, isum, sb, grid_all, grid_ptr,
-                    BLOCK_N: tl.constexpr, EMULATE: tl.constexpr, GRID_SMEM: tl.constexpr):
+                    BLOCK_N: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr, GRID_SMEM: tl.constexpr):
         """(isum + the sub-block dots, the sub-block weight scales) of one iq3_s block from its units."""
         x01, x23 = _halves(p0)
         x45, x67 = _halves(p1)
@@ -291,7 +306,7 @@ if HAVE_TRITON:
         i6 = prmt(qd, qh_hi, tl.full(qa.shape, 0x2260, tl.int32), EMULATE)
         i7 = prmt(qd, qh_hi, tl.full(qa.shape, 0x2271, tl.int32), EMULATE)
         if GRID_SMEM:
-            g0, g1, g2, g3, g4, g5, g6, g7 = _gather8(grid_all, i0, i1, i2, i3, i4, i5, i6, i7, BLOCK_N)
+            g0, g1, g2, g3, g4, g5, g6, g7 = _gather8(grid_all, i0, i1, i2, i3, i4, i5, i6, i7, BLOCK_N, SB)
         else:
             g0, g1, g2, g3, g4, g5, g6, g7 = _load8(grid_ptr, i0, i1, i2, i3, i4, i5, i6, i7)
         isum = _iq3_s_dot(g0, t_lo, x01, isum, EMULATE)
@@ -331,6 +346,14 @@ if HAVE_TRITON:
         return isum, dw
 
     @jit
+    def _wblk(g, bo, blocks, KB: tl.constexpr):
+        """The block index of each thread in group g (KB blocks per group; past the end: the last block)."""
+        if KB == 1:
+            return g
+        else:
+            return tl.minimum(g * KB + bo, blocks - 1)
+
+    @jit
     def _w_load(FMT: tl.constexpr, b, sb):
         """A block's weight units as 9 values (iq4_xs: 6, padded with copies of the first)."""
         if FMT == 0:
@@ -358,12 +381,13 @@ if HAVE_TRITON:
     def _acc_block(acc, u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, dx, sb, grid_all, grid_ptr,
                    FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T0: tl.constexpr,
                    T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, EMULATE: tl.constexpr,
-                   GRID_SMEM: tl.constexpr):
-        """acc + one block's scaled sub-block dots, from its units u (iq4_xs: u0..u5) and activation words."""
-        isum = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.int32)
+                   GRID_SMEM: tl.constexpr, SB: tl.constexpr):
+        """acc + one block's scaled sub-block dots, from its units u (iq4_xs: u0..u5) and activation words
+        (SB sub-blocks per row: 8 per block the tile spans)."""
+        isum = tl.zeros([BLOCK_M, BLOCK_N, SB], dtype=tl.int32)
         if FMT == 0:
             isum, dw = _iq3_s_sums(u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, isum, sb, grid_all,
-                                   grid_ptr, BLOCK_N, EMULATE, GRID_SMEM)
+                                   grid_ptr, BLOCK_N, SB, EMULATE, GRID_SMEM)
         else:
             isum, dw = _iq4_xs_sums(u0, u1, u2, u3, u4, u5, p0, p1, p2, p3, isum, sb, T0, T1, T2, T3, EMULATE)
         return acc + isum.to(tl.float32) * (dw[None, :, :] * dx)
@@ -375,61 +399,73 @@ if HAVE_TRITON:
         FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
         T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, EMULATE: tl.constexpr,
         GRID_SMEM: tl.constexpr, PREFETCH: tl.constexpr, FENCE: tl.constexpr, DEPTH: tl.constexpr,
+        KB: tl.constexpr, SB: tl.constexpr,
     ):
         # w_ptr: iq3_s rows as uint16 (2-byte aligned blocks, 55 units each), iq4_xs as int32 (34 per block).
         # PREFETCH 1: block b + 1's weight units are loaded into loop-carried registers before block b is
         # computed (its loads stay in flight during b's arithmetic); 2: its activation words too. DEPTH 2:
-        # the weight units of block b + 2 instead (two blocks' loads in flight per thread).
+        # the weight units of block b + 2 instead (two blocks' loads in flight per thread). KB > 1: the tile
+        # spans KB consecutive blocks of each row (a warp reads KB·block bytes of one row at once: longer
+        # contiguous runs per row); the loop then steps over groups of KB blocks ("blk" counts groups).
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(2)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         n_ok = offs_n < N
-        sb = tl.arange(0, 8)[None, :]  # sub-block of 32 codes
-        sb3 = tl.arange(0, 8)[None, None, :]
+        # SB = 8 · KB sub-blocks per row in the tile
+        sb = tl.arange(0, SB)[None, :] % 8  # sub-block of 32 codes
+        bo = tl.arange(0, SB)[None, :] // 8  # block within the group
+        sb3 = tl.arange(0, SB)[None, None, :] % 8
+        bo3 = tl.arange(0, SB)[None, None, :] // 8
         # rows and columns past the ends read the last one (never stored): no masks in the loop
         m3 = tl.minimum(offs_m, M - 1)[:, None, None]
         row = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * row_units
         xq_row = xq_ptr + m3.to(tl.int64) * stride_xq + 4 * sb3  # the sub-block's 8 words as 4 int64
         xd_row = xd_ptr + m3.to(tl.int64) * stride_xd + sb3
-        acc = tl.zeros([BLOCK_M, BLOCK_N, 8], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, SB], dtype=tl.float32)
         if GRID_SMEM:  # iq3_s grid in registers; tl.gather looks it up through shared memory
             grid_all = tl.load(grid_ptr + tl.arange(0, 512))
         else:
             grid_all = tl.zeros([1], dtype=tl.int32)  # unused
         blocks = K // 256
-        per_split = (blocks + SPLIT_K - 1) // SPLIT_K
+        groups = (blocks + KB - 1) // KB
+        per_split = (groups + SPLIT_K - 1) // SPLIT_K
         lo = pid_k * per_split
-        hi = tl.minimum(blocks, lo + per_split)
+        hi = tl.minimum(groups, lo + per_split)
         unit = 55 if FMT == 0 else 34  # units per block
         # the blocks loaded before the loop (clamped: an empty split-K part reads a valid block, unused)
-        first = tl.minimum(lo, blocks - 1)
-        u0, u1, u2, u3, u4, u5, u6, u7, u8 = _w_load(FMT, row + first * unit, sb)
+        first = tl.minimum(lo, groups - 1)
+        u0, u1, u2, u3, u4, u5, u6, u7, u8 = _w_load(FMT, row + _wblk(first, bo, blocks, KB) * unit, sb)
         if DEPTH == 2:
-            second = tl.minimum(first + 1, blocks - 1)
-            v0, v1, v2, v3, v4, v5, v6, v7, v8 = _w_load(FMT, row + second * unit, sb)
-        p0, p1, p2, p3, dx = _x_load(xq_row, xd_row, first)
+            second = tl.minimum(first + 1, groups - 1)
+            v0, v1, v2, v3, v4, v5, v6, v7, v8 = _w_load(FMT, row + _wblk(second, bo, blocks, KB) * unit, sb)
+        p0, p1, p2, p3, dx = _x_load(xq_row, xd_row, _wblk(first, bo3, blocks, KB))
         for blk in range(lo, hi):
             if PREFETCH == 0:
-                u0, u1, u2, u3, u4, u5, u6, u7, u8 = _w_load(FMT, row + blk * unit, sb)
+                u0, u1, u2, u3, u4, u5, u6, u7, u8 = _w_load(FMT, row + _wblk(blk, bo, blocks, KB) * unit, sb)
             if PREFETCH < 2:
-                p0, p1, p2, p3, dx = _x_load(xq_row, xd_row, blk)
+                p0, p1, p2, p3, dx = _x_load(xq_row, xd_row, _wblk(blk, bo3, blocks, KB))
             if PREFETCH > 0:  # issue block b + DEPTH's loads before block b's arithmetic (clamped: unused)
                 nb = tl.minimum(blk + DEPTH, hi - 1)
-                n0, n1, n2, n3, n4, n5, n6, n7, n8 = _w_load(FMT, row + nb * unit, sb)
+                n0, n1, n2, n3, n4, n5, n6, n7, n8 = _w_load(FMT, row + _wblk(nb, bo, blocks, KB) * unit, sb)
             if PREFETCH == 2:
-                np0, np1, np2, np3, ndx = _x_load(xq_row, xd_row, tl.minimum(blk + 1, hi - 1))
+                nx = _wblk(tl.minimum(blk + 1, hi - 1), bo3, blocks, KB)
+                np0, np1, np2, np3, ndx = _x_load(xq_row, xd_row, nx)
+            if KB > 1:  # blocks past the row's end (clamped loads) add nothing
+                dxv = tl.where(blk * KB + bo3 < blocks, dx, 0.0)
+            else:
+                dxv = dx
             if PREFETCH > 0 and FENCE:
                 # a run-time branch (always taken; its condition opaque to LLVM, so not unswitched): ptxas
                 # schedules within basic blocks, so the loads above stay ahead of this block's arithmetic
                 # instead of sinking to the loop's end
                 if _opaque(blk, EMULATE) < hi:
-                    acc = _acc_block(acc, u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, dx, sb,
+                    acc = _acc_block(acc, u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, dxv, sb,
                                      grid_all, grid_ptr, FMT, BLOCK_M, BLOCK_N, T0, T1, T2, T3, EMULATE,
-                                     GRID_SMEM)
+                                     GRID_SMEM, SB)
             else:
-                acc = _acc_block(acc, u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, dx, sb, grid_all,
-                                 grid_ptr, FMT, BLOCK_M, BLOCK_N, T0, T1, T2, T3, EMULATE, GRID_SMEM)
+                acc = _acc_block(acc, u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, dxv, sb, grid_all,
+                                 grid_ptr, FMT, BLOCK_M, BLOCK_N, T0, T1, T2, T3, EMULATE, GRID_SMEM, SB)
             if PREFETCH > 0:
                 if DEPTH == 2:
                     u0, u1, u2, u3, u4, u5, u6, u7, u8 = v0, v1, v2, v3, v4, v5, v6, v7, v8
@@ -503,10 +539,10 @@ if HAVE_TRITON:
                 if _opaque(g, EMULATE) < g_hi:  # keeps the loads above ahead of the arithmetic (see FENCE)
                     acc = _acc_block(acc, u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, dx, sb,
                                      grid_all, grid_ptr, FMT, BLOCK_M, BLOCK_N, T0, T1, T2, T3, EMULATE,
-                                     GRID_SMEM)
+                                     GRID_SMEM, 8)
             else:
                 acc = _acc_block(acc, u0, u1, u2, u3, u4, u5, u6, u7, u8, p0, p1, p2, p3, dx, sb, grid_all,
-                                 grid_ptr, FMT, BLOCK_M, BLOCK_N, T0, T1, T2, T3, EMULATE, GRID_SMEM)
+                                 grid_ptr, FMT, BLOCK_M, BLOCK_N, T0, T1, T2, T3, EMULATE, GRID_SMEM, 8)
             if last | (g == g_hi - 1):  # flush the row tile's partial sums
                 offs_n = tile * BLOCK_N + ar
                 ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -614,7 +650,8 @@ def gemv_q8_iq(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_feature
         FMT=IQ_Q8_FORMATS.index(fmt), BLOCK_N=s.block_n, BLOCK_M=s.block_m, SPLIT_K=s.split_k,
         T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=EMULATE_DP4A,
         GRID_SMEM=grid_smem, PREFETCH=getattr(s, "prefetch", 0), FENCE=getattr(s, "fence", True),
-        DEPTH=getattr(s, "depth", 1), **extra)
+        DEPTH=getattr(s, "depth", 1), KB=getattr(s, "kb", 1),
+        SB=8 * getattr(s, "kb", 1), **extra)
     return y.to(xa.dtype)
 
 

@@ -172,17 +172,18 @@ IQ_Q8_ROUTE_FORMATS = ("iq3_s", "iq4_xs")  # and of gemv_q8_iq.py (its own defau
 def q8_route(format: str, out_features: int, in_features: int) -> list[tuple[int, str]]:
     """Route of the int8-activation dp4a GEMV for 1–8 columns, `[]` where it does not apply (other formats,
     rows not whole 256-column steps). From the H200 sweeps (q4_k at the 27B shapes, q6_k at the output head;
-    docs/gpu-notes.md): one column takes the plain loop, 8 rows per 1-warp program and split-K 4 (the head:
-    16 rows, no split); 2–8 columns take the software-pipelined tiles (activation words copied once per
-    program), split-K 4 where few rows or long rows leave SMs idle."""
+    docs/gpu-notes.md): one column takes the plain loop in 1-warp programs of 8 rows, split-K 4 / 2 / none as
+    rows grow (≤ 1024 rows: software-pipelined); 2–8 columns take the software-pipelined tiles (activation
+    words copied once per program), split-K 4 where few rows or long rows leave SMs idle."""
     name = format.removeprefix(GGUF_PREFIX)
     if name not in Q8_ROUTE_FORMATS or in_features % 256:
         return []
-    if out_features >= 65536:  # the output head: 248320 × 5120
-        return [(1, "q8_n16_m1"), (4, "q8_n16_m4_p3"), (8, "q8_n16_m8_p3")]
-    if out_features <= 1024 or in_features >= 16384:
+    if out_features <= 1024:
+        return [(1, "q8_n8_m1_s4_p3"), (4, "q8_n16_m4_s4_p3"), (8, "q8_n16_m8_s4_p3")]
+    if in_features >= 16384:
         return [(1, "q8_n8_m1_s4"), (4, "q8_n16_m4_s4_p3"), (8, "q8_n16_m8_s4_p3")]
-    return [(1, "q8_n8_m1_s4"), (4, "q8_n16_m4_p3"), (8, "q8_n16_m8_p3")]
+    one = "q8_n8_m1_s4" if out_features <= 6144 else "q8_n8_m1_s2" if out_features < 12288 else "q8_n8_m1"
+    return [(1, one), (4, "q8_n16_m4_p3"), (8, "q8_n16_m8_p3")]
 
 
 def q8_enabled() -> bool:

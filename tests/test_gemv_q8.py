@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -193,6 +195,8 @@ def test_default_route_on_cuda_is_q8_unless_wv_is_asked(monkeypatch, fmt):
     monkeypatch.setattr(q8mod, "gemv_q8", lambda *a: calls.append("q8") or real_q8(*a))
     monkeypatch.setattr(iqmod, "gemv_q8_iq", lambda *a: calls.append("iq") or real_iq(*a))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",  # gemv_q8_iq sizes stream-K grids by SM count
+                        lambda device: types.SimpleNamespace(multi_processor_count=132))
     raw, x = _case(fmt, 8, 256, 2, seed=9)
     want = gemv_q8_reference(raw, fmt, quantize_activation_reference(x), 8)
     y = quant_matmul(raw, fmt, x, 8)

@@ -42,6 +42,10 @@ class QuantizedActivation:
     def words(self) -> torch.Tensor:
         return self.q.view(torch.int32)
 
+    def row(self, i: int) -> QuantizedActivation:
+        """Column `i` alone (views, no copy)."""
+        return QuantizedActivation(self.q[i : i + 1], self.d[i : i + 1], self.s[i : i + 1], self.dtype)
+
     def dequantize(self) -> torch.Tensor:
         """`q·d` as float64 `[n, K]` (what the q8 kernels multiply the weights with)."""
         n, k = self.q.shape

@@ -31,10 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
+from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a, gemv_q8_reference
 from ninfer.kernels.gguf_matmul import MatmulSchedule, QuantKernelError, check_weight, triton_cdiv
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_sum, triton_runs_on
-from ninfer.quant import dequantize
 from ninfer.quant.formats import GGUF_PREFIX
 from ninfer.quant.tables import IQ4_LEVELS
 
@@ -173,13 +172,9 @@ def default_iq_schedule(fmt: str, out_features: int, in_features: int, columns: 
 
 def gemv_q8_iq_reference(raw: torch.Tensor, fmt: str, xa: QuantizedActivation, out_features: int,
                          out_dtype: torch.dtype | None = torch.float64) -> torch.Tensor:
-    """`(q·d) @ Wᵀ` in float64 with W dequantised by `ninfer.quant` (`[n, out_features]`, in `out_dtype`;
-    None: the activation's dtype)."""
-    in_features = xa.q.shape[1]
-    w = dequantize(raw.cpu().reshape(-1), GGUF_PREFIX + fmt.removeprefix(GGUF_PREFIX),
-                   (out_features, in_features)).double()
-    y = xa.dequantize().cpu() @ w.t()
-    return y.to(xa.q.device, out_dtype or xa.dtype)
+    """`gemv_q8_reference` (`(q·d) @ Wᵀ` in float64, W dequantised by `ninfer.quant`) on xa's device, in
+    `out_dtype` (None: the activation's dtype)."""
+    return gemv_q8_reference(raw, fmt, xa, out_features).to(xa.q.device, out_dtype or xa.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------

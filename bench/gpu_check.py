@@ -650,52 +650,28 @@ def compile_all(log: Log) -> bool:
 def sass_counts(log: Log) -> bool:
     """SASS instructions per weight in the main loop of each 1-column wv schedule, compiled for sm_90 on any
     machine (pointer/size arguments hinted 16-divisible, as Triton specialises them at run time)."""
-    import collections
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from sass_tools import compile_sm90, cuobjdump, loop_body, opcode_mix
 
     from ninfer.kernels import gguf_matmul as gm
 
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     sig = {"w_ptr": "*u8", "w32_ptr": "*i32", "x_ptr": "*bf16", "y_ptr": "*bf16", "grid_ptr": "*i32",
            "N": "i32", "K": "i32", "M": "i32", "row_bytes": "i32", "stride_xm": "i32", "stride_ym": "i32",
            "row_words": "i32"}
-    names = list(sig)
     hinted = ("w_ptr", "w32_ptr", "x_ptr", "y_ptr", "grid_ptr", "K", "row_bytes", "row_words", "stride_xm",
               "stride_ym")
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
     for fmt in gm.WV_FORMATS:
         for sc in [s for s in gm.SCHEDULES.values() if s.kernel == "wv" and s.block_m == 1]:
             qk, bb = gm.wv_geometry(fmt)
             const = dict(FMT=gm.FORMAT_CODES[fmt], QK=qk, BB=bb, BLOCK_N=sc.block_n, BLOCK_M=1,
                          SPLIT_K=sc.split_k)
             units = {"w32_ptr": "*i16"} if fmt == "q8_0" else {}  # q8_0 rows are read as int16
-            src = ASTSource(gm._gemv_wv_kernel, {**sig, **units, **dict.fromkeys(const, "constexpr")}, const,
-                            attrs)
-            c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": sc.num_warps, "num_stages": sc.num_stages})
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
-                tmp.write(c.asm["cubin"])
-                tmp.flush()
-                sass = subprocess.run([str(cuobjdump), "-sass", tmp.name], capture_output=True,
-                                      text=True).stdout
-            pattern = r"/\*([0-9a-f]{4})\*/\s+([^;]*);"
-            ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(pattern, sass)]
-            loops = [(int(t.group(1), 16), a) for a, i in ins for t in [re.search(r"BRA (0x[0-9a-f]+)", i)]
-                     if t and int(t.group(1), 16) < a]
-            if not loops:
+            c = compile_sm90(gm._gemv_wv_kernel, {**sig, **units}, const, hinted, sc.num_warps, sc.num_stages)
+            body = loop_body(cuobjdump(c, "-sass"))
+            if not body:
                 log(f"sass wv {fmt} {sc.name}: no loop found")
                 continue
-            lo, hi = max(loops, key=lambda r: r[1] - r[0])
-            body = [i for a, i in ins if lo <= a <= hi]
-            mix = collections.Counter(re.sub(r"^@!?U?P\S+ ", "", i).split()[0].split(".")[0] for i in body)
             per_thread = sc.block_n * qk / (32 * sc.num_warps)
-            top = " ".join(f"{k} {v}" for k, v in mix.most_common(8))
+            top = " ".join(f"{k} {v}" for k, v in opcode_mix(body).most_common(8))
             log(f"sass wv {fmt} {sc.name}: {len(body)} instructions per block loop = "
                 f"{len(body) / per_thread:.1f} per weight; {top}")
     return True
@@ -791,46 +767,24 @@ def time_q8(log: Log, dev: torch.device, floor: float, formats=("q4_k",)) -> tup
 def sass_q8(log: Log) -> None:
     """SASS instructions per weight in the block loop of each q8 schedule × format (sm_90, no GPU needed);
     per weight of a thread's share of a 256-code step, all columns of the tile together."""
-    import collections
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from sass_tools import compile_sm90, cuobjdump, loop_body, opcode_mix
 
     from ninfer.kernels import gemv_q8 as q8
 
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     hinted = ("w_ptr", "u_ptr", "xw_ptr", "xd_ptr", "xs_ptr", "y_ptr", "K", "row_bytes", "row_units",
               "stride_ym")
     for fmt in q8.Q8_FORMATS:
         for sc in [s for s in SCHEDULES.values() if s.kernel == "q8" and s.block_m in (1, 8)]:
-            sig = q8_signature(fmt, sc.split_k)
-            names = list(sig)
-            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
             const = dict(FMT=q8._FMT[fmt], BLOCK_N=sc.block_n, BLOCK_M=sc.block_m, SPLIT_K=sc.split_k,
                          EMULATE=False, STAGES=sc.num_stages,
                          UNROLL=sc.block_k // 256 if fmt != "q8_0" else 1)
-            src = ASTSource(q8._gemv_q8_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, attrs)
-            c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                               options={"num_warps": sc.num_warps, "num_stages": sc.num_stages})
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
-                tmp.write(c.asm["cubin"])
-                tmp.flush()
-                sass = subprocess.run([str(cuobjdump), "-sass", tmp.name], capture_output=True,
-                                      text=True).stdout
-            pattern = r"/\*([0-9a-f]{4})\*/\s+([^;]*);"
-            ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(pattern, sass)]
-            loops = [(int(t.group(1), 16), a) for a, i in ins for t in [re.search(r"BRA (0x[0-9a-f]+)", i)]
-                     if t and int(t.group(1), 16) < a]
-            if not loops:
+            c = compile_sm90(q8._gemv_q8_kernel, q8_signature(fmt, sc.split_k), const, hinted, sc.num_warps,
+                             sc.num_stages)
+            body = loop_body(cuobjdump(c, "-sass"))
+            if not body:
                 log(f"sass q8 {fmt} {sc.name}: no loop found")
                 continue
-            lo, hi = max(loops, key=lambda r: r[1] - r[0])
-            body = [i for a, i in ins if lo <= a <= hi]
-            mix = collections.Counter(re.sub(r"^@!?U?P\S+ ", "", i).split()[0].split(".")[0] for i in body)
+            mix = opcode_mix(body)
             per_thread = sc.block_n * 256 / (32 * sc.num_warps)
             top = " ".join(f"{k} {v}" for k, v in mix.most_common(8))
             log(f"sass q8 {fmt} {sc.name}: {len(body)} instructions per step = {len(body) / per_thread:.2f} "

@@ -12,13 +12,11 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 os.environ.setdefault("NINFER_TRITON_COMPILE_CHECK", "1")  # before ninfer imports triton_support
 
+from sass_tools import compile_sm90, cuobjdump, loop_body, opcode_mix  # noqa: E402  (bench/ is sys.path[0])
 
 REGS: dict = {}  # (format, schedule) -> (registers per thread, spills) of the last compile
 
@@ -26,10 +24,6 @@ REGS: dict = {}  # (format, schedule) -> (registers per thread, spills) of the l
 def compile_schedule(fmt: str, sched) -> str:
     """The SASS of one (format, schedule), compiled for sm_90 with 16-divisibility hints. Format "iq3_s_l1":
     iq3_s with the grid looked up through L1 (global loads) instead of shared memory."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from ninfer.kernels import gemv_q8_iq as q
 
     smem = fmt == "iq3_s" and not getattr(sched, "grid_l1", False)
@@ -37,9 +31,7 @@ def compile_schedule(fmt: str, sched) -> str:
     sig = {"w_ptr": "*u16" if fmt == "iq3_s" else "*i32", "xq_ptr": "*i64", "xd_ptr": "*fp32",
            "y_ptr": "*fp32" if sched.split_k > 1 else "*bf16", "grid_ptr": "*i32", "N": "i32", "K": "i32",
            "M": "i32", "row_units": "i32", "stride_xq": "i32", "stride_xd": "i32", "stride_ym": "i32"}
-    names = list(sig)
     hinted = ("w_ptr", "xq_ptr", "xd_ptr", "y_ptr", "grid_ptr", "K", "stride_xq", "stride_xd", "stride_ym")
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
     t0, t1, t2, t3 = q._IQ4_WORDS
     const = dict(FMT=q.IQ_Q8_FORMATS.index(fmt), BLOCK_N=sched.block_n, BLOCK_M=sched.block_m,
                  SPLIT_K=sched.split_k, T0=t0, T1=t1, T2=t2, T3=t3, EMULATE=False,
@@ -52,35 +44,17 @@ def compile_schedule(fmt: str, sched) -> str:
         sig["y_ptr"] = "*fp32"
         for k in ("SPLIT_K", "FENCE", "DEPTH", "KB", "SB"):
             const.pop(k)
-    src = ASTSource(kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": sched.num_warps})
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
-        tmp.write(c.asm["cubin"])
-        tmp.flush()
-        res = subprocess.run([str(cuobjdump), "-res-usage", tmp.name], capture_output=True, text=True,
-                             check=True).stdout
-        regs = re.search(r"REG:(\d+)", res)
-        spills = re.search(r"STACK:(\d+)", res)
-        REGS[(fmt, sched.name)] = (int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else -1)
-        return subprocess.run([str(cuobjdump), "-sass", tmp.name], capture_output=True, text=True,
-                              check=True).stdout
-
-
-def loop_body(sass: str) -> list[str]:
-    """The instructions of the longest backward branch's span (the block loop)."""
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+([^;]*);", sass)]
-    loops = [(int(t.group(1), 16), a) for a, i in ins for t in [re.search(r"BRA (0x[0-9a-f]+)", i)]
-             if t and int(t.group(1), 16) < a]
-    if not loops:
-        return []
-    lo, hi = max(loops, key=lambda r: r[1] - r[0])
-    return [i for a, i in ins if lo <= a <= hi]
+    c = compile_sm90(kernel, sig, const, hinted, sched.num_warps)
+    res = cuobjdump(c, "-res-usage")
+    regs = re.search(r"REG:(\d+)", res)
+    spills = re.search(r"STACK:(\d+)", res)
+    REGS[(fmt, sched.name)] = (int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else -1)
+    return cuobjdump(c, "-sass")
 
 
 def per_weight(fmt: str, sched) -> tuple[float, int, collections.Counter]:
     body = loop_body(compile_schedule(fmt, sched))
-    mix = collections.Counter(re.sub(r"^@!?U?P\S+ ", "", i).split()[0].split(".")[0] for i in body)
+    mix = opcode_mix(body)
     weights_per_thread = sched.block_n * 256 * getattr(sched, "kb", 1) / (32 * sched.num_warps)
     return len(body) / weights_per_thread, len(body), mix
 

@@ -1,0 +1,53 @@
+"""sm_90 builds without a GPU, for counting what a kernel's main loop costs (gpu_check.py --sass,
+sass_q8_iq.py): compile a Triton kernel with the 16-divisibility hints Triton specialises at run time, read
+its SASS and resource use with the `cuobjdump` Triton bundles, and cut out the longest loop."""
+
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def compile_sm90(kernel, sig: dict, const: dict, hinted: tuple[str, ...], num_warps: int,
+                 num_stages: int = 3):
+    """`triton.compile` of `kernel` for sm_90: `sig` the argument types, `const` the constexprs, `hinted` the
+    arguments marked 16-divisible."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
+    src = ASTSource(kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def cuobjdump(compiled, flag: str) -> str:
+    """`cuobjdump <flag>` (`-sass`, `-res-usage`) of a compiled kernel's cubin."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
+        tmp.write(compiled.asm["cubin"])
+        tmp.flush()
+        return subprocess.run([str(tool), flag, tmp.name], capture_output=True, text=True, check=True).stdout
+
+
+def loop_body(sass: str) -> list[str]:
+    """The instructions of the longest backward branch's span (the block loop); [] when there is none."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+([^;]*);", sass)]
+    loops = [(int(t.group(1), 16), a) for a, i in ins for t in [re.search(r"BRA (0x[0-9a-f]+)", i)]
+             if t and int(t.group(1), 16) < a]
+    if not loops:
+        return []
+    lo, hi = max(loops, key=lambda r: r[1] - r[0])
+    return [i for a, i in ins if lo <= a <= hi]
+
+
+def opcode_mix(body: list[str]) -> collections.Counter:
+    """Opcode counts of a list of SASS instructions (predicates and modifiers dropped)."""
+    return collections.Counter(re.sub(r"^@!?U?P\S+ ", "", i).split()[0].split(".")[0] for i in body)

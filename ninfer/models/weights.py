@@ -102,6 +102,22 @@ def load_vector(source: WeightSource, name: str, device: torch.device | str) -> 
     return load_dense(source, name, torch.float32, device)
 
 
+def keeps_blocks(stored: StoredLike, quantized: bool | None) -> bool:
+    """Quantized mode (`quantized`, or the `quantized_linears` block when None) keeps the GGUF blocks of the
+    formats the kernels decode resident; everything else is dequantised once."""
+    quantized = QUANTIZED_LINEARS.get() if quantized is None else quantized
+    return quantized and getattr(stored, "format", "f32").removeprefix("gguf_") in KERNEL_FORMATS
+
+
+def resident_weight(source: WeightSource, name: str, dtype: torch.dtype, device: torch.device | str,
+                    quantized: bool | None) -> tuple[nn.Buffer | None, nn.Buffer | None]:
+    """`(dense weight, None)` or `(None, GGUF rows uint8 [rows, row_bytes] on device)` (see keeps_blocks)."""
+    stored = source.tensor(name)
+    if keeps_blocks(stored, quantized):
+        return None, nn.Buffer(stored.data.to(device))
+    return nn.Buffer(load_dense(source, name, dtype, device)), None
+
+
 class Linear(nn.Module):
     """`y = x[..., input_columns] @ Wᵀ (+ b)`; W [out, in] from the artifact.
 
@@ -126,12 +142,7 @@ class Linear(nn.Module):
         self.stored = source.tensor(name)
         self.out_features, self.in_features = (int(n) for n in self.stored.shape)
         self.format = getattr(self.stored, "format", "f32")
-        if quantized is None:
-            quantized = QUANTIZED_LINEARS.get()
-        if quantized and self.format.removeprefix("gguf_") in KERNEL_FORMATS:
-            self.weight, self.raw = None, nn.Buffer(self.stored.data.to(device))
-        else:
-            self.weight, self.raw = nn.Buffer(load_dense(source, name, dtype, device)), None
+        self.weight, self.raw = resident_weight(source, name, dtype, device, quantized)
         columns = source.input_columns(name)
         self.input_columns = None if columns is None else columns.to(device=device, dtype=torch.long)
         # where each input column goes in the gathered order: lets the producer of x write it pre-gathered
@@ -163,7 +174,7 @@ class Linear(nn.Module):
         self.name, self.dtype, self.stored = "|".join(names), dtype, None
         self.out_features, self.in_features = sum(int(s.shape[0]) for s in stored), int(stored[0].shape[1])
         self.format = getattr(stored[0], "format", "f32")
-        if quantized and self.format.removeprefix("gguf_") in KERNEL_FORMATS:
+        if keeps_blocks(stored[0], quantized):
             raw = torch.empty((self.out_features, stored[0].data.shape[1]), dtype=torch.uint8, device=device)
             row = 0
             for s in stored:
@@ -253,12 +264,7 @@ class Embedding(nn.Module):
         self.stored = source.tensor(name)
         self.num_rows, self.dim = (int(n) for n in self.stored.shape)
         self.format = getattr(self.stored, "format", "f32")
-        if quantized is None:
-            quantized = QUANTIZED_LINEARS.get()
-        if quantized and self.format.removeprefix("gguf_") in KERNEL_FORMATS:
-            self.weight, self.raw = None, nn.Buffer(self.stored.data.to(device))
-        else:
-            self.weight, self.raw = nn.Buffer(load_dense(source, name, dtype, device)), None
+        self.weight, self.raw = resident_weight(source, name, dtype, device, quantized)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.raw is None:

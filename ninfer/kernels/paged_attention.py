@@ -180,8 +180,9 @@ def _device_tables(head_dim: int, device: torch.device) -> tuple[torch.Tensor, t
             kv_quant.lloyd_max_gaussian_levels().to(device=device, dtype=torch.float32))
 
 
-def _check(q, storage, page_tables, lane_ids, seq_lens, fmt) -> None:
-    B, Hq, D = q.shape
+def check_storage(q: torch.Tensor, storage: torch.Tensor, fmt: kv_quant.KvFormat) -> None:
+    """The pool layer's bytes fit `fmt` and q's heads (`q [rows, Hq, D]`), or PagedAttentionError."""
+    Hq, D = q.shape[1:]
     if storage.dtype != torch.uint8 or storage.dim() != 4 or storage.shape[2] != PAGE_TOKENS:
         raise PagedAttentionError(f"KV storage must be uint8 [pages, kv_heads, {PAGE_TOKENS}, token_bytes], "
                                   f"got {storage.dtype} {list(storage.shape)}")
@@ -190,6 +191,11 @@ def _check(q, storage, page_tables, lane_ids, seq_lens, fmt) -> None:
                                   f"at head dim {D} ({fmt.token_bytes} bytes); check the pool's dtype")
     if Hq % storage.shape[1]:
         raise PagedAttentionError(f"{Hq} query heads cannot share {storage.shape[1]} KV heads evenly")
+
+
+def _check(q, storage, page_tables, lane_ids, seq_lens, fmt) -> None:
+    check_storage(q, storage, fmt)
+    B = q.shape[0]
     if lane_ids.shape != (B,) or seq_lens.shape != (B,) or page_tables.dtype != torch.int32:
         raise PagedAttentionError("lane_ids and seq_lens must be [batch] and page tables int32")
 

@@ -27,6 +27,7 @@ from ninfer.kernels.paged_attention import (
     _load_k,
     _load_v,
     _merge_splits_kernel,
+    check_storage,
     kernel_supports,
 )
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_max, tl_sum, triton_runs_on
@@ -115,15 +116,8 @@ def _prefill_kernel(
 
 
 def _check(q, storage, row, cached, fmt) -> None:
-    L, Hq, D = q.shape
-    if storage.dtype != torch.uint8 or storage.dim() != 4 or storage.shape[2] != PAGE_TOKENS:
-        raise PagedAttentionError(f"KV storage must be uint8 [pages, kv_heads, {PAGE_TOKENS}, token_bytes], "
-                                  f"got {storage.dtype} {list(storage.shape)}")
-    if storage.shape[3] != fmt.token_bytes or fmt.head_dim != D:
-        raise PagedAttentionError(f"KV rows of {storage.shape[3]} bytes do not match --kv-dtype {fmt.name} "
-                                  f"at head dim {D} ({fmt.token_bytes} bytes); check the pool's dtype")
-    if Hq % storage.shape[1]:
-        raise PagedAttentionError(f"{Hq} query heads cannot share {storage.shape[1]} KV heads evenly")
+    check_storage(q, storage, fmt)
+    L = q.shape[0]
     if row.dtype != torch.int32 or -(-(cached + L) // PAGE_TOKENS) > row.shape[0]:
         raise PagedAttentionError(f"the page table row must be int32 and hold the pages of {cached + L} "
                                   "positions")

@@ -24,13 +24,17 @@ QUANTIZED_LINEARS: ContextVar[bool] = ContextVar("quantized_linears", default=Fa
 
 
 @contextmanager
-def quantized_linears(enabled: bool) -> Iterator[None]:
-    """Build every `Linear` in this block in quantized mode (GGUF formats) or dense mode."""
-    token = QUANTIZED_LINEARS.set(enabled)
+def _scoped(var: ContextVar[bool], value: bool) -> Iterator[None]:
+    token = var.set(value)
     try:
         yield
     finally:
-        QUANTIZED_LINEARS.reset(token)
+        var.reset(token)
+
+
+def quantized_linears(enabled: bool):
+    """Build every `Linear` in this block in quantized mode (GGUF formats) or dense mode."""
+    return _scoped(QUANTIZED_LINEARS, enabled)
 
 
 # Whether quantized-mode models run the Linears of one input as one `MergedLinear` (default on; tests turn it
@@ -38,14 +42,9 @@ def quantized_linears(enabled: bool) -> Iterator[None]:
 MERGED_PROJECTIONS: ContextVar[bool] = ContextVar("merged_projections", default=True)
 
 
-@contextmanager
-def merged_projections(enabled: bool) -> Iterator[None]:
+def merged_projections(enabled: bool):
     """Build quantized-mode models in this block with (default) or without merged projections."""
-    token = MERGED_PROJECTIONS.set(enabled)
-    try:
-        yield
-    finally:
-        MERGED_PROJECTIONS.reset(token)
+    return _scoped(MERGED_PROJECTIONS, enabled)
 
 
 def merging_projections() -> bool:

@@ -119,7 +119,7 @@ def _case(fmt: str, rows: int, cols: int, width: int, seed: int):
 # steps than stages ahead
 KERNEL_CASES = [(fmt, sched, m) for fmt in Q8_FORMATS
                 for sched, m in (("q8_n8_m1_s4", 1), ("tiny_q8_m4", 3), ("q8_n8_m8", 8), ("q8_n16_m1_p3", 2),
-                                 ("q8_n8_m1_s2_u2", 1), ("q8_n16_m4_p3_u2", 4))]
+                                 ("q8_n8_m1_s2_u2", 1), ("q8_n16_m4_p3_u2", 4), ("q8_n8_m8_s4_p3", 5))]
 
 
 @pytest.mark.parametrize("fmt,sched,width", KERNEL_CASES)

@@ -124,6 +124,10 @@ SCHEDULES: dict[str, MatmulSchedule] = {
         MatmulSchedule("q8_n8_m1_s2", "q8", 8, 1, split_k=2, num_stages=1, num_warps=1),
         MatmulSchedule("q8_n16_m4_p3_u2", "q8", 16, 4, block_k=512, num_stages=3, num_warps=2),
         MatmulSchedule("q8_n16_m8_p3_u2", "q8", 16, 8, block_k=512, num_stages=3, num_warps=2),
+        # one-warp pipelined multi-column tiles (1-warp 8-row programs won at 1 column): not yet timed
+        MatmulSchedule("q8_n8_m4_p3", "q8", 8, 4, num_stages=3, num_warps=1),
+        MatmulSchedule("q8_n8_m8_p3", "q8", 8, 8, num_stages=3, num_warps=1),
+        MatmulSchedule("q8_n8_m8_s4_p3", "q8", 8, 8, split_k=4, num_stages=3, num_warps=1),
         MatmulSchedule("tiny_q8_m4", "q8", 4, 4, split_k=2, num_warps=1),
     )
 }

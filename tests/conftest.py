@@ -15,6 +15,33 @@ TINY_HF = TINY / "hf"
 TINY_REF = TINY / "reference"
 
 
+def _triton_installed() -> bool:
+    from ninfer.kernels.triton_support import HAVE_TRITON
+
+    return HAVE_TRITON
+
+
+# kernel tests through Triton's interpreter: skipped only where Triton is not installed (it is a dependency on
+# Linux x86-64 and Windows; other platforms run the PyTorch fallbacks)
+needs_triton = pytest.mark.skipif(not _triton_installed(), reason="Triton is a dependency on Linux x86-64")
+
+
+def kernels_only(monkeypatch, module, *references: str):
+    """Run the Triton kernels themselves (interpreter) on CPU tensors; where Triton is installed, each named
+    PyTorch fallback of `module` fails the test if it runs instead. Returns the first fallback (an oracle)."""
+    from ninfer.kernels.triton_support import HAVE_TRITON
+
+    def no_fallback(*args, **kwargs):
+        raise AssertionError("the PyTorch fallback ran instead of the Triton kernel")
+
+    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
+    originals = [getattr(module, name) for name in references]
+    if HAVE_TRITON:
+        for name in references:
+            monkeypatch.setattr(module, name, no_fallback)
+    return originals[0] if originals else None
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import kernels_only
 
 import ninfer.kernels.gemv_q8_iq as q8iq
 from ninfer.kernels.gemv_q8 import quantize_activation, quantize_activation_reference
@@ -35,14 +36,9 @@ KERNEL_TOL = 1e-6
 INT8_TOL = 8e-3
 
 
-def _no_fallback(*args, **kwargs):
-    raise AssertionError("the float64 reference ran instead of the Triton kernel")
-
-
 @pytest.fixture()
 def kernel_on_cpu(monkeypatch):
-    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
-    monkeypatch.setattr(q8iq, "gemv_q8_iq_reference", _no_fallback)
+    kernels_only(monkeypatch, q8iq, "gemv_q8_iq_reference")
 
 
 def _case(fmt: str, rows: int, cols: int, n: int, seed: int):

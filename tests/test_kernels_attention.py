@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import kernels_only, needs_triton
 
 import ninfer.kernels.paged_attention
 from ninfer.errors import NinferError
 from ninfer.kernels import kv_quant
 from ninfer.kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
-from ninfer.kernels.triton_support import HAVE_TRITON
-
-
-def _no_fallback(*args, **kwargs):
-    raise AssertionError("the PyTorch fallback ran instead of the Triton kernel")
 
 
 @pytest.fixture(autouse=True)
 def _triton_on_cpu(monkeypatch):
-    """Run the Triton kernels themselves (interpreter) on CPU tensors; a silent fallback would fail."""
-    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
-    if HAVE_TRITON:
-        monkeypatch.setattr(ninfer.kernels.paged_attention, "paged_decode_attention_reference", _no_fallback)
+    kernels_only(monkeypatch, ninfer.kernels.paged_attention, "paged_decode_attention_reference")
 
 
 def filled_pool(gen, fmt, lens, kv_heads, pages_total=12):
@@ -41,7 +34,7 @@ def filled_pool(gen, fmt, lens, kv_heads, pages_total=12):
     return storage, tables
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is a dependency on Linux x86-64")
+@needs_triton
 @pytest.mark.parametrize("name", ["bf16", "int8", "rk8v4", "rk4v4"])
 def test_kernel_matches_reference(name):
     gen = torch.Generator().manual_seed(len(name))

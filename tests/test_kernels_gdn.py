@@ -5,26 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import kernels_only, needs_triton
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 import ninfer.kernels.gdn_decode
 from ninfer.errors import NinferError
 from ninfer.kernels.gdn_decode import gdn_decode, gdn_decode_reference
-from ninfer.kernels.triton_support import HAVE_TRITON
-
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is a dependency on Linux x86-64")
-
-
-def _no_fallback(*args, **kwargs):
-    raise AssertionError("the PyTorch fallback ran instead of the Triton kernel")
 
 
 @pytest.fixture(autouse=True)
 def _triton_on_cpu(monkeypatch):
-    """Run the Triton kernels themselves (interpreter) on CPU tensors; a silent fallback would fail."""
-    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
-    if HAVE_TRITON:
-        monkeypatch.setattr(ninfer.kernels.gdn_decode, "gdn_decode_reference", _no_fallback)
+    kernels_only(monkeypatch, ninfer.kernels.gdn_decode, "gdn_decode_reference")
 
 
 def make_layer(gen, B, T, Hk, Hv, Dk, Dv, slots, state_dtype=torch.float32):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import kernels_only, needs_triton
 from gguf import GGMLQuantizationType, quants
 
 import ninfer.kernels.gguf_matmul
@@ -15,7 +16,6 @@ from ninfer.kernels.gguf_matmul import (
     quant_matmul,
     quant_matmul_reference,
 )
-from ninfer.kernels.triton_support import HAVE_TRITON
 from ninfer.quant import FORMATS
 
 # byte offsets of each format's fp16 scale fields: set to small finite values so random blocks are valid
@@ -23,16 +23,9 @@ SCALE_OFFSETS = {"q4_0": [0], "q4_1": [0, 2], "q5_0": [0], "q8_0": [0], "q4_k": 
                  "q6_k": [208], "iq4_xs": [0], "iq3_s": [0]}
 
 
-def _no_fallback(*args, **kwargs):
-    raise AssertionError("the PyTorch fallback ran instead of the Triton kernel")
-
-
 @pytest.fixture(autouse=True)
 def _triton_on_cpu(monkeypatch):
-    """Run the Triton kernels themselves (interpreter) on CPU tensors; a silent fallback would fail."""
-    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
-    if HAVE_TRITON:
-        monkeypatch.setattr(ninfer.kernels.gguf_matmul, "quant_matmul_reference", _no_fallback)
+    kernels_only(monkeypatch, ninfer.kernels.gguf_matmul, "quant_matmul_reference")
 
 
 def random_gguf_rows(fmt: str, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
@@ -56,7 +49,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is a dependency on Linux x86-64")
+@needs_triton
 @pytest.mark.parametrize("fmt", KERNEL_FORMATS)
 def test_kernel_matches_gguf_py(fmt):
     gen = torch.Generator().manual_seed(FORMATS[fmt].ggml_type)
@@ -74,7 +67,7 @@ def test_kernel_matches_gguf_py(fmt):
         assert rel_err(out, ref) < 1e-3, (fmt, width, schedule, rel_err(out, ref))
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is a dependency on Linux x86-64")
+@needs_triton
 def test_split_k_and_multi_tile_columns():
     gen = torch.Generator().manual_seed(7)
     rows, cols = 16, 1024
@@ -87,7 +80,7 @@ def test_split_k_and_multi_tile_columns():
         assert rel_err(out, ref) < 1e-3, split
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is a dependency on Linux x86-64")
+@needs_triton
 @pytest.mark.parametrize("fmt", ["q4_k", "iq3_s"])
 def test_fma_kernel_matches_gguf_py(fmt):
     gen = torch.Generator().manual_seed(21)
@@ -118,7 +111,7 @@ def test_bad_weight_is_a_user_error():
         quant_matmul(raw, "q2_k", torch.randn(1, 256), 4)
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is a dependency on Linux x86-64")
+@needs_triton
 @pytest.mark.parametrize("fmt", ["q4_k", "iq3_s", "q6_k", "q5_k", "q8_0"])
 def test_word_vector_gemv_matches_gguf_py(fmt):
     """The word-vector GEMV (codes as mantissa bits, per-sub-block x-sum corrections) on fresh blocks:
@@ -144,7 +137,7 @@ def test_word_vector_gemv_rejects_other_formats():
         quant_matmul(raw, "q8_0", torch.randn(1, 128), 4, schedule="wv_n16_m1")
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="Triton is a dependency on Linux x86-64")
+@needs_triton
 def test_every_word_vector_schedule_runs():
     """Each wv tile/split/warp variant (the default routes use several) on one of the formats, in turn."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,)).item()))

@@ -5,27 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import kernels_only, needs_triton
 
 import ninfer.kernels.prefill_attention as pf
 from ninfer.errors import NinferError
 from ninfer.kernels import kv_quant
 from ninfer.kernels.prefill_attention import prefill_attention
-from ninfer.kernels.triton_support import HAVE_TRITON
-
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is a dependency on Linux x86-64")
-
-
-def _no_fallback(*args, **kwargs):
-    raise AssertionError("the PyTorch fallback ran instead of the Triton kernel")
 
 
 @pytest.fixture
 def kernel_only(monkeypatch):
-    """Run the Triton kernel itself (interpreter) on CPU tensors; a silent fallback would fail."""
-    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
-    reference = pf.prefill_attention_reference
-    monkeypatch.setattr(pf, "prefill_attention_reference", _no_fallback)
-    return reference
+    """The Triton kernel itself (interpreter) on CPU tensors; returns the reference (the oracle)."""
+    return kernels_only(monkeypatch, pf, "prefill_attention_reference")
 
 
 def span_pool(gen, fmt, tokens, kv_heads, spare_pages=3, lanes=2, lane=1):
@@ -115,7 +106,7 @@ def test_batch_context_routes_spans_through_the_kernels(kernel_only, monkeypatch
     from ninfer.models.cache_spec import CacheSpec
     from ninfer.models.context import SequenceSpan
 
-    monkeypatch.setattr(pa, "paged_decode_attention_reference", _no_fallback)
+    kernels_only(monkeypatch, pa, "paged_decode_attention_reference")
     spec = CacheSpec(num_kv_layers=1, kv_heads=2, head_dim=64)
     gen = torch.Generator().manual_seed(3)
     pools = [KvPool(spec, "rk8v4", 512, 2, 256) for _ in range(2)]

@@ -300,29 +300,24 @@ def _rows2(x: torch.Tensor, what: str) -> torch.Tensor:
     return x
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate)·up` of two [T, I] row views (e.g. the halves of a merged gate|up output), gate's dtype."""
-    g, u = _rows2(gate, "gate"), _rows2(up, "up")
-    if g.shape != u.shape:
-        raise FusedKernelError(f"swiglu: gate {tuple(g.shape)} and up {tuple(u.shape)} differ")
-    T, N = g.shape
-    out = torch.empty((T, N), dtype=gate.dtype, device=gate.device)
+def _elementwise2(kernel, a: torch.Tensor, b: torch.Tensor, op: str, names: tuple[str, str]) -> torch.Tensor:
+    """One launch of a two-input elementwise kernel over [T, N] row views; output [T, N] in a's dtype."""
+    x, y = _rows2(a, names[0]), _rows2(b, names[1])
+    if x.shape != y.shape:
+        raise FusedKernelError(f"{op}: {names[0]} {tuple(x.shape)} and {names[1]} {tuple(y.shape)} differ")
+    T, N = x.shape
+    out = torch.empty((T, N), dtype=a.dtype, device=a.device)
     if T * N:
         grid = (T, -(-N // ELEMENTWISE_BLOCK))
-        _swiglu_kernel[grid](g, u, out, N, g.stride(0), u.stride(0), BLOCK=ELEMENTWISE_BLOCK,
-                             **_extra(g, 4))
+        kernel[grid](x, y, out, N, x.stride(0), y.stride(0), BLOCK=ELEMENTWISE_BLOCK, **_extra(x, 4))
     return out
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate)·up` of two [T, I] row views (e.g. the halves of a merged gate|up output), gate's dtype."""
+    return _elementwise2(_swiglu_kernel, gate, up, "swiglu", ("gate", "up"))
 
 
 def sigmoid_gate_mul(attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """`attn · sigmoid(gate)` of two [T, N] row views, in attn's dtype."""
-    a, g = _rows2(attn, "attn"), _rows2(gate, "gate")
-    if a.shape != g.shape:
-        raise FusedKernelError(f"sigmoid_gate_mul: attn {tuple(a.shape)} and gate {tuple(g.shape)} differ")
-    T, N = a.shape
-    out = torch.empty((T, N), dtype=attn.dtype, device=attn.device)
-    if T * N:
-        grid = (T, -(-N // ELEMENTWISE_BLOCK))
-        _gate_mul_kernel[grid](a, g, out, N, a.stride(0), g.stride(0), BLOCK=ELEMENTWISE_BLOCK,
-                               **_extra(a, 4))
-    return out
+    return _elementwise2(_gate_mul_kernel, attn, gate, "sigmoid_gate_mul", ("attn", "gate"))

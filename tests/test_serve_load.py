@@ -84,7 +84,8 @@ def test_overload_refuses_exactly_beyond_capacity_and_admitted_ones_complete():
 
 @pytest.fixture(scope="module")
 def one_lane():
-    server = start_server(max_concurrency=1, max_pending_requests=4, pending_timeout_ms=300)
+    # 1 s in the queue: long enough that a loaded 2-core CI box still admits the lane-occupying stream
+    server = start_server(max_concurrency=1, max_pending_requests=4, pending_timeout_ms=1000)
     yield server
     server.stop()
 
@@ -95,7 +96,9 @@ def _occupy_lane(url: str, max_tokens: int = 400):
     Keep all three referenced: dropping the iterator closes the connection (a disconnect)."""
     client = httpx.Client(timeout=120)
     ctx = client.stream("POST", f"{url}{CHAT}", json=body(max_tokens))
-    lines = ctx.__enter__().iter_lines()
+    response = ctx.__enter__()
+    assert response.status_code == 200, response.read().decode()
+    lines = response.iter_lines()
     assert next(line for line in lines if line.startswith("data: ")).startswith("data: ")
     return client, ctx, lines
 
@@ -124,7 +127,7 @@ def test_stream_disconnect_frees_the_lane_within_a_second(one_lane):
     del lines
     assert wait_until(lambda: lanes_busy(one_lane.url) == 0, 1.0)
     assert time.monotonic() - closed_at < 1.0
-    # the next request is admitted at once (it would time out in the queue after 300 ms otherwise)
+    # the next request is admitted at once (it would time out in the queue after 1 s otherwise)
     r = httpx.post(f"{one_lane.url}{CHAT}", json=body(3, stream=False), timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 

@@ -186,19 +186,27 @@ def test_memo_inference_tensors_and_capture_state(monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["q4_k", "iq3_s"])
 def test_default_route_on_cuda_is_q8_unless_wv_is_asked(monkeypatch, fmt):
-    """quant_matmul's default on CUDA (faked: is_cuda patched, the kernels run in the interpreter) takes the
-    q8 GEMV for 1–8 columns (gemv_q8_iq for the i-quants); NINFER_GEMV=wv restores the word-vector route."""
+    """quant_matmul's default on CUDA (faked: is_cuda patched, the kernels run in the interpreter) takes an
+    int8-activation GEMV for 1–8 columns: the coalesced-rows kernel for the k-quants (NINFER_GEMV=q8: the
+    q8 kernel), gemv_q8_iq for the i-quants; NINFER_GEMV=wv restores the word-vector route."""
     import ninfer.kernels.gemv_q8_iq as iqmod
+    import ninfer.kernels.gemv_rows as rowsmod
 
     calls = []
-    real_q8, real_iq = q8mod.gemv_q8, iqmod.gemv_q8_iq
+    real_q8, real_iq, real_rows = q8mod.gemv_q8, iqmod.gemv_q8_iq, rowsmod.gemv_rows
     monkeypatch.setattr(q8mod, "gemv_q8", lambda *a: calls.append("q8") or real_q8(*a))
     monkeypatch.setattr(iqmod, "gemv_q8_iq", lambda *a: calls.append("iq") or real_iq(*a))
+    monkeypatch.setattr(rowsmod, "gemv_rows", lambda *a: calls.append("rows") or real_rows(*a))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_properties",  # gemv_q8_iq sizes stream-K grids by SM count
                         lambda device: types.SimpleNamespace(multi_processor_count=132))
     raw, x = _case(fmt, 8, 256, 2, seed=9)
     want = gemv_q8_reference(raw, fmt, quantize_activation_reference(x), 8)
+    y = quant_matmul(raw, fmt, x, 8)
+    assert calls == (["rows"] if fmt == "q4_k" else ["iq"])
+    assert (y.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    calls.clear()
+    monkeypatch.setenv("NINFER_GEMV", "q8")
     y = quant_matmul(raw, fmt, x, 8)
     # 2 columns of a k-quant: two 1-column GEMVs (faster than a 4-column tile on the H200); i-quants: one tile
     assert calls == (["q8", "q8"] if fmt == "q4_k" else ["iq"])

@@ -191,8 +191,14 @@ def q8_route(format: str, out_features: int, in_features: int) -> list[tuple[int
 
 
 def q8_enabled() -> bool:
-    """The q8 GEMV is the default decode route on CUDA unless NINFER_GEMV=wv restores the word-vector one."""
-    return os.environ.get("NINFER_GEMV", "q8") != "wv"
+    """The int8-activation GEMVs are the default decode routes on CUDA unless NINFER_GEMV=wv restores the
+    word-vector one."""
+    return os.environ.get("NINFER_GEMV", "rows") != "wv"
+
+
+def rows_enabled() -> bool:
+    """The coalesced-rows GEMV (gemv_rows.py) takes q4_k / q5_k decode unless NINFER_GEMV is q8 or wv."""
+    return os.environ.get("NINFER_GEMV", "rows") == "rows"
 
 
 def default_schedule(columns: int, format: str = "q8_0", out_features: int = 4096,
@@ -854,7 +860,14 @@ def quant_matmul(
         from ninfer.kernels.gemv_q8 import gemv_q8, quantize_activation_cached
 
         xa = quantize_activation_cached(x)
-        if format in IQ_Q8_ROUTE_FORMATS:
+        rows = None
+        if schedule is None and rows_enabled():
+            from ninfer.kernels.gemv_rows import gemv_rows, rows_route
+
+            rows = rows_route(format, out_features, in_features, M)
+        if rows is not None:
+            y = gemv_rows(raw, format, xa, out_features, rows)
+        elif format in IQ_Q8_ROUTE_FORMATS:
             from ninfer.kernels.gemv_q8_iq import gemv_q8_iq
 
             y = gemv_q8_iq(raw, format, xa, out_features, s)

@@ -1,0 +1,155 @@
+"""GPU check and timing of the coalesced-rows int8-activation GEMV (ninfer/kernels/gemv_rows.py) beside the
+q8 route it replaces (gemv_q8.py's schedules from gguf_matmul.q8_route).
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    PYTHONUNBUFFERED=1 python3 bench/rows_timing.py --out $OUT [--budget 150]
+    python bench/rows_timing.py --quick        # CPU: the checks on a tiny shape through Triton's interpreter
+
+Check: every schedule vs the float64 twin (the same int8 activation) on fresh random GGUF rows, 1040×5120 and
+17408×5120 (20 blocks per row: whole and partly masked steps), 1/3/8 columns. Timing: per 27B shape and
+width (1, 2, 4, 8), each schedule of that width inside one CUDA graph whose calls rotate over weight copies
+larger than 3× the L2 (`gpu_check.graph_us`; the activation quantised once, outside the graph), and the q8
+route (two 1-column calls at 2 columns, as quant_matmul runs it). Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("NINFER_TRITON_ON_CPU", "1")  # --quick on CPU runs the kernels in the interpreter
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.gpu_check import L2_BYTES, Log, copy_bandwidth, graph_us, rel_err  # noqa: E402
+from ninfer.kernels.gemv_q8 import gemv_q8, quantize_activation  # noqa: E402
+from ninfer.kernels.gemv_rows import SCHEDULES, gemv_rows, rows_route  # noqa: E402
+from ninfer.kernels.gguf_matmul import default_schedule, random_gguf_weight  # noqa: E402
+from ninfer.quant import dequantize  # noqa: E402
+
+SHAPES = [(17408, 5120), (5120, 17408), (10240, 5120), (12288, 5120), (6144, 5120), (1024, 5120), (48, 5120)]
+CHECK_SHAPES = [(1040, 5120), (17408, 5120)]
+WIDTHS = (1, 2, 4, 8)
+
+
+def sweep(width: int) -> list[str]:
+    return [name for name, s in SCHEDULES.items() if s.block_m == width]
+
+
+def q8_call(raw, fmt: str, xa, rows: int, cols: int):
+    """The q8 route as quant_matmul runs it (2 columns: two 1-column GEMVs)."""
+    width = xa.q.shape[0]
+    one = default_schedule(1, fmt, rows, cols, q8=True)
+    if width == 2:
+        return lambda: [gemv_q8(raw, fmt, xa.row(i), rows, one) for i in range(2)]
+    s = default_schedule(width, fmt, rows, cols, q8=True)
+    return lambda: gemv_q8(raw, fmt, xa, rows, s)
+
+
+def check(log: Log, dev: torch.device, quick: bool, formats: list[str]) -> bool:
+    """Every schedule vs the float64 twin; bf16 output (rounding 2^-9)."""
+    ok = True
+    shapes = [(24, 1280)] if quick else CHECK_SHAPES
+    for fmt in formats:
+        worst = 0.0
+        for rows, cols in shapes:
+            raw = random_gguf_weight(fmt, rows, cols, dev)
+            head = min(rows, 520)  # the twin on the first and last 520 rows (dequantising all is slow on CPU)
+            pick = torch.cat([torch.arange(head), torch.arange(max(head, rows - 520), rows)]).to(dev)
+            w = dequantize(raw[pick].cpu().reshape(-1), "gguf_" + fmt, (len(pick), cols)).to(dev).double()
+            for width in ((1, 3) if quick else (1, 3, 8)):
+                x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
+                xa = quantize_activation(x)
+                want = xa.dequantize().to(dev) @ w.t()
+                names = [n for n in SCHEDULES if SCHEDULES[n].block_m >= width][:2 if quick else None]
+                for name in names:
+                    out = gemv_rows(raw, fmt, xa, rows, name)[:, pick]
+                    err = rel_err(out, want) if bool(torch.isfinite(out).all()) else float("inf")
+                    worst = max(worst, err)
+                    if err > 5e-3:
+                        log(f"check {fmt} {rows}x{cols} w{width} {name}: rel err {err:.2e} FAIL")
+            del w
+        passed = worst < 5e-3
+        ok &= passed
+        log(f"check rows {fmt}: worst rel err vs twin {worst:.2e} {'ok' if passed else 'FAIL'}")
+        log.record(kind="check", format=fmt, rel_err=worst, ok=passed)
+    return ok
+
+
+def time_all(log: Log, dev: torch.device, formats: list[str], floor: float, budget: float, t0: float) -> list:
+    table = []
+    for rows, cols in SHAPES:
+        for fmt in formats:
+            if time.time() - t0 > budget:
+                log(f"budget of {budget:.0f} s spent: {fmt} {rows}x{cols} and later shapes not timed")
+                return table
+            one = random_gguf_weight(fmt, rows, cols, dev)
+            nbytes = one.numel()
+            n_copies = min(64, max(3, -(-3 * L2_BYTES // nbytes)))
+            copies = [one] + [random_gguf_weight(fmt, rows, cols, dev) for _ in range(n_copies - 1)]
+            for width in WIDTHS:
+                xa = quantize_activation(torch.randn(width, cols, device=dev, dtype=torch.bfloat16))
+                times = {name: graph_us([lambda w=w, n=name, f=fmt, x=xa, r=rows: gemv_rows(w, f, x, r, n)
+                                         for w in copies]) for name in sweep(width)}
+                q8_us = graph_us([q8_call(w, fmt, xa, rows, cols) for w in copies])
+                route = rows_route(fmt, rows, cols, width).name
+                best = min(times, key=times.get)
+                us = times[best]
+                tbps = nbytes / us / 1e6
+                log(f"{fmt} {rows}x{cols} w{width}: best {best} {us:.1f} us ({tbps:.2f} TB/s, "
+                    f"{100 * tbps / floor:.0f}% of copy); route {route} {times[route]:.1f}; q8 {q8_us:.1f}; "
+                    + " ".join(f"{k}={v:.1f}" for k, v in times.items()))
+                log.record(kind="time", format=fmt, shape=[rows, cols], width=width, us=times, best=best,
+                           q8_us=q8_us, bytes=nbytes, copies=n_copies)
+                table.append((fmt, rows, cols, width, best, us, tbps, times[route], route, q8_us))
+            log.save()
+            del copies, one
+            torch.cuda.empty_cache()
+    return table
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="folder for rows_timing.json")
+    ap.add_argument("--quick", action="store_true", help="only the checks on a tiny shape (CPU works)")
+    ap.add_argument("--formats", default="q4_k,q5_k", help="formats to check")
+    ap.add_argument("--time-formats", default="q4_k", help="formats to time")
+    ap.add_argument("--budget", type=float, default=150.0, help="stop timing new shapes after this many s")
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    log = Log(a.out)
+    log.save = lambda: a.out and (a.out.mkdir(parents=True, exist_ok=True) or (a.out / "rows_timing.json")
+                                  .write_text(json.dumps(log.records, indent=1)))
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    import triton
+
+    log(f"torch {torch.__version__}, triton {triton.__version__}, "
+        f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}")
+    torch.manual_seed(int(time.time()))  # fresh random inputs every run
+    formats = a.formats.split(",")
+    ok = check(log, dev, a.quick or dev.type != "cuda", formats)
+    log.save()
+    if a.quick or dev.type != "cuda":
+        log(f"checks {'passed' if ok else 'FAILED'}")
+        return 0 if ok else 1
+    floor = copy_bandwidth(log, dev)
+    table = time_all(log, dev, a.time_formats.split(","), floor, a.budget, t0)
+    log.save()
+    print(f"\n==== rows GEMV (checks {'passed' if ok else 'FAILED'}; copy {floor:.2f} TB/s) ====")
+    print("| format | shape | cols | best schedule | µs | TB/s | % copy | route µs (sched) | q8 route µs |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for fmt, rows, cols, width, best, us, tbps, r_us, route, q8_us in table:
+        print(f"| {fmt} | {rows}×{cols} | {width} | {best} | {us:.1f} | {tbps:.2f} | "
+              f"{100 * tbps / floor:.0f} | {r_us:.1f} ({route}) | {q8_us:.1f} |")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

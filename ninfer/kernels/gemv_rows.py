@@ -1,0 +1,206 @@
+"""Decode GEMV whose warps read weight rows contiguously ("rows"), int8 activations and `dp4a` (q4_k, q5_k).
+
+Why: the q8 kernels of `gemv_q8.py` give each thread one (row, 64-code chunk) and read it as strided int64
+words, so one warp load touches 32 sectors of 8 rows and uses 8 bytes of each; on the H200 they run at
+28–51 % of the copy bandwidth, bounded by how many bytes each SM keeps in flight, not by instructions. Here
+a warp's 32 threads cover NB consecutive blocks of one row per load: thread (block b, piece j) reads the 16
+bytes of qs at `16 + 16j` (q5_k: `48 + 16j`) as one int32×4 vector, so a warp load is 4 × 128 contiguous
+bytes, and rows wrap over registers and warps.
+
+Tile axes `[column m, row n, block b, piece j, word e]`: every load is built at the full 5-d shape (zero
+strides where a value does not depend on an axis) so that all loads share one register layout — word e in
+registers, pieces and blocks across a warp's lanes, rows across warps — and no layout conversion runs in the
+loop. Piece j holds the low nibbles of codes `64c + 16h + 4e..+3` (sub-block 2c) and the high nibbles of the
+codes 32 further (sub-block 2c + 1), c = j // 2, h = j % 2; the activation words are read at the same
+positions, the 4 dp4a sums of a piece add up in registers, and each piece takes its two sub-blocks' scales
+(the min terms counted by the h = 0 piece only). One column's weight decode serves every column of the tile.
+`gemv_rows_reference` is `gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
+from ninfer.kernels.gguf_matmul import (
+    MatmulSchedule,
+    QuantKernelError,
+    _f16_lo,
+    _k_scale_min_words,
+    check_weight,
+    triton_cdiv,
+)
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_sum
+from ninfer.quant.formats import GGUF_PREFIX
+
+ROWS_FORMATS = ("q4_k", "q5_k")
+_FMT = {"q4_k": 4, "q5_k": 5}
+MAX_COLUMNS = 8
+
+
+@dataclass(frozen=True)
+class RowsSchedule(MatmulSchedule):
+    """`block_n` rows × `block_m` columns per program, `blocks` consecutive blocks of each row per loop step
+    (4 lanes per block), split-K over the row's steps."""
+
+    blocks: int = 4
+
+
+def _sched(block_n: int, block_m: int, blocks: int, num_warps: int, split_k: int = 1) -> RowsSchedule:
+    name = f"rows_n{block_n}_m{block_m}_b{blocks}_w{num_warps}" + (f"_s{split_k}" if split_k > 1 else "")
+    return RowsSchedule(name, "rows", block_n, block_m, split_k=split_k, num_warps=num_warps, num_stages=1,
+                        blocks=blocks)
+
+
+SCHEDULES: dict[str, RowsSchedule] = {
+    s.name: s
+    for s in (
+        # A thread takes one 64-code chunk (4 lanes per block): blocks × rows × 4 must be ≥ 32 · warps or
+        # lanes repeat work. b4: a warp spans 4 blocks of 2 rows; b8: 8 blocks of 1 row.
+        _sched(8, 1, 4, 4),
+        _sched(4, 1, 8, 4),
+        _sched(16, 1, 4, 8),
+        _sched(8, 1, 8, 8),
+        _sched(4, 1, 4, 2),
+        _sched(2, 1, 8, 2),
+        _sched(8, 1, 4, 4, split_k=2),
+        _sched(4, 1, 4, 2, split_k=2),
+        _sched(4, 1, 4, 2, split_k=4),
+        _sched(2, 1, 8, 2, split_k=4),
+        # several columns (each chunk decoded once for all of them)
+        _sched(8, 2, 4, 4),
+        _sched(4, 2, 4, 2),
+        _sched(8, 4, 4, 4),
+        _sched(4, 4, 4, 2),
+        _sched(4, 4, 4, 2, split_k=4),
+        _sched(8, 8, 4, 4),
+        _sched(4, 8, 4, 2),
+        _sched(4, 8, 8, 4),
+        _sched(4, 8, 4, 2, split_k=4),
+    )
+}
+
+
+def rows_route(fmt: str, out_features: int, in_features: int, columns: int) -> RowsSchedule | None:
+    """The rows schedule for a decode GEMV of `columns` columns, None where the kernel does not apply."""
+    fmt = fmt.removeprefix(GGUF_PREFIX)
+    if fmt not in ROWS_FORMATS or in_features % 256 or not 1 <= columns <= MAX_COLUMNS:
+        return None
+    small = out_features <= 1024
+    width = 1 if columns == 1 else 2 if columns == 2 else 4 if columns <= 4 else 8
+    name = {1: "rows_n4_m1_b4_w2_s4" if small else "rows_n8_m1_b4_w4",
+            2: "rows_n4_m2_b4_w2" if small else "rows_n8_m2_b4_w4",
+            4: "rows_n4_m4_b4_w2_s4" if small else "rows_n8_m4_b4_w4",
+            8: "rows_n4_m8_b4_w2_s4" if small else "rows_n8_m8_b4_w4"}[width]
+    return SCHEDULES[name]
+
+
+if HAVE_TRITON:
+
+    @jit
+    def _pick(v, e, i: tl.constexpr):
+        """Word i of the 4 words along the last axis (held by one thread: a register pick, no shuffle)."""
+        return tl_sum(tl.where(e == i, v, 0), 4)
+
+    @jit
+    def _ld(ptrs, ok, EVEN: tl.constexpr):
+        """A load, masked (zeros past the row's last block) unless every step is whole."""
+        if EVEN:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=ok, other=0)
+
+    @jit
+    def _gemv_rows_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
+                          FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
+                          SPLIT_K: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
+        WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
+        QS: tl.constexpr = 4 if FMT == 4 else 12  # first qs word
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None]
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None, None]
+        b = tl.arange(0, NB)[None, None, :, None, None]
+        c = tl.arange(0, 4)[None, None, None, :, None]
+        e = tl.arange(0, 4)[None, None, None, None, :]
+        zero = (m * 0) + (n * 0) + (b * 0) + (c * 0) + (e * 0)  # int32 zeros at the full tile shape
+        nblk = K // 256
+        steps = (nblk + NB - 1) // NB
+        per_split = (steps + SPLIT_K - 1) // SPLIT_K
+        s0 = tl.program_id(2) * per_split
+        s1 = tl.minimum(steps, s0 + per_split)
+        # rows and columns past the end read the last one (no masks in the loop); their sums are not stored
+        wrow = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * row_words + zero
+        mc = tl.minimum(m, M - 1).to(tl.int64)
+        xrow = xw_ptr + mc * (K // 4) + zero
+        drow = mc * (K // 32) + zero
+        q_at = b * WB + QS + 8 * c + e  # words e and 4 + e of chunk c
+        h_at = b * WB + e  # the 4 header words, for every chunk
+        x_at = b * 64 + 16 * c + e
+        d_at = b * 8 + 2 * c + e * 0
+        c4 = _pick(c + zero, e, 0)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, NB, 4], dtype=tl.float32)
+        for step in range(s0, s1):
+            blk = step * NB
+            ok = ((blk + b) < nblk) & (zero == 0)  # unused where EVEN (whole steps of NB blocks)
+            wb = wrow + blk * WB
+            xb = xrow + blk * 64
+            i_lo = zero
+            i_hi = zero
+            for half in tl.static_range(2):
+                q = _ld(wb + q_at + 4 * half, ok, EVEN)
+                lo = q & 0x0F0F0F0F
+                hi = (q >> 4) & 0x0F0F0F0F
+                if FMT == 5:  # fifth bit of code 32s + l: bit s of qh byte l (qh words 4..11)
+                    qh = _ld(wb + (b * WB + 4 + e + 4 * half + c * 0), ok, EVEN)
+                    lo = lo | (((qh >> (2 * c)) << 4) & 0x10101010)
+                    hi = hi | (((qh >> (2 * c + 1)) << 4) & 0x10101010)
+                i_lo = dp4a(lo, _ld(xb + x_at + 4 * half, ok, EVEN), i_lo, EMULATE)
+                i_hi = dp4a(hi, _ld(xb + x_at + 8 + 4 * half, ok, EVEN), i_hi, EMULATE)
+            hd = _ld(wb + h_at, ok, EVEN)
+            h0 = _pick(hd, e, 0)
+            sc_lo, mn_lo = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4)
+            sc_hi, mn_hi = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4 + 1)
+            dx = drow + blk * 8 + d_at
+            dx_lo = _pick(_ld(xd_ptr + dx, ok, EVEN), e, 0)
+            dx_hi = _pick(_ld(xd_ptr + dx + 1, ok, EVEN), e, 0)
+            sx_lo = _pick(_ld(xs_ptr + dx, ok, EVEN), e, 0)
+            sx_hi = _pick(_ld(xs_ptr + dx + 1, ok, EVEN), e, 0)
+            part = sc_lo * (tl_sum(i_lo, 4).to(tl.float32) * dx_lo)
+            part += sc_hi * (tl_sum(i_hi, 4).to(tl.float32) * dx_hi)
+            acc += _f16_lo(h0) * part - _f16_lo(h0 >> 16) * (mn_lo * sx_lo + mn_hi * sx_hi)
+        out = tl_sum(tl_sum(acc, 3), 2)  # [BLOCK_M, BLOCK_N]
+        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        ptrs = y_ptr + mo * stride_ym + no
+        mask = (mo < M) & (no < N)
+        if SPLIT_K == 1:
+            tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(ptrs, out, mask=mask)
+
+
+def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
+              schedule: RowsSchedule | str) -> torch.Tensor:
+    """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, q4_k
+    or q5_k) and xa the int8 activation; the kernel runs on `raw`'s device (CUDA, or CPU under the
+    interpreter)."""
+    format = format.removeprefix(GGUF_PREFIX)
+    s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+    n, k = xa.q.shape
+    check_weight(raw, format, out_features, k)
+    if format not in ROWS_FORMATS:
+        raise QuantKernelError(f"schedule {s.name} (rows GEMV) supports {', '.join(ROWS_FORMATS)}, not "
+                               f"{format}; pick a q8_* or wv_* schedule")
+    if k % 256:
+        raise QuantKernelError(f"schedule {s.name} needs rows of whole 256-column blocks, got {k}")
+    split = s.split_k > 1
+    y = (torch.zeros if split else torch.empty)(
+        (n, out_features), dtype=torch.float32 if split else xa.dtype, device=raw.device)
+    launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
+    extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": 1}
+    _gemv_rows_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n,
+                              raw.shape[1] // 4, y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n,
+                              BLOCK_M=s.block_m, NB=s.blocks, SPLIT_K=s.split_k,
+                              EVEN=k // 256 % s.blocks == 0, EMULATE=EMULATE_DP4A, **extra)
+    return y.to(xa.dtype)

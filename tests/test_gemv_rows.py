@@ -1,0 +1,55 @@
+"""Coalesced-rows int8-activation GEMV (q4_k, q5_k) vs its float64 twin (Triton interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import needs_triton
+
+from ninfer.errors import NinferError
+from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation
+from ninfer.kernels.gemv_rows import MAX_COLUMNS, ROWS_FORMATS, SCHEDULES, gemv_rows, rows_route
+from ninfer.kernels.gguf_matmul import random_gguf_weight
+
+pytestmark = needs_triton
+
+
+@pytest.fixture(autouse=True)
+def _triton_on_cpu(monkeypatch):
+    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
+
+
+def _case(fmt: str, rows: int, cols: int, width: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    raw = random_gguf_weight(fmt, rows, cols, generator=g)
+    x = torch.randn(width, cols, generator=g) * (0.5 + torch.rand(width, 1, generator=g))
+    return raw, x
+
+
+# (format, schedule, columns, blocks per row); 10 rows (no multiple of a tile). 4 blocks: whole steps (no
+# masks); 2 or 5: a partly masked last step; 3 blocks under split-K 4: empty splits
+CASES = [(fmt, sched, m, nb) for fmt in ROWS_FORMATS
+         for sched, m, nb in (("rows_n8_m1_b4_w4", 1, 4), ("rows_n4_m1_b8_w4", 1, 5),
+                              ("rows_n4_m1_b4_w2_s4", 1, 3), ("rows_n4_m4_b4_w2", 3, 4),
+                              ("rows_n4_m8_b4_w2_s4", 8, 2))]
+
+
+@pytest.mark.parametrize("fmt,sched,width,nb", CASES)
+def test_rows_kernel_equals_twin(fmt, sched, width, nb):
+    raw, x = _case(fmt, 10, nb * 256, width, seed=ROWS_FORMATS.index(fmt) * 10 + width)
+    xa = quantize_activation(x)
+    y = gemv_rows(raw, fmt, xa, 10, sched)
+    want = gemv_q8_reference(raw, fmt, xa, 10)
+    assert y.dtype == torch.float32 and y.shape == (width, 10)
+    # fp32 sums of int32 sub-block dot products (as the q8 kernels: ≤ 1.6e-7 of max|y| measured)
+    assert (y.double() - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+def test_rows_route_and_errors():
+    assert rows_route("gguf_q4_k", 17408, 5120, 1).name in SCHEDULES
+    assert all(rows_route("q5_k", 1024, 5120, m).block_m >= m for m in range(1, MAX_COLUMNS + 1))
+    assert rows_route("iq3_s", 17408, 5120, 1) is None
+    assert rows_route("q4_k", 17408, 5120, MAX_COLUMNS + 1) is None
+    raw, x = _case("q6_k", 4, 256, 1, seed=3)
+    with pytest.raises(NinferError, match="rows GEMV"):
+        gemv_rows(raw, "q6_k", quantize_activation(x), 4, "rows_n8_m1_b4_w4")

@@ -46,12 +46,15 @@ class RowsSchedule(MatmulSchedule):
     (4 lanes per block), split-K over the row's steps."""
 
     blocks: int = 4
+    lanes: str = "chunk"  # "chunk": 4 lanes a block, rows over lanes/warps; "piece": 8, rows in registers
 
 
-def _sched(block_n: int, block_m: int, blocks: int, num_warps: int, split_k: int = 1) -> RowsSchedule:
-    name = f"rows_n{block_n}_m{block_m}_b{blocks}_w{num_warps}" + (f"_s{split_k}" if split_k > 1 else "")
+def _sched(block_n: int, block_m: int, blocks: int, num_warps: int, split_k: int = 1,
+           lanes: str = "chunk") -> RowsSchedule:
+    name = (f"rows{'p' if lanes == 'piece' else ''}_n{block_n}_m{block_m}_b{blocks}_w{num_warps}"
+            + (f"_s{split_k}" if split_k > 1 else ""))
     return RowsSchedule(name, "rows", block_n, block_m, split_k=split_k, num_warps=num_warps, num_stages=1,
-                        blocks=blocks)
+                        blocks=blocks, lanes=lanes)
 
 
 SCHEDULES: dict[str, RowsSchedule] = {
@@ -79,6 +82,20 @@ SCHEDULES: dict[str, RowsSchedule] = {
         _sched(4, 8, 4, 2),
         _sched(4, 8, 8, 4),
         _sched(4, 8, 4, 2, split_k=4),
+        # piece lanes: blocks = 4 · warps (warps along the row), rows and columns in registers
+        _sched(4, 1, 4, 1, lanes="piece"),
+        _sched(8, 1, 4, 1, lanes="piece"),
+        _sched(4, 1, 8, 2, lanes="piece"),
+        _sched(2, 1, 4, 1, lanes="piece"),
+        _sched(4, 1, 4, 1, split_k=2, lanes="piece"),
+        _sched(2, 1, 4, 1, split_k=4, lanes="piece"),
+        _sched(4, 2, 4, 1, lanes="piece"),
+        _sched(2, 2, 4, 1, lanes="piece"),
+        _sched(4, 4, 4, 1, lanes="piece"),
+        _sched(2, 4, 4, 1, lanes="piece"),
+        _sched(2, 8, 4, 1, lanes="piece"),
+        _sched(1, 8, 4, 1, lanes="piece"),
+        _sched(2, 8, 4, 1, split_k=2, lanes="piece"),
     )
 }
 
@@ -180,6 +197,80 @@ if HAVE_TRITON:
             tl.atomic_add(ptrs, out, mask=mask)
 
 
+    @jit
+    def _gemv_rows_p_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
+                            FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
+                            SPLIT_K: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
+        """The "piece" lane map: 8 lanes per block, lane p reads qs bytes 16p..16p + 15 (a warp load: 4 whole
+        128-byte qs runs), and every lane holds all BLOCK_N rows and BLOCK_M columns in registers, so one
+        activation load serves BLOCK_N rows. Piece p = (chunk c = p // 2, half h = p % 2)."""
+        WB: tl.constexpr = 36 if FMT == 4 else 44
+        QS: tl.constexpr = 4 if FMT == 4 else 12
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None]
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None, None]
+        b = tl.arange(0, NB)[None, None, :, None, None]
+        p = tl.arange(0, 8)[None, None, None, :, None]
+        e = tl.arange(0, 4)[None, None, None, None, :]
+        c = p // 2
+        h = p % 2
+        # weight-side tensors carry no column axis and activation-side ones no row axis (all lanes and warps
+        # lie on the block, piece and word axes, so both broadcast in registers without a conversion)
+        zw = (n * 0) + (b * 0) + (p * 0) + (e * 0)
+        zx = (m * 0) + (b * 0) + (p * 0) + (e * 0)
+        nblk = K // 256
+        steps = (nblk + NB - 1) // NB
+        per_split = (steps + SPLIT_K - 1) // SPLIT_K
+        s0 = tl.program_id(2) * per_split
+        s1 = tl.minimum(steps, s0 + per_split)
+        wrow = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * row_words + zw
+        mc = tl.minimum(m, M - 1).to(tl.int64)
+        xrow = xw_ptr + mc * (K // 4) + zx
+        drow = mc * (K // 32) + zx
+        q_at = b * WB + QS + 4 * p + e
+        h_at = b * WB + e
+        x_at = b * 64 + 16 * c + 4 * h + e
+        d_at = b * 8 + 2 * c + e * 0
+        c4 = _pick(c + zw, e, 0)
+        first = _pick(h + zw, e, 0) == 0  # the piece that counts its sub-blocks' min terms
+        acc = tl.zeros([BLOCK_M, BLOCK_N, NB, 8], dtype=tl.float32)
+        for step in range(s0, s1):
+            blk = step * NB
+            ok_w = ((blk + b) < nblk) & (zw == 0)  # unused where EVEN
+            ok = ((blk + b) < nblk) & (zx == 0)
+            wb = wrow + blk * WB
+            xb = xrow + blk * 64
+            q = _ld(wb + q_at, ok_w, EVEN)
+            lo = q & 0x0F0F0F0F
+            hi = (q >> 4) & 0x0F0F0F0F
+            if FMT == 5:
+                qh = _ld(wb + (b * WB + 4 + 4 * h + e), ok_w, EVEN)
+                lo = lo | (((qh >> (2 * c)) << 4) & 0x10101010)
+                hi = hi | (((qh >> (2 * c + 1)) << 4) & 0x10101010)
+            i_lo = tl_sum(dp4a(lo, _ld(xb + x_at, ok, EVEN), 0, EMULATE), 4)
+            i_hi = tl_sum(dp4a(hi, _ld(xb + x_at + 8, ok, EVEN), 0, EMULATE), 4)
+            hd = _ld(wb + h_at, ok_w, EVEN)
+            h0 = _pick(hd, e, 0)
+            sc_lo, mn_lo = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4)
+            sc_hi, mn_hi = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4 + 1)
+            dx = drow + blk * 8 + d_at
+            dx_lo = _pick(_ld(xd_ptr + dx, ok, EVEN), e, 0)
+            dx_hi = _pick(_ld(xd_ptr + dx + 1, ok, EVEN), e, 0)
+            sx_lo = _pick(_ld(xs_ptr + dx, ok, EVEN), e, 0)
+            sx_hi = _pick(_ld(xs_ptr + dx + 1, ok, EVEN), e, 0)
+            part = sc_lo * (i_lo.to(tl.float32) * dx_lo) + sc_hi * (i_hi.to(tl.float32) * dx_hi)
+            mins = tl.where(first, mn_lo * sx_lo + mn_hi * sx_hi, 0.0)
+            acc += _f16_lo(h0) * part - _f16_lo(h0 >> 16) * mins
+        out = tl_sum(tl_sum(acc, 3), 2)
+        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        ptrs = y_ptr + mo * stride_ym + no
+        mask = (mo < M) & (no < N)
+        if SPLIT_K == 1:
+            tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(ptrs, out, mask=mask)
+
+
 def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
               schedule: RowsSchedule | str) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, q4_k
@@ -199,8 +290,8 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
         (n, out_features), dtype=torch.float32 if split else xa.dtype, device=raw.device)
     launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
     extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": 1}
-    _gemv_rows_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n,
-                              raw.shape[1] // 4, y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n,
-                              BLOCK_M=s.block_m, NB=s.blocks, SPLIT_K=s.split_k,
-                              EVEN=k // 256 % s.blocks == 0, EMULATE=EMULATE_DP4A, **extra)
+    kernel = _gemv_rows_p_kernel if s.lanes == "piece" else _gemv_rows_kernel
+    kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 4,
+                   y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,
+                   SPLIT_K=s.split_k, EVEN=k // 256 % s.blocks == 0, EMULATE=EMULATE_DP4A, **extra)
     return y.to(xa.dtype)

@@ -46,15 +46,16 @@ class RowsSchedule(MatmulSchedule):
     (4 lanes per block), split-K over the row's steps."""
 
     blocks: int = 4
+    cache: int = 0  # weight loads: 0 default, 1 ld.global.cg (no L1 allocation), 2 evict-first
     lanes: str = "chunk"  # "chunk": 4 lanes a block, rows over lanes/warps; "piece": 8, rows in registers
 
 
 def _sched(block_n: int, block_m: int, blocks: int, num_warps: int, split_k: int = 1,
-           lanes: str = "chunk") -> RowsSchedule:
+           lanes: str = "chunk", cache: int = 0) -> RowsSchedule:
     name = (f"rows{'p' if lanes == 'piece' else ''}_n{block_n}_m{block_m}_b{blocks}_w{num_warps}"
-            + (f"_s{split_k}" if split_k > 1 else ""))
+            + (f"_s{split_k}" if split_k > 1 else "") + ("", "_cg", "_ef")[cache])
     return RowsSchedule(name, "rows", block_n, block_m, split_k=split_k, num_warps=num_warps, num_stages=1,
-                        blocks=blocks, lanes=lanes)
+                        blocks=blocks, lanes=lanes, cache=cache)
 
 
 SCHEDULES: dict[str, RowsSchedule] = {
@@ -96,6 +97,16 @@ SCHEDULES: dict[str, RowsSchedule] = {
         _sched(2, 8, 4, 1, lanes="piece"),
         _sched(1, 8, 4, 1, lanes="piece"),
         _sched(2, 8, 4, 1, split_k=2, lanes="piece"),
+        # weight loads that skip L1 or leave it first
+        _sched(4, 1, 4, 2, cache=1),
+        _sched(4, 1, 4, 2, cache=2),
+        _sched(8, 1, 4, 4, cache=1),
+        _sched(2, 1, 8, 2, cache=1),
+        _sched(8, 2, 4, 4, cache=1),
+        _sched(2, 1, 4, 1, lanes="piece", cache=1),
+        _sched(4, 4, 4, 1, lanes="piece", cache=1),
+        _sched(2, 8, 4, 1, lanes="piece", cache=1),
+        _sched(2, 8, 4, 1, lanes="piece", cache=2),
     )
 }
 
@@ -130,9 +141,26 @@ if HAVE_TRITON:
             return tl.load(ptrs, mask=ok, other=0)
 
     @jit
+    def _ldw(ptrs, ok, EVEN: tl.constexpr, CACHE: tl.constexpr):
+        """A weight load (each byte is read once): CACHE 1 skips L1 (ld.global.cg), 2 evict-first."""
+        if CACHE == 1:
+            if EVEN:
+                return tl.load(ptrs, cache_modifier=".cg")
+            else:
+                return tl.load(ptrs, mask=ok, other=0, cache_modifier=".cg")
+        elif CACHE == 2:
+            if EVEN:
+                return tl.load(ptrs, eviction_policy="evict_first")
+            else:
+                return tl.load(ptrs, mask=ok, other=0, eviction_policy="evict_first")
+        else:
+            return _ld(ptrs, ok, EVEN)
+
+    @jit
     def _gemv_rows_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
                           FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
-                          SPLIT_K: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
+                          SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
+                          EMULATE: tl.constexpr):
         WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
         QS: tl.constexpr = 4 if FMT == 4 else 12  # first qs word
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None]
@@ -165,16 +193,16 @@ if HAVE_TRITON:
             i_lo = zero
             i_hi = zero
             for half in tl.static_range(2):
-                q = _ld(wb + q_at + 4 * half, ok, EVEN)
+                q = _ldw(wb + q_at + 4 * half, ok, EVEN, CACHE)
                 lo = q & 0x0F0F0F0F
                 hi = (q >> 4) & 0x0F0F0F0F
                 if FMT == 5:  # fifth bit of code 32s + l: bit s of qh byte l (qh words 4..11)
-                    qh = _ld(wb + (b * WB + 4 + e + 4 * half + c * 0), ok, EVEN)
+                    qh = _ldw(wb + (b * WB + 4 + e + 4 * half + c * 0), ok, EVEN, CACHE)
                     lo = lo | (((qh >> (2 * c)) << 4) & 0x10101010)
                     hi = hi | (((qh >> (2 * c + 1)) << 4) & 0x10101010)
                 i_lo = dp4a(lo, _ld(xb + x_at + 4 * half, ok, EVEN), i_lo, EMULATE)
                 i_hi = dp4a(hi, _ld(xb + x_at + 8 + 4 * half, ok, EVEN), i_hi, EMULATE)
-            hd = _ld(wb + h_at, ok, EVEN)
+            hd = _ldw(wb + h_at, ok, EVEN, CACHE)
             h0 = _pick(hd, e, 0)
             sc_lo, mn_lo = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4)
             sc_hi, mn_hi = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4 + 1)
@@ -200,7 +228,8 @@ if HAVE_TRITON:
     @jit
     def _gemv_rows_p_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
                             FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
-                            SPLIT_K: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
+                            SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
+                            EMULATE: tl.constexpr):
         """The "piece" lane map: 8 lanes per block, lane p reads qs bytes 16p..16p + 15 (a warp load: 4 whole
         128-byte qs runs), and every lane holds all BLOCK_N rows and BLOCK_M columns in registers, so one
         activation load serves BLOCK_N rows. Piece p = (chunk c = p // 2, half h = p % 2)."""
@@ -239,16 +268,16 @@ if HAVE_TRITON:
             ok = ((blk + b) < nblk) & (zx == 0)
             wb = wrow + blk * WB
             xb = xrow + blk * 64
-            q = _ld(wb + q_at, ok_w, EVEN)
+            q = _ldw(wb + q_at, ok_w, EVEN, CACHE)
             lo = q & 0x0F0F0F0F
             hi = (q >> 4) & 0x0F0F0F0F
             if FMT == 5:
-                qh = _ld(wb + (b * WB + 4 + 4 * h + e), ok_w, EVEN)
+                qh = _ldw(wb + (b * WB + 4 + 4 * h + e), ok_w, EVEN, CACHE)
                 lo = lo | (((qh >> (2 * c)) << 4) & 0x10101010)
                 hi = hi | (((qh >> (2 * c + 1)) << 4) & 0x10101010)
             i_lo = tl_sum(dp4a(lo, _ld(xb + x_at, ok, EVEN), 0, EMULATE), 4)
             i_hi = tl_sum(dp4a(hi, _ld(xb + x_at + 8, ok, EVEN), 0, EMULATE), 4)
-            hd = _ld(wb + h_at, ok_w, EVEN)
+            hd = _ldw(wb + h_at, ok_w, EVEN, CACHE)
             h0 = _pick(hd, e, 0)
             sc_lo, mn_lo = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4)
             sc_hi, mn_hi = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4 + 1)
@@ -293,5 +322,6 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     kernel = _gemv_rows_p_kernel if s.lanes == "piece" else _gemv_rows_kernel
     kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 4,
                    y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,
-                   SPLIT_K=s.split_k, EVEN=k // 256 % s.blocks == 0, EMULATE=EMULATE_DP4A, **extra)
+                   SPLIT_K=s.split_k, EVEN=k // 256 % s.blocks == 0, CACHE=s.cache, EMULATE=EMULATE_DP4A,
+                   **extra)
     return y.to(xa.dtype)

@@ -52,6 +52,7 @@ def test_rows_route_and_errors():
     assert all(rows_route("q5_k", 1024, 5120, m).block_m >= m for m in range(1, MAX_COLUMNS + 1))
     assert rows_route("iq3_s", 17408, 5120, 1) is None
     assert rows_route("q4_k", 17408, 5120, MAX_COLUMNS + 1) is None
+    assert rows_route("q4_k", 17408, 5120, 8) is None  # the q8 kernel is faster there
     raw, x = _case("q6_k", 4, 256, 1, seed=3)
     with pytest.raises(NinferError, match="rows GEMV"):
         gemv_rows(raw, "q6_k", quantize_activation(x), 4, "rows_n8_m1_b4_w4")

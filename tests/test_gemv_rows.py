@@ -30,10 +30,10 @@ def _case(fmt: str, rows: int, cols: int, width: int, seed: int):
 # masks); 2 or 5: a partly masked last step; 3 blocks under split-K 4: empty splits
 CASES = [(fmt, sched, m, nb) for fmt in ROWS_FORMATS
          for sched, m, nb in (("rows_n8_m1_b4_w4", 1, 4), ("rows_n4_m1_b8_w4", 1, 5),
-                              ("rows_n4_m1_b4_w2_s4", 1, 3), ("rows_n4_m4_b4_w2", 3, 4),
-                              ("rows_n4_m8_b4_w2_s4", 8, 2), ("rowsp_n4_m1_b4_w1", 1, 4),
-                              ("rowsp_n4_m1_b8_w2", 1, 5), ("rowsp_n2_m1_b4_w1_s4", 1, 3),
-                              ("rowsp_n2_m4_b4_w1", 3, 2), ("rowsp_n2_m8_b4_w1_s2", 6, 5))]
+                              ("rows_n4_m1_b4_w2_s4", 1, 3), ("rows_n4_m1_b4_w1_r2_ef", 1, 5),
+                              ("rows_n8_m4_b4_w1_r4", 3, 4), ("rows_n4_m8_b4_w1_r2_s2", 8, 3),
+                              ("rowsp_n4_m1_b4_w1", 1, 4), ("rowsp_n4_m1_b8_w2", 1, 5),
+                              ("rowsp_n2_m1_b4_w1_s4", 1, 3), ("rowsp_n2_m4_b4_w1", 3, 2))]
 
 
 @pytest.mark.parametrize("fmt,sched,width,nb", CASES)

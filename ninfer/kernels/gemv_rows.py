@@ -46,16 +46,18 @@ class RowsSchedule(MatmulSchedule):
     (4 lanes per block), split-K over the row's steps."""
 
     blocks: int = 4
+    rows_per_lane: int = 1  # chunk lanes: rows of a lane's group held in registers (block_n / R groups)
     cache: int = 0  # weight loads: 0 default, 1 ld.global.cg (no L1 allocation), 2 evict-first
     lanes: str = "chunk"  # "chunk": 4 lanes a block, rows over lanes/warps; "piece": 8, rows in registers
 
 
 def _sched(block_n: int, block_m: int, blocks: int, num_warps: int, split_k: int = 1,
-           lanes: str = "chunk", cache: int = 0) -> RowsSchedule:
+           lanes: str = "chunk", cache: int = 0, r: int = 1) -> RowsSchedule:
     name = (f"rows{'p' if lanes == 'piece' else ''}_n{block_n}_m{block_m}_b{blocks}_w{num_warps}"
-            + (f"_s{split_k}" if split_k > 1 else "") + ("", "_cg", "_ef")[cache])
+            + (f"_r{r}" if r > 1 else "") + (f"_s{split_k}" if split_k > 1 else "")
+            + ("", "_cg", "_ef")[cache])
     return RowsSchedule(name, "rows", block_n, block_m, split_k=split_k, num_warps=num_warps, num_stages=1,
-                        blocks=blocks, lanes=lanes, cache=cache)
+                        blocks=blocks, lanes=lanes, cache=cache, rows_per_lane=r)
 
 
 SCHEDULES: dict[str, RowsSchedule] = {
@@ -107,6 +109,23 @@ SCHEDULES: dict[str, RowsSchedule] = {
         _sched(4, 4, 4, 1, lanes="piece", cache=1),
         _sched(2, 8, 4, 1, lanes="piece", cache=1),
         _sched(2, 8, 4, 1, lanes="piece", cache=2),
+        # chunk lanes with r rows per lane in registers (one activation load serves r rows)
+        _sched(4, 1, 4, 1, r=2, cache=2),
+        _sched(8, 1, 4, 1, r=4, cache=2),
+        _sched(8, 1, 4, 2, r=2, cache=2),
+        _sched(16, 1, 4, 2, r=4, cache=2),
+        _sched(2, 1, 8, 1, r=2, cache=2),
+        _sched(4, 1, 8, 1, r=4, cache=2),
+        _sched(4, 1, 4, 1, r=2, split_k=2, cache=2),
+        _sched(4, 2, 4, 1, r=2),
+        _sched(8, 2, 4, 1, r=4),
+        _sched(4, 4, 4, 1, r=2),
+        _sched(8, 4, 4, 1, r=4),
+        _sched(2, 4, 8, 1, r=2),
+        _sched(4, 8, 4, 1, r=2),
+        _sched(8, 8, 4, 1, r=4),
+        _sched(2, 8, 8, 1, r=2),
+        _sched(4, 8, 4, 1, r=2, split_k=2),
     )
 }
 
@@ -140,7 +159,12 @@ if HAVE_TRITON:
     @jit
     def _pick(v, e, i: tl.constexpr):
         """Word i of the 4 words along the last axis (held by one thread: a register pick, no shuffle)."""
-        return tl_sum(tl.where(e == i, v, 0), 4)
+        return tl_sum(tl.where(e == i, v, 0), len(v.shape) - 1)
+
+    @jit
+    def _pick_sum(v):
+        """The sum over the last axis (in-thread adds)."""
+        return tl_sum(v, len(v.shape) - 1)
 
     @jit
     def _ld(ptrs, ok, EVEN: tl.constexpr):
@@ -169,50 +193,59 @@ if HAVE_TRITON:
     @jit
     def _gemv_rows_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
                           FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
-                          SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
+                          R: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
                           EMULATE: tl.constexpr):
+        """The "chunk" lane map. Tile axes [column m, row r, row group g, block b, chunk c, word e]: lanes and
+        warps lie on (g, b, c), words and the R rows of a group and the columns in registers, so an
+        activation load serves R rows. Weight-side tensors carry no column axis and activation-side ones no
+        row axis; both keep the full g axis, so they share one layout and broadcast without a conversion."""
         WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
         QS: tl.constexpr = 4 if FMT == 4 else 12  # first qs word
-        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None]
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None, None]
-        b = tl.arange(0, NB)[None, None, :, None, None]
-        c = tl.arange(0, 4)[None, None, None, :, None]
-        e = tl.arange(0, 4)[None, None, None, None, :]
-        zero = (m * 0) + (n * 0) + (b * 0) + (c * 0) + (e * 0)  # int32 zeros at the full tile shape
+        G: tl.constexpr = BLOCK_N // R
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None, None]
+        r = tl.arange(0, R)[None, :, None, None, None, None]
+        g = tl.arange(0, G)[None, None, :, None, None, None]
+        b = tl.arange(0, NB)[None, None, None, :, None, None]
+        c = tl.arange(0, 4)[None, None, None, None, :, None]
+        e = tl.arange(0, 4)[None, None, None, None, None, :]
+        n = tl.program_id(0) * BLOCK_N + r * G + g
+        zw = (n * 0) + (b * 0) + (c * 0) + (e * 0)  # [1, R, G, NB, 4, 4]
+        zx = (m * 0) + (g * 0) + (b * 0) + (c * 0) + (e * 0)  # [BLOCK_M, 1, G, NB, 4, 4]
         nblk = K // 256
         steps = (nblk + NB - 1) // NB
         per_split = (steps + SPLIT_K - 1) // SPLIT_K
         s0 = tl.program_id(2) * per_split
         s1 = tl.minimum(steps, s0 + per_split)
         # rows and columns past the end read the last one (no masks in the loop); their sums are not stored
-        wrow = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * row_words + zero
+        wrow = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * row_words + zw
         mc = tl.minimum(m, M - 1).to(tl.int64)
-        xrow = xw_ptr + mc * (K // 4) + zero
-        drow = mc * (K // 32) + zero
+        xrow = xw_ptr + mc * (K // 4) + zx
+        drow = mc * (K // 32) + zx
         q_at = b * WB + QS + 8 * c + e  # words e and 4 + e of chunk c
         h_at = b * WB + e  # the 4 header words, for every chunk
         x_at = b * 64 + 16 * c + e
         d_at = b * 8 + 2 * c + e * 0
-        c4 = _pick(c + zero, e, 0)
-        acc = tl.zeros([BLOCK_M, BLOCK_N, NB, 4], dtype=tl.float32)
+        c4 = _pick(c + zw, e, 0)
+        acc = tl.zeros([BLOCK_M, R, G, NB, 4], dtype=tl.float32)
         for step in range(s0, s1):
             blk = step * NB
-            ok = ((blk + b) < nblk) & (zero == 0)  # unused where EVEN (whole steps of NB blocks)
+            ok_w = ((blk + b) < nblk) & (zw == 0)  # unused where EVEN (whole steps of NB blocks)
+            ok = ((blk + b) < nblk) & (zx == 0)
             wb = wrow + blk * WB
             xb = xrow + blk * 64
-            i_lo = zero
-            i_hi = zero
+            i_lo = 0
+            i_hi = 0
             for half in tl.static_range(2):
-                q = _ldw(wb + q_at + 4 * half, ok, EVEN, CACHE)
+                q = _ldw(wb + q_at + 4 * half, ok_w, EVEN, CACHE)
                 lo = q & 0x0F0F0F0F
                 hi = (q >> 4) & 0x0F0F0F0F
                 if FMT == 5:  # fifth bit of code 32s + l: bit s of qh byte l (qh words 4..11)
-                    qh = _ldw(wb + (b * WB + 4 + e + 4 * half + c * 0), ok, EVEN, CACHE)
+                    qh = _ldw(wb + (b * WB + 4 + e + 4 * half + c * 0), ok_w, EVEN, CACHE)
                     lo = lo | (((qh >> (2 * c)) << 4) & 0x10101010)
                     hi = hi | (((qh >> (2 * c + 1)) << 4) & 0x10101010)
                 i_lo = dp4a(lo, _ld(xb + x_at + 4 * half, ok, EVEN), i_lo, EMULATE)
                 i_hi = dp4a(hi, _ld(xb + x_at + 8 + 4 * half, ok, EVEN), i_hi, EMULATE)
-            hd = _ldw(wb + h_at, ok, EVEN, CACHE)
+            hd = _ldw(wb + h_at, ok_w, EVEN, CACHE)
             h0 = _pick(hd, e, 0)
             sc_lo, mn_lo = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4)
             sc_hi, mn_hi = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4 + 1)
@@ -221,19 +254,18 @@ if HAVE_TRITON:
             dx_hi = _pick(_ld(xd_ptr + dx + 1, ok, EVEN), e, 0)
             sx_lo = _pick(_ld(xs_ptr + dx, ok, EVEN), e, 0)
             sx_hi = _pick(_ld(xs_ptr + dx + 1, ok, EVEN), e, 0)
-            part = sc_lo * (tl_sum(i_lo, 4).to(tl.float32) * dx_lo)
-            part += sc_hi * (tl_sum(i_hi, 4).to(tl.float32) * dx_hi)
+            part = sc_lo * (_pick_sum(i_lo).to(tl.float32) * dx_lo)
+            part += sc_hi * (_pick_sum(i_hi).to(tl.float32) * dx_hi)
             acc += _f16_lo(h0) * part - _f16_lo(h0 >> 16) * (mn_lo * sx_lo + mn_hi * sx_hi)
-        out = tl_sum(tl_sum(acc, 3), 2)  # [BLOCK_M, BLOCK_N]
-        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-        no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        out = tl_sum(tl_sum(acc, 4), 3)  # [BLOCK_M, R, G]
+        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None]
+        no = tl.program_id(0) * BLOCK_N + tl.arange(0, R)[None, :, None] * G + tl.arange(0, G)[None, None, :]
         ptrs = y_ptr + mo * stride_ym + no
         mask = (mo < M) & (no < N)
         if SPLIT_K == 1:
             tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             tl.atomic_add(ptrs, out, mask=mask)
-
 
     @jit
     def _gemv_rows_p_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
@@ -333,5 +365,5 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 4,
                    y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,
                    SPLIT_K=s.split_k, EVEN=k // 256 % s.blocks == 0, CACHE=s.cache, EMULATE=EMULATE_DP4A,
-                   **extra)
+                   **({} if s.lanes == "piece" else {"R": s.rows_per_lane}), **extra)
     return y.to(xa.dtype)

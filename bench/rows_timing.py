@@ -39,8 +39,15 @@ CHECK_SHAPES = [(1040, 5120), (17408, 5120)]
 WIDTHS = (1, 2, 4, 8)
 
 
-def sweep(width: int) -> list[str]:
-    return [name for name, s in SCHEDULES.items() if s.block_m == width]
+def sweep(width: int, only: str = "") -> list[str]:
+    """The schedules of a column tile, those whose name contains one of the comma-separated `only` parts."""
+    parts = [p for p in only.split(",") if p]
+    return [name for name, s in SCHEDULES.items()
+            if s.block_m == width and (not parts or any(p in name for p in parts))]
+
+
+def best_of(times: dict) -> str:
+    return min(times, key=times.get)
 
 
 def q8_call(raw, fmt: str, xa, rows: int, cols: int):
@@ -53,7 +60,7 @@ def q8_call(raw, fmt: str, xa, rows: int, cols: int):
     return lambda: gemv_q8(raw, fmt, xa, rows, s)
 
 
-def check(log: Log, dev: torch.device, quick: bool, formats: list[str]) -> bool:
+def check(log: Log, dev: torch.device, quick: bool, formats: list[str], only: str = "") -> bool:
     """Every schedule vs the float64 twin; bf16 output (rounding 2^-9)."""
     ok = True
     shapes = [(24, 1280)] if quick else CHECK_SHAPES
@@ -68,7 +75,7 @@ def check(log: Log, dev: torch.device, quick: bool, formats: list[str]) -> bool:
                 x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
                 xa = quantize_activation(x)
                 want = xa.dequantize().to(dev) @ w.t()
-                names = [n for n in SCHEDULES if SCHEDULES[n].block_m >= width][:2 if quick else None]
+                names = [n for w in WIDTHS if w >= width for n in sweep(w, only)][:2 if quick else None]
                 for name in names:
                     out = gemv_rows(raw, fmt, xa, rows, name)[:, pick]
                     err = rel_err(out, want) if bool(torch.isfinite(out).all()) else float("inf")
@@ -83,7 +90,8 @@ def check(log: Log, dev: torch.device, quick: bool, formats: list[str]) -> bool:
     return ok
 
 
-def time_all(log: Log, dev: torch.device, formats: list[str], floor: float, budget: float, t0: float) -> list:
+def time_all(log: Log, dev: torch.device, formats: list[str], floor: float, budget: float, t0: float,
+             widths=WIDTHS, only: str = "") -> list:
     table = []
     for rows, cols in SHAPES:
         for fmt in formats:
@@ -94,13 +102,15 @@ def time_all(log: Log, dev: torch.device, formats: list[str], floor: float, budg
             nbytes = one.numel()
             n_copies = min(64, max(3, -(-3 * L2_BYTES // nbytes)))
             copies = [one] + [random_gguf_weight(fmt, rows, cols, dev) for _ in range(n_copies - 1)]
-            for width in WIDTHS:
+            for width in widths:
                 xa = quantize_activation(torch.randn(width, cols, device=dev, dtype=torch.bfloat16))
+                route = rows_route(fmt, rows, cols, width)
+                names = dict.fromkeys(sweep(width, only) + ([route.name] if route else []))
                 times = {name: graph_us([lambda w=w, n=name, f=fmt, x=xa, r=rows: gemv_rows(w, f, x, r, n)
-                                         for w in copies]) for name in sweep(width)}
+                                         for w in copies]) for name in names}
                 q8_us = graph_us([q8_call(w, fmt, xa, rows, cols) for w in copies])
-                route = rows_route(fmt, rows, cols, width).name
-                best = min(times, key=times.get)
+                route = route.name if route else best_of(times)
+                best = best_of(times)
                 us = times[best]
                 tbps = nbytes / us / 1e6
                 log(f"{fmt} {rows}x{cols} w{width}: best {best} {us:.1f} us ({tbps:.2f} TB/s, "
@@ -121,6 +131,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="only the checks on a tiny shape (CPU works)")
     ap.add_argument("--formats", default="q4_k,q5_k", help="formats to check")
     ap.add_argument("--time-formats", default="q4_k", help="formats to time")
+    ap.add_argument("--widths", default="1,2,4,8", help="column counts to time")
+    ap.add_argument("--only", default="", help="comma-separated parts of schedule names to check and time")
     ap.add_argument("--budget", type=float, default=150.0, help="stop timing new shapes after this many s")
     a = ap.parse_args(argv)
     t0 = time.time()
@@ -134,13 +146,14 @@ def main(argv=None) -> int:
         f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}")
     torch.manual_seed(int(time.time()))  # fresh random inputs every run
     formats = a.formats.split(",")
-    ok = check(log, dev, a.quick or dev.type != "cuda", formats)
+    ok = check(log, dev, a.quick or dev.type != "cuda", formats, a.only)
     log.save()
     if a.quick or dev.type != "cuda":
         log(f"checks {'passed' if ok else 'FAILED'}")
         return 0 if ok else 1
     floor = copy_bandwidth(log, dev)
-    table = time_all(log, dev, a.time_formats.split(","), floor, a.budget, t0)
+    table = time_all(log, dev, a.time_formats.split(","), floor, a.budget, t0,
+                     [int(w) for w in a.widths.split(",")], a.only)
     log.save()
     print(f"\n==== rows GEMV (checks {'passed' if ok else 'FAILED'}; copy {floor:.2f} TB/s) ====")
     print("| format | shape | cols | best schedule | µs | TB/s | % copy | route µs (sched) | q8 route µs |")

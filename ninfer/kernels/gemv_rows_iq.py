@@ -1,0 +1,288 @@
+"""Decode GEMV whose warps read weight rows contiguously ("rows"), int8 activations and `dp4a`, for iq3_s.
+
+The design of `gemv_rows.py` (q4_k / q5_k) for the i-quant: a thread takes one 32-weight sub-block c of
+block b of row n, so 8 lanes cover a block and a warp covers NB consecutive blocks of one row; rows wrap over
+warps and registers. Tile axes `[column m, row n, block b, sub-block c, word e]`, every load built at the full
+5-d shape (zero strides where a value does not depend on an axis) so that all values share one register
+layout and no layout conversion runs in the loop.
+
+iq3_s blocks are 110 bytes, so a block starts 0 or 2 bytes into an int32 word; the tensor is read as aligned
+int32 words (two 4-word loads per thread and step: qs words 0-2 and d; sign words 0-1, the qh word and the
+scale word) and the misaligned ones are funnel-shifted by a per-thread amount that is fixed for the whole
+loop (NB is even, so a step moves by a multiple of 4 bytes). The grid index of word j is one `prmt` of a qs
+word and the spread qh bits (its top bytes zero by sign-replicating a byte below 0x80); the grid word is a
+load of the int32 grid through L1. Signs: the byte of 8 sign bits times 0x80402010 (low nibble) or 0x08040201
+(high nibble) puts sign bit k at the top bit of byte 3 − k, and a sign-replicating `prmt` makes the byte mask
+M; Σ σ·g·x = dp4a(g ^ M, x) − dp4a(M, x) (g ^ M is −g − 1 where M is −1). The kernel's oracle is
+`gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
+from ninfer.kernels.gemv_rows import RowsSchedule
+from ninfer.kernels.gguf_matmul import QuantKernelError, _f16_lo, check_weight, triton_cdiv
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_sum
+from ninfer.quant.formats import GGUF_PREFIX
+
+IQ_ROWS_FORMATS = ("iq3_s",)
+MAX_COLUMNS = 8
+
+
+@dataclass(frozen=True)
+class RowsIqSchedule(RowsSchedule):
+    """`block_n` rows × `block_m` columns per program, `blocks` consecutive blocks of each row per loop step
+    (8 lanes per block; even, so that a step keeps every thread's word alignment), split-K over the steps.
+    `signed_grid`: look the signs up with the grid (one 32 KB table of all 16 sign patterns per grid word)
+    instead of applying them with integer instructions."""
+
+    signed_grid: bool = False
+
+
+def _sched(block_n: int, block_m: int, blocks: int, num_warps: int, split_k: int = 1,
+           signed_grid: bool = False) -> RowsIqSchedule:
+    name = (f"rows_iq_n{block_n}_m{block_m}_b{blocks}_w{num_warps}" + (f"_s{split_k}" if split_k > 1 else "")
+            + ("_sg" if signed_grid else ""))
+    return RowsIqSchedule(name, "rows_iq", block_n, block_m, split_k=split_k, num_warps=num_warps,
+                          num_stages=1, blocks=blocks, signed_grid=signed_grid)
+
+
+# (block_n, block_m, blocks, num_warps, split_k); blocks × rows × 8 should be ≥ 32 · warps or lanes repeat
+# work. b4: a warp spans 4 blocks of 1 row. Each tile with the plain grid and with the signed grid ("_sg").
+_TILES = (
+    (4, 1, 4, 4, 1), (8, 1, 4, 4, 1), (8, 1, 4, 8, 1), (2, 1, 4, 2, 1), (2, 1, 8, 4, 1),
+    (4, 1, 4, 4, 2), (2, 1, 4, 2, 4), (2, 1, 2, 1, 4),
+    # several columns (each sub-block decoded once for all of them)
+    (4, 2, 4, 4, 1), (2, 2, 4, 2, 4), (4, 4, 4, 4, 1), (2, 4, 4, 2, 4), (4, 8, 4, 4, 1), (2, 8, 4, 2, 4),
+)
+SCHEDULES: dict[str, RowsIqSchedule] = {
+    s.name: s for tile in _TILES for signed in (False, True) for s in [_sched(*tile, signed_grid=signed)]
+}
+
+
+def rows_iq_route(fmt: str, out_features: int, in_features: int, columns: int) -> RowsIqSchedule | None:
+    """The rows schedule for a decode GEMV of `columns` columns, None where the kernel does not apply.
+    Untimed: small matrices take split-K, the rest one row per warp."""
+    fmt = fmt.removeprefix(GGUF_PREFIX)
+    if fmt not in IQ_ROWS_FORMATS or in_features % 256 or not 1 <= columns <= MAX_COLUMNS:
+        return None
+    small = out_features <= 1024
+    width = 1 if columns == 1 else 2 if columns == 2 else 4 if columns <= 4 else 8
+    name = {1: "rows_iq_n2_m1_b4_w2_s4" if small else "rows_iq_n4_m1_b4_w4",
+            2: "rows_iq_n2_m2_b4_w2_s4" if small else "rows_iq_n4_m2_b4_w4",
+            4: "rows_iq_n2_m4_b4_w2_s4" if small else "rows_iq_n4_m4_b4_w4",
+            8: "rows_iq_n2_m8_b4_w2_s4" if small else "rows_iq_n4_m8_b4_w4"}[width]
+    return SCHEDULES[name]
+
+
+if HAVE_TRITON:
+
+    @jit
+    def _pick(v, e, i: tl.constexpr):
+        """Word i of the 4 words along the last axis (held by one thread: a register pick, no shuffle). Summed
+        with Triton's own combine function, which the interpreter recognises and runs as one numpy sum."""
+        return tl.reduce(tl.where(e == i, v, 0), 4, tl.standard._sum_combine)
+
+    @jit
+    def _ld(ptrs, ok, EVEN: tl.constexpr):
+        """A load, masked (zeros past the row's last block) unless every step is whole."""
+        if EVEN:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=ok, other=0)
+
+    @jit
+    def _shf(lo, hi, sh, EMULATE: tl.constexpr):
+        """The int32 word `sh` (0 or 16) bits into the pair (lo, hi): PTX `shf.r.clamp`, one instruction."""
+        if EMULATE:
+            return tl.where(sh == 0, lo, ((lo >> 16) & 0xFFFF) | (hi << 16))
+        else:
+            return tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, sh],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+
+    @jit
+    def _prmt(a, b, sel, EMULATE: tl.constexpr):
+        """PTX `prmt.b32` (default mode): byte i of the result is byte `(sel >> 4i) & 7` of {a, b} (a the
+        low four), or, where bit 3 of that selector nibble is set, that byte's top bit replicated."""
+        if EMULATE:
+            out = tl.zeros_like(a)
+            for i in tl.static_range(4):
+                s = (sel >> (4 * i)) & 0xF
+                byte = tl.where((s & 7) < 4, a >> (8 * (s & 3)), b >> (8 * (s & 3))) & 0xFF
+                byte = tl.where((s & 8) != 0, tl.where(byte >= 0x80, 0xFF, 0), byte)
+                out |= byte << (8 * i)
+            return out
+        else:
+            return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
+                                             dtype=tl.int32, is_pure=True, pack=1)
+
+    @jit
+    def _iq3_s_half(qw, hw, sg, x, grid_ptr, e, zero, H: tl.constexpr, EMULATE: tl.constexpr):
+        """(Σ dp4a(g ^ M, x), Σ dp4a(M, x)) over grid words 4H..4H+3 of each thread's sub-block: qw holds
+        their 4 qs bytes, hw their 4 qh bits (one per byte), sg the sub-block's 32 sign bits, x `[..., 4]`
+        the activation words."""
+        # grid index: qs byte e, qh byte e, then two zero bytes (the sign of hw's byte 0, which is 0 or 1)
+        idx = _prmt(qw[:, :, :, :, None] + zero, hw[:, :, :, :, None] + zero, 0xCC40 + 0x11 * e, EMULATE)
+        g = tl.load(grid_ptr + idx.to(tl.uint32))
+        # the 8 sign bits of words 2j', 2j' + 1 (byte j' = 2H + e // 2), spread to the bytes' top bits
+        byte = _prmt(sg[:, :, :, :, None] + zero, zero, 0x4440 + 2 * H + e // 2, EMULATE)
+        spread = byte * tl.where(e % 2 == 0, -0x7FBFDFF0, 0x08040201)  # 0x80402010 as int32
+        m = _prmt(spread, zero, 0x89AB + zero, EMULATE)  # byte k: sign bit k of the word as 0x00 / 0xFF
+        gm = g ^ m
+        acc_g = dp4a(_pick(gm, e, 0), _pick(x, e, 0), _pick(zero, e, 0), EMULATE)
+        acc_m = dp4a(_pick(m, e, 0), _pick(x, e, 0), _pick(zero, e, 0), EMULATE)
+        for i in tl.static_range(1, 4):
+            acc_g = dp4a(_pick(gm, e, i), _pick(x, e, i), acc_g, EMULATE)
+            acc_m = dp4a(_pick(m, e, i), _pick(x, e, i), acc_m, EMULATE)
+        return acc_g, acc_m
+
+    @jit
+    def _iq3_s_half_signed(qw, tw, x, grid_ptr, e, zero, EMULATE: tl.constexpr):
+        """Σ dp4a(signed grid word, x) over grid words 4H..4H+3 of each thread's sub-block: qw holds their 4
+        qs bytes, tw per byte their qh bit (bit 0) and 4 sign bits (bits 1-4), x `[..., 4]` the activation
+        words; the signed grid's 8192 words are indexed by qs byte | qh bit << 8 | signs << 9."""
+        idx = _prmt(qw[:, :, :, :, None] + zero, tw[:, :, :, :, None] + zero, 0xCC40 + 0x11 * e, EMULATE)
+        g = tl.load(grid_ptr + idx.to(tl.uint32))
+        acc = dp4a(_pick(g, e, 0), _pick(x, e, 0), _pick(zero, e, 0), EMULATE)
+        for i in tl.static_range(1, 4):
+            acc = dp4a(_pick(g, e, i), _pick(x, e, i), acc, EMULATE)
+        return acc
+
+    @jit
+    def _sign_nibbles(sg, qh_bits, SEL: tl.constexpr, EMULATE: tl.constexpr):
+        """qh_bits | (sign nibble k << 1) in byte k, the nibbles of sign bytes SEL & 7 (low and high nibble
+        to bytes 0, 1) and (SEL >> 8) & 7 (to bytes 2, 3)."""
+        p = _prmt(sg, sg * 0, SEL + sg * 0, EMULATE)  # [sign byte, 0, sign byte, 0]
+        return (((p << 1) | (p << 5)) & 0x1E1E1E1E) | qh_bits
+
+    @jit
+    def _gemv_rows_iq3_kernel(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
+                              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
+                              SPLIT_K: tl.constexpr, EVEN: tl.constexpr, SIGNED: tl.constexpr,
+                              EMULATE: tl.constexpr):
+        BB: tl.constexpr = 110  # bytes per block
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None]
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None, None]
+        b = tl.arange(0, NB)[None, None, :, None, None]
+        c = tl.arange(0, 8)[None, None, None, :, None]
+        e = tl.arange(0, 4)[None, None, None, None, :]
+        zero = (m * 0) + (n * 0) + (b * 0) + (c * 0) + (e * 0)  # int32 zeros at the full tile shape
+        nblk = K // 256
+        steps = (nblk + NB - 1) // NB
+        per_split = (steps + SPLIT_K - 1) // SPLIT_K
+        s0 = tl.program_id(2) * per_split
+        s1 = tl.minimum(steps, s0 + per_split)
+        # the thread's block start (bytes) in the first step; rows and columns past the end read the last one
+        start = tl.minimum(n, N - 1).to(tl.int64) * row_bytes + BB * (b % 2) + zero
+        # bytes of the two weight loads: [qs 0-3, 4-7, 8-11, d] and [signs 0-3, 4-7, qh, scales]
+        at_a = tl.where(e < 3, 2 + 8 * c + 4 * e, 0)
+        at_b = tl.where(e < 2, 74 + 4 * c + 4 * e, tl.where(e == 2, 66 + c, 106 + c // 2))
+        wa = w_ptr + ((start + at_a) >> 2)
+        wb = w_ptr + ((start + at_b) >> 2)
+        # bit offsets inside the aligned words, the same in every step (NB even: steps of 4-byte multiples)
+        lead = (start & 3).to(tl.int32)
+        sh_q = _pick(((lead + 2) & 3) * 8, e, 0)  # qs and signs start 2 bytes after d
+        sh_d = _pick(lead * 8, e, 0)
+        sel_h = _pick(0x4440 + ((lead + 2 + c) & 3), e, 0)  # prmt selector of qh byte 66 + c, zero-extended
+        sh_s = _pick(((lead + 2 + c // 2) & 3) * 8 + 4 * (c % 2), e, 0)  # scale nibble of byte 106 + c // 2
+        mc = tl.minimum(m, M - 1).to(tl.int64)
+        xrow = xw_ptr + mc * (K // 4) + 8 * c + e + zero
+        # a column's sub-block scales are contiguous along c: hidden from Triton's contiguity analysis, which
+        # would otherwise lay that load out along c and convert it through shared memory in the loop
+        drow = xd_ptr + mc * (K // 32) + tl.where(c < 8, c, 0) + zero
+        acc = tl.zeros([BLOCK_M, BLOCK_N, NB, 8], dtype=tl.float32)
+        for step in range(s0, s1):
+            blk = step * NB
+            ok = ((blk + b) < nblk) & (zero == 0)  # unused where EVEN (whole steps of NB blocks)
+            # per thread (b // 2 pairs of blocks further), so that one IMAD.WIDE makes each address
+            words = (blk + b) // 2 * (2 * BB // 4)
+            ha = _ld(wa + words, ok, EVEN)
+            hb = _ld(wb + words, ok, EVEN)
+            q0 = _shf(_pick(ha, e, 0), _pick(ha, e, 1), sh_q, EMULATE)
+            q1 = _shf(_pick(ha, e, 1), _pick(ha, e, 2), sh_q, EMULATE)
+            sg = _shf(_pick(hb, e, 0), _pick(hb, e, 1), sh_q, EMULATE)
+            qh = _prmt(_pick(hb, e, 2), sh_q * 0, sel_h, EMULATE)
+            h0 = ((qh & 0xF) * 0x204081) & 0x01010101  # qh bit k -> byte k (0 or 1)
+            h1 = ((qh >> 4) * 0x204081) & 0x01010101
+            x0 = _ld(xrow + (blk + b) * 64, ok, EVEN)
+            x1 = _ld(xrow + (blk + b) * 64 + 4, ok, EVEN)
+            if SIGNED:
+                isum = _iq3_s_half_signed(q0, _sign_nibbles(sg, h0, 0x4140, EMULATE), x0, grid_ptr, e, zero,
+                                          EMULATE)
+                isum += _iq3_s_half_signed(q1, _sign_nibbles(sg, h1, 0x4342, EMULATE), x1, grid_ptr, e, zero,
+                                           EMULATE)
+            else:
+                acc_g, acc_m = _iq3_s_half(q0, h0, sg, x0, grid_ptr, e, zero, 0, EMULATE)
+                g1, m1 = _iq3_s_half(q1, h1, sg, x1, grid_ptr, e, zero, 1, EMULATE)
+                isum = (acc_g + g1) - (acc_m + m1)
+            sc = (_pick(hb, e, 3) >> sh_s) & 0xF
+            dw = _f16_lo(_pick(ha, e, 3) >> sh_d) * (1 + 2 * sc).to(tl.float32)
+            dx = _pick(_ld(drow + (blk + b) * 8, ok, EVEN), e, 0)
+            acc += dw * (isum.to(tl.float32) * dx)
+        out = tl_sum(tl_sum(acc, 3), 2)  # [BLOCK_M, BLOCK_N]
+        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        ptrs = y_ptr + mo * stride_ym + no
+        mask = (mo < M) & (no < N)
+        if SPLIT_K == 1:
+            tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(ptrs, out, mask=mask)
+
+
+def _aligned_words(raw: torch.Tensor) -> torch.Tensor:
+    """The whole weight as int32 words (a copy padded to whole words in the rare case that its size or
+    address is not a multiple of 4: the last block's aligned reads run up to 2 bytes past its end)."""
+    flat = raw.reshape(-1)
+    if flat.numel() % 4 or flat.data_ptr() % 4:
+        flat = torch.cat([flat, flat.new_zeros(4 - flat.numel() % 4)])
+    return flat.view(torch.int32)
+
+
+_SIGNED_GRIDS: dict[torch.device, torch.Tensor] = {}
+
+
+def _grid_words(device: torch.device, signed: bool) -> torch.Tensor:
+    """The iq3_s grid as int32 words `[512]` (4 magnitudes, lowest byte first) or, `signed`, the words of
+    every sign pattern `[16 · 512]` (entry s · 512 + i: grid word i with byte k negated where bit k of s)."""
+    from ninfer.kernels.gguf_matmul import _tables
+
+    if not signed:
+        return _tables(device)[1]
+    if device not in _SIGNED_GRIDS:
+        grid = _tables(torch.device("cpu"))[0].view(1, 512, 4).to(torch.int16)
+        signs = 1 - 2 * ((torch.arange(16)[:, None] >> torch.arange(4)) & 1)  # [16, 4]
+        signed_bytes = (grid * signs[:, None, :]).to(torch.int8).contiguous()
+        _SIGNED_GRIDS[device] = signed_bytes.view(torch.int32).reshape(-1).to(device)
+    return _SIGNED_GRIDS[device]
+
+
+def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
+                 schedule: RowsIqSchedule | str) -> torch.Tensor:
+    """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, iq3_s)
+    and xa the int8 activation; the kernel runs on `raw`'s device (CUDA, or CPU under the interpreter)."""
+    format = format.removeprefix(GGUF_PREFIX)
+    s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+    n, k = xa.q.shape
+    check_weight(raw, format, out_features, k)
+    if format not in IQ_ROWS_FORMATS:
+        raise QuantKernelError(f"schedule {s.name} (rows i-quant GEMV) supports {', '.join(IQ_ROWS_FORMATS)},"
+                               f" not {format}; pick a rows_*, q8_* or wv_* schedule")
+    if s.blocks % 2:
+        raise QuantKernelError(f"schedule {s.name} steps over {s.blocks} blocks; the rows i-quant GEMV needs "
+                               "an even number")
+    split = s.split_k > 1
+    y = (torch.zeros if split else torch.empty)(
+        (n, out_features), dtype=torch.float32 if split else xa.dtype, device=raw.device)
+    launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
+    extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": 1}
+    grid = _grid_words(raw.device, s.signed_grid)
+    _gemv_rows_iq3_kernel[launch](_aligned_words(raw), xa.words, xa.d, grid, y, out_features, k, n,
+                                  raw.shape[1], y.stride(0), BLOCK_N=s.block_n, BLOCK_M=s.block_m,
+                                  NB=s.blocks, SPLIT_K=s.split_k, EVEN=k // 256 % s.blocks == 0,
+                                  SIGNED=s.signed_grid, EMULATE=EMULATE_DP4A, **extra)
+    return y.to(xa.dtype)

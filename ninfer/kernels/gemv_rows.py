@@ -132,10 +132,11 @@ SCHEDULES: dict[str, RowsSchedule] = {
 
 def rows_route(fmt: str, out_features: int, in_features: int, columns: int) -> RowsSchedule | None:
     """The rows schedule for a decode GEMV of `columns` columns, None where the kernel does not apply or
-    the q8 kernel is faster. From the H200 sweep of q4_k at the 27B shapes (bench/rows_timing.py, 2026-11-30
-    run 18; µs beside the q8 route's): 1 column 21.6 vs 22.3 (17408×5120), 21.1 vs 24.8 (5120×17408), 12.2 vs
-    17.0 (10240), 8.4 vs 12.1 (6144), 4.5 vs 7.4 (1024); 2 columns 30.1 vs 43.3 (17408); 4 columns (piece
-    lanes) 64.0 vs 75.2; 5–8 columns lose (167.5 vs 116.1) except on ≤ 1024 rows (12.8 vs 13.2)."""
+    the q8 kernel is faster. From the H200 sweeps of q4_k at the 27B shapes (bench/rows_timing.py, runs 18 and
+    20, µs beside the q8 route's): 1 column 21.3 vs 22.4 (17408×5120), 21.1 vs 24.8 (5120×17408), 12.2 vs
+    17.0 (10240), 8.4 vs 12.1 (6144), 4.5 vs 7.4 (1024 rows); 2 columns 34.1 vs 44.3, 17.9 vs 31.9 (10240);
+    4 columns 58.3 vs 75.0, 18.5 vs 27.1 (6144); 5–8 columns lose (168.5 vs 116.5) except on ≤ 1024 rows
+    (12.6 vs 13.1)."""
     fmt = fmt.removeprefix(GGUF_PREFIX)
     if fmt not in ROWS_FORMATS or in_features % 256 or not 1 <= columns <= MAX_COLUMNS:
         return None
@@ -143,10 +144,9 @@ def rows_route(fmt: str, out_features: int, in_features: int, columns: int) -> R
     if columns == 1:
         name = "rows_n2_m1_b8_w2" if small else "rows_n4_m1_b4_w2_ef"
     elif columns == 2:
-        name = ("rowsp_n2_m2_b4_w1" if small else "rows_n4_m2_b4_w2" if 8192 < out_features < 16384
-                else "rows_n8_m2_b4_w4")
+        name = "rowsp_n2_m2_b4_w1" if small else "rows_n4_m2_b4_w1_r2"
     elif columns <= 4:
-        name = "rowsp_n2_m4_b4_w1" if small else "rowsp_n4_m4_b4_w1"
+        name = "rows_n2_m4_b8_w1_r2" if small else "rows_n8_m4_b4_w1_r4"
     elif small:
         name = "rowsp_n2_m8_b4_w1"
     else:

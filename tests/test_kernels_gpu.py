@@ -41,6 +41,20 @@ def test_gguf_matmul_on_gpu(fmt):
             assert rel(out, ref) < 5e-3, (fmt, width, schedule)
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k"])
+def test_rows_gemv_on_gpu(fmt):
+    """Every coalesced-rows schedule vs the float64 twin, whole and partly masked steps (20 and 68 blocks)."""
+    from ninfer.kernels.gemv_rows import SCHEDULES, gemv_rows
+
+    for rows, cols in ((1040, 5120), (136, 17408)):
+        raw = random_gguf_weight(fmt, rows, cols, "cuda")
+        for name, sched in SCHEDULES.items():
+            width = max(1, sched.block_m - 1)
+            xa = quantize_activation_reference(torch.randn(width, cols, device="cuda", dtype=torch.bfloat16))
+            want = gemv_q8_reference(raw, fmt, xa, rows).cuda()
+            assert rel(gemv_rows(raw, fmt, xa, rows, name), want) < 5e-3, (rows, cols, name)  # bf16 output
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 def test_gdn_decode_on_gpu(state_dtype):
     B, T, Hk, Hv, D = 3, 4, 16, 48, 128

@@ -82,10 +82,11 @@ def rows_iq_route(fmt: str, out_features: int, in_features: int, columns: int) -
 if HAVE_TRITON:
 
     @jit
-    def _pick(v, e, i: tl.constexpr):
+    def _pick(v, e, i: tl.constexpr, ZERO: tl.constexpr = 0):
         """Word i of the 4 words along the last axis (held by one thread: a register pick, no shuffle). Summed
-        with Triton's own combine function, which the interpreter recognises and runs as one numpy sum."""
-        return tl.reduce(tl.where(e == i, v, 0), 4, tl.standard._sum_combine)
+        with Triton's own combine function, which the interpreter recognises and runs as one numpy sum. ZERO
+        -0.0 for floats: x + -0.0 folds away, x + 0.0 does not."""
+        return tl.reduce(tl.where(e == i, v, ZERO), 4, tl.standard._sum_combine)
 
     @jit
     def _ld(ptrs, ok, EVEN: tl.constexpr):
@@ -179,10 +180,10 @@ if HAVE_TRITON:
         # the thread's block start (bytes) in the first step; rows and columns past the end read the last one
         start = tl.minimum(n, N - 1).to(tl.int64) * row_bytes + BB * (b % 2) + zero
         # bytes of the two weight loads: [qs 0-3, 4-7, 8-11, d] and [signs 0-3, 4-7, qh, scales]
-        at_a = tl.where(e < 3, 2 + 8 * c + 4 * e, 0)
-        at_b = tl.where(e < 2, 74 + 4 * c + 4 * e, tl.where(e == 2, 66 + c, 106 + c // 2))
-        wa = w_ptr + ((start + at_a) >> 2)
-        wb = w_ptr + ((start + at_b) >> 2)
+        # (consecutive words as constant offsets from one word: one address computation for the run)
+        wa = w_ptr + tl.where(e < 3, ((start + 2 + 8 * c) >> 2) + e, start >> 2)
+        wb = w_ptr + tl.where(e < 2, ((start + 74 + 4 * c) >> 2) + e,
+                              tl.where(e == 2, (start + 66 + c) >> 2, (start + 106 + c // 2) >> 2))
         # bit offsets inside the aligned words, the same in every step (NB even: steps of 4-byte multiples)
         lead = (start & 3).to(tl.int32)
         sh_q = _pick(((lead + 2) & 3) * 8, e, 0)  # qs and signs start 2 bytes after d
@@ -199,7 +200,7 @@ if HAVE_TRITON:
             blk = step * NB
             ok = ((blk + b) < nblk) & (zero == 0)  # unused where EVEN (whole steps of NB blocks)
             # per thread (b // 2 pairs of blocks further), so that one IMAD.WIDE makes each address
-            words = (blk + b) // 2 * (2 * BB // 4)
+            words = ((blk + b) >> 1) * (2 * BB // 4)
             ha = _ld(wa + words, ok, EVEN)
             hb = _ld(wb + words, ok, EVEN)
             q0 = _shf(_pick(ha, e, 0), _pick(ha, e, 1), sh_q, EMULATE)
@@ -221,7 +222,7 @@ if HAVE_TRITON:
                 isum = (acc_g + g1) - (acc_m + m1)
             sc = (_pick(hb, e, 3) >> sh_s) & 0xF
             dw = _f16_lo(_pick(ha, e, 3) >> sh_d) * (1 + 2 * sc).to(tl.float32)
-            dx = _pick(_ld(drow + (blk + b) * 8, ok, EVEN), e, 0)
+            dx = _pick(_ld(drow + (blk + b) * 8, ok, EVEN), e, 0, -0.0)
             acc += dw * (isum.to(tl.float32) * dx)
         out = tl_sum(tl_sum(acc, 3), 2)  # [BLOCK_M, BLOCK_N]
         mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]

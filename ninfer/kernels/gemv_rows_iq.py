@@ -1,4 +1,5 @@
-"""Decode GEMV whose warps read weight rows contiguously ("rows"), int8 activations and `dp4a`, for iq3_s.
+"""Decode GEMV whose warps read weight rows contiguously ("rows"), int8 activations and `dp4a`, for the
+i-quants iq3_s and iq4_xs.
 
 The design of `gemv_rows.py` (q4_k / q5_k) for the i-quant: a thread takes one 32-weight sub-block c of
 block b of row n, so 8 lanes cover a block and a warp covers NB consecutive blocks of one row; rows wrap over
@@ -13,8 +14,13 @@ loop (NB is even, so a step moves by a multiple of 4 bytes). The grid index of w
 word and the spread qh bits (its top bytes zero by sign-replicating a byte below 0x80); the grid word is a
 load of the int32 grid through L1. Signs: the byte of 8 sign bits times 0x80402010 (low nibble) or 0x08040201
 (high nibble) puts sign bit k at the top bit of byte 3 − k, and a sign-replicating `prmt` makes the byte mask
-M; Σ σ·g·x = dp4a(g ^ M, x) − dp4a(M, x) (g ^ M is −g − 1 where M is −1). The kernel's oracle is
-`gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
+M; Σ σ·g·x = dp4a(g ^ M, x) − dp4a(M, x) (g ^ M is −g − 1 where M is −1). Schedules "_sg" instead look up
+a 32 KB signed grid (every grid word under all 16 sign patterns), indexed by the same `prmt` with the sign
+nibble beside the qh bit: fewer instructions, a 16× larger table in L1 (untimed: the GPU decides).
+
+iq4_xs blocks are 136 bytes (always 8-byte aligned): int64 loads, the levels by three `prmt`s per 4 codes as
+in `gemv_q8_iq.py`. The kernels' oracle is `gemv_q8_reference` (dequantised weight × dequantised int8
+activation, float64).
 """
 
 from __future__ import annotations
@@ -28,17 +34,20 @@ from ninfer.kernels.gemv_rows import RowsSchedule
 from ninfer.kernels.gguf_matmul import QuantKernelError, _f16_lo, check_weight, triton_cdiv
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
+from ninfer.quant.tables import IQ4_LEVELS
 
-IQ_ROWS_FORMATS = ("iq3_s",)
+IQ_ROWS_FORMATS = ("iq3_s", "iq4_xs")
 MAX_COLUMNS = 8
+# iq4_xs levels as int8 bytes in 4 little-endian int32 words (the prmt tables of levels 0-7 and 8-15)
+_IQ4_WORDS = tuple(torch.tensor(IQ4_LEVELS.tolist(), dtype=torch.int8).view(torch.int32).tolist())
 
 
 @dataclass(frozen=True)
 class RowsIqSchedule(RowsSchedule):
     """`block_n` rows × `block_m` columns per program, `blocks` consecutive blocks of each row per loop step
-    (8 lanes per block; even, so that a step keeps every thread's word alignment), split-K over the steps.
-    `signed_grid`: look the signs up with the grid (one 32 KB table of all 16 sign patterns per grid word)
-    instead of applying them with integer instructions."""
+    (8 lanes per block; iq3_s: even, so that a step keeps every thread's word alignment), split-K over the
+    steps. `signed_grid` (iq3_s): look the signs up with the grid (one 32 KB table of all 16 sign patterns per
+    grid word) instead of applying them with integer instructions."""
 
     signed_grid: bool = False
 
@@ -235,6 +244,86 @@ if HAVE_TRITON:
             tl.atomic_add(ptrs, out, mask=mask)
 
 
+    @jit
+    def _iq4_levels(nib, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr,
+                    EMULATE: tl.constexpr):
+        """The int8 levels of the 4 nibbles in the low 16 bits of `nib` as one word: a `prmt` into each
+        8-level half of the table by the nibbles' low 3 bits, a third picks the half by their bit 3."""
+        low3 = nib & 0x7777
+        lo = _prmt(nib * 0 + T0, nib * 0 + T1, low3, EMULATE)
+        hi = _prmt(nib * 0 + T2, nib * 0 + T3, low3, EMULATE)
+        return _prmt(lo, hi, ((nib >> 1) & 0x4444) | 0x3210, EMULATE)
+
+    @jit
+    def _gemv_rows_iq4_kernel(w_ptr, xw_ptr, xd_ptr, y_ptr, N, K, M, row_units, stride_ym,
+                              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
+                              SPLIT_K: tl.constexpr, EVEN: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr,
+                              T2: tl.constexpr, T3: tl.constexpr, EMULATE: tl.constexpr):
+        # iq4_xs: 136-byte blocks read as int64 units (17 per block, always 8-byte aligned): unit 0 holds d,
+        # scales_h and scales_l, units 1 + 2c and 2 + 2c the 16 qs bytes of sub-block c (byte l: codes l and
+        # l + 16 in its low and high nibble). Word j's low 16 bits give codes 4j, 16 + 4j, 4j + 1, 17 + 4j,
+        # its high 16 bits the next two pairs; the activation bytes are interleaved to match.
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None]
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None, None]
+        b = tl.arange(0, NB)[None, None, :, None, None]
+        c = tl.arange(0, 8)[None, None, None, :, None]
+        e = tl.arange(0, 4)[None, None, None, None, :]
+        zero = (m * 0) + (n * 0) + (b * 0) + (c * 0) + (e * 0)
+        nblk = K // 256
+        steps = (nblk + NB - 1) // NB
+        per_split = (steps + SPLIT_K - 1) // SPLIT_K
+        s0 = tl.program_id(2) * per_split
+        s1 = tl.minimum(steps, s0 + per_split)
+        wrow = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * row_units + zero
+        q_at = 1 + 2 * c + tl.minimum(e, 1)  # the sub-block's two qs units
+        h_at = c * 0  # the header unit
+        mc = tl.minimum(m, M - 1).to(tl.int64)
+        xrow = xw_ptr + mc * (K // 4) + 8 * c + e + zero
+        drow = xd_ptr + mc * (K // 32) + tl.where(c < 8, c, 0) + zero  # see _gemv_rows_iq3_kernel
+        x_lo_sel = 0x5140 + zero  # activation bytes (4j, 16 + 4j, 4j + 1, 17 + 4j) of words j, 4 + j
+        x_hi_sel = 0x7362 + zero  # (4j + 2, 18 + 4j, 4j + 3, 19 + 4j)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, NB, 8], dtype=tl.float32)
+        for step in range(s0, s1):
+            blk = step * NB
+            ok = ((blk + b) < nblk) & (zero == 0)  # unused where EVEN (whole steps of NB blocks)
+            units = (blk + b) * 17  # per thread: one IMAD.WIDE per address
+            q = _ld(wrow + units + q_at, ok, EVEN)
+            qa = _pick(q, e, 0)
+            qb = _pick(q, e, 1)
+            # word e of the 16 qs bytes, in registers
+            qw = tl.where(e < 2, qa[:, :, :, :, None], qb[:, :, :, :, None]) + zero
+            qw = tl.where(e % 2 == 0, qw.to(tl.int32), (qw >> 32).to(tl.int32))
+            w_lo = _iq4_levels(qw, T0, T1, T2, T3, EMULATE)
+            w_hi = _iq4_levels(qw >> 16, T0, T1, T2, T3, EMULATE)
+            hd = _pick(_ld(wrow + units + h_at, ok, EVEN), e, 0)
+            h0 = hd.to(tl.int32)  # d | scales_h << 16
+            scl = (hd >> 32).to(tl.int32)
+            cc = _pick(c + zero, e, 0)
+            sc = ((scl >> (4 * cc)) & 0xF) | (((h0 >> (16 + 2 * cc)) & 3) << 4)
+            dw = _f16_lo(h0) * (sc - 32).to(tl.float32)
+            xb = xrow + (blk + b) * 64
+            x0 = _ld(xb, ok, EVEN)
+            x1 = _ld(xb + 4, ok, EVEN)
+            x_lo = _prmt(x0, x1, x_lo_sel, EMULATE)
+            x_hi = _prmt(x0, x1, x_hi_sel, EMULATE)
+            isum = dp4a(_pick(w_lo, e, 0), _pick(x_lo, e, 0), _pick(zero, e, 0), EMULATE)
+            isum = dp4a(_pick(w_hi, e, 0), _pick(x_hi, e, 0), isum, EMULATE)
+            for i in tl.static_range(1, 4):
+                isum = dp4a(_pick(w_lo, e, i), _pick(x_lo, e, i), isum, EMULATE)
+                isum = dp4a(_pick(w_hi, e, i), _pick(x_hi, e, i), isum, EMULATE)
+            dx = _pick(_ld(drow + (blk + b) * 8, ok, EVEN), e, 0, -0.0)
+            acc += dw * (isum.to(tl.float32) * dx)
+        out = tl_sum(tl_sum(acc, 3), 2)  # [BLOCK_M, BLOCK_N]
+        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        ptrs = y_ptr + mo * stride_ym + no
+        mask = (mo < M) & (no < N)
+        if SPLIT_K == 1:
+            tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(ptrs, out, mask=mask)
+
+
 def _aligned_words(raw: torch.Tensor) -> torch.Tensor:
     """The whole weight as int32 words (a copy padded to whole words in the rare case that its size or
     address is not a multiple of 4: the last block's aligned reads run up to 2 bytes past its end)."""
@@ -264,8 +353,9 @@ def _grid_words(device: torch.device, signed: bool) -> torch.Tensor:
 
 def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
                  schedule: RowsIqSchedule | str) -> torch.Tensor:
-    """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, iq3_s)
-    and xa the int8 activation; the kernel runs on `raw`'s device (CUDA, or CPU under the interpreter)."""
+    """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, iq3_s
+    or iq4_xs; "_sg" schedules matter to iq3_s only) and xa the int8 activation; the kernel runs on `raw`'s
+    device (CUDA, or CPU under the interpreter)."""
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
@@ -273,14 +363,22 @@ def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_fe
     if format not in IQ_ROWS_FORMATS:
         raise QuantKernelError(f"schedule {s.name} (rows i-quant GEMV) supports {', '.join(IQ_ROWS_FORMATS)},"
                                f" not {format}; pick a rows_*, q8_* or wv_* schedule")
-    if s.blocks % 2:
-        raise QuantKernelError(f"schedule {s.name} steps over {s.blocks} blocks; the rows i-quant GEMV needs "
+    if s.blocks % 2 and format == "iq3_s":
+        raise QuantKernelError(f"schedule {s.name} steps over {s.blocks} blocks; the iq3_s rows GEMV needs "
                                "an even number")
     split = s.split_k > 1
     y = (torch.zeros if split else torch.empty)(
         (n, out_features), dtype=torch.float32 if split else xa.dtype, device=raw.device)
     launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
     extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": 1}
+    if format == "iq4_xs":
+        units = raw if raw.data_ptr() % 8 == 0 else raw.clone()  # 136-byte blocks: whole int64 units
+        t0, t1, t2, t3 = _IQ4_WORDS
+        _gemv_rows_iq4_kernel[launch](units.view(torch.int64), xa.words, xa.d, y, out_features, k, n,
+                                      raw.shape[1] // 8, y.stride(0), BLOCK_N=s.block_n, BLOCK_M=s.block_m,
+                                      NB=s.blocks, SPLIT_K=s.split_k, EVEN=k // 256 % s.blocks == 0, T0=t0,
+                                      T1=t1, T2=t2, T3=t3, EMULATE=EMULATE_DP4A, **extra)
+        return y.to(xa.dtype)
     grid = _grid_words(raw.device, s.signed_grid)
     _gemv_rows_iq3_kernel[launch](_aligned_words(raw), xa.words, xa.d, grid, y, out_features, k, n,
                                   raw.shape[1], y.stride(0), BLOCK_N=s.block_n, BLOCK_M=s.block_m,

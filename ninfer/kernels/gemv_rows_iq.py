@@ -131,10 +131,12 @@ if HAVE_TRITON:
                                              dtype=tl.int32, is_pure=True, pack=1)
 
     @jit
-    def _iq3_s_half(qw, hw, sg, x, grid_ptr, e, zero, H: tl.constexpr, EMULATE: tl.constexpr):
+    def _iq3_s_half(qw, hw, sg, x, grid_ptr, e, zero, H: tl.constexpr, SIGN_WORDS: tl.constexpr,
+                    EMULATE: tl.constexpr):
         """(Σ dp4a(g ^ M, x), Σ dp4a(M, x)) over grid words 4H..4H+3 of each thread's sub-block: qw holds
         their 4 qs bytes, hw their 4 qh bits (one per byte), sg the sub-block's 32 sign bits, x `[..., 4]`
-        the activation words."""
+        the activation words. SIGN_WORDS (several columns): (Σ dp4a(σ·g, x), 0) with the signed word
+        (g ^ M) + (M & 0x01010101) made once for every column."""
         # grid index: qs byte e, qh byte e, then two zero bytes (the sign of hw's byte 0, which is 0 or 1)
         idx = _prmt(qw[:, :, :, :, None] + zero, hw[:, :, :, :, None] + zero, 0xCC40 + 0x11 * e, EMULATE)
         g = tl.load(grid_ptr + idx.to(tl.uint32))
@@ -143,11 +145,16 @@ if HAVE_TRITON:
         spread = byte * tl.where(e % 2 == 0, -0x7FBFDFF0, 0x08040201)  # 0x80402010 as int32
         m = _prmt(spread, zero, 0x89AB + zero, EMULATE)  # byte k: sign bit k of the word as 0x00 / 0xFF
         gm = g ^ m
+        acc_m = _pick(zero, e, 0)
+        if SIGN_WORDS:  # no carries between bytes: −g = (g ^ 0xFF) + 1 and every magnitude is 1..15
+            gm += m & 0x01010101
         acc_g = dp4a(_pick(gm, e, 0), _pick(x, e, 0), _pick(zero, e, 0), EMULATE)
-        acc_m = dp4a(_pick(m, e, 0), _pick(x, e, 0), _pick(zero, e, 0), EMULATE)
+        if not SIGN_WORDS:
+            acc_m = dp4a(_pick(m, e, 0), _pick(x, e, 0), acc_m, EMULATE)
         for i in tl.static_range(1, 4):
             acc_g = dp4a(_pick(gm, e, i), _pick(x, e, i), acc_g, EMULATE)
-            acc_m = dp4a(_pick(m, e, i), _pick(x, e, i), acc_m, EMULATE)
+            if not SIGN_WORDS:
+                acc_m = dp4a(_pick(m, e, i), _pick(x, e, i), acc_m, EMULATE)
         return acc_g, acc_m
 
     @jit
@@ -226,8 +233,8 @@ if HAVE_TRITON:
                 isum += _iq3_s_half_signed(q1, _sign_nibbles(sg, h1, 0x4342, EMULATE), x1, grid_ptr, e, zero,
                                            EMULATE)
             else:
-                acc_g, acc_m = _iq3_s_half(q0, h0, sg, x0, grid_ptr, e, zero, 0, EMULATE)
-                g1, m1 = _iq3_s_half(q1, h1, sg, x1, grid_ptr, e, zero, 1, EMULATE)
+                acc_g, acc_m = _iq3_s_half(q0, h0, sg, x0, grid_ptr, e, zero, 0, BLOCK_M > 2, EMULATE)
+                g1, m1 = _iq3_s_half(q1, h1, sg, x1, grid_ptr, e, zero, 1, BLOCK_M > 2, EMULATE)
                 isum = (acc_g + g1) - (acc_m + m1)
             sc = (_pick(hb, e, 3) >> sh_s) & 0xF
             dw = _f16_lo(_pick(ha, e, 3) >> sh_d) * (1 + 2 * sc).to(tl.float32)

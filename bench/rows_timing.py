@@ -1,5 +1,5 @@
-"""GPU check and timing of the coalesced-rows int8-activation GEMV (ninfer/kernels/gemv_rows.py) beside the
-q8 route it replaces (gemv_q8.py's schedules from gguf_matmul.q8_route).
+"""GPU check and timing of the coalesced-rows int8-activation GEMVs (ninfer/kernels/gemv_rows.py: q4_k, q5_k;
+gemv_rows_iq.py: iq3_s, iq4_xs) beside the q8 routes they replace (gemv_q8.py, gemv_q8_iq.py).
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD
@@ -29,8 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_check import L2_BYTES, Log, copy_bandwidth, graph_us, rel_err  # noqa: E402
+from ninfer.kernels import gemv_rows as rows_mod  # noqa: E402
+from ninfer.kernels import gemv_rows_iq as iq_mod  # noqa: E402
 from ninfer.kernels.gemv_q8 import gemv_q8, quantize_activation  # noqa: E402
-from ninfer.kernels.gemv_rows import SCHEDULES, gemv_rows, rows_route  # noqa: E402
+from ninfer.kernels.gemv_q8_iq import gemv_q8_iq  # noqa: E402
 from ninfer.kernels.gguf_matmul import default_schedule, random_gguf_weight  # noqa: E402
 from ninfer.quant import dequantize  # noqa: E402
 
@@ -39,10 +41,17 @@ CHECK_SHAPES = [(1040, 5120), (17408, 5120)]
 WIDTHS = (1, 2, 4, 8)
 
 
-def sweep(width: int, only: str = "") -> list[str]:
+def kernel(fmt: str):
+    """(schedules, GEMV, route) of the rows kernel for a format: gemv_rows_iq for the i-quants."""
+    if fmt in iq_mod.IQ_ROWS_FORMATS:
+        return iq_mod.SCHEDULES, iq_mod.gemv_rows_iq, iq_mod.rows_iq_route
+    return rows_mod.SCHEDULES, rows_mod.gemv_rows, rows_mod.rows_route
+
+
+def sweep(fmt: str, width: int, only: str = "") -> list[str]:
     """The schedules of a column tile, those whose name contains one of the comma-separated `only` parts."""
     parts = [p for p in only.split(",") if p]
-    return [name for name, s in SCHEDULES.items()
+    return [name for name, s in kernel(fmt)[0].items()
             if s.block_m == width and (not parts or any(p in name for p in parts))]
 
 
@@ -53,6 +62,8 @@ def best_of(times: dict) -> str:
 def q8_call(raw, fmt: str, xa, rows: int, cols: int):
     """The q8 route as quant_matmul runs it (2 columns: two 1-column GEMVs)."""
     width = xa.q.shape[0]
+    if fmt in iq_mod.IQ_ROWS_FORMATS:
+        return lambda: gemv_q8_iq(raw, fmt, xa, rows, None)
     one = default_schedule(1, fmt, rows, cols, q8=True)
     if width == 2:
         return lambda: [gemv_q8(raw, fmt, xa.row(i), rows, one) for i in range(2)]
@@ -75,9 +86,9 @@ def check(log: Log, dev: torch.device, quick: bool, formats: list[str], only: st
                 x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
                 xa = quantize_activation(x)
                 want = xa.dequantize().to(dev) @ w.t()
-                names = [n for w in WIDTHS if w >= width for n in sweep(w, only)][:2 if quick else None]
+                names = [n for w in WIDTHS if w >= width for n in sweep(fmt, w, only)][:2 if quick else None]
                 for name in names:
-                    out = gemv_rows(raw, fmt, xa, rows, name)[:, pick]
+                    out = kernel(fmt)[1](raw, fmt, xa, rows, name)[:, pick]
                     err = rel_err(out, want) if bool(torch.isfinite(out).all()) else float("inf")
                     worst = max(worst, err)
                     if err > 5e-3:
@@ -104,9 +115,10 @@ def time_all(log: Log, dev: torch.device, formats: list[str], floor: float, budg
             copies = [one] + [random_gguf_weight(fmt, rows, cols, dev) for _ in range(n_copies - 1)]
             for width in widths:
                 xa = quantize_activation(torch.randn(width, cols, device=dev, dtype=torch.bfloat16))
-                route = rows_route(fmt, rows, cols, width)
-                names = dict.fromkeys(sweep(width, only) + ([route.name] if route else []))
-                times = {name: graph_us([lambda w=w, n=name, f=fmt, x=xa, r=rows: gemv_rows(w, f, x, r, n)
+                _, gemv, route_of = kernel(fmt)
+                route = route_of(fmt, rows, cols, width)
+                names = dict.fromkeys(sweep(fmt, width, only) + ([route.name] if route else []))
+                times = {name: graph_us([lambda w=w, n=name, f=fmt, x=xa, r=rows, k=gemv: k(w, f, x, r, n)
                                          for w in copies]) for name in names}
                 q8_us = graph_us([q8_call(w, fmt, xa, rows, cols) for w in copies])
                 route = route.name if route else best_of(times)

@@ -187,16 +187,20 @@ def test_memo_inference_tensors_and_capture_state(monkeypatch):
 @pytest.mark.parametrize("fmt", ["q4_k", "iq3_s"])
 def test_default_route_on_cuda_is_q8_unless_wv_is_asked(monkeypatch, fmt):
     """quant_matmul's default on CUDA (faked: is_cuda patched, the kernels run in the interpreter) takes an
-    int8-activation GEMV for 1–8 columns: the coalesced-rows kernel for the k-quants (NINFER_GEMV=q8: the
-    q8 kernel), gemv_q8_iq for the i-quants; NINFER_GEMV=wv restores the word-vector route."""
+    int8-activation GEMV for 1–8 columns: the coalesced-rows kernels where their routes say so (k-quants at
+    1-4 columns, iq3_s at 1), else the q8 kernels (NINFER_GEMV=q8: always); NINFER_GEMV=wv restores the
+    word-vector route."""
     import ninfer.kernels.gemv_q8_iq as iqmod
     import ninfer.kernels.gemv_rows as rowsmod
+    import ninfer.kernels.gemv_rows_iq as rowsiqmod
 
     calls = []
     real_q8, real_iq, real_rows = q8mod.gemv_q8, iqmod.gemv_q8_iq, rowsmod.gemv_rows
     monkeypatch.setattr(q8mod, "gemv_q8", lambda *a: calls.append("q8") or real_q8(*a))
     monkeypatch.setattr(iqmod, "gemv_q8_iq", lambda *a: calls.append("iq") or real_iq(*a))
     monkeypatch.setattr(rowsmod, "gemv_rows", lambda *a: calls.append("rows") or real_rows(*a))
+    real_rows_iq = rowsiqmod.gemv_rows_iq
+    monkeypatch.setattr(rowsiqmod, "gemv_rows_iq", lambda *a: calls.append("rows_iq") or real_rows_iq(*a))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_properties",  # gemv_q8_iq sizes stream-K grids by SM count
                         lambda device: types.SimpleNamespace(multi_processor_count=132))
@@ -205,6 +209,11 @@ def test_default_route_on_cuda_is_q8_unless_wv_is_asked(monkeypatch, fmt):
     y = quant_matmul(raw, fmt, x, 8)
     assert calls == (["rows"] if fmt == "q4_k" else ["iq"])
     assert (y.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    calls.clear()
+    want1 = gemv_q8_reference(raw, fmt, quantize_activation_reference(x[1:]), 8)
+    y1 = quant_matmul(raw, fmt, x[1:], 8)
+    assert calls == (["rows"] if fmt == "q4_k" else ["rows_iq"])
+    assert (y1.double() - want1).abs().max() <= 1e-6 * want1.abs().max()
     calls.clear()
     monkeypatch.setenv("NINFER_GEMV", "q8")
     y = quant_matmul(raw, fmt, x, 8)

@@ -132,7 +132,7 @@ SCHEDULES: dict[str, RowsSchedule] = {
 
 def rows_route(fmt: str, out_features: int, in_features: int, columns: int) -> RowsSchedule | None:
     """The rows schedule for a decode GEMV of `columns` columns, None where the kernel does not apply or
-    the q8 kernel is faster. From the H200 sweeps of q4_k at the 27B shapes (bench/rows_timing.py, runs 18 and
+    the q8 kernel is faster. From the H200 sweeps of q4_k at the 27B shapes (bench/rows_timing.py, runs 18-
     20, µs beside the q8 route's): 1 column 21.3 vs 22.4 (17408×5120), 21.1 vs 24.8 (5120×17408), 12.2 vs
     17.0 (10240), 8.4 vs 12.1 (6144), 4.5 vs 7.4 (1024 rows); 2 columns 34.1 vs 44.3, 17.9 vs 31.9 (10240);
     4 columns 58.3 vs 75.0, 18.5 vs 27.1 (6144); 5–8 columns lose (168.5 vs 116.5) except on ≤ 1024 rows

@@ -74,17 +74,16 @@ SCHEDULES: dict[str, RowsIqSchedule] = {
 
 
 def rows_iq_route(fmt: str, out_features: int, in_features: int, columns: int) -> RowsIqSchedule | None:
-    """The rows schedule for a decode GEMV of `columns` columns, None where the kernel does not apply.
-    Untimed: small matrices take split-K, the rest one row per warp."""
+    """The rows schedule for a decode GEMV, None where gemv_q8_iq's tiles stay faster or nothing was measured.
+    H200, iq3_s at the 27B shapes, 1 column (bench/rows_timing.py run 22, µs beside gemv_q8_iq's default):
+    37.3 vs 55.5 (17408×5120), 38.8 vs 54.7 (5120×17408), 22.8 vs 31.8 (10240), 27.7 vs 38.3 (12288), 16.6 vs
+    21.3 (6144, two rows per lane), 5.1 vs 8.1 (1024), 3.3 vs 4.6 (48 rows). At 4 and 8 columns it lost
+    (107.6 vs 76.9, 273.0 vs 112.2 µs); iq4_xs and 2 columns were not timed."""
     fmt = fmt.removeprefix(GGUF_PREFIX)
-    if fmt not in IQ_ROWS_FORMATS or in_features % 256 or not 1 <= columns <= MAX_COLUMNS:
+    if fmt != "iq3_s" or in_features % 256 or columns != 1:
         return None
-    small = out_features <= 1024
-    width = 1 if columns == 1 else 2 if columns == 2 else 4 if columns <= 4 else 8
-    name = {1: "rows_iq_n2_m1_b4_w2_s4" if small else "rows_iq_n4_m1_b4_w4",
-            2: "rows_iq_n2_m2_b4_w2_s4" if small else "rows_iq_n4_m2_b4_w4",
-            4: "rows_iq_n2_m4_b4_w2_s4" if small else "rows_iq_n4_m4_b4_w4",
-            8: "rows_iq_n2_m8_b4_w2_s4" if small else "rows_iq_n4_m8_b4_w4"}[width]
+    name = ("rows_iq_n2_m1_b8_w4" if out_features <= 1024 else "rows_iq_n8_m1_b4_w4" if out_features <= 8192
+            else "rows_iq_n4_m1_b4_w4")
     return SCHEDULES[name]
 
 

@@ -197,7 +197,8 @@ def q8_enabled() -> bool:
 
 
 def rows_enabled() -> bool:
-    """The coalesced-rows GEMV (gemv_rows.py) takes q4_k / q5_k decode unless NINFER_GEMV is q8 or wv."""
+    """The coalesced-rows GEMVs (gemv_rows.py, gemv_rows_iq.py) take decode where their routes say so, unless
+    NINFER_GEMV is q8 or wv."""
     return os.environ.get("NINFER_GEMV", "rows") == "rows"
 
 
@@ -860,13 +861,17 @@ def quant_matmul(
         from ninfer.kernels.gemv_q8 import gemv_q8, quantize_activation_cached
 
         xa = quantize_activation_cached(x)
-        rows = None
-        if schedule is None and rows_enabled():
-            from ninfer.kernels.gemv_rows import gemv_rows, rows_route
-
-            rows = rows_route(format, out_features, in_features, M)
+        rows, rows_gemv = None, None
+        if schedule is None and rows_enabled():  # the coalesced-rows kernels where they were measured faster
+            if format in IQ_Q8_ROUTE_FORMATS:
+                from ninfer.kernels.gemv_rows_iq import gemv_rows_iq as rows_gemv
+                from ninfer.kernels.gemv_rows_iq import rows_iq_route as route
+            else:
+                from ninfer.kernels.gemv_rows import gemv_rows as rows_gemv
+                from ninfer.kernels.gemv_rows import rows_route as route
+            rows = route(format, out_features, in_features, M)
         if rows is not None:
-            y = gemv_rows(raw, format, xa, out_features, rows)
+            y = rows_gemv(raw, format, xa, out_features, rows)
         elif format in IQ_Q8_ROUTE_FORMATS:
             from ninfer.kernels.gemv_q8_iq import gemv_q8_iq
 

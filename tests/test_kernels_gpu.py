@@ -43,13 +43,17 @@ def test_gguf_matmul_on_gpu(fmt):
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_k"])
 def test_rows_gemv_on_gpu(fmt):
-    """Every coalesced-rows schedule vs the float64 twin, whole and partly masked steps (20 and 68 blocks)."""
-    from ninfer.kernels.gemv_rows import SCHEDULES, gemv_rows
+    """The routed coalesced-rows schedules and one of each other kind (piece lanes, split-K, rows per lane, L1
+    bypass) vs the float64 twin, whole and partly masked steps (20 and 68 blocks)."""
+    from ninfer.kernels.gemv_rows import SCHEDULES, gemv_rows, rows_route
 
+    others = ["rowsp_n4_m1_b8_w2", "rows_n4_m1_b4_w2_s4", "rows_n4_m1_b8_w1_r4_ef", "rows_n8_m2_b4_w4_cg",
+              "rows_n4_m8_b4_w1_r2_s2"]
     for rows, cols in ((1040, 5120), (136, 17408)):
         raw = random_gguf_weight(fmt, rows, cols, "cuda")
-        for name, sched in SCHEDULES.items():
-            width = max(1, sched.block_m - 1)
+        routed = [r.name for m in range(1, 9) for r in [rows_route(fmt, rows, cols, m)] if r]
+        for name in dict.fromkeys(routed + others):
+            width = max(1, SCHEDULES[name].block_m - 1)
             xa = quantize_activation_reference(torch.randn(width, cols, device="cuda", dtype=torch.bfloat16))
             want = gemv_q8_reference(raw, fmt, xa, rows).cuda()
             assert rel(gemv_rows(raw, fmt, xa, rows, name), want) < 5e-3, (rows, cols, name)  # bf16 output

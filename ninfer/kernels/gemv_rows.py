@@ -157,14 +157,16 @@ def rows_route(fmt: str, out_features: int, in_features: int, columns: int) -> R
 if HAVE_TRITON:
 
     @jit
-    def _pick(v, e, i: tl.constexpr):
-        """Word i of the 4 words along the last axis (held by one thread: a register pick, no shuffle)."""
-        return tl_sum(tl.where(e == i, v, 0), len(v.shape) - 1)
+    def _pick(v, e, i: tl.constexpr, ZERO: tl.constexpr = 0):
+        """Word i of the 4 words along the last axis (held by one thread: a register pick, no shuffle). Summed
+        with Triton's own combine function, which the interpreter runs as one numpy sum. ZERO -0.0 for floats:
+        x + -0.0 folds away, x + 0.0 does not."""
+        return tl.reduce(tl.where(e == i, v, ZERO), len(v.shape) - 1, tl.standard._sum_combine)
 
     @jit
     def _pick_sum(v):
         """The sum over the last axis (in-thread adds)."""
-        return tl_sum(v, len(v.shape) - 1)
+        return tl.reduce(v, len(v.shape) - 1, tl.standard._sum_combine)
 
     @jit
     def _ld(ptrs, ok, EVEN: tl.constexpr):
@@ -250,10 +252,10 @@ if HAVE_TRITON:
             sc_lo, mn_lo = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4)
             sc_hi, mn_hi = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4 + 1)
             dx = drow + blk * 8 + d_at
-            dx_lo = _pick(_ld(xd_ptr + dx, ok, EVEN), e, 0)
-            dx_hi = _pick(_ld(xd_ptr + dx + 1, ok, EVEN), e, 0)
-            sx_lo = _pick(_ld(xs_ptr + dx, ok, EVEN), e, 0)
-            sx_hi = _pick(_ld(xs_ptr + dx + 1, ok, EVEN), e, 0)
+            dx_lo = _pick(_ld(xd_ptr + dx, ok, EVEN), e, 0, -0.0)
+            dx_hi = _pick(_ld(xd_ptr + dx + 1, ok, EVEN), e, 0, -0.0)
+            sx_lo = _pick(_ld(xs_ptr + dx, ok, EVEN), e, 0, -0.0)
+            sx_hi = _pick(_ld(xs_ptr + dx + 1, ok, EVEN), e, 0, -0.0)
             part = sc_lo * (_pick_sum(i_lo).to(tl.float32) * dx_lo)
             part += sc_hi * (_pick_sum(i_hi).to(tl.float32) * dx_hi)
             acc += _f16_lo(h0) * part - _f16_lo(h0 >> 16) * (mn_lo * sx_lo + mn_hi * sx_hi)
@@ -317,17 +319,17 @@ if HAVE_TRITON:
                 qh = _ldw(wb + (b * WB + 4 + 4 * h + e), ok_w, EVEN, CACHE)
                 lo = lo | (((qh >> (2 * c)) << 4) & 0x10101010)
                 hi = hi | (((qh >> (2 * c + 1)) << 4) & 0x10101010)
-            i_lo = tl_sum(dp4a(lo, _ld(xb + x_at, ok, EVEN), 0, EMULATE), 4)
-            i_hi = tl_sum(dp4a(hi, _ld(xb + x_at + 8, ok, EVEN), 0, EMULATE), 4)
+            i_lo = _pick_sum(dp4a(lo, _ld(xb + x_at, ok, EVEN), 0, EMULATE))
+            i_hi = _pick_sum(dp4a(hi, _ld(xb + x_at + 8, ok, EVEN), 0, EMULATE))
             hd = _ldw(wb + h_at, ok_w, EVEN, CACHE)
             h0 = _pick(hd, e, 0)
             sc_lo, mn_lo = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4)
             sc_hi, mn_hi = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4 + 1)
             dx = drow + blk * 8 + d_at
-            dx_lo = _pick(_ld(xd_ptr + dx, ok, EVEN), e, 0)
-            dx_hi = _pick(_ld(xd_ptr + dx + 1, ok, EVEN), e, 0)
-            sx_lo = _pick(_ld(xs_ptr + dx, ok, EVEN), e, 0)
-            sx_hi = _pick(_ld(xs_ptr + dx + 1, ok, EVEN), e, 0)
+            dx_lo = _pick(_ld(xd_ptr + dx, ok, EVEN), e, 0, -0.0)
+            dx_hi = _pick(_ld(xd_ptr + dx + 1, ok, EVEN), e, 0, -0.0)
+            sx_lo = _pick(_ld(xs_ptr + dx, ok, EVEN), e, 0, -0.0)
+            sx_hi = _pick(_ld(xs_ptr + dx + 1, ok, EVEN), e, 0, -0.0)
             part = sc_lo * (i_lo.to(tl.float32) * dx_lo) + sc_hi * (i_hi.to(tl.float32) * dx_hi)
             mins = tl.where(first, mn_lo * sx_lo + mn_hi * sx_hi, 0.0)
             acc += _f16_lo(h0) * part - _f16_lo(h0 >> 16) * mins

@@ -88,21 +88,7 @@ def rows_iq_route(fmt: str, out_features: int, in_features: int, columns: int) -
 
 
 if HAVE_TRITON:
-
-    @jit
-    def _pick(v, e, i: tl.constexpr, ZERO: tl.constexpr = 0):
-        """Word i of the 4 words along the last axis (held by one thread: a register pick, no shuffle). Summed
-        with Triton's own combine function, which the interpreter recognises and runs as one numpy sum. ZERO
-        -0.0 for floats: x + -0.0 folds away, x + 0.0 does not."""
-        return tl.reduce(tl.where(e == i, v, ZERO), 4, tl.standard._sum_combine)
-
-    @jit
-    def _ld(ptrs, ok, EVEN: tl.constexpr):
-        """A load, masked (zeros past the row's last block) unless every step is whole."""
-        if EVEN:
-            return tl.load(ptrs)
-        else:
-            return tl.load(ptrs, mask=ok, other=0)
+    from ninfer.kernels.gemv_rows import _ld, _pick
 
     @jit
     def _shf(lo, hi, sh, EMULATE: tl.constexpr):

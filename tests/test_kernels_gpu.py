@@ -47,7 +47,7 @@ def test_rows_gemv_on_gpu(fmt):
     bypass) vs the float64 twin, whole and partly masked steps (20 and 68 blocks)."""
     from ninfer.kernels.gemv_rows import SCHEDULES, gemv_rows, rows_route
 
-    others = ["rowsp_n4_m1_b8_w2", "rows_n4_m1_b4_w2_s4", "rows_n4_m1_b8_w1_r4_ef", "rows_n8_m2_b4_w4_cg",
+    others = ["rowsp_n4_m1_b8_w2", "rows_n4_m1_b4_w2_s4", "rows_n4_m1_b8_w1_r4_ef", "rows_n4_m1_b4_w2_cg",
               "rows_n4_m8_b4_w1_r2_s2"]
     for rows, cols in ((1040, 5120), (136, 17408)):
         raw = random_gguf_weight(fmt, rows, cols, "cuda")

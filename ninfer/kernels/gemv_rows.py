@@ -1,20 +1,24 @@
 """Decode GEMV whose warps read weight rows contiguously ("rows"), int8 activations and `dp4a` (q4_k, q5_k).
 
-Why: the q8 kernels of `gemv_q8.py` give each thread one (row, 64-code chunk) and read it as strided int64
-words, so one warp load touches 32 sectors of 8 rows and uses 8 bytes of each; on the H200 they run at
-28–51 % of the copy bandwidth, bounded by how many bytes each SM keeps in flight, not by instructions. Here
-a warp's 32 threads cover NB consecutive blocks of one row per load: thread (block b, piece j) reads the 16
-bytes of qs at `16 + 16j` (q5_k: `48 + 16j`) as one int32×4 vector, so a warp load is 4 × 128 contiguous
-bytes, and rows wrap over registers and warps.
+The q8 kernels of `gemv_q8.py` give each thread one (row, 64-code chunk) and read it as strided int64 words.
+Here a warp's lanes cover consecutive blocks of a row and read them as 16-byte vectors; on the H200 both
+designs turned out bound by the SM's L1 load pipeline (ncu: L1/TEX throughput 84–91 %, DRAM 45–48 %), so what
+counts is how many bytes each lane re-reads through L1 per weight (activation, block header, scales), and
+the rows kernel wins by sharing those loads across rows and columns (docs/gpu-notes.md, session 3).
 
-Tile axes `[column m, row n, block b, piece j, word e]`: every load is built at the full 5-d shape (zero
-strides where a value does not depend on an axis) so that all loads share one register layout — word e in
-registers, pieces and blocks across a warp's lanes, rows across warps — and no layout conversion runs in the
-loop. Piece j holds the low nibbles of codes `64c + 16h + 4e..+3` (sub-block 2c) and the high nibbles of the
-codes 32 further (sub-block 2c + 1), c = j // 2, h = j % 2; the activation words are read at the same
-positions, the 4 dp4a sums of a piece add up in registers, and each piece takes its two sub-blocks' scales
-(the min terms counted by the h = 0 piece only). One column's weight decode serves every column of the tile.
-`gemv_rows_reference` is `gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
+Two lane maps, every load built at the full tile shape (zero strides where a value does not depend on an
+axis) so that all loads share one register layout and no layout conversion runs in the loop; rows and
+columns past the end are clamped (not masked), and whole steps of NB blocks need no masks at all (EVEN):
+
+* "chunk" (`_gemv_rows_kernel`): 4 lanes per block, lane c takes the 64 codes of chunk c — two 16-byte qs
+  vectors (words e and 4 + e: low nibbles sub-block 2c, high nibbles 2c + 1), the 16-byte header, 4 dp4a per
+  vector and column, its two sub-blocks' scales decoded once. Tile `[column, row r of a group, row group g,
+  block, chunk, word]`: lanes and warps on (g, block, chunk), R rows of a group and all columns in registers,
+  so one activation load serves R rows and one weight decode serves every column.
+* "piece" (`_gemv_rows_p_kernel`): 8 lanes per block, lane p reads qs bytes 16p..16p + 15 (chunk p // 2,
+  half p % 2), all rows and columns in registers; the min terms are counted by the half-0 lane only.
+
+The oracle is `gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
 """
 
 from __future__ import annotations
@@ -42,11 +46,11 @@ MAX_COLUMNS = 8
 
 @dataclass(frozen=True)
 class RowsSchedule(MatmulSchedule):
-    """`block_n` rows × `block_m` columns per program, `blocks` consecutive blocks of each row per loop step
-    (4 lanes per block), split-K over the row's steps."""
+    """`block_n` rows × `block_m` columns per program, `blocks` consecutive blocks of each row per loop step,
+    split-K over the row's steps; the lane map, rows per lane (chunk lanes) and the weight loads' caching."""
 
     blocks: int = 4
-    rows_per_lane: int = 1  # chunk lanes: rows of a lane's group held in registers (block_n / R groups)
+    rows_per_lane: int = 1  # chunk lanes: rows of a group held in registers (block_n / r groups)
     cache: int = 0  # weight loads: 0 default, 1 ld.global.cg (no L1 allocation), 2 evict-first
     lanes: str = "chunk"  # "chunk": 4 lanes a block, rows over lanes/warps; "piece": 8, rows in registers
 
@@ -63,69 +67,35 @@ def _sched(block_n: int, block_m: int, blocks: int, num_warps: int, split_k: int
 SCHEDULES: dict[str, RowsSchedule] = {
     s.name: s
     for s in (
-        # A thread takes one 64-code chunk (4 lanes per block): blocks × rows × 4 must be ≥ 32 · warps or
-        # lanes repeat work. b4: a warp spans 4 blocks of 2 rows; b8: 8 blocks of 1 row.
+        # Chunk lanes: blocks × (block_n / r) × 4 must be ≥ 32 · warps or lanes repeat work. 1 column: b4 (a
+        # warp spans 4 blocks of 2 rows) with evict-first weights won on ≥ 2048 rows, b8 on ≤ 1024 rows
         _sched(8, 1, 4, 4),
         _sched(4, 1, 8, 4),
-        _sched(16, 1, 4, 8),
-        _sched(8, 1, 8, 8),
         _sched(4, 1, 4, 2),
         _sched(2, 1, 8, 2),
-        _sched(8, 1, 4, 4, split_k=2),
-        _sched(4, 1, 4, 2, split_k=2),
         _sched(4, 1, 4, 2, split_k=4),
-        _sched(2, 1, 8, 2, split_k=4),
-        # several columns (each chunk decoded once for all of them)
+        _sched(4, 1, 4, 2, cache=1),
+        _sched(4, 1, 4, 2, cache=2),
         _sched(8, 2, 4, 4),
-        _sched(4, 2, 4, 2),
-        _sched(8, 4, 4, 4),
-        _sched(4, 4, 4, 2),
-        _sched(4, 4, 4, 2, split_k=4),
-        _sched(8, 8, 4, 4),
-        _sched(4, 8, 4, 2),
-        _sched(4, 8, 8, 4),
-        _sched(4, 8, 4, 2, split_k=4),
-        # piece lanes: blocks = 4 · warps (warps along the row), rows and columns in registers
+        # r rows per lane in registers: lost at 1 column (registers → occupancy), won at 2-4 columns
+        _sched(4, 1, 4, 1, r=2, cache=2),
+        _sched(8, 1, 4, 1, r=4, cache=2),
+        _sched(4, 1, 8, 1, r=4, cache=2),
+        _sched(4, 2, 4, 1, r=2),
+        _sched(8, 4, 4, 1, r=4),
+        _sched(2, 4, 8, 1, r=2),
+        _sched(4, 8, 4, 1, r=2),
+        _sched(2, 8, 8, 1, r=2),
+        _sched(4, 8, 4, 1, r=2, split_k=2),
+        # piece lanes (blocks = 4 · warps, rows and columns in registers): won at 2 and 8 columns, ≤ 1024 rows
         _sched(4, 1, 4, 1, lanes="piece"),
-        _sched(8, 1, 4, 1, lanes="piece"),
-        _sched(4, 1, 8, 2, lanes="piece"),
         _sched(2, 1, 4, 1, lanes="piece"),
-        _sched(4, 1, 4, 1, split_k=2, lanes="piece"),
+        _sched(4, 1, 8, 2, lanes="piece"),
         _sched(2, 1, 4, 1, split_k=4, lanes="piece"),
-        _sched(4, 2, 4, 1, lanes="piece"),
         _sched(2, 2, 4, 1, lanes="piece"),
         _sched(4, 4, 4, 1, lanes="piece"),
         _sched(2, 4, 4, 1, lanes="piece"),
         _sched(2, 8, 4, 1, lanes="piece"),
-        _sched(1, 8, 4, 1, lanes="piece"),
-        _sched(2, 8, 4, 1, split_k=2, lanes="piece"),
-        # weight loads that skip L1 or leave it first
-        _sched(4, 1, 4, 2, cache=1),
-        _sched(4, 1, 4, 2, cache=2),
-        _sched(8, 1, 4, 4, cache=1),
-        _sched(2, 1, 8, 2, cache=1),
-        _sched(8, 2, 4, 4, cache=1),
-        _sched(2, 1, 4, 1, lanes="piece", cache=1),
-        _sched(4, 4, 4, 1, lanes="piece", cache=1),
-        _sched(2, 8, 4, 1, lanes="piece", cache=1),
-        _sched(2, 8, 4, 1, lanes="piece", cache=2),
-        # chunk lanes with r rows per lane in registers (one activation load serves r rows)
-        _sched(4, 1, 4, 1, r=2, cache=2),
-        _sched(8, 1, 4, 1, r=4, cache=2),
-        _sched(8, 1, 4, 2, r=2, cache=2),
-        _sched(16, 1, 4, 2, r=4, cache=2),
-        _sched(2, 1, 8, 1, r=2, cache=2),
-        _sched(4, 1, 8, 1, r=4, cache=2),
-        _sched(4, 1, 4, 1, r=2, split_k=2, cache=2),
-        _sched(4, 2, 4, 1, r=2),
-        _sched(8, 2, 4, 1, r=4),
-        _sched(4, 4, 4, 1, r=2),
-        _sched(8, 4, 4, 1, r=4),
-        _sched(2, 4, 8, 1, r=2),
-        _sched(4, 8, 4, 1, r=2),
-        _sched(8, 8, 4, 1, r=4),
-        _sched(2, 8, 8, 1, r=2),
-        _sched(4, 8, 4, 1, r=2, split_k=2),
     )
 }
 

@@ -861,7 +861,7 @@ def quant_matmul(
         from ninfer.kernels.gemv_q8 import gemv_q8, quantize_activation_cached
 
         xa = quantize_activation_cached(x)
-        rows, rows_gemv = None, None
+        rows = None
         if schedule is None and rows_enabled():  # the coalesced-rows kernels where they were measured faster
             if format in IQ_Q8_ROUTE_FORMATS:
                 from ninfer.kernels.gemv_rows_iq import gemv_rows_iq as rows_gemv

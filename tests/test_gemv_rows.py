@@ -33,7 +33,8 @@ CASES = [(fmt, sched, m, nb) for fmt in ROWS_FORMATS
                               ("rows_n4_m1_b4_w2_s4", 1, 3), ("rows_n4_m1_b4_w1_r2_ef", 1, 5),
                               ("rows_n8_m4_b4_w1_r4", 3, 4), ("rows_n4_m8_b4_w1_r2_s2", 8, 3),
                               ("rowsp_n4_m1_b4_w1", 1, 4), ("rowsp_n4_m1_b8_w2", 1, 5),
-                              ("rowsp_n2_m1_b4_w1_s4", 1, 3), ("rowsp_n2_m4_b4_w1", 3, 2))]
+                              ("rowsp_n2_m1_b4_w1_s4", 1, 3), ("rowsp_n2_m4_b4_w1", 3, 2),
+                              ("rowsk_n64_m1_b4_w4_r2_ef", 1, 8), ("rowsk_n32_m2_b8_w2_r2", 2, 5))]
 
 
 @pytest.mark.parametrize("fmt,sched,width,nb", CASES)

@@ -17,6 +17,9 @@ columns past the end are clamped (not masked), and whole steps of NB blocks need
   so one activation load serves R rows and one weight decode serves every column.
 * "piece" (`_gemv_rows_p_kernel`): 8 lanes per block, lane p reads qs bytes 16p..16p + 15 (chunk p // 2,
   half p % 2), all rows and columns in registers; the min terms are counted by the half-0 lane only.
+* "kres" (`_gemv_rows_k_kernel`, not routed: written after the last H200 run of session 3): chunk lanes on
+  a fixed block range whose activation stays in registers while the program walks its rows, so a lane
+  reads only 0.75 bytes (weights + header) per weight through L1 instead of ~2; sums leave by fp32 atomics.
 
 The oracle is `gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
 """
@@ -52,12 +55,12 @@ class RowsSchedule(MatmulSchedule):
     blocks: int = 4
     rows_per_lane: int = 1  # chunk lanes: rows of a group held in registers (block_n / r groups)
     cache: int = 0  # weight loads: 0 default, 1 ld.global.cg (no L1 allocation), 2 evict-first
-    lanes: str = "chunk"  # "chunk": 4 lanes a block, rows over lanes/warps; "piece": 8, rows in registers
+    lanes: str = "chunk"  # "chunk", "piece" or "kres" (see the module docstring)
 
 
 def _sched(block_n: int, block_m: int, blocks: int, num_warps: int, split_k: int = 1,
            lanes: str = "chunk", cache: int = 0, r: int = 1) -> RowsSchedule:
-    name = (f"rows{'p' if lanes == 'piece' else ''}_n{block_n}_m{block_m}_b{blocks}_w{num_warps}"
+    name = (f"rows{dict(chunk='', piece='p', kres='k')[lanes]}_n{block_n}_m{block_m}_b{blocks}_w{num_warps}"
             + (f"_r{r}" if r > 1 else "") + (f"_s{split_k}" if split_k > 1 else "")
             + ("", "_cg", "_ef")[cache])
     return RowsSchedule(name, "rows", block_n, block_m, split_k=split_k, num_warps=num_warps, num_stages=1,
@@ -96,6 +99,14 @@ SCHEDULES: dict[str, RowsSchedule] = {
         _sched(4, 4, 4, 1, lanes="piece"),
         _sched(2, 4, 4, 1, lanes="piece"),
         _sched(2, 8, 4, 1, lanes="piece"),
+        # K-resident (untimed): the activation of an 8- or 4-block range stays in registers while a program
+        # walks block_n rows in steps of r · G rows, G = 8 · warps / blocks row groups (lanes and warps)
+        _sched(64, 1, 8, 4, lanes="kres", r=2, cache=2),
+        _sched(128, 1, 8, 4, lanes="kres", r=2, cache=2),
+        _sched(64, 1, 8, 4, lanes="kres", r=1, cache=2),
+        _sched(64, 1, 4, 4, lanes="kres", r=2, cache=2),
+        _sched(32, 2, 8, 2, lanes="kres", r=2),
+        _sched(32, 4, 8, 2, lanes="kres", r=2),
     )
 }
 
@@ -314,6 +325,72 @@ if HAVE_TRITON:
             tl.atomic_add(ptrs, out, mask=mask)
 
 
+    @jit
+    def _gemv_rows_k_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
+                            FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
+                            R: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
+                            EMULATE: tl.constexpr):
+        """The "kres" lane map: chunk lanes on a fixed range of NB blocks (program axis 2), the activation
+        words and scales of that range loaded once into registers, then the program walks its BLOCK_N rows
+        R · G at a time (R rows per lane, G row groups over warps): per row the lanes read only weights and
+        headers, and each step's sums go to y (fp32) with one atomic add per row and range."""
+        WB: tl.constexpr = 36 if FMT == 4 else 44
+        QS: tl.constexpr = 4 if FMT == 4 else 12
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None, None]
+        r = tl.arange(0, R)[None, :, None, None, None, None]
+        g = tl.arange(0, G)[None, None, :, None, None, None]
+        b = tl.arange(0, NB)[None, None, None, :, None, None]
+        c = tl.arange(0, 4)[None, None, None, None, :, None]
+        e = tl.arange(0, 4)[None, None, None, None, None, :]
+        nblk = K // 256
+        blk = tl.program_id(2) * NB + b
+        zx = (m * 0) + (g * 0) + (b * 0) + (c * 0) + (e * 0)
+        ok = (blk < nblk) & (zx == 0)  # unused where EVEN
+        mc = tl.minimum(m, M - 1).to(tl.int64)
+        xb = xw_ptr + mc * (K // 4) + zx + blk * 64 + 16 * c + e
+        x_lo0 = _ld(xb, ok, EVEN)
+        x_lo1 = _ld(xb + 4, ok, EVEN)
+        x_hi0 = _ld(xb + 8, ok, EVEN)
+        x_hi1 = _ld(xb + 12, ok, EVEN)
+        dx = mc * (K // 32) + zx + blk * 8 + 2 * c
+        dx_lo = _pick(_ld(xd_ptr + dx, ok, EVEN), e, 0, -0.0)
+        dx_hi = _pick(_ld(xd_ptr + dx + 1, ok, EVEN), e, 0, -0.0)
+        sx_lo = _pick(_ld(xs_ptr + dx, ok, EVEN), e, 0, -0.0)
+        sx_hi = _pick(_ld(xs_ptr + dx + 1, ok, EVEN), e, 0, -0.0)
+        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None]
+        for step in range(0, BLOCK_N // (R * G)):
+            n = tl.program_id(0) * BLOCK_N + step * (R * G) + r * G + g
+            zw = (n * 0) + (b * 0) + (c * 0) + (e * 0)
+            ok_w = (blk < nblk) & (zw == 0)
+            wb = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * row_words + zw + blk * WB
+            q0 = _ldw(wb + (QS + 8 * c + e), ok_w, EVEN, CACHE)
+            q1 = _ldw(wb + (QS + 8 * c + 4 + e), ok_w, EVEN, CACHE)
+            lo0 = q0 & 0x0F0F0F0F
+            lo1 = q1 & 0x0F0F0F0F
+            hi0 = (q0 >> 4) & 0x0F0F0F0F
+            hi1 = (q1 >> 4) & 0x0F0F0F0F
+            if FMT == 5:
+                qh0 = _ldw(wb + (4 + e + c * 0), ok_w, EVEN, CACHE)
+                qh1 = _ldw(wb + (8 + e + c * 0), ok_w, EVEN, CACHE)
+                lo0 = lo0 | (((qh0 >> (2 * c)) << 4) & 0x10101010)
+                lo1 = lo1 | (((qh1 >> (2 * c)) << 4) & 0x10101010)
+                hi0 = hi0 | (((qh0 >> (2 * c + 1)) << 4) & 0x10101010)
+                hi1 = hi1 | (((qh1 >> (2 * c + 1)) << 4) & 0x10101010)
+            i_lo = _pick_sum(dp4a(lo1, x_lo1, dp4a(lo0, x_lo0, 0, EMULATE), EMULATE))
+            i_hi = _pick_sum(dp4a(hi1, x_hi1, dp4a(hi0, x_hi0, 0, EMULATE), EMULATE))
+            hd = _ldw(wb + e, ok_w, EVEN, CACHE)
+            h0 = _pick(hd, e, 0)
+            c4 = _pick(c + zw, e, 0)
+            sc_lo, mn_lo = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4)
+            sc_hi, mn_hi = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4 + 1)
+            part = sc_lo * (i_lo.to(tl.float32) * dx_lo) + sc_hi * (i_hi.to(tl.float32) * dx_hi)
+            part = _f16_lo(h0) * part - _f16_lo(h0 >> 16) * (mn_lo * sx_lo + mn_hi * sx_hi)
+            out = tl_sum(tl_sum(part, 4), 3)  # [BLOCK_M, R, G]
+            # one layout conversion per step (4 barriers on sm_90) for the atomics, per R · G · NB row blocks
+            no = (tl.program_id(0) * BLOCK_N + step * (R * G) + tl.arange(0, R)[None, :, None] * G
+                  + tl.arange(0, G)[None, None, :])
+            tl.atomic_add(y_ptr + mo * stride_ym + no, out, mask=(mo < M) & (no < N))
+
 def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
               schedule: RowsSchedule | str) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, q4_k
@@ -328,11 +405,20 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
                                f"{format}; pick a q8_* or wv_* schedule")
     if k % 256:
         raise QuantKernelError(f"schedule {s.name} needs rows of whole 256-column blocks, got {k}")
-    split = s.split_k > 1
+    kres = s.lanes == "kres"  # one program per (rows, block range): always fp32 atomics
+    split = s.split_k > 1 or kres
     y = (torch.zeros if split else torch.empty)(
         (n, out_features), dtype=torch.float32 if split else xa.dtype, device=raw.device)
-    launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
+    ranges = triton_cdiv(k // 256, s.blocks) if kres else s.split_k
+    launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), ranges)
     extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": 1}
+    if kres:
+        _gemv_rows_k_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n,
+                                    raw.shape[1] // 4, y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n,
+                                    BLOCK_M=s.block_m, NB=s.blocks, R=s.rows_per_lane,
+                                    G=8 * s.num_warps // s.blocks, EVEN=k // 256 % s.blocks == 0,
+                                    CACHE=s.cache, EMULATE=EMULATE_DP4A, **extra)
+        return y.to(xa.dtype)
     kernel = _gemv_rows_p_kernel if s.lanes == "piece" else _gemv_rows_kernel
     kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 4,
                    y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,

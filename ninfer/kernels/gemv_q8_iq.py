@@ -189,12 +189,14 @@ if HAVE_TRITON:
     @jit
     def prmt(a, b, sel, EMULATE: tl.constexpr):
         """PTX `prmt.b32` (default mode): byte i of the result is byte `(sel >> 4i) & 7` of the 8 bytes
-        {a, b} (a the low four). Selector nibbles must be 0..7 (bit 3 would replicate a sign)."""
+        {a, b} (a the low four), or, where bit 3 of that selector nibble is set, that byte's top bit
+        replicated (0x00 / 0xFF)."""
         if EMULATE:
             out = tl.zeros_like(a)
             for i in tl.static_range(4):
-                s = (sel >> (4 * i)) & 7
-                byte = tl.where(s < 4, a >> (8 * (s & 3)), b >> (8 * (s & 3))) & 0xFF
+                s = (sel >> (4 * i)) & 0xF
+                byte = tl.where((s & 7) < 4, a >> (8 * (s & 3)), b >> (8 * (s & 3))) & 0xFF
+                byte = tl.where((s & 8) != 0, tl.where(byte >= 0x80, 0xFF, 0), byte)
                 out |= byte << (8 * i)
             return out
         else:

@@ -391,6 +391,27 @@ if HAVE_TRITON:
                   + tl.arange(0, G)[None, None, :])
             tl.atomic_add(y_ptr + mo * stride_ym + no, out, mask=(mo < M) & (no < N))
 
+def rows_setup(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int, s: RowsSchedule,
+               formats: tuple[str, ...], kind: str, splits: int = 0) -> tuple[torch.Tensor, tuple, dict]:
+    """What every rows GEMV does before its launch: check the weight against `formats` (`kind` names the
+    kernel in the error), then the output (fp32 zeros when programs add partial sums: split-K, or `splits`
+    block ranges), the launch grid and the compile options."""
+    n, k = xa.q.shape
+    check_weight(raw, format, out_features, k)
+    if format not in formats:
+        raise QuantKernelError(f"schedule {s.name} ({kind}) supports {', '.join(formats)}, not {format}; "
+                               "pick another rows_*, a q8_* or a wv_* schedule")
+    if k % 256:
+        raise QuantKernelError(f"schedule {s.name} needs rows of whole 256-column blocks, got {k}")
+    splits = splits or s.split_k
+    partial = splits > 1 or s.lanes == "kres"
+    y = (torch.zeros if partial else torch.empty)(
+        (n, out_features), dtype=torch.float32 if partial else xa.dtype, device=raw.device)
+    launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), splits)
+    extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": 1}
+    return y, launch, extra
+
+
 def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
               schedule: RowsSchedule | str) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, q4_k
@@ -399,29 +420,17 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
-    check_weight(raw, format, out_features, k)
-    if format not in ROWS_FORMATS:
-        raise QuantKernelError(f"schedule {s.name} (rows GEMV) supports {', '.join(ROWS_FORMATS)}, not "
-                               f"{format}; pick a q8_* or wv_* schedule")
-    if k % 256:
-        raise QuantKernelError(f"schedule {s.name} needs rows of whole 256-column blocks, got {k}")
     kres = s.lanes == "kres"  # one program per (rows, block range): always fp32 atomics
-    split = s.split_k > 1 or kres
-    y = (torch.zeros if split else torch.empty)(
-        (n, out_features), dtype=torch.float32 if split else xa.dtype, device=raw.device)
-    ranges = triton_cdiv(k // 256, s.blocks) if kres else s.split_k
-    launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), ranges)
-    extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": 1}
+    y, launch, extra = rows_setup(raw, format, xa, out_features, s, ROWS_FORMATS, "rows GEMV",
+                                  triton_cdiv(k // 256, s.blocks) if kres else 0)
+    args = (raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 4,
+            y.stride(0))
+    common = dict(FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,
+                  EVEN=k // 256 % s.blocks == 0, CACHE=s.cache, EMULATE=EMULATE_DP4A, **extra)
     if kres:
-        _gemv_rows_k_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n,
-                                    raw.shape[1] // 4, y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n,
-                                    BLOCK_M=s.block_m, NB=s.blocks, R=s.rows_per_lane,
-                                    G=8 * s.num_warps // s.blocks, EVEN=k // 256 % s.blocks == 0,
-                                    CACHE=s.cache, EMULATE=EMULATE_DP4A, **extra)
-        return y.to(xa.dtype)
-    kernel = _gemv_rows_p_kernel if s.lanes == "piece" else _gemv_rows_kernel
-    kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 4,
-                   y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,
-                   SPLIT_K=s.split_k, EVEN=k // 256 % s.blocks == 0, CACHE=s.cache, EMULATE=EMULATE_DP4A,
-                   **({} if s.lanes == "piece" else {"R": s.rows_per_lane}), **extra)
+        _gemv_rows_k_kernel[launch](*args, R=s.rows_per_lane, G=8 * s.num_warps // s.blocks, **common)
+    elif s.lanes == "piece":
+        _gemv_rows_p_kernel[launch](*args, SPLIT_K=s.split_k, **common)
+    else:
+        _gemv_rows_kernel[launch](*args, R=s.rows_per_lane, SPLIT_K=s.split_k, **common)
     return y.to(xa.dtype)

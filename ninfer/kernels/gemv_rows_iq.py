@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
-from ninfer.kernels.gemv_rows import RowsSchedule
-from ninfer.kernels.gguf_matmul import QuantKernelError, _f16_lo, check_weight, triton_cdiv
+from ninfer.kernels.gemv_rows import RowsSchedule, rows_setup
+from ninfer.kernels.gguf_matmul import QuantKernelError, _f16_lo
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
 from ninfer.quant.tables import IQ4_LEVELS
@@ -88,6 +88,7 @@ def rows_iq_route(fmt: str, out_features: int, in_features: int, columns: int) -
 
 
 if HAVE_TRITON:
+    from ninfer.kernels.gemv_q8_iq import prmt
     from ninfer.kernels.gemv_rows import _ld, _pick
 
     @jit
@@ -100,22 +101,6 @@ if HAVE_TRITON:
                                              dtype=tl.int32, is_pure=True, pack=1)
 
     @jit
-    def _prmt(a, b, sel, EMULATE: tl.constexpr):
-        """PTX `prmt.b32` (default mode): byte i of the result is byte `(sel >> 4i) & 7` of {a, b} (a the
-        low four), or, where bit 3 of that selector nibble is set, that byte's top bit replicated."""
-        if EMULATE:
-            out = tl.zeros_like(a)
-            for i in tl.static_range(4):
-                s = (sel >> (4 * i)) & 0xF
-                byte = tl.where((s & 7) < 4, a >> (8 * (s & 3)), b >> (8 * (s & 3))) & 0xFF
-                byte = tl.where((s & 8) != 0, tl.where(byte >= 0x80, 0xFF, 0), byte)
-                out |= byte << (8 * i)
-            return out
-        else:
-            return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel],
-                                             dtype=tl.int32, is_pure=True, pack=1)
-
-    @jit
     def _iq3_s_half(qw, hw, sg, x, grid_ptr, e, zero, H: tl.constexpr, SIGN_WORDS: tl.constexpr,
                     EMULATE: tl.constexpr):
         """(Σ dp4a(g ^ M, x), Σ dp4a(M, x)) over grid words 4H..4H+3 of each thread's sub-block: qw holds
@@ -123,12 +108,12 @@ if HAVE_TRITON:
         the activation words. SIGN_WORDS (several columns): (Σ dp4a(σ·g, x), 0) with the signed word
         (g ^ M) + (M & 0x01010101) made once for every column."""
         # grid index: qs byte e, qh byte e, then two zero bytes (the sign of hw's byte 0, which is 0 or 1)
-        idx = _prmt(qw[:, :, :, :, None] + zero, hw[:, :, :, :, None] + zero, 0xCC40 + 0x11 * e, EMULATE)
+        idx = prmt(qw[:, :, :, :, None] + zero, hw[:, :, :, :, None] + zero, 0xCC40 + 0x11 * e, EMULATE)
         g = tl.load(grid_ptr + idx.to(tl.uint32))
         # the 8 sign bits of words 2j', 2j' + 1 (byte j' = 2H + e // 2), spread to the bytes' top bits
-        byte = _prmt(sg[:, :, :, :, None] + zero, zero, 0x4440 + 2 * H + e // 2, EMULATE)
+        byte = prmt(sg[:, :, :, :, None] + zero, zero, 0x4440 + 2 * H + e // 2, EMULATE)
         spread = byte * tl.where(e % 2 == 0, -0x7FBFDFF0, 0x08040201)  # 0x80402010 as int32
-        m = _prmt(spread, zero, 0x89AB + zero, EMULATE)  # byte k: sign bit k of the word as 0x00 / 0xFF
+        m = prmt(spread, zero, 0x89AB + zero, EMULATE)  # byte k: sign bit k of the word as 0x00 / 0xFF
         gm = g ^ m
         acc_m = _pick(zero, e, 0)
         if SIGN_WORDS:  # no carries between bytes: −g = (g ^ 0xFF) + 1 and every magnitude is 1..15
@@ -147,7 +132,7 @@ if HAVE_TRITON:
         """Σ dp4a(signed grid word, x) over grid words 4H..4H+3 of each thread's sub-block: qw holds their 4
         qs bytes, tw per byte their qh bit (bit 0) and 4 sign bits (bits 1-4), x `[..., 4]` the activation
         words; the signed grid's 8192 words are indexed by qs byte | qh bit << 8 | signs << 9."""
-        idx = _prmt(qw[:, :, :, :, None] + zero, tw[:, :, :, :, None] + zero, 0xCC40 + 0x11 * e, EMULATE)
+        idx = prmt(qw[:, :, :, :, None] + zero, tw[:, :, :, :, None] + zero, 0xCC40 + 0x11 * e, EMULATE)
         g = tl.load(grid_ptr + idx.to(tl.uint32))
         acc = dp4a(_pick(g, e, 0), _pick(x, e, 0), _pick(zero, e, 0), EMULATE)
         for i in tl.static_range(1, 4):
@@ -158,7 +143,7 @@ if HAVE_TRITON:
     def _sign_nibbles(sg, qh_bits, SEL: tl.constexpr, EMULATE: tl.constexpr):
         """qh_bits | (sign nibble k << 1) in byte k, the nibbles of sign bytes SEL & 7 (low and high nibble
         to bytes 0, 1) and (SEL >> 8) & 7 (to bytes 2, 3)."""
-        p = _prmt(sg, sg * 0, SEL + sg * 0, EMULATE)  # [sign byte, 0, sign byte, 0]
+        p = prmt(sg, sg * 0, SEL + sg * 0, EMULATE)  # [sign byte, 0, sign byte, 0]
         return (((p << 1) | (p << 5)) & 0x1E1E1E1E) | qh_bits
 
     @jit
@@ -207,7 +192,7 @@ if HAVE_TRITON:
             q0 = _shf(_pick(ha, e, 0), _pick(ha, e, 1), sh_q, EMULATE)
             q1 = _shf(_pick(ha, e, 1), _pick(ha, e, 2), sh_q, EMULATE)
             sg = _shf(_pick(hb, e, 0), _pick(hb, e, 1), sh_q, EMULATE)
-            qh = _prmt(_pick(hb, e, 2), sh_q * 0, sel_h, EMULATE)
+            qh = prmt(_pick(hb, e, 2), sh_q * 0, sel_h, EMULATE)
             h0 = ((qh & 0xF) * 0x204081) & 0x01010101  # qh bit k -> byte k (0 or 1)
             h1 = ((qh >> 4) * 0x204081) & 0x01010101
             x0 = _ld(xrow + (blk + b) * 64, ok, EVEN)
@@ -242,9 +227,9 @@ if HAVE_TRITON:
         """The int8 levels of the 4 nibbles in the low 16 bits of `nib` as one word: a `prmt` into each
         8-level half of the table by the nibbles' low 3 bits, a third picks the half by their bit 3."""
         low3 = nib & 0x7777
-        lo = _prmt(nib * 0 + T0, nib * 0 + T1, low3, EMULATE)
-        hi = _prmt(nib * 0 + T2, nib * 0 + T3, low3, EMULATE)
-        return _prmt(lo, hi, ((nib >> 1) & 0x4444) | 0x3210, EMULATE)
+        lo = prmt(nib * 0 + T0, nib * 0 + T1, low3, EMULATE)
+        hi = prmt(nib * 0 + T2, nib * 0 + T3, low3, EMULATE)
+        return prmt(lo, hi, ((nib >> 1) & 0x4444) | 0x3210, EMULATE)
 
     @jit
     def _gemv_rows_iq4_kernel(w_ptr, xw_ptr, xd_ptr, y_ptr, N, K, M, row_units, stride_ym,
@@ -296,8 +281,8 @@ if HAVE_TRITON:
             xb = xrow + (blk + b) * 64
             x0 = _ld(xb, ok, EVEN)
             x1 = _ld(xb + 4, ok, EVEN)
-            x_lo = _prmt(x0, x1, x_lo_sel, EMULATE)
-            x_hi = _prmt(x0, x1, x_hi_sel, EMULATE)
+            x_lo = prmt(x0, x1, x_lo_sel, EMULATE)
+            x_hi = prmt(x0, x1, x_hi_sel, EMULATE)
             isum = dp4a(_pick(w_lo, e, 0), _pick(x_lo, e, 0), _pick(zero, e, 0), EMULATE)
             isum = dp4a(_pick(w_hi, e, 0), _pick(x_hi, e, 0), isum, EMULATE)
             for i in tl.static_range(1, 4):
@@ -351,18 +336,10 @@ def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_fe
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
-    check_weight(raw, format, out_features, k)
-    if format not in IQ_ROWS_FORMATS:
-        raise QuantKernelError(f"schedule {s.name} (rows i-quant GEMV) supports {', '.join(IQ_ROWS_FORMATS)},"
-                               f" not {format}; pick a rows_*, q8_* or wv_* schedule")
+    y, launch, extra = rows_setup(raw, format, xa, out_features, s, IQ_ROWS_FORMATS, "rows i-quant GEMV")
     if s.blocks % 2 and format == "iq3_s":
         raise QuantKernelError(f"schedule {s.name} steps over {s.blocks} blocks; the iq3_s rows GEMV needs "
                                "an even number")
-    split = s.split_k > 1
-    y = (torch.zeros if split else torch.empty)(
-        (n, out_features), dtype=torch.float32 if split else xa.dtype, device=raw.device)
-    launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
-    extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": 1}
     if format == "iq4_xs":
         units = raw if raw.data_ptr() % 8 == 0 else raw.clone()  # 136-byte blocks: whole int64 units
         t0, t1, t2, t3 = _IQ4_WORDS

@@ -26,6 +26,24 @@ def _triton_installed() -> bool:
 needs_triton = pytest.mark.skipif(not _triton_installed(), reason="Triton is a dependency on Linux x86-64")
 
 
+@pytest.fixture
+def triton_on_cpu_env(monkeypatch):
+    """Triton kernels take CPU tensors (interpreter) in this test."""
+    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
+
+
+def gemv_case(fmt: str, rows: int, cols: int, width: int, seed: int):
+    """Random valid GGUF rows of `fmt` and an activation `[width, cols]` with per-row spread, seeded."""
+    import torch
+
+    from ninfer.kernels.gguf_matmul import random_gguf_weight
+
+    g = torch.Generator().manual_seed(seed)
+    raw = random_gguf_weight(fmt, rows, cols, generator=g)
+    x = torch.randn(width, cols, generator=g) * (0.5 + torch.rand(width, 1, generator=g))
+    return raw, x
+
+
 def kernels_only(monkeypatch, module, *references: str):
     """Run the Triton kernels themselves (interpreter) on CPU tensors; where Triton is installed, each named
     PyTorch fallback of `module` fails the test if it runs instead. Returns the first fallback (an oracle)."""

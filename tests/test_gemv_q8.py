@@ -8,6 +8,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from conftest import gemv_case
 
 import ninfer.kernels.gemv_q8 as q8mod
 from ninfer.errors import NinferError
@@ -25,12 +26,8 @@ from ninfer.kernels.gguf_matmul import SCHEDULES, quant_matmul, random_gguf_weig
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl
 from ninfer.quant import dequantize
 
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed")
-
-
-@pytest.fixture(autouse=True)
-def _triton_on_cpu(monkeypatch):
-    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
+pytestmark = [pytest.mark.skipif(not HAVE_TRITON, reason="Triton is not installed"),
+              pytest.mark.usefixtures("triton_on_cpu_env")]
 
 
 if HAVE_TRITON:
@@ -107,13 +104,6 @@ def test_memo_reuses_only_the_same_unmodified_tensor(monkeypatch):
 # ---------------------------------------------------------------------------------------------------------
 # The q8 kernels vs their float64 twin, and the twin vs the float matmul
 
-def _case(fmt: str, rows: int, cols: int, width: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    raw = random_gguf_weight(fmt, rows, cols, generator=g)
-    x = torch.randn(width, cols, generator=g) * (0.5 + torch.rand(width, 1, generator=g))
-    return raw, x
-
-
 # (format, schedule, columns); 12 rows (no multiple of a tile); split-K, software-pipelined (num_stages > 1)
 # and two-block (block_k 512) schedules get 3 steps of 256: an empty split (s4), an odd last block (u2), more
 # steps than stages ahead
@@ -126,7 +116,7 @@ KERNEL_CASES = [(fmt, sched, m) for fmt in Q8_FORMATS
 def test_kernel_equals_twin(fmt, sched, width):
     s = SCHEDULES[sched]
     cols = 768 if s.split_k > 1 or s.num_stages > 1 or s.block_k > 256 else 256
-    raw, x = _case(fmt, 12, cols, width, seed=Q8_FORMATS.index(fmt) * 10 + width)
+    raw, x = gemv_case(fmt, 12, cols, width, seed=Q8_FORMATS.index(fmt) * 10 + width)
     xa = quantize_activation(x)
     y = gemv_q8(raw, fmt, xa, 12, sched)
     want = gemv_q8_reference(raw, fmt, xa, 12)
@@ -136,7 +126,7 @@ def test_kernel_equals_twin(fmt, sched, width):
 
 
 def test_kernel_bf16_output_and_quant_matmul_route(monkeypatch):
-    raw, x = _case("q4_k", 12, 256, 2, seed=5)
+    raw, x = gemv_case("q4_k", 12, 256, 2, seed=5)
     x = x.bfloat16()
     q8mod._MEMO.clear()
     y = quant_matmul(raw, "q4_k", x, 12, schedule="q8_n16_m8")  # explicit q8 schedule: the q8 kernel
@@ -151,7 +141,7 @@ def test_twin_is_within_int8_activation_error(fmt):
     """The int8 activation costs ~0.5 % rms of the output on Gaussian inputs (noise d/√12 per value, d =
     max|x|/127 over 32 values): measured 4.6e-3 – 5.5e-3 for all four formats at K = 512 and 5120."""
     rows, cols = 256, 2048
-    raw, x = _case(fmt, rows, cols, 4, seed=40 + Q8_FORMATS.index(fmt))
+    raw, x = gemv_case(fmt, rows, cols, 4, seed=40 + Q8_FORMATS.index(fmt))
     x = torch.randn(4, cols, generator=torch.Generator().manual_seed(7))
     twin = gemv_q8_reference(raw, fmt, quantize_activation_reference(x), rows)
     w = dequantize(raw.reshape(-1), "gguf_" + fmt, (rows, cols)).double()
@@ -204,7 +194,7 @@ def test_default_route_on_cuda_is_q8_unless_wv_is_asked(monkeypatch, fmt):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_properties",  # gemv_q8_iq sizes stream-K grids by SM count
                         lambda device: types.SimpleNamespace(multi_processor_count=132))
-    raw, x = _case(fmt, 8, 256, 2, seed=9)
+    raw, x = gemv_case(fmt, 8, 256, 2, seed=9)
     want = gemv_q8_reference(raw, fmt, quantize_activation_reference(x), 8)
     y = quant_matmul(raw, fmt, x, 8)
     assert calls == (["rows"] if fmt == "q4_k" else ["iq"])
@@ -234,7 +224,7 @@ def test_default_route_on_cuda_is_q8_unless_wv_is_asked(monkeypatch, fmt):
 def test_q6k_any_size_and_alignment():
     """q6_k is read as aligned int32 words: a tensor whose size (13 rows × 3 blocks = 8190 bytes) or address
     (2 bytes into a buffer) is no multiple of 4 still gives the twin's result (odd blocks start mid-word)."""
-    raw, x = _case("q6_k", 13, 768, 2, seed=21)
+    raw, x = gemv_case("q6_k", 13, 768, 2, seed=21)
     xa = quantize_activation(x)
     want = gemv_q8_reference(raw, "q6_k", xa, 13)
     buf = torch.zeros(raw.numel() + 2, dtype=torch.uint8)

@@ -4,26 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_triton
+from conftest import gemv_case, needs_triton
 
 from ninfer.errors import NinferError
 from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation
 from ninfer.kernels.gemv_rows import MAX_COLUMNS, ROWS_FORMATS, SCHEDULES, gemv_rows, rows_route
-from ninfer.kernels.gguf_matmul import random_gguf_weight
 
-pytestmark = needs_triton
-
-
-@pytest.fixture(autouse=True)
-def _triton_on_cpu(monkeypatch):
-    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
-
-
-def _case(fmt: str, rows: int, cols: int, width: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    raw = random_gguf_weight(fmt, rows, cols, generator=g)
-    x = torch.randn(width, cols, generator=g) * (0.5 + torch.rand(width, 1, generator=g))
-    return raw, x
+pytestmark = [needs_triton, pytest.mark.usefixtures("triton_on_cpu_env")]
 
 
 # (format, schedule, columns, blocks per row); 10 rows (no multiple of a tile). 4 blocks: whole steps (no
@@ -39,7 +26,7 @@ CASES = [(fmt, sched, m, nb) for fmt in ROWS_FORMATS
 
 @pytest.mark.parametrize("fmt,sched,width,nb", CASES)
 def test_rows_kernel_equals_twin(fmt, sched, width, nb):
-    raw, x = _case(fmt, 10, nb * 256, width, seed=ROWS_FORMATS.index(fmt) * 10 + width)
+    raw, x = gemv_case(fmt, 10, nb * 256, width, seed=ROWS_FORMATS.index(fmt) * 10 + width)
     xa = quantize_activation(x)
     y = gemv_rows(raw, fmt, xa, 10, sched)
     want = gemv_q8_reference(raw, fmt, xa, 10)
@@ -54,6 +41,6 @@ def test_rows_route_and_errors():
     assert rows_route("iq3_s", 17408, 5120, 1) is None
     assert rows_route("q4_k", 17408, 5120, MAX_COLUMNS + 1) is None
     assert rows_route("q4_k", 17408, 5120, 8) is None  # the q8 kernel is faster there
-    raw, x = _case("q6_k", 4, 256, 1, seed=3)
+    raw, x = gemv_case("q6_k", 4, 256, 1, seed=3)
     with pytest.raises(NinferError, match="rows GEMV"):
         gemv_rows(raw, "q6_k", quantize_activation(x), 4, "rows_n8_m1_b4_w4")

@@ -4,26 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_triton
+from conftest import gemv_case, needs_triton
 
 from ninfer.errors import NinferError
 from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation
 from ninfer.kernels.gemv_rows_iq import MAX_COLUMNS, SCHEDULES, RowsIqSchedule, gemv_rows_iq, rows_iq_route
 from ninfer.kernels.gguf_matmul import random_gguf_weight
 
-pytestmark = needs_triton
-
-
-@pytest.fixture(autouse=True)
-def _triton_on_cpu(monkeypatch):
-    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
-
-
-def _case(fmt: str, rows: int, cols: int, width: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    raw = random_gguf_weight(fmt, rows, cols, generator=g)
-    x = torch.randn(width, cols, generator=g) * (0.5 + torch.rand(width, 1, generator=g))
-    return raw, x
+pytestmark = [needs_triton, pytest.mark.usefixtures("triton_on_cpu_env")]
 
 
 # (format, schedule, columns, blocks per row); 5 rows (no multiple of a tile). iq3_s, 3 blocks per row: rows
@@ -41,7 +29,7 @@ CASES = [("iq3_s", "rows_iq_n4_m1_b4_w4", 1, 2), ("iq3_s", "rows_iq_n2_m1_b4_w2"
 
 @pytest.mark.parametrize("fmt,sched,width,nb", CASES)
 def test_rows_iq_kernel_equals_twin(fmt, sched, width, nb):
-    raw, x = _case(fmt, 5, nb * 256, width, seed=width * 10 + nb)
+    raw, x = gemv_case(fmt, 5, nb * 256, width, seed=width * 10 + nb)
     xa = quantize_activation(x)
     y = gemv_rows_iq(raw, fmt, xa, 5, sched)
     want = gemv_q8_reference(raw, fmt, xa, 5)
@@ -53,7 +41,7 @@ def test_rows_iq_kernel_equals_twin(fmt, sched, width, nb):
 @pytest.mark.parametrize("fmt", ["iq3_s", "iq4_xs"])
 def test_rows_iq_misaligned_view(fmt):
     # rows 1.. of 330-byte iq3_s rows start 2 bytes into a word (the kernel reads a padded aligned copy)
-    raw, x = _case(fmt, 3, 768, 1, seed=7)
+    raw, x = gemv_case(fmt, 3, 768, 1, seed=7)
     xa = quantize_activation(x)
     y = gemv_rows_iq(raw[1:], fmt, xa, 2, "rows_iq_n2_m1_b2_w1_s4")
     want = gemv_q8_reference(raw[1:], fmt, xa, 2)

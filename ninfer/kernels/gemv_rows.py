@@ -174,6 +174,24 @@ if HAVE_TRITON:
             return _ld(ptrs, ok, EVEN)
 
     @jit
+    def _step_range(K, NB: tl.constexpr, SPLIT_K: tl.constexpr):
+        """The loop steps (of NB blocks of a row) this program's split of K walks: [s0, s1)."""
+        steps = (K // 256 + NB - 1) // NB
+        per_split = (steps + SPLIT_K - 1) // SPLIT_K
+        s0 = tl.program_id(2) * per_split
+        return s0, tl.minimum(steps, s0 + per_split)
+
+    @jit
+    def _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K: tl.constexpr):
+        """Row sums into y at (column mo, row no): stored, or added with fp32 atomics under split-K."""
+        ptrs = y_ptr + mo * stride_ym + no
+        mask = (mo < M) & (no < N)
+        if SPLIT_K == 1:
+            tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(ptrs, out, mask=mask)
+
+    @jit
     def _gemv_rows_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
                           FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                           R: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
@@ -195,10 +213,7 @@ if HAVE_TRITON:
         zw = (n * 0) + (b * 0) + (c * 0) + (e * 0)  # [1, R, G, NB, 4, 4]
         zx = (m * 0) + (g * 0) + (b * 0) + (c * 0) + (e * 0)  # [BLOCK_M, 1, G, NB, 4, 4]
         nblk = K // 256
-        steps = (nblk + NB - 1) // NB
-        per_split = (steps + SPLIT_K - 1) // SPLIT_K
-        s0 = tl.program_id(2) * per_split
-        s1 = tl.minimum(steps, s0 + per_split)
+        s0, s1 = _step_range(K, NB, SPLIT_K)
         # rows and columns past the end read the last one (no masks in the loop); their sums are not stored
         wrow = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * row_words + zw
         mc = tl.minimum(m, M - 1).to(tl.int64)
@@ -243,12 +258,7 @@ if HAVE_TRITON:
         out = tl_sum(tl_sum(acc, 4), 3)  # [BLOCK_M, R, G]
         mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None]
         no = tl.program_id(0) * BLOCK_N + tl.arange(0, R)[None, :, None] * G + tl.arange(0, G)[None, None, :]
-        ptrs = y_ptr + mo * stride_ym + no
-        mask = (mo < M) & (no < N)
-        if SPLIT_K == 1:
-            tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.atomic_add(ptrs, out, mask=mask)
+        _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
 
     @jit
     def _gemv_rows_p_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
@@ -272,10 +282,7 @@ if HAVE_TRITON:
         zw = (n * 0) + (b * 0) + (p * 0) + (e * 0)
         zx = (m * 0) + (b * 0) + (p * 0) + (e * 0)
         nblk = K // 256
-        steps = (nblk + NB - 1) // NB
-        per_split = (steps + SPLIT_K - 1) // SPLIT_K
-        s0 = tl.program_id(2) * per_split
-        s1 = tl.minimum(steps, s0 + per_split)
+        s0, s1 = _step_range(K, NB, SPLIT_K)
         wrow = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * row_words + zw
         mc = tl.minimum(m, M - 1).to(tl.int64)
         xrow = xw_ptr + mc * (K // 4) + zx
@@ -317,12 +324,7 @@ if HAVE_TRITON:
         out = tl_sum(tl_sum(acc, 3), 2)
         mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
         no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        ptrs = y_ptr + mo * stride_ym + no
-        mask = (mo < M) & (no < N)
-        if SPLIT_K == 1:
-            tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.atomic_add(ptrs, out, mask=mask)
+        _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
 
 
     @jit

@@ -89,7 +89,7 @@ def rows_iq_route(fmt: str, out_features: int, in_features: int, columns: int) -
 
 if HAVE_TRITON:
     from ninfer.kernels.gemv_q8_iq import prmt
-    from ninfer.kernels.gemv_rows import _ld, _pick
+    from ninfer.kernels.gemv_rows import _ld, _pick, _step_range, _store
 
     @jit
     def _shf(lo, hi, sh, EMULATE: tl.constexpr):
@@ -159,10 +159,7 @@ if HAVE_TRITON:
         e = tl.arange(0, 4)[None, None, None, None, :]
         zero = (m * 0) + (n * 0) + (b * 0) + (c * 0) + (e * 0)  # int32 zeros at the full tile shape
         nblk = K // 256
-        steps = (nblk + NB - 1) // NB
-        per_split = (steps + SPLIT_K - 1) // SPLIT_K
-        s0 = tl.program_id(2) * per_split
-        s1 = tl.minimum(steps, s0 + per_split)
+        s0, s1 = _step_range(K, NB, SPLIT_K)
         # the thread's block start (bytes) in the first step; rows and columns past the end read the last one
         start = tl.minimum(n, N - 1).to(tl.int64) * row_bytes + BB * (b % 2) + zero
         # bytes of the two weight loads: [qs 0-3, 4-7, 8-11, d] and [signs 0-3, 4-7, qh, scales]
@@ -213,12 +210,7 @@ if HAVE_TRITON:
         out = tl_sum(tl_sum(acc, 3), 2)  # [BLOCK_M, BLOCK_N]
         mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
         no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        ptrs = y_ptr + mo * stride_ym + no
-        mask = (mo < M) & (no < N)
-        if SPLIT_K == 1:
-            tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.atomic_add(ptrs, out, mask=mask)
+        _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
 
 
     @jit
@@ -247,10 +239,7 @@ if HAVE_TRITON:
         e = tl.arange(0, 4)[None, None, None, None, :]
         zero = (m * 0) + (n * 0) + (b * 0) + (c * 0) + (e * 0)
         nblk = K // 256
-        steps = (nblk + NB - 1) // NB
-        per_split = (steps + SPLIT_K - 1) // SPLIT_K
-        s0 = tl.program_id(2) * per_split
-        s1 = tl.minimum(steps, s0 + per_split)
+        s0, s1 = _step_range(K, NB, SPLIT_K)
         wrow = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * row_units + zero
         q_at = 1 + 2 * c + tl.minimum(e, 1)  # the sub-block's two qs units
         h_at = c * 0  # the header unit
@@ -293,12 +282,7 @@ if HAVE_TRITON:
         out = tl_sum(tl_sum(acc, 3), 2)  # [BLOCK_M, BLOCK_N]
         mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
         no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        ptrs = y_ptr + mo * stride_ym + no
-        mask = (mo < M) & (no < N)
-        if SPLIT_K == 1:
-            tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.atomic_add(ptrs, out, mask=mask)
+        _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
 
 
 def _aligned_words(raw: torch.Tensor) -> torch.Tensor:

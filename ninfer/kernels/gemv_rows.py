@@ -192,6 +192,26 @@ if HAVE_TRITON:
             tl.atomic_add(ptrs, out, mask=mask)
 
     @jit
+    def _x_scales(xd_ptr, xs_ptr, at, ok, e, EVEN: tl.constexpr):
+        """The activation scales d and d·Σq of sub-blocks `at` and `at + 1` (each lane loads them once)."""
+        return (_pick(_ld(xd_ptr + at, ok, EVEN), e, 0, -0.0),
+                _pick(_ld(xd_ptr + at + 1, ok, EVEN), e, 0, -0.0),
+                _pick(_ld(xs_ptr + at, ok, EVEN), e, 0, -0.0),
+                _pick(_ld(xs_ptr + at + 1, ok, EVEN), e, 0, -0.0))
+
+    @jit
+    def _chunk_sum(hd, e, c4, i_lo, i_hi, dx_lo, dx_hi, sx_lo, sx_hi, count_mins):
+        """A lane's share of a q4_k / q5_k block: sub-blocks 2·c4 (int32 dot i_lo) and 2·c4 + 1 (i_hi) scaled
+        by the header words hd (d, dmin, 6-bit scales and mins) and the activation scales, minus the min
+        terms where count_mins (another lane counts them elsewhere)."""
+        h0 = _pick(hd, e, 0)
+        sc_lo, mn_lo = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4)
+        sc_hi, mn_hi = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4 + 1)
+        part = sc_lo * (i_lo.to(tl.float32) * dx_lo) + sc_hi * (i_hi.to(tl.float32) * dx_hi)
+        mins = tl.where(count_mins, mn_lo * sx_lo + mn_hi * sx_hi, 0.0)
+        return _f16_lo(h0) * part - _f16_lo(h0 >> 16) * mins
+
+    @jit
     def _gemv_rows_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
                           FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                           R: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
@@ -244,17 +264,8 @@ if HAVE_TRITON:
                 i_lo = dp4a(lo, _ld(xb + x_at + 4 * half, ok, EVEN), i_lo, EMULATE)
                 i_hi = dp4a(hi, _ld(xb + x_at + 8 + 4 * half, ok, EVEN), i_hi, EMULATE)
             hd = _ldw(wb + h_at, ok_w, EVEN, CACHE)
-            h0 = _pick(hd, e, 0)
-            sc_lo, mn_lo = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4)
-            sc_hi, mn_hi = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4 + 1)
-            dx = drow + blk * 8 + d_at
-            dx_lo = _pick(_ld(xd_ptr + dx, ok, EVEN), e, 0, -0.0)
-            dx_hi = _pick(_ld(xd_ptr + dx + 1, ok, EVEN), e, 0, -0.0)
-            sx_lo = _pick(_ld(xs_ptr + dx, ok, EVEN), e, 0, -0.0)
-            sx_hi = _pick(_ld(xs_ptr + dx + 1, ok, EVEN), e, 0, -0.0)
-            part = sc_lo * (_pick_sum(i_lo).to(tl.float32) * dx_lo)
-            part += sc_hi * (_pick_sum(i_hi).to(tl.float32) * dx_hi)
-            acc += _f16_lo(h0) * part - _f16_lo(h0 >> 16) * (mn_lo * sx_lo + mn_hi * sx_hi)
+            dx_lo, dx_hi, sx_lo, sx_hi = _x_scales(xd_ptr, xs_ptr, drow + blk * 8 + d_at, ok, e, EVEN)
+            acc += _chunk_sum(hd, e, c4, _pick_sum(i_lo), _pick_sum(i_hi), dx_lo, dx_hi, sx_lo, sx_hi, True)
         out = tl_sum(tl_sum(acc, 4), 3)  # [BLOCK_M, R, G]
         mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None]
         no = tl.program_id(0) * BLOCK_N + tl.arange(0, R)[None, :, None] * G + tl.arange(0, G)[None, None, :]
@@ -310,17 +321,8 @@ if HAVE_TRITON:
             i_lo = _pick_sum(dp4a(lo, _ld(xb + x_at, ok, EVEN), 0, EMULATE))
             i_hi = _pick_sum(dp4a(hi, _ld(xb + x_at + 8, ok, EVEN), 0, EMULATE))
             hd = _ldw(wb + h_at, ok_w, EVEN, CACHE)
-            h0 = _pick(hd, e, 0)
-            sc_lo, mn_lo = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4)
-            sc_hi, mn_hi = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4 + 1)
-            dx = drow + blk * 8 + d_at
-            dx_lo = _pick(_ld(xd_ptr + dx, ok, EVEN), e, 0, -0.0)
-            dx_hi = _pick(_ld(xd_ptr + dx + 1, ok, EVEN), e, 0, -0.0)
-            sx_lo = _pick(_ld(xs_ptr + dx, ok, EVEN), e, 0, -0.0)
-            sx_hi = _pick(_ld(xs_ptr + dx + 1, ok, EVEN), e, 0, -0.0)
-            part = sc_lo * (i_lo.to(tl.float32) * dx_lo) + sc_hi * (i_hi.to(tl.float32) * dx_hi)
-            mins = tl.where(first, mn_lo * sx_lo + mn_hi * sx_hi, 0.0)
-            acc += _f16_lo(h0) * part - _f16_lo(h0 >> 16) * mins
+            dx_lo, dx_hi, sx_lo, sx_hi = _x_scales(xd_ptr, xs_ptr, drow + blk * 8 + d_at, ok, e, EVEN)
+            acc += _chunk_sum(hd, e, c4, i_lo, i_hi, dx_lo, dx_hi, sx_lo, sx_hi, first)
         out = tl_sum(tl_sum(acc, 3), 2)
         mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
         no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -354,11 +356,8 @@ if HAVE_TRITON:
         x_lo1 = _ld(xb + 4, ok, EVEN)
         x_hi0 = _ld(xb + 8, ok, EVEN)
         x_hi1 = _ld(xb + 12, ok, EVEN)
-        dx = mc * (K // 32) + zx + blk * 8 + 2 * c
-        dx_lo = _pick(_ld(xd_ptr + dx, ok, EVEN), e, 0, -0.0)
-        dx_hi = _pick(_ld(xd_ptr + dx + 1, ok, EVEN), e, 0, -0.0)
-        sx_lo = _pick(_ld(xs_ptr + dx, ok, EVEN), e, 0, -0.0)
-        sx_hi = _pick(_ld(xs_ptr + dx + 1, ok, EVEN), e, 0, -0.0)
+        at = mc * (K // 32) + zx + blk * 8 + 2 * c
+        dx_lo, dx_hi, sx_lo, sx_hi = _x_scales(xd_ptr, xs_ptr, at, ok, e, EVEN)
         mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None]
         for step in range(0, BLOCK_N // (R * G)):
             n = tl.program_id(0) * BLOCK_N + step * (R * G) + r * G + g
@@ -381,12 +380,7 @@ if HAVE_TRITON:
             i_lo = _pick_sum(dp4a(lo1, x_lo1, dp4a(lo0, x_lo0, 0, EMULATE), EMULATE))
             i_hi = _pick_sum(dp4a(hi1, x_hi1, dp4a(hi0, x_hi0, 0, EMULATE), EMULATE))
             hd = _ldw(wb + e, ok_w, EVEN, CACHE)
-            h0 = _pick(hd, e, 0)
-            c4 = _pick(c + zw, e, 0)
-            sc_lo, mn_lo = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4)
-            sc_hi, mn_hi = _k_scale_min_words(_pick(hd, e, 1), _pick(hd, e, 2), _pick(hd, e, 3), 2 * c4 + 1)
-            part = sc_lo * (i_lo.to(tl.float32) * dx_lo) + sc_hi * (i_hi.to(tl.float32) * dx_hi)
-            part = _f16_lo(h0) * part - _f16_lo(h0 >> 16) * (mn_lo * sx_lo + mn_hi * sx_hi)
+            part = _chunk_sum(hd, e, _pick(c + zw, e, 0), i_lo, i_hi, dx_lo, dx_hi, sx_lo, sx_hi, True)
             out = tl_sum(tl_sum(part, 4), 3)  # [BLOCK_M, R, G]
             # one layout conversion per step (4 barriers on sm_90) for the atomics, per R · G · NB row blocks
             no = (tl.program_id(0) * BLOCK_N + step * (R * G) + tl.arange(0, R)[None, :, None] * G

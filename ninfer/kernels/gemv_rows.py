@@ -182,6 +182,14 @@ if HAVE_TRITON:
         return s0, tl.minimum(steps, s0 + per_split)
 
     @jit
+    def _row_bases(w_ptr, xw_ptr, n, m, zw, zx, N, M, K, row_words):
+        """Pointers to the weight rows n and activation rows m, and the activation-scale offsets; rows and
+        columns past the end read the last one (no masks in the loop), their sums are not stored."""
+        mc = tl.minimum(m, M - 1).to(tl.int64)
+        wrow = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * row_words + zw
+        return wrow, xw_ptr + mc * (K // 4) + zx, mc * (K // 32) + zx
+
+    @jit
     def _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K: tl.constexpr):
         """Row sums into y at (column mo, row no): stored, or added with fp32 atomics under split-K."""
         ptrs = y_ptr + mo * stride_ym + no
@@ -190,6 +198,14 @@ if HAVE_TRITON:
             tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
         else:
             tl.atomic_add(ptrs, out, mask=mask)
+
+    @jit
+    def _store_tile(y_ptr, out, M, N, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SPLIT_K: tl.constexpr):
+        """`_store` of a program's `[BLOCK_M, BLOCK_N]` tile of sums."""
+        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
 
     @jit
     def _x_scales(xd_ptr, xs_ptr, at, ok, e, EVEN: tl.constexpr):
@@ -234,11 +250,7 @@ if HAVE_TRITON:
         zx = (m * 0) + (g * 0) + (b * 0) + (c * 0) + (e * 0)  # [BLOCK_M, 1, G, NB, 4, 4]
         nblk = K // 256
         s0, s1 = _step_range(K, NB, SPLIT_K)
-        # rows and columns past the end read the last one (no masks in the loop); their sums are not stored
-        wrow = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * row_words + zw
-        mc = tl.minimum(m, M - 1).to(tl.int64)
-        xrow = xw_ptr + mc * (K // 4) + zx
-        drow = mc * (K // 32) + zx
+        wrow, xrow, drow = _row_bases(w_ptr, xw_ptr, n, m, zw, zx, N, M, K, row_words)
         q_at = b * WB + QS + 8 * c + e  # words e and 4 + e of chunk c
         h_at = b * WB + e  # the 4 header words, for every chunk
         x_at = b * 64 + 16 * c + e
@@ -294,10 +306,7 @@ if HAVE_TRITON:
         zx = (m * 0) + (b * 0) + (p * 0) + (e * 0)
         nblk = K // 256
         s0, s1 = _step_range(K, NB, SPLIT_K)
-        wrow = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * row_words + zw
-        mc = tl.minimum(m, M - 1).to(tl.int64)
-        xrow = xw_ptr + mc * (K // 4) + zx
-        drow = mc * (K // 32) + zx
+        wrow, xrow, drow = _row_bases(w_ptr, xw_ptr, n, m, zw, zx, N, M, K, row_words)
         q_at = b * WB + QS + 4 * p + e
         h_at = b * WB + e
         x_at = b * 64 + 16 * c + 4 * h + e
@@ -324,9 +333,7 @@ if HAVE_TRITON:
             dx_lo, dx_hi, sx_lo, sx_hi = _x_scales(xd_ptr, xs_ptr, drow + blk * 8 + d_at, ok, e, EVEN)
             acc += _chunk_sum(hd, e, c4, i_lo, i_hi, dx_lo, dx_hi, sx_lo, sx_hi, first)
         out = tl_sum(tl_sum(acc, 3), 2)
-        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-        no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
+        _store_tile(y_ptr, out, M, N, stride_ym, BLOCK_M, BLOCK_N, SPLIT_K)
 
 
     @jit

@@ -89,7 +89,7 @@ def rows_iq_route(fmt: str, out_features: int, in_features: int, columns: int) -
 
 if HAVE_TRITON:
     from ninfer.kernels.gemv_q8_iq import prmt
-    from ninfer.kernels.gemv_rows import _ld, _pick, _step_range, _store
+    from ninfer.kernels.gemv_rows import _ld, _pick, _step_range, _store_tile
 
     @jit
     def _shf(lo, hi, sh, EMULATE: tl.constexpr):
@@ -208,9 +208,7 @@ if HAVE_TRITON:
             dx = _pick(_ld(drow + (blk + b) * 8, ok, EVEN), e, 0, -0.0)
             acc += dw * (isum.to(tl.float32) * dx)
         out = tl_sum(tl_sum(acc, 3), 2)  # [BLOCK_M, BLOCK_N]
-        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-        no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
+        _store_tile(y_ptr, out, M, N, stride_ym, BLOCK_M, BLOCK_N, SPLIT_K)
 
 
     @jit
@@ -280,9 +278,7 @@ if HAVE_TRITON:
             dx = _pick(_ld(drow + (blk + b) * 8, ok, EVEN), e, 0, -0.0)
             acc += dw * (isum.to(tl.float32) * dx)
         out = tl_sum(tl_sum(acc, 3), 2)  # [BLOCK_M, BLOCK_N]
-        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-        no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
+        _store_tile(y_ptr, out, M, N, stride_ym, BLOCK_M, BLOCK_N, SPLIT_K)
 
 
 def _aligned_words(raw: torch.Tensor) -> torch.Tensor:

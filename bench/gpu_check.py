@@ -62,11 +62,12 @@ WIDTHS = (1, 4)
 class Log:
     """Prints progress with elapsed seconds and keeps every record for the JSON file."""
 
-    def __init__(self, out: Path | None):
+    def __init__(self, out: Path | None, name: str = "gpu_check.json"):
         self.t0 = time.time()
         self.records: list[dict] = []
         self.summary: list[str] = []
         self.out = out
+        self.name = name
 
     def __call__(self, msg: str) -> None:
         print(f"[{time.time() - self.t0:7.1f}s] {msg}", flush=True)
@@ -77,7 +78,20 @@ class Log:
     def save(self) -> None:
         if self.out:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "gpu_check.json").write_text(json.dumps(self.records, indent=1))
+            (self.out / self.name).write_text(json.dumps(self.records, indent=1))
+
+
+def timing_session(out: Path | None, name: str) -> tuple[Log, torch.device]:
+    """A Log writing `out/name`, the device (CUDA when present) and a header line; seeds the RNG from the
+    clock so every run checks fresh random inputs."""
+    import triton
+
+    log = Log(out, name)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    log(f"torch {torch.__version__}, triton {triton.__version__}, "
+        f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}")
+    torch.manual_seed(int(time.time()))
+    return log, dev
 
 
 def bench_ms(fn) -> float:

@@ -15,7 +15,6 @@ shape. Prints a compact table last (best schedule, µs, TB/s, % of copy, wv µs)
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_check import L2_BYTES, Log, copy_bandwidth, graph_us  # noqa: E402
+from bench.gpu_check import L2_BYTES, Log, copy_bandwidth, graph_us, timing_session  # noqa: E402
 from ninfer.kernels.gemv_q8 import quantize_activation  # noqa: E402
 from ninfer.kernels.gemv_q8_iq import default_iq_schedule, gemv_q8_iq  # noqa: E402
 from ninfer.kernels.gguf_matmul import default_schedule, quant_matmul, random_gguf_weight  # noqa: E402
@@ -133,15 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-check", action="store_true")
     a = ap.parse_args(argv)
     t0 = time.time()
-    log = Log(a.out)
-    log.save = lambda: a.out and (a.out.mkdir(parents=True, exist_ok=True) or (a.out / "q8_timing.json")
-                                  .write_text(json.dumps(log.records, indent=1)))
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    import triton
-
-    log(f"torch {torch.__version__}, triton {triton.__version__}, "
-        f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}")
-    torch.manual_seed(int(time.time()))  # fresh random inputs every run
+    log, dev = timing_session(a.out, "q8_timing.json")
     formats = a.formats.split(",")
     ok = True if a.no_check else check(log, dev, a.quick or dev.type != "cuda", formats)
     log.save()

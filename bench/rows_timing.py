@@ -16,7 +16,6 @@ route (two 1-column calls at 2 columns, as quant_matmul runs it). Prints a table
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_check import L2_BYTES, Log, copy_bandwidth, graph_us, rel_err  # noqa: E402
+from bench.gpu_check import L2_BYTES, Log, copy_bandwidth, graph_us, rel_err, timing_session  # noqa: E402
 from ninfer.kernels import gemv_rows as rows_mod  # noqa: E402
 from ninfer.kernels import gemv_rows_iq as iq_mod  # noqa: E402
 from ninfer.kernels.gemv_q8 import gemv_q8, quantize_activation  # noqa: E402
@@ -148,15 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=150.0, help="stop timing new shapes after this many s")
     a = ap.parse_args(argv)
     t0 = time.time()
-    log = Log(a.out)
-    log.save = lambda: a.out and (a.out.mkdir(parents=True, exist_ok=True) or (a.out / "rows_timing.json")
-                                  .write_text(json.dumps(log.records, indent=1)))
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    import triton
-
-    log(f"torch {torch.__version__}, triton {triton.__version__}, "
-        f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'}")
-    torch.manual_seed(int(time.time()))  # fresh random inputs every run
+    log, dev = timing_session(a.out, "rows_timing.json")
     formats = a.formats.split(",")
     ok = check(log, dev, a.quick or dev.type != "cuda", formats, a.only)
     log.save()

@@ -100,6 +100,14 @@ def bench_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
 
 
+def weight_copies(fmt: str, rows: int, cols: int, dev: torch.device, at_least: int = 1) -> list[torch.Tensor]:
+    """Random GGUF weights of one shape, enough copies (≥ at_least, ≤ 64) to exceed 3× the L2 when a graph
+    rotates over them, so nothing is timed from cache (tiny matrices stay L2-resident: capped launches)."""
+    nbytes = rows * cols // FORMATS[fmt].block_elems * FORMATS[fmt].block_bytes
+    n = min(64, max(at_least, -(-3 * L2_BYTES // nbytes)))
+    return [random_gguf_weight(fmt, rows, cols, dev) for _ in range(n)]
+
+
 def graph_us(calls: list) -> float:
     """Capture `calls` (closures, each on its own buffers) in one CUDA graph; µs per call over 10 replays.
     The buffers together exceed the L2, as a decode step's weights do, so nothing is timed from cache."""
@@ -233,10 +241,8 @@ def time_gemv(log: Log, dev: torch.device, floor: float, defaults: bool = True,
     shapes = sorted(set({**GDN_SHAPES, **ATTN_SHAPES, **MLP_SHAPES}.values()))
     cases = [(fmt, r, c) for fmt in formats for r, c in shapes] + [("q6_k", VOCAB, HIDDEN)]
     for fmt, rows, cols in cases:
-        one = random_gguf_weight(fmt, rows, cols, dev)
-        nbytes = one.numel()
-        n_copies = min(64, -(-3 * L2_BYTES // nbytes))  # tiny matrices stay L2-resident: capped launches
-        copies = [one] + [random_gguf_weight(fmt, rows, cols, dev) for _ in range(n_copies - 1)]
+        copies = weight_copies(fmt, rows, cols, dev)
+        nbytes = copies[0].numel()
         wide = (16,) if (rows, cols) in ((FFN, HIDDEN), (HIDDEN, FFN)) else ()
         widths = (1,) if rows == VOCAB else WIDTHS + wide
         for width in widths:
@@ -257,7 +263,7 @@ def time_gemv(log: Log, dev: torch.device, floor: float, defaults: bool = True,
                 + " ".join(f"{k}={v:.1f}" for k, v in times.items()))
             log.record(kind="time", op="gemv", format=fmt, shape=[rows, cols], width=width,
                        us=times, best=sched, bytes=nbytes)
-        del copies, one
+        del copies
     bfs = [torch.randn(FFN, HIDDEN, device=dev, dtype=torch.bfloat16) for _ in range(2)]
     x = torch.randn(1, HIDDEN, device=dev, dtype=torch.bfloat16)
     us = graph_us([lambda bf=bf: x @ bf.t() for bf in bfs])
@@ -745,10 +751,8 @@ def time_q8(log: Log, dev: torch.device, floor: float, formats=("q4_k",)) -> tup
     shapes = sorted(set({**GDN_SHAPES, **ATTN_SHAPES, **MLP_SHAPES}.values()))
     cases = [(fmt, r, c) for fmt in formats for r, c in shapes] + [("q6_k", VOCAB, HIDDEN)]
     for fmt, rows, cols in cases:
-        one = random_gguf_weight(fmt, rows, cols, dev)
-        nbytes = one.numel()
-        n_copies = min(64, -(-3 * L2_BYTES // nbytes))
-        copies = [one] + [random_gguf_weight(fmt, rows, cols, dev) for _ in range(n_copies - 1)]
+        copies = weight_copies(fmt, rows, cols, dev)
+        nbytes = copies[0].numel()
         for width in (1, 4, 8):
             x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
             times = {}
@@ -768,7 +772,7 @@ def time_q8(log: Log, dev: torch.device, floor: float, formats=("q4_k",)) -> tup
                 f"default {wv} {wv_us:.1f} us; " + " ".join(f"{k}={v:.1f}" for k, v in times.items()))
             log.record(kind="time", op="gemv_q8", format=fmt, shape=[rows, cols], width=width, us=times,
                        best=sched, wv_default=wv, wv_us=wv_us, bytes=nbytes)
-        del copies, one
+        del copies
     for cols in (HIDDEN, 6144, FFN):
         for width in (1, 8):
             xs = [torch.randn(width, cols, device=dev, dtype=torch.bfloat16) for _ in range(64)]

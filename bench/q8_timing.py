@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_check import L2_BYTES, Log, copy_bandwidth, graph_us, timing_session  # noqa: E402
+from bench.gpu_check import Log, copy_bandwidth, graph_us, timing_session, weight_copies  # noqa: E402
 from ninfer.kernels.gemv_q8 import quantize_activation  # noqa: E402
 from ninfer.kernels.gemv_q8_iq import default_iq_schedule, gemv_q8_iq  # noqa: E402
 from ninfer.kernels.gguf_matmul import default_schedule, quant_matmul, random_gguf_weight  # noqa: E402
@@ -94,10 +94,8 @@ def time_all(log: Log, dev: torch.device, formats: list[str], floor: float, budg
             if time.time() - t0 > budget:
                 log(f"budget of {budget:.0f} s spent: {fmt} {rows}x{cols} and later shapes not timed")
                 return rows_out
-            one = random_gguf_weight(fmt, rows, cols, dev)
-            nbytes = one.numel()
-            n_copies = min(64, max(3, -(-3 * L2_BYTES // nbytes)))
-            copies = [one] + [random_gguf_weight(fmt, rows, cols, dev) for _ in range(n_copies - 1)]
+            copies = weight_copies(fmt, rows, cols, dev, at_least=3)
+            nbytes, n_copies = copies[0].numel(), len(copies)
             for width in WIDTHS:
                 x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
                 xa = quantize_activation(x)
@@ -118,7 +116,7 @@ def time_all(log: Log, dev: torch.device, formats: list[str], floor: float, budg
                            wv=wv, wv_us=wv_us, bytes=nbytes, copies=n_copies)
                 rows_out.append((fmt, rows, cols, width, best, us, tbps, times[dflt], dflt, wv_us, wv))
             log.save()
-            del copies, one
+            del copies
             torch.cuda.empty_cache()
     return rows_out
 

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_check import L2_BYTES, Log, copy_bandwidth, graph_us, rel_err, timing_session  # noqa: E402
+from bench.gpu_check import Log, copy_bandwidth, graph_us, rel_err, timing_session, weight_copies  # noqa: E402
 from ninfer.kernels import gemv_rows as rows_mod  # noqa: E402
 from ninfer.kernels import gemv_rows_iq as iq_mod  # noqa: E402
 from ninfer.kernels.gemv_q8 import gemv_q8, quantize_activation  # noqa: E402
@@ -108,10 +108,8 @@ def time_all(log: Log, dev: torch.device, formats: list[str], floor: float, budg
             if time.time() - t0 > budget:
                 log(f"budget of {budget:.0f} s spent: {fmt} {rows}x{cols} and later shapes not timed")
                 return table
-            one = random_gguf_weight(fmt, rows, cols, dev)
-            nbytes = one.numel()
-            n_copies = min(64, max(3, -(-3 * L2_BYTES // nbytes)))
-            copies = [one] + [random_gguf_weight(fmt, rows, cols, dev) for _ in range(n_copies - 1)]
+            copies = weight_copies(fmt, rows, cols, dev, at_least=3)
+            nbytes, n_copies = copies[0].numel(), len(copies)
             for width in widths:
                 xa = quantize_activation(torch.randn(width, cols, device=dev, dtype=torch.bfloat16))
                 _, gemv, route_of = kernel(fmt)
@@ -131,7 +129,7 @@ def time_all(log: Log, dev: torch.device, formats: list[str], floor: float, budg
                            q8_us=q8_us, bytes=nbytes, copies=n_copies)
                 table.append((fmt, rows, cols, width, best, us, tbps, times[route], route, q8_us))
             log.save()
-            del copies, one
+            del copies
             torch.cuda.empty_cache()
     return table
 

@@ -135,6 +135,39 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm())
 
 
+def check_gemvs(log: Log, dev: torch.device, label: str, formats: list[str], shapes: list, widths,
+                names, gemv) -> bool:
+    """Int8-activation GEMV schedules vs their float64 twin on fresh random GGUF rows: `names(fmt, width)`
+    the schedules for a width, `gemv(raw, fmt, xa, rows, name)` one call; bf16 output (rounding 2^-9), so a
+    relative error over 5e-3 fails. The twin covers the first and last 520 rows (dequantising 17408 rows on
+    the CPU takes ~15 s)."""
+    from ninfer.kernels.gemv_q8 import quantize_activation
+
+    ok = True
+    for fmt in formats:
+        worst = 0.0
+        for rows, cols in shapes:
+            raw = random_gguf_weight(fmt, rows, cols, dev)
+            head = min(rows, 520)
+            pick = torch.cat([torch.arange(head), torch.arange(max(head, rows - 520), rows)]).to(dev)
+            w = dequantize(raw[pick].cpu().reshape(-1), "gguf_" + fmt, (len(pick), cols)).to(dev).double()
+            for width in widths:
+                xa = quantize_activation(torch.randn(width, cols, device=dev, dtype=torch.bfloat16))
+                want = xa.dequantize().to(dev) @ w.t()
+                for name in names(fmt, width):
+                    out = gemv(raw, fmt, xa, rows, name)[:, pick]
+                    err = rel_err(out, want) if bool(torch.isfinite(out).all()) else float("inf")
+                    worst = max(worst, err)
+                    if err > 5e-3:
+                        log(f"check {fmt} {rows}x{cols} w{width} {name}: rel err {err:.2e} FAIL")
+            del w
+        passed = worst < 5e-3
+        ok &= passed
+        log(f"check {label} {fmt}: worst rel err vs twin {worst:.2e} {'ok' if passed else 'FAIL'}")
+        log.record(kind="check", format=fmt, rel_err=worst, ok=passed)
+    return ok
+
+
 # ---------------------------------------------------------------------------------------------------------
 # checks
 

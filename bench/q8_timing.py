@@ -26,11 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_check import Log, copy_bandwidth, graph_us, timing_session, weight_copies  # noqa: E402
+from bench.gpu_check import Log, check_gemvs, copy_bandwidth, graph_us, timing_session, weight_copies  # noqa: E402
 from ninfer.kernels.gemv_q8 import quantize_activation  # noqa: E402
 from ninfer.kernels.gemv_q8_iq import default_iq_schedule, gemv_q8_iq  # noqa: E402
-from ninfer.kernels.gguf_matmul import default_schedule, quant_matmul, random_gguf_weight  # noqa: E402
-from ninfer.quant import dequantize  # noqa: E402
+from ninfer.kernels.gguf_matmul import default_schedule, quant_matmul  # noqa: E402
 
 SHAPES = [(17408, 5120), (5120, 17408), (10240, 5120), (12288, 5120), (6144, 5120), (1024, 5120), (48, 5120)]
 CHECK_SHAPES = [(1040, 5120), (17408, 5120)]
@@ -47,40 +46,12 @@ SWEEP = {
 }
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm())
-
-
 def check(log: Log, dev: torch.device, quick: bool, formats: list[str]) -> bool:
-    """Every swept schedule and the default one vs the float64 twin; bf16 output (rounding 2^-9)."""
-    ok = True
-    shapes = [(24, 512)] if quick else CHECK_SHAPES
-    widths = (1, 3) if quick else WIDTHS
-    for fmt in formats:
-        worst = 0.0
-        for rows, cols in shapes:
-            raw = random_gguf_weight(fmt, rows, cols, dev)
-            # the twin on the first and last 520 rows (dequantising 17408 rows on the CPU takes ~15 s)
-            head = min(rows, 520)
-            pick = torch.cat([torch.arange(head), torch.arange(max(head, rows - 520), rows)]).to(dev)
-            w = dequantize(raw[pick].cpu().reshape(-1), "gguf_" + fmt, (len(pick), cols)).to(dev).double()
-            for width in widths:
-                x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
-                xa = quantize_activation(x)
-                want = xa.dequantize().to(dev) @ w.t()
-                names = SWEEP[min(w for w in WIDTHS if w >= width)][:2 if quick else None]
-                for name in names + [None]:
-                    out = gemv_q8_iq(raw, fmt, xa, rows, name)[:, pick]
-                    err = rel_err(out, want) if bool(torch.isfinite(out).all()) else float("inf")
-                    worst = max(worst, err)
-                    if err > 5e-3:
-                        log(f"check {fmt} {rows}x{cols} w{width} {name}: rel err {err:.2e} FAIL")
-            del w
-        passed = worst < 5e-3
-        ok &= passed
-        log(f"check q8 iq {fmt}: worst rel err vs twin {worst:.2e} {'ok' if passed else 'FAIL'}")
-        log.record(kind="check", format=fmt, rel_err=worst, ok=passed)
-    return ok
+    """Every swept schedule and the default one vs the float64 twin."""
+    return check_gemvs(log, dev, "q8 iq", formats, [(24, 512)] if quick else CHECK_SHAPES,
+                       (1, 3) if quick else WIDTHS,
+                       lambda fmt, width: SWEEP[min(w for w in WIDTHS if w >= width)][:2 if quick else None]
+                       + [None], gemv_q8_iq)
 
 
 def _time_q8(copies: list, fmt: str, xa, rows: int, name: str) -> float:

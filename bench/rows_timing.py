@@ -27,13 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_check import Log, copy_bandwidth, graph_us, rel_err, timing_session, weight_copies  # noqa: E402
+from bench.gpu_check import Log, check_gemvs, copy_bandwidth, graph_us, timing_session, weight_copies  # noqa: E402
 from ninfer.kernels import gemv_rows as rows_mod  # noqa: E402
 from ninfer.kernels import gemv_rows_iq as iq_mod  # noqa: E402
 from ninfer.kernels.gemv_q8 import gemv_q8, quantize_activation  # noqa: E402
 from ninfer.kernels.gemv_q8_iq import gemv_q8_iq  # noqa: E402
-from ninfer.kernels.gguf_matmul import default_schedule, random_gguf_weight  # noqa: E402
-from ninfer.quant import dequantize  # noqa: E402
+from ninfer.kernels.gguf_matmul import default_schedule  # noqa: E402
 
 SHAPES = [(17408, 5120), (5120, 17408), (10240, 5120), (12288, 5120), (6144, 5120), (1024, 5120), (48, 5120)]
 CHECK_SHAPES = [(1040, 5120), (17408, 5120)]
@@ -71,33 +70,12 @@ def q8_call(raw, fmt: str, xa, rows: int, cols: int):
 
 
 def check(log: Log, dev: torch.device, quick: bool, formats: list[str], only: str = "") -> bool:
-    """Every schedule vs the float64 twin; bf16 output (rounding 2^-9)."""
-    ok = True
-    shapes = [(24, 1280)] if quick else CHECK_SHAPES
-    for fmt in formats:
-        worst = 0.0
-        for rows, cols in shapes:
-            raw = random_gguf_weight(fmt, rows, cols, dev)
-            head = min(rows, 520)  # the twin on the first and last 520 rows (dequantising all is slow on CPU)
-            pick = torch.cat([torch.arange(head), torch.arange(max(head, rows - 520), rows)]).to(dev)
-            w = dequantize(raw[pick].cpu().reshape(-1), "gguf_" + fmt, (len(pick), cols)).to(dev).double()
-            for width in ((1, 3) if quick else (1, 3, 8)):
-                x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
-                xa = quantize_activation(x)
-                want = xa.dequantize().to(dev) @ w.t()
-                names = [n for w in WIDTHS if w >= width for n in sweep(fmt, w, only)][:2 if quick else None]
-                for name in names:
-                    out = kernel(fmt)[1](raw, fmt, xa, rows, name)[:, pick]
-                    err = rel_err(out, want) if bool(torch.isfinite(out).all()) else float("inf")
-                    worst = max(worst, err)
-                    if err > 5e-3:
-                        log(f"check {fmt} {rows}x{cols} w{width} {name}: rel err {err:.2e} FAIL")
-            del w
-        passed = worst < 5e-3
-        ok &= passed
-        log(f"check rows {fmt}: worst rel err vs twin {worst:.2e} {'ok' if passed else 'FAIL'}")
-        log.record(kind="check", format=fmt, rel_err=worst, ok=passed)
-    return ok
+    """Every schedule (or those `only` names) vs the float64 twin."""
+    return check_gemvs(log, dev, "rows", formats, [(24, 1280)] if quick else CHECK_SHAPES,
+                       (1, 3) if quick else (1, 3, 8),
+                       lambda fmt, width: [n for w in WIDTHS if w >= width
+                                           for n in sweep(fmt, w, only)][:2 if quick else None],
+                       lambda raw, fmt, xa, rows, name: kernel(fmt)[1](raw, fmt, xa, rows, name))
 
 
 def time_all(log: Log, dev: torch.device, formats: list[str], floor: float, budget: float, t0: float,

@@ -32,6 +32,18 @@ def triton_on_cpu_env(monkeypatch):
     monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
 
 
+@pytest.fixture(autouse=True)
+def _seed_per_test(request):
+    """Each test draws from its own seed (its id, salted by NINFER_TEST_SEED): random inputs are the same run
+    after run whatever ran before, and `NINFER_TEST_SEED=n` re-rolls every test's inputs at once."""
+    import zlib
+
+    import torch
+
+    salt = os.environ.get("NINFER_TEST_SEED", "")
+    torch.manual_seed(zlib.crc32(f"{request.node.nodeid}{salt}".encode()))
+
+
 def gemv_case(fmt: str, rows: int, cols: int, width: int, seed: int):
     """Random valid GGUF rows of `fmt` and an activation `[width, cols]` with per-row spread, seeded."""
     import torch

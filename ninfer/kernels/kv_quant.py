@@ -12,13 +12,17 @@ Every dtype stores one token of one KV head as a fixed-size row of bytes, K part
 Codes come first within each half, then that half's scales; all multi-byte values little-endian. For head dim
 256: bf16 1024, int8 528, rk8v4 408, rk4v4 280 bytes (SPEC §5). Details (docs/engine.md has the page layout):
 
-* int8 group (64 values): scale = f16(max|x| / 127); code = clamp(round(x / scale), -127, 127).
-* int4 group (32 values): scale = f16(max|x| / 7); code = clamp(round(x / scale), -7, 7) + 8 in 0..15;
+* int8 group (64 values): scale = f16↑(max|x| / 127); code = round(x / scale) in -127..127.
+* int4 group (32 values): scale = f16↑(max|x| / 7); code = round(x / scale) + 8 in 0..15;
   value 2i sits in the low nibble of byte i, value 2i+1 in the high nibble.
 * 4-bit Lloyd–Max group (64 values): scale = f16(rms(x)); index = nearest of the 16 ascending levels of the
   Lloyd–Max quantiser for a unit Gaussian (`lloyd_max_gaussian_levels`); nibbles packed as int4.
 * "rotated" keys are k @ H with H the orthonormal Walsh–Hadamard matrix of size D (symmetric, H @ H = I);
   the query is rotated the same way, so q·k = (qH)·(kH) and decoded keys are never rotated back.
+
+f16↑ rounds up to the nearest f16 at or above the value: a scale rounded down would push max|x| past the top
+code (clamped, error up to a whole step where f16 is subnormal, below ~6e-5), and a zero scale would erase a
+small nonzero group. Rounded up, every error stays within half a step plus f16's quantum (2^-25).
 """
 
 from __future__ import annotations
@@ -150,6 +154,12 @@ def _unpack_nibbles(raw: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=-1).flatten(-2)
 
 
+def _f16_up(v: torch.Tensor) -> torch.Tensor:
+    """The smallest f16 >= v (v >= 0), as fp32; one more in the bit pattern is the next f16 up."""
+    h = v.to(torch.float16)
+    return torch.where(h.float() < v, (h.view(torch.int16) + 1).view(torch.float16), h).float()
+
+
 def _safe_div(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x / torch.where(scale == 0, torch.ones_like(scale), scale)
 
@@ -157,7 +167,7 @@ def _safe_div(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def encode_int8(x: torch.Tensor) -> torch.Tensor:
     """[..., D] -> [..., D + D/32] bytes: int8 codes then f16 scales per 64."""
     g = _groups(x, INT8_GROUP)
-    scale = (g.abs().amax(-1, keepdim=True) / 127).to(torch.float16).float()
+    scale = _f16_up(g.abs().amax(-1, keepdim=True) / 127)
     codes = torch.round(_safe_div(g, scale)).clamp(-127, 127).to(torch.int8)
     return torch.cat([codes.flatten(-2).view(torch.uint8), _f16_bytes(scale.squeeze(-1))], -1)
 
@@ -171,7 +181,7 @@ def decode_int8(raw: torch.Tensor, dim: int) -> torch.Tensor:
 def encode_int4(x: torch.Tensor) -> torch.Tensor:
     """[..., D] -> [..., D/2 + D/16] bytes: packed int4 codes (offset 8) then f16 scales per 32."""
     g = _groups(x, INT4_GROUP)
-    scale = (g.abs().amax(-1, keepdim=True) / 7).to(torch.float16).float()
+    scale = _f16_up(g.abs().amax(-1, keepdim=True) / 7)
     codes = torch.round(_safe_div(g, scale)).clamp(-7, 7) + 8
     return torch.cat([_pack_nibbles(codes.flatten(-2)), _f16_bytes(scale.squeeze(-1))], -1)
 

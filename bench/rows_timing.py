@@ -1,16 +1,19 @@
 """GPU check and timing of the coalesced-rows int8-activation GEMVs (ninfer/kernels/gemv_rows.py: q4_k, q5_k;
-gemv_rows_iq.py: iq3_s, iq4_xs) beside the q8 routes they replace (gemv_q8.py, gemv_q8_iq.py).
+gemv_rows_iq.py: iq3_s, iq4_xs) and the int8 tensor-core GEMM (gemv_mma.py: q4_k, q5_k at 2–16 columns) beside
+the q8 routes they replace (gemv_q8.py, gemv_q8_iq.py).
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD
     PYTHONUNBUFFERED=1 python3 bench/rows_timing.py --out $OUT [--budget 150]
+    python3 bench/rows_timing.py --out $OUT --only mma --widths 2,4,8,16   # the tensor-core tiles alone
     python bench/rows_timing.py --quick        # CPU: the checks on a tiny shape through Triton's interpreter
 
 Check: every schedule vs the float64 twin (the same int8 activation) on fresh random GGUF rows, 1040×5120 and
 17408×5120 (20 blocks per row: whole and partly masked steps), 1/3/8 columns. Timing: per 27B shape and
-width (1, 2, 4, 8), each schedule of that width inside one CUDA graph whose calls rotate over weight copies
-larger than 3× the L2 (`gpu_check.graph_us`; the activation quantised once, outside the graph), and the q8
-route (two 1-column calls at 2 columns, as quant_matmul runs it). Prints a table last.
+width (1, 2, 4, 8; 16 on request), each schedule serving that width (a tensor-core tile serves 2 up to its
+own) inside one CUDA graph whose calls rotate over weight copies larger than 3× the L2
+(`gpu_check.graph_us`; the activation quantised once, outside the graph), and the q8 route (two 1-column
+calls at 2 columns, as quant_matmul runs it; the default route above 8). Prints a table last.
 """
 
 from __future__ import annotations
@@ -28,38 +31,51 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_check import Log, check_gemvs, copy_bandwidth, graph_us, timing_session, weight_copies  # noqa: E402
+from ninfer.kernels import gemv_mma as mma_mod  # noqa: E402
 from ninfer.kernels import gemv_rows as rows_mod  # noqa: E402
 from ninfer.kernels import gemv_rows_iq as iq_mod  # noqa: E402
 from ninfer.kernels.gemv_q8 import gemv_q8, quantize_activation  # noqa: E402
 from ninfer.kernels.gemv_q8_iq import gemv_q8_iq  # noqa: E402
-from ninfer.kernels.gguf_matmul import default_schedule  # noqa: E402
+from ninfer.kernels.gguf_matmul import default_schedule, quant_matmul  # noqa: E402
 
 SHAPES = [(17408, 5120), (5120, 17408), (10240, 5120), (12288, 5120), (6144, 5120), (1024, 5120), (48, 5120)]
 CHECK_SHAPES = [(1040, 5120), (17408, 5120)]
 WIDTHS = (1, 2, 4, 8)
 
 
+def _k_quant_gemv(raw, fmt, xa, rows, name):
+    return (mma_mod.gemv_mma if name.startswith("mma") else rows_mod.gemv_rows)(raw, fmt, xa, rows, name)
+
+
 def kernel(fmt: str):
-    """(schedules, GEMV, route) of the rows kernel for a format: gemv_rows_iq for the i-quants."""
+    """(schedules, GEMV, route) of the rows kernel for a format: gemv_rows_iq for the i-quants; the k-quants
+    add the tensor-core schedules."""
     if fmt in iq_mod.IQ_ROWS_FORMATS:
         return iq_mod.SCHEDULES, iq_mod.gemv_rows_iq, iq_mod.rows_iq_route
-    return rows_mod.SCHEDULES, rows_mod.gemv_rows, rows_mod.rows_route
+    return {**rows_mod.SCHEDULES, **mma_mod.SCHEDULES}, _k_quant_gemv, rows_mod.rows_route
+
+
+def serves(s, width: int) -> bool:
+    """A rows tile serves its own width, a tensor-core tile every width from 2 to its own."""
+    return s.block_m == width or (s.kernel == "mma" and 2 <= width <= s.block_m)
 
 
 def sweep(fmt: str, width: int, only: str = "") -> list[str]:
-    """The schedules of a column tile, those whose name contains one of the comma-separated `only` parts."""
+    """The schedules for `width` columns whose names contain one of the comma-separated `only` parts."""
     parts = [p for p in only.split(",") if p]
     return [name for name, s in kernel(fmt)[0].items()
-            if s.block_m == width and (not parts or any(p in name for p in parts))]
+            if serves(s, width) and (not parts or any(p in name for p in parts))]
 
 
 def best_of(times: dict) -> str:
     return min(times, key=times.get)
 
 
-def q8_call(raw, fmt: str, xa, rows: int, cols: int):
-    """The q8 route as quant_matmul runs it (2 columns: two 1-column GEMVs)."""
+def q8_call(raw, fmt: str, xa, x, rows: int, cols: int):
+    """The q8 route as quant_matmul runs it (2 columns: two 1-column GEMVs; above 8 the default route)."""
     width = xa.q.shape[0]
+    if width > 8:
+        return lambda: quant_matmul(raw, fmt, x, rows)
     if fmt in iq_mod.IQ_ROWS_FORMATS:
         return lambda: gemv_q8_iq(raw, fmt, xa, rows, None)
     one = default_schedule(1, fmt, rows, cols, q8=True)
@@ -69,12 +85,16 @@ def q8_call(raw, fmt: str, xa, rows: int, cols: int):
     return lambda: gemv_q8(raw, fmt, xa, rows, s)
 
 
+def checked(fmt: str, width: int, only: str) -> list[str]:
+    """The schedules checked at `width` columns: every one serving that width or more."""
+    return list(dict.fromkeys(n for w in WIDTHS if w >= width for n in sweep(fmt, w, only)))
+
+
 def check(log: Log, dev: torch.device, quick: bool, formats: list[str], only: str = "") -> bool:
     """Every schedule (or those `only` names) vs the float64 twin."""
     return check_gemvs(log, dev, "rows", formats, [(24, 1280)] if quick else CHECK_SHAPES,
                        (1, 3) if quick else (1, 3, 8),
-                       lambda fmt, width: [n for w in WIDTHS if w >= width
-                                           for n in sweep(fmt, w, only)][:2 if quick else None],
+                       lambda fmt, width: checked(fmt, width, only)[:2 if quick else None],
                        lambda raw, fmt, xa, rows, name: kernel(fmt)[1](raw, fmt, xa, rows, name))
 
 
@@ -89,13 +109,14 @@ def time_all(log: Log, dev: torch.device, formats: list[str], floor: float, budg
             copies = weight_copies(fmt, rows, cols, dev, at_least=3)
             nbytes, n_copies = copies[0].numel(), len(copies)
             for width in widths:
-                xa = quantize_activation(torch.randn(width, cols, device=dev, dtype=torch.bfloat16))
+                x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
+                xa = quantize_activation(x)
                 _, gemv, route_of = kernel(fmt)
                 route = route_of(fmt, rows, cols, width)
                 names = dict.fromkeys(sweep(fmt, width, only) + ([route.name] if route else []))
                 times = {name: graph_us([lambda w=w, n=name, f=fmt, x=xa, r=rows, k=gemv: k(w, f, x, r, n)
                                          for w in copies]) for name in names}
-                q8_us = graph_us([q8_call(w, fmt, xa, rows, cols) for w in copies])
+                q8_us = graph_us([q8_call(w, fmt, xa, x, rows, cols) for w in copies])
                 route = route.name if route else best_of(times)
                 best = best_of(times)
                 us = times[best]
@@ -118,7 +139,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="only the checks on a tiny shape (CPU works)")
     ap.add_argument("--formats", default="q4_k,q5_k", help="formats to check")
     ap.add_argument("--time-formats", default="q4_k", help="formats to time")
-    ap.add_argument("--widths", default="1,2,4,8", help="column counts to time")
+    ap.add_argument("--widths", default="1,2,4,8", help="column counts to time (up to 16)")
     ap.add_argument("--only", default="", help="comma-separated parts of schedule names to check and time")
     ap.add_argument("--budget", type=float, default=150.0, help="stop timing new shapes after this many s")
     a = ap.parse_args(argv)

@@ -59,6 +59,26 @@ def test_rows_gemv_on_gpu(fmt):
             assert rel(gemv_rows(raw, fmt, xa, rows, name), want) < 5e-3, (rows, cols, name)  # bf16 output
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k"])
+def test_mma_gemm_on_gpu(fmt, monkeypatch):
+    """Every int8 tensor-core schedule vs the float64 twin at 2, 7 and 16 columns (rows past the tile,
+    split-K), and quant_matmul's NINFER_GEMV=mma route; bf16 output rounding bounds the error."""
+    from ninfer.kernels.gemv_mma import SCHEDULES, gemv_mma
+
+    for rows, cols in ((1040, 5120), (136, 17408)):
+        raw = random_gguf_weight(fmt, rows, cols, "cuda")
+        for width in (2, 7, 16):
+            x = torch.randn(width, cols, device="cuda", dtype=torch.bfloat16)
+            xa = quantize_activation_reference(x)
+            want = gemv_q8_reference(raw, fmt, xa, rows).cuda()
+            for name, s in SCHEDULES.items():
+                if width <= s.block_m:
+                    assert rel(gemv_mma(raw, fmt, xa, rows, name), want) < 5e-3, (rows, cols, name)
+            monkeypatch.setenv("NINFER_GEMV", "mma")
+            assert rel(quant_matmul(raw, fmt, x, rows), want) < 5e-3, (rows, cols, width)
+            monkeypatch.delenv("NINFER_GEMV")
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 def test_gdn_decode_on_gpu(state_dtype):
     B, T, Hk, Hv, D = 3, 4, 16, 48, 128

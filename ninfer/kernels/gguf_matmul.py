@@ -199,7 +199,13 @@ def q8_enabled() -> bool:
 def rows_enabled() -> bool:
     """The coalesced-rows GEMVs (gemv_rows.py, gemv_rows_iq.py) take decode where their routes say so, unless
     NINFER_GEMV is q8 or wv."""
-    return os.environ.get("NINFER_GEMV", "rows") == "rows"
+    return os.environ.get("NINFER_GEMV", "rows") in ("rows", "mma")
+
+
+def mma_enabled() -> bool:
+    """NINFER_GEMV=mma: the int8 tensor-core GEMM (gemv_mma.py, not yet timed on a GPU) takes q4_k / q5_k
+    decode at 2–16 columns, the rows routes the rest."""
+    return os.environ.get("NINFER_GEMV", "rows") == "mma"
 
 
 def default_schedule(columns: int, format: str = "q8_0", out_features: int = 4096,
@@ -851,6 +857,14 @@ def quant_matmul(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
+    if schedule is None and x.is_cuda and mma_enabled():  # 2-16 columns of q4_k / q5_k on int8 tensor cores
+        from ninfer.kernels.gemv_mma import gemv_mma, mma_route
+        from ninfer.kernels.gemv_q8 import quantize_activation_cached
+
+        tile = mma_route(format, out_features, in_features, M)
+        if tile is not None:
+            y = gemv_mma(raw, format, quantize_activation_cached(x), out_features, tile)
+            return y.reshape(*x.shape[:-1], out_features)
     q8 = schedule is None and x.is_cuda and q8_enabled()
     if q8 and format in IQ_Q8_ROUTE_FORMATS and M <= 8:  # gemv_q8_iq picks its own tile
         s = None

@@ -1,0 +1,208 @@
+"""Decode GEMM for 2–16 columns on int8 tensor cores ("mma"): GGUF k-quant codes × int8 activations.
+
+The dp4a kernels (`gemv_q8.py`, `gemv_rows.py`) pay one dp4a and one activation load per 4 weights and per
+column, so 8 columns cost 5–8× one column on the H200 (docs/gpu-notes.md, session 3) where the weight bytes
+are the same. Here a program decodes a `[BLOCK_N rows, 32 codes]` int8 tile of one sub-block once and
+multiplies it with the `[32, BLOCK_M columns]` int8 activation tile in one `tl.dot` (int32 accumulate:
+m16n8k32 / wgmma int8 on sm_80+), then applies the sub-block's weight scale and the activation's per-32
+scale to the int32 tile in fp32:
+
+    y[n, m] += d·sc_j[n] · (Σ_k q[n, k]·xq[m, k]) · xd_j[m] − dmin·mn_j[n] · xs_j[m]
+
+(xs = xd·Σxq, the min term of q4_k / q5_k). Columns cost tensor-core throughput and an fp32 epilogue per
+(row, column, sub-block), not a dp4a per 4 weights; the weight decode is shared by every column.
+
+Formats: q4_k, q5_k (sub-blocks of 32: low and high nibbles of a 32-byte qs run, q5_k's fifth bit from qh).
+The oracle is `gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation
+from ninfer.kernels.gguf_matmul import (
+    MatmulSchedule,
+    QuantKernelError,
+    _f16_lo,
+    _small_float,
+    check_weight,
+    triton_cdiv,
+)
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl
+from ninfer.quant.formats import GGUF_PREFIX
+
+MMA_FORMATS = ("q4_k", "q5_k")
+_FMT = {"q4_k": 4, "q5_k": 5}
+MAX_COLUMNS = 16
+
+
+@dataclass(frozen=True)
+class MmaSchedule(MatmulSchedule):
+    """`block_n` weight rows × `block_m` columns (8 or 16: n of the int8 mma) per program, split-K
+    over the row's super-blocks (fp32 atomics), evict-first weight loads where `evict_first`."""
+
+    evict_first: bool = False
+
+
+def _sched(block_n: int, block_m: int, num_warps: int, split_k: int = 1, stages: int = 1,
+           ef: bool = False) -> MmaSchedule:
+    name = (f"mma_n{block_n}_m{block_m}_w{num_warps}" + (f"_s{split_k}" if split_k > 1 else "")
+            + (f"_p{stages}" if stages > 1 else "") + ("_ef" if ef else ""))
+    return MmaSchedule(name, "mma", block_n, block_m, split_k=split_k, num_warps=num_warps, num_stages=stages,
+                       evict_first=ef)
+
+
+SCHEDULES: dict[str, MmaSchedule] = {
+    s.name: s
+    for s in (
+        # untimed (written without a GPU; bench/rows_timing.py --only mma sweeps them): 17408 rows / 64 =
+        # 272 programs ≈ 2 per SM; split-K fills the machine for the 5120-row shapes; m8 for ≤ 8 columns
+        _sched(64, 16, 4),
+        _sched(64, 8, 4),
+        _sched(64, 8, 4, ef=True),
+        _sched(128, 8, 4),
+        _sched(128, 16, 8),
+        _sched(64, 8, 4, split_k=2),
+        _sched(64, 16, 4, split_k=4),
+        _sched(32, 8, 2, split_k=2),
+        _sched(64, 8, 4, stages=3),
+        _sched(64, 16, 4, stages=3),
+        _sched(128, 8, 4, stages=3),
+    )
+}
+
+
+def mma_route(fmt: str, out_features: int, in_features: int, columns: int) -> MmaSchedule | None:
+    """The tensor-core schedule for a decode GEMM of 2–16 columns, None where the kernel does not apply.
+    Not yet timed on a GPU: taken only under NINFER_GEMV=mma (`gguf_matmul.mma_enabled`); in sm_90 builds
+    the 8-column tile costs 4.6 SASS instructions per weight and thread (any width ≤ 8), the 16-column 7.2."""
+    fmt = fmt.removeprefix(GGUF_PREFIX)
+    if fmt not in MMA_FORMATS or in_features % 256 or not 2 <= columns <= MAX_COLUMNS:
+        return None
+    return SCHEDULES["mma_n64_m8_w4" if columns <= 8 else "mma_n64_m16_w4"]
+
+
+if HAVE_TRITON:
+
+    @jit
+    def _wload(ptrs, EF: tl.constexpr):
+        if EF:
+            return tl.load(ptrs, eviction_policy="evict_first")
+        else:
+            return tl.load(ptrs)
+
+    @jit
+    def _nibbles(q, HIGH: tl.constexpr, EMULATE: tl.constexpr):
+        """The low (or high) nibbles of uint8 codes q as int8, four bytes per 32-bit operation (PTX on packed
+        registers: elementwise ops on 8-bit tensors would cost one instruction per byte)."""
+        if EMULATE:
+            return ((q >> (4 * HIGH)) & 0x0F).to(tl.int8)
+        elif HIGH:
+            return tl.inline_asm_elementwise("{ .reg .b32 t; shr.b32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
+                                             "=r,r", [q], dtype=tl.int8, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [q], dtype=tl.int8,
+                                             is_pure=True, pack=4)
+
+    @jit
+    def _fifth_bit(codes, qh, BIT: tl.constexpr, EMULATE: tl.constexpr):
+        """q5_k: codes | (bit BIT of the qh bytes) << 4, four bytes per operation."""
+        if EMULATE:
+            return codes | (((qh >> BIT) & 1) << 4).to(tl.int8)
+        else:
+            return tl.inline_asm_elementwise(
+                f"{{ .reg .b32 t; shr.b32 t, $2, {BIT}; and.b32 t, t, 0x01010101; shl.b32 t, t, 4; "
+                "or.b32 $0, $1, t; }", "=r,r,r", [codes, qh], dtype=tl.int8, is_pure=True, pack=4)
+
+    @jit
+    def _byte_float(word, i: tl.constexpr):
+        """float32 of byte i of an int32 word."""
+        return _small_float((word >> (8 * i)) & 0xFF)
+
+    @jit
+    def _mma_kernel(w_ptr, wh_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
+                    FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
+                    EF: tl.constexpr, EMULATE: tl.constexpr):
+        """One program: BLOCK_N rows × BLOCK_M columns over its split of the super-blocks. Rows and columns
+        past the end are clamped (they read the last one; their sums are not stored), so the loop has no
+        masks. Per (row, column, sub-block) the epilogue is one int→float conversion, one multiply by the
+        activation scale and one FMA by the weight scale; the min terms go to a second accumulator."""
+        WB: tl.constexpr = 144 if FMT == 4 else 176  # bytes per block
+        QS: tl.constexpr = 16 if FMT == 4 else 48  # first qs byte
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        nc = tl.minimum(n, N - 1).to(tl.int64)
+        mc = tl.minimum(m, M - 1).to(tl.int64)
+        k = tl.arange(0, 32)
+        w_at = w_ptr + nc[:, None] * row_bytes + k[None, :]  # [BLOCK_N, 32] bytes of a run
+        h_at = wh_ptr + nc * (row_bytes // 4)  # header words of each row
+        x_at = xq_ptr + mc[None, :] * K + k[:, None]  # [32, BLOCK_M] codes of a sub-block, k fastest
+        s_at = mc * (K // 32)
+        steps = K // 256
+        per_split = (steps + SPLIT_K - 1) // SPLIT_K
+        s0 = tl.program_id(2) * per_split
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        mins = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for blk in range(s0, tl.minimum(steps, s0 + per_split)):
+            wb = w_at + blk * WB
+            hb = h_at + blk * (WB // 4)
+            h0 = _wload(hb, EF)
+            h1 = _wload(hb + 1, EF)
+            h2 = _wload(hb + 2, EF)
+            h3 = _wload(hb + 3, EF)
+            d = _f16_lo(h0)
+            dmin = _f16_lo(h0 >> 16)
+            # the 6-bit scales and mins of sub-blocks 0-3 and 4-7, one byte each, four per word
+            sc_words = (h1 & 0x3F3F3F3F, (h3 & 0x0F0F0F0F) | ((h1 >> 2) & 0x30303030))
+            mn_words = (h2 & 0x3F3F3F3F, ((h3 >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030))
+            if FMT == 5:
+                qh = _wload(wb + 16, EF)
+            for c in tl.static_range(4):
+                q = _wload(wb + (QS + 32 * c), EF)
+                for half in tl.static_range(2):
+                    codes = _nibbles(q, half, EMULATE)
+                    if FMT == 5:
+                        codes = _fifth_bit(codes, qh, 2 * c + half, EMULATE)
+                    xt = tl.load(x_at + (blk * 256 + 64 * c + 32 * half))
+                    dot = tl.dot(codes, xt, out_dtype=tl.int32)
+                    sc = _byte_float(sc_words[c // 2], (2 * c + half) % 4)
+                    mn = _byte_float(mn_words[c // 2], (2 * c + half) % 4)
+                    xd = tl.load(xd_ptr + s_at + (blk * 8 + 2 * c + half))
+                    xs = tl.load(xs_ptr + s_at + (blk * 8 + 2 * c + half))
+                    acc += (dot.to(tl.float32) * xd[None, :]) * (d * sc)[:, None]
+                    mins += (dmin * mn)[:, None] * xs[None, :]
+        acc -= mins
+        mo = m[None, :]
+        no = n[:, None]
+        ptrs = y_ptr + mo * stride_ym + no
+        mask = (mo < M) & (no < N)
+        if SPLIT_K == 1:
+            tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(ptrs, acc, mask=mask)
+
+
+def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
+             schedule: MmaSchedule | str) -> torch.Tensor:
+    """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, q4_k
+    or q5_k) and xa the int8 activation; the kernel runs on `raw`'s device (CUDA, or CPU under the
+    interpreter)."""
+    format = format.removeprefix(GGUF_PREFIX)
+    s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+    n, k = xa.q.shape
+    check_weight(raw, format, out_features, k)
+    if format not in MMA_FORMATS:
+        raise QuantKernelError(f"schedule {s.name} (int8 tensor-core GEMM) supports "
+                               f"{', '.join(MMA_FORMATS)}, not {format}; pick a rows_* or q8_* schedule")
+    partial = s.split_k > 1
+    y = (torch.zeros if partial else torch.empty)(
+        (n, out_features), dtype=torch.float32 if partial else xa.dtype, device=raw.device)
+    launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
+    extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}
+    _mma_kernel[launch](raw, raw.view(torch.int32), xa.q, xa.d, xa.s, y, out_features, k, n, raw.shape[1],
+                        y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m,
+                        SPLIT_K=s.split_k, EF=s.evict_first, EMULATE=EMULATE_DP4A, **extra)
+    return y.to(xa.dtype)

@@ -43,16 +43,18 @@ CHECK_SHAPES = [(1040, 5120), (17408, 5120)]
 WIDTHS = (1, 2, 4, 8)
 
 
-def _k_quant_gemv(raw, fmt, xa, rows, name):
-    return (mma_mod.gemv_mma if name.startswith("mma") else rows_mod.gemv_rows)(raw, fmt, xa, rows, name)
-
-
 def kernel(fmt: str):
-    """(schedules, GEMV, route) of the rows kernel for a format: gemv_rows_iq for the i-quants; the k-quants
-    add the tensor-core schedules."""
-    if fmt in iq_mod.IQ_ROWS_FORMATS:
-        return iq_mod.SCHEDULES, iq_mod.gemv_rows_iq, iq_mod.rows_iq_route
-    return {**rows_mod.SCHEDULES, **mma_mod.SCHEDULES}, _k_quant_gemv, rows_mod.rows_route
+    """(schedules, GEMV, route) of the rows kernel for a format (gemv_rows_iq for the i-quants), with the
+    tensor-core schedules where gemv_mma takes the format."""
+    iq = fmt in iq_mod.IQ_ROWS_FORMATS
+    rows_gemv = iq_mod.gemv_rows_iq if iq else rows_mod.gemv_rows
+    mma = mma_mod.SCHEDULES if fmt in mma_mod.MMA_FORMATS else {}
+
+    def gemv(raw, fmt, xa, rows, name):
+        return (mma_mod.gemv_mma if name in mma else rows_gemv)(raw, fmt, xa, rows, name)
+
+    return ({**(iq_mod.SCHEDULES if iq else rows_mod.SCHEDULES), **mma}, gemv,
+            iq_mod.rows_iq_route if iq else rows_mod.rows_route)
 
 
 def serves(s, width: int) -> bool:

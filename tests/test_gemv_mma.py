@@ -1,4 +1,4 @@
-"""int8 tensor-core decode GEMM (q4_k, q5_k, 2–16 columns) vs its float64 twin (Triton interpreter, CPU)."""
+"""int8 tensor-core decode GEMM (q4_k, q5_k, iq3_s; 2–16 columns) vs its float64 twin (interpreter, CPU)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_mma_route_and_errors():
     assert mma_route("gguf_q4_k", 17408, 5120, 4).name in SCHEDULES
     assert all(mma_route("q5_k", 5120, 17408, m).block_m >= m for m in range(2, MAX_COLUMNS + 1))
     assert mma_route("q4_k", 17408, 5120, 1) is None  # one column: the rows GEMV
-    assert mma_route("iq3_s", 17408, 5120, 4) is None
+    assert mma_route("iq4_xs", 17408, 5120, 4) is None
     assert mma_route("q4_k", 17408, 5120, MAX_COLUMNS + 1) is None
     raw, x = gemv_case("q6_k", 4, 256, 2, seed=3)
     with pytest.raises(NinferError, match="tensor-core"):

@@ -1,4 +1,4 @@
-"""Decode GEMM for 2–16 columns on int8 tensor cores ("mma"): GGUF k-quant codes × int8 activations.
+"""Decode GEMM for 2–16 columns on int8 tensor cores ("mma"): GGUF codes × int8 activations.
 
 The dp4a kernels (`gemv_q8.py`, `gemv_rows.py`) pay one dp4a and one activation load per 4 weights and per
 column, so 8 columns cost 5–8× one column on the H200 (docs/gpu-notes.md, session 3) where the weight bytes
@@ -12,7 +12,11 @@ scale to the int32 tile in fp32:
 (xs = xd·Σxq, the min term of q4_k / q5_k). Columns cost tensor-core throughput and an fp32 epilogue per
 (row, column, sub-block), not a dp4a per 4 weights; the weight decode is shared by every column.
 
-Formats: q4_k, q5_k (sub-blocks of 32: low and high nibbles of a 32-byte qs run, q5_k's fifth bit from qh).
+Formats: q4_k, q5_k (sub-blocks of 32: low and high nibbles of a 32-byte qs run, q5_k's fifth bit from qh,
+unpacked four bytes per PTX operation) and iq3_s (8 grid words of 4 magnitudes per sub-block, signs applied,
+expanded to bytes: v1, elementwise per byte). Not yet timed on a GPU; sm_90 builds (`tl.dot` → IGMMA
+64x8x32 / 64x16x32), SASS instructions per weight and thread: q4_k 4.6 (8-column tile) / 7.2 (16), q5_k 5.5
+/ 7.9, iq3_s 10.7 / 11.7 (layout conversions of the byte expansion through shared memory).
 The oracle is `gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
 """
 
@@ -28,14 +32,15 @@ from ninfer.kernels.gguf_matmul import (
     QuantKernelError,
     _f16_lo,
     _small_float,
+    _tables,
     check_weight,
     triton_cdiv,
 )
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl
 from ninfer.quant.formats import GGUF_PREFIX
 
-MMA_FORMATS = ("q4_k", "q5_k")
-_FMT = {"q4_k": 4, "q5_k": 5}
+MMA_FORMATS = ("q4_k", "q5_k", "iq3_s")
+_FMT = {"q4_k": 4, "q5_k": 5, "iq3_s": 33}
 MAX_COLUMNS = 16
 
 
@@ -77,8 +82,7 @@ SCHEDULES: dict[str, MmaSchedule] = {
 
 def mma_route(fmt: str, out_features: int, in_features: int, columns: int) -> MmaSchedule | None:
     """The tensor-core schedule for a decode GEMM of 2–16 columns, None where the kernel does not apply.
-    Not yet timed on a GPU: taken only under NINFER_GEMV=mma (`gguf_matmul.mma_enabled`); in sm_90 builds
-    the 8-column tile costs 4.6 SASS instructions per weight and thread (any width ≤ 8), the 16-column 7.2."""
+    Not yet timed on a GPU: taken only under NINFER_GEMV=mma (`gguf_matmul.mma_enabled`)."""
     fmt = fmt.removeprefix(GGUF_PREFIX)
     if fmt not in MMA_FORMATS or in_features % 256 or not 2 <= columns <= MAX_COLUMNS:
         return None
@@ -123,22 +127,37 @@ if HAVE_TRITON:
         return _small_float((word >> (8 * i)) & 0xFF)
 
     @jit
-    def _mma_kernel(w_ptr, wh_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
+    def _iq3s_codes(rb, g: tl.constexpr, grid_ptr, BLOCK_N: tl.constexpr):
+        """The signed codes of iq3_s sub-block g as an int8 `[BLOCK_N, 32]` tile (rb: each row's block start,
+        bytes): 8 grid words of 4 magnitudes (qs byte + a qh bit as the 9-bit index), one sign bit each."""
+        l8 = tl.arange(0, 8)
+        e4 = tl.arange(0, 4)[None, None, :]
+        qs = tl.load(rb[:, None] + (2 + 8 * g) + l8[None, :]).to(tl.int32)
+        qh = tl.load(rb + (66 + g)).to(tl.int32)
+        words = tl.load(grid_ptr + (qs | (((qh[:, None] >> l8[None, :]) & 1) << 8)))  # [BLOCK_N, 8]
+        signs = tl.load(rb[:, None] + (74 + 4 * g) + l8[None, :] // 2).to(tl.int32)
+        mag = (words[:, :, None] >> (8 * e4)) & 0xFF
+        neg = (signs[:, :, None] >> ((l8 % 2) * 4)[None, :, None] + e4) & 1
+        return tl.reshape(tl.where(neg != 0, -mag, mag).to(tl.int8), [BLOCK_N, 32])
+
+    @jit
+    def _mma_kernel(w_ptr, wh_ptr, grid_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
                     FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
                     EF: tl.constexpr, EMULATE: tl.constexpr):
         """One program: BLOCK_N rows × BLOCK_M columns over its split of the super-blocks. Rows and columns
         past the end are clamped (they read the last one; their sums are not stored), so the loop has no
         masks. Per (row, column, sub-block) the epilogue is one int→float conversion, one multiply by the
-        activation scale and one FMA by the weight scale; the min terms go to a second accumulator."""
-        WB: tl.constexpr = 144 if FMT == 4 else 176  # bytes per block
-        QS: tl.constexpr = 16 if FMT == 4 else 48  # first qs byte
+        activation scale and one FMA by the weight scale; the k-quant min terms go to a second accumulator.
+        FMT 4 / 5: q4_k / q5_k (wh_ptr the weight as int32 words); 33: iq3_s (grid_ptr its 512 words)."""
+        WB: tl.constexpr = 144 if FMT == 4 else (176 if FMT == 5 else 110)  # bytes per block
+        QS: tl.constexpr = 16 if FMT == 4 else 48  # first qs byte (k-quants)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         nc = tl.minimum(n, N - 1).to(tl.int64)
         mc = tl.minimum(m, M - 1).to(tl.int64)
         k = tl.arange(0, 32)
         w_at = w_ptr + nc[:, None] * row_bytes + k[None, :]  # [BLOCK_N, 32] bytes of a run
-        h_at = wh_ptr + nc * (row_bytes // 4)  # header words of each row
+        h_at = wh_ptr + nc * (row_bytes // 4)  # header words of each row (k-quants)
         x_at = xq_ptr + mc[None, :] * K + k[:, None]  # [32, BLOCK_M] codes of a sub-block, k fastest
         s_at = mc * (K // 32)
         steps = K // 256
@@ -147,33 +166,44 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         mins = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for blk in range(s0, tl.minimum(steps, s0 + per_split)):
-            wb = w_at + blk * WB
-            hb = h_at + blk * (WB // 4)
-            h0 = _wload(hb, EF)
-            h1 = _wload(hb + 1, EF)
-            h2 = _wload(hb + 2, EF)
-            h3 = _wload(hb + 3, EF)
-            d = _f16_lo(h0)
-            dmin = _f16_lo(h0 >> 16)
-            # the 6-bit scales and mins of sub-blocks 0-3 and 4-7, one byte each, four per word
-            sc_words = (h1 & 0x3F3F3F3F, (h3 & 0x0F0F0F0F) | ((h1 >> 2) & 0x30303030))
-            mn_words = (h2 & 0x3F3F3F3F, ((h3 >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030))
-            if FMT == 5:
-                qh = _wload(wb + 16, EF)
-            for c in tl.static_range(4):
-                q = _wload(wb + (QS + 32 * c), EF)
-                for half in tl.static_range(2):
-                    codes = _nibbles(q, half, EMULATE)
-                    if FMT == 5:
-                        codes = _fifth_bit(codes, qh, 2 * c + half, EMULATE)
-                    xt = tl.load(x_at + (blk * 256 + 64 * c + 32 * half))
-                    dot = tl.dot(codes, xt, out_dtype=tl.int32)
-                    sc = _byte_float(sc_words[c // 2], (2 * c + half) % 4)
-                    mn = _byte_float(mn_words[c // 2], (2 * c + half) % 4)
-                    xd = tl.load(xd_ptr + s_at + (blk * 8 + 2 * c + half))
-                    xs = tl.load(xs_ptr + s_at + (blk * 8 + 2 * c + half))
-                    acc += (dot.to(tl.float32) * xd[None, :]) * (d * sc)[:, None]
-                    mins += (dmin * mn)[:, None] * xs[None, :]
+            if FMT == 33:
+                rb = w_ptr + nc * row_bytes + blk * WB
+                d = (tl.load(rb).to(tl.uint16) | (tl.load(rb + 1).to(tl.uint16) << 8)).to(
+                    tl.float16, bitcast=True).to(tl.float32)
+                for g in tl.static_range(8):
+                    codes = _iq3s_codes(rb, g, grid_ptr, BLOCK_N)
+                    dot = tl.dot(codes, tl.load(x_at + (blk * 256 + 32 * g)), out_dtype=tl.int32)
+                    nib = (tl.load(rb + (106 + g // 2)).to(tl.int32) >> (4 * (g % 2))) & 0xF
+                    xd = tl.load(xd_ptr + s_at + (blk * 8 + g))
+                    acc += (dot.to(tl.float32) * xd[None, :]) * (d * (2 * nib + 1).to(tl.float32))[:, None]
+            else:
+                wb = w_at + blk * WB
+                hb = h_at + blk * (WB // 4)
+                h0 = _wload(hb, EF)
+                h1 = _wload(hb + 1, EF)
+                h2 = _wload(hb + 2, EF)
+                h3 = _wload(hb + 3, EF)
+                d = _f16_lo(h0)
+                dmin = _f16_lo(h0 >> 16)
+                # the 6-bit scales and mins of sub-blocks 0-3 and 4-7, one byte each, four per word
+                sc_words = (h1 & 0x3F3F3F3F, (h3 & 0x0F0F0F0F) | ((h1 >> 2) & 0x30303030))
+                mn_words = (h2 & 0x3F3F3F3F, ((h3 >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030))
+                if FMT == 5:
+                    qh = _wload(wb + 16, EF)
+                for c in tl.static_range(4):
+                    q = _wload(wb + (QS + 32 * c), EF)
+                    for half in tl.static_range(2):
+                        codes = _nibbles(q, half, EMULATE)
+                        if FMT == 5:
+                            codes = _fifth_bit(codes, qh, 2 * c + half, EMULATE)
+                        xt = tl.load(x_at + (blk * 256 + 64 * c + 32 * half))
+                        dot = tl.dot(codes, xt, out_dtype=tl.int32)
+                        sc = _byte_float(sc_words[c // 2], (2 * c + half) % 4)
+                        mn = _byte_float(mn_words[c // 2], (2 * c + half) % 4)
+                        xd = tl.load(xd_ptr + s_at + (blk * 8 + 2 * c + half))
+                        xs = tl.load(xs_ptr + s_at + (blk * 8 + 2 * c + half))
+                        acc += (dot.to(tl.float32) * xd[None, :]) * (d * sc)[:, None]
+                        mins += (dmin * mn)[:, None] * xs[None, :]
         acc -= mins
         mo = m[None, :]
         no = n[:, None]
@@ -187,8 +217,8 @@ if HAVE_TRITON:
 
 def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
              schedule: MmaSchedule | str) -> torch.Tensor:
-    """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, q4_k
-    or q5_k) and xa the int8 activation; the kernel runs on `raw`'s device (CUDA, or CPU under the
+    """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, q4_k,
+    q5_k or iq3_s) and xa the int8 activation; the kernel runs on `raw`'s device (CUDA, or CPU under the
     interpreter)."""
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
@@ -202,7 +232,8 @@ def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featur
         (n, out_features), dtype=torch.float32 if partial else xa.dtype, device=raw.device)
     launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
     extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}
-    _mma_kernel[launch](raw, raw.view(torch.int32), xa.q, xa.d, xa.s, y, out_features, k, n, raw.shape[1],
-                        y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m,
+    words = raw if format == "iq3_s" else raw.view(torch.int32)  # iq3_s blocks are only 2-byte aligned
+    _mma_kernel[launch](raw, words, _tables(raw.device)[1], xa.q, xa.d, xa.s, y, out_features, k, n,
+                        raw.shape[1], y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m,
                         SPLIT_K=s.split_k, EF=s.evict_first, EMULATE=EMULATE_DP4A, **extra)
     return y.to(xa.dtype)

@@ -203,8 +203,8 @@ def rows_enabled() -> bool:
 
 
 def mma_enabled() -> bool:
-    """NINFER_GEMV=mma: the int8 tensor-core GEMM (gemv_mma.py, not yet timed on a GPU) takes q4_k / q5_k
-    decode at 2–16 columns, the rows routes the rest."""
+    """NINFER_GEMV=mma: the int8 tensor-core GEMM (gemv_mma.py, not yet timed on a GPU) takes q4_k, q5_k
+    and iq3_s decode at 2–16 columns, the rows routes the rest."""
     return os.environ.get("NINFER_GEMV", "rows") == "mma"
 
 
@@ -857,7 +857,7 @@ def quant_matmul(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    if schedule is None and x.is_cuda and mma_enabled():  # 2-16 columns of q4_k / q5_k on int8 tensor cores
+    if schedule is None and x.is_cuda and mma_enabled():  # 2-16 columns on int8 tensor cores
         from ninfer.kernels.gemv_mma import gemv_mma, mma_route
         from ninfer.kernels.gemv_q8 import quantize_activation_cached
 

@@ -53,8 +53,8 @@ def kernel(fmt: str):
     def gemv(raw, fmt, xa, rows, name):
         return (mma_mod.gemv_mma if name in mma else rows_gemv)(raw, fmt, xa, rows, name)
 
-    return ({**(iq_mod.SCHEDULES if iq else rows_mod.SCHEDULES), **mma}, gemv,
-            iq_mod.rows_iq_route if iq else rows_mod.rows_route)
+    rows = iq_mod.SCHEDULES if iq else rows_mod.SCHEDULES if fmt in rows_mod.ROWS_FORMATS else {}
+    return {**rows, **mma}, gemv, iq_mod.rows_iq_route if iq else rows_mod.rows_route
 
 
 def serves(s, width: int) -> bool:

@@ -1,4 +1,4 @@
-"""int8 tensor-core decode GEMM (q4_k, q5_k, iq3_s; 2–16 columns) vs its float64 twin (interpreter, CPU)."""
+"""int8 tensor-core decode GEMM (q4_k, q5_k, q6_k, iq3_s; 2–16 columns) vs its float64 twin (interpreter)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,6 @@ def test_mma_route_and_errors():
     assert mma_route("q4_k", 17408, 5120, 1) is None  # one column: the rows GEMV
     assert mma_route("iq4_xs", 17408, 5120, 4) is None
     assert mma_route("q4_k", 17408, 5120, MAX_COLUMNS + 1) is None
-    raw, x = gemv_case("q6_k", 4, 256, 2, seed=3)
+    raw, x = gemv_case("iq4_xs", 4, 256, 2, seed=3)
     with pytest.raises(NinferError, match="tensor-core"):
-        gemv_mma(raw, "q6_k", quantize_activation(x), 4, "mma_n64_m8_w4")
+        gemv_mma(raw, "iq4_xs", quantize_activation(x), 4, "mma_n64_m8_w4")

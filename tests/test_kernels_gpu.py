@@ -59,7 +59,7 @@ def test_rows_gemv_on_gpu(fmt):
             assert rel(gemv_rows(raw, fmt, xa, rows, name), want) < 5e-3, (rows, cols, name)  # bf16 output
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "iq3_s"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "iq3_s"])
 def test_mma_gemm_on_gpu(fmt, monkeypatch):
     """Every int8 tensor-core schedule vs the float64 twin at 2, 7 and 16 columns (rows past the tile,
     split-K), and quant_matmul's NINFER_GEMV=mma route; bf16 output rounding bounds the error."""

@@ -13,10 +13,12 @@ scale to the int32 tile in fp32:
 (row, column, sub-block), not a dp4a per 4 weights; the weight decode is shared by every column.
 
 Formats: q4_k, q5_k (sub-blocks of 32: low and high nibbles of a 32-byte qs run, q5_k's fifth bit from qh,
-unpacked four bytes per PTX operation) and iq3_s (8 grid words of 4 magnitudes per sub-block, signs applied,
-expanded to bytes: v1, elementwise per byte). Not yet timed on a GPU; sm_90 builds (`tl.dot` → IGMMA
-64x8x32 / 64x16x32), SASS instructions per weight and thread: q4_k 4.6 (8-column tile) / 7.2 (16), q5_k 5.5
-/ 7.9, iq3_s 10.7 / 11.7 (layout conversions of the byte expansion through shared memory).
+unpacked four bytes per PTX operation), q6_k (6-bit codes − 32 built four bytes per operation; its scales
+cover 16 codes, so each sub-block takes two dots, the activation tile's other half zeroed) and iq3_s (8 grid
+words of 4 magnitudes per sub-block, signs applied, expanded to bytes: v1, elementwise per byte). Not yet
+timed on a GPU; sm_90 builds (`tl.dot` → IGMMA 64x8x32 / 64x16x32), SASS instructions per weight and
+thread: q4_k 4.6 (8-column tile) / 7.2 (16), q5_k 5.5 / 7.9, q6_k 8.3 / 11.2, iq3_s 10.7 / 11.7 (layout
+conversions of the byte expansion through shared memory).
 The oracle is `gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
 """
 
@@ -39,9 +41,10 @@ from ninfer.kernels.gguf_matmul import (
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl
 from ninfer.quant.formats import GGUF_PREFIX
 
-MMA_FORMATS = ("q4_k", "q5_k", "iq3_s")
-_FMT = {"q4_k": 4, "q5_k": 5, "iq3_s": 33}
+MMA_FORMATS = ("q4_k", "q5_k", "q6_k", "iq3_s")
+_FMT = {"q4_k": 4, "q5_k": 5, "q6_k": 6, "iq3_s": 33}
 MAX_COLUMNS = 16
+_HEADER_WORD = {"q4_k": torch.int32, "q5_k": torch.int32, "q6_k": torch.int16}
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,21 @@ if HAVE_TRITON:
                 "or.b32 $0, $1, t; }", "=r,r,r", [codes, qh], dtype=tl.int8, is_pure=True, pack=4)
 
     @jit
+    def _q6k_codes(ql, qh, NIB: tl.constexpr, SHIFT: tl.constexpr, EMULATE: tl.constexpr):
+        """q6_k: the signed codes (nibble NIB of ql | 2 bits of qh at SHIFT << 4) − 32 as int8, four bytes
+        per operation: for a 6-bit code c, c − 32 is c & 31 where bit 5 is set, else c | 0xE0."""
+        if EMULATE:
+            code = ((ql >> (4 * NIB)) & 0x0F) | (((qh >> SHIFT) & 3) << 4)
+            return (code.to(tl.int32) - 32).to(tl.int8)
+        else:
+            return tl.inline_asm_elementwise(
+                f"{{ .reg .b32 a, b; shr.b32 a, $1, {4 * NIB}; and.b32 a, a, 0x0F0F0F0F; "
+                f"shr.b32 b, $2, {SHIFT}; and.b32 b, b, 0x03030303; shl.b32 b, b, 4; or.b32 a, a, b; "
+                "not.b32 b, a; shr.b32 b, b, 5; and.b32 b, b, 0x01010101; mul.lo.u32 b, b, 0xE0; "
+                "and.b32 a, a, 0x1F1F1F1F; or.b32 $0, a, b; }",
+                "=r,r,r", [ql, qh], dtype=tl.int8, is_pure=True, pack=4)
+
+    @jit
     def _byte_float(word, i: tl.constexpr):
         """float32 of byte i of an int32 word."""
         return _small_float((word >> (8 * i)) & 0xFF)
@@ -148,8 +166,10 @@ if HAVE_TRITON:
         past the end are clamped (they read the last one; their sums are not stored), so the loop has no
         masks. Per (row, column, sub-block) the epilogue is one int→float conversion, one multiply by the
         activation scale and one FMA by the weight scale; the k-quant min terms go to a second accumulator.
-        FMT 4 / 5: q4_k / q5_k (wh_ptr the weight as int32 words); 33: iq3_s (grid_ptr its 512 words)."""
-        WB: tl.constexpr = 144 if FMT == 4 else (176 if FMT == 5 else 110)  # bytes per block
+        FMT 4 / 5: q4_k / q5_k (wh_ptr the weight as int32 words); 6: q6_k (wh_ptr as int16); 33: iq3_s
+        (grid_ptr its 512 words)."""
+        # bytes per block
+        WB: tl.constexpr = 144 if FMT == 4 else (176 if FMT == 5 else (210 if FMT == 6 else 110))
         QS: tl.constexpr = 16 if FMT == 4 else 48  # first qs byte (k-quants)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -166,7 +186,29 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         mins = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for blk in range(s0, tl.minimum(steps, s0 + per_split)):
-            if FMT == 33:
+            if FMT == 6:
+                wb = w_at + blk * WB
+                hb = wh_ptr + nc * (row_bytes // 2) + blk * (WB // 2)  # int16 view (2-byte aligned blocks)
+                d = tl.load(hb + 104).to(tl.float16, bitcast=True).to(tl.float32)
+                sb = w_ptr + nc * row_bytes + blk * WB + 192  # 16 signed scales, one per 16 codes
+                for h in tl.static_range(2):
+                    qh = tl.load(wb + (128 + 32 * h))
+                    for r in tl.static_range(2):
+                        ql = tl.load(wb + (64 * h + 32 * r))
+                        for nib in tl.static_range(2):
+                            # sub-block j = 4h + q of quarter q = 2·nib + r: ql run r, nibble nib, qh bits 2q
+                            codes = _q6k_codes(ql, qh, nib, 2 * (2 * nib + r), EMULATE)
+                            xt = tl.load(x_at + (blk * 256 + 32 * (4 * h + 2 * nib + r)))
+                            first = k[:, None] < 16  # the two halves have their own scales: two dots
+                            lo = tl.dot(codes, tl.where(first, xt, 0), out_dtype=tl.int32)
+                            hi = tl.dot(codes, tl.where(first, 0, xt), out_dtype=tl.int32)
+                            j2 = 2 * (4 * h + 2 * nib + r)
+                            sc_lo = tl.load(sb + j2).to(tl.int8).to(tl.float32)
+                            sc_hi = tl.load(sb + (j2 + 1)).to(tl.int8).to(tl.float32)
+                            xd = tl.load(xd_ptr + s_at + (blk * 8 + 4 * h + 2 * nib + r))
+                            part = lo.to(tl.float32) * sc_lo[:, None] + hi.to(tl.float32) * sc_hi[:, None]
+                            acc += (part * xd[None, :]) * d[:, None]
+            elif FMT == 33:
                 rb = w_ptr + nc * row_bytes + blk * WB
                 d = (tl.load(rb).to(tl.uint16) | (tl.load(rb + 1).to(tl.uint16) << 8)).to(
                     tl.float16, bitcast=True).to(tl.float32)
@@ -232,7 +274,8 @@ def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featur
         (n, out_features), dtype=torch.float32 if partial else xa.dtype, device=raw.device)
     launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
     extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}
-    words = raw if format == "iq3_s" else raw.view(torch.int32)  # iq3_s blocks are only 2-byte aligned
+    # header words: int32 for q4_k / q5_k, int16 for q6_k (2-byte aligned blocks), unused by iq3_s
+    words = raw.view(_HEADER_WORD.get(format, torch.uint8))
     _mma_kernel[launch](raw, words, _tables(raw.device)[1], xa.q, xa.d, xa.s, y, out_features, k, n,
                         raw.shape[1], y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m,
                         SPLIT_K=s.split_k, EF=s.evict_first, EMULATE=EMULATE_DP4A, **extra)

@@ -203,8 +203,8 @@ def rows_enabled() -> bool:
 
 
 def mma_enabled() -> bool:
-    """NINFER_GEMV=mma: the int8 tensor-core GEMM (gemv_mma.py, not yet timed on a GPU) takes q4_k, q5_k
-    and iq3_s decode at 2–16 columns, the rows routes the rest."""
+    """NINFER_GEMV=mma: the int8 tensor-core GEMM (gemv_mma.py, not yet timed on a GPU) takes q4_k, q5_k,
+    q6_k and iq3_s decode at 2–16 columns, the rows routes the rest."""
     return os.environ.get("NINFER_GEMV", "rows") == "mma"
 
 

@@ -101,9 +101,9 @@ def check(log: Log, dev: torch.device, quick: bool, formats: list[str], only: st
 
 
 def time_all(log: Log, dev: torch.device, formats: list[str], floor: float, budget: float, t0: float,
-             widths=WIDTHS, only: str = "") -> list:
+             widths=WIDTHS, only: str = "", shapes=SHAPES) -> list:
     table = []
-    for rows, cols in SHAPES:
+    for rows, cols in shapes:
         for fmt in formats:
             if time.time() - t0 > budget:
                 log(f"budget of {budget:.0f} s spent: {fmt} {rows}x{cols} and later shapes not timed")
@@ -143,6 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time-formats", default="q4_k", help="formats to time")
     ap.add_argument("--widths", default="1,2,4,8", help="column counts to time (up to 16)")
     ap.add_argument("--only", default="", help="comma-separated parts of schedule names to check and time")
+    ap.add_argument("--shapes", default="", help="rows x columns to time, e.g. 248320x5120,17408x5120 "
+                    "(default: the 27B layer shapes; 248320x5120 is the output head)")
     ap.add_argument("--budget", type=float, default=150.0, help="stop timing new shapes after this many s")
     a = ap.parse_args(argv)
     t0 = time.time()
@@ -154,8 +156,9 @@ def main(argv=None) -> int:
         log(f"checks {'passed' if ok else 'FAILED'}")
         return 0 if ok else 1
     floor = copy_bandwidth(log, dev)
+    shapes = [tuple(int(v) for v in p.split("x")) for p in a.shapes.split(",") if p] or SHAPES
     table = time_all(log, dev, a.time_formats.split(","), floor, a.budget, t0,
-                     [int(w) for w in a.widths.split(",")], a.only)
+                     [int(w) for w in a.widths.split(",")], a.only, shapes)
     log.save()
     print(f"\n==== rows GEMV (checks {'passed' if ok else 'FAILED'}; copy {floor:.2f} TB/s) ====")
     print("| format | shape | cols | best schedule | µs | TB/s | % copy | route µs (sched) | q8 route µs |")

@@ -4,8 +4,8 @@ The dp4a kernels (`gemv_q8.py`, `gemv_rows.py`) pay one dp4a and one activation 
 column, so 8 columns cost 5–8× one column on the H200 (docs/gpu-notes.md, session 3) where the weight bytes
 are the same. Here a program decodes a `[BLOCK_N rows, 32 codes]` int8 tile of one sub-block once and
 multiplies it with the `[32, BLOCK_M columns]` int8 activation tile in one `tl.dot` (int32 accumulate:
-m16n8k32 / wgmma int8 on sm_80+), then applies the sub-block's weight scale and the activation's per-32
-scale to the int32 tile in fp32:
+mma.sync m16n8k32 on sm_80+, wgmma on sm_90), then applies the sub-block's weight scale and the activation's
+per-32 scale to the int32 tile in fp32:
 
     y[n, m] += d·sc_j[n] · (Σ_k q[n, k]·xq[m, k]) · xd_j[m] − dmin·mn_j[n] · xs_j[m]
 
@@ -93,13 +93,7 @@ def mma_route(fmt: str, out_features: int, in_features: int, columns: int) -> Mm
 
 
 if HAVE_TRITON:
-
-    @jit
-    def _wload(ptrs, EF: tl.constexpr):
-        if EF:
-            return tl.load(ptrs, eviction_policy="evict_first")
-        else:
-            return tl.load(ptrs)
+    from ninfer.kernels.gemv_rows import _ldw
 
     @jit
     def _nibbles(q, HIGH: tl.constexpr, EMULATE: tl.constexpr):
@@ -171,6 +165,7 @@ if HAVE_TRITON:
         # bytes per block
         WB: tl.constexpr = 144 if FMT == 4 else (176 if FMT == 5 else (210 if FMT == 6 else 110))
         QS: tl.constexpr = 16 if FMT == 4 else 48  # first qs byte (k-quants)
+        CACHE: tl.constexpr = 2 if EF else 0  # k-quant weight loads: evict-first or default
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         nc = tl.minimum(n, N - 1).to(tl.int64)
@@ -221,19 +216,19 @@ if HAVE_TRITON:
             else:
                 wb = w_at + blk * WB
                 hb = h_at + blk * (WB // 4)
-                h0 = _wload(hb, EF)
-                h1 = _wload(hb + 1, EF)
-                h2 = _wload(hb + 2, EF)
-                h3 = _wload(hb + 3, EF)
+                h0 = _ldw(hb, 0, True, CACHE)
+                h1 = _ldw(hb + 1, 0, True, CACHE)
+                h2 = _ldw(hb + 2, 0, True, CACHE)
+                h3 = _ldw(hb + 3, 0, True, CACHE)
                 d = _f16_lo(h0)
                 dmin = _f16_lo(h0 >> 16)
                 # the 6-bit scales and mins of sub-blocks 0-3 and 4-7, one byte each, four per word
                 sc_words = (h1 & 0x3F3F3F3F, (h3 & 0x0F0F0F0F) | ((h1 >> 2) & 0x30303030))
                 mn_words = (h2 & 0x3F3F3F3F, ((h3 >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030))
                 if FMT == 5:
-                    qh = _wload(wb + 16, EF)
+                    qh = _ldw(wb + 16, 0, True, CACHE)
                 for c in tl.static_range(4):
-                    q = _wload(wb + (QS + 32 * c), EF)
+                    q = _ldw(wb + (QS + 32 * c), 0, True, CACHE)
                     for half in tl.static_range(2):
                         codes = _nibbles(q, half, EMULATE)
                         if FMT == 5:

@@ -93,7 +93,7 @@ def mma_route(fmt: str, out_features: int, in_features: int, columns: int) -> Mm
 
 
 if HAVE_TRITON:
-    from ninfer.kernels.gemv_rows import _ldw
+    from ninfer.kernels.gemv_rows import _ldw, _store
 
     @jit
     def _nibbles(q, HIGH: tl.constexpr, EMULATE: tl.constexpr):
@@ -241,21 +241,13 @@ if HAVE_TRITON:
                         xs = tl.load(xs_ptr + s_at + (blk * 8 + 2 * c + half))
                         acc += (dot.to(tl.float32) * xd[None, :]) * (d * sc)[:, None]
                         mins += (dmin * mn)[:, None] * xs[None, :]
-        acc -= mins
-        mo = m[None, :]
-        no = n[:, None]
-        ptrs = y_ptr + mo * stride_ym + no
-        mask = (mo < M) & (no < N)
-        if SPLIT_K == 1:
-            tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.atomic_add(ptrs, acc, mask=mask)
+        _store(y_ptr, acc - mins, m[None, :], n[:, None], M, N, stride_ym, SPLIT_K)
 
 
 def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
              schedule: MmaSchedule | str) -> torch.Tensor:
-    """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, q4_k,
-    q5_k or iq3_s) and xa the int8 activation; the kernel runs on `raw`'s device (CUDA, or CPU under the
+    """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, one of
+    MMA_FORMATS) and xa the int8 activation; the kernel runs on `raw`'s device (CUDA, or CPU under the
     interpreter)."""
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule

@@ -15,10 +15,10 @@ per-32 scale to the int32 tile in fp32:
 Formats: q4_k, q5_k (sub-blocks of 32: low and high nibbles of a 32-byte qs run, q5_k's fifth bit from qh,
 unpacked four bytes per PTX operation), q6_k (6-bit codes − 32 built four bytes per operation; its scales
 cover 16 codes, so each sub-block takes two dots, the activation tile's other half zeroed) and iq3_s (8 grid
-words of 4 magnitudes per sub-block, signs applied, expanded to bytes: v1, elementwise per byte). Not yet
-timed on a GPU; sm_90 builds (`tl.dot` → IGMMA 64x8x32 / 64x16x32), SASS instructions per weight and
-thread: q4_k 4.6 (8-column tile) / 7.2 (16), q5_k 5.5 / 7.9, q6_k 8.3 / 11.2, iq3_s 10.7 / 11.7 (layout
-conversions of the byte expansion through shared memory).
+words of 4 magnitudes per sub-block, signs applied to whole words, the bytes joined into the tile in
+registers). Not yet timed on a GPU. sm_90 builds with the device's Triton 3.6 (mma.sync IMMA for the 8-column
+tile, wgmma IGMMA 64x16x32 for 16), SASS instructions per weight and thread, 8 / 16 columns: q4_k 4.4 / 7.2,
+q5_k 5.2 / 7.9, q6_k 8.0 / 11.3, iq3_s 7.6 / 11.9.
 The oracle is `gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
 """
 
@@ -44,7 +44,7 @@ from ninfer.quant.formats import GGUF_PREFIX
 MMA_FORMATS = ("q4_k", "q5_k", "q6_k", "iq3_s")
 _FMT = {"q4_k": 4, "q5_k": 5, "q6_k": 6, "iq3_s": 33}
 MAX_COLUMNS = 16
-_HEADER_WORD = {"q4_k": torch.int32, "q5_k": torch.int32, "q6_k": torch.int16}
+_HEADER_WORD = {"q4_k": torch.int32, "q5_k": torch.int32, "q6_k": torch.int16, "iq3_s": torch.int16}
 
 
 @dataclass(frozen=True)
@@ -139,18 +139,31 @@ if HAVE_TRITON:
         return _small_float((word >> (8 * i)) & 0xFF)
 
     @jit
-    def _iq3s_codes(rb, g: tl.constexpr, grid_ptr, BLOCK_N: tl.constexpr):
-        """The signed codes of iq3_s sub-block g as an int8 `[BLOCK_N, 32]` tile (rb: each row's block start,
-        bytes): 8 grid words of 4 magnitudes (qs byte + a qh bit as the 9-bit index), one sign bit each."""
-        l8 = tl.arange(0, 8)
-        e4 = tl.arange(0, 4)[None, None, :]
-        qs = tl.load(rb[:, None] + (2 + 8 * g) + l8[None, :]).to(tl.int32)
-        qh = tl.load(rb + (66 + g)).to(tl.int32)
-        words = tl.load(grid_ptr + (qs | (((qh[:, None] >> l8[None, :]) & 1) << 8)))  # [BLOCK_N, 8]
-        signs = tl.load(rb[:, None] + (74 + 4 * g) + l8[None, :] // 2).to(tl.int32)
-        mag = (words[:, :, None] >> (8 * e4)) & 0xFF
-        neg = (signs[:, :, None] >> ((l8 % 2) * 4)[None, :, None] + e4) & 1
-        return tl.reshape(tl.where(neg != 0, -mag, mag).to(tl.int8), [BLOCK_N, 32])
+    def _iq3s_signed(words, bits):
+        """Grid words of 4 magnitudes with their 4 sign bits applied: the bits spread to a byte mask M
+        (× 0x00204081 puts bit i at bit 8i, × 0xFF fills the byte), then (w ^ M) + (M & 0x01010101) negates
+        the marked bytes (odd magnitudes: no carry between bytes)."""
+        mask = ((bits * 0x00204081) & 0x01010101) * 0xFF
+        return (words ^ mask) + (mask & 0x01010101)
+
+    @jit
+    def _iq3s_codes(rb, rb16, g: tl.constexpr, grid_ptr, BLOCK_N: tl.constexpr):
+        """The signed codes of iq3_s sub-block g as an int8 `[BLOCK_N, 32]` tile (rb / rb16: each row's block
+        start as bytes / int16). Pair i of groups 2i, 2i + 1: one int16 of qs bytes, qh bits 2i and 2i + 1,
+        one sign byte (low nibble group 2i); everything on [BLOCK_N, 4] tensors, then the bytes joined in
+        registers (no layout conversion) so that code 8i + 4j + e is byte e of group 2i + j."""
+        i4 = tl.arange(0, 4)[None, :]
+        qs = tl.load(rb16[:, None] + (1 + 4 * g) + i4).to(tl.int32)
+        qh = (tl.load(rb16[:, None] + (33 + g // 2) + i4 * 0).to(tl.int32) >> (8 * (g % 2) + 2 * i4)) & 3
+        sb = tl.load(rb[:, None] + (74 + 4 * g) + i4).to(tl.int32)
+        lo = _iq3s_signed(tl.load(grid_ptr + ((qs & 0xFF) | ((qh & 1) << 8))), sb & 0xF)
+        hi = _iq3s_signed(tl.load(grid_ptr + (((qs >> 8) & 0xFF) | ((qh & 2) << 7))), (sb >> 4) & 0xF)
+        c0 = tl.join(lo.to(tl.int8), hi.to(tl.int8))  # [n, i, j]: byte 0 of group 2i + j
+        c1 = tl.join((lo >> 8).to(tl.int8), (hi >> 8).to(tl.int8))
+        c2 = tl.join((lo >> 16).to(tl.int8), (hi >> 16).to(tl.int8))
+        c3 = tl.join((lo >> 24).to(tl.int8), (hi >> 24).to(tl.int8))
+        # [n, i, j, p, q] = byte 2p + q of group 2i + j
+        return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [BLOCK_N, 32])
 
     @jit
     def _mma_kernel(w_ptr, wh_ptr, grid_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
@@ -161,7 +174,7 @@ if HAVE_TRITON:
         masks. Per (row, column, sub-block) the epilogue is one int→float conversion, one multiply by the
         activation scale and one FMA by the weight scale; the k-quant min terms go to a second accumulator.
         FMT 4 / 5: q4_k / q5_k (wh_ptr the weight as int32 words); 6: q6_k (wh_ptr as int16); 33: iq3_s
-        (grid_ptr its 512 words)."""
+        (wh_ptr as int16, grid_ptr its 512 words)."""
         # bytes per block
         WB: tl.constexpr = 144 if FMT == 4 else (176 if FMT == 5 else (210 if FMT == 6 else 110))
         QS: tl.constexpr = 16 if FMT == 4 else 48  # first qs byte (k-quants)
@@ -205,10 +218,10 @@ if HAVE_TRITON:
                             acc += (part * xd[None, :]) * d[:, None]
             elif FMT == 33:
                 rb = w_ptr + nc * row_bytes + blk * WB
-                d = (tl.load(rb).to(tl.uint16) | (tl.load(rb + 1).to(tl.uint16) << 8)).to(
-                    tl.float16, bitcast=True).to(tl.float32)
+                rb16 = wh_ptr + nc * (row_bytes // 2) + blk * (WB // 2)  # int16 view (2-byte aligned blocks)
+                d = tl.load(rb16).to(tl.float16, bitcast=True).to(tl.float32)
                 for g in tl.static_range(8):
-                    codes = _iq3s_codes(rb, g, grid_ptr, BLOCK_N)
+                    codes = _iq3s_codes(rb, rb16, g, grid_ptr, BLOCK_N)
                     dot = tl.dot(codes, tl.load(x_at + (blk * 256 + 32 * g)), out_dtype=tl.int32)
                     nib = (tl.load(rb + (106 + g // 2)).to(tl.int32) >> (4 * (g % 2))) & 0xF
                     xd = tl.load(xd_ptr + s_at + (blk * 8 + g))
@@ -261,8 +274,8 @@ def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featur
         (n, out_features), dtype=torch.float32 if partial else xa.dtype, device=raw.device)
     launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
     extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}
-    # header words: int32 for q4_k / q5_k, int16 for q6_k (2-byte aligned blocks), unused by iq3_s
-    words = raw.view(_HEADER_WORD.get(format, torch.uint8))
+    # header words: int32 for q4_k / q5_k, int16 for q6_k / iq3_s (2-byte aligned blocks)
+    words = raw.view(_HEADER_WORD[format])
     _mma_kernel[launch](raw, words, _tables(raw.device)[1], xa.q, xa.d, xa.s, y, out_features, k, n,
                         raw.shape[1], y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m,
                         SPLIT_K=s.split_k, EF=s.evict_first, EMULATE=EMULATE_DP4A, **extra)

@@ -144,6 +144,34 @@ def test_sigmoid_gate_mul_matches_reference(gen, dtype, width):
     _close(fused.sigmoid_gate_mul(attn, gate), fused.sigmoid_gate_mul_reference(attn, gate))
 
 
+@pytest.mark.parametrize(("op", "width"), [("add_rms_norm", 5120), ("add_rms_norm", 96), ("swiglu", 1056),
+                                         ("sigmoid_gate_mul", 6144)])
+def test_int8_activation_made_in_the_same_launch(gen, op, width):
+    """With `quantize`, the kernel also writes its output's int8 activation (bit-equal to quantising the
+    stored output) and leaves it in gemv_q8's memo for the Linear that reads the output next."""
+    from ninfer.kernels import gemv_q8
+
+    a, b = _randn(gen, 3, width, dtype=torch.bfloat16, scale=3.0), _randn(gen, 3, width, dtype=torch.bfloat16)
+    if op == "add_rms_norm":
+        w = _randn(gen, width)
+        out, res = fused.add_rms_norm(a, b, w, 1e-6, True, quantize=True)
+        plain = fused.add_rms_norm(a, b, w, 1e-6, True)
+        assert torch.equal(res, plain[1])
+        plain = plain[0]
+    else:
+        kernel = getattr(fused, op)
+        out, plain = kernel(a, b, quantize=True), kernel(a, b)
+    assert torch.equal(out, plain)  # the output itself is unchanged
+    remembered = gemv_q8._MEMO.result
+    assert gemv_q8.quantize_activation_cached(out) is remembered  # no second quantisation
+    want = gemv_q8.quantize_activation_reference(out)
+    assert torch.equal(remembered.q, want.q) and torch.equal(remembered.d, want.d)
+    assert torch.equal(remembered.s, want.s) and remembered.dtype == torch.bfloat16
+    gemv_q8._MEMO.clear()
+    with pytest.raises(NinferError, match="multiple of 32"):
+        fused.swiglu(a[:, :40], b[:, :40], quantize=True)
+
+
 def test_ops_take_the_reference_path_off_triton(gen, monkeypatch):
     """Without NINFER_TRITON_ON_CPU (ordinary CPU inference) every op is its reference, bit for bit."""
     monkeypatch.delenv("NINFER_TRITON_ON_CPU")
@@ -382,11 +410,12 @@ def compile_for_sm90() -> list[str]:
 
     for ty in ("bf16", "fp16", "fp32"):
         ints = lambda *names: dict.fromkeys(names, "i32")  # noqa: E731
+        int8 = {"q_ptr": "*i8", "d_ptr": "*fp32", "s_ptr": "*fp32"}
         norm = {"x_ptr": f"*{ty}", "r_ptr": f"*{ty}", "w_ptr": "*fp32", "out_ptr": f"*{ty}",
-                "res_out_ptr": f"*{ty}", **ints("N", "H", "sx0", "sx1", "sr0", "sr1", "so0", "so1", "sro0"),
-                **ints("sro1"), "eps": "fp32"}
+                "res_out_ptr": f"*{ty}", **int8, **ints("N", "H", "sx0", "sx1", "sr0", "sr1", "so0", "so1"),
+                **ints("sro0", "sro1"), "eps": "fp32"}
         for res in (True, False):
-            flags = {"HAS_RES": res, "HAS_W": True, "ZERO_CENTRED": res, "BLOCK": 8192}
+            flags = {"HAS_RES": res, "HAS_W": True, "ZERO_CENTRED": res, "QUANT": res, "BLOCK": 8192}
             build(fused._norm_kernel, norm, flags, 16)
         gated = {"o_ptr": "*fp32", "z_ptr": f"*{ty}", "w_ptr": "*fp32", "out_ptr": f"*{ty}",
                  "scatter_ptr": "*i64", **ints("N", "H", "so0", "so1", "sz0", "sz1"), "eps": "fp32"}
@@ -396,11 +425,12 @@ def compile_for_sm90() -> list[str]:
                   "out_ptr": f"*{ty}", **ints("D", "H", "R", "sx0", "sx1", "sc0", "ss0"), "eps": "fp32"}
         for has_w in (True, False):
             build(fused._norm_rotary_kernel, rotary, {"HAS_W": has_w, "ZERO_CENTRED": True, "BLOCK": 256}, 1)
-        pair = {"a_ptr": f"*{ty}", "b_ptr": f"*{ty}", "out_ptr": f"*{ty}", **ints("N", "sa", "sb")}
-        build(fused._swiglu_kernel, dict(zip(["g_ptr", "u_ptr", "out_ptr", "N", "sg", "su"], pair.values(),
-                                             strict=True)), {"BLOCK": 1024}, 4)
-        build(fused._gate_mul_kernel, dict(zip(["a_ptr", "g_ptr", "out_ptr", "N", "sa", "sg"], pair.values(),
-                                               strict=True)), {"BLOCK": 1024}, 4)
+        pair = [f"*{ty}", f"*{ty}", f"*{ty}", *int8.values(), "i32", "i32", "i32"]
+        swiglu = ["g_ptr", "u_ptr", "out_ptr", *int8, "N", "sg", "su"]
+        gate_mul = ["a_ptr", "g_ptr", "out_ptr", *int8, "N", "sa", "sg"]
+        for quant in (True, False):
+            for kernel, names in ((fused._swiglu_kernel, swiglu), (fused._gate_mul_kernel, gate_mul)):
+                build(kernel, dict(zip(names, pair, strict=True)), {"QUANT": quant, "BLOCK": 1024}, 4)
     return failures
 
 

@@ -79,6 +79,24 @@ def test_mma_gemm_on_gpu(fmt, monkeypatch):
             monkeypatch.delenv("NINFER_GEMV")
 
 
+def test_producers_leave_the_int8_activation_for_the_next_linear():
+    """On CUDA at decode widths the fused norm / SwiGLU / gate kernels quantise their output in the same
+    launch (ops → gemv_q8.int8_next); the Linear reading it finds exactly quantize_activation_reference's."""
+    from ninfer.kernels import gemv_q8, ops
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+
+    x, r, w = rand(2, 5120), rand(2, 5120), torch.randn(5120, device="cuda")
+    for make in (lambda: ops.add_rms_norm(x, r, w, 1e-6, True)[0], lambda: ops.swiglu(rand(2, 17408),
+                 rand(2, 17408)), lambda: ops.sigmoid_gate_mul(x, r)):
+        out = make()
+        got, want = gemv_q8._MEMO.result, gemv_q8.quantize_activation_reference(out)
+        assert gemv_q8._MEMO.ref() is out and gemv_q8.quantize_activation_cached(out) is got
+        assert torch.equal(got.q, want.q) and torch.equal(got.d, want.d) and torch.equal(got.s, want.s)
+    assert not gemv_q8.int8_next(rand(17, 5120))  # prefill widths: the GEMM quantises (or dequantises) itself
+
+
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
 def test_gdn_decode_on_gpu(state_dtype):
     B, T, Hk, Hv, D = 3, 4, 16, 48, 128

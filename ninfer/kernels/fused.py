@@ -66,6 +66,15 @@ def _row_warps(block: int) -> int:
 
 
 if HAVE_TRITON:
+    from ninfer.kernels.gemv_q8 import quantize_groups
+
+    @jit
+    def _quantize_row(v, row, g0, ok, N, q_ptr, d_ptr, s_ptr, BLOCK: tl.constexpr):
+        """The int8 activation (gemv_q8's format) of a program's BLOCK rounded outputs `v` of row `row`,
+        starting at group g0 (BLOCK a multiple of 32), for the Linear that reads them next."""
+        G: tl.constexpr = BLOCK // 32
+        quantize_groups(tl.reshape(tl.where(ok, v, 0.0), [G, 32]), row, g0 + tl.arange(0, G),
+                        tl.reshape(ok, [G, 32]), N, q_ptr, d_ptr, s_ptr)
 
     @jit
     def _sigmoid(x):
@@ -91,10 +100,11 @@ if HAVE_TRITON:
         return x.to(ty)
 
     @jit
-    def _norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, N, H, sx0, sx1, sr0, sr1, so0, so1,
-                     sro0, sro1, eps, HAS_RES: tl.constexpr, HAS_W: tl.constexpr, ZERO_CENTRED: tl.constexpr,
-                     BLOCK: tl.constexpr):
-        """One row of N per program; rows are (i // H, i % H) of a [T, H, N] strided view."""
+    def _norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, d_ptr, s_ptr, N, H, sx0, sx1, sr0, sr1,
+                     so0, so1, sro0, sro1, eps, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
+                     ZERO_CENTRED: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+        """One row of N per program; rows are (i // H, i % H) of a [T, H, N] strided view. QUANT (H = 1): the
+        output's int8 activation too (q, d, s)."""
         i = tl.program_id(0)
         t, h = i // H, i % H
         cols = tl.arange(0, BLOCK)
@@ -110,7 +120,10 @@ if HAVE_TRITON:
         if HAS_W:
             w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
             y = y * (1.0 + w if ZERO_CENTRED else w)
-        tl.store(out_ptr + t * so0 + h * so1 + cols, _round(y, out_ptr.dtype.element_ty), mask=ok)
+        y = _round(y, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t * so0 + h * so1 + cols, y, mask=ok)
+        if QUANT:
+            _quantize_row(y.to(tl.float32), i, 0, ok, N, q_ptr, d_ptr, s_ptr, BLOCK)
 
     @jit
     def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, scatter_ptr, N, H, so0, so1, sz0, sz1, eps,
@@ -163,17 +176,30 @@ if HAVE_TRITON:
         tl.store(out_ptr + i * D + cols, _round(y, out_ptr.dtype.element_ty), mask=ok)
 
     @jit
-    def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, sg, su, BLOCK: tl.constexpr):
+    def _store_row_block(out_ptr, y, t, cols, ok, N, q_ptr, d_ptr, s_ptr, QUANT: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        """An elementwise kernel's fp32 results into row t of the contiguous [T, N] out (rounded to its
+        dtype), and with QUANT their int8 activation."""
+        y = _round(y, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t * N + cols, y, mask=ok)
+        if QUANT:
+            _quantize_row(y.to(tl.float32), t, tl.program_id(1) * (BLOCK // 32), ok, N, q_ptr, d_ptr, s_ptr,
+                          BLOCK)
+
+    @jit
+    def _swiglu_kernel(g_ptr, u_ptr, out_ptr, q_ptr, d_ptr, s_ptr, N, sg, su, QUANT: tl.constexpr,
+                       BLOCK: tl.constexpr):
         """`silu(gate)·up` over [T, N] row views; out contiguous."""
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N
         g = tl.load(g_ptr + t * sg + cols, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + t * su + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * N + cols, _round(g * _sigmoid(g) * u, out_ptr.dtype.element_ty), mask=ok)
+        _store_row_block(out_ptr, g * _sigmoid(g) * u, t, cols, ok, N, q_ptr, d_ptr, s_ptr, QUANT, BLOCK)
 
     @jit
-    def _gate_mul_kernel(a_ptr, g_ptr, out_ptr, N, sa, sg, BLOCK: tl.constexpr):
+    def _gate_mul_kernel(a_ptr, g_ptr, out_ptr, q_ptr, d_ptr, s_ptr, N, sa, sg, QUANT: tl.constexpr,
+                         BLOCK: tl.constexpr):
         """`attn · sigmoid(gate)` over [T, N] row views, the sigmoid rounded to the output dtype first."""
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -181,7 +207,7 @@ if HAVE_TRITON:
         a = tl.load(a_ptr + t * sa + cols, mask=ok, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + t * sg + cols, mask=ok, other=0.0).to(tl.float32)
         gate = _round(_sigmoid(g), out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + t * N + cols, _round(a * gate, out_ptr.dtype.element_ty), mask=ok)
+        _store_row_block(out_ptr, a * gate, t, cols, ok, N, q_ptr, d_ptr, s_ptr, QUANT, BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -205,13 +231,38 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+def _int8_buffers(out: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, ...]:
+    """Where a kernel writes the int8 activation of its `[T, N]` output `out` (gemv_q8's format), or
+    placeholders (any pointer) when it does not quantise."""
+    if not quantize:
+        return out, out, out
+    T, N = out.shape
+    if N % 32:
+        raise FusedKernelError(f"int8 activation rows need a multiple of 32 columns, got {N}")
+    return (torch.empty((T, N), dtype=torch.int8, device=out.device),
+            torch.empty((T, N // 32), dtype=torch.float32, device=out.device),
+            torch.empty((T, N // 32), dtype=torch.float32, device=out.device))
+
+
+def _remember_int8(out: torch.Tensor, buffers: tuple[torch.Tensor, ...]) -> None:
+    """The Linear reading `out` next finds its int8 activation in gemv_q8's memo instead of quantising."""
+    from ninfer.kernels.gemv_q8 import QuantizedActivation, remember_activation
+
+    remember_activation(out, QuantizedActivation(*buffers, out.dtype))
+
+
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, zero_centred: bool
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, zero_centred: bool,
+    quantize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(rms_norm(x + residual), x + residual)` in one launch; residual None: `(rms_norm(x), x)`."""
+    """`(rms_norm(x + residual), x + residual)` in one launch; residual None: `(rms_norm(x), x)`. `quantize`
+    (2-D x): the normed output's int8 activation too, left for the Linear that reads it (gemv_q8's memo)."""
     x3 = _rows3(x, "x")
     T, H, N = x3.shape
+    if quantize and x.dim() != 2:
+        raise FusedKernelError(f"the int8 activation is made for [T, N] rows, got shape {tuple(x.shape)}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    q8 = _int8_buffers(out, quantize)
     o3 = out.view(T, H, N)
     if residual is None:
         r3 = ro3 = x3
@@ -224,10 +275,12 @@ def add_rms_norm(
         ro3 = new_residual.view(T, H, N)
     if T * H:
         block = _block(N)
-        _norm_kernel[(T * H,)](x3, r3, weight, o3, ro3, N, H, x3.stride(0), x3.stride(1), r3.stride(0),
+        _norm_kernel[(T * H,)](x3, r3, weight, o3, ro3, *q8, N, H, x3.stride(0), x3.stride(1), r3.stride(0),
                                r3.stride(1), o3.stride(0), o3.stride(1), ro3.stride(0), ro3.stride(1), eps,
                                HAS_RES=residual is not None, HAS_W=True, ZERO_CENTRED=zero_centred,
-                               BLOCK=block, **_extra(x, _row_warps(block)))
+                               QUANT=quantize, BLOCK=block, **_extra(x, _row_warps(block)))
+    if quantize:
+        _remember_int8(out, q8)
     return out, new_residual
 
 
@@ -300,24 +353,31 @@ def _rows2(x: torch.Tensor, what: str) -> torch.Tensor:
     return x
 
 
-def _elementwise2(kernel, a: torch.Tensor, b: torch.Tensor, op: str, names: tuple[str, str]) -> torch.Tensor:
-    """One launch of a two-input elementwise kernel over [T, N] row views; output [T, N] in a's dtype."""
+def _elementwise2(kernel, a: torch.Tensor, b: torch.Tensor, op: str, names: tuple[str, str],
+                  quantize: bool) -> torch.Tensor:
+    """One launch of a two-input elementwise kernel over [T, N] row views; output [T, N] in a's dtype (and
+    its int8 activation where `quantize`)."""
     x, y = _rows2(a, names[0]), _rows2(b, names[1])
     if x.shape != y.shape:
         raise FusedKernelError(f"{op}: {names[0]} {tuple(x.shape)} and {names[1]} {tuple(y.shape)} differ")
     T, N = x.shape
     out = torch.empty((T, N), dtype=a.dtype, device=a.device)
+    q8 = _int8_buffers(out, quantize)
     if T * N:
         grid = (T, -(-N // ELEMENTWISE_BLOCK))
-        kernel[grid](x, y, out, N, x.stride(0), y.stride(0), BLOCK=ELEMENTWISE_BLOCK, **_extra(x, 4))
+        kernel[grid](x, y, out, *q8, N, x.stride(0), y.stride(0), QUANT=quantize, BLOCK=ELEMENTWISE_BLOCK,
+                     **_extra(x, 4))
+    if quantize:
+        _remember_int8(out, q8)
     return out
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate)·up` of two [T, I] row views (e.g. the halves of a merged gate|up output), gate's dtype."""
-    return _elementwise2(_swiglu_kernel, gate, up, "swiglu", ("gate", "up"))
+def swiglu(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+    """`silu(gate)·up` of two [T, I] row views (e.g. the halves of a merged gate|up output), gate's dtype;
+    `quantize`: its int8 activation too, left for the Linear that reads it (gemv_q8's memo)."""
+    return _elementwise2(_swiglu_kernel, gate, up, "swiglu", ("gate", "up"), quantize)
 
 
-def sigmoid_gate_mul(attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """`attn · sigmoid(gate)` of two [T, N] row views, in attn's dtype."""
-    return _elementwise2(_gate_mul_kernel, attn, gate, "sigmoid_gate_mul", ("attn", "gate"))
+def sigmoid_gate_mul(attn: torch.Tensor, gate: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+    """`attn · sigmoid(gate)` of two [T, N] row views, in attn's dtype (`quantize` as in `swiglu`)."""
+    return _elementwise2(_gate_mul_kernel, attn, gate, "sigmoid_gate_mul", ("attn", "gate"), quantize)

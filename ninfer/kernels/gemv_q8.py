@@ -87,25 +87,30 @@ if HAVE_TRITON:
                                              dtype=tl.int32, is_pure=True, pack=1)
 
     @jit
+    def quantize_groups(v, row, blk, ok, K, q_ptr, d_ptr, s_ptr):
+        """Store the int8 activation of groups `blk` [G] of row `row` (`v` [G, 32] fp32, zero where not
+        `ok`): codes into q [n, K], d and d·Σq into [n, K/32] (what `quantize_activation_reference` gives;
+        the fused norm / SwiGLU kernels call this on their rounded outputs)."""
+        nb = K // 32
+        amax = tl_max(tl.abs(v), 1)
+        d = tl.math.div_rn(amax, 127.0)
+        safe = tl.where(d == 0.0, 1.0, d)
+        # round half to even: adding and removing 1.5·2^23 leaves the nearest integer (|v| <= 127)
+        r = (tl.math.div_rn(v, safe[:, None]) + 12582912.0) - 12582912.0
+        q = tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int32)
+        cols = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+        tl.store(q_ptr + row.to(tl.int64) * K + cols, q.to(tl.int8), mask=ok)
+        tl.store(d_ptr + row.to(tl.int64) * nb + blk, d, mask=blk < nb)
+        tl.store(s_ptr + row.to(tl.int64) * nb + blk, d * tl_sum(q, 1).to(tl.float32), mask=blk < nb)
+
+    @jit
     def _quantize_activation_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_xm, BLOCKS: tl.constexpr):
         row = tl.program_id(0)
         blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-        nb = K // 32
-        ok = (blk < nb)[:, None]
+        ok = (blk < K // 32)[:, None]
         cols = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
         x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
-        amax = tl_max(tl.abs(x), 1)
-        d = tl.math.div_rn(amax, 127.0)
-        safe = tl.where(d == 0.0, 1.0, d)
-        v = tl.math.div_rn(x, safe[:, None])
-        # round half to even: adding and removing 1.5·2^23 leaves the nearest integer (|v| <= 127)
-        r = (v + 12582912.0) - 12582912.0
-        r = tl.minimum(tl.maximum(r, -127.0), 127.0)
-        q = r.to(tl.int32)
-        tl.store(q_ptr + row.to(tl.int64) * K + cols, q.to(tl.int8), mask=ok)
-        s = d * tl_sum(q, 1).to(tl.float32)
-        tl.store(d_ptr + row.to(tl.int64) * nb + blk, d, mask=blk < nb)
-        tl.store(s_ptr + row.to(tl.int64) * nb + blk, s, mask=blk < nb)
+        quantize_groups(x, row, blk, ok, K, q_ptr, d_ptr, s_ptr)
 
 
 def quantize_activation(x: torch.Tensor, blocks_per_program: int = 8) -> QuantizedActivation:
@@ -137,15 +142,21 @@ class _ActivationMemo:
     def __init__(self) -> None:
         self.clear()
 
-    def get(self, x: torch.Tensor) -> QuantizedActivation:
+    @staticmethod
+    def _key(x: torch.Tensor) -> tuple[int, bool]:
         version = -2 if x.is_inference() else x._version
-        capturing = x.is_cuda and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if (self.ref is not None and self.ref() is x and version == self.version
-                and capturing == self.capturing):
+        return version, x.is_cuda and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+    def get(self, x: torch.Tensor) -> QuantizedActivation:
+        if self.ref is not None and self.ref() is x and self._key(x) == (self.version, self.capturing):
             return self.result
         result = quantize_activation(x.reshape(-1, x.shape[-1]))
-        self.ref, self.version, self.capturing, self.result = weakref.ref(x), version, capturing, result
+        self.put(x, result)
         return result
+
+    def put(self, x: torch.Tensor, result: QuantizedActivation) -> None:
+        """Make `result` the entry for x (a kernel that produced x quantised it in the same launch)."""
+        self.ref, self.version, self.capturing, self.result = weakref.ref(x), *self._key(x), result
 
     def clear(self) -> None:
         self.ref: weakref.ref | None = None
@@ -155,6 +166,20 @@ class _ActivationMemo:
 
 
 _MEMO = _ActivationMemo()
+
+
+def remember_activation(x: torch.Tensor, result: QuantizedActivation) -> None:
+    """`result` is x's int8 activation: the next `quantize_activation_cached(x)` returns it."""
+    _MEMO.put(x, result)
+
+
+def int8_next(x: torch.Tensor) -> bool:
+    """Whether a quantized Linear fed x would quantise it to int8 (CUDA, decode widths of the int8 routes:
+    1-8 columns, 1-16 under NINFER_GEMV=mma): the kernel producing x then does it in the same launch."""
+    from ninfer.kernels.gguf_matmul import mma_enabled, q8_enabled
+
+    return (x.is_cuda and x.dim() == 2 and x.shape[1] % QBLOCK == 0 and q8_enabled()
+            and 1 <= x.shape[0] <= (16 if mma_enabled() else 8))
 
 
 def quantize_activation_cached(x: torch.Tensor) -> QuantizedActivation:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ninfer.kernels import fused, reference
+from ninfer.kernels.gemv_q8 import int8_next
 from ninfer.kernels.reference import (  # noqa: F401  (re-exported: no fused form, PyTorch on every device)
     apply_rotary,
     attention_reference,
@@ -34,7 +35,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(rms_norm(residual + x), residual + x)`; with residual None `(rms_norm(x), x)` (the first layer)."""
     if fused.runs_on(x) and x.dim() == 2 and x.stride(-1) == 1:
-        return fused.add_rms_norm(x, residual, w, eps, zero_centred)
+        return fused.add_rms_norm(x, residual, w, eps, zero_centred, quantize=int8_next(x))
     return fused.add_rms_norm_reference(x, residual, w, eps, zero_centred)
 
 
@@ -64,12 +65,12 @@ def norm_rotary(
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`silu(gate)·up`; gate and up may be the two halves of a merged gate|up output."""
     if fused.runs_on(gate) and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:
-        return fused.swiglu(gate, up)
+        return fused.swiglu(gate, up, quantize=int8_next(gate))
     return reference.swiglu(gate, up)
 
 
 def sigmoid_gate_mul(attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """The attention output gate `attn · sigmoid(gate)` in attn's dtype."""
     if fused.runs_on(attn) and attn.dim() == 2 and attn.stride(-1) == 1 and gate.stride(-1) == 1:
-        return fused.sigmoid_gate_mul(attn, gate)
+        return fused.sigmoid_gate_mul(attn, gate, quantize=int8_next(attn))
     return fused.sigmoid_gate_mul_reference(attn, gate)

@@ -29,15 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation
-from ninfer.kernels.gguf_matmul import (
-    MatmulSchedule,
-    QuantKernelError,
-    _f16_lo,
-    _small_float,
-    _tables,
-    check_weight,
-    triton_cdiv,
-)
+from ninfer.kernels.gemv_rows import rows_setup
+from ninfer.kernels.gguf_matmul import MatmulSchedule, _f16_lo, _small_float, _tables
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl
 from ninfer.quant.formats import GGUF_PREFIX
 
@@ -265,15 +258,7 @@ def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featur
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
-    check_weight(raw, format, out_features, k)
-    if format not in MMA_FORMATS:
-        raise QuantKernelError(f"schedule {s.name} (int8 tensor-core GEMM) supports "
-                               f"{', '.join(MMA_FORMATS)}, not {format}; pick a rows_* or q8_* schedule")
-    partial = s.split_k > 1
-    y = (torch.zeros if partial else torch.empty)(
-        (n, out_features), dtype=torch.float32 if partial else xa.dtype, device=raw.device)
-    launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
-    extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}
+    y, launch, extra = rows_setup(raw, format, xa, out_features, s, MMA_FORMATS, "int8 tensor-core GEMM")
     # header words: int32 for q4_k / q5_k, int16 for q6_k / iq3_s (2-byte aligned blocks)
     words = raw.view(_HEADER_WORD[format])
     _mma_kernel[launch](raw, words, _tables(raw.device)[1], xa.q, xa.d, xa.s, y, out_features, k, n,

@@ -228,6 +228,17 @@ if HAVE_TRITON:
         return _f16_lo(h0) * part - _f16_lo(h0 >> 16) * mins
 
     @jit
+    def _chunk_axes(BLOCK_M: tl.constexpr, R: tl.constexpr, G: tl.constexpr, NB: tl.constexpr):
+        """The chunk lanes' 6-d tile axes [column m, row r, row group g, block b, chunk c, word e], each an
+        arange along its own axis (m offset by the program's column tile)."""
+        return (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None, None],
+                tl.arange(0, R)[None, :, None, None, None, None],
+                tl.arange(0, G)[None, None, :, None, None, None],
+                tl.arange(0, NB)[None, None, None, :, None, None],
+                tl.arange(0, 4)[None, None, None, None, :, None],
+                tl.arange(0, 4)[None, None, None, None, None, :])
+
+    @jit
     def _gemv_rows_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
                           FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                           R: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
@@ -239,12 +250,7 @@ if HAVE_TRITON:
         WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
         QS: tl.constexpr = 4 if FMT == 4 else 12  # first qs word
         G: tl.constexpr = BLOCK_N // R
-        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None, None]
-        r = tl.arange(0, R)[None, :, None, None, None, None]
-        g = tl.arange(0, G)[None, None, :, None, None, None]
-        b = tl.arange(0, NB)[None, None, None, :, None, None]
-        c = tl.arange(0, 4)[None, None, None, None, :, None]
-        e = tl.arange(0, 4)[None, None, None, None, None, :]
+        m, r, g, b, c, e = _chunk_axes(BLOCK_M, R, G, NB)
         n = tl.program_id(0) * BLOCK_N + r * G + g
         zw = (n * 0) + (b * 0) + (c * 0) + (e * 0)  # [1, R, G, NB, 4, 4]
         zx = (m * 0) + (g * 0) + (b * 0) + (c * 0) + (e * 0)  # [BLOCK_M, 1, G, NB, 4, 4]
@@ -347,12 +353,7 @@ if HAVE_TRITON:
         headers, and each step's sums go to y (fp32) with one atomic add per row and range."""
         WB: tl.constexpr = 36 if FMT == 4 else 44
         QS: tl.constexpr = 4 if FMT == 4 else 12
-        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None, None]
-        r = tl.arange(0, R)[None, :, None, None, None, None]
-        g = tl.arange(0, G)[None, None, :, None, None, None]
-        b = tl.arange(0, NB)[None, None, None, :, None, None]
-        c = tl.arange(0, 4)[None, None, None, None, :, None]
-        e = tl.arange(0, 4)[None, None, None, None, None, :]
+        m, r, g, b, c, e = _chunk_axes(BLOCK_M, R, G, NB)
         nblk = K // 256
         blk = tl.program_id(2) * NB + b
         zx = (m * 0) + (g * 0) + (b * 0) + (c * 0) + (e * 0)
@@ -394,11 +395,12 @@ if HAVE_TRITON:
                   + tl.arange(0, G)[None, None, :])
             tl.atomic_add(y_ptr + mo * stride_ym + no, out, mask=(mo < M) & (no < N))
 
-def rows_setup(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int, s: RowsSchedule,
-               formats: tuple[str, ...], kind: str, splits: int = 0) -> tuple[torch.Tensor, tuple, dict]:
-    """What every rows GEMV does before its launch: check the weight against `formats` (`kind` names the
-    kernel in the error), then the output (fp32 zeros when programs add partial sums: split-K, or `splits`
-    block ranges), the launch grid and the compile options."""
+def rows_setup(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
+               s: MatmulSchedule, formats: tuple[str, ...], kind: str, splits: int = 0,
+               partial: bool = False) -> tuple[torch.Tensor, tuple, dict]:
+    """What every rows GEMV (and the tensor-core GEMM) does before its launch: check the weight against
+    `formats` (`kind` names the kernel in the error), then the output (fp32 zeros when programs add partial
+    sums: split-K, `splits` block ranges, or `partial`), the launch grid and the compile options."""
     n, k = xa.q.shape
     check_weight(raw, format, out_features, k)
     if format not in formats:
@@ -407,11 +409,11 @@ def rows_setup(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_feat
     if k % 256:
         raise QuantKernelError(f"schedule {s.name} needs rows of whole 256-column blocks, got {k}")
     splits = splits or s.split_k
-    partial = splits > 1 or s.lanes == "kres"
+    partial = partial or splits > 1
     y = (torch.zeros if partial else torch.empty)(
         (n, out_features), dtype=torch.float32 if partial else xa.dtype, device=raw.device)
     launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), splits)
-    extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": 1}
+    extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}
     return y, launch, extra
 
 
@@ -425,7 +427,7 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     n, k = xa.q.shape
     kres = s.lanes == "kres"  # one program per (rows, block range): always fp32 atomics
     y, launch, extra = rows_setup(raw, format, xa, out_features, s, ROWS_FORMATS, "rows GEMV",
-                                  triton_cdiv(k // 256, s.blocks) if kres else 0)
+                                  triton_cdiv(k // 256, s.blocks) if kres else 0, partial=kres)
     args = (raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 4,
             y.stride(0))
     common = dict(FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,

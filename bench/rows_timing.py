@@ -116,6 +116,9 @@ def time_all(log: Log, dev: torch.device, formats: list[str], floor: float, budg
                 _, gemv, route_of = kernel(fmt)
                 route = route_of(fmt, rows, cols, width)
                 names = dict.fromkeys(sweep(fmt, width, only) + ([route.name] if route else []))
+                if not names:
+                    log(f"{fmt} {rows}x{cols} w{width}: no schedule serves this width")
+                    continue
                 times = {name: graph_us([lambda w=w, n=name, f=fmt, x=xa, r=rows, k=gemv: k(w, f, x, r, n)
                                          for w in copies]) for name in names}
                 q8_us = graph_us([q8_call(w, fmt, xa, x, rows, cols) for w in copies])

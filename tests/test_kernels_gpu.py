@@ -62,7 +62,8 @@ def test_rows_gemv_on_gpu(fmt):
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "iq3_s"])
 def test_mma_gemm_on_gpu(fmt, monkeypatch):
     """Every int8 tensor-core schedule vs the float64 twin at 2, 7 and 16 columns (rows past the tile,
-    split-K), and quant_matmul's NINFER_GEMV=mma route; bf16 output rounding bounds the error."""
+    split-K), quant_matmul's NINFER_GEMV=mma route and its default one (17408 rows at 8 and 16 columns: the
+    tensor-core tile); bf16 output rounding bounds the error."""
     from ninfer.kernels.gemv_mma import SCHEDULES, gemv_mma
 
     for rows, cols in ((1040, 5120), (136, 17408)):
@@ -77,6 +78,11 @@ def test_mma_gemm_on_gpu(fmt, monkeypatch):
             monkeypatch.setenv("NINFER_GEMV", "mma")
             assert rel(quant_matmul(raw, fmt, x, rows), want) < 5e-3, (rows, cols, width)
             monkeypatch.delenv("NINFER_GEMV")
+    raw = random_gguf_weight(fmt, 17408, 5120, "cuda")
+    for width in (8, 16):
+        x = torch.randn(width, 5120, device="cuda", dtype=torch.bfloat16)
+        want = gemv_q8_reference(raw, fmt, quantize_activation_reference(x), 17408).cuda()
+        assert rel(quant_matmul(raw, fmt, x, 17408), want) < 5e-3, width
 
 
 def test_producers_leave_the_int8_activation_for_the_next_linear():

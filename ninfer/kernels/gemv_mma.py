@@ -46,14 +46,15 @@ class MmaSchedule(MatmulSchedule):
     over the row's super-blocks (fp32 atomics), evict-first weight loads where `evict_first`."""
 
     evict_first: bool = False
+    preload: bool = False
 
 
 def _sched(block_n: int, block_m: int, num_warps: int, split_k: int = 1, stages: int = 1,
-           ef: bool = False) -> MmaSchedule:
+           ef: bool = False, pl: bool = False) -> MmaSchedule:
     name = (f"mma_n{block_n}_m{block_m}_w{num_warps}" + (f"_s{split_k}" if split_k > 1 else "")
-            + (f"_p{stages}" if stages > 1 else "") + ("_ef" if ef else ""))
+            + (f"_p{stages}" if stages > 1 else "") + ("_ef" if ef else "") + ("_pl" if pl else ""))
     return MmaSchedule(name, "mma", block_n, block_m, split_k=split_k, num_warps=num_warps, num_stages=stages,
-                       evict_first=ef)
+                       evict_first=ef, preload=pl)
 
 
 SCHEDULES: dict[str, MmaSchedule] = {
@@ -72,17 +73,50 @@ SCHEDULES: dict[str, MmaSchedule] = {
         _sched(64, 8, 4, stages=3),
         _sched(64, 16, 4, stages=3),
         _sched(128, 8, 4, stages=3),
+        # session 5, after the first timings (every program's sub-blocks run one after another, ~340 ns
+        # each): more programs (split-K 4-8, 16-32 rows) and block-wide preloads ("_pl": a super-block's
+        # weight runs, activation tiles and scales loaded before its first dot)
+        _sched(32, 8, 2, split_k=4),
+        _sched(16, 8, 1, split_k=4),
+        _sched(32, 16, 2, split_k=4),
+        _sched(64, 16, 4, split_k=8),
+        _sched(32, 8, 2, split_k=2, pl=True),
+        _sched(32, 8, 2, split_k=4, pl=True),
+        _sched(64, 16, 4, split_k=4, pl=True),
+        _sched(32, 16, 2, split_k=4, pl=True),
     )
 }
 
 
-def mma_route(fmt: str, out_features: int, in_features: int, columns: int) -> MmaSchedule | None:
-    """The tensor-core schedule for a decode GEMM of 2–16 columns, None where the kernel does not apply.
-    Not yet timed on a GPU: taken only under NINFER_GEMV=mma (`gguf_matmul.mma_enabled`)."""
+def mma_wins(fmt: str, out_features: int, in_features: int, columns: int) -> bool:
+    """Where the tensor-core tile beats the dp4a routes (rows, q8) on the H200: bench/rows_timing.py at the
+    27B shapes, session 5 (docs/gpu-notes.md). It does not at 2–4 columns (a program's sub-blocks run one
+    after another, ~340 ns each, so it is latency-bound where the dp4a kernels are not yet), nor on small
+    matrices; at 8 columns q4_k 17408×5120 takes 60.4 µs vs the q8 route's 116.2, iq3_s 78.7 vs 111.5, q6_k
+    129.8 vs 149.3; at 16, 75.9 vs 147.6, 122.2 vs 320.1, 199.4 vs 232.0. iq3_s and q6_k lose on the
+    long-K 5120×17408 at 8 columns (132.9 vs 110.1, 205.1 vs 135.3)."""
+    if columns <= 4:
+        return False
+    if fmt in ("q4_k", "q5_k"):
+        return out_features >= 4096
+    if fmt == "iq3_s" and columns > 8:
+        return True
+    return out_features >= 8192 and in_features <= 8192
+
+
+def mma_route(fmt: str, out_features: int, in_features: int, columns: int,
+              forced: bool = False) -> MmaSchedule | None:
+    """The tensor-core schedule for a decode GEMM of 2–16 columns where it wins (`mma_wins`; everywhere it
+    applies when `forced`: NINFER_GEMV=mma), None where the kernel does not apply or loses."""
     fmt = fmt.removeprefix(GGUF_PREFIX)
     if fmt not in MMA_FORMATS or in_features % 256 or not 2 <= columns <= MAX_COLUMNS:
         return None
-    return SCHEDULES["mma_n64_m8_w4" if columns <= 8 else "mma_n64_m16_w4"]
+    if not forced and not mma_wins(fmt, out_features, in_features, columns):
+        return None
+    if columns <= 8 and in_features <= 8192:
+        return SCHEDULES["mma_n32_m8_w2_s2"]
+    quick = fmt in ("q4_k", "q5_k") and out_features >= 8192 and in_features <= 8192
+    return SCHEDULES["mma_n64_m16_w4_p3" if quick else "mma_n64_m16_w4_s4"]
 
 
 if HAVE_TRITON:
@@ -159,15 +193,32 @@ if HAVE_TRITON:
         return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [BLOCK_N, 32])
 
     @jit
+    def _eight(ptrs, STEP: tl.constexpr):
+        """The loads at ptrs, ptrs + STEP, ..., ptrs + 7·STEP (a super-block's 8 sub-block scales, or its 8
+        activation tiles with STEP 32), issued together."""
+        return (tl.load(ptrs), tl.load(ptrs + STEP), tl.load(ptrs + 2 * STEP), tl.load(ptrs + 3 * STEP),
+                tl.load(ptrs + 4 * STEP), tl.load(ptrs + 5 * STEP), tl.load(ptrs + 6 * STEP),
+                tl.load(ptrs + 7 * STEP))
+
+    @jit
+    def _iq3s_block(rb, rb16, grid_ptr, BLOCK_N: tl.constexpr):
+        """The 8 sub-blocks' code tiles of an iq3_s super-block, their gathers issued together."""
+        return (_iq3s_codes(rb, rb16, 0, grid_ptr, BLOCK_N), _iq3s_codes(rb, rb16, 1, grid_ptr, BLOCK_N),
+                _iq3s_codes(rb, rb16, 2, grid_ptr, BLOCK_N), _iq3s_codes(rb, rb16, 3, grid_ptr, BLOCK_N),
+                _iq3s_codes(rb, rb16, 4, grid_ptr, BLOCK_N), _iq3s_codes(rb, rb16, 5, grid_ptr, BLOCK_N),
+                _iq3s_codes(rb, rb16, 6, grid_ptr, BLOCK_N), _iq3s_codes(rb, rb16, 7, grid_ptr, BLOCK_N))
+
+    @jit
     def _mma_kernel(w_ptr, wh_ptr, grid_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
                     FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                    EF: tl.constexpr, EMULATE: tl.constexpr):
+                    EF: tl.constexpr, PL: tl.constexpr, EMULATE: tl.constexpr):
         """One program: BLOCK_N rows × BLOCK_M columns over its split of the super-blocks. Rows and columns
         past the end are clamped (they read the last one; their sums are not stored), so the loop has no
         masks. Per (row, column, sub-block) the epilogue is one int→float conversion, one multiply by the
         activation scale and one FMA by the weight scale; the k-quant min terms go to a second accumulator.
         FMT 4 / 5: q4_k / q5_k (wh_ptr the weight as int32 words); 6: q6_k (wh_ptr as int16); 33: iq3_s
-        (wh_ptr as int16, grid_ptr its 512 words)."""
+        (wh_ptr as int16, grid_ptr its 512 words). PL: each super-block's activation tiles and scales, and its
+        weight runs (iq3_s: its code tiles), are loaded before the first dot, not one sub-block at a time."""
         # bytes per block
         WB: tl.constexpr = 144 if FMT == 4 else (176 if FMT == 5 else (210 if FMT == 6 else 110))
         QS: tl.constexpr = 16 if FMT == 4 else 48  # first qs byte (k-quants)
@@ -187,37 +238,58 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         mins = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for blk in range(s0, tl.minimum(steps, s0 + per_split)):
+            if PL:
+                xts = _eight(x_at + blk * 256, 32)
+                xds = _eight(xd_ptr + s_at + blk * 8, 1)
             if FMT == 6:
                 wb = w_at + blk * WB
                 hb = wh_ptr + nc * (row_bytes // 2) + blk * (WB // 2)  # int16 view (2-byte aligned blocks)
                 d = tl.load(hb + 104).to(tl.float16, bitcast=True).to(tl.float32)
                 sb = w_ptr + nc * row_bytes + blk * WB + 192  # 16 signed scales, one per 16 codes
+                if PL:
+                    qls = (tl.load(wb), tl.load(wb + 32), tl.load(wb + 64), tl.load(wb + 96))
+                    qhs = (tl.load(wb + 128), tl.load(wb + 160))
                 for h in tl.static_range(2):
-                    qh = tl.load(wb + (128 + 32 * h))
+                    if PL:
+                        qh = qhs[h]
+                    else:
+                        qh = tl.load(wb + (128 + 32 * h))
                     for r in tl.static_range(2):
-                        ql = tl.load(wb + (64 * h + 32 * r))
+                        if PL:
+                            ql = qls[2 * h + r]
+                        else:
+                            ql = tl.load(wb + (64 * h + 32 * r))
                         for nib in tl.static_range(2):
                             # sub-block j = 4h + q of quarter q = 2·nib + r: ql run r, nibble nib, qh bits 2q
                             codes = _q6k_codes(ql, qh, nib, 2 * (2 * nib + r), EMULATE)
-                            xt = tl.load(x_at + (blk * 256 + 32 * (4 * h + 2 * nib + r)))
+                            if PL:
+                                xt, xd = xts[4 * h + 2 * nib + r], xds[4 * h + 2 * nib + r]
+                            else:
+                                xt = tl.load(x_at + (blk * 256 + 32 * (4 * h + 2 * nib + r)))
+                                xd = tl.load(xd_ptr + s_at + (blk * 8 + 4 * h + 2 * nib + r))
                             first = k[:, None] < 16  # the two halves have their own scales: two dots
                             lo = tl.dot(codes, tl.where(first, xt, 0), out_dtype=tl.int32)
                             hi = tl.dot(codes, tl.where(first, 0, xt), out_dtype=tl.int32)
                             j2 = 2 * (4 * h + 2 * nib + r)
                             sc_lo = tl.load(sb + j2).to(tl.int8).to(tl.float32)
                             sc_hi = tl.load(sb + (j2 + 1)).to(tl.int8).to(tl.float32)
-                            xd = tl.load(xd_ptr + s_at + (blk * 8 + 4 * h + 2 * nib + r))
                             part = lo.to(tl.float32) * sc_lo[:, None] + hi.to(tl.float32) * sc_hi[:, None]
                             acc += (part * xd[None, :]) * d[:, None]
             elif FMT == 33:
                 rb = w_ptr + nc * row_bytes + blk * WB
                 rb16 = wh_ptr + nc * (row_bytes // 2) + blk * (WB // 2)  # int16 view (2-byte aligned blocks)
                 d = tl.load(rb16).to(tl.float16, bitcast=True).to(tl.float32)
+                if PL:
+                    tiles = _iq3s_block(rb, rb16, grid_ptr, BLOCK_N)
                 for g in tl.static_range(8):
-                    codes = _iq3s_codes(rb, rb16, g, grid_ptr, BLOCK_N)
-                    dot = tl.dot(codes, tl.load(x_at + (blk * 256 + 32 * g)), out_dtype=tl.int32)
+                    if PL:
+                        codes, xt, xd = tiles[g], xts[g], xds[g]
+                    else:
+                        codes = _iq3s_codes(rb, rb16, g, grid_ptr, BLOCK_N)
+                        xt = tl.load(x_at + (blk * 256 + 32 * g))
+                        xd = tl.load(xd_ptr + s_at + (blk * 8 + g))
+                    dot = tl.dot(codes, xt, out_dtype=tl.int32)
                     nib = (tl.load(rb + (106 + g // 2)).to(tl.int32) >> (4 * (g % 2))) & 0xF
-                    xd = tl.load(xd_ptr + s_at + (blk * 8 + g))
                     acc += (dot.to(tl.float32) * xd[None, :]) * (d * (2 * nib + 1).to(tl.float32))[:, None]
             else:
                 wb = w_at + blk * WB
@@ -233,18 +305,28 @@ if HAVE_TRITON:
                 mn_words = (h2 & 0x3F3F3F3F, ((h3 >> 4) & 0x0F0F0F0F) | ((h2 >> 2) & 0x30303030))
                 if FMT == 5:
                     qh = _ldw(wb + 16, 0, True, CACHE)
+                if PL:
+                    runs = (_ldw(wb + QS, 0, True, CACHE), _ldw(wb + (QS + 32), 0, True, CACHE),
+                            _ldw(wb + (QS + 64), 0, True, CACHE), _ldw(wb + (QS + 96), 0, True, CACHE))
+                    xss = _eight(xs_ptr + s_at + blk * 8, 1)
                 for c in tl.static_range(4):
-                    q = _ldw(wb + (QS + 32 * c), 0, True, CACHE)
+                    if PL:
+                        q = runs[c]
+                    else:
+                        q = _ldw(wb + (QS + 32 * c), 0, True, CACHE)
                     for half in tl.static_range(2):
                         codes = _nibbles(q, half, EMULATE)
                         if FMT == 5:
                             codes = _fifth_bit(codes, qh, 2 * c + half, EMULATE)
-                        xt = tl.load(x_at + (blk * 256 + 64 * c + 32 * half))
+                        if PL:  # sub-block 2c + half
+                            xt, xd, xs = xts[2 * c + half], xds[2 * c + half], xss[2 * c + half]
+                        else:
+                            xt = tl.load(x_at + (blk * 256 + 64 * c + 32 * half))
+                            xd = tl.load(xd_ptr + s_at + (blk * 8 + 2 * c + half))
+                            xs = tl.load(xs_ptr + s_at + (blk * 8 + 2 * c + half))
                         dot = tl.dot(codes, xt, out_dtype=tl.int32)
                         sc = _byte_float(sc_words[c // 2], (2 * c + half) % 4)
                         mn = _byte_float(mn_words[c // 2], (2 * c + half) % 4)
-                        xd = tl.load(xd_ptr + s_at + (blk * 8 + 2 * c + half))
-                        xs = tl.load(xs_ptr + s_at + (blk * 8 + 2 * c + half))
                         acc += (dot.to(tl.float32) * xd[None, :]) * (d * sc)[:, None]
                         mins += (dmin * mn)[:, None] * xs[None, :]
         _store(y_ptr, acc - mins, m[None, :], n[:, None], M, N, stride_ym, SPLIT_K)
@@ -263,5 +345,5 @@ def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featur
     words = raw.view(_HEADER_WORD[format])
     _mma_kernel[launch](raw, words, _tables(raw.device)[1], xa.q, xa.d, xa.s, y, out_features, k, n,
                         raw.shape[1], y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m,
-                        SPLIT_K=s.split_k, EF=s.evict_first, EMULATE=EMULATE_DP4A, **extra)
+                        SPLIT_K=s.split_k, EF=s.evict_first, PL=s.preload, EMULATE=EMULATE_DP4A, **extra)
     return y.to(xa.dtype)

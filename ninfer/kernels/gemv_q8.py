@@ -63,7 +63,10 @@ def quantize_activation_reference(x: torch.Tensor) -> QuantizedActivation:
     _check_activation(x)
     n, k = x.shape
     xb = x.float().reshape(n, k // QBLOCK, QBLOCK)
-    d = xb.abs().amax(-1) / 127.0
+    amax = xb.abs().amax(-1)
+    # a tensor divisor: PyTorch's CUDA kernels multiply by the reciprocal of a Python-number divisor (not
+    # correctly rounded: d one ulp off, then a code one off), the kernels divide (div_rn)
+    d = amax / torch.full_like(amax, 127.0)
     safe = torch.where(d == 0, torch.ones_like(d), d)
     q = torch.round(xb / safe[..., None]).clamp(-127, 127).to(torch.int8)
     s = d * q.sum(-1, dtype=torch.int32).float()
@@ -175,11 +178,12 @@ def remember_activation(x: torch.Tensor, result: QuantizedActivation) -> None:
 
 def int8_next(x: torch.Tensor) -> bool:
     """Whether a quantized Linear fed x would quantise it to int8 (CUDA, decode widths of the int8 routes:
-    1-8 columns, 1-16 under NINFER_GEMV=mma): the kernel producing x then does it in the same launch."""
-    from ninfer.kernels.gguf_matmul import mma_enabled, q8_enabled
+    1-8 columns, 1-16 where the tensor-core GEMM may take it): the kernel producing x then does it in the
+    same launch."""
+    from ninfer.kernels.gguf_matmul import q8_enabled, rows_enabled
 
     return (x.is_cuda and x.dim() == 2 and x.shape[1] % QBLOCK == 0 and q8_enabled()
-            and 1 <= x.shape[0] <= (16 if mma_enabled() else 8))
+            and 1 <= x.shape[0] <= (16 if rows_enabled() else 8))
 
 
 def quantize_activation_cached(x: torch.Tensor) -> QuantizedActivation:

@@ -202,9 +202,9 @@ def rows_enabled() -> bool:
     return os.environ.get("NINFER_GEMV", "rows") in ("rows", "mma")
 
 
-def mma_enabled() -> bool:
-    """NINFER_GEMV=mma: the int8 tensor-core GEMM (gemv_mma.py, not yet timed on a GPU) takes q4_k, q5_k,
-    q6_k and iq3_s decode at 2–16 columns, the rows routes the rest."""
+def mma_forced() -> bool:
+    """NINFER_GEMV=mma: the int8 tensor-core GEMM (gemv_mma.py) takes q4_k, q5_k, q6_k and iq3_s decode at
+    every width of 2–16 columns, not only where its route says it wins (for benchmarks)."""
     return os.environ.get("NINFER_GEMV", "rows") == "mma"
 
 
@@ -857,11 +857,11 @@ def quant_matmul(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    if schedule is None and x.is_cuda and mma_enabled():  # 2-16 columns on int8 tensor cores
+    if schedule is None and x.is_cuda and rows_enabled():  # 5-16 columns on int8 tensor cores
         from ninfer.kernels.gemv_mma import gemv_mma, mma_route
         from ninfer.kernels.gemv_q8 import quantize_activation_cached
 
-        tile = mma_route(format, out_features, in_features, M)
+        tile = mma_route(format, out_features, in_features, M, mma_forced())
         if tile is not None:
             y = gemv_mma(raw, format, quantize_activation_cached(x), out_features, tile)
             return y.reshape(*x.shape[:-1], out_features)

@@ -17,10 +17,10 @@ pytestmark = [needs_triton, pytest.mark.usefixtures("triton_on_cpu_env")]
 # loads, masked stores), split-K with an empty split (3 blocks over 4 splits), two column tiles (17 columns),
 # block-wide preloads (_pl)
 CASES = [(fmt, sched, m, n, nb) for fmt in MMA_FORMATS
-         for sched, m, n, nb in (("mma_n64_m8_w4", 3, 70, 2), ("mma_n64_m16_w4", 16, 64, 3),
+         for sched, m, n, nb in (("mma_n16_m8_w1_s4", 3, 70, 2), ("mma_n64_m16_w4_p3", 16, 64, 3),
                                  ("mma_n32_m8_w2_s2", 8, 40, 5), ("mma_n64_m16_w4_s4", 17, 20, 3),
-                                 ("mma_n128_m8_w4_p3", 2, 130, 1), ("mma_n32_m8_w2_s2_pl", 5, 40, 3),
-                                 ("mma_n64_m16_w4_s4_pl", 12, 70, 5))]
+                                 ("mma_n32_m8_w2_s4_pl", 2, 130, 1), ("mma_n32_m8_w2_s2_pl", 5, 40, 3),
+                                 ("mma_n32_m16_w2_s4_pl", 12, 70, 5))]
 
 
 @pytest.mark.parametrize("fmt,sched,width,rows,nb", CASES)
@@ -36,13 +36,14 @@ def test_mma_kernel_equals_twin(fmt, sched, width, rows, nb):
 
 def test_mma_route_and_errors():
     assert mma_route("gguf_q4_k", 17408, 5120, 8).name in SCHEDULES
-    assert mma_route("q4_k", 17408, 5120, 4) is None  # 2-4 columns: the dp4a routes win
+    assert mma_route("q4_k", 17408, 5120, 2) is None  # 2 columns: the rows GEMV wins
+    assert mma_route("q4_k", 17408, 5120, 3).name == "mma_n32_m8_w2_s4_pl"
     assert mma_route("q4_k", 1024, 5120, 8) is None  # small matrices too
-    assert mma_route("iq3_s", 5120, 17408, 8) is None and mma_route("iq3_s", 5120, 17408, 9) is not None
+    assert mma_route("q6_k", 5120, 17408, 4) is None and mma_route("iq3_s", 5120, 17408, 2) is not None
     assert all(mma_route("q5_k", 5120, 17408, m, forced=True).block_m >= m for m in range(2, MAX_COLUMNS + 1))
     assert mma_route("q4_k", 17408, 5120, 1, forced=True) is None  # one column: the rows GEMV
     assert mma_route("iq4_xs", 17408, 5120, 4) is None
     assert mma_route("q4_k", 17408, 5120, MAX_COLUMNS + 1) is None
     raw, x = gemv_case("iq4_xs", 4, 256, 2, seed=3)
     with pytest.raises(NinferError, match="tensor-core"):
-        gemv_mma(raw, "iq4_xs", quantize_activation(x), 4, "mma_n64_m8_w4")
+        gemv_mma(raw, "iq4_xs", quantize_activation(x), 4, "mma_n32_m8_w2_s2")

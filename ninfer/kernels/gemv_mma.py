@@ -60,48 +60,46 @@ def _sched(block_n: int, block_m: int, num_warps: int, split_k: int = 1, stages:
 SCHEDULES: dict[str, MmaSchedule] = {
     s.name: s
     for s in (
-        # untimed (written without a GPU; bench/rows_timing.py --only mma sweeps them): 17408 rows / 64 =
-        # 272 programs ≈ 2 per SM; split-K fills the machine for the 5120-row shapes; m8 for ≤ 8 columns
-        _sched(64, 16, 4),
-        _sched(64, 8, 4),
-        _sched(64, 8, 4, ef=True),
-        _sched(128, 8, 4),
-        _sched(128, 16, 8),
-        _sched(64, 8, 4, split_k=2),
-        _sched(64, 16, 4, split_k=4),
+        # the H200 sweeps (bench/rows_timing.py, session 5): a program's sub-blocks run one after another
+        # (~340 ns each), so the most programs win: 16-32 rows, split-K 4, block-wide preloads ("_pl": a
+        # super-block's weight runs, activation tiles and scales loaded before its first dot). Gone after the
+        # first sweep: 64-128-row tiles without split-K (2-3× slower), evict-first loads (no gain)
+        _sched(32, 8, 2, split_k=4, pl=True),  # q4_k / q5_k / q6_k, 3-8 columns
+        _sched(16, 8, 1, split_k=4),  # iq3_s, 2-8 columns
+        _sched(32, 16, 2, split_k=4, pl=True),  # q4_k / q5_k, 9-16 columns
+        _sched(32, 16, 2, split_k=4),  # iq3_s, 9-16 columns
+        _sched(64, 16, 4, split_k=8),  # q6_k, 9-16 columns
         _sched(32, 8, 2, split_k=2),
-        _sched(64, 8, 4, stages=3),
-        _sched(64, 16, 4, stages=3),
-        _sched(128, 8, 4, stages=3),
-        # session 5, after the first timings (every program's sub-blocks run one after another, ~340 ns
-        # each): more programs (split-K 4-8, 16-32 rows) and block-wide preloads ("_pl": a super-block's
-        # weight runs, activation tiles and scales loaded before its first dot)
-        _sched(32, 8, 2, split_k=4),
-        _sched(16, 8, 1, split_k=4),
-        _sched(32, 16, 2, split_k=4),
-        _sched(64, 16, 4, split_k=8),
         _sched(32, 8, 2, split_k=2, pl=True),
-        _sched(32, 8, 2, split_k=4, pl=True),
+        _sched(32, 8, 2, split_k=4),
+        _sched(64, 16, 4, split_k=4),
         _sched(64, 16, 4, split_k=4, pl=True),
-        _sched(32, 16, 2, split_k=4, pl=True),
+        _sched(64, 16, 4, stages=3),
+        # not yet timed: still more programs
+        _sched(16, 8, 1, split_k=8),
+        _sched(16, 8, 1, split_k=4, pl=True),
+        _sched(32, 8, 2, split_k=8, pl=True),
+        _sched(32, 16, 2, split_k=8, pl=True),
+        _sched(16, 16, 1, split_k=4),
     )
 }
 
+# the first tile at least this many columns wide (columns <= 8: the 8-column tile), by format
+_ROUTE = {"q4_k": ("mma_n32_m8_w2_s4_pl", "mma_n32_m16_w2_s4_pl"),
+          "q5_k": ("mma_n32_m8_w2_s4_pl", "mma_n32_m16_w2_s4_pl"),
+          "q6_k": ("mma_n32_m8_w2_s4_pl", "mma_n64_m16_w4_s8"),
+          "iq3_s": ("mma_n16_m8_w1_s4", "mma_n32_m16_w2_s4")}
+# the fewest columns where the tile beats the dp4a routes
+_MIN_COLUMNS = {"q4_k": 3, "q5_k": 3, "q6_k": 5, "iq3_s": 2}
 
-def mma_wins(fmt: str, out_features: int, in_features: int, columns: int) -> bool:
-    """Where the tensor-core tile beats the dp4a routes (rows, q8) on the H200: bench/rows_timing.py at the
-    27B shapes, session 5 (docs/gpu-notes.md). It does not at 2–4 columns (a program's sub-blocks run one
-    after another, ~340 ns each, so it is latency-bound where the dp4a kernels are not yet), nor on small
-    matrices; at 8 columns q4_k 17408×5120 takes 60.4 µs vs the q8 route's 116.2, iq3_s 78.7 vs 111.5, q6_k
-    129.8 vs 149.3; at 16, 75.9 vs 147.6, 122.2 vs 320.1, 199.4 vs 232.0. iq3_s and q6_k lose on the
-    long-K 5120×17408 at 8 columns (132.9 vs 110.1, 205.1 vs 135.3)."""
-    if columns <= 4:
-        return False
-    if fmt in ("q4_k", "q5_k"):
-        return out_features >= 4096
-    if fmt == "iq3_s" and columns > 8:
-        return True
-    return out_features >= 8192 and in_features <= 8192
+
+def mma_wins(fmt: str, out_features: int, columns: int) -> bool:
+    """Where the tensor-core tile beats the dp4a routes (rows, q8) on the H200 (bench/rows_timing.py at the
+    27B shapes, session 5, µs beside the best dp4a route's): q4_k 17408×5120 at 4 columns 41.7 vs 57.8, 8
+    columns 47.1 vs 116.5, 16 columns 75.2 vs 147.6; iq3_s 60.3 vs 77.0, 63.7 vs 112.2, 107.5 vs 320.1; q6_k
+    at 8 columns 95.0 vs 147.7. Ties at 4 columns on q4_k 5120×17408 and 6144×5120 and q6_k, loses at 2 for
+    the k-quants (rows 33.7 µs) and on small matrices (1024 rows at 8 columns: 28.6 vs 12.5)."""
+    return out_features >= 4096 and columns >= _MIN_COLUMNS[fmt]
 
 
 def mma_route(fmt: str, out_features: int, in_features: int, columns: int,
@@ -111,12 +109,9 @@ def mma_route(fmt: str, out_features: int, in_features: int, columns: int,
     fmt = fmt.removeprefix(GGUF_PREFIX)
     if fmt not in MMA_FORMATS or in_features % 256 or not 2 <= columns <= MAX_COLUMNS:
         return None
-    if not forced and not mma_wins(fmt, out_features, in_features, columns):
+    if not forced and not mma_wins(fmt, out_features, columns):
         return None
-    if columns <= 8 and in_features <= 8192:
-        return SCHEDULES["mma_n32_m8_w2_s2"]
-    quick = fmt in ("q4_k", "q5_k") and out_features >= 8192 and in_features <= 8192
-    return SCHEDULES["mma_n64_m16_w4_p3" if quick else "mma_n64_m16_w4_s4"]
+    return SCHEDULES[_ROUTE[fmt][columns > 8]]
 
 
 if HAVE_TRITON:

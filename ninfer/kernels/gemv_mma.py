@@ -90,15 +90,17 @@ _ROUTE = {"q4_k": ("mma_n32_m8_w2_s4_pl", "mma_n32_m16_w2_s4_pl"),
           "q6_k": ("mma_n32_m8_w2_s4_pl", "mma_n64_m16_w4_s8"),
           "iq3_s": ("mma_n16_m8_w1_s4", "mma_n32_m16_w2_s4")}
 # the fewest columns where the tile beats the dp4a routes
-_MIN_COLUMNS = {"q4_k": 3, "q5_k": 3, "q6_k": 5, "iq3_s": 2}
+_MIN_COLUMNS = {"q4_k": 3, "q5_k": 3, "q6_k": 3, "iq3_s": 2}
 
 
 def mma_wins(fmt: str, out_features: int, columns: int) -> bool:
     """Where the tensor-core tile beats the dp4a routes (rows, q8) on the H200 (bench/rows_timing.py at the
     27B shapes, session 5, µs beside the best dp4a route's): q4_k 17408×5120 at 4 columns 41.7 vs 57.8, 8
     columns 47.1 vs 116.5, 16 columns 75.2 vs 147.6; iq3_s 60.3 vs 77.0, 63.7 vs 112.2, 107.5 vs 320.1; q6_k
-    at 8 columns 95.0 vs 147.7. Ties at 4 columns on q4_k 5120×17408 and 6144×5120 and q6_k, loses at 2 for
-    the k-quants (rows 33.7 µs) and on small matrices (1024 rows at 8 columns: 28.6 vs 12.5)."""
+    at 4 / 8 columns 93.6 / 95.0 vs 100.5 / 147.7, the q6_k output head (248320×5120) 1155 / 1185 vs 1231 /
+    1683. Ties at 4 columns on q4_k 5120×17408 and 6144×5120 and on q6_k 5120×17408 / 10240×5120, loses at 2
+    for the k-quants (q4_k rows 33.7 µs, the q6_k head as two 1-column GEMVs 682 vs 1134) and on small
+    matrices (1024 rows at 8 columns: 28.6 vs 12.5)."""
     return out_features >= 4096 and columns >= _MIN_COLUMNS[fmt]
 
 

@@ -1,6 +1,6 @@
 """GPU check and timing of the coalesced-rows int8-activation GEMVs (ninfer/kernels/gemv_rows.py: q4_k, q5_k;
-gemv_rows_iq.py: iq3_s, iq4_xs) and the int8 tensor-core GEMM (gemv_mma.py: q4_k, q5_k at 2–16 columns) beside
-the q8 routes they replace (gemv_q8.py, gemv_q8_iq.py).
+gemv_rows_iq.py: iq3_s, iq4_xs) and the int8 tensor-core GEMM (gemv_mma.py: q4_k, q5_k, q6_k, iq3_s at 2–16
+columns) beside the q8 routes they replace (gemv_q8.py, gemv_q8_iq.py).
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD

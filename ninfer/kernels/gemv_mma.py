@@ -16,9 +16,10 @@ Formats: q4_k, q5_k (sub-blocks of 32: low and high nibbles of a 32-byte qs run,
 unpacked four bytes per PTX operation), q6_k (6-bit codes − 32 built four bytes per operation; its scales
 cover 16 codes, so each sub-block takes two dots, the activation tile's other half zeroed) and iq3_s (8 grid
 words of 4 magnitudes per sub-block, signs applied to whole words, the bytes joined into the tile in
-registers). Not yet timed on a GPU. sm_90 builds with the device's Triton 3.6 (mma.sync IMMA for the 8-column
-tile, wgmma IGMMA 64x16x32 for 16), SASS instructions per weight and thread, 8 / 16 columns: q4_k 4.4 / 7.2,
-q5_k 5.2 / 7.9, q6_k 8.0 / 11.3, iq3_s 7.6 / 11.9.
+registers). A program's sub-blocks run one after another (~340 ns each on the H200: operand staging, dot,
+epilogue), so the kernel is latency-bound and the routed schedules are the ones with the most programs:
+16-32 rows, split-K 4, block-wide preloads (docs/gpu-notes.md, session 5: q4_k 17408×5120 at 4 / 8 / 16
+columns 41.7 / 47.1 / 75.2 µs where one column takes 21.5 on the rows kernel).
 The oracle is `gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
 """
 

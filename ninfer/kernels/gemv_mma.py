@@ -76,12 +76,18 @@ SCHEDULES: dict[str, MmaSchedule] = {
         _sched(64, 16, 4, split_k=4),
         _sched(64, 16, 4, split_k=4, pl=True),
         _sched(64, 16, 4, stages=3),
-        # not yet timed: still more programs
+        # not yet timed: still more programs; software-pipelined blocks (2-3 stages: the activation tiles
+        # and weight runs through cp.async, LDGSTS in the sm_90 SASS)
         _sched(16, 8, 1, split_k=8),
         _sched(16, 8, 1, split_k=4, pl=True),
         _sched(32, 8, 2, split_k=8, pl=True),
         _sched(32, 16, 2, split_k=8, pl=True),
         _sched(16, 16, 1, split_k=4),
+        _sched(32, 8, 2, split_k=4, stages=2, pl=True),
+        _sched(32, 8, 2, split_k=4, stages=3, pl=True),
+        _sched(16, 8, 1, split_k=4, stages=3),
+        _sched(32, 16, 2, split_k=4, stages=3, pl=True),
+        _sched(32, 8, 2, split_k=8, stages=3, pl=True),
     )
 }
 

@@ -92,8 +92,8 @@ SCHEDULES: dict[str, MmaSchedule] = {
 }
 
 # the first tile at least this many columns wide (columns <= 8: the 8-column tile), by format
-_ROUTE = {"q4_k": ("mma_n32_m8_w2_s4_pl", "mma_n32_m16_w2_s4_pl"),
-          "q5_k": ("mma_n32_m8_w2_s4_pl", "mma_n32_m16_w2_s4_pl"),
+_ROUTE = {"q4_k": ("mma_n32_m8_w2_s8_pl", "mma_n32_m16_w2_s4_p3_pl"),
+          "q5_k": ("mma_n32_m8_w2_s8_pl", "mma_n32_m16_w2_s4_p3_pl"),
           "q6_k": ("mma_n32_m8_w2_s4_pl", "mma_n64_m16_w4_s8"),
           "iq3_s": ("mma_n16_m8_w1_s4", "mma_n32_m16_w2_s4")}
 # the fewest columns where the tile beats the dp4a routes

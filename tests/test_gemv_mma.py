@@ -14,13 +14,13 @@ pytestmark = [needs_triton, pytest.mark.usefixtures("triton_on_cpu_env")]
 
 
 # (format, schedule, columns, rows, blocks per row): rows and columns not multiples of the tile (clamped
-# loads, masked stores), split-K with an empty split (3 blocks over 4 splits), two column tiles (17 columns),
+# loads, masked stores), split-K with empty splits (3 blocks over 8 splits), two column tiles (17 columns),
 # block-wide preloads (_pl)
 CASES = [(fmt, sched, m, n, nb) for fmt in MMA_FORMATS
          for sched, m, n, nb in (("mma_n16_m8_w1_s4", 3, 70, 2), ("mma_n64_m16_w4_p3", 16, 64, 3),
-                                 ("mma_n32_m8_w2_s2", 8, 40, 5), ("mma_n64_m16_w4_s4", 17, 20, 3),
-                                 ("mma_n32_m8_w2_s4_pl", 2, 130, 1), ("mma_n32_m8_w2_s2_pl", 5, 40, 3),
-                                 ("mma_n32_m16_w2_s4_pl", 12, 70, 5))]
+                                 ("mma_n32_m8_w2_s2", 8, 40, 5), ("mma_n64_m16_w4_s8", 17, 20, 3),
+                                 ("mma_n32_m8_w2_s4_pl", 2, 130, 1), ("mma_n32_m8_w2_s8_pl", 5, 40, 3),
+                                 ("mma_n32_m16_w2_s4_p3_pl", 12, 70, 5))]
 
 
 @pytest.mark.parametrize("fmt,sched,width,rows,nb", CASES)

@@ -18,8 +18,8 @@ cover 16 codes, so each sub-block takes two dots, the activation tile's other ha
 words of 4 magnitudes per sub-block, signs applied to whole words, the bytes joined into the tile in
 registers). A program's sub-blocks run one after another (~340 ns each on the H200: operand staging, dot,
 epilogue), so the kernel is latency-bound and the routed schedules are the ones with the most programs:
-16-32 rows, split-K 4, block-wide preloads (docs/gpu-notes.md, session 5: q4_k 17408×5120 at 4 / 8 / 16
-columns 41.7 / 47.1 / 75.2 µs where one column takes 21.5 on the rows kernel).
+16-32 rows, split-K 4-8, block-wide preloads (docs/gpu-notes.md, session 5: q4_k 17408×5120 at 4 / 8 / 16
+columns 39.6 / 45.1 / 73.2 µs where one column takes 21.5 on the rows kernel).
 The oracle is `gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
 """
 
@@ -62,32 +62,23 @@ SCHEDULES: dict[str, MmaSchedule] = {
     s.name: s
     for s in (
         # the H200 sweeps (bench/rows_timing.py, session 5): a program's sub-blocks run one after another
-        # (~340 ns each), so the most programs win: 16-32 rows, split-K 4, block-wide preloads ("_pl": a
-        # super-block's weight runs, activation tiles and scales loaded before its first dot). Gone after the
-        # first sweep: 64-128-row tiles without split-K (2-3× slower), evict-first loads (no gain)
-        _sched(32, 8, 2, split_k=4, pl=True),  # q4_k / q5_k / q6_k, 3-8 columns
-        _sched(16, 8, 1, split_k=4),  # iq3_s, 2-8 columns
-        _sched(32, 16, 2, split_k=4, pl=True),  # q4_k / q5_k, 9-16 columns
-        _sched(32, 16, 2, split_k=4),  # iq3_s, 9-16 columns
+        # (~340 ns each), so the most programs win: 16-32 rows, split-K 4-8, block-wide preloads ("_pl": a
+        # super-block's weight runs, activation tiles and scales loaded before its first dot). Routed:
+        _sched(32, 8, 2, split_k=8, pl=True),  # q4_k / q5_k, 3-8 columns
+        _sched(32, 16, 2, split_k=4, stages=3, pl=True),  # q4_k / q5_k, 9-16 columns
+        _sched(32, 8, 2, split_k=4, pl=True),  # q6_k, 3-8 columns
         _sched(64, 16, 4, split_k=8),  # q6_k, 9-16 columns
+        _sched(16, 8, 1, split_k=4),  # iq3_s, 2-8 columns
+        _sched(32, 16, 2, split_k=4),  # iq3_s, 9-16 columns
+        # within 10 % of the routed ones somewhere (kept for the next sweeps). Lost everywhere and gone:
+        # 64-128-row tiles without split-K (2-3× slower), evict-first loads, 16-row tiles for the k-quants,
+        # 16-column tiles with split-K 8, 2-3 pipeline stages at 8 columns (iq3_s: 2× slower)
         _sched(32, 8, 2, split_k=2),
         _sched(32, 8, 2, split_k=2, pl=True),
-        _sched(32, 8, 2, split_k=4),
-        _sched(64, 16, 4, split_k=4),
+        _sched(32, 8, 2, split_k=8, stages=3, pl=True),
+        _sched(32, 16, 2, split_k=4, pl=True),
         _sched(64, 16, 4, split_k=4, pl=True),
         _sched(64, 16, 4, stages=3),
-        # not yet timed: still more programs; software-pipelined blocks (2-3 stages: the activation tiles
-        # and weight runs through cp.async, LDGSTS in the sm_90 SASS)
-        _sched(16, 8, 1, split_k=8),
-        _sched(16, 8, 1, split_k=4, pl=True),
-        _sched(32, 8, 2, split_k=8, pl=True),
-        _sched(32, 16, 2, split_k=8, pl=True),
-        _sched(16, 16, 1, split_k=4),
-        _sched(32, 8, 2, split_k=4, stages=2, pl=True),
-        _sched(32, 8, 2, split_k=4, stages=3, pl=True),
-        _sched(16, 8, 1, split_k=4, stages=3),
-        _sched(32, 16, 2, split_k=4, stages=3, pl=True),
-        _sched(32, 8, 2, split_k=8, stages=3, pl=True),
     )
 }
 
@@ -102,10 +93,10 @@ _MIN_COLUMNS = {"q4_k": 3, "q5_k": 3, "q6_k": 3, "iq3_s": 2}
 
 def mma_wins(fmt: str, out_features: int, columns: int) -> bool:
     """Where the tensor-core tile beats the dp4a routes (rows, q8) on the H200 (bench/rows_timing.py at the
-    27B shapes, session 5, µs beside the best dp4a route's): q4_k 17408×5120 at 4 columns 41.7 vs 57.8, 8
-    columns 47.1 vs 116.5, 16 columns 75.2 vs 147.6; iq3_s 60.3 vs 77.0, 63.7 vs 112.2, 107.5 vs 320.1; q6_k
+    27B shapes, session 5, µs beside the best dp4a route's): q4_k 17408×5120 at 4 columns 39.6 vs 57.8, 8
+    columns 45.1 vs 116.5, 16 columns 73.2 vs 147.6; iq3_s 60.3 vs 77.0, 63.7 vs 112.2, 107.5 vs 320.1; q6_k
     at 4 / 8 columns 93.6 / 95.0 vs 100.5 / 147.7, the q6_k output head (248320×5120) 1155 / 1185 vs 1231 /
-    1683. Ties at 4 columns on q4_k 5120×17408 and 6144×5120 and on q6_k 5120×17408 / 10240×5120, loses at 2
+    1683. Ties at 4 columns on q4_k 6144×5120 and on q6_k 5120×17408 / 10240×5120, loses at 2
     for the k-quants (q4_k rows 33.7 µs, the q6_k head as two 1-column GEMVs 682 vs 1134) and on small
     matrices (1024 rows at 8 columns: 28.6 vs 12.5)."""
     return out_features >= 4096 and columns >= _MIN_COLUMNS[fmt]

@@ -48,7 +48,7 @@ def kernel(fmt: str):
     tensor-core schedules where gemv_mma takes the format."""
     iq = fmt in iq_mod.IQ_ROWS_FORMATS
     rows_gemv = iq_mod.gemv_rows_iq if iq else rows_mod.gemv_rows
-    mma = mma_mod.SCHEDULES if fmt in mma_mod.MMA_FORMATS else {}
+    mma = mma_mod.schedules_for(fmt)
 
     def gemv(raw, fmt, xa, rows, name):
         return (mma_mod.gemv_mma if name in mma else rows_gemv)(raw, fmt, xa, rows, name)

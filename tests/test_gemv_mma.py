@@ -7,7 +7,15 @@ import torch
 from conftest import gemv_case, needs_triton
 
 from ninfer.errors import NinferError
-from ninfer.kernels.gemv_mma import MAX_COLUMNS, MMA_FORMATS, SCHEDULES, gemv_mma, mma_route
+from ninfer.kernels.gemv_mma import (
+    BATCHED_FORMATS,
+    MAX_COLUMNS,
+    MMA_FORMATS,
+    SCHEDULES,
+    gemv_mma,
+    mma_route,
+    schedules_for,
+)
 from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("triton_on_cpu_env")]
@@ -20,7 +28,10 @@ CASES = [(fmt, sched, m, n, nb) for fmt in MMA_FORMATS
          for sched, m, n, nb in (("mma_n16_m8_w1_s4", 3, 70, 2), ("mma_n64_m16_w4_p3", 16, 64, 3),
                                  ("mma_n32_m8_w2_s2", 8, 40, 5), ("mma_n64_m16_w4_s8", 17, 20, 3),
                                  ("mma_n32_m8_w2_s4_pl", 2, 130, 1), ("mma_n32_m8_w2_s8_pl", 5, 40, 3),
-                                 ("mma_n32_m16_w2_s4_p3_pl", 12, 70, 5))]
+                                 ("mma_n32_m16_w2_s4_p3_pl", 12, 70, 5))] + [
+    (fmt, sched, m, n, nb) for fmt in BATCHED_FORMATS
+    for sched, m, n, nb in (("mma_n32_m8_w2_s8_b3", 3, 70, 3), ("mma_n64_m16_w4_s4_b3", 17, 40, 2),
+                            ("mma_n16_m8_w1_s8_b3", 8, 20, 5))]
 
 
 @pytest.mark.parametrize("fmt,sched,width,rows,nb", CASES)
@@ -47,3 +58,9 @@ def test_mma_route_and_errors():
     raw, x = gemv_case("iq4_xs", 4, 256, 2, seed=3)
     with pytest.raises(NinferError, match="tensor-core"):
         gemv_mma(raw, "iq4_xs", quantize_activation(x), 4, "mma_n32_m8_w2_s2")
+    raw, x = gemv_case("q6_k", 4, 256, 2, seed=4)
+    batched = "mma_n32_m8_w2_s8_b3"
+    with pytest.raises(NinferError, match="q4_k, q5_k, not q6_k"):  # the batched kernel: q4_k / q5_k only
+        gemv_mma(raw, "q6_k", quantize_activation(x), 4, batched)
+    assert batched in schedules_for("gguf_q4_k") and batched not in schedules_for("q6_k")
+    assert schedules_for("q8_0") == {}

@@ -64,7 +64,7 @@ def test_mma_gemm_on_gpu(fmt, monkeypatch):
     """Every int8 tensor-core schedule vs the float64 twin at 2, 7 and 16 columns (rows past the tile,
     split-K), quant_matmul's NINFER_GEMV=mma route and its default one (17408 rows at 8 and 16 columns: the
     tensor-core tile); bf16 output rounding bounds the error."""
-    from ninfer.kernels.gemv_mma import SCHEDULES, gemv_mma
+    from ninfer.kernels.gemv_mma import gemv_mma, schedules_for
 
     for rows, cols in ((1040, 5120), (136, 17408)):
         raw = random_gguf_weight(fmt, rows, cols, "cuda")
@@ -72,7 +72,7 @@ def test_mma_gemm_on_gpu(fmt, monkeypatch):
             x = torch.randn(width, cols, device="cuda", dtype=torch.bfloat16)
             xa = quantize_activation_reference(x)
             want = gemv_q8_reference(raw, fmt, xa, rows).cuda()
-            for name, s in SCHEDULES.items():
+            for name, s in schedules_for(fmt).items():
                 if width <= s.block_m:
                     assert rel(gemv_mma(raw, fmt, xa, rows, name), want) < 5e-3, (rows, cols, name)
             monkeypatch.setenv("NINFER_GEMV", "mma")

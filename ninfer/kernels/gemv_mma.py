@@ -44,18 +44,22 @@ _HEADER_WORD = {"q4_k": torch.int32, "q5_k": torch.int32, "q6_k": torch.int16, "
 @dataclass(frozen=True)
 class MmaSchedule(MatmulSchedule):
     """`block_n` weight rows × `block_m` columns (8 or 16: n of the int8 mma) per program, split-K
-    over the row's super-blocks (fp32 atomics), evict-first weight loads where `evict_first`."""
+    over the row's super-blocks (fp32 atomics), evict-first weight loads where `evict_first`, block-wide
+    preloads where `preload`, the batched kernel (q4_k / q5_k: a super-block in two 3-D dots) where
+    `batched`."""
 
     evict_first: bool = False
     preload: bool = False
+    batched: bool = False
 
 
 def _sched(block_n: int, block_m: int, num_warps: int, split_k: int = 1, stages: int = 1,
-           ef: bool = False, pl: bool = False) -> MmaSchedule:
+           ef: bool = False, pl: bool = False, b3: bool = False) -> MmaSchedule:
     name = (f"mma_n{block_n}_m{block_m}_w{num_warps}" + (f"_s{split_k}" if split_k > 1 else "")
-            + (f"_p{stages}" if stages > 1 else "") + ("_ef" if ef else "") + ("_pl" if pl else ""))
+            + (f"_p{stages}" if stages > 1 else "") + ("_ef" if ef else "") + ("_pl" if pl else "")
+            + ("_b3" if b3 else ""))
     return MmaSchedule(name, "mma", block_n, block_m, split_k=split_k, num_warps=num_warps, num_stages=stages,
-                       evict_first=ef, preload=pl)
+                       evict_first=ef, preload=pl, batched=b3)
 
 
 SCHEDULES: dict[str, MmaSchedule] = {
@@ -79,8 +83,27 @@ SCHEDULES: dict[str, MmaSchedule] = {
         _sched(32, 16, 2, split_k=4, pl=True),
         _sched(64, 16, 4, split_k=4, pl=True),
         _sched(64, 16, 4, stages=3),
+        # not yet timed (session 5, after the device time was spent): the batched kernel. The sm_90 SASS of
+        # mma_n32_m8_w2_s4_pl shows why a block takes ~4 µs: the 4 weight runs of a block are staged through
+        # one shared-memory buffer in turn, and ptxas issues each run's load only after the previous run's
+        # barrier — four dependent DRAM round trips per block. One `[4, rows, 32]` load and two 3-D dots
+        # (low and high nibbles) stage the whole block at once.
+        _sched(32, 8, 2, split_k=8, b3=True),
+        _sched(32, 8, 2, split_k=4, b3=True),
+        _sched(16, 8, 1, split_k=8, b3=True),
+        _sched(32, 16, 2, split_k=4, b3=True),
+        _sched(64, 16, 4, split_k=4, b3=True),
     )
 }
+BATCHED_FORMATS = ("q4_k", "q5_k")
+
+
+def schedules_for(fmt: str) -> dict[str, MmaSchedule]:
+    """The schedules that run `fmt` (the batched ones take q4_k and q5_k only)."""
+    fmt = fmt.removeprefix(GGUF_PREFIX)
+    if fmt not in MMA_FORMATS:
+        return {}
+    return {name: s for name, s in SCHEDULES.items() if not s.batched or fmt in BATCHED_FORMATS}
 
 # the first tile at least this many columns wide (columns <= 8: the 8-column tile), by format
 _ROUTE = {"q4_k": ("mma_n32_m8_w2_s8_pl", "mma_n32_m16_w2_s4_p3_pl"),
@@ -327,6 +350,80 @@ if HAVE_TRITON:
         _store(y_ptr, acc - mins, m[None, :], n[:, None], M, N, stride_ym, SPLIT_K)
 
 
+if HAVE_TRITON:
+
+    @jit
+    def _k_scales(hb8, j):
+        """The 6-bit scales and mins of q4_k / q5_k sub-blocks j (an int32 tensor broadcast against hb8, the
+        rows' block-start byte pointers), as float32: for j < 4 the low 6 bits of bytes 4 + j and 8 + j,
+        else the nibbles of byte 8 + j with the top 2 bits of bytes j and 4 + j (12 scale bytes from 4)."""
+        qa = tl.load(hb8 + 4 + j).to(tl.int32)  # byte j of the 12
+        qb = tl.load(hb8 + 8 + j).to(tl.int32)  # byte j + 4
+        qc = tl.load(hb8 + 4 + (j % 4)).to(tl.int32)  # byte j - 4 where j >= 4
+        low = j < 4
+        sc = tl.where(low, qa & 63, (qb & 0xF) | ((qc >> 6) << 4))
+        mn = tl.where(low, qb & 63, (qb >> 4) | ((qa >> 6) << 4))
+        return _small_float(sc), _small_float(mn)
+
+    @jit
+    def _batched_kernel(w_ptr, wh_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
+                        FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                        SPLIT_K: tl.constexpr, EMULATE: tl.constexpr):
+        """`_mma_kernel` for q4_k (FMT 4) / q5_k (5) with a super-block in two 3-D dots: its 128 qs bytes
+        loaded as one `[4 runs, BLOCK_N, 32]` tile, the low nibbles of run c (sub-block 2c) and the high ones
+        (2c + 1) each multiplied with their `[4, 32, BLOCK_M]` activation tiles (batched int8 mma, int32), the
+        sub-block scales `[4, BLOCK_N]` and activation scales `[4, BLOCK_M]` applied into a `[4, BLOCK_N,
+        BLOCK_M]` accumulator, summed over the runs after the last block. wh_ptr: the weight as int32 words
+        (the header's d and dmin)."""
+        WB: tl.constexpr = 144 if FMT == 4 else 176
+        QS: tl.constexpr = 16 if FMT == 4 else 48
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        nc = tl.minimum(n, N - 1).to(tl.int64)
+        mc = tl.minimum(m, M - 1).to(tl.int64)
+        c4 = tl.arange(0, 4)
+        c3 = c4[:, None, None]
+        k = tl.arange(0, 32)
+        rows = w_ptr + nc * row_bytes  # [BLOCK_N]
+        q_at = rows[None, :, None] + QS + 32 * c3 + k[None, None, :]  # [4, BLOCK_N, 32]: run c of each row
+        x_at = xq_ptr + mc[None, None, :] * K + 64 * c3 + k[None, :, None]  # [4, 32, BLOCK_M]: sub-block 2c
+        s_at = mc[None, :] * (K // 32) + 2 * c4[:, None]  # [4, BLOCK_M]: scales of sub-block 2c
+        steps = K // 256
+        per_split = (steps + SPLIT_K - 1) // SPLIT_K
+        s0 = tl.program_id(2) * per_split
+        acc = tl.zeros([4, BLOCK_N, BLOCK_M], dtype=tl.float32)  # summed over the runs once, at the end
+        for blk in range(s0, tl.minimum(steps, s0 + per_split)):
+            # every load of the block first, the weight runs last: Triton stages each dot operand through
+            # shared memory right after its load, and a load placed after that staging's barrier waits
+            x_lo = tl.load(x_at + blk * 256)
+            x_hi = tl.load(x_at + (blk * 256 + 32))
+            hb8 = rows[None, :] + blk * WB  # [1, BLOCK_N]
+            h = tl.load(wh_ptr + nc * (row_bytes // 4) + blk * (WB // 4))  # d, dmin: two f16
+            sc_lo, mn_lo = _k_scales(hb8, 2 * c4[:, None])  # [4, BLOCK_N]
+            sc_hi, mn_hi = _k_scales(hb8, 2 * c4[:, None] + 1)
+            xd_lo = tl.load(xd_ptr + s_at + blk * 8)  # [4, BLOCK_M]
+            xd_hi = tl.load(xd_ptr + s_at + (blk * 8 + 1))
+            xs_lo = tl.load(xs_ptr + s_at + blk * 8)
+            xs_hi = tl.load(xs_ptr + s_at + (blk * 8 + 1))
+            if FMT == 5:
+                qh = tl.load(rows[None, :, None] + blk * WB + 16 + k[None, None, :]).to(tl.int32)
+            q = tl.load(q_at + blk * WB)
+            lo = _nibbles(q, 0, EMULATE)
+            hi = _nibbles(q, 1, EMULATE)
+            if FMT == 5:  # fifth bits: bit 2c (low) and 2c + 1 (high) of the 32 qh bytes
+                lo = lo | (((qh >> (2 * c3)) & 1) << 4).to(tl.int8)
+                hi = hi | (((qh >> (2 * c3 + 1)) & 1) << 4).to(tl.int8)
+            dot_lo = tl.dot(lo, x_lo, out_dtype=tl.int32)  # [4, BLOCK_N, BLOCK_M]
+            dot_hi = tl.dot(hi, x_hi, out_dtype=tl.int32)
+            d = _f16_lo(h)
+            dmin = _f16_lo(h >> 16)
+            acc += (dot_lo.to(tl.float32) * xd_lo[:, None, :] * (d * sc_lo)[:, :, None]
+                    + dot_hi.to(tl.float32) * xd_hi[:, None, :] * (d * sc_hi)[:, :, None]
+                    - (dmin * mn_lo)[:, :, None] * xs_lo[:, None, :]
+                    - (dmin * mn_hi)[:, :, None] * xs_hi[:, None, :])
+        _store(y_ptr, tl.sum(acc, 0), m[None, :], n[:, None], M, N, stride_ym, SPLIT_K)
+
+
 def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
              schedule: MmaSchedule | str) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, one of
@@ -335,7 +432,19 @@ def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featur
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
-    y, launch, extra = rows_setup(raw, format, xa, out_features, s, MMA_FORMATS, "int8 tensor-core GEMM")
+    formats = BATCHED_FORMATS if s.batched else MMA_FORMATS
+    y, launch, extra = rows_setup(raw, format, xa, out_features, s, formats, "int8 tensor-core GEMM")
+    # header words: int32 for q4_k / q5_k, int16 for q6_k / iq3_s (2-byte aligned blocks)
+    words = raw.view(_HEADER_WORD[format])
+    tile = dict(FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, SPLIT_K=s.split_k,
+                EMULATE=EMULATE_DP4A, **extra)
+    if s.batched:
+        _batched_kernel[launch](raw, words, xa.q, xa.d, xa.s, y, out_features, k, n, raw.shape[1],
+                                y.stride(0), **tile)
+    else:
+        _mma_kernel[launch](raw, words, _tables(raw.device)[1], xa.q, xa.d, xa.s, y, out_features, k, n,
+                            raw.shape[1], y.stride(0), EF=s.evict_first, PL=s.preload, **tile)
+    return y.to(xa.dtype)
     # header words: int32 for q4_k / q5_k, int16 for q6_k / iq3_s (2-byte aligned blocks)
     words = raw.view(_HEADER_WORD[format])
     _mma_kernel[launch](raw, words, _tables(raw.device)[1], xa.q, xa.d, xa.s, y, out_features, k, n,

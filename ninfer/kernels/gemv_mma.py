@@ -93,13 +93,14 @@ SCHEDULES: dict[str, MmaSchedule] = {
         _sched(16, 8, 1, split_k=8, b3=True),
         _sched(32, 16, 2, split_k=4, b3=True),
         _sched(64, 16, 4, split_k=4, b3=True),
+        _sched(16, 8, 1, split_k=4, b3=True),
     )
 }
-BATCHED_FORMATS = ("q4_k", "q5_k")
+BATCHED_FORMATS = ("q4_k", "q5_k", "iq3_s")
 
 
 def schedules_for(fmt: str) -> dict[str, MmaSchedule]:
-    """The schedules that run `fmt` (the batched ones take q4_k and q5_k only)."""
+    """The schedules that run `fmt` (the batched ones take q4_k, q5_k and iq3_s)."""
     fmt = fmt.removeprefix(GGUF_PREFIX)
     if fmt not in MMA_FORMATS:
         return {}
@@ -424,6 +425,55 @@ if HAVE_TRITON:
         _store(y_ptr, tl.sum(acc, 0), m[None, :], n[:, None], M, N, stride_ym, SPLIT_K)
 
 
+if HAVE_TRITON:
+
+    @jit
+    def _batched_iq3s_kernel(w_ptr, wh_ptr, grid_ptr, xq_ptr, xd_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
+                             BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
+        """iq3_s with a super-block in one 3-D dot: its 8 sub-blocks' code tiles built as one
+        `[8, BLOCK_N, 32]` tensor (64 grid words gathered at once, signed whole, their bytes joined in
+        registers) times the `[8, 32, BLOCK_M]` activation tiles, scaled into a `[8, BLOCK_N, BLOCK_M]`
+        accumulator summed after the last block. Every load of a block is written before the gathers and the
+        dot, so it is issued before the first shared-memory barrier. wh_ptr: the weight as int16 (d)."""
+        WB: tl.constexpr = 110
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        nc = tl.minimum(n, N - 1).to(tl.int64)
+        mc = tl.minimum(m, M - 1).to(tl.int64)
+        g = tl.arange(0, 8)[:, None, None]  # sub-block
+        i = tl.arange(0, 4)[None, None, :]  # pair of grid words 2i, 2i + 1 (8 codes) of a sub-block
+        k = tl.arange(0, 32)
+        rows = (w_ptr + nc * row_bytes)[None, :, None]  # [1, BLOCK_N, 1]
+        rows16 = (wh_ptr + nc * (row_bytes // 2))[None, :, None]
+        x_at = xq_ptr + mc[None, None, :] * K + 32 * g + k[None, :, None]  # [8, 32, BLOCK_M]
+        s_at = mc[None, None, :] * (K // 32) + g  # [8, 1, BLOCK_M]
+        steps = K // 256
+        per_split = (steps + SPLIT_K - 1) // SPLIT_K
+        s0 = tl.program_id(2) * per_split
+        acc = tl.zeros([8, BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for blk in range(s0, tl.minimum(steps, s0 + per_split)):
+            rb = rows + blk * WB
+            rb16 = rows16 + blk * (WB // 2)
+            xt = tl.load(x_at + blk * 256)
+            xd = tl.load(xd_ptr + s_at + blk * 8)
+            d = tl.load(rb16).to(tl.float16, bitcast=True).to(tl.float32)  # [1, BLOCK_N, 1]
+            nib = (tl.load(rb + 106 + g // 2).to(tl.int32) >> (4 * (g % 2))) & 0xF  # [8, BLOCK_N, 1]
+            qs = tl.load(rb16 + 1 + 4 * g + i).to(tl.int32)  # [8, BLOCK_N, 4]: indices 2i, 2i + 1, low 8 bits
+            qh = (tl.load(rb16 + 33 + g // 2).to(tl.int32) >> (8 * (g % 2) + 2 * i)) & 3  # their 9th bits
+            sb = tl.load(rb + 74 + 4 * g + i).to(tl.int32)  # their sign bits (low nibble: word 2i)
+            lo = _iq3s_signed(tl.load(grid_ptr + ((qs & 0xFF) | ((qh & 1) << 8))), sb & 0xF)
+            hi = _iq3s_signed(tl.load(grid_ptr + (((qs >> 8) & 0xFF) | ((qh & 2) << 7))), (sb >> 4) & 0xF)
+            c0 = tl.join(lo.to(tl.int8), hi.to(tl.int8))  # [8, n, i, j]: byte 0 of word 2i + j
+            c1 = tl.join((lo >> 8).to(tl.int8), (hi >> 8).to(tl.int8))
+            c2 = tl.join((lo >> 16).to(tl.int8), (hi >> 16).to(tl.int8))
+            c3 = tl.join((lo >> 24).to(tl.int8), (hi >> 24).to(tl.int8))
+            # [8, n, i, j, p, q] = byte 2p + q of word 2i + j: code 8i + 4j + 2p + q
+            codes = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [8, BLOCK_N, 32])
+            dot = tl.dot(codes, xt, out_dtype=tl.int32)  # [8, BLOCK_N, BLOCK_M]
+            acc += dot.to(tl.float32) * xd * (d * (2 * nib + 1).to(tl.float32))
+        _store(y_ptr, tl.sum(acc, 0), m[None, :], n[:, None], M, N, stride_ym, SPLIT_K)
+
+
 def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
              schedule: MmaSchedule | str) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, one of
@@ -438,7 +488,11 @@ def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featur
     words = raw.view(_HEADER_WORD[format])
     tile = dict(FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, SPLIT_K=s.split_k,
                 EMULATE=EMULATE_DP4A, **extra)
-    if s.batched:
+    if s.batched and format == "iq3_s":
+        del tile["FMT"], tile["EMULATE"]
+        _batched_iq3s_kernel[launch](raw, words, _tables(raw.device)[1], xa.q, xa.d, y, out_features, k, n,
+                                     raw.shape[1], y.stride(0), **tile)
+    elif s.batched:
         _batched_kernel[launch](raw, words, xa.q, xa.d, xa.s, y, out_features, k, n, raw.shape[1],
                                 y.stride(0), **tile)
     else:

@@ -45,7 +45,7 @@ _HEADER_WORD = {"q4_k": torch.int32, "q5_k": torch.int32, "q6_k": torch.int16, "
 class MmaSchedule(MatmulSchedule):
     """`block_n` weight rows × `block_m` columns (8 or 16: n of the int8 mma) per program, split-K
     over the row's super-blocks (fp32 atomics), evict-first weight loads where `evict_first`, block-wide
-    preloads where `preload`, the batched kernel (q4_k / q5_k: a super-block in two 3-D dots) where
+    preloads where `preload`, the batched kernels (q4_k / q5_k / iq3_s: a super-block in 3-D dots) where
     `batched`."""
 
     evict_first: bool = False
@@ -87,7 +87,8 @@ SCHEDULES: dict[str, MmaSchedule] = {
         # mma_n32_m8_w2_s4_pl shows why a block takes ~4 µs: the 4 weight runs of a block are staged through
         # one shared-memory buffer in turn, and ptxas issues each run's load only after the previous run's
         # barrier — four dependent DRAM round trips per block. One `[4, rows, 32]` load and two 3-D dots
-        # (low and high nibbles) stage the whole block at once.
+        # (low and high nibbles) stage the whole block at once; iq3_s builds its 8 code tiles as one
+        # `[8, rows, 32]` tensor for one 3-D dot.
         _sched(32, 8, 2, split_k=8, b3=True),
         _sched(32, 8, 2, split_k=4, b3=True),
         _sched(16, 8, 1, split_k=8, b3=True),
@@ -106,7 +107,8 @@ def schedules_for(fmt: str) -> dict[str, MmaSchedule]:
         return {}
     return {name: s for name, s in SCHEDULES.items() if not s.batched or fmt in BATCHED_FORMATS}
 
-# the first tile at least this many columns wide (columns <= 8: the 8-column tile), by format
+
+# the routed tile up to 8 columns and up to 16, by format
 _ROUTE = {"q4_k": ("mma_n32_m8_w2_s8_pl", "mma_n32_m16_w2_s4_p3_pl"),
           "q5_k": ("mma_n32_m8_w2_s8_pl", "mma_n32_m16_w2_s4_p3_pl"),
           "q6_k": ("mma_n32_m8_w2_s4_pl", "mma_n64_m16_w4_s8"),
@@ -350,9 +352,6 @@ if HAVE_TRITON:
                         mins += (dmin * mn)[:, None] * xs[None, :]
         _store(y_ptr, acc - mins, m[None, :], n[:, None], M, N, stride_ym, SPLIT_K)
 
-
-if HAVE_TRITON:
-
     @jit
     def _k_scales(hb8, j):
         """The 6-bit scales and mins of q4_k / q5_k sub-blocks j (an int32 tensor broadcast against hb8, the
@@ -423,9 +422,6 @@ if HAVE_TRITON:
                     - (dmin * mn_lo)[:, :, None] * xs_lo[:, None, :]
                     - (dmin * mn_hi)[:, :, None] * xs_hi[:, None, :])
         _store(y_ptr, tl.sum(acc, 0), m[None, :], n[:, None], M, N, stride_ym, SPLIT_K)
-
-
-if HAVE_TRITON:
 
     @jit
     def _batched_iq3s_kernel(w_ptr, wh_ptr, grid_ptr, xq_ptr, xd_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
@@ -498,10 +494,4 @@ def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featur
     else:
         _mma_kernel[launch](raw, words, _tables(raw.device)[1], xa.q, xa.d, xa.s, y, out_features, k, n,
                             raw.shape[1], y.stride(0), EF=s.evict_first, PL=s.preload, **tile)
-    return y.to(xa.dtype)
-    # header words: int32 for q4_k / q5_k, int16 for q6_k / iq3_s (2-byte aligned blocks)
-    words = raw.view(_HEADER_WORD[format])
-    _mma_kernel[launch](raw, words, _tables(raw.device)[1], xa.q, xa.d, xa.s, y, out_features, k, n,
-                        raw.shape[1], y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m,
-                        SPLIT_K=s.split_k, EF=s.evict_first, PL=s.preload, EMULATE=EMULATE_DP4A, **extra)
     return y.to(xa.dtype)

@@ -857,7 +857,7 @@ def quant_matmul(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    if schedule is None and x.is_cuda and rows_enabled():  # 5-16 columns on int8 tensor cores
+    if schedule is None and x.is_cuda and rows_enabled():  # 2-16 columns on int8 tensor cores (mma_route)
         from ninfer.kernels.gemv_mma import gemv_mma, mma_route
         from ninfer.kernels.gemv_q8 import quantize_activation_cached
 

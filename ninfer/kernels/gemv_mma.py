@@ -141,7 +141,15 @@ def mma_route(fmt: str, out_features: int, in_features: int, columns: int,
 
 
 if HAVE_TRITON:
-    from ninfer.kernels.gemv_rows import _ldw, _store
+    from ninfer.kernels.gemv_rows import _ldw, _step_range, _store
+
+    @jit
+    def _tile(N, M, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+        """A program's weight rows n and columns m, and both clamped to the last one (the loads need no
+        masks; `_store` masks the sums)."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        return n, m, tl.minimum(n, N - 1).to(tl.int64), tl.minimum(m, M - 1).to(tl.int64)
 
     @jit
     def _nibbles(q, HIGH: tl.constexpr, EMULATE: tl.constexpr):
@@ -244,21 +252,16 @@ if HAVE_TRITON:
         WB: tl.constexpr = 144 if FMT == 4 else (176 if FMT == 5 else (210 if FMT == 6 else 110))
         QS: tl.constexpr = 16 if FMT == 4 else 48  # first qs byte (k-quants)
         CACHE: tl.constexpr = 2 if EF else 0  # k-quant weight loads: evict-first or default
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        nc = tl.minimum(n, N - 1).to(tl.int64)
-        mc = tl.minimum(m, M - 1).to(tl.int64)
+        n, m, nc, mc = _tile(N, M, BLOCK_N, BLOCK_M)
         k = tl.arange(0, 32)
         w_at = w_ptr + nc[:, None] * row_bytes + k[None, :]  # [BLOCK_N, 32] bytes of a run
         h_at = wh_ptr + nc * (row_bytes // 4)  # header words of each row (k-quants)
         x_at = xq_ptr + mc[None, :] * K + k[:, None]  # [32, BLOCK_M] codes of a sub-block, k fastest
         s_at = mc * (K // 32)
-        steps = K // 256
-        per_split = (steps + SPLIT_K - 1) // SPLIT_K
-        s0 = tl.program_id(2) * per_split
+        s0, s1 = _step_range(K, 1, SPLIT_K)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         mins = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for blk in range(s0, tl.minimum(steps, s0 + per_split)):
+        for blk in range(s0, s1):
             if PL:
                 xts = _eight(x_at + blk * 256, 32)
                 xds = _eight(xd_ptr + s_at + blk * 8, 1)
@@ -377,10 +380,7 @@ if HAVE_TRITON:
         (the header's d and dmin)."""
         WB: tl.constexpr = 144 if FMT == 4 else 176
         QS: tl.constexpr = 16 if FMT == 4 else 48
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        nc = tl.minimum(n, N - 1).to(tl.int64)
-        mc = tl.minimum(m, M - 1).to(tl.int64)
+        n, m, nc, mc = _tile(N, M, BLOCK_N, BLOCK_M)
         c4 = tl.arange(0, 4)
         c3 = c4[:, None, None]
         k = tl.arange(0, 32)
@@ -388,11 +388,9 @@ if HAVE_TRITON:
         q_at = rows[None, :, None] + QS + 32 * c3 + k[None, None, :]  # [4, BLOCK_N, 32]: run c of each row
         x_at = xq_ptr + mc[None, None, :] * K + 64 * c3 + k[None, :, None]  # [4, 32, BLOCK_M]: sub-block 2c
         s_at = mc[None, :] * (K // 32) + 2 * c4[:, None]  # [4, BLOCK_M]: scales of sub-block 2c
-        steps = K // 256
-        per_split = (steps + SPLIT_K - 1) // SPLIT_K
-        s0 = tl.program_id(2) * per_split
+        s0, s1 = _step_range(K, 1, SPLIT_K)
         acc = tl.zeros([4, BLOCK_N, BLOCK_M], dtype=tl.float32)  # summed over the runs once, at the end
-        for blk in range(s0, tl.minimum(steps, s0 + per_split)):
+        for blk in range(s0, s1):
             # every load of the block first, the weight runs last: Triton stages each dot operand through
             # shared memory right after its load, and a load placed after that staging's barrier waits
             x_lo = tl.load(x_at + blk * 256)
@@ -432,10 +430,7 @@ if HAVE_TRITON:
         accumulator summed after the last block. Every load of a block is written before the gathers and the
         dot, so it is issued before the first shared-memory barrier. wh_ptr: the weight as int16 (d)."""
         WB: tl.constexpr = 110
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        nc = tl.minimum(n, N - 1).to(tl.int64)
-        mc = tl.minimum(m, M - 1).to(tl.int64)
+        n, m, nc, mc = _tile(N, M, BLOCK_N, BLOCK_M)
         g = tl.arange(0, 8)[:, None, None]  # sub-block
         i = tl.arange(0, 4)[None, None, :]  # pair of grid words 2i, 2i + 1 (8 codes) of a sub-block
         k = tl.arange(0, 32)
@@ -443,11 +438,9 @@ if HAVE_TRITON:
         rows16 = (wh_ptr + nc * (row_bytes // 2))[None, :, None]
         x_at = xq_ptr + mc[None, None, :] * K + 32 * g + k[None, :, None]  # [8, 32, BLOCK_M]
         s_at = mc[None, None, :] * (K // 32) + g  # [8, 1, BLOCK_M]
-        steps = K // 256
-        per_split = (steps + SPLIT_K - 1) // SPLIT_K
-        s0 = tl.program_id(2) * per_split
+        s0, s1 = _step_range(K, 1, SPLIT_K)
         acc = tl.zeros([8, BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for blk in range(s0, tl.minimum(steps, s0 + per_split)):
+        for blk in range(s0, s1):
             rb = rows + blk * WB
             rb16 = rows16 + blk * (WB // 2)
             xt = tl.load(x_at + blk * 256)

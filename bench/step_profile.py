@@ -1,0 +1,117 @@
+"""Where a decode step's time goes: the synthetic model's decode steps (eager, no CUDA graph, so every kernel
+is its own launch) under torch.profiler, GPU time per step grouped by kernel name, beside the step's wall
+time (and with --graphs its time through CUDA graphs).
+
+    python3 bench/step_profile.py --wtype q4_k --out $OUT   # GPU machine (wheels installed as gpu_bench.sh)
+    python3 bench/step_profile.py --synthetic tiny --device cpu --dtype float32 --steps 2   # CPU smoke run
+
+Kernel names are grouped by their prefix before the first '<' or '(' (Triton kernels keep their Python name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ninfer.cli.bench import bench_prompt, make_engine  # noqa: E402
+from ninfer.engine.api import GenerationRequest, SamplingParams  # noqa: E402
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def decode_steps(engine, n_prompt: int, steps: int, profile: bool):
+    """Prefill a prompt, then run `steps` decode rounds (under torch.profiler if `profile`); returns the
+    profiler (or None) and the mean wall time of a decode round in ms."""
+    ids = bench_prompt(getattr(engine.model, "vocab_size", 1000), n_prompt, seed=1)
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    handle = engine.submit(GenerationRequest("profile", ids, params))
+    while handle.next_event(0) is None:  # prefill up to the first token
+        rnd = engine.scheduler.schedule()
+        if rnd is not None:
+            engine.step(rnd)
+    prof = None
+    if profile:
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                  torch.profiler.ProfilerActivity.CPU])
+        prof.__enter__()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step(engine.scheduler.schedule())
+    sync()
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    if prof is not None:
+        prof.__exit__(None, None, None)
+    while True:  # finish the request
+        rnd = engine.scheduler.schedule()
+        if rnd is None:
+            break
+        engine.step(rnd)
+    return prof, ms
+
+
+def grouped(prof, steps: int) -> list[tuple[str, float, float]]:
+    """(kernel group, µs per step, launches per step), largest first."""
+    groups: dict[str, list[float]] = {}
+    for ev in prof.key_averages():
+        us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        if us <= 0 or ev.key.startswith(("aten::", "cuda", "Memcpy", "Memset")) and "kernel" not in ev.key:
+            continue
+        name = re.split(r"[<(]", ev.key)[0].strip().removeprefix("void ").split("::")[-1]
+        g = groups.setdefault(name, [0.0, 0.0])
+        g[0] += us / steps
+        g[1] += ev.count / steps
+    return sorted(((k, v[0], v[1]) for k, v in groups.items()), key=lambda r: -r[1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--synthetic", default="27b")
+    p.add_argument("--wtype", default="q4_k")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--graphs", action="store_true", help="also time the step through CUDA graphs (a 2nd engine)")
+    p.add_argument("--out", type=Path)
+    a = p.parse_args()
+    rows = {}
+    for graphs in (True, False) if a.graphs else (False,):
+        args = SimpleNamespace(synthetic=a.synthetic, wtype=a.wtype, device=a.device, dtype=a.dtype,
+                               quantized_weights=None, cuda_graphs=graphs)
+        engine, name = make_engine(args, "bf16", 4096, 2048)
+        decode_steps(engine, a.prompt, 2, False)  # compile, capture
+        prof, ms = decode_steps(engine, a.prompt, a.steps, not graphs)
+        rows["graph_ms" if graphs else "eager_ms"] = ms
+        print(f"{name}: decode step {ms:.2f} ms ({'CUDA graphs' if graphs else 'eager'})", flush=True)
+        if prof is not None:
+            table = grouped(prof, a.steps)
+            total = sum(r[1] for r in table)
+            rows["kernels"] = [dict(name=k, us=us, launches=n) for k, us, n in table]
+            print(f"\nGPU time per eager step {total / 1e3:.2f} ms, {sum(r[2] for r in table):.0f} launches")
+            print("| kernel | µs / step | % | launches / step |\n|---|---|---|---|")
+            for k, us, n in table[:30]:
+                print(f"| {k} | {us:.0f} | {100 * us / total:.1f} | {n:.0f} |")
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / f"step_profile_{a.wtype}.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

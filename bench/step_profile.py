@@ -84,7 +84,7 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--graphs", action="store_true", help="also time the step through CUDA graphs (a 2nd engine)")
+    p.add_argument("--graphs", action="store_true", help="also time CUDA-graph steps")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     rows = {}

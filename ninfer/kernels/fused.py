@@ -89,6 +89,11 @@ if HAVE_TRITON:
         return tl.reduce(x, 0, tl.standard._sum_combine)
 
     @jit
+    def _tile_sum(x):
+        """The sum of a 2-D tile (`_row_sum` of each axis in turn)."""
+        return tl.reduce(tl.reduce(x, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
+
+    @jit
     def _round(x, ty: tl.constexpr):
         """fp32 -> the I/O dtype, round to nearest even as PyTorch does. bf16 by integer arithmetic: Triton's
         interpreter truncates a plain `.to(bfloat16)` (and its "rtne" mode does not carry), and the tests run
@@ -104,10 +109,12 @@ if HAVE_TRITON:
                      so0, so1, sro0, sro1, eps, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
                      ZERO_CENTRED: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
         """One row of N per program; rows are (i // H, i % H) of a [T, H, N] strided view. QUANT (H = 1): the
-        output's int8 activation too (q, d, s)."""
+        output's int8 activation too (q, d, s). The row is held as a [BLOCK / 32, 32] tile, the int8
+        activation's groups, so quantising needs no reshape (a layout conversion through shared memory)."""
+        W: tl.constexpr = 32 if BLOCK >= 32 else BLOCK
         i = tl.program_id(0)
         t, h = i // H, i % H
-        cols = tl.arange(0, BLOCK)
+        cols = tl.arange(0, BLOCK // W)[:, None] * W + tl.arange(0, W)[None, :]
         ok = cols < N
         s = tl.load(x_ptr + t * sx0 + h * sx1 + cols, mask=ok, other=0.0).to(tl.float32)
         if HAS_RES:
@@ -115,15 +122,16 @@ if HAVE_TRITON:
             s = _round(s + r, res_out_ptr.dtype.element_ty)  # the residual stream is kept in its dtype
             tl.store(res_out_ptr + t * sro0 + h * sro1 + cols, s, mask=ok)
             s = s.to(tl.float32)
-        inv = tl.math.rsqrt(_row_sum(s * s) / N + eps)
+        inv = tl.math.rsqrt(_tile_sum(s * s) / N + eps)
         y = s * inv
         if HAS_W:
             w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
             y = y * (1.0 + w if ZERO_CENTRED else w)
         y = _round(y, out_ptr.dtype.element_ty)
         tl.store(out_ptr + t * so0 + h * so1 + cols, y, mask=ok)
-        if QUANT:
-            _quantize_row(y.to(tl.float32), i, 0, ok, N, q_ptr, d_ptr, s_ptr, BLOCK)
+        if QUANT:  # W = 32 (N a multiple of 32)
+            quantize_groups(tl.where(ok, y.to(tl.float32), 0.0), i, tl.arange(0, BLOCK // W), ok, N, q_ptr,
+                            d_ptr, s_ptr)
 
     @jit
     def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, scatter_ptr, N, H, so0, so1, sz0, sz1, eps,

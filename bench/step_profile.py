@@ -104,6 +104,11 @@ def main() -> int:
             print("| kernel | µs / step | % | launches / step |\n|---|---|---|---|")
             for k, us, n in table[:30]:
                 print(f"| {k} | {us:.0f} | {100 * us / total:.1f} | {n:.0f} |")
+            ops = sorted((ev for ev in prof.key_averages() if ev.key.startswith("aten::")),
+                         key=lambda ev: -getattr(ev, "device_time_total", 0))
+            print("\n| PyTorch op | GPU µs / step | calls / step |\n|---|---|---|")
+            for ev in ops[:12]:
+                print(f"| {ev.key} | {getattr(ev, 'device_time_total', 0) / a.steps:.0f} | {ev.count / a.steps:.0f} |")
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

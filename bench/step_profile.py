@@ -108,7 +108,8 @@ def main() -> int:
                          key=lambda ev: -getattr(ev, "device_time_total", 0))
             print("\n| PyTorch op | GPU µs / step | calls / step |\n|---|---|---|")
             for ev in ops[:12]:
-                print(f"| {ev.key} | {getattr(ev, 'device_time_total', 0) / a.steps:.0f} | {ev.count / a.steps:.0f} |")
+                us = getattr(ev, "device_time_total", 0) / a.steps
+                print(f"| {ev.key} | {us:.0f} | {ev.count / a.steps:.0f} |")
         del engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

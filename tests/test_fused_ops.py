@@ -67,8 +67,9 @@ def _close(got: torch.Tensor, want: torch.Tensor, operand_ulps: float = 0.0) -> 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [5120, 6144, 200])
-def test_add_rms_norm_matches_reference(gen, dtype, width):
-    x, res = _randn(gen, 3, width, dtype=dtype), _randn(gen, 3, width, dtype=dtype, scale=4.0)
+@pytest.mark.parametrize("rows", [3, fused.NORM_SPLIT_ROWS + 1])  # rows split over programs, or whole
+def test_add_rms_norm_matches_reference(gen, dtype, width, rows):
+    x, res = _randn(gen, rows, width, dtype=dtype), _randn(gen, rows, width, dtype=dtype, scale=4.0)
     w = _randn(gen, width, scale=0.2)
     for zero_centred in (True, False):
         normed, new_res = fused.add_rms_norm(x, res, w, 1e-6, zero_centred)
@@ -415,7 +416,8 @@ def compile_for_sm90() -> list[str]:
                 "res_out_ptr": f"*{ty}", **int8, **ints("N", "H", "sx0", "sx1", "sr0", "sr1", "so0", "so1"),
                 **ints("sro0", "sro1"), "eps": "fp32"}
         for res in (True, False):
-            flags = {"HAS_RES": res, "HAS_W": True, "ZERO_CENTRED": res, "QUANT": res, "BLOCK": 8192}
+            flags = {"HAS_RES": res, "HAS_W": True, "ZERO_CENTRED": res, "QUANT": res, "BLOCK": 8192,
+                     "CHUNK": 1024 if res else 8192}
             build(fused._norm_kernel, norm, flags, 16)
         gated = {"o_ptr": "*fp32", "z_ptr": f"*{ty}", "w_ptr": "*fp32", "out_ptr": f"*{ty}",
                  "scatter_ptr": "*i64", **ints("N", "H", "so0", "so1", "sz0", "sz1"), "eps": "fp32"}

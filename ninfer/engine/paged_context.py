@@ -76,7 +76,9 @@ class PagedBatchContext:
                 qs = rotate(qs)
             out[rows] = causal_attention(qs, keys, values, span.cached_tokens).to(q.dtype)
         if decode:
-            out[self._decode_batch(decode)[0]] = self._decode_attention(kv_layer, q, decode)
+            if len(decode) == len(self.spans) and all(s.start == i for i, s in enumerate(self.spans)):
+                return self._decode_attention(kv_layer, q, decode)  # rows 0..B-1: no gather, no scatter
+            out[self._decode_batch(decode)[0]] = self._decode_attention(kv_layer, q, decode, gather=True)
         return out
 
     def _decode_batch(self, decode: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,13 +90,15 @@ class PagedBatchContext:
             self._decode_meta = (meta[0].long(), meta[1], meta[2])
         return self._decode_meta
 
-    def _decode_attention(self, kv_layer: int, q: torch.Tensor, decode: list[int]) -> torch.Tensor:
-        """One-token spans in one paged-kernel call (Triton on CUDA, its reference elsewhere)."""
+    def _decode_attention(self, kv_layer: int, q: torch.Tensor, decode: list[int],
+                          gather: bool = False) -> torch.Tensor:
+        """One-token spans in one paged-kernel call (Triton on CUDA, its reference elsewhere): their rows of q
+        where `gather`, else q is theirs alone."""
         from ninfer.kernels.paged_attention import paged_decode_attention
 
         rows, lanes, lens = self._decode_batch(decode)
-        return paged_decode_attention(q[rows], self._kv.storage[kv_layer], self._kv.page_tables, lanes, lens,
-                                      self._kv.fmt)
+        return paged_decode_attention(q[rows] if gather else q, self._kv.storage[kv_layer],
+                                      self._kv.page_tables, lanes, lens, self._kv.fmt)
 
     def _addresses(self, span_index: int):
         """Write slots and read pages of a span, computed once per forward (all layers share them)."""

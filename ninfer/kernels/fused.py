@@ -107,22 +107,26 @@ if HAVE_TRITON:
     @jit
     def _norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, d_ptr, s_ptr, N, H, sx0, sx1, sr0, sr1,
                      so0, so1, sro0, sro1, eps, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
-                     ZERO_CENTRED: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
-        """One row of N per program; rows are (i // H, i % H) of a [T, H, N] strided view. QUANT (H = 1): the
-        output's int8 activation too (q, d, s). The row is held as a [BLOCK / 32, 32] tile, the int8
-        activation's groups, so quantising needs no reshape (a layout conversion through shared memory)."""
+                     ZERO_CENTRED: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+                     CHUNK: tl.constexpr):
+        """One row of N per program axis 0, its CHUNK columns number program_id(1); rows are (i // H, i % H)
+        of a [T, H, N] strided view. Each program sums the squares of the whole row, then writes its chunk
+        (so that a one-row decode step's norm runs on N / CHUNK SMs, not one). QUANT (H = 1): the output's
+        int8 activation too (q, d, s). Rows are held as [groups, 32] tiles, the int8 activation's groups,
+        so quantising needs no reshape (a layout conversion through shared memory)."""
         W: tl.constexpr = 32 if BLOCK >= 32 else BLOCK
         i = tl.program_id(0)
         t, h = i // H, i % H
+        x_row, r_row = x_ptr + t * sx0 + h * sx1, r_ptr + t * sr0 + h * sr1
         cols = tl.arange(0, BLOCK // W)[:, None] * W + tl.arange(0, W)[None, :]
-        ok = cols < N
-        s = tl.load(x_ptr + t * sx0 + h * sx1 + cols, mask=ok, other=0.0).to(tl.float32)
-        if HAS_RES:
-            r = tl.load(r_ptr + t * sr0 + h * sr1 + cols, mask=ok, other=0.0).to(tl.float32)
-            s = _round(s + r, res_out_ptr.dtype.element_ty)  # the residual stream is kept in its dtype
-            tl.store(res_out_ptr + t * sro0 + h * sro1 + cols, s, mask=ok)
-            s = s.to(tl.float32)
+        s = _norm_input(x_row, r_row, cols, cols < N, HAS_RES, res_out_ptr.dtype.element_ty)
         inv = tl.math.rsqrt(_tile_sum(s * s) / N + eps)
+        group = tl.program_id(1) * (CHUNK // W) + tl.arange(0, CHUNK // W)
+        cols = group[:, None] * W + tl.arange(0, W)[None, :]
+        ok = cols < N
+        s = _norm_input(x_row, r_row, cols, ok, HAS_RES, res_out_ptr.dtype.element_ty)  # L1 hits
+        if HAS_RES:
+            tl.store(res_out_ptr + t * sro0 + h * sro1 + cols, s, mask=ok)
         y = s * inv
         if HAS_W:
             w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
@@ -130,8 +134,15 @@ if HAVE_TRITON:
         y = _round(y, out_ptr.dtype.element_ty)
         tl.store(out_ptr + t * so0 + h * so1 + cols, y, mask=ok)
         if QUANT:  # W = 32 (N a multiple of 32)
-            quantize_groups(tl.where(ok, y.to(tl.float32), 0.0), i, tl.arange(0, BLOCK // W), ok, N, q_ptr,
-                            d_ptr, s_ptr)
+            quantize_groups(tl.where(ok, y.to(tl.float32), 0.0), i, group, ok, N, q_ptr, d_ptr, s_ptr)
+
+    @jit
+    def _norm_input(x_row, r_row, cols, ok, HAS_RES: tl.constexpr, res_ty: tl.constexpr):
+        """x at cols as fp32, or x + residual rounded to the residual stream's dtype (as it is stored)."""
+        s = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_RES:
+            s = _round(s + tl.load(r_row + cols, mask=ok, other=0.0).to(tl.float32), res_ty).to(tl.float32)
+        return s
 
     @jit
     def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, scatter_ptr, N, H, so0, so1, sz0, sz1, eps,
@@ -235,6 +246,10 @@ def _rows3(x: torch.Tensor, what: str) -> torch.Tensor:
     return x
 
 
+NORM_CHUNK = 1024  # columns per program where a norm's rows are split (bench/fused_timing.py)
+NORM_SPLIT_ROWS = 16  # split rows when there are at most this many
+
+
 def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
@@ -283,10 +298,13 @@ def add_rms_norm(
         ro3 = new_residual.view(T, H, N)
     if T * H:
         block = _block(N)
-        _norm_kernel[(T * H,)](x3, r3, weight, o3, ro3, *q8, N, H, x3.stride(0), x3.stride(1), r3.stride(0),
-                               r3.stride(1), o3.stride(0), o3.stride(1), ro3.stride(0), ro3.stride(1), eps,
-                               HAS_RES=residual is not None, HAS_W=True, ZERO_CENTRED=zero_centred,
-                               QUANT=quantize, BLOCK=block, **_extra(x, _row_warps(block)))
+        # a few rows (decode): each row over several programs, each re-reading the row for its sum
+        chunk = min(block, NORM_CHUNK) if T * H <= NORM_SPLIT_ROWS else block
+        _norm_kernel[(T * H, -(-N // chunk))](
+            x3, r3, weight, o3, ro3, *q8, N, H, x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+            o3.stride(0), o3.stride(1), ro3.stride(0), ro3.stride(1), eps, HAS_RES=residual is not None,
+            HAS_W=True, ZERO_CENTRED=zero_centred, QUANT=quantize, BLOCK=block, CHUNK=chunk,
+            **_extra(x, _row_warps(block)))
     if quantize:
         _remember_int8(out, q8)
     return out, new_residual

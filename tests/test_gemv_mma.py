@@ -31,10 +31,7 @@ CASES = [(fmt, sched, m, n, nb) for fmt in MMA_FORMATS
                                  ("mma_n32_m16_w2_s4_p3_pl", 12, 70, 5))] + [
     (fmt, sched, m, n, nb) for fmt in BATCHED_FORMATS
     for sched, m, n, nb in (("mma_n32_m8_w2_s8_b3", 3, 70, 3), ("mma_n64_m16_w4_s4_b3", 17, 40, 2),
-                            ("mma_n16_m8_w1_s8_b3", 8, 20, 5), ("mma_n16_m8_w1_s4_b3", 2, 24, 2))] + [
-    ("iq3_s", sched, m, n, nb)  # the grid gathered from shared memory
-    for sched, m, n, nb in (("mma_n32_m8_w2_s4_sm", 3, 70, 3), ("mma_n32_m16_w2_s4_sm", 12, 40, 2),
-                            ("mma_n32_m8_w2_s8_b3_sm", 8, 20, 5), ("mma_n32_m16_w2_s4_b3_sm", 16, 24, 2))]
+                            ("mma_n16_m8_w1_s8_b3", 8, 20, 5), ("mma_n16_m8_w1_s4_b3", 2, 24, 2))]
 
 
 @pytest.mark.parametrize("fmt,sched,width,rows,nb", CASES)
@@ -67,6 +64,3 @@ def test_mma_route_and_errors():
         gemv_mma(raw, "q6_k", quantize_activation(x), 4, batched)
     assert batched in schedules_for("gguf_q4_k") and batched not in schedules_for("q6_k")
     assert schedules_for("q8_0") == {}
-    assert "mma_n32_m8_w2_s4_sm" in schedules_for("iq3_s") and "mma_n32_m8_w2_s4_sm" not in schedules_for("q4_k")
-    with pytest.raises(NinferError, match="iq3_s, not q6_k"):  # the shared-memory grid: iq3_s only
-        gemv_mma(raw, "q6_k", quantize_activation(x), 4, "mma_n32_m8_w2_s4_sm")

@@ -14,17 +14,14 @@ pytestmark = [needs_triton, pytest.mark.usefixtures("triton_on_cpu_env")]
 
 
 # (format, schedule, columns, blocks per row); 10 rows (no multiple of a tile). 4 blocks: whole steps (no
-# masks); 2, 5 or 9: a partly masked last step; 3 blocks under split-K 4: empty splits; "_pf": weights
-# loaded a step ahead
+# masks); 2 or 5: a partly masked last step; 3 blocks under split-K 4: empty splits
 CASES = [(fmt, sched, m, nb) for fmt in ROWS_FORMATS
          for sched, m, nb in (("rows_n8_m1_b4_w4", 1, 4), ("rows_n4_m1_b8_w4", 1, 5),
                               ("rows_n4_m1_b4_w2_s4", 1, 3), ("rows_n4_m1_b4_w1_r2_ef", 1, 5),
                               ("rows_n8_m4_b4_w1_r4", 3, 4), ("rows_n4_m8_b4_w1_r2_s2", 8, 3),
                               ("rowsp_n4_m1_b4_w1", 1, 4), ("rowsp_n4_m1_b8_w2", 1, 5),
                               ("rowsp_n2_m1_b4_w1_s4", 1, 3), ("rowsp_n2_m4_b4_w1", 3, 2),
-                              ("rowsk_n64_m1_b4_w4_r2_ef", 1, 8), ("rowsk_n32_m2_b8_w2_r2", 2, 5),
-                              ("rows_n4_m1_b4_w2_ef_pf", 1, 9), ("rows_n4_m1_b4_w2_s4_ef_pf", 1, 3),
-                              ("rows_n4_m2_b4_w1_r2_pf", 2, 8))]
+                              ("rowsk_n64_m1_b4_w4_r2_ef", 1, 8), ("rowsk_n32_m2_b8_w2_r2", 2, 5))]
 
 
 @pytest.mark.parametrize("fmt,sched,width,nb", CASES)

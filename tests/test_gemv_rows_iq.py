@@ -17,13 +17,12 @@ pytestmark = [needs_triton, pytest.mark.usefixtures("triton_on_cpu_env")]
 # (format, schedule, columns, blocks per row); 5 rows (no multiple of a tile). iq3_s, 3 blocks per row: rows
 # alternate between 4-byte and 2-byte aligned starts (330-byte rows). 3 blocks: a partly masked last step at
 # b2 / b4, and under split-K 4 (2 steps of b2) two empty splits; 2 or 4 blocks: whole steps (no masks).
-# "_sg": iq3_s signs looked up with the grid; "_sm": the grid gathered from shared memory.
+# "_sg": iq3_s signs looked up with the grid.
 CASES = [("iq3_s", "rows_iq_n4_m1_b4_w4", 1, 2), ("iq3_s", "rows_iq_n2_m1_b4_w2", 1, 3),
          ("iq3_s", "rows_iq_n2_m1_b2_w1_s4", 1, 3), ("iq3_s", "rows_iq_n2_m1_b4_w2_s4", 1, 4),
          ("iq3_s", "rows_iq_n4_m4_b4_w4", 3, 3), ("iq3_s", "rows_iq_n2_m8_b4_w2_s4", 8, 2),
          ("iq3_s", "rows_iq_n2_m1_b4_w2_sg", 1, 3), ("iq3_s", "rows_iq_n2_m1_b2_w1_s4_sg", 1, 3),
          ("iq3_s", "rows_iq_n4_m8_b4_w4_sg", 8, 2),
-         ("iq3_s", "rows_iq_n4_m1_b4_w4_sm", 1, 2), ("iq3_s", "rows_iq_n2_m1_b4_w2_s4_sm", 1, 3),
          ("iq4_xs", "rows_iq_n4_m1_b4_w4", 1, 4), ("iq4_xs", "rows_iq_n2_m1_b2_w1_s4", 1, 3),
          ("iq4_xs", "rows_iq_n2_m4_b4_w2_s4", 3, 2), ("iq4_xs", "rows_iq_n4_m8_b4_w4", 8, 3)]
 

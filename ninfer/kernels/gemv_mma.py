@@ -51,16 +51,15 @@ class MmaSchedule(MatmulSchedule):
     evict_first: bool = False
     preload: bool = False
     batched: bool = False
-    smem_grid: bool = False  # iq3_s: the grid gathered from shared memory, not loaded through L1
 
 
 def _sched(block_n: int, block_m: int, num_warps: int, split_k: int = 1, stages: int = 1,
-           ef: bool = False, pl: bool = False, b3: bool = False, sm: bool = False) -> MmaSchedule:
+           ef: bool = False, pl: bool = False, b3: bool = False) -> MmaSchedule:
     name = (f"mma_n{block_n}_m{block_m}_w{num_warps}" + (f"_s{split_k}" if split_k > 1 else "")
             + (f"_p{stages}" if stages > 1 else "") + ("_ef" if ef else "") + ("_pl" if pl else "")
-            + ("_b3" if b3 else "") + ("_sm" if sm else ""))
+            + ("_b3" if b3 else ""))
     return MmaSchedule(name, "mma", block_n, block_m, split_k=split_k, num_warps=num_warps, num_stages=stages,
-                       evict_first=ef, preload=pl, batched=b3, smem_grid=sm)
+                       evict_first=ef, preload=pl, batched=b3)
 
 
 SCHEDULES: dict[str, MmaSchedule] = {
@@ -70,61 +69,49 @@ SCHEDULES: dict[str, MmaSchedule] = {
         # (~340 ns each), so the most programs win: 16-32 rows, split-K 4-8, block-wide preloads ("_pl": a
         # super-block's weight runs, activation tiles and scales loaded before its first dot). Routed:
         _sched(32, 8, 2, split_k=8, pl=True),  # q4_k / q5_k, 3-8 columns
-        _sched(32, 16, 2, split_k=4, stages=3, pl=True),  # q4_k / q5_k, 9-16 columns
+        _sched(32, 16, 2, split_k=4, stages=3, pl=True),  # q5_k, 9-16 columns
         _sched(32, 8, 2, split_k=4, pl=True),  # q6_k, 3-8 columns
         _sched(64, 16, 4, split_k=8),  # q6_k, 9-16 columns
         _sched(16, 8, 1, split_k=4),  # iq3_s, 2-8 columns
-        _sched(32, 16, 2, split_k=4),  # iq3_s, 9-16 columns
         # within 10 % of the routed ones somewhere (kept for the next sweeps). Lost everywhere and gone:
         # 64-128-row tiles without split-K (2-3× slower), evict-first loads, 16-row tiles for the k-quants,
-        # 16-column tiles with split-K 8, 2-3 pipeline stages at 8 columns (iq3_s: 2× slower)
+        # 16-column tiles with split-K 8, 2-3 pipeline stages at 8 columns (iq3_s: 2× slower); in session 6
+        # the iq3_s grid gathered from shared memory (tl.gather: 13-30 % slower at 2-16 columns)
+        _sched(32, 16, 2, split_k=4),
         _sched(32, 8, 2, split_k=2),
         _sched(32, 8, 2, split_k=2, pl=True),
         _sched(32, 8, 2, split_k=8, stages=3, pl=True),
         _sched(32, 16, 2, split_k=4, pl=True),
         _sched(64, 16, 4, split_k=4, pl=True),
         _sched(64, 16, 4, stages=3),
-        # not yet timed (session 5, after the device time was spent): the batched kernel. The sm_90 SASS of
-        # mma_n32_m8_w2_s4_pl shows why a block takes ~4 µs: the 4 weight runs of a block are staged through
-        # one shared-memory buffer in turn, and ptxas issues each run's load only after the previous run's
-        # barrier — four dependent DRAM round trips per block. One `[4, rows, 32]` load and two 3-D dots
-        # (low and high nibbles) stage the whole block at once; iq3_s builds its 8 code tiles as one
-        # `[8, rows, 32]` tensor for one 3-D dot.
+        # the batched kernels (one `[4, rows, 32]` load and two 3-D dots per q4_k / q5_k block; iq3_s's 8
+        # code tiles as one `[8, rows, 32]` tensor). Timed in session 6: the routed 9-16-column tile of q4_k
+        # (17408×5120: 67.0 vs 73.5 µs) and iq3_s (83.7 vs 108.3); at 2-8 columns within ±10 % of the
+        # routes (not the 25 / 40 µs predicted from the SASS: the tiles wait on the L1, not on round trips)
+        _sched(32, 16, 2, split_k=4, b3=True),  # q4_k / iq3_s, 9-16 columns
         _sched(32, 8, 2, split_k=8, b3=True),
         _sched(32, 8, 2, split_k=4, b3=True),
         _sched(16, 8, 1, split_k=8, b3=True),
-        _sched(32, 16, 2, split_k=4, b3=True),
         _sched(64, 16, 4, split_k=4, b3=True),
         _sched(16, 8, 1, split_k=4, b3=True),
-        # not yet timed (session 6): iq3_s with its grid in shared memory. Nsight Compute (session 6) put
-        # the iq3_s tiles at 68 % L1 throughput, ~90 % of the L1 tag requests being grid gathers (~14 per
-        # warp-wide 4-byte gather). Two warps at least: in one warp Triton gathers by shuffles
-        _sched(32, 8, 2, split_k=4, sm=True),
-        _sched(32, 8, 2, split_k=8, sm=True),
-        _sched(32, 16, 2, split_k=4, sm=True),
-        _sched(32, 8, 2, split_k=4, b3=True, sm=True),
-        _sched(32, 8, 2, split_k=8, b3=True, sm=True),
-        _sched(32, 16, 2, split_k=4, b3=True, sm=True),
     )
 }
 BATCHED_FORMATS = ("q4_k", "q5_k", "iq3_s")
 
 
 def schedules_for(fmt: str) -> dict[str, MmaSchedule]:
-    """The schedules that run `fmt` (the batched ones take q4_k, q5_k and iq3_s; the shared-memory grid
-    ones iq3_s)."""
+    """The schedules that run `fmt` (the batched ones take q4_k, q5_k and iq3_s)."""
     fmt = fmt.removeprefix(GGUF_PREFIX)
     if fmt not in MMA_FORMATS:
         return {}
-    return {name: s for name, s in SCHEDULES.items()
-            if (not s.batched or fmt in BATCHED_FORMATS) and (not s.smem_grid or fmt == "iq3_s")}
+    return {name: s for name, s in SCHEDULES.items() if not s.batched or fmt in BATCHED_FORMATS}
 
 
 # the routed tile up to 8 columns and up to 16, by format
-_ROUTE = {"q4_k": ("mma_n32_m8_w2_s8_pl", "mma_n32_m16_w2_s4_p3_pl"),
+_ROUTE = {"q4_k": ("mma_n32_m8_w2_s8_pl", "mma_n32_m16_w2_s4_b3"),
           "q5_k": ("mma_n32_m8_w2_s8_pl", "mma_n32_m16_w2_s4_p3_pl"),
           "q6_k": ("mma_n32_m8_w2_s4_pl", "mma_n64_m16_w4_s8"),
-          "iq3_s": ("mma_n16_m8_w1_s4", "mma_n32_m16_w2_s4")}
+          "iq3_s": ("mma_n16_m8_w1_s4", "mma_n32_m16_w2_s4_b3")}
 # the fewest columns where the tile beats the dp4a routes
 _MIN_COLUMNS = {"q4_k": 3, "q5_k": 3, "q6_k": 3, "iq3_s": 2}
 
@@ -136,7 +123,8 @@ def mma_wins(fmt: str, out_features: int, columns: int) -> bool:
     at 4 / 8 columns 93.6 / 95.0 vs 100.5 / 147.7, the q6_k output head (248320×5120) 1155 / 1185 vs 1231 /
     1683. Ties at 4 columns on q4_k 6144×5120 and on q6_k 5120×17408 / 10240×5120, loses at 2
     for the k-quants (q4_k rows 33.7 µs, the q6_k head as two 1-column GEMVs 682 vs 1134) and on small
-    matrices (1024 rows at 8 columns: 28.6 vs 12.5)."""
+    matrices (1024 rows at 8 columns: 28.6 vs 12.5). Session 6: the batched tiles at 9-16 columns, q4_k
+    67.0 and iq3_s 83.7 µs on 17408×5120."""
     return out_features >= 4096 and columns >= _MIN_COLUMNS[fmt]
 
 
@@ -215,19 +203,7 @@ if HAVE_TRITON:
         return (words ^ mask) + (mask & 0x01010101)
 
     @jit
-    def _grid_pair(grid_ptr, grid, idx_lo, idx_hi, SMEM: tl.constexpr):
-        """The iq3_s grid words at idx_lo and idx_hi: loads through L1, or (SMEM) one gather from `grid`, the
-        512 words held by the program, which Triton stages in shared memory (a 16-byte store per thread
-        between two barriers, then one shared load per word; a gather through L1 costs ~14 tag lookups)."""
-        if SMEM:
-            both = tl.join(idx_lo, idx_hi)
-            words = tl.reshape(tl.gather(grid, tl.reshape(both, [both.numel]), 0), both.shape)
-            return tl.split(words)
-        else:
-            return tl.load(grid_ptr + idx_lo), tl.load(grid_ptr + idx_hi)
-
-    @jit
-    def _iq3s_codes(rb, rb16, g: tl.constexpr, grid_ptr, grid, BLOCK_N: tl.constexpr, SMEM: tl.constexpr):
+    def _iq3s_codes(rb, rb16, g: tl.constexpr, grid_ptr, BLOCK_N: tl.constexpr):
         """The signed codes of iq3_s sub-block g as an int8 `[BLOCK_N, 32]` tile (rb / rb16: each row's block
         start as bytes / int16). Pair i of groups 2i, 2i + 1: one int16 of qs bytes, qh bits 2i and 2i + 1,
         one sign byte (low nibble group 2i); everything on [BLOCK_N, 4] tensors, then the bytes joined in
@@ -236,10 +212,8 @@ if HAVE_TRITON:
         qs = tl.load(rb16[:, None] + (1 + 4 * g) + i4).to(tl.int32)
         qh = (tl.load(rb16[:, None] + (33 + g // 2) + i4 * 0).to(tl.int32) >> (8 * (g % 2) + 2 * i4)) & 3
         sb = tl.load(rb[:, None] + (74 + 4 * g) + i4).to(tl.int32)
-        g_lo, g_hi = _grid_pair(grid_ptr, grid, (qs & 0xFF) | ((qh & 1) << 8),
-                                ((qs >> 8) & 0xFF) | ((qh & 2) << 7), SMEM)
-        lo = _iq3s_signed(g_lo, sb & 0xF)
-        hi = _iq3s_signed(g_hi, (sb >> 4) & 0xF)
+        lo = _iq3s_signed(tl.load(grid_ptr + ((qs & 0xFF) | ((qh & 1) << 8))), sb & 0xF)
+        hi = _iq3s_signed(tl.load(grid_ptr + (((qs >> 8) & 0xFF) | ((qh & 2) << 7))), (sb >> 4) & 0xF)
         c0 = tl.join(lo.to(tl.int8), hi.to(tl.int8))  # [n, i, j]: byte 0 of group 2i + j
         c1 = tl.join((lo >> 8).to(tl.int8), (hi >> 8).to(tl.int8))
         c2 = tl.join((lo >> 16).to(tl.int8), (hi >> 16).to(tl.int8))
@@ -256,29 +230,24 @@ if HAVE_TRITON:
                 tl.load(ptrs + 7 * STEP))
 
     @jit
-    def _iq3s_block(rb, rb16, grid_ptr, grid, BLOCK_N: tl.constexpr, SMEM: tl.constexpr):
+    def _iq3s_block(rb, rb16, grid_ptr, BLOCK_N: tl.constexpr):
         """The 8 sub-blocks' code tiles of an iq3_s super-block, their gathers issued together."""
-        return (_iq3s_codes(rb, rb16, 0, grid_ptr, grid, BLOCK_N, SMEM),
-                _iq3s_codes(rb, rb16, 1, grid_ptr, grid, BLOCK_N, SMEM),
-                _iq3s_codes(rb, rb16, 2, grid_ptr, grid, BLOCK_N, SMEM),
-                _iq3s_codes(rb, rb16, 3, grid_ptr, grid, BLOCK_N, SMEM),
-                _iq3s_codes(rb, rb16, 4, grid_ptr, grid, BLOCK_N, SMEM),
-                _iq3s_codes(rb, rb16, 5, grid_ptr, grid, BLOCK_N, SMEM),
-                _iq3s_codes(rb, rb16, 6, grid_ptr, grid, BLOCK_N, SMEM),
-                _iq3s_codes(rb, rb16, 7, grid_ptr, grid, BLOCK_N, SMEM))
+        return (_iq3s_codes(rb, rb16, 0, grid_ptr, BLOCK_N), _iq3s_codes(rb, rb16, 1, grid_ptr, BLOCK_N),
+                _iq3s_codes(rb, rb16, 2, grid_ptr, BLOCK_N), _iq3s_codes(rb, rb16, 3, grid_ptr, BLOCK_N),
+                _iq3s_codes(rb, rb16, 4, grid_ptr, BLOCK_N), _iq3s_codes(rb, rb16, 5, grid_ptr, BLOCK_N),
+                _iq3s_codes(rb, rb16, 6, grid_ptr, BLOCK_N), _iq3s_codes(rb, rb16, 7, grid_ptr, BLOCK_N))
 
     @jit
     def _mma_kernel(w_ptr, wh_ptr, grid_ptr, xq_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
                     FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                    EF: tl.constexpr, PL: tl.constexpr, SMEM: tl.constexpr, EMULATE: tl.constexpr):
+                    EF: tl.constexpr, PL: tl.constexpr, EMULATE: tl.constexpr):
         """One program: BLOCK_N rows × BLOCK_M columns over its split of the super-blocks. Rows and columns
         past the end are clamped (they read the last one; their sums are not stored), so the loop has no
         masks. Per (row, column, sub-block) the epilogue is one int→float conversion, one multiply by the
         activation scale and one FMA by the weight scale; the k-quant min terms go to a second accumulator.
         FMT 4 / 5: q4_k / q5_k (wh_ptr the weight as int32 words); 6: q6_k (wh_ptr as int16); 33: iq3_s
         (wh_ptr as int16, grid_ptr its 512 words). PL: each super-block's activation tiles and scales, and its
-        weight runs (iq3_s: its code tiles), are loaded before the first dot, not one sub-block at a time.
-        SMEM (iq3_s): the grid gathered from shared memory (`_grid_pair`)."""
+        weight runs (iq3_s: its code tiles), are loaded before the first dot, not one sub-block at a time."""
         # bytes per block
         WB: tl.constexpr = 144 if FMT == 4 else (176 if FMT == 5 else (210 if FMT == 6 else 110))
         QS: tl.constexpr = 16 if FMT == 4 else 48  # first qs byte (k-quants)
@@ -292,7 +261,6 @@ if HAVE_TRITON:
         s0, s1 = _step_range(K, 1, SPLIT_K)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         mins = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        grid = tl.load(grid_ptr + tl.arange(0, 512)) if SMEM else grid_ptr
         for blk in range(s0, s1):
             if PL:
                 xts = _eight(x_at + blk * 256, 32)
@@ -336,12 +304,12 @@ if HAVE_TRITON:
                 rb16 = wh_ptr + nc * (row_bytes // 2) + blk * (WB // 2)  # int16 view (2-byte aligned blocks)
                 d = tl.load(rb16).to(tl.float16, bitcast=True).to(tl.float32)
                 if PL:
-                    tiles = _iq3s_block(rb, rb16, grid_ptr, grid, BLOCK_N, SMEM)
+                    tiles = _iq3s_block(rb, rb16, grid_ptr, BLOCK_N)
                 for g in tl.static_range(8):
                     if PL:
                         codes, xt, xd = tiles[g], xts[g], xds[g]
                     else:
-                        codes = _iq3s_codes(rb, rb16, g, grid_ptr, grid, BLOCK_N, SMEM)
+                        codes = _iq3s_codes(rb, rb16, g, grid_ptr, BLOCK_N)
                         xt = tl.load(x_at + (blk * 256 + 32 * g))
                         xd = tl.load(xd_ptr + s_at + (blk * 8 + g))
                     dot = tl.dot(codes, xt, out_dtype=tl.int32)
@@ -455,14 +423,12 @@ if HAVE_TRITON:
 
     @jit
     def _batched_iq3s_kernel(w_ptr, wh_ptr, grid_ptr, xq_ptr, xd_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
-                             BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                             SMEM: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr):
         """iq3_s with a super-block in one 3-D dot: its 8 sub-blocks' code tiles built as one
         `[8, BLOCK_N, 32]` tensor (64 grid words gathered at once, signed whole, their bytes joined in
         registers) times the `[8, 32, BLOCK_M]` activation tiles, scaled into a `[8, BLOCK_N, BLOCK_M]`
         accumulator summed after the last block. Every load of a block is written before the gathers and the
-        dot, so it is issued before the first shared-memory barrier. wh_ptr: the weight as int16 (d). SMEM:
-        the grid gathered from shared memory (`_grid_pair`)."""
+        dot, so it is issued before the first shared-memory barrier. wh_ptr: the weight as int16 (d)."""
         WB: tl.constexpr = 110
         n, m, nc, mc = _tile(N, M, BLOCK_N, BLOCK_M)
         g = tl.arange(0, 8)[:, None, None]  # sub-block
@@ -474,7 +440,6 @@ if HAVE_TRITON:
         s_at = mc[None, None, :] * (K // 32) + g  # [8, 1, BLOCK_M]
         s0, s1 = _step_range(K, 1, SPLIT_K)
         acc = tl.zeros([8, BLOCK_N, BLOCK_M], dtype=tl.float32)
-        grid = tl.load(grid_ptr + tl.arange(0, 512)) if SMEM else grid_ptr
         for blk in range(s0, s1):
             rb = rows + blk * WB
             rb16 = rows16 + blk * (WB // 2)
@@ -485,10 +450,8 @@ if HAVE_TRITON:
             qs = tl.load(rb16 + 1 + 4 * g + i).to(tl.int32)  # [8, BLOCK_N, 4]: indices 2i, 2i + 1, low 8 bits
             qh = (tl.load(rb16 + 33 + g // 2).to(tl.int32) >> (8 * (g % 2) + 2 * i)) & 3  # their 9th bits
             sb = tl.load(rb + 74 + 4 * g + i).to(tl.int32)  # their sign bits (low nibble: word 2i)
-            g_lo, g_hi = _grid_pair(grid_ptr, grid, (qs & 0xFF) | ((qh & 1) << 8),
-                                    ((qs >> 8) & 0xFF) | ((qh & 2) << 7), SMEM)
-            lo = _iq3s_signed(g_lo, sb & 0xF)
-            hi = _iq3s_signed(g_hi, (sb >> 4) & 0xF)
+            lo = _iq3s_signed(tl.load(grid_ptr + ((qs & 0xFF) | ((qh & 1) << 8))), sb & 0xF)
+            hi = _iq3s_signed(tl.load(grid_ptr + (((qs >> 8) & 0xFF) | ((qh & 2) << 7))), (sb >> 4) & 0xF)
             c0 = tl.join(lo.to(tl.int8), hi.to(tl.int8))  # [8, n, i, j]: byte 0 of word 2i + j
             c1 = tl.join((lo >> 8).to(tl.int8), (hi >> 8).to(tl.int8))
             c2 = tl.join((lo >> 16).to(tl.int8), (hi >> 16).to(tl.int8))
@@ -508,7 +471,7 @@ def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featur
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
-    formats = ("iq3_s",) if s.smem_grid else BATCHED_FORMATS if s.batched else MMA_FORMATS
+    formats = BATCHED_FORMATS if s.batched else MMA_FORMATS
     y, launch, extra = rows_setup(raw, format, xa, out_features, s, formats, "int8 tensor-core GEMM")
     # header words: int32 for q4_k / q5_k, int16 for q6_k / iq3_s (2-byte aligned blocks)
     words = raw.view(_HEADER_WORD[format])
@@ -517,12 +480,11 @@ def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featur
     if s.batched and format == "iq3_s":
         del tile["FMT"], tile["EMULATE"]
         _batched_iq3s_kernel[launch](raw, words, _tables(raw.device)[1], xa.q, xa.d, y, out_features, k, n,
-                                     raw.shape[1], y.stride(0), SMEM=s.smem_grid, **tile)
+                                     raw.shape[1], y.stride(0), **tile)
     elif s.batched:
         _batched_kernel[launch](raw, words, xa.q, xa.d, xa.s, y, out_features, k, n, raw.shape[1],
                                 y.stride(0), **tile)
     else:
         _mma_kernel[launch](raw, words, _tables(raw.device)[1], xa.q, xa.d, xa.s, y, out_features, k, n,
-                            raw.shape[1], y.stride(0), EF=s.evict_first, PL=s.preload, SMEM=s.smem_grid,
-                            **tile)
+                            raw.shape[1], y.stride(0), EF=s.evict_first, PL=s.preload, **tile)
     return y.to(xa.dtype)

@@ -56,16 +56,15 @@ class RowsSchedule(MatmulSchedule):
     rows_per_lane: int = 1  # chunk lanes: rows of a group held in registers (block_n / r groups)
     cache: int = 0  # weight loads: 0 default, 1 ld.global.cg (no L1 allocation), 2 evict-first
     lanes: str = "chunk"  # "chunk", "piece" or "kres" (see the module docstring)
-    prefetch: bool = False  # chunk lanes: the next step's weight loads issued before this step's math
 
 
 def _sched(block_n: int, block_m: int, blocks: int, num_warps: int, split_k: int = 1,
-           lanes: str = "chunk", cache: int = 0, r: int = 1, pf: bool = False) -> RowsSchedule:
+           lanes: str = "chunk", cache: int = 0, r: int = 1) -> RowsSchedule:
     name = (f"rows{dict(chunk='', piece='p', kres='k')[lanes]}_n{block_n}_m{block_m}_b{blocks}_w{num_warps}"
             + (f"_r{r}" if r > 1 else "") + (f"_s{split_k}" if split_k > 1 else "")
-            + ("", "_cg", "_ef")[cache] + ("_pf" if pf else ""))
+            + ("", "_cg", "_ef")[cache])
     return RowsSchedule(name, "rows", block_n, block_m, split_k=split_k, num_warps=num_warps, num_stages=1,
-                        blocks=blocks, lanes=lanes, cache=cache, rows_per_lane=r, prefetch=pf)
+                        blocks=blocks, lanes=lanes, cache=cache, rows_per_lane=r)
 
 
 SCHEDULES: dict[str, RowsSchedule] = {
@@ -91,13 +90,6 @@ SCHEDULES: dict[str, RowsSchedule] = {
         _sched(4, 8, 4, 1, r=2),
         _sched(2, 8, 8, 1, r=2),
         _sched(4, 8, 4, 1, r=2, split_k=2),
-        # untimed (session 6): Nsight Compute shows every GEMV waiting on its loads (long-scoreboard stalls
-        # 60-80 % of samples, DRAM 22-50 %): the next step's weights loaded while this step computes
-        _sched(4, 1, 4, 2, cache=2, pf=True),
-        _sched(4, 1, 4, 2, pf=True),
-        _sched(8, 1, 4, 4, cache=2, pf=True),
-        _sched(4, 1, 4, 2, split_k=4, cache=2, pf=True),
-        _sched(4, 2, 4, 1, r=2, pf=True),
         # piece lanes (blocks = 4 · warps, rows and columns in registers): won at 2 and 8 columns, ≤ 1024 rows
         _sched(4, 1, 4, 1, lanes="piece"),
         _sched(2, 1, 4, 1, lanes="piece"),
@@ -236,23 +228,6 @@ if HAVE_TRITON:
         return _f16_lo(h0) * part - _f16_lo(h0 >> 16) * mins
 
     @jit
-    def _chunk_weights(wrow, step, s1, b, q_at, h_at, zw, nblk, WB: tl.constexpr, NB: tl.constexpr,
-                       FMT: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr):
-        """The chunk lanes' weight words of loop step min(step, s1 - 1): the two qs halves, the header and
-        (q5_k) the two qh halves (q4_k: the header again, unused)."""
-        blk = tl.minimum(step, s1 - 1) * NB
-        ok_w = ((blk + b) < nblk) & (zw == 0)  # unused where EVEN (whole steps of NB blocks)
-        wb = wrow + blk * WB
-        q0 = _ldw(wb + q_at, ok_w, EVEN, CACHE)
-        q1 = _ldw(wb + q_at + 4, ok_w, EVEN, CACHE)
-        hd = _ldw(wb + h_at, ok_w, EVEN, CACHE)
-        if FMT == 5:  # qh words 4 + e and 8 + e
-            qh0 = _ldw(wb + (h_at + 4), ok_w, EVEN, CACHE)
-            return q0, q1, hd, qh0, _ldw(wb + (h_at + 8), ok_w, EVEN, CACHE)
-        else:
-            return q0, q1, hd, hd, hd
-
-    @jit
     def _chunk_axes(BLOCK_M: tl.constexpr, R: tl.constexpr, G: tl.constexpr, NB: tl.constexpr):
         """The chunk lanes' 6-d tile axes [column m, row r, row group g, block b, chunk c, word e], each an
         arange along its own axis (m offset by the program's column tile)."""
@@ -267,12 +242,11 @@ if HAVE_TRITON:
     def _gemv_rows_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
                           FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                           R: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
-                          PF: tl.constexpr, EMULATE: tl.constexpr):
+                          EMULATE: tl.constexpr):
         """The "chunk" lane map. Tile axes [column m, row r, row group g, block b, chunk c, word e]: lanes and
         warps lie on (g, b, c), words and the R rows of a group and the columns in registers, so an
         activation load serves R rows. Weight-side tensors carry no column axis and activation-side ones no
-        row axis; both keep the full g axis, so they share one layout and broadcast without a conversion.
-        PF: each step's weight words are loaded one step ahead (the last step loads itself again)."""
+        row axis; both keep the full g axis, so they share one layout and broadcast without a conversion."""
         WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
         QS: tl.constexpr = 4 if FMT == 4 else 12  # first qs word
         G: tl.constexpr = BLOCK_N // R
@@ -289,32 +263,25 @@ if HAVE_TRITON:
         d_at = b * 8 + 2 * c + e * 0
         c4 = _pick(c + zw, e, 0)
         acc = tl.zeros([BLOCK_M, R, G, NB, 4], dtype=tl.float32)
-        if PF:
-            n0, n1, nh, nqh0, nqh1 = _chunk_weights(wrow, s0, s1, b, q_at, h_at, zw, nblk, WB, NB, FMT, EVEN,
-                                                    CACHE)
         for step in range(s0, s1):
             blk = step * NB
-            ok = ((blk + b) < nblk) & (zx == 0)  # unused where EVEN (whole steps of NB blocks)
-            if PF:
-                q0, q1, hd, qh0, qh1 = n0, n1, nh, nqh0, nqh1
-                n0, n1, nh, nqh0, nqh1 = _chunk_weights(wrow, step + 1, s1, b, q_at, h_at, zw, nblk, WB, NB,
-                                                        FMT, EVEN, CACHE)
-            else:
-                q0, q1, hd, qh0, qh1 = _chunk_weights(wrow, step, s1, b, q_at, h_at, zw, nblk, WB, NB, FMT,
-                                                      EVEN, CACHE)
+            ok_w = ((blk + b) < nblk) & (zw == 0)  # unused where EVEN (whole steps of NB blocks)
+            ok = ((blk + b) < nblk) & (zx == 0)
+            wb = wrow + blk * WB
             xb = xrow + blk * 64
             i_lo = 0
             i_hi = 0
             for half in tl.static_range(2):
-                q = q0 if half == 0 else q1
+                q = _ldw(wb + q_at + 4 * half, ok_w, EVEN, CACHE)
                 lo = q & 0x0F0F0F0F
                 hi = (q >> 4) & 0x0F0F0F0F
                 if FMT == 5:  # fifth bit of code 32s + l: bit s of qh byte l (qh words 4..11)
-                    qh = qh0 if half == 0 else qh1
+                    qh = _ldw(wb + (b * WB + 4 + e + 4 * half + c * 0), ok_w, EVEN, CACHE)
                     lo = lo | (((qh >> (2 * c)) << 4) & 0x10101010)
                     hi = hi | (((qh >> (2 * c + 1)) << 4) & 0x10101010)
                 i_lo = dp4a(lo, _ld(xb + x_at + 4 * half, ok, EVEN), i_lo, EMULATE)
                 i_hi = dp4a(hi, _ld(xb + x_at + 8 + 4 * half, ok, EVEN), i_hi, EMULATE)
+            hd = _ldw(wb + h_at, ok_w, EVEN, CACHE)
             dx_lo, dx_hi, sx_lo, sx_hi = _x_scales(xd_ptr, xs_ptr, drow + blk * 8 + d_at, ok, e, EVEN)
             acc += _chunk_sum(hd, e, c4, _pick_sum(i_lo), _pick_sum(i_hi), dx_lo, dx_hi, sx_lo, sx_hi, True)
         out = tl_sum(tl_sum(acc, 4), 3)  # [BLOCK_M, R, G]
@@ -470,5 +437,5 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     elif s.lanes == "piece":
         _gemv_rows_p_kernel[launch](*args, SPLIT_K=s.split_k, **common)
     else:
-        _gemv_rows_kernel[launch](*args, R=s.rows_per_lane, SPLIT_K=s.split_k, PF=s.prefetch, **common)
+        _gemv_rows_kernel[launch](*args, R=s.rows_per_lane, SPLIT_K=s.split_k, **common)
     return y.to(xa.dtype)

@@ -50,15 +50,14 @@ class RowsIqSchedule(RowsSchedule):
     grid word) instead of applying them with integer instructions."""
 
     signed_grid: bool = False
-    smem_grid: bool = False
 
 
 def _sched(block_n: int, block_m: int, blocks: int, num_warps: int, split_k: int = 1,
-           signed_grid: bool = False, smem_grid: bool = False) -> RowsIqSchedule:
+           signed_grid: bool = False) -> RowsIqSchedule:
     name = (f"rows_iq_n{block_n}_m{block_m}_b{blocks}_w{num_warps}" + (f"_s{split_k}" if split_k > 1 else "")
-            + ("_sg" if signed_grid else "") + ("_sm" if smem_grid else ""))
+            + ("_sg" if signed_grid else ""))
     return RowsIqSchedule(name, "rows_iq", block_n, block_m, split_k=split_k, num_warps=num_warps,
-                          num_stages=1, blocks=blocks, signed_grid=signed_grid, smem_grid=smem_grid)
+                          num_stages=1, blocks=blocks, signed_grid=signed_grid)
 
 
 # (block_n, block_m, blocks, num_warps, split_k); blocks × rows × 8 should be ≥ 32 · warps or lanes repeat
@@ -72,7 +71,6 @@ _TILES = (
 SCHEDULES: dict[str, RowsIqSchedule] = {
     s.name: s for tile in _TILES for signed in (False, True) for s in [_sched(*tile, signed_grid=signed)]
 }
-SCHEDULES.update({s.name: s for tile in _TILES if tile[1] == 1 for s in [_sched(*tile, smem_grid=True)]})
 
 
 def rows_iq_route(fmt: str, out_features: int, in_features: int, columns: int) -> RowsIqSchedule | None:
@@ -103,25 +101,15 @@ if HAVE_TRITON:
                                              dtype=tl.int32, is_pure=True, pack=1)
 
     @jit
-    def _grid_lookup(grid_ptr, grid, idx, SMEM: tl.constexpr):
-        """The iq3_s grid words at idx: loads through L1, or (SMEM) gathered from `grid`, the 512 words held
-        by the program, which Triton stages in shared memory (one 16-byte store per thread and two barriers
-        per call, then one shared load per word)."""
-        if SMEM:
-            return tl.reshape(tl.gather(grid, tl.reshape(idx, [idx.numel]), 0), idx.shape)
-        else:
-            return tl.load(grid_ptr + idx.to(tl.uint32))
-
-    @jit
-    def _iq3_s_half(qw, hw, sg, x, grid_ptr, grid, e, zero, H: tl.constexpr, SIGN_WORDS: tl.constexpr,
-                    SMEM: tl.constexpr, EMULATE: tl.constexpr):
+    def _iq3_s_half(qw, hw, sg, x, grid_ptr, e, zero, H: tl.constexpr, SIGN_WORDS: tl.constexpr,
+                    EMULATE: tl.constexpr):
         """(Σ dp4a(g ^ M, x), Σ dp4a(M, x)) over grid words 4H..4H+3 of each thread's sub-block: qw holds
         their 4 qs bytes, hw their 4 qh bits (one per byte), sg the sub-block's 32 sign bits, x `[..., 4]`
         the activation words. SIGN_WORDS (several columns): (Σ dp4a(σ·g, x), 0) with the signed word
         (g ^ M) + (M & 0x01010101) made once for every column."""
         # grid index: qs byte e, qh byte e, then two zero bytes (the sign of hw's byte 0, which is 0 or 1)
         idx = prmt(qw[:, :, :, :, None] + zero, hw[:, :, :, :, None] + zero, 0xCC40 + 0x11 * e, EMULATE)
-        g = _grid_lookup(grid_ptr, grid, idx, SMEM)
+        g = tl.load(grid_ptr + idx.to(tl.uint32))
         # the 8 sign bits of words 2j', 2j' + 1 (byte j' = 2H + e // 2), spread to the bytes' top bits
         byte = prmt(sg[:, :, :, :, None] + zero, zero, 0x4440 + 2 * H + e // 2, EMULATE)
         spread = byte * tl.where(e % 2 == 0, -0x7FBFDFF0, 0x08040201)  # 0x80402010 as int32
@@ -162,7 +150,7 @@ if HAVE_TRITON:
     def _gemv_rows_iq3_kernel(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
                               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                               SPLIT_K: tl.constexpr, EVEN: tl.constexpr, SIGNED: tl.constexpr,
-                              SMEM: tl.constexpr, EMULATE: tl.constexpr):
+                              EMULATE: tl.constexpr):
         BB: tl.constexpr = 110  # bytes per block
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None]
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None, None]
@@ -190,7 +178,6 @@ if HAVE_TRITON:
         # a column's sub-block scales are contiguous along c: hidden from Triton's contiguity analysis, which
         # would otherwise lay that load out along c and convert it through shared memory in the loop
         drow = xd_ptr + mc * (K // 32) + tl.where(c < 8, c, 0) + zero
-        grid = tl.load(grid_ptr + tl.arange(0, 512)) if SMEM else grid_ptr
         acc = tl.zeros([BLOCK_M, BLOCK_N, NB, 8], dtype=tl.float32)
         for step in range(s0, s1):
             blk = step * NB
@@ -213,9 +200,8 @@ if HAVE_TRITON:
                 isum += _iq3_s_half_signed(q1, _sign_nibbles(sg, h1, 0x4342, EMULATE), x1, grid_ptr, e, zero,
                                            EMULATE)
             else:
-                acc_g, acc_m = _iq3_s_half(q0, h0, sg, x0, grid_ptr, grid, e, zero, 0, BLOCK_M > 2, SMEM,
-                                           EMULATE)
-                g1, m1 = _iq3_s_half(q1, h1, sg, x1, grid_ptr, grid, e, zero, 1, BLOCK_M > 2, SMEM, EMULATE)
+                acc_g, acc_m = _iq3_s_half(q0, h0, sg, x0, grid_ptr, e, zero, 0, BLOCK_M > 2, EMULATE)
+                g1, m1 = _iq3_s_half(q1, h1, sg, x1, grid_ptr, e, zero, 1, BLOCK_M > 2, EMULATE)
                 isum = (acc_g + g1) - (acc_m + m1)
             sc = (_pick(hb, e, 3) >> sh_s) & 0xF
             dw = _f16_lo(_pick(ha, e, 3) >> sh_d) * (1 + 2 * sc).to(tl.float32)
@@ -346,5 +332,5 @@ def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_fe
     _gemv_rows_iq3_kernel[launch](_aligned_words(raw), xa.words, xa.d, grid, y, out_features, k, n,
                                   raw.shape[1], y.stride(0), BLOCK_N=s.block_n, BLOCK_M=s.block_m,
                                   NB=s.blocks, SPLIT_K=s.split_k, EVEN=k // 256 % s.blocks == 0,
-                                  SIGNED=s.signed_grid, SMEM=s.smem_grid, EMULATE=EMULATE_DP4A, **extra)
+                                  SIGNED=s.signed_grid, EMULATE=EMULATE_DP4A, **extra)
     return y.to(xa.dtype)

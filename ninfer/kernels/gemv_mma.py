@@ -17,9 +17,10 @@ unpacked four bytes per PTX operation), q6_k (6-bit codes − 32 built four byte
 cover 16 codes, so each sub-block takes two dots, the activation tile's other half zeroed) and iq3_s (8 grid
 words of 4 magnitudes per sub-block, signs applied to whole words, the bytes joined into the tile in
 registers). A program's sub-blocks run one after another (~340 ns each on the H200: operand staging, dot,
-epilogue), so the kernel is latency-bound and the routed schedules are the ones with the most programs:
-16-32 rows, split-K 4-8, block-wide preloads (docs/gpu-notes.md, session 5: q4_k 17408×5120 at 4 / 8 / 16
-columns 39.6 / 45.1 / 73.2 µs where one column takes 21.5 on the rows kernel).
+epilogue), waiting on their L1 loads (Nsight Compute, session 6), so the routed schedules are the ones with
+the most programs: 16-32 rows, split-K 4-8, block-wide preloads, at 9-16 columns the batched kernels (a
+super-block's sub-blocks in one 3-D dot); docs/gpu-notes.md, sessions 5-6: q4_k 17408×5120 at 4 / 8 / 16
+columns 39.7 / 45.8 / 67.0 µs where one column takes 21.5 on the rows kernel.
 The oracle is `gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
 """
 

@@ -51,6 +51,8 @@ class PagedBatchContext:
         self._handed_out: dict[tuple[int, int], GdnState] = {}
         self._where: dict[int, tuple] = {}
         self._decode_meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # every row a one-token span, in row order: batched decode attention needs no gather or scatter
+        self._rows_are_decodes = all(s.length == 1 and s.start == i for i, s in enumerate(spans))
 
     # spans of several tokens go through ninfer.kernels.prefill_attention (None: on CUDA only)
     prefill_kernel: bool | None = None
@@ -76,8 +78,8 @@ class PagedBatchContext:
                 qs = rotate(qs)
             out[rows] = causal_attention(qs, keys, values, span.cached_tokens).to(q.dtype)
         if decode:
-            if len(decode) == len(self.spans) and all(s.start == i for i, s in enumerate(self.spans)):
-                return self._decode_attention(kv_layer, q, decode)  # rows 0..B-1: no gather, no scatter
+            if self._rows_are_decodes:
+                return self._decode_attention(kv_layer, q, decode)
             out[self._decode_batch(decode)[0]] = self._decode_attention(kv_layer, q, decode, gather=True)
         return out
 

@@ -47,10 +47,11 @@ def test_mma_kernel_equals_twin(fmt, sched, width, rows, nb):
 
 def test_mma_route_and_errors():
     assert mma_route("gguf_q4_k", 17408, 5120, 8).name in SCHEDULES
-    assert mma_route("q4_k", 17408, 5120, 2) is None  # 2 columns: the rows GEMV wins
-    assert mma_route("q4_k", 17408, 5120, 3).name == "mma_n32_m8_w2_s8_pl"
-    assert mma_route("q4_k", 1024, 5120, 8) is None  # small matrices too
-    assert mma_route("q6_k", 248320, 5120, 2) is None and mma_route("iq3_s", 5120, 17408, 2) is not None
+    assert mma_route("q4_k", 17408, 5120, 4) is None  # 1-4 columns: the rows GEMV wins
+    assert mma_route("q4_k", 17408, 5120, 5).name == "mma_n32_m8_w2_s8_pl"
+    assert mma_route("q4_k", 6144, 5120, 8) is None and mma_route("q4_k", 1024, 5120, 8) is None
+    assert mma_route("q6_k", 248320, 5120, 2) is None and mma_route("q6_k", 248320, 5120, 3) is not None
+    assert mma_route("iq3_s", 5120, 17408, 4) is None and mma_route("iq3_s", 5120, 17408, 5) is not None
     assert all(mma_route("q5_k", 5120, 17408, m, forced=True).block_m >= m for m in range(2, MAX_COLUMNS + 1))
     assert mma_route("q4_k", 17408, 5120, 1, forced=True) is None  # one column: the rows GEMV
     assert mma_route("iq4_xs", 17408, 5120, 4) is None

@@ -21,7 +21,7 @@ CASES = [(fmt, sched, m, nb) for fmt in ROWS_FORMATS
                               ("rows_n8_m4_b4_w1_r4", 3, 4), ("rows_n4_m8_b4_w1_r2_s2", 8, 3),
                               ("rowsp_n4_m1_b4_w1", 1, 4), ("rowsp_n4_m1_b8_w2", 1, 5),
                               ("rowsp_n2_m1_b4_w1_s4", 1, 3), ("rowsp_n2_m4_b4_w1", 3, 2),
-                              ("rowsk_n64_m1_b4_w4_r2_ef", 1, 8), ("rowsk_n32_m2_b8_w2_r2", 2, 5))]
+                              ("rows_n8_m1_b4_w2_r2_ef", 1, 8), ("rows_n16_m1_b4_w2_r4_ef", 1, 5))]
 
 
 @pytest.mark.parametrize("fmt,sched,width,nb", CASES)
@@ -40,7 +40,11 @@ def test_rows_route_and_errors():
     assert all(rows_route("q5_k", 1024, 5120, m).block_m >= m for m in range(1, MAX_COLUMNS + 1))
     assert rows_route("iq3_s", 17408, 5120, 1) is None
     assert rows_route("q4_k", 17408, 5120, MAX_COLUMNS + 1) is None
-    assert rows_route("q4_k", 17408, 5120, 8) is None  # the q8 kernel is faster there
+    assert rows_route("q4_k", 17408, 5120, 8) is None  # the tensor-core tile is faster there
+    # every shape class has a route up to 4 columns, each serving its width
+    for shape in ((48, 5120), (5120, 17408), (17408, 5120), (6144, 5120)):
+        for fmt in ROWS_FORMATS:
+            assert all(rows_route(fmt, *shape, m).block_m >= m for m in range(1, 5))
     raw, x = gemv_case("q6_k", 4, 256, 1, seed=3)
     with pytest.raises(NinferError, match="rows GEMV"):
         gemv_rows(raw, "q6_k", quantize_activation(x), 4, "rows_n8_m1_b4_w4")

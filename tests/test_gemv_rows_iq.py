@@ -51,8 +51,10 @@ def test_rows_iq_misaligned_view(fmt):
 def test_rows_iq_route_and_errors():
     assert rows_iq_route("gguf_iq3_s", 17408, 5120, 1).name in SCHEDULES
     assert rows_iq_route("iq3_s", 1024, 5120, 1).block_m == 1
-    # measured slower than gemv_q8_iq (several columns) or not measured (iq4_xs): the q8 route stays
-    assert all(rows_iq_route("iq3_s", 1024, 5120, m) is None for m in range(2, MAX_COLUMNS + 1))
+    assert all(rows_iq_route("iq3_s", 1024, 5120, m).block_m >= m for m in range(2, MAX_COLUMNS + 1))
+    assert all(rows_iq_route("iq3_s", 5120, 17408, m).block_m >= m for m in range(1, 5))
+    # slower than the tensor-core tile (5-8 columns on big matrices) or not measured (iq4_xs)
+    assert rows_iq_route("iq3_s", 17408, 5120, 8) is None
     assert rows_iq_route("iq4_xs", 5120, 17408, 1) is None
     assert rows_iq_route("q4_k", 17408, 5120, 1) is None
     assert rows_iq_route("iq3_s", 17408, 5120, MAX_COLUMNS + 1) is None

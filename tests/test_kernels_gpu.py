@@ -48,7 +48,7 @@ def test_rows_gemv_on_gpu(fmt):
     from ninfer.kernels.gemv_rows import SCHEDULES, gemv_rows, rows_route
 
     others = ["rowsp_n4_m1_b8_w2", "rows_n4_m1_b4_w2_s4", "rows_n4_m1_b8_w1_r4_ef", "rows_n4_m1_b4_w2_cg",
-              "rows_n4_m8_b4_w1_r2_s2", "rowsk_n64_m1_b8_w4_r2_ef", "rowsk_n32_m2_b8_w2_r2"]
+              "rows_n4_m8_b4_w1_r2_s2", "rows_n8_m1_b4_w2_r2_ef", "rows_n16_m1_b4_w2_r4_ef"]
     for rows, cols in ((1040, 5120), (136, 17408)):
         raw = random_gguf_weight(fmt, rows, cols, "cuda")
         routed = [r.name for m in range(1, 9) for r in [rows_route(fmt, rows, cols, m)] if r]

@@ -32,7 +32,7 @@ import torch
 
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation
 from ninfer.kernels.gemv_rows import rows_setup
-from ninfer.kernels.gguf_matmul import MatmulSchedule, _f16_lo, _small_float, _tables
+from ninfer.kernels.gguf_matmul import MatmulSchedule, _f16_lo, _small_float, iq3s_grid16, iq3s_grid_word
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl
 from ninfer.quant.formats import GGUF_PREFIX
 
@@ -117,15 +117,20 @@ _ROUTE = {"q4_k": ("mma_n32_m8_w2_s8_pl", "mma_n32_m16_w2_s4_b3"),
 _MIN_COLUMNS = {"q4_k": 3, "q5_k": 3, "q6_k": 3, "iq3_s": 2}
 
 
-def mma_wins(fmt: str, out_features: int, columns: int) -> bool:
+def mma_wins(fmt: str, out_features: int, in_features: int, columns: int) -> bool:
     """Where the tensor-core tile beats the dp4a routes (rows, q8) on the H200 (bench/rows_timing.py at the
-    27B shapes, session 5, µs beside the best dp4a route's): q4_k 17408×5120 at 4 columns 39.6 vs 57.8, 8
-    columns 45.1 vs 116.5, 16 columns 73.2 vs 147.6; iq3_s 60.3 vs 77.0, 63.7 vs 112.2, 107.5 vs 320.1; q6_k
-    at 4 / 8 columns 93.6 / 95.0 vs 100.5 / 147.7, the q6_k output head (248320×5120) 1155 / 1185 vs 1231 /
-    1683. Ties at 4 columns on q4_k 6144×5120 and on q6_k 5120×17408 / 10240×5120, loses at 2
-    for the k-quants (q4_k rows 33.7 µs, the q6_k head as two 1-column GEMVs 682 vs 1134) and on small
-    matrices (1024 rows at 8 columns: 28.6 vs 12.5). Session 6: the batched tiles at 9-16 columns, q4_k
-    67.0 and iq3_s 83.7 µs on 17408×5120."""
+    27B shapes): wherever the rows kernels have no route (`rows_route`, `rows_iq_route`: since session 7 they
+    win at 1-4 columns everywhere and at 5-8 columns except q4_k / iq3_s on the biggest matrices, e.g. q4_k
+    17408×5120 at 8 columns 45.3 vs 46.7 µs, iq3_s 63.3 vs 71.0), on matrices of ≥ 4096 rows from
+    `_MIN_COLUMNS` columns on (q6_k at 4 / 8 columns 93.6 / 95.0 vs 100.5 / 147.7 µs; the q6_k output head
+    1155 / 1185 vs 1231 / 1683) and at 9-16 columns (session 6's batched tiles: q4_k 67.0 and iq3_s 83.7 µs
+    on 17408×5120)."""
+    from ninfer.kernels.gemv_rows import rows_route
+    from ninfer.kernels.gemv_rows_iq import rows_iq_route
+
+    if rows_route(fmt, out_features, in_features, columns) or rows_iq_route(fmt, out_features, in_features,
+                                                                            columns):
+        return False
     return out_features >= 4096 and columns >= _MIN_COLUMNS[fmt]
 
 
@@ -136,7 +141,7 @@ def mma_route(fmt: str, out_features: int, in_features: int, columns: int,
     fmt = fmt.removeprefix(GGUF_PREFIX)
     if fmt not in MMA_FORMATS or in_features % 256 or not 2 <= columns <= MAX_COLUMNS:
         return None
-    if not forced and not mma_wins(fmt, out_features, columns):
+    if not forced and not mma_wins(fmt, out_features, in_features, columns):
         return None
     return SCHEDULES[_ROUTE[fmt][columns > 8]]
 
@@ -213,8 +218,8 @@ if HAVE_TRITON:
         qs = tl.load(rb16[:, None] + (1 + 4 * g) + i4).to(tl.int32)
         qh = (tl.load(rb16[:, None] + (33 + g // 2) + i4 * 0).to(tl.int32) >> (8 * (g % 2) + 2 * i4)) & 3
         sb = tl.load(rb[:, None] + (74 + 4 * g) + i4).to(tl.int32)
-        lo = _iq3s_signed(tl.load(grid_ptr + ((qs & 0xFF) | ((qh & 1) << 8))), sb & 0xF)
-        hi = _iq3s_signed(tl.load(grid_ptr + (((qs >> 8) & 0xFF) | ((qh & 2) << 7))), (sb >> 4) & 0xF)
+        lo = _iq3s_signed(iq3s_grid_word(grid_ptr, (qs & 0xFF) | ((qh & 1) << 8)), sb & 0xF)
+        hi = _iq3s_signed(iq3s_grid_word(grid_ptr, ((qs >> 8) & 0xFF) | ((qh & 2) << 7)), (sb >> 4) & 0xF)
         c0 = tl.join(lo.to(tl.int8), hi.to(tl.int8))  # [n, i, j]: byte 0 of group 2i + j
         c1 = tl.join((lo >> 8).to(tl.int8), (hi >> 8).to(tl.int8))
         c2 = tl.join((lo >> 16).to(tl.int8), (hi >> 16).to(tl.int8))
@@ -247,8 +252,9 @@ if HAVE_TRITON:
         masks. Per (row, column, sub-block) the epilogue is one int→float conversion, one multiply by the
         activation scale and one FMA by the weight scale; the k-quant min terms go to a second accumulator.
         FMT 4 / 5: q4_k / q5_k (wh_ptr the weight as int32 words); 6: q6_k (wh_ptr as int16); 33: iq3_s
-        (wh_ptr as int16, grid_ptr its 512 words). PL: each super-block's activation tiles and scales, and its
-        weight runs (iq3_s: its code tiles), are loaded before the first dot, not one sub-block at a time."""
+        (wh_ptr as int16, grid_ptr its packed 512 entries, `iq3s_grid16`). PL: each super-block's activation
+        tiles and scales, and its weight runs (iq3_s: its code tiles), are loaded before the first dot, not
+        one sub-block at a time."""
         # bytes per block
         WB: tl.constexpr = 144 if FMT == 4 else (176 if FMT == 5 else (210 if FMT == 6 else 110))
         QS: tl.constexpr = 16 if FMT == 4 else 48  # first qs byte (k-quants)
@@ -451,8 +457,8 @@ if HAVE_TRITON:
             qs = tl.load(rb16 + 1 + 4 * g + i).to(tl.int32)  # [8, BLOCK_N, 4]: indices 2i, 2i + 1, low 8 bits
             qh = (tl.load(rb16 + 33 + g // 2).to(tl.int32) >> (8 * (g % 2) + 2 * i)) & 3  # their 9th bits
             sb = tl.load(rb + 74 + 4 * g + i).to(tl.int32)  # their sign bits (low nibble: word 2i)
-            lo = _iq3s_signed(tl.load(grid_ptr + ((qs & 0xFF) | ((qh & 1) << 8))), sb & 0xF)
-            hi = _iq3s_signed(tl.load(grid_ptr + (((qs >> 8) & 0xFF) | ((qh & 2) << 7))), (sb >> 4) & 0xF)
+            lo = _iq3s_signed(iq3s_grid_word(grid_ptr, (qs & 0xFF) | ((qh & 1) << 8)), sb & 0xF)
+            hi = _iq3s_signed(iq3s_grid_word(grid_ptr, ((qs >> 8) & 0xFF) | ((qh & 2) << 7)), (sb >> 4) & 0xF)
             c0 = tl.join(lo.to(tl.int8), hi.to(tl.int8))  # [8, n, i, j]: byte 0 of word 2i + j
             c1 = tl.join((lo >> 8).to(tl.int8), (hi >> 8).to(tl.int8))
             c2 = tl.join((lo >> 16).to(tl.int8), (hi >> 16).to(tl.int8))
@@ -480,12 +486,12 @@ def gemv_mma(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featur
                 EMULATE=EMULATE_DP4A, **extra)
     if s.batched and format == "iq3_s":
         del tile["FMT"], tile["EMULATE"]
-        _batched_iq3s_kernel[launch](raw, words, _tables(raw.device)[1], xa.q, xa.d, y, out_features, k, n,
+        _batched_iq3s_kernel[launch](raw, words, iq3s_grid16(raw.device), xa.q, xa.d, y, out_features, k, n,
                                      raw.shape[1], y.stride(0), **tile)
     elif s.batched:
         _batched_kernel[launch](raw, words, xa.q, xa.d, xa.s, y, out_features, k, n, raw.shape[1],
                                 y.stride(0), **tile)
     else:
-        _mma_kernel[launch](raw, words, _tables(raw.device)[1], xa.q, xa.d, xa.s, y, out_features, k, n,
+        _mma_kernel[launch](raw, words, iq3s_grid16(raw.device), xa.q, xa.d, xa.s, y, out_features, k, n,
                             raw.shape[1], y.stride(0), EF=s.evict_first, PL=s.preload, **tile)
     return y.to(xa.dtype)

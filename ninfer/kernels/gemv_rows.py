@@ -17,9 +17,9 @@ columns past the end are clamped (not masked), and whole steps of NB blocks need
   so one activation load serves R rows and one weight decode serves every column.
 * "piece" (`_gemv_rows_p_kernel`): 8 lanes per block, lane p reads qs bytes 16p..16p + 15 (chunk p // 2,
   half p % 2), all rows and columns in registers; the min terms are counted by the half-0 lane only.
-* "kres" (`_gemv_rows_k_kernel`, not routed: written after the last H200 run of session 3): chunk lanes on
-  a fixed block range whose activation stays in registers while the program walks its rows, so a lane
-  reads only 0.75 bytes (weights + header) per weight through L1 instead of ~2; sums leave by fp32 atomics.
+
+A third map ("kres": the activation of a block range held in registers while a program walked its rows,
+sums by fp32 atomics) lost at 1 column on every shape (H200 session 5, 31.8-37.9 vs 21.5 µs) and was removed.
 
 The oracle is `gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
 """
@@ -55,12 +55,12 @@ class RowsSchedule(MatmulSchedule):
     blocks: int = 4
     rows_per_lane: int = 1  # chunk lanes: rows of a group held in registers (block_n / r groups)
     cache: int = 0  # weight loads: 0 default, 1 ld.global.cg (no L1 allocation), 2 evict-first
-    lanes: str = "chunk"  # "chunk", "piece" or "kres" (see the module docstring)
+    lanes: str = "chunk"  # "chunk" or "piece" (see the module docstring)
 
 
 def _sched(block_n: int, block_m: int, blocks: int, num_warps: int, split_k: int = 1,
            lanes: str = "chunk", cache: int = 0, r: int = 1) -> RowsSchedule:
-    name = (f"rows{dict(chunk='', piece='p', kres='k')[lanes]}_n{block_n}_m{block_m}_b{blocks}_w{num_warps}"
+    name = (f"rows{dict(chunk='', piece='p')[lanes]}_n{block_n}_m{block_m}_b{blocks}_w{num_warps}"
             + (f"_r{r}" if r > 1 else "") + (f"_s{split_k}" if split_k > 1 else "")
             + ("", "_cg", "_ef")[cache])
     return RowsSchedule(name, "rows", block_n, block_m, split_k=split_k, num_warps=num_warps, num_stages=1,
@@ -90,6 +90,18 @@ SCHEDULES: dict[str, RowsSchedule] = {
         _sched(4, 8, 4, 1, r=2),
         _sched(2, 8, 8, 1, r=2),
         _sched(4, 8, 4, 1, r=2, split_k=2),
+        # rows per lane over several warps (no layout conversion since the lane axes come first: session 7)
+        _sched(8, 1, 4, 2, r=2, cache=2),
+        _sched(16, 1, 4, 4, r=2, cache=2),
+        _sched(16, 1, 4, 2, r=4, cache=2),
+        _sched(32, 1, 4, 4, r=4, cache=2),
+        _sched(16, 1, 8, 4, r=4, cache=2),
+        _sched(8, 2, 4, 2, r=2),
+        _sched(16, 2, 4, 2, r=4),
+        _sched(16, 4, 4, 2, r=4),
+        _sched(8, 4, 4, 2, r=2),
+        _sched(8, 4, 4, 1, r=4),
+        _sched(8, 8, 4, 2, r=2),
         # piece lanes (blocks = 4 · warps, rows and columns in registers): won at 2 and 8 columns, ≤ 1024 rows
         _sched(4, 1, 4, 1, lanes="piece"),
         _sched(2, 1, 4, 1, lanes="piece"),
@@ -99,40 +111,62 @@ SCHEDULES: dict[str, RowsSchedule] = {
         _sched(4, 4, 4, 1, lanes="piece"),
         _sched(2, 4, 4, 1, lanes="piece"),
         _sched(2, 8, 4, 1, lanes="piece"),
-        # K-resident (untimed): the activation of an 8- or 4-block range stays in registers while a program
-        # walks block_n rows in steps of r · G rows, G = 8 · warps / blocks row groups (lanes and warps)
-        _sched(64, 1, 8, 4, lanes="kres", r=2, cache=2),
-        _sched(128, 1, 8, 4, lanes="kres", r=2, cache=2),
-        _sched(64, 1, 8, 4, lanes="kres", r=1, cache=2),
-        _sched(64, 1, 4, 4, lanes="kres", r=2, cache=2),
-        _sched(32, 2, 8, 2, lanes="kres", r=2),
-        _sched(32, 4, 8, 2, lanes="kres", r=2),
+        _sched(4, 2, 4, 1, lanes="piece"),
+        _sched(4, 4, 8, 2, lanes="piece"),
+        _sched(4, 8, 4, 1, lanes="piece"),
     )
 }
 
 
+def shape_class(out_features: int, in_features: int) -> str:
+    """The 27B shape family a decode GEMV belongs to, for the routes: "small" (≤ 1024 rows: k / v, the GDN
+    gates), "long" (rows of > 8192 columns: the MLP down projection), "wide" (≥ 16384 rows: MLP gate / up),
+    "mid" (the rest: GDN qkv and z, attention q, the output projections)."""
+    if out_features <= 1024:
+        return "small"
+    if in_features > 8192:
+        return "long"
+    return "wide" if out_features >= 16384 else "mid"
+
+
+# (format, shape class) -> the schedule for 1, 2, 3-4 and 5-8 columns (None: the tensor-core tile's)
+_ROUTE = {
+    ("q4_k", "small"): ("rows_n2_m1_b8_w2", "rowsp_n2_m2_b4_w1", "rows_n2_m4_b8_w1_r2",
+                        "rows_n2_m8_b8_w1_r2"),
+    ("q4_k", "long"): ("rows_n4_m1_b8_w1_r4_ef", "rowsp_n2_m2_b4_w1", "rowsp_n2_m4_b4_w1", None),
+    ("q4_k", "wide"): ("rows_n16_m1_b4_w4_r2_ef", "rows_n4_m2_b4_w1_r2", "rows_n8_m4_b4_w1_r4", None),
+    ("q4_k", "mid"): ("rows_n4_m1_b4_w1_r2_ef", "rows_n4_m2_b4_w1_r2", "rows_n8_m4_b4_w1_r4",
+                      "rowsp_n4_m8_b4_w1"),
+    ("q5_k", "small"): ("rows_n2_m1_b8_w2", "rowsp_n2_m2_b4_w1", "rows_n2_m4_b8_w1_r2",
+                        "rows_n2_m8_b8_w1_r2"),
+    ("q5_k", "long"): ("rows_n4_m1_b8_w1_r4_ef", "rowsp_n2_m2_b4_w1", "rows_n2_m4_b8_w1_r2",
+                       "rowsp_n4_m8_b4_w1"),
+    ("q5_k", "wide"): ("rows_n16_m1_b4_w4_r2_ef", "rowsp_n2_m2_b4_w1", "rowsp_n2_m4_b4_w1",
+                       "rowsp_n4_m8_b4_w1"),
+    ("q5_k", "mid"): ("rows_n16_m1_b4_w4_r2_ef", "rowsp_n2_m2_b4_w1", "rowsp_n2_m4_b4_w1",
+                      "rowsp_n4_m8_b4_w1"),
+}
+
+
+def width_slot(columns: int) -> int:
+    """The index of a route tuple's entry for `columns` (1, 2, 3-4, 5-8)."""
+    return 0 if columns == 1 else 1 if columns == 2 else 2 if columns <= 4 else 3
+
+
 def rows_route(fmt: str, out_features: int, in_features: int, columns: int) -> RowsSchedule | None:
     """The rows schedule for a decode GEMV of `columns` columns, None where the kernel does not apply or
-    the q8 kernel is faster. From the H200 sweeps of q4_k at the 27B shapes (bench/rows_timing.py, runs 18-
-    20, µs beside the q8 route's): 1 column 21.3 vs 22.4 (17408×5120), 21.1 vs 24.8 (5120×17408), 12.2 vs
-    17.0 (10240), 8.4 vs 12.1 (6144), 4.5 vs 7.4 (1024 rows); 2 columns 34.1 vs 44.3, 17.9 vs 31.9 (10240);
-    4 columns 58.3 vs 75.0, 18.5 vs 27.1 (6144); 5–8 columns lose (168.5 vs 116.5) except on ≤ 1024 rows
-    (12.6 vs 13.1)."""
+    the tensor-core tile (gemv_mma) is faster. From the H200 sweeps at the 27B shapes after the lane-axes-
+    first tiles (bench/rows_timing.py, session 7 runs 2-3, µs): q4_k 1 column 16.2 (17408×5120), 18.3
+    (5120×17408), 10.4 (10240), 12.1 (12288), 7.6 (6144), 4.1 (1024 rows); 2 columns 21.8, 24.0, 12.8; 4
+    columns 27.2, 31.6, 16.2 (the tile: 39.6, 39.7, 25.7); 8 columns on 17408×5120 and 5120×17408 the tile
+    wins (45.3 vs 46.7, 43.2 vs 55.4), on the mid shapes the piece lanes (28.0 vs 28.5, 31.9 vs 34.7). q5_k:
+    1 column 22.4, 24.2, 13.0; 2 columns 25.3, 27.5; 4 columns 35.5, 45.1; 8 columns 51.8 vs the tile's 55.0,
+    63.4 vs 70.0."""
     fmt = fmt.removeprefix(GGUF_PREFIX)
     if fmt not in ROWS_FORMATS or in_features % 256 or not 1 <= columns <= MAX_COLUMNS:
         return None
-    small = out_features <= 1024
-    if columns == 1:
-        name = "rows_n2_m1_b8_w2" if small else "rows_n4_m1_b4_w2_ef"
-    elif columns == 2:
-        name = "rowsp_n2_m2_b4_w1" if small else "rows_n4_m2_b4_w1_r2"
-    elif columns <= 4:
-        name = "rows_n2_m4_b8_w1_r2" if small else "rows_n8_m4_b4_w1_r4"
-    elif small:
-        name = "rowsp_n2_m8_b4_w1"
-    else:
-        return None
-    return SCHEDULES[name]
+    name = _ROUTE[fmt, shape_class(out_features, in_features)][width_slot(columns)]
+    return SCHEDULES[name] if name else None
 
 
 if HAVE_TRITON:
@@ -200,12 +234,23 @@ if HAVE_TRITON:
             tl.atomic_add(ptrs, out, mask=mask)
 
     @jit
-    def _store_tile(y_ptr, out, M, N, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    def _store_rows(y_ptr, out, M, N, stride_ym, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                     SPLIT_K: tl.constexpr):
-        """`_store` of a program's `[BLOCK_M, BLOCK_N]` tile of sums."""
-        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-        no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        """`_store` of a program's `[BLOCK_N, BLOCK_M]` tile of sums (rows × columns)."""
+        no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
+
+    @jit
+    def _tile_axes(BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr, L: tl.constexpr = 8):
+        """Axes [lane l of a block, block b, row n, column m, word e] of the piece and i-quant lane maps,
+        each an arange along its own axis (n and m offset by the program's tile). Lane axes come first: see
+        `_chunk_axes`."""
+        return (tl.arange(0, L)[:, None, None, None, None],
+                tl.arange(0, NB)[None, :, None, None, None],
+                tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :, None, None],
+                tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, None, None, :, None],
+                tl.arange(0, 4)[None, None, None, None, :])
 
     @jit
     def _x_scales(xd_ptr, xs_ptr, at, ok, e, EVEN: tl.constexpr):
@@ -229,13 +274,15 @@ if HAVE_TRITON:
 
     @jit
     def _chunk_axes(BLOCK_M: tl.constexpr, R: tl.constexpr, G: tl.constexpr, NB: tl.constexpr):
-        """The chunk lanes' 6-d tile axes [column m, row r, row group g, block b, chunk c, word e], each an
-        arange along its own axis (m offset by the program's column tile)."""
-        return (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None, None],
-                tl.arange(0, R)[None, :, None, None, None, None],
+        """The chunk lanes' 6-d tile axes (chunk c, block b, row group g, row r, column m, word e), each an
+        arange along its own axis (m offset by the program's column tile). Triton hands lanes and warps to
+        the axes of equal contiguity in axis order, so the lane axes come first and the register axes (r, m)
+        last: weight-side tensors (no m extent) and activation-side ones (no r extent) then get one layout."""
+        return (tl.arange(0, 4)[:, None, None, None, None, None],
+                tl.arange(0, NB)[None, :, None, None, None, None],
                 tl.arange(0, G)[None, None, :, None, None, None],
-                tl.arange(0, NB)[None, None, None, :, None, None],
-                tl.arange(0, 4)[None, None, None, None, :, None],
+                tl.arange(0, R)[None, None, None, :, None, None],
+                tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, None, None, None, :, None],
                 tl.arange(0, 4)[None, None, None, None, None, :])
 
     @jit
@@ -250,7 +297,7 @@ if HAVE_TRITON:
         WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
         QS: tl.constexpr = 4 if FMT == 4 else 12  # first qs word
         G: tl.constexpr = BLOCK_N // R
-        m, r, g, b, c, e = _chunk_axes(BLOCK_M, R, G, NB)
+        c, b, g, r, m, e = _chunk_axes(BLOCK_M, R, G, NB)
         n = tl.program_id(0) * BLOCK_N + r * G + g
         zw = (n * 0) + (b * 0) + (c * 0) + (e * 0)  # [1, R, G, NB, 4, 4]
         zx = (m * 0) + (g * 0) + (b * 0) + (c * 0) + (e * 0)  # [BLOCK_M, 1, G, NB, 4, 4]
@@ -262,7 +309,7 @@ if HAVE_TRITON:
         x_at = b * 64 + 16 * c + e
         d_at = b * 8 + 2 * c + e * 0
         c4 = _pick(c + zw, e, 0)
-        acc = tl.zeros([BLOCK_M, R, G, NB, 4], dtype=tl.float32)
+        acc = tl.zeros([4, NB, G, R, BLOCK_M], dtype=tl.float32)
         for step in range(s0, s1):
             blk = step * NB
             ok_w = ((blk + b) < nblk) & (zw == 0)  # unused where EVEN (whole steps of NB blocks)
@@ -284,9 +331,9 @@ if HAVE_TRITON:
             hd = _ldw(wb + h_at, ok_w, EVEN, CACHE)
             dx_lo, dx_hi, sx_lo, sx_hi = _x_scales(xd_ptr, xs_ptr, drow + blk * 8 + d_at, ok, e, EVEN)
             acc += _chunk_sum(hd, e, c4, _pick_sum(i_lo), _pick_sum(i_hi), dx_lo, dx_hi, sx_lo, sx_hi, True)
-        out = tl_sum(tl_sum(acc, 4), 3)  # [BLOCK_M, R, G]
-        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None]
-        no = tl.program_id(0) * BLOCK_N + tl.arange(0, R)[None, :, None] * G + tl.arange(0, G)[None, None, :]
+        out = tl_sum(tl_sum(acc, 0), 0)  # [G, R, BLOCK_M]
+        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, None, :]
+        no = tl.program_id(0) * BLOCK_N + tl.arange(0, R)[None, :, None] * G + tl.arange(0, G)[:, None, None]
         _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
 
     @jit
@@ -299,11 +346,7 @@ if HAVE_TRITON:
         activation load serves BLOCK_N rows. Piece p = (chunk c = p // 2, half h = p % 2)."""
         WB: tl.constexpr = 36 if FMT == 4 else 44
         QS: tl.constexpr = 4 if FMT == 4 else 12
-        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None]
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None, None]
-        b = tl.arange(0, NB)[None, None, :, None, None]
-        p = tl.arange(0, 8)[None, None, None, :, None]
-        e = tl.arange(0, 4)[None, None, None, None, :]
+        p, b, n, m, e = _tile_axes(BLOCK_N, BLOCK_M, NB)
         c = p // 2
         h = p % 2
         # weight-side tensors carry no column axis and activation-side ones no row axis (all lanes and warps
@@ -319,7 +362,7 @@ if HAVE_TRITON:
         d_at = b * 8 + 2 * c + e * 0
         c4 = _pick(c + zw, e, 0)
         first = _pick(h + zw, e, 0) == 0  # the piece that counts its sub-blocks' min terms
-        acc = tl.zeros([BLOCK_M, BLOCK_N, NB, 8], dtype=tl.float32)
+        acc = tl.zeros([8, NB, BLOCK_N, BLOCK_M], dtype=tl.float32)
         for step in range(s0, s1):
             blk = step * NB
             ok_w = ((blk + b) < nblk) & (zw == 0)  # unused where EVEN
@@ -338,69 +381,14 @@ if HAVE_TRITON:
             hd = _ldw(wb + h_at, ok_w, EVEN, CACHE)
             dx_lo, dx_hi, sx_lo, sx_hi = _x_scales(xd_ptr, xs_ptr, drow + blk * 8 + d_at, ok, e, EVEN)
             acc += _chunk_sum(hd, e, c4, i_lo, i_hi, dx_lo, dx_hi, sx_lo, sx_hi, first)
-        out = tl_sum(tl_sum(acc, 3), 2)
-        _store_tile(y_ptr, out, M, N, stride_ym, BLOCK_M, BLOCK_N, SPLIT_K)
+        _store_rows(y_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M, SPLIT_K)
 
-
-    @jit
-    def _gemv_rows_k_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
-                            FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
-                            R: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
-                            EMULATE: tl.constexpr):
-        """The "kres" lane map: chunk lanes on a fixed range of NB blocks (program axis 2), the activation
-        words and scales of that range loaded once into registers, then the program walks its BLOCK_N rows
-        R · G at a time (R rows per lane, G row groups over warps): per row the lanes read only weights and
-        headers, and each step's sums go to y (fp32) with one atomic add per row and range."""
-        WB: tl.constexpr = 36 if FMT == 4 else 44
-        QS: tl.constexpr = 4 if FMT == 4 else 12
-        m, r, g, b, c, e = _chunk_axes(BLOCK_M, R, G, NB)
-        nblk = K // 256
-        blk = tl.program_id(2) * NB + b
-        zx = (m * 0) + (g * 0) + (b * 0) + (c * 0) + (e * 0)
-        ok = (blk < nblk) & (zx == 0)  # unused where EVEN
-        mc = tl.minimum(m, M - 1).to(tl.int64)
-        xb = xw_ptr + mc * (K // 4) + zx + blk * 64 + 16 * c + e
-        x_lo0 = _ld(xb, ok, EVEN)
-        x_lo1 = _ld(xb + 4, ok, EVEN)
-        x_hi0 = _ld(xb + 8, ok, EVEN)
-        x_hi1 = _ld(xb + 12, ok, EVEN)
-        at = mc * (K // 32) + zx + blk * 8 + 2 * c
-        dx_lo, dx_hi, sx_lo, sx_hi = _x_scales(xd_ptr, xs_ptr, at, ok, e, EVEN)
-        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None]
-        for step in range(0, BLOCK_N // (R * G)):
-            n = tl.program_id(0) * BLOCK_N + step * (R * G) + r * G + g
-            zw = (n * 0) + (b * 0) + (c * 0) + (e * 0)
-            ok_w = (blk < nblk) & (zw == 0)
-            wb = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * row_words + zw + blk * WB
-            q0 = _ldw(wb + (QS + 8 * c + e), ok_w, EVEN, CACHE)
-            q1 = _ldw(wb + (QS + 8 * c + 4 + e), ok_w, EVEN, CACHE)
-            lo0 = q0 & 0x0F0F0F0F
-            lo1 = q1 & 0x0F0F0F0F
-            hi0 = (q0 >> 4) & 0x0F0F0F0F
-            hi1 = (q1 >> 4) & 0x0F0F0F0F
-            if FMT == 5:
-                qh0 = _ldw(wb + (4 + e + c * 0), ok_w, EVEN, CACHE)
-                qh1 = _ldw(wb + (8 + e + c * 0), ok_w, EVEN, CACHE)
-                lo0 = lo0 | (((qh0 >> (2 * c)) << 4) & 0x10101010)
-                lo1 = lo1 | (((qh1 >> (2 * c)) << 4) & 0x10101010)
-                hi0 = hi0 | (((qh0 >> (2 * c + 1)) << 4) & 0x10101010)
-                hi1 = hi1 | (((qh1 >> (2 * c + 1)) << 4) & 0x10101010)
-            i_lo = _pick_sum(dp4a(lo1, x_lo1, dp4a(lo0, x_lo0, 0, EMULATE), EMULATE))
-            i_hi = _pick_sum(dp4a(hi1, x_hi1, dp4a(hi0, x_hi0, 0, EMULATE), EMULATE))
-            hd = _ldw(wb + e, ok_w, EVEN, CACHE)
-            part = _chunk_sum(hd, e, _pick(c + zw, e, 0), i_lo, i_hi, dx_lo, dx_hi, sx_lo, sx_hi, True)
-            out = tl_sum(tl_sum(part, 4), 3)  # [BLOCK_M, R, G]
-            # one layout conversion per step (4 barriers on sm_90) for the atomics, per R · G · NB row blocks
-            no = (tl.program_id(0) * BLOCK_N + step * (R * G) + tl.arange(0, R)[None, :, None] * G
-                  + tl.arange(0, G)[None, None, :])
-            tl.atomic_add(y_ptr + mo * stride_ym + no, out, mask=(mo < M) & (no < N))
 
 def rows_setup(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
-               s: MatmulSchedule, formats: tuple[str, ...], kind: str, splits: int = 0,
-               partial: bool = False) -> tuple[torch.Tensor, tuple, dict]:
+               s: MatmulSchedule, formats: tuple[str, ...], kind: str) -> tuple[torch.Tensor, tuple, dict]:
     """What every rows GEMV (and the tensor-core GEMM) does before its launch: check the weight against
-    `formats` (`kind` names the kernel in the error), then the output (fp32 zeros when programs add partial
-    sums: split-K, `splits` block ranges, or `partial`), the launch grid and the compile options."""
+    `formats` (`kind` names the kernel in the error), then the output (fp32 zeros when split-K programs add
+    partial sums), the launch grid and the compile options."""
     n, k = xa.q.shape
     check_weight(raw, format, out_features, k)
     if format not in formats:
@@ -408,11 +396,10 @@ def rows_setup(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_feat
                                "pick another rows_*, a q8_* or a wv_* schedule")
     if k % 256:
         raise QuantKernelError(f"schedule {s.name} needs rows of whole 256-column blocks, got {k}")
-    splits = splits or s.split_k
-    partial = partial or splits > 1
+    partial = s.split_k > 1
     y = (torch.zeros if partial else torch.empty)(
         (n, out_features), dtype=torch.float32 if partial else xa.dtype, device=raw.device)
-    launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), splits)
+    launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
     extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}
     return y, launch, extra
 
@@ -425,16 +412,12 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
-    kres = s.lanes == "kres"  # one program per (rows, block range): always fp32 atomics
-    y, launch, extra = rows_setup(raw, format, xa, out_features, s, ROWS_FORMATS, "rows GEMV",
-                                  triton_cdiv(k // 256, s.blocks) if kres else 0, partial=kres)
+    y, launch, extra = rows_setup(raw, format, xa, out_features, s, ROWS_FORMATS, "rows GEMV")
     args = (raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 4,
             y.stride(0))
     common = dict(FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,
                   EVEN=k // 256 % s.blocks == 0, CACHE=s.cache, EMULATE=EMULATE_DP4A, **extra)
-    if kres:
-        _gemv_rows_k_kernel[launch](*args, R=s.rows_per_lane, G=8 * s.num_warps // s.blocks, **common)
-    elif s.lanes == "piece":
+    if s.lanes == "piece":
         _gemv_rows_p_kernel[launch](*args, SPLIT_K=s.split_k, **common)
     else:
         _gemv_rows_kernel[launch](*args, R=s.rows_per_lane, SPLIT_K=s.split_k, **common)

@@ -3,20 +3,21 @@ i-quants iq3_s and iq4_xs.
 
 The design of `gemv_rows.py` (q4_k / q5_k) for the i-quant: a thread takes one 32-weight sub-block c of
 block b of row n, so 8 lanes cover a block and a warp covers NB consecutive blocks of one row; rows wrap over
-warps and registers. Tile axes `[column m, row n, block b, sub-block c, word e]`, every load built at the full
-5-d shape (zero strides where a value does not depend on an axis) so that all values share one register
-layout and no layout conversion runs in the loop.
+warps and registers. Tile axes `[sub-block c, block b, row n, column m, word e]` (lane axes first, see
+`gemv_rows._tile_axes`), every load built at the full 5-d shape (zero strides where a value does not depend on
+an axis) so that all values share one register layout and no layout conversion runs in the loop.
 
 iq3_s blocks are 110 bytes, so a block starts 0 or 2 bytes into an int32 word; the tensor is read as aligned
 int32 words (two 4-word loads per thread and step: qs words 0-2 and d; sign words 0-1, the qh word and the
 scale word) and the misaligned ones are funnel-shifted by a per-thread amount that is fixed for the whole
 loop (NB is even, so a step moves by a multiple of 4 bytes). The grid index of word j is one `prmt` of a qs
 word and the spread qh bits (its top bytes zero by sign-replicating a byte below 0x80); the grid word is a
-load of the int32 grid through L1. Signs: the byte of 8 sign bits times 0x80402010 (low nibble) or 0x08040201
-(high nibble) puts sign bit k at the top bit of byte 3 − k, and a sign-replicating `prmt` makes the byte mask
-M; Σ σ·g·x = dp4a(g ^ M, x) − dp4a(M, x) (g ^ M is −g − 1 where M is −1). Schedules "_sg" instead look up
-a 32 KB signed grid (every grid word under all 16 sign patterns), indexed by the same `prmt` with the sign
-nibble beside the qh bit: fewer instructions, a 16× larger table in L1 (untimed: the GPU decides).
+2-byte load of the packed 1 KB grid (`iq3s_grid16`) through L1. Signs: the byte of 8 sign bits times
+0x80402010 (low nibble) or 0x08040201 (high nibble) puts sign bit k at the top bit of byte 3 − k, and a
+sign-replicating `prmt` makes the byte mask M; Σ σ·g·x = dp4a(g ^ M, x) − dp4a(M, x) (g ^ M is −g − 1 where
+M is −1). Schedules "_sg" instead look up a 32 KB signed grid (every grid word under all 16 sign patterns),
+indexed by the same `prmt` with the sign nibble beside the qh bit: fewer instructions, a 16× larger table in
+L1 (lost on the H200: 47.9 vs 37.3 µs at 1 column in session 3, 39.6 vs 27.1 in session 7).
 
 iq4_xs blocks are 136 bytes (always 8-byte aligned): int64 loads, the levels by three `prmt`s per 4 codes as
 in `gemv_q8_iq.py`. The kernels' oracle is `gemv_q8_reference` (dequantised weight × dequantised int8
@@ -30,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
-from ninfer.kernels.gemv_rows import RowsSchedule, rows_setup
-from ninfer.kernels.gguf_matmul import QuantKernelError, _f16_lo
+from ninfer.kernels.gemv_rows import RowsSchedule, rows_setup, shape_class, width_slot
+from ninfer.kernels.gguf_matmul import QuantKernelError, _f16_lo, iq3s_grid16, iq3s_grid_word
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
 from ninfer.quant.tables import IQ4_LEVELS
@@ -67,29 +68,38 @@ _TILES = (
     (4, 1, 4, 4, 2), (2, 1, 4, 2, 4), (2, 1, 2, 1, 4),
     # several columns (each sub-block decoded once for all of them)
     (4, 2, 4, 4, 1), (2, 2, 4, 2, 4), (4, 4, 4, 4, 1), (2, 4, 4, 2, 4), (4, 8, 4, 4, 1), (2, 8, 4, 2, 4),
+    (8, 2, 4, 4, 1), (8, 4, 4, 4, 1), (2, 4, 8, 4, 1), (2, 8, 8, 4, 1), (4, 4, 4, 4, 2),
 )
 SCHEDULES: dict[str, RowsIqSchedule] = {
     s.name: s for tile in _TILES for signed in (False, True) for s in [_sched(*tile, signed_grid=signed)]
 }
 
 
+# shape class (gemv_rows.shape_class) -> the iq3_s schedule for 1, 2, 3-4 and 5-8 columns (None: the tile's)
+_ROUTE = {"small": ("rows_iq_n2_m1_b8_w4", "rows_iq_n4_m2_b4_w4", "rows_iq_n2_m4_b8_w4",
+                    "rows_iq_n4_m8_b4_w4"),
+          "long": ("rows_iq_n8_m1_b4_w4", "rows_iq_n8_m2_b4_w4", "rows_iq_n2_m4_b8_w4", None),
+          "wide": ("rows_iq_n8_m1_b4_w4", "rows_iq_n8_m2_b4_w4", "rows_iq_n8_m4_b4_w4", None),
+          "mid": ("rows_iq_n8_m1_b4_w4", "rows_iq_n8_m2_b4_w4", "rows_iq_n8_m4_b4_w4", None)}
+
+
 def rows_iq_route(fmt: str, out_features: int, in_features: int, columns: int) -> RowsIqSchedule | None:
-    """The rows schedule for a decode GEMV, None where gemv_q8_iq's tiles stay faster or nothing was measured.
-    H200, iq3_s at the 27B shapes, 1 column (bench/rows_timing.py run 22, µs beside gemv_q8_iq's default):
-    37.3 vs 55.5 (17408×5120), 38.8 vs 54.7 (5120×17408), 22.8 vs 31.8 (10240), 27.7 vs 38.3 (12288), 16.6 vs
-    21.3 (6144, two rows per lane), 5.1 vs 8.1 (1024), 3.3 vs 4.6 (48 rows). At 4 and 8 columns it lost
-    (107.6 vs 76.9, 273.0 vs 112.2 µs); iq4_xs and 2 columns were not timed."""
+    """The iq3_s rows schedule for a decode GEMV of `columns` columns, None where the tensor-core tile
+    (gemv_mma) is faster or nothing was measured (iq4_xs). H200, the 27B shapes after the lane-axes-first
+    tiles (bench/rows_timing.py, session 7 run 3, µs): 1 column 25.6 (17408×5120), 27.3 (5120×17408), 17.2
+    (10240), 19.3 (12288), 10.3 (6144), 4.6 (1024 rows); 2 columns 29.0, 28.9, 18.2, 22.2, 14.6; 4 columns
+    42.3, 55.0, 27.5, 28.7, 19.7 (the tile: 59.5, 77.7, 35.4, 42.0, 26.7); 8 columns the tile wins (63.3 vs
+    71.0 on 17408×5120) except on ≤ 1024 rows (7.8 vs 11.1)."""
     fmt = fmt.removeprefix(GGUF_PREFIX)
-    if fmt != "iq3_s" or in_features % 256 or columns != 1:
+    if fmt != "iq3_s" or in_features % 256 or not 1 <= columns <= MAX_COLUMNS:
         return None
-    name = ("rows_iq_n2_m1_b8_w4" if out_features <= 1024 else "rows_iq_n8_m1_b4_w4" if out_features <= 8192
-            else "rows_iq_n4_m1_b4_w4")
-    return SCHEDULES[name]
+    name = _ROUTE[shape_class(out_features, in_features)][width_slot(columns)]
+    return SCHEDULES[name] if name else None
 
 
 if HAVE_TRITON:
     from ninfer.kernels.gemv_q8_iq import prmt
-    from ninfer.kernels.gemv_rows import _ld, _pick, _step_range, _store_tile
+    from ninfer.kernels.gemv_rows import _ld, _pick, _step_range, _store_rows, _tile_axes
 
     @jit
     def _shf(lo, hi, sh, EMULATE: tl.constexpr):
@@ -109,7 +119,7 @@ if HAVE_TRITON:
         (g ^ M) + (M & 0x01010101) made once for every column."""
         # grid index: qs byte e, qh byte e, then two zero bytes (the sign of hw's byte 0, which is 0 or 1)
         idx = prmt(qw[:, :, :, :, None] + zero, hw[:, :, :, :, None] + zero, 0xCC40 + 0x11 * e, EMULATE)
-        g = tl.load(grid_ptr + idx.to(tl.uint32))
+        g = iq3s_grid_word(grid_ptr, idx)
         # the 8 sign bits of words 2j', 2j' + 1 (byte j' = 2H + e // 2), spread to the bytes' top bits
         byte = prmt(sg[:, :, :, :, None] + zero, zero, 0x4440 + 2 * H + e // 2, EMULATE)
         spread = byte * tl.where(e % 2 == 0, -0x7FBFDFF0, 0x08040201)  # 0x80402010 as int32
@@ -152,11 +162,7 @@ if HAVE_TRITON:
                               SPLIT_K: tl.constexpr, EVEN: tl.constexpr, SIGNED: tl.constexpr,
                               EMULATE: tl.constexpr):
         BB: tl.constexpr = 110  # bytes per block
-        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None]
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None, None]
-        b = tl.arange(0, NB)[None, None, :, None, None]
-        c = tl.arange(0, 8)[None, None, None, :, None]
-        e = tl.arange(0, 4)[None, None, None, None, :]
+        c, b, n, m, e = _tile_axes(BLOCK_N, BLOCK_M, NB)
         zero = (m * 0) + (n * 0) + (b * 0) + (c * 0) + (e * 0)  # int32 zeros at the full tile shape
         nblk = K // 256
         s0, s1 = _step_range(K, NB, SPLIT_K)
@@ -178,7 +184,7 @@ if HAVE_TRITON:
         # a column's sub-block scales are contiguous along c: hidden from Triton's contiguity analysis, which
         # would otherwise lay that load out along c and convert it through shared memory in the loop
         drow = xd_ptr + mc * (K // 32) + tl.where(c < 8, c, 0) + zero
-        acc = tl.zeros([BLOCK_M, BLOCK_N, NB, 8], dtype=tl.float32)
+        acc = tl.zeros([8, NB, BLOCK_N, BLOCK_M], dtype=tl.float32)
         for step in range(s0, s1):
             blk = step * NB
             ok = ((blk + b) < nblk) & (zero == 0)  # unused where EVEN (whole steps of NB blocks)
@@ -207,8 +213,7 @@ if HAVE_TRITON:
             dw = _f16_lo(_pick(ha, e, 3) >> sh_d) * (1 + 2 * sc).to(tl.float32)
             dx = _pick(_ld(drow + (blk + b) * 8, ok, EVEN), e, 0, -0.0)
             acc += dw * (isum.to(tl.float32) * dx)
-        out = tl_sum(tl_sum(acc, 3), 2)  # [BLOCK_M, BLOCK_N]
-        _store_tile(y_ptr, out, M, N, stride_ym, BLOCK_M, BLOCK_N, SPLIT_K)
+        _store_rows(y_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M, SPLIT_K)
 
 
     @jit
@@ -230,11 +235,7 @@ if HAVE_TRITON:
         # scales_h and scales_l, units 1 + 2c and 2 + 2c the 16 qs bytes of sub-block c (byte l: codes l and
         # l + 16 in its low and high nibble). Word j's low 16 bits give codes 4j, 16 + 4j, 4j + 1, 17 + 4j,
         # its high 16 bits the next two pairs; the activation bytes are interleaved to match.
-        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None, None, None, None]
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None, None, None]
-        b = tl.arange(0, NB)[None, None, :, None, None]
-        c = tl.arange(0, 8)[None, None, None, :, None]
-        e = tl.arange(0, 4)[None, None, None, None, :]
+        c, b, n, m, e = _tile_axes(BLOCK_N, BLOCK_M, NB)
         zero = (m * 0) + (n * 0) + (b * 0) + (c * 0) + (e * 0)
         nblk = K // 256
         s0, s1 = _step_range(K, NB, SPLIT_K)
@@ -246,7 +247,7 @@ if HAVE_TRITON:
         drow = xd_ptr + mc * (K // 32) + tl.where(c < 8, c, 0) + zero  # see _gemv_rows_iq3_kernel
         x_lo_sel = 0x5140 + zero  # activation bytes (4j, 16 + 4j, 4j + 1, 17 + 4j) of words j, 4 + j
         x_hi_sel = 0x7362 + zero  # (4j + 2, 18 + 4j, 4j + 3, 19 + 4j)
-        acc = tl.zeros([BLOCK_M, BLOCK_N, NB, 8], dtype=tl.float32)
+        acc = tl.zeros([8, NB, BLOCK_N, BLOCK_M], dtype=tl.float32)
         for step in range(s0, s1):
             blk = step * NB
             ok = ((blk + b) < nblk) & (zero == 0)  # unused where EVEN (whole steps of NB blocks)
@@ -277,8 +278,7 @@ if HAVE_TRITON:
                 isum = dp4a(_pick(w_hi, e, i), _pick(x_hi, e, i), isum, EMULATE)
             dx = _pick(_ld(drow + (blk + b) * 8, ok, EVEN), e, 0, -0.0)
             acc += dw * (isum.to(tl.float32) * dx)
-        out = tl_sum(tl_sum(acc, 3), 2)  # [BLOCK_M, BLOCK_N]
-        _store_tile(y_ptr, out, M, N, stride_ym, BLOCK_M, BLOCK_N, SPLIT_K)
+        _store_rows(y_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M, SPLIT_K)
 
 
 def _aligned_words(raw: torch.Tensor) -> torch.Tensor:
@@ -294,12 +294,12 @@ _SIGNED_GRIDS: dict[torch.device, torch.Tensor] = {}
 
 
 def _grid_words(device: torch.device, signed: bool) -> torch.Tensor:
-    """The iq3_s grid as int32 words `[512]` (4 magnitudes, lowest byte first) or, `signed`, the words of
-    every sign pattern `[16 · 512]` (entry s · 512 + i: grid word i with byte k negated where bit k of s)."""
+    """The iq3_s grid as packed int16 `[512]` (`iq3s_grid16`) or, `signed`, as the int32 words of every sign
+    pattern `[16 · 512]` (entry s · 512 + i: grid word i with byte k negated where bit k of s)."""
     from ninfer.kernels.gguf_matmul import _tables
 
     if not signed:
-        return _tables(device)[1]
+        return iq3s_grid16(device)
     if device not in _SIGNED_GRIDS:
         grid = _tables(torch.device("cpu"))[0].view(1, 512, 4).to(torch.int16)
         signs = 1 - 2 * ((torch.arange(16)[:, None] >> torch.arange(4)) & 1)  # [16, 4]

@@ -249,9 +249,28 @@ def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return grid.to(device), grid.view(torch.int32).to(device), IQ4_LEVELS.to(device)
 
 
+@functools.cache
+def iq3s_grid16(device: torch.device) -> torch.Tensor:
+    """The iq3_s grid as int16 `[512]` (1 KB: a warp's 32 gathers touch ~8 L1 lines, not ~14 of the 2 KB
+    word table): every magnitude is odd and ≤ 15, so the 4 of a grid word fit in nibbles, stored in the
+    order g0 | g2 << 4 | g1 << 8 | g3 << 12 that `iq3s_grid_word` spreads back to bytes in two
+    instructions."""
+    g = _tables(torch.device("cpu"))[0].view(512, 4).to(torch.int32)
+    packed = g[:, 0] | (g[:, 2] << 4) | (g[:, 1] << 8) | (g[:, 3] << 12)
+    return torch.where(packed >= 1 << 15, packed - (1 << 16), packed).to(torch.int16).to(device)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Triton: per-format dequantisation of a [BLOCK_N, BLOCK_K] tile. `b` points at each element's block start,
 # `w` is each element's index inside its block, `m` the load mask. Every helper returns float32.
+
+
+@jit
+def iq3s_grid_word(grid16_ptr, idx):
+    """The iq3_s grid word (4 magnitude bytes, lowest first) of the 9-bit indices idx, from `iq3s_grid16`:
+    nibbles (g0, g2, g1, g3) of h and of h << 12 land g_k in the low nibble of byte k."""
+    h = tl.load(grid16_ptr + idx.to(tl.uint32)).to(tl.uint16, bitcast=True).to(tl.int32)
+    return (h | (h << 12)) & 0x0F0F0F0F
 
 
 @jit

@@ -102,6 +102,11 @@ SCHEDULES: dict[str, RowsSchedule] = {
         _sched(8, 4, 4, 2, r=2),
         _sched(8, 4, 4, 1, r=4),
         _sched(8, 8, 4, 2, r=2),
+        _sched(32, 4, 4, 4, r=4),
+        _sched(8, 4, 8, 2, r=4),
+        _sched(16, 4, 8, 4, r=4),
+        _sched(8, 1, 8, 2, r=4, cache=2),
+        _sched(8, 1, 8, 4, r=2, cache=2),
         # piece lanes (blocks = 4 · warps, rows and columns in registers): won at 2 and 8 columns, ≤ 1024 rows
         _sched(4, 1, 4, 1, lanes="piece"),
         _sched(2, 1, 4, 1, lanes="piece"),
@@ -133,7 +138,7 @@ def shape_class(out_features: int, in_features: int) -> str:
 _ROUTE = {
     ("q4_k", "small"): ("rows_n2_m1_b8_w2", "rowsp_n2_m2_b4_w1", "rows_n2_m4_b8_w1_r2",
                         "rows_n2_m8_b8_w1_r2"),
-    ("q4_k", "long"): ("rows_n4_m1_b8_w1_r4_ef", "rowsp_n2_m2_b4_w1", "rowsp_n2_m4_b4_w1", None),
+    ("q4_k", "long"): ("rows_n8_m1_b8_w4_r2_ef", "rowsp_n2_m2_b4_w1", "rowsp_n2_m4_b4_w1", None),
     ("q4_k", "wide"): ("rows_n16_m1_b4_w4_r2_ef", "rows_n4_m2_b4_w1_r2", "rows_n8_m4_b4_w1_r4", None),
     ("q4_k", "mid"): ("rows_n4_m1_b4_w1_r2_ef", "rows_n4_m2_b4_w1_r2", "rows_n8_m4_b4_w1_r4",
                       "rowsp_n4_m8_b4_w1"),
@@ -156,7 +161,7 @@ def width_slot(columns: int) -> int:
 def rows_route(fmt: str, out_features: int, in_features: int, columns: int) -> RowsSchedule | None:
     """The rows schedule for a decode GEMV of `columns` columns, None where the kernel does not apply or
     the tensor-core tile (gemv_mma) is faster. From the H200 sweeps at the 27B shapes after the lane-axes-
-    first tiles (bench/rows_timing.py, session 7 runs 2-3, µs): q4_k 1 column 16.2 (17408×5120), 18.3
+    first tiles (bench/rows_timing.py, session 7 runs 2-3 and 6, µs): q4_k 1 column 16.2 (17408×5120), 17.5
     (5120×17408), 10.4 (10240), 12.1 (12288), 7.6 (6144), 4.1 (1024 rows); 2 columns 21.8, 24.0, 12.8; 4
     columns 27.2, 31.6, 16.2 (the tile: 39.6, 39.7, 25.7); 8 columns on 17408×5120 and 5120×17408 the tile
     wins (45.3 vs 46.7, 43.2 vs 55.4), on the mid shapes the piece lanes (28.0 vs 28.5, 31.9 vs 34.7). q5_k:

@@ -69,6 +69,7 @@ _TILES = (
     # several columns (each sub-block decoded once for all of them)
     (4, 2, 4, 4, 1), (2, 2, 4, 2, 4), (4, 4, 4, 4, 1), (2, 4, 4, 2, 4), (4, 8, 4, 4, 1), (2, 8, 4, 2, 4),
     (8, 2, 4, 4, 1), (8, 4, 4, 4, 1), (2, 4, 8, 4, 1), (2, 8, 8, 4, 1), (4, 4, 4, 4, 2),
+    (16, 1, 4, 4, 1), (16, 1, 4, 8, 1), (8, 1, 4, 2, 1), (4, 1, 4, 1, 1), (16, 2, 4, 8, 1), (8, 4, 4, 2, 1),
 )
 SCHEDULES: dict[str, RowsIqSchedule] = {
     s.name: s for tile in _TILES for signed in (False, True) for s in [_sched(*tile, signed_grid=signed)]
@@ -78,9 +79,9 @@ SCHEDULES: dict[str, RowsIqSchedule] = {
 # shape class (gemv_rows.shape_class) -> the iq3_s schedule for 1, 2, 3-4 and 5-8 columns (None: the tile's)
 _ROUTE = {"small": ("rows_iq_n2_m1_b8_w4", "rows_iq_n4_m2_b4_w4", "rows_iq_n2_m4_b8_w4",
                     "rows_iq_n4_m8_b4_w4"),
-          "long": ("rows_iq_n8_m1_b4_w4", "rows_iq_n8_m2_b4_w4", "rows_iq_n2_m4_b8_w4", None),
-          "wide": ("rows_iq_n8_m1_b4_w4", "rows_iq_n8_m2_b4_w4", "rows_iq_n8_m4_b4_w4", None),
-          "mid": ("rows_iq_n8_m1_b4_w4", "rows_iq_n8_m2_b4_w4", "rows_iq_n8_m4_b4_w4", None)}
+          "long": ("rows_iq_n8_m1_b4_w4", "rows_iq_n8_m2_b4_w4", "rows_iq_n8_m4_b4_w2", None),
+          "wide": ("rows_iq_n8_m1_b4_w4", "rows_iq_n8_m2_b4_w4", "rows_iq_n8_m4_b4_w2", None),
+          "mid": ("rows_iq_n8_m1_b4_w4", "rows_iq_n8_m2_b4_w4", "rows_iq_n8_m4_b4_w2", None)}
 
 
 def rows_iq_route(fmt: str, out_features: int, in_features: int, columns: int) -> RowsIqSchedule | None:
@@ -88,8 +89,8 @@ def rows_iq_route(fmt: str, out_features: int, in_features: int, columns: int) -
     (gemv_mma) is faster or nothing was measured (iq4_xs). H200, the 27B shapes after the lane-axes-first
     tiles (bench/rows_timing.py, session 7 run 3, µs): 1 column 25.6 (17408×5120), 27.3 (5120×17408), 17.2
     (10240), 19.3 (12288), 10.3 (6144), 4.6 (1024 rows); 2 columns 29.0, 28.9, 18.2, 22.2, 14.6; 4 columns
-    42.3, 55.0, 27.5, 28.7, 19.7 (the tile: 59.5, 77.7, 35.4, 42.0, 26.7); 8 columns the tile wins (63.3 vs
-    71.0 on 17408×5120) except on ≤ 1024 rows (7.8 vs 11.1)."""
+    (run 6: 4 rows per lane over two warps) 34.0, 37.1, 22.6, 24.1, 13.3 (the tile: 59.5, 77.7, 35.4, 42.0,
+    26.7); 8 columns the tile wins (63.3 vs 71.0 on 17408×5120) except on ≤ 1024 rows (7.8 vs 11.1)."""
     fmt = fmt.removeprefix(GGUF_PREFIX)
     if fmt != "iq3_s" or in_features % 256 or not 1 <= columns <= MAX_COLUMNS:
         return None

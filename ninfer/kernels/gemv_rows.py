@@ -4,7 +4,9 @@ The q8 kernels of `gemv_q8.py` give each thread one (row, 64-code chunk) and rea
 Here a warp's lanes cover consecutive blocks of a row and read them as 16-byte vectors; on the H200 both
 designs turned out bound by the SM's L1 load pipeline (ncu: L1/TEX throughput 84–91 %, DRAM 45–48 %), so what
 counts is how many bytes each lane re-reads through L1 per weight (activation, block header, scales), and
-the rows kernel wins by sharing those loads across rows and columns (docs/gpu-notes.md, session 3).
+the rows kernel wins by sharing those loads across rows and columns (docs/gpu-notes.md, session 3). Session
+7 measured the loads alone (`bench/load_probe.py`): the weights' lane map hardly matters, the activation
+re-reads cost as much as half the weight stream, so 2-4 rows per lane share each activation load.
 
 Two lane maps, every load built at the full tile shape (zero strides where a value does not depend on an
 axis) so that all loads share one register layout and no layout conversion runs in the loop; rows and
@@ -12,9 +14,9 @@ columns past the end are clamped (not masked), and whole steps of NB blocks need
 
 * "chunk" (`_gemv_rows_kernel`): 4 lanes per block, lane c takes the 64 codes of chunk c — two 16-byte qs
   vectors (words e and 4 + e: low nibbles sub-block 2c, high nibbles 2c + 1), the 16-byte header, 4 dp4a per
-  vector and column, its two sub-blocks' scales decoded once. Tile `[column, row r of a group, row group g,
-  block, chunk, word]`: lanes and warps on (g, block, chunk), R rows of a group and all columns in registers,
-  so one activation load serves R rows and one weight decode serves every column.
+  vector and column, its two sub-blocks' scales decoded once. Tile `[chunk, block, row group g, row r of a
+  group, column, word]`: lanes and warps on (chunk, block, g), R rows of a group and all columns in
+  registers, so one activation load serves R rows and one weight decode serves every column.
 * "piece" (`_gemv_rows_p_kernel`): 8 lanes per block, lane p reads qs bytes 16p..16p + 15 (chunk p // 2,
   half p % 2), all rows and columns in registers; the min terms are counted by the half-0 lane only.
 
@@ -70,8 +72,8 @@ def _sched(block_n: int, block_m: int, blocks: int, num_warps: int, split_k: int
 SCHEDULES: dict[str, RowsSchedule] = {
     s.name: s
     for s in (
-        # Chunk lanes: blocks × (block_n / r) × 4 must be ≥ 32 · warps or lanes repeat work. 1 column: b4 (a
-        # warp spans 4 blocks of 2 rows) with evict-first weights won on ≥ 2048 rows, b8 on ≤ 1024 rows
+        # Chunk lanes: blocks × (block_n / r) × 4 must be ≥ 32 · warps or lanes repeat work. One row per lane
+        # (session 3's 1-column routes; since session 7 only b8 on ≤ 1024 rows is routed)
         _sched(8, 1, 4, 4),
         _sched(4, 1, 8, 4),
         _sched(4, 1, 4, 2),
@@ -80,7 +82,8 @@ SCHEDULES: dict[str, RowsSchedule] = {
         _sched(4, 1, 4, 2, cache=1),
         _sched(4, 1, 4, 2, cache=2),
         _sched(8, 2, 4, 4),
-        # r rows per lane in registers: lost at 1 column (registers → occupancy), won at 2-4 columns
+        # r rows per lane in registers (before session 7 slowed by a layout conversion per step: see
+        # `_chunk_axes`); since then they win at 1-4 columns
         _sched(4, 1, 4, 1, r=2, cache=2),
         _sched(8, 1, 4, 1, r=4, cache=2),
         _sched(4, 1, 8, 1, r=4, cache=2),
@@ -295,8 +298,8 @@ if HAVE_TRITON:
                           FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                           R: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
                           EMULATE: tl.constexpr):
-        """The "chunk" lane map. Tile axes [column m, row r, row group g, block b, chunk c, word e]: lanes and
-        warps lie on (g, b, c), words and the R rows of a group and the columns in registers, so an
+        """The "chunk" lane map. Tile axes [chunk c, block b, row group g, row r, column m, word e]: lanes
+        and warps lie on (c, b, g), words and the R rows of a group and the columns in registers, so an
         activation load serves R rows. Weight-side tensors carry no column axis and activation-side ones no
         row axis; both keep the full g axis, so they share one layout and broadcast without a conversion."""
         WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
@@ -304,8 +307,8 @@ if HAVE_TRITON:
         G: tl.constexpr = BLOCK_N // R
         c, b, g, r, m, e = _chunk_axes(BLOCK_M, R, G, NB)
         n = tl.program_id(0) * BLOCK_N + r * G + g
-        zw = (n * 0) + (b * 0) + (c * 0) + (e * 0)  # [1, R, G, NB, 4, 4]
-        zx = (m * 0) + (g * 0) + (b * 0) + (c * 0) + (e * 0)  # [BLOCK_M, 1, G, NB, 4, 4]
+        zw = (n * 0) + (b * 0) + (c * 0) + (e * 0)  # [4, NB, G, R, 1, 4]
+        zx = (m * 0) + (g * 0) + (b * 0) + (c * 0) + (e * 0)  # [4, NB, G, 1, BLOCK_M, 4]
         nblk = K // 256
         s0, s1 = _step_range(K, NB, SPLIT_K)
         wrow, xrow, drow = _row_bases(w_ptr, xw_ptr, n, m, zw, zx, N, M, K, row_words)

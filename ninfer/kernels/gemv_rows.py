@@ -250,11 +250,11 @@ if HAVE_TRITON:
         _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
 
     @jit
-    def _tile_axes(BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr, L: tl.constexpr = 8):
-        """Axes [lane l of a block, block b, row n, column m, word e] of the piece and i-quant lane maps,
+    def _tile_axes(BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr):
+        """Axes [lane l (8 per block), block b, row n, column m, word e] of the piece and i-quant lane maps,
         each an arange along its own axis (n and m offset by the program's tile). Lane axes come first: see
         `_chunk_axes`."""
-        return (tl.arange(0, L)[:, None, None, None, None],
+        return (tl.arange(0, 8)[:, None, None, None, None],
                 tl.arange(0, NB)[None, :, None, None, None],
                 tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, None, :, None, None],
                 tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, None, None, :, None],

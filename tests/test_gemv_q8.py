@@ -177,9 +177,9 @@ def test_memo_inference_tensors_and_capture_state(monkeypatch):
 @pytest.mark.parametrize("fmt", ["q4_k", "iq3_s"])
 def test_default_route_on_cuda_is_q8_unless_wv_is_asked(monkeypatch, fmt):
     """quant_matmul's default on CUDA (faked: is_cuda patched, the kernels run in the interpreter) takes an
-    int8-activation GEMV for 1–8 columns: the coalesced-rows kernels where their routes say so (k-quants at
-    1-4 columns, iq3_s at 1), else the q8 kernels (NINFER_GEMV=q8: always); NINFER_GEMV=wv restores the
-    word-vector route."""
+    int8-activation GEMV for 1–8 columns: the coalesced-rows kernels where their routes say so (every width
+    on a small matrix like this one), else the q8 kernels (NINFER_GEMV=q8: always); NINFER_GEMV=wv restores
+    the word-vector route."""
     import ninfer.kernels.gemv_q8_iq as iqmod
     import ninfer.kernels.gemv_rows as rowsmod
     import ninfer.kernels.gemv_rows_iq as rowsiqmod
@@ -197,7 +197,7 @@ def test_default_route_on_cuda_is_q8_unless_wv_is_asked(monkeypatch, fmt):
     raw, x = gemv_case(fmt, 8, 256, 2, seed=9)
     want = gemv_q8_reference(raw, fmt, quantize_activation_reference(x), 8)
     y = quant_matmul(raw, fmt, x, 8)
-    assert calls == (["rows"] if fmt == "q4_k" else ["iq"])
+    assert calls == (["rows"] if fmt == "q4_k" else ["rows_iq"])
     assert (y.double() - want).abs().max() <= 1e-6 * want.abs().max()
     calls.clear()
     want1 = gemv_q8_reference(raw, fmt, quantize_activation_reference(x[1:]), 8)

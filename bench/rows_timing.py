@@ -43,22 +43,34 @@ CHECK_SHAPES = [(1040, 5120), (17408, 5120)]
 WIDTHS = (1, 2, 4, 8)
 
 
+NVRTC = False  # --nvrtc: also the CUDA C iq3_s experiment (bench/nvrtc_iq3s.py)
+
+
 def kernel(fmt: str):
     """(schedules, GEMV, route) of the rows kernel for a format (gemv_rows_iq for the i-quants), with the
-    tensor-core schedules where gemv_mma takes the format."""
+    tensor-core schedules where gemv_mma takes the format (and the NVRTC experiment's under --nvrtc)."""
     iq = fmt in iq_mod.IQ_ROWS_FORMATS
     rows_gemv = iq_mod.gemv_rows_iq if iq else rows_mod.gemv_rows
     mma = mma_mod.schedules_for(fmt)
+    cuda = {}
+    if NVRTC and fmt == "iq3_s":
+        from bench import nvrtc_iq3s
+
+        cuda = nvrtc_iq3s.SCHEDULES
 
     def gemv(raw, fmt, xa, rows, name):
+        if name in cuda:
+            return nvrtc_iq3s.gemv_cuda_iq3s(raw, xa, rows, name)
         return (mma_mod.gemv_mma if name in mma else rows_gemv)(raw, fmt, xa, rows, name)
 
     rows = iq_mod.SCHEDULES if iq else rows_mod.SCHEDULES if fmt in rows_mod.ROWS_FORMATS else {}
-    return {**rows, **mma}, gemv, iq_mod.rows_iq_route if iq else rows_mod.rows_route
+    return {**rows, **mma, **cuda}, gemv, iq_mod.rows_iq_route if iq else rows_mod.rows_route
 
 
 def serves(s, width: int) -> bool:
     """A rows tile serves its own width, a tensor-core tile every width from 2 to its own."""
+    if s.kernel == "cuda":  # 1-8 columns
+        return width <= 8
     return s.block_m == width or (s.kernel == "mma" and 2 <= width <= s.block_m)
 
 
@@ -149,7 +161,11 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="", help="rows x columns to time, e.g. 248320x5120,17408x5120 "
                     "(default: the 27B layer shapes; 248320x5120 is the output head)")
     ap.add_argument("--budget", type=float, default=150.0, help="stop timing new shapes after this many s")
+    ap.add_argument("--nvrtc", action="store_true",
+                    help="also the CUDA C iq3_s experiment (bench/nvrtc_iq3s.py)")
     a = ap.parse_args(argv)
+    global NVRTC
+    NVRTC = a.nvrtc and torch.cuda.is_available()
     t0 = time.time()
     log, dev = timing_session(a.out, "rows_timing.json")
     formats = a.formats.split(",")

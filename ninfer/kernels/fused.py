@@ -11,7 +11,7 @@ import torch
 
 from ninfer.errors import NinferError
 from ninfer.kernels import reference
-from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, triton_runs_on
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, triton_runs_on
 
 MAX_ROW = 65536  # the norms hold a whole row in one program
 ELEMENTWISE_BLOCK = 1024
@@ -58,7 +58,9 @@ def sigmoid_gate_mul_reference(attn: torch.Tensor, gate: torch.Tensor) -> torch.
 
 
 def _extra(t: torch.Tensor, num_warps: int) -> dict:
-    return {} if t.device.type == "cpu" else {"num_warps": num_warps}
+    """Compile and launch options: the warps (not under the interpreter) and the `PDL` flag (every kernel
+    here takes one)."""
+    return pdl_options(t) | ({} if t.device.type == "cpu" else {"num_warps": num_warps})
 
 
 def _row_warps(block: int) -> int:
@@ -108,12 +110,13 @@ if HAVE_TRITON:
     def _norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, d_ptr, s_ptr, N, H, sx0, sx1, sr0, sr1,
                      so0, so1, sro0, sro1, eps, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
                      ZERO_CENTRED: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
-                     CHUNK: tl.constexpr):
+                     CHUNK: tl.constexpr, PDL: tl.constexpr = 0):
         """One row of N per program axis 0, its CHUNK columns number program_id(1); rows are (i // H, i % H)
         of a [T, H, N] strided view. Each program sums the squares of the whole row, then writes its chunk
         (so that a one-row decode step's norm runs on N / CHUNK SMs, not one). QUANT (H = 1): the output's
         int8 activation too (q, d, s). Rows are held as [groups, 32] tiles, the int8 activation's groups,
         so quantising needs no reshape (a layout conversion through shared memory)."""
+        pdl_start(PDL)
         W: tl.constexpr = 32 if BLOCK >= 32 else BLOCK
         i = tl.program_id(0)
         t, h = i // H, i % H
@@ -146,10 +149,11 @@ if HAVE_TRITON:
 
     @jit
     def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, scatter_ptr, N, H, so0, so1, sz0, sz1, eps,
-                           SCATTER: tl.constexpr, BLOCK: tl.constexpr):
+                           SCATTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
         """`rmsnorm(o)·w·silu(z)` per row of N; rows (i // H, i % H); o first rounded to the output dtype (the
         unfused model cast the mixer's fp32 output first). Out contiguous [T, H·N]; with SCATTER, flat column
         c of row t lands in column scatter[c] (a Linear's input-column order applied on the way out)."""
+        pdl_start(PDL)
         i = tl.program_id(0)
         t, h = i // H, i % H
         cols = tl.arange(0, BLOCK)
@@ -168,9 +172,11 @@ if HAVE_TRITON:
 
     @jit
     def _norm_rotary_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, D, H, R, sx0, sx1, sc0, ss0, eps,
-                            HAS_W: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
+                            HAS_W: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr = 0):
         """Per head row of D: RMSNorm (rounded to the dtype, as the unfused ops did), then rotate-half on
         the first R dims: `y[d] = n[d]·cos[d] + n[partner(d)]·sin[d]·(−1 if d < R/2)`; out contiguous."""
+        pdl_start(PDL)
         i = tl.program_id(0)
         t, h = i // H, i % H
         cols = tl.arange(0, BLOCK)
@@ -207,8 +213,9 @@ if HAVE_TRITON:
 
     @jit
     def _swiglu_kernel(g_ptr, u_ptr, out_ptr, q_ptr, d_ptr, s_ptr, N, sg, su, QUANT: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
         """`silu(gate)·up` over [T, N] row views; out contiguous."""
+        pdl_start(PDL)
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N
@@ -218,8 +225,9 @@ if HAVE_TRITON:
 
     @jit
     def _gate_mul_kernel(a_ptr, g_ptr, out_ptr, q_ptr, d_ptr, s_ptr, N, sa, sg, QUANT: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
         """`attn · sigmoid(gate)` over [T, N] row views, the sigmoid rounded to the output dtype first."""
+        pdl_start(PDL)
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < N

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ninfer.errors import NinferError
 from ninfer.kernels import reference
-from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_sum, triton_runs_on
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_sum, triton_runs_on
 
 
 class GdnKernelError(NinferError):
@@ -79,8 +79,9 @@ def gdn_decode_reference(
 def _conv_kernel(
     x_ptr, w_ptr, conv_ptr, slot_ptr, y_ptr, conv_all_ptr,
     T, C, s_xb, s_xt, s_cs, s_cc,
-    BLOCK_C: tl.constexpr, STORE_ALL: tl.constexpr,
+    BLOCK_C: tl.constexpr, STORE_ALL: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    pdl_start(PDL)
     lane = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = offs < C
@@ -116,7 +117,9 @@ def _recurrent_kernel(
     y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr, all_ptr,
     T, C, Hv, s_ab, s_at, s_ss, s_sh,
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, STORE_ALL: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    pdl_start(PDL)
     lane = tl.program_id(0)
     h = tl.program_id(1)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -199,12 +202,12 @@ def gdn_decode(
     _conv_kernel[(B, -(-C // block_c))](
         mixed_qkv, conv_weight.contiguous(), conv_slots, slot_ids, y, convs if convs is not None else y,
         T, C, mixed_qkv.stride(0), mixed_qkv.stride(1), conv_slots.stride(0), conv_slots.stride(1),
-        BLOCK_C=block_c, STORE_ALL=return_all_states,
+        BLOCK_C=block_c, STORE_ALL=return_all_states, **pdl_options(mixed_qkv),
     )
     block_v = min(32, Dv)
     _recurrent_kernel[(B, Hv, -(-Dv // block_v))](
         y, a, b, a_log, dt_bias, state_slots, slot_ids, out, states if states is not None else out,
         T, C, Hv, a.stride(0), a.stride(1), state_slots.stride(0), state_slots.stride(1),
-        HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states,
+        HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states, **pdl_options(y),
     )
     return GdnDecodeResult(out, states, convs)

@@ -22,7 +22,17 @@ from ninfer.kernels.gguf_matmul import (
     check_weight,
     triton_cdiv,
 )
-from ninfer.kernels.triton_support import HAVE_TRITON, INTERPRET, jit, tl, tl_max, tl_sum, triton_runs_on
+from ninfer.kernels.triton_support import (
+    HAVE_TRITON,
+    INTERPRET,
+    jit,
+    pdl_options,
+    pdl_start,
+    tl,
+    tl_max,
+    tl_sum,
+    triton_runs_on,
+)
 
 QBLOCK = 32  # activation values per int8 scale
 EMULATE_DP4A = INTERPRET  # pass as the dp4a EMULATE argument: PTX cannot run in the interpreter
@@ -107,7 +117,9 @@ if HAVE_TRITON:
         tl.store(s_ptr + row.to(tl.int64) * nb + blk, d * tl_sum(q, 1).to(tl.float32), mask=blk < nb)
 
     @jit
-    def _quantize_activation_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_xm, BLOCKS: tl.constexpr):
+    def _quantize_activation_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_xm, BLOCKS: tl.constexpr,
+                                    PDL: tl.constexpr = 0):
+        pdl_start(PDL)
         row = tl.program_id(0)
         blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
         ok = (blk < K // 32)[:, None]
@@ -130,7 +142,7 @@ def quantize_activation(x: torch.Tensor, blocks_per_program: int = 8) -> Quantiz
     d = torch.empty((n, nb), dtype=torch.float32, device=x.device)
     s = torch.empty((n, nb), dtype=torch.float32, device=x.device)
     grid = (n, -(-nb // blocks_per_program))
-    _quantize_activation_kernel[grid](x, q, d, s, k, x.stride(0), BLOCKS=blocks_per_program)
+    _quantize_activation_kernel[grid](x, q, d, s, k, x.stride(0), BLOCKS=blocks_per_program, **pdl_options(x))
     return QuantizedActivation(q, d, s, x.dtype)
 
 
@@ -442,7 +454,8 @@ if HAVE_TRITON:
     def _gemv_q8_kernel(w_ptr, u_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_bytes, row_units, stride_ym,
                         FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                         SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, STAGES: tl.constexpr,
-                        UNROLL: tl.constexpr):
+                        UNROLL: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_start(PDL)
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         n_ok = offs_n < N
@@ -505,5 +518,6 @@ def gemv_q8(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_feature
     _gemv_q8_kernel[launch](raw, units, xw, xa.d, xa.s, y, out_features, k, n, raw.shape[1], row_units,
                             y.stride(0), FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m,
                             SPLIT_K=s.split_k, EMULATE=EMULATE_DP4A, STAGES=s.num_stages,
-                            UNROLL=s.block_k // STEP if format != "q8_0" else 1, **extra)
+                            UNROLL=s.block_k // STEP if format != "q8_0" else 1,
+                            **extra, **pdl_options(raw, trigger=False))
     return y.to(xa.dtype)

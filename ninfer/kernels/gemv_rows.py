@@ -41,7 +41,7 @@ from ninfer.kernels.gguf_matmul import (
     check_weight,
     triton_cdiv,
 )
-from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_sum
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
 
 ROWS_FORMATS = ("q4_k", "q5_k")
@@ -297,11 +297,12 @@ if HAVE_TRITON:
     def _gemv_rows_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
                           FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                           R: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
-                          EMULATE: tl.constexpr):
+                          EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
         """The "chunk" lane map. Tile axes [chunk c, block b, row group g, row r, column m, word e]: lanes
         and warps lie on (c, b, g), words and the R rows of a group and the columns in registers, so an
         activation load serves R rows. Weight-side tensors carry no column axis and activation-side ones no
         row axis; both keep the full g axis, so they share one layout and broadcast without a conversion."""
+        pdl_start(PDL)
         WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
         QS: tl.constexpr = 4 if FMT == 4 else 12  # first qs word
         G: tl.constexpr = BLOCK_N // R
@@ -348,10 +349,11 @@ if HAVE_TRITON:
     def _gemv_rows_p_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
                             FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                             SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
-                            EMULATE: tl.constexpr):
+                            EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
         """The "piece" lane map: 8 lanes per block, lane p reads qs bytes 16p..16p + 15 (a warp load: 4 whole
         128-byte qs runs), and every lane holds all BLOCK_N rows and BLOCK_M columns in registers, so one
         activation load serves BLOCK_N rows. Piece p = (chunk c = p // 2, half h = p % 2)."""
+        pdl_start(PDL)
         WB: tl.constexpr = 36 if FMT == 4 else 44
         QS: tl.constexpr = 4 if FMT == 4 else 12
         p, b, n, m, e = _tile_axes(BLOCK_N, BLOCK_M, NB)
@@ -424,7 +426,8 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     args = (raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 4,
             y.stride(0))
     common = dict(FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,
-                  EVEN=k // 256 % s.blocks == 0, CACHE=s.cache, EMULATE=EMULATE_DP4A, **extra)
+                  EVEN=k // 256 % s.blocks == 0, CACHE=s.cache, EMULATE=EMULATE_DP4A, **extra,
+                  **pdl_options(raw, trigger=False))
     if s.lanes == "piece":
         _gemv_rows_p_kernel[launch](*args, SPLIT_K=s.split_k, **common)
     else:

@@ -33,7 +33,7 @@ import torch
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
 from ninfer.kernels.gemv_rows import RowsSchedule, rows_setup, shape_class, width_slot
 from ninfer.kernels.gguf_matmul import QuantKernelError, _f16_lo, iq3s_grid16, iq3s_grid_word
-from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_sum
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
 from ninfer.quant.tables import IQ4_LEVELS
 
@@ -161,7 +161,8 @@ if HAVE_TRITON:
     def _gemv_rows_iq3_kernel(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
                               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                               SPLIT_K: tl.constexpr, EVEN: tl.constexpr, SIGNED: tl.constexpr,
-                              EMULATE: tl.constexpr):
+                              EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_start(PDL)
         BB: tl.constexpr = 110  # bytes per block
         c, b, n, m, e = _tile_axes(BLOCK_N, BLOCK_M, NB)
         zero = (m * 0) + (n * 0) + (b * 0) + (c * 0) + (e * 0)  # int32 zeros at the full tile shape
@@ -231,7 +232,9 @@ if HAVE_TRITON:
     def _gemv_rows_iq4_kernel(w_ptr, xw_ptr, xd_ptr, y_ptr, N, K, M, row_units, stride_ym,
                               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                               SPLIT_K: tl.constexpr, EVEN: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr,
-                              T2: tl.constexpr, T3: tl.constexpr, EMULATE: tl.constexpr):
+                              T2: tl.constexpr, T3: tl.constexpr, EMULATE: tl.constexpr,
+                              PDL: tl.constexpr = 0):
+        pdl_start(PDL)
         # iq4_xs: 136-byte blocks read as int64 units (17 per block, always 8-byte aligned): unit 0 holds d,
         # scales_h and scales_l, units 1 + 2c and 2 + 2c the 16 qs bytes of sub-block c (byte l: codes l and
         # l + 16 in its low and high nibble). Word j's low 16 bits give codes 4j, 16 + 4j, 4j + 1, 17 + 4j,
@@ -327,11 +330,13 @@ def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_fe
         _gemv_rows_iq4_kernel[launch](units.view(torch.int64), xa.words, xa.d, y, out_features, k, n,
                                       raw.shape[1] // 8, y.stride(0), BLOCK_N=s.block_n, BLOCK_M=s.block_m,
                                       NB=s.blocks, SPLIT_K=s.split_k, EVEN=k // 256 % s.blocks == 0, T0=t0,
-                                      T1=t1, T2=t2, T3=t3, EMULATE=EMULATE_DP4A, **extra)
+                                      T1=t1, T2=t2, T3=t3, EMULATE=EMULATE_DP4A,
+                                      **extra, **pdl_options(raw, trigger=False))
         return y.to(xa.dtype)
     grid = _grid_words(raw.device, s.signed_grid)
     _gemv_rows_iq3_kernel[launch](_aligned_words(raw), xa.words, xa.d, grid, y, out_features, k, n,
                                   raw.shape[1], y.stride(0), BLOCK_N=s.block_n, BLOCK_M=s.block_m,
                                   NB=s.blocks, SPLIT_K=s.split_k, EVEN=k // 256 % s.blocks == 0,
-                                  SIGNED=s.signed_grid, EMULATE=EMULATE_DP4A, **extra)
+                                  SIGNED=s.signed_grid, EMULATE=EMULATE_DP4A,
+                                  **extra, **pdl_options(raw, trigger=False))
     return y.to(xa.dtype)

@@ -19,7 +19,16 @@ import torch
 
 from ninfer.errors import NinferError
 from ninfer.kernels import kv_quant, reference
-from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_max, tl_sum, triton_runs_on
+from ninfer.kernels.triton_support import (
+    HAVE_TRITON,
+    jit,
+    pdl_options,
+    pdl_start,
+    tl,
+    tl_max,
+    tl_sum,
+    triton_runs_on,
+)
 
 PAGE_TOKENS = 64
 PAGES_PER_SPLIT = 4  # pages one decode program reads: 16K context = 64 splits per sequence and KV head
@@ -99,8 +108,9 @@ def _paged_decode_kernel(
     q_ptr, kv_ptr, kv16_ptr, pt_ptr, lane_ptr, len_ptr, levels_ptr, acc_ptr, ml_ptr,
     Hq, Hkv, pt_stride, pages_per_split, scale,
     FMT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GPAD: tl.constexpr, KB: tl.constexpr,
-    TB: tl.constexpr, SPLITS: tl.constexpr,
+    TB: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = 0,
 ):
+    pdl_start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -144,10 +154,11 @@ def _paged_decode_kernel(
 @jit
 def _merge_splits_kernel(
     acc_ptr, ml_ptr, len_ptr, out_ptr, Hq, pages_per_split,
-    D: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr,
+    D: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """out[b, head] from the partial softmaxes of the splits that hold pages of sequence b (the rest were not
     written): two passes over those splits, max then weighted sums."""
+    pdl_start(PDL)
     b = tl.program_id(0)
     hq = tl.program_id(1)
     n = tl.load(len_ptr + b)
@@ -233,9 +244,9 @@ def paged_decode_attention(
         qr, storage, storage.view(torch.int16), page_tables, lanes, lens, levels, acc, ml, Hq, Hkv,
         page_tables.stride(0), pages_per_split, scale if scale is not None else 1.0 / math.sqrt(D),
         FMT=KERNEL_KV_CODES[fmt.name], D=D, G=G, GPAD=max(16, 1 << (G - 1).bit_length()), KB=fmt.key_bytes,
-        TB=fmt.token_bytes, SPLITS=splits,
+        TB=fmt.token_bytes, SPLITS=splits, **pdl_options(q),
     )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _merge_splits_kernel[(B, Hq)](acc, ml, lens, out, Hq, pages_per_split, D=D, SPLITS=splits,
-                                  BS=min(64, max(16, 1 << (splits - 1).bit_length())))
+                                  BS=min(64, max(16, 1 << (splits - 1).bit_length())), **pdl_options(q))
     return out

@@ -6,6 +6,7 @@ interpreter mode there: the CPU tests then run the very kernel source the GPU ru
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -49,6 +50,48 @@ def triton_runs_on(t: torch.Tensor) -> bool:
     if t.is_cuda:
         return True
     return INTERPRET and t.device.type == "cpu" and os.environ.get("NINFER_TRITON_ON_CPU") == "1"
+
+@functools.cache
+def pdl_enabled() -> bool:
+    """Programmatic dependent launch for the decode-step kernels that take a `PDL` flag: compiled Triton on
+    a Hopper-or-newer GPU, unless NINFER_PDL=0. Such a kernel, launched with the attribute, may be scheduled
+    before the kernel ahead of it has finished and waits for its results in `pdl_start` before touching any
+    memory: the launch latency between kernels overlaps the previous kernel, inside CUDA graphs too (H200:
+    a chain of small kernels 1.06–1.22 → 0.78 µs a kernel; Q4_K tg128 156.2 → 166.7 tok/s)."""
+    if not (CUDA and HAVE_TRITON and not INTERPRET) or os.environ.get("NINFER_PDL", "1") == "0":
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401 - Triton ≥ 3.3
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+def pdl_options(t: torch.Tensor, trigger: bool = True) -> dict:
+    """The launch keywords of a kernel with a `PDL` constexpr for tensors on t's device: where
+    `pdl_enabled`, a programmatic dependent launch that (`trigger`) lets the next kernel launch as soon as
+    this one starts — right for small kernels; a GEMV that did so ran its norm + GEMV pairs 4.5 → 6.5 µs a
+    kernel (its successor's waiting programs take the SMs its later waves need), so GEMVs only wait."""
+    if t.is_cuda and pdl_enabled():
+        return {"PDL": 2 if trigger else 1, "launch_pdl": True}
+    return {"PDL": 0}
+
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - no Triton, or before 3.3: pdl_enabled() is False
+    gdc_launch_dependents = gdc_wait = None
+
+
+@jit
+def pdl_start(PDL: tl.constexpr):
+    """First thing in a kernel launched by `pdl_options` (PDL 0: plain launch, a no-op; 1: wait until the
+    previous kernel has finished and its writes are visible; 2: first let the next kernel launch)."""
+    if PDL == 2:
+        gdc_launch_dependents()
+    if PDL != 0:
+        gdc_wait()
+
 
 if HAVE_TRITON:
 

@@ -15,27 +15,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.gpu_check import graph_us  # noqa: E402
 from ninfer.kernels import fused, ops, triton_support  # noqa: E402
 from ninfer.kernels.gguf_matmul import quant_matmul, random_gguf_weight  # noqa: E402
-
-
-def graph_us(fn, launches: int) -> float:
-    """µs per kernel of `fn`'s launches replayed from one CUDA graph (median of 7)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    return sorted(times)[3]
 
 
 def main() -> int:
@@ -61,7 +43,7 @@ def main() -> int:
     for pdl in ("0", "1", "0", "1"):
         os.environ["NINFER_PDL"] = pdl
         triton_support.pdl_enabled.cache_clear()
-        small, pairs = graph_us(small_chain, 400), graph_us(gemv_chain, 128)
+        small, pairs = graph_us([small_chain]) / 400, graph_us([gemv_chain]) / 128  # µs per kernel
         print(f"PDL {'on ' if triton_support.pdl_enabled() else 'off'}: SwiGLU chain {small:.2f} µs/kernel, "
               f"norm + GEMV chain {pairs:.2f} µs/kernel", flush=True)
     return 0

@@ -51,18 +51,21 @@ def triton_runs_on(t: torch.Tensor) -> bool:
         return True
     return INTERPRET and t.device.type == "cpu" and os.environ.get("NINFER_TRITON_ON_CPU") == "1"
 
+
+try:  # grid dependency control (Triton ≥ 3.3)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - no Triton, or an older one: pdl_enabled() is False
+    gdc_launch_dependents = gdc_wait = None
+
+
 @functools.cache
 def pdl_enabled() -> bool:
     """Programmatic dependent launch for the decode-step kernels that take a `PDL` flag: compiled Triton on
     a Hopper-or-newer GPU, unless NINFER_PDL=0. Such a kernel, launched with the attribute, may be scheduled
     before the kernel ahead of it has finished and waits for its results in `pdl_start` before touching any
     memory: the launch latency between kernels overlaps the previous kernel, inside CUDA graphs too (H200:
-    a chain of small kernels 1.06–1.22 → 0.78 µs a kernel; Q4_K tg128 156.2 → 166.7 tok/s)."""
-    if not (CUDA and HAVE_TRITON and not INTERPRET) or os.environ.get("NINFER_PDL", "1") == "0":
-        return False
-    try:
-        from triton.language.extra.cuda import gdc_wait  # noqa: F401 - Triton ≥ 3.3
-    except ImportError:
+    a chain of small kernels 1.04–1.22 → 0.78 µs a kernel; Q4_K tg128 156.2 → 166.7 tok/s)."""
+    if gdc_wait is None or INTERPRET or not CUDA or os.environ.get("NINFER_PDL", "1") == "0":
         return False
     return torch.cuda.get_device_capability()[0] >= 9
 
@@ -75,12 +78,6 @@ def pdl_options(t: torch.Tensor, trigger: bool = True) -> dict:
     if t.is_cuda and pdl_enabled():
         return {"PDL": 2 if trigger else 1, "launch_pdl": True}
     return {"PDL": 0}
-
-
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - no Triton, or before 3.3: pdl_enabled() is False
-    gdc_launch_dependents = gdc_wait = None
 
 
 @jit

@@ -6,7 +6,8 @@ off` sees only these launches).
         python3 bench/ncu_gemv.py q4_k:1:rows_n4_m1_b4_w2_ef q4_k:4:mma_n32_m8_w2_s8_pl iq3_s:4:route
     ncu -i $OUT/gemv.ncu-rep --page details --csv > $OUT/details.csv
 
-Each argument is format:columns:schedule (`route`: the schedule `quant_matmul` takes); --shape ROWSxCOLS.
+Each argument is format:columns:schedule (`route`: the schedule `quant_matmul` takes; `bf16:<frag schedule>`:
+the bf16 fragment GEMV of bench/frag_bf16.py, q4_k); --shape ROWSxCOLS.
 """
 
 from __future__ import annotations
@@ -27,8 +28,13 @@ from ninfer.kernels.gguf_matmul import random_gguf_weight  # noqa: E402
 
 def launcher(spec: str, rows: int, cols: int, dev: torch.device):
     """(label, call(copy)) for one `format:columns:schedule` spec."""
-    fmt, width, name = spec.split(":")
+    fmt, width, name = spec.split(":", 2)
     width = int(width)
+    if name.startswith("bf16:"):
+        from bench.frag_bf16 import gemv_frag_bf16
+
+        x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
+        return f"{fmt} {width} col {name}", lambda raw: gemv_frag_bf16(raw, fmt, x, rows, name[5:])
     schedules, gemv, route = kernel(fmt)
     if name == "route":
         chosen = mma_mod.mma_route(fmt, rows, cols, width) or route(fmt, rows, cols, width)

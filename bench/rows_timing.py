@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_check import Log, check_gemvs, copy_bandwidth, graph_us, timing_session, weight_copies  # noqa: E402
+from ninfer.kernels import gemv_frag as frag_mod  # noqa: E402
 from ninfer.kernels import gemv_mma as mma_mod  # noqa: E402
 from ninfer.kernels import gemv_rows as rows_mod  # noqa: E402
 from ninfer.kernels import gemv_rows_iq as iq_mod  # noqa: E402
@@ -48,10 +49,12 @@ NVRTC = False  # --nvrtc: also the CUDA C iq3_s experiment (bench/nvrtc_iq3s.py)
 
 def kernel(fmt: str):
     """(schedules, GEMV, route) of the rows kernel for a format (gemv_rows_iq for the i-quants), with the
-    tensor-core schedules where gemv_mma takes the format (and the NVRTC experiment's under --nvrtc)."""
+    tensor-core schedules where gemv_mma and gemv_frag take the format (and the NVRTC experiment's under
+    --nvrtc)."""
     iq = fmt in iq_mod.IQ_ROWS_FORMATS
     rows_gemv = iq_mod.gemv_rows_iq if iq else rows_mod.gemv_rows
     mma = mma_mod.schedules_for(fmt)
+    frag = frag_mod.SCHEDULES if fmt in frag_mod.FRAG_FORMATS else {}
     cuda = {}
     if NVRTC and fmt == "iq3_s":
         from bench import nvrtc_iq3s
@@ -61,16 +64,21 @@ def kernel(fmt: str):
     def gemv(raw, fmt, xa, rows, name):
         if name in cuda:
             return nvrtc_iq3s.gemv_cuda_iq3s(raw, xa, rows, name)
+        if name in frag:
+            return frag_mod.gemv_frag(raw, fmt, xa, rows, name)
         return (mma_mod.gemv_mma if name in mma else rows_gemv)(raw, fmt, xa, rows, name)
 
     rows = iq_mod.SCHEDULES if iq else rows_mod.SCHEDULES if fmt in rows_mod.ROWS_FORMATS else {}
-    return {**rows, **mma, **cuda}, gemv, iq_mod.rows_iq_route if iq else rows_mod.rows_route
+    return {**rows, **mma, **frag, **cuda}, gemv, iq_mod.rows_iq_route if iq else rows_mod.rows_route
 
 
 def serves(s, width: int) -> bool:
-    """A rows tile serves its own width, a tensor-core tile every width from 2 to its own."""
+    """A rows tile serves its own width, a tensor-core tile every width from 2 to its own, a fragment tile
+    of 8 columns 1-8 and one of 16 columns 9-16."""
     if s.kernel == "cuda":  # 1-8 columns
         return width <= 8
+    if s.kernel == "frag":
+        return width <= s.block_m and (width > 8) == (s.block_m > 8)
     return s.block_m == width or (s.kernel == "mma" and 2 <= width <= s.block_m)
 
 

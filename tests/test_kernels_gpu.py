@@ -85,6 +85,30 @@ def test_mma_gemm_on_gpu(fmt, monkeypatch):
         assert rel(quant_matmul(raw, fmt, x, 17408), want) < 5e-3, width
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k"])
+def test_frag_gemv_on_gpu(fmt):
+    """The tensor-core fragment schedules (mma.sync through inline PTX: the fragment layout is the
+    hardware's, so only a GPU checks it) vs the float64 twin at 1, 7, 8 and 16 columns, rows past the tile,
+    split-K; quant_matmul's route at 5-8 columns on the biggest matrices (q4_k); bf16 output rounding."""
+    from ninfer.kernels.gemv_frag import SCHEDULES, gemv_frag
+
+    names = ["frag_w1_r1_m8", "frag_w1_r1_m8_s2", "frag_w2_r1_m8_s8", "frag_w2_r2_m8_s2", "frag_w4_r1_m16_s4",
+             "frag_w1_r2_m16"]
+    for rows, cols in ((1040, 5120), (136, 17408)):
+        raw = random_gguf_weight(fmt, rows, cols, "cuda")
+        for width in (1, 7, 8, 16):
+            xa = quantize_activation_reference(torch.randn(width, cols, device="cuda", dtype=torch.bfloat16))
+            want = gemv_q8_reference(raw, fmt, xa, rows).cuda()
+            for name in names:
+                if width <= SCHEDULES[name].block_m:
+                    assert rel(gemv_frag(raw, fmt, xa, rows, name), want) < 5e-3, (rows, cols, name, width)
+    for rows, cols in ((17408, 5120), (5120, 17408)):
+        raw = random_gguf_weight(fmt, rows, cols, "cuda")
+        x = torch.randn(6, cols, device="cuda", dtype=torch.bfloat16)
+        want = gemv_q8_reference(raw, fmt, quantize_activation_reference(x), rows).cuda()
+        assert rel(quant_matmul(raw, fmt, x, rows), want) < 5e-3, (rows, cols)
+
+
 def test_producers_leave_the_int8_activation_for_the_next_linear():
     """On CUDA at decode widths the fused norm / SwiGLU / gate kernels quantise their output in the same
     launch (ops → gemv_q8.int8_next); the Linear reading it finds exactly quantize_activation_reference's."""

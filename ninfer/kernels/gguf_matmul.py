@@ -876,10 +876,15 @@ def quant_matmul(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    if schedule is None and x.is_cuda and rows_enabled():  # 2-16 columns on int8 tensor cores (mma_route)
+    if schedule is None and x.is_cuda and rows_enabled():  # 2-16 columns on int8 tensor cores
+        from ninfer.kernels.gemv_frag import frag_route, gemv_frag
         from ninfer.kernels.gemv_mma import gemv_mma, mma_route
         from ninfer.kernels.gemv_q8 import quantize_activation_cached
 
+        frag = None if mma_forced() else frag_route(format, out_features, in_features, M)
+        if frag is not None:  # the mma fragments loaded by each lane (5-8 columns, q4_k)
+            y = gemv_frag(raw, format, quantize_activation_cached(x), out_features, frag)
+            return y.reshape(*x.shape[:-1], out_features)
         tile = mma_route(format, out_features, in_features, M, mma_forced())
         if tile is not None:
             y = gemv_mma(raw, format, quantize_activation_cached(x), out_features, tile)

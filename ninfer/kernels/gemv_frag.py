@@ -1,0 +1,249 @@
+"""Decode GEMV for 1–16 columns on int8 tensor cores with the operands loaded straight into the mma
+fragments ("frag"): q4_k and q5_k codes × int8 activations.
+
+`gemv_mma.py` reaches the tensor cores through `tl.dot`, which stages both operands through shared memory
+behind a barrier: each sub-block's dot waits on its loads, one after another (~340 ns each on the H200). Here
+every warp issues PTX `mma.sync.m16n8k32.s8` itself (`tl.inline_asm_elementwise` on tensors that hold one
+element per thread and mma), so the operands go from global memory into registers and nothing is staged.
+
+A warp owns a tile of 16 weight rows and walks its split of K one super-block at a time; lane 4g + t holds the
+A fragment of rows g and g + 8 and the B fragment of column g (PTX's m16n8k32 layout: A words a0 / a1 = rows
+g / g + 8 at k-slots 4t..4t + 3, a2 / a3 the same rows at 16 + 4t..19 + 4t; B words b0 / b1 = column g at
+the same k-slots; D d0, d1 = row g, columns 2t, 2t + 1; d2, d3 = row g + 8). The order of k inside one mma
+is free as long as A and B agree, so lane t takes codes 8t..8t + 7 of each 32-code sub-block: for q4_k
+those are bytes 8t..8t + 7 of the sub-block's 32-byte qs run (one 8-byte load per row serves the low-nibble
+and the high-nibble sub-block), the activation's codes 8t..8t + 7 one 8-byte load per column. After each
+mma the int32 tile gets the sub-block's scales in fp32:
+
+    y[n, m] += d·sc_j[n] · D[n, m] · xd_j[m] − dmin·mn_j[n] · xs_j[m]
+
+so columns 1–8 cost the same weight traffic and one mma per sub-block (16 columns: two). Tensors are
+`[32·warps, RT, NT, 4]`: the lane axis first (Triton gives lanes to the leading axis of equal contiguity, so
+element i of axis 0 lives in thread i), RT row tiles and NT column tiles of 8 per lane in registers, the word
+axis e last; every load is built at the full shape (zero strides where a value does not depend on an axis),
+so all values share one register layout. Under the CPU interpreter the mma is computed from the whole
+warp's fragments (`_mma_emulated`), the same lane map, so the CPU tests check the kernel's indexing.
+
+The oracle is `gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
+from ninfer.kernels.gemv_rows import rows_setup
+from ninfer.kernels.gguf_matmul import MatmulSchedule, _f16_lo, _k_scale_min_words
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_sum
+from ninfer.quant.formats import GGUF_PREFIX
+
+FRAG_FORMATS = ("q4_k", "q5_k")
+_FMT = {"q4_k": 4, "q5_k": 5}
+MAX_COLUMNS = 16
+
+
+@dataclass(frozen=True)
+class FragSchedule(MatmulSchedule):
+    """`num_warps` warps of `row_tiles` 16-row tiles each per program (block_n = 16 · warps · row_tiles rows),
+    block_m = 8 · column tiles columns, split-K over the row's super-blocks (fp32 atomics)."""
+
+    row_tiles: int = 1
+
+
+def _sched(num_warps: int, row_tiles: int, col_tiles: int, split_k: int = 1) -> FragSchedule:
+    name = f"frag_w{num_warps}_r{row_tiles}_m{8 * col_tiles}" + (f"_s{split_k}" if split_k > 1 else "")
+    return FragSchedule(name, "frag", 16 * num_warps * row_tiles, 8 * col_tiles, split_k=split_k,
+                        num_warps=num_warps, num_stages=1, row_tiles=row_tiles)
+
+
+SCHEDULES: dict[str, FragSchedule] = {
+    s.name: s
+    for w in (1, 2, 4)
+    for r in (1, 2)
+    for m in (1, 2)
+    for k in (1, 2, 4, 8)
+    for s in [_sched(w, r, m, k)]
+}
+
+
+# shape class (gemv_rows.shape_class) -> the q4_k schedule for 5-8 columns
+_ROUTE = {"wide": "frag_w1_r1_m8_s2", "long": "frag_w2_r1_m8_s8"}
+
+
+def frag_route(fmt: str, out_features: int, in_features: int, columns: int) -> FragSchedule | None:
+    """The fragment schedule for a q4_k decode GEMV of 5–8 columns on the biggest matrices, where it beats
+    the rows kernels and the `tl.dot` tiles (H200, bench/rows_timing.py and bench/frag_timing.py, session 9
+    runs 1 and 5, µs at 8 columns): 17408×5120 38.9-39.3 vs 45.6 (the tile), 5120×17408 37.2-40.3 vs
+    43.2-46.3; elsewhere, and at 1-4 columns (17408×5120: 29 µs at one column where the rows kernel takes 16),
+    None. Its cost hardly grows with the columns: the weight decode and the fp32 scaling of each int32 tile
+    (~450 instructions per warp and super-block, issue-bound) are the same for 1 and for 8."""
+    from ninfer.kernels.gemv_rows import shape_class
+
+    if fmt.removeprefix(GGUF_PREFIX) != "q4_k" or in_features % 256 or not 5 <= columns <= 8:
+        return None
+    name = _ROUTE.get(shape_class(out_features, in_features))
+    return SCHEDULES[name] if name else None
+
+
+if HAVE_TRITON:
+    from ninfer.kernels.gemv_rows import _pick
+
+    @jit
+    def _mma_emulated(a0, a1, a2, a3, b0, b1, L: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr):
+        """What `mma.sync.m16n8k32.row.col.s32.s8.s8.s32` returns to each lane, computed from the whole
+        warp's fragments (tensors `[L, RT, NT]`, lane 4g + t of warp w at index 32w + 4g + t)."""
+        W: tl.constexpr = L // 32
+        A0 = tl.reshape(a0, [W, 8, 4, RT, NT])[:, :, None, :, :, :]  # [warp, row g, ·, slot t, RT, NT]
+        A1 = tl.reshape(a1, [W, 8, 4, RT, NT])[:, :, None, :, :, :]
+        A2 = tl.reshape(a2, [W, 8, 4, RT, NT])[:, :, None, :, :, :]
+        A3 = tl.reshape(a3, [W, 8, 4, RT, NT])[:, :, None, :, :, :]
+        B0 = tl.reshape(b0, [W, 8, 4, RT, NT])[:, None, :, :, :, :]  # [warp, ·, column n, slot t, RT, NT]
+        B1 = tl.reshape(b1, [W, 8, 4, RT, NT])[:, None, :, :, :, :]
+        top = tl_sum(dp4a(A0, B0, 0, True) + dp4a(A2, B1, 0, True), 3)[:, :, None, :, :, :]  # [W, g, ·, n]
+        bot = tl_sum(dp4a(A1, B0, 0, True) + dp4a(A3, B1, 0, True), 3)[:, :, None, :, :, :]
+        n = tl.arange(0, 8)[None, None, None, :, None, None]
+        t = tl.arange(0, 4)[None, None, :, None, None, None]
+        d0 = tl_sum(tl.where(n == 2 * t, top, 0), 3)  # [W, g, t, RT, NT]: row g, column 2t
+        d1 = tl_sum(tl.where(n == 2 * t + 1, top, 0), 3)
+        d2 = tl_sum(tl.where(n == 2 * t, bot, 0), 3)
+        d3 = tl_sum(tl.where(n == 2 * t + 1, bot, 0), 3)
+        return (tl.reshape(d0, [L, RT, NT]), tl.reshape(d1, [L, RT, NT]), tl.reshape(d2, [L, RT, NT]),
+                tl.reshape(d3, [L, RT, NT]))
+
+    @jit
+    def _mma(a0, a1, a2, a3, b0, b1, L: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
+             EMULATE: tl.constexpr):
+        """The int32 16×8 tile A·B of one m16n8k32 int8 mma (no accumulator: each sub-block is scaled on its
+        own), as each lane's (d0, d1, d2, d3)."""
+        if EMULATE:
+            return _mma_emulated(a0, a1, a2, a3, b0, b1, L, RT, NT)
+        else:
+            return tl.inline_asm_elementwise(
+                "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+                "{$8, $9}, {$10, $10, $10, $10};",
+                "=r,=r,=r,=r,r,r,r,r,r,r,r", [a0, a1, a2, a3, b0, b1, a0 * 0],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+    @jit
+    def _frag_axes(WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr):
+        """Axes [lane i, row tile rt, column tile nt, word e] as aranges along their own axis."""
+        return (tl.arange(0, 32 * WARPS)[:, None, None, None], tl.arange(0, RT)[None, :, None, None],
+                tl.arange(0, NT)[None, None, :, None], tl.arange(0, 4)[None, None, None, :])
+
+    @jit
+    def _gemv_frag_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_xd, stride_ym,
+                          FMT: tl.constexpr, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
+                          SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
+        pdl_start(PDL)
+        L: tl.constexpr = 32 * WARPS
+        WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
+        QS: tl.constexpr = 4 if FMT == 4 else 12  # first qs word
+        i, rt, nt, e = _frag_axes(WARPS, RT, NT)
+        zw = i * 0 + rt * 0 + nt * 0 + e * 0  # int32 zeros at the full tile shape
+        g = (i % 32) // 4
+        t = i % 4
+        row_a = ((tl.program_id(0) * WARPS + i // 32) * RT + rt) * 16 + g  # rows g (A) and g + 8 (B)
+        col0 = tl.program_id(1) * (8 * NT) + nt * 8
+        # weights: the lane's 8 qs bytes of rows g (words e = 0, 1) and g + 8 (e = 2, 3); rows past the end
+        # read the last one and are not stored
+        w_row = tl.minimum(row_a + 8 * (e // 2), N - 1).to(tl.int64) * row_words + zw
+        h_a = w_ptr + tl.minimum(row_a, N - 1).to(tl.int64) * row_words + e + zw  # header words of row g
+        h_b = w_ptr + tl.minimum(row_a + 8, N - 1).to(tl.int64) * row_words + e + zw
+        q_at = w_ptr + w_row + QS + 2 * t + e % 2
+        # activation: codes 8t..8t + 7 of column g's low (e = 0, 1) and high (e = 2, 3) sub-block
+        x_col = tl.minimum(col0 + g, M - 1).to(tl.int64) * (K // 4)
+        x_at = xw_ptr + x_col + 2 * t + e % 2 + 8 * (e // 2) + zw
+        # per-32 activation scales of the D columns 2t and 2t + 1, sub-blocks e and 4 + e of a super-block
+        # (stride_xd = K / 32 as its own argument: Triton specialises it as 16-divisible, so these loads are
+        # 16 bytes wide)
+        c_d0 = tl.minimum(col0 + 2 * t, M - 1).to(tl.int64) * stride_xd + e + zw
+        c_d1 = tl.minimum(col0 + 2 * t + 1, M - 1).to(tl.int64) * stride_xd + e + zw
+        steps = K // 256
+        per_split = (steps + SPLIT_K - 1) // SPLIT_K
+        s0 = tl.program_id(2) * per_split
+        s1 = tl.minimum(steps, s0 + per_split)
+        acc0 = tl.zeros([L, RT, NT], dtype=tl.float32)  # row g, column 2t
+        acc1 = tl.zeros([L, RT, NT], dtype=tl.float32)  # row g, column 2t + 1
+        acc2 = tl.zeros([L, RT, NT], dtype=tl.float32)  # row g + 8, column 2t
+        acc3 = tl.zeros([L, RT, NT], dtype=tl.float32)  # row g + 8, column 2t + 1
+        mins0 = tl.zeros([L, RT, NT], dtype=tl.float32)  # the min terms of the same four
+        mins1 = tl.zeros([L, RT, NT], dtype=tl.float32)
+        mins2 = tl.zeros([L, RT, NT], dtype=tl.float32)
+        mins3 = tl.zeros([L, RT, NT], dtype=tl.float32)
+        for blk in range(s0, s1):
+            ha = tl.load(h_a + blk * WB)
+            hb = tl.load(h_b + blk * WB)
+            dx0_lo = tl.load(xd_ptr + c_d0 + blk * 8)
+            dx0_hi = tl.load(xd_ptr + c_d0 + blk * 8 + 4)
+            dx1_lo = tl.load(xd_ptr + c_d1 + blk * 8)
+            dx1_hi = tl.load(xd_ptr + c_d1 + blk * 8 + 4)
+            sx0_lo = tl.load(xs_ptr + c_d0 + blk * 8)
+            sx0_hi = tl.load(xs_ptr + c_d0 + blk * 8 + 4)
+            sx1_lo = tl.load(xs_ptr + c_d1 + blk * 8)
+            sx1_hi = tl.load(xs_ptr + c_d1 + blk * 8 + 4)
+            d_a = _f16_lo(_pick(ha, e, 0))
+            m_a = _f16_lo(_pick(ha, e, 0) >> 16)
+            d_b = _f16_lo(_pick(hb, e, 0))
+            m_b = _f16_lo(_pick(hb, e, 0) >> 16)
+            for c in tl.static_range(4):
+                q = tl.load(q_at + blk * WB + 8 * c)
+                x = tl.load(x_at + blk * 64 + 16 * c)
+                if FMT == 5:  # fifth bit of code 32s + l: bit s of qh byte l (qh words 4..11)
+                    qh = tl.load(w_ptr + w_row + blk * WB + 4 + 2 * t + e % 2)
+                for h in tl.static_range(2):
+                    codes = (q >> (4 * h)) & 0x0F0F0F0F
+                    if FMT == 5:
+                        codes = codes | (((qh >> (2 * c + h)) << 4) & 0x10101010)
+                    r0, r1, r2, r3 = _mma(_pick(codes, e, 0), _pick(codes, e, 2), _pick(codes, e, 1),
+                                          _pick(codes, e, 3), _pick(x, e, 2 * h), _pick(x, e, 2 * h + 1),
+                                          L, RT, NT, EMULATE)
+                    s = 2 * c + h
+                    sc_a, mn_a = _k_scale_min_words(_pick(ha, e, 1), _pick(ha, e, 2), _pick(ha, e, 3), s)
+                    sc_b, mn_b = _k_scale_min_words(_pick(hb, e, 1), _pick(hb, e, 2), _pick(hb, e, 3), s)
+                    xd0 = _pick(dx0_lo, e, s, -0.0) + _pick(dx0_hi, e, s - 4, -0.0)
+                    xd1 = _pick(dx1_lo, e, s, -0.0) + _pick(dx1_hi, e, s - 4, -0.0)
+                    xs0 = _pick(sx0_lo, e, s, -0.0) + _pick(sx0_hi, e, s - 4, -0.0)
+                    xs1 = _pick(sx1_lo, e, s, -0.0) + _pick(sx1_hi, e, s - 4, -0.0)
+                    acc0 += (d_a * sc_a) * (r0.to(tl.float32) * xd0)
+                    acc1 += (d_a * sc_a) * (r1.to(tl.float32) * xd1)
+                    acc2 += (d_b * sc_b) * (r2.to(tl.float32) * xd0)
+                    acc3 += (d_b * sc_b) * (r3.to(tl.float32) * xd1)
+                    mins0 += (m_a * mn_a) * xs0
+                    mins1 += (m_a * mn_a) * xs1
+                    mins2 += (m_b * mn_b) * xs0
+                    mins3 += (m_b * mn_b) * xs1
+        ra = _pick(row_a + zw, e, 0)
+        cb = _pick(col0 + 2 * t + zw, e, 0)
+        _store_frag(y_ptr, acc0 - mins0, ra, cb, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc1 - mins1, ra, cb + 1, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc2 - mins2, ra + 8, cb, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc3 - mins3, ra + 8, cb + 1, M, N, stride_ym, SPLIT_K)
+
+    @jit
+    def _store_frag(y_ptr, out, row, col, M, N, stride_ym, SPLIT_K: tl.constexpr):
+        """A lane's sums into y at (column col, row row): stored, or added with fp32 atomics under split-K."""
+        ptrs = y_ptr + col.to(tl.int64) * stride_ym + row
+        mask = (col < M) & (row < N)
+        if SPLIT_K == 1:
+            tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(ptrs, out, mask=mask)
+
+
+def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
+              schedule: FragSchedule | str) -> torch.Tensor:
+    """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, q4_k
+    or q5_k) and xa the int8 activation (1–16 columns); the kernel runs on `raw`'s device (CUDA, or CPU under
+    the interpreter)."""
+    format = format.removeprefix(GGUF_PREFIX)
+    s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
+    n, k = xa.q.shape
+    y, launch, extra = rows_setup(raw, format, xa, out_features, s, FRAG_FORMATS, "tensor-core fragment GEMV")
+    _gemv_frag_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n,
+                              raw.shape[1] // 4, k // 32, y.stride(0), FMT=_FMT[format], WARPS=s.num_warps,
+                              RT=s.row_tiles, NT=s.block_m // 8, SPLIT_K=s.split_k, EMULATE=EMULATE_DP4A,
+                              **extra, **pdl_options(raw, trigger=False))
+    return y.to(xa.dtype)
+

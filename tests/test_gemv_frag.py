@@ -1,0 +1,61 @@
+"""Tensor-core fragment GEMV (q4_k, q5_k; 1–16 columns) vs its float64 twin (Triton interpreter on CPU: the
+mma is computed from the whole warp's fragments, so these check the lane map and the indexing)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import gemv_case, needs_triton
+
+from ninfer.errors import NinferError
+from ninfer.kernels.gemv_frag import FRAG_FORMATS, SCHEDULES, frag_route, gemv_frag
+from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation
+
+pytestmark = [needs_triton, pytest.mark.usefixtures("triton_on_cpu_env")]
+
+
+# (format, schedule, columns, rows, blocks per row): one column of one tile; rows not a multiple of the tile
+# (clamped loads, masked stores) with two row tiles per warp and split-K 2 over 3 blocks (uneven splits);
+# two column tiles (11 columns) with split-K 4 over 3 blocks (an empty split); two warps
+CASES = [("q4_k", "frag_w1_r1_m8", 1, 16, 1), ("q4_k", "frag_w1_r2_m8_s2", 5, 40, 3),
+         ("q5_k", "frag_w1_r1_m16_s4", 11, 20, 3), ("q5_k", "frag_w2_r1_m8", 8, 40, 2)]
+
+
+@pytest.mark.parametrize("fmt,sched,width,rows,nb", CASES)
+def test_frag_kernel_equals_twin(fmt, sched, width, rows, nb):
+    raw, x = gemv_case(fmt, rows, nb * 256, width, seed=FRAG_FORMATS.index(fmt) * 10 + width)
+    xa = quantize_activation(x)
+    y = gemv_frag(raw, fmt, xa, rows, sched)
+    want = gemv_q8_reference(raw, fmt, xa, rows)
+    assert y.dtype == torch.float32 and y.shape == (width, rows)
+    # exact int32 sub-block dots, fp32 scaling and sums (≤ 1.3e-7 of max|y| measured)
+    assert (y.double() - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+def test_bf16_experiment_equals_its_twin():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.frag_bf16 import gemv_frag_bf16, gemv_frag_bf16_twin
+
+    raw, x = gemv_case("q4_k", 24, 512, 3, seed=7)
+    y = gemv_frag_bf16(raw, "q4_k", x, 24, "frag_w1_r1_m8_s2")
+    want = gemv_frag_bf16_twin(raw, x, 24)
+    assert y.shape == (3, 24)
+    # fp32 accumulation of exact bf16 products (≤ 1e-7 of max|y| measured)
+    assert (y.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    with pytest.raises(NinferError, match="bf16 fragment"):
+        gemv_frag_bf16(*gemv_case("q5_k", 4, 256, 1, seed=3)[:1], "q5_k", x[:, :256], 4, "frag_w1_r1_m8")
+
+
+def test_frag_route_and_errors():
+    assert frag_route("gguf_q4_k", 17408, 5120, 8).name in SCHEDULES
+    assert frag_route("q4_k", 5120, 17408, 5).name in SCHEDULES
+    assert all(frag_route("q4_k", 17408, 5120, m) is None for m in (1, 2, 4, 9))  # the rows kernels win
+    assert frag_route("q4_k", 6144, 5120, 8) is None  # mid shapes: the rows kernels
+    assert frag_route("q5_k", 17408, 5120, 8) is None  # not measured
+    assert all(s.block_m in (8, 16) and s.block_n % 16 == 0 for s in SCHEDULES.values())
+    raw, x = gemv_case("q6_k", 4, 256, 1, seed=3)
+    with pytest.raises(NinferError, match="tensor-core fragment"):
+        gemv_frag(raw, "q6_k", quantize_activation(x), 4, "frag_w1_r1_m8")

@@ -67,9 +67,10 @@ def check(log: Log, dev: torch.device, names: list[str], quick: bool) -> bool:
     return ok
 
 
-def time_all(log: Log, dev: torch.device, names: list[str], widths: list[int], kinds: list[str]) -> list:
+def time_all(log: Log, dev: torch.device, names: list[str], widths: list[int], kinds: list[str],
+             shapes=SHAPES) -> list:
     table = []
-    for rows, cols in SHAPES:
+    for rows, cols in shapes:
         copies = weight_copies("q4_k", rows, cols, dev, at_least=3)
         for width in widths:
             x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
@@ -102,6 +103,7 @@ def main(argv=None) -> int:
                     help="comma-separated schedule names (gemv_frag.SCHEDULES)")
     ap.add_argument("--kinds", default="bf16,int8", help="kernels to time: bf16, bf16np, int8")
     ap.add_argument("--widths", default="1,2,4,8", help="column counts to time (up to 16)")
+    ap.add_argument("--shapes", default="", help="rows x columns to time, e.g. 12288x5120 (default: SHAPES)")
     a = ap.parse_args(argv)
     log, dev = timing_session(a.out, "frag_timing.json")
     names = a.only.split(",")
@@ -109,7 +111,8 @@ def main(argv=None) -> int:
     log.save()
     if a.quick or dev.type != "cuda":
         return 0 if ok else 1
-    table = time_all(log, dev, names, [int(w) for w in a.widths.split(",")], a.kinds.split(","))
+    shapes = [tuple(int(v) for v in p.split("x")) for p in a.shapes.split(",") if p] or SHAPES
+    table = time_all(log, dev, names, [int(w) for w in a.widths.split(",")], a.kinds.split(","), shapes)
     log.save()
     print(f"\n==== fragment GEMVs, q4_k (checks {'passed' if ok else 'FAILED'}) ====")
     print("| shape | cols | best | µs | route µs |\n|---|---|---|---|---|")

@@ -102,7 +102,7 @@ def test_frag_gemv_on_gpu(fmt):
             for name in names:
                 if width <= SCHEDULES[name].block_m:
                     assert rel(gemv_frag(raw, fmt, xa, rows, name), want) < 5e-3, (rows, cols, name, width)
-    for rows, cols in ((17408, 5120), (5120, 17408)):
+    for rows, cols in ((17408, 5120), (5120, 17408), (12288, 5120)):
         raw = random_gguf_weight(fmt, rows, cols, "cuda")
         x = torch.randn(6, cols, device="cuda", dtype=torch.bfloat16)
         want = gemv_q8_reference(raw, fmt, quantize_activation_reference(x), rows).cuda()

@@ -35,7 +35,7 @@ import torch
 
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
 from ninfer.kernels.gemv_rows import rows_setup
-from ninfer.kernels.gguf_matmul import MatmulSchedule, _f16_lo, _k_scale_min_words
+from ninfer.kernels.gguf_matmul import MatmulSchedule, _f16_lo, _small_float
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
 
@@ -68,23 +68,21 @@ SCHEDULES: dict[str, FragSchedule] = {
 }
 
 
-# shape class (gemv_rows.shape_class) -> the q4_k schedule for 5-8 columns
-_ROUTE = {"wide": "frag_w1_r1_m8_s2", "long": "frag_w2_r1_m8_s8"}
-
-
 def frag_route(fmt: str, out_features: int, in_features: int, columns: int) -> FragSchedule | None:
-    """The fragment schedule for a q4_k decode GEMV of 5–8 columns on the biggest matrices, where it beats
-    the rows kernels and the `tl.dot` tiles (H200, bench/rows_timing.py and bench/frag_timing.py, session 9
-    runs 1 and 5, µs at 8 columns): 17408×5120 38.9-39.3 vs 45.6 (the tile), 5120×17408 37.2-40.3 vs
-    43.2-46.3; elsewhere, and at 1-4 columns (17408×5120: 29 µs at one column where the rows kernel takes 16),
-    None. Its cost hardly grows with the columns: the weight decode and the fp32 scaling of each int32 tile
-    (~450 instructions per warp and super-block, issue-bound) are the same for 1 and for 8."""
-    from ninfer.kernels.gemv_rows import shape_class
-
+    """The fragment schedule for a q4_k decode GEMV of 5–8 columns on matrices of ≥ 10240 rows or of rows
+    longer than 8192 columns, where it beats the rows kernels and the `tl.dot` tiles (H200,
+    bench/frag_timing.py, session 9 run 6, µs at 8 columns): 17408×5120 37.1 vs 45.6 (the tile), 5120×17408
+    36.4 vs 43.2-46.3, 10240×5120 24.0 vs 27.6; not on 6144×5120 (18.2 vs 18.0) nor at 1-4 columns
+    (17408×5120: 26.3 µs at one column where the rows kernel takes 16). Its cost hardly grows with the
+    columns: the weight decode and the scaling of each int32 tile (~380 instructions per warp and
+    super-block, issue-bound) are the same for 1 and for 8."""
     if fmt.removeprefix(GGUF_PREFIX) != "q4_k" or in_features % 256 or not 5 <= columns <= 8:
         return None
-    name = _ROUTE.get(shape_class(out_features, in_features))
-    return SCHEDULES[name] if name else None
+    if in_features > 8192:
+        return SCHEDULES["frag_w2_r1_m8_s8"]
+    if out_features >= 16384:
+        return SCHEDULES["frag_w1_r1_m8_s2"]
+    return SCHEDULES["frag_w4_r1_m8_s4"] if out_features >= 10240 else None
 
 
 if HAVE_TRITON:
@@ -127,6 +125,23 @@ if HAVE_TRITON:
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
     @jit
+    def _k_scale_bytes(hd, e):
+        """The 6-bit scales and mins of a q4_k / q5_k super-block from its header words hd (word e: d | dmin,
+        then the 12 scale bytes), four to a word: (sc 0-3, sc 4-7, mn 0-3, mn 4-7), byte j of each the
+        sub-block's value."""
+        w1 = _pick(hd, e, 1)
+        w2 = _pick(hd, e, 2)
+        w3 = _pick(hd, e, 3)
+        return (w1 & 0x3F3F3F3F, (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030), w2 & 0x3F3F3F3F,
+                ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030))
+
+    @jit
+    def _int22_float(v):
+        """float32 of an int32 with |v| < 2^22: the bits of 2^23 + 2^22 + v as a float, minus that bias (two
+        full-rate operations instead of a quarter-rate I2F)."""
+        return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+    @jit
     def _frag_axes(WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr):
         """Axes [lane i, row tile rt, column tile nt, word e] as aranges along their own axis."""
         return (tl.arange(0, 32 * WARPS)[:, None, None, None], tl.arange(0, RT)[None, :, None, None],
@@ -164,14 +179,11 @@ if HAVE_TRITON:
         per_split = (steps + SPLIT_K - 1) // SPLIT_K
         s0 = tl.program_id(2) * per_split
         s1 = tl.minimum(steps, s0 + per_split)
-        acc0 = tl.zeros([L, RT, NT], dtype=tl.float32)  # row g, column 2t
-        acc1 = tl.zeros([L, RT, NT], dtype=tl.float32)  # row g, column 2t + 1
-        acc2 = tl.zeros([L, RT, NT], dtype=tl.float32)  # row g + 8, column 2t
-        acc3 = tl.zeros([L, RT, NT], dtype=tl.float32)  # row g + 8, column 2t + 1
-        mins0 = tl.zeros([L, RT, NT], dtype=tl.float32)  # the min terms of the same four
-        mins1 = tl.zeros([L, RT, NT], dtype=tl.float32)
-        mins2 = tl.zeros([L, RT, NT], dtype=tl.float32)
-        mins3 = tl.zeros([L, RT, NT], dtype=tl.float32)
+        zf = tl.zeros([L, RT, NT], dtype=tl.float32)
+        acc0 = zf  # row g, column 2t
+        acc1 = zf  # row g, column 2t + 1
+        acc2 = zf  # row g + 8, column 2t
+        acc3 = zf  # row g + 8, column 2t + 1
         for blk in range(s0, s1):
             ha = tl.load(h_a + blk * WB)
             hb = tl.load(h_b + blk * WB)
@@ -183,10 +195,17 @@ if HAVE_TRITON:
             sx0_hi = tl.load(xs_ptr + c_d0 + blk * 8 + 4)
             sx1_lo = tl.load(xs_ptr + c_d1 + blk * 8)
             sx1_hi = tl.load(xs_ptr + c_d1 + blk * 8 + 4)
-            d_a = _f16_lo(_pick(ha, e, 0))
-            m_a = _f16_lo(_pick(ha, e, 0) >> 16)
-            d_b = _f16_lo(_pick(hb, e, 0))
-            m_b = _f16_lo(_pick(hb, e, 0) >> 16)
+            # the 6-bit scales and mins of rows g and g + 8, four to a word (byte j: sub-block j, 4 + j)
+            sc_a_lo, sc_a_hi, mn_a_lo, mn_a_hi = _k_scale_bytes(ha, e)
+            sc_b_lo, sc_b_hi, mn_b_lo, mn_b_hi = _k_scale_bytes(hb, e)
+            sum0 = zf  # this super-block's Σ_s sc·D·xd of the four (d applied after it)
+            sum1 = zf
+            sum2 = zf
+            sum3 = zf
+            low0 = zf  # and its Σ_s mn·xs (dmin after it)
+            low1 = zf
+            low2 = zf
+            low3 = zf
             for c in tl.static_range(4):
                 q = tl.load(q_at + blk * WB + 8 * c)
                 x = tl.load(x_at + blk * 64 + 16 * c)
@@ -200,26 +219,44 @@ if HAVE_TRITON:
                                           _pick(codes, e, 3), _pick(x, e, 2 * h), _pick(x, e, 2 * h + 1),
                                           L, RT, NT, EMULATE)
                     s = 2 * c + h
-                    sc_a, mn_a = _k_scale_min_words(_pick(ha, e, 1), _pick(ha, e, 2), _pick(ha, e, 3), s)
-                    sc_b, mn_b = _k_scale_min_words(_pick(hb, e, 1), _pick(hb, e, 2), _pick(hb, e, 3), s)
+                    sh = 8 * (s % 4)
+                    if s < 4:
+                        sc_a = (sc_a_lo >> sh) & 0xFF
+                        sc_b = (sc_b_lo >> sh) & 0xFF
+                        mn_a = _small_float((mn_a_lo >> sh) & 0xFF)
+                        mn_b = _small_float((mn_b_lo >> sh) & 0xFF)
+                    else:
+                        sc_a = (sc_a_hi >> sh) & 0xFF
+                        sc_b = (sc_b_hi >> sh) & 0xFF
+                        mn_a = _small_float((mn_a_hi >> sh) & 0xFF)
+                        mn_b = _small_float((mn_b_hi >> sh) & 0xFF)
                     xd0 = _pick(dx0_lo, e, s, -0.0) + _pick(dx0_hi, e, s - 4, -0.0)
                     xd1 = _pick(dx1_lo, e, s, -0.0) + _pick(dx1_hi, e, s - 4, -0.0)
                     xs0 = _pick(sx0_lo, e, s, -0.0) + _pick(sx0_hi, e, s - 4, -0.0)
                     xs1 = _pick(sx1_lo, e, s, -0.0) + _pick(sx1_hi, e, s - 4, -0.0)
-                    acc0 += (d_a * sc_a) * (r0.to(tl.float32) * xd0)
-                    acc1 += (d_a * sc_a) * (r1.to(tl.float32) * xd1)
-                    acc2 += (d_b * sc_b) * (r2.to(tl.float32) * xd0)
-                    acc3 += (d_b * sc_b) * (r3.to(tl.float32) * xd1)
-                    mins0 += (m_a * mn_a) * xs0
-                    mins1 += (m_a * mn_a) * xs1
-                    mins2 += (m_b * mn_b) * xs0
-                    mins3 += (m_b * mn_b) * xs1
+                    # sc·D exactly in int32 (|D| ≤ 32·15·127, sc < 64), then to float without a conversion
+                    sum0 += _int22_float(r0 * sc_a) * xd0
+                    sum1 += _int22_float(r1 * sc_a) * xd1
+                    sum2 += _int22_float(r2 * sc_b) * xd0
+                    sum3 += _int22_float(r3 * sc_b) * xd1
+                    low0 += mn_a * xs0
+                    low1 += mn_a * xs1
+                    low2 += mn_b * xs0
+                    low3 += mn_b * xs1
+            d_a = _f16_lo(_pick(ha, e, 0))
+            m_a = _f16_lo(_pick(ha, e, 0) >> 16)
+            d_b = _f16_lo(_pick(hb, e, 0))
+            m_b = _f16_lo(_pick(hb, e, 0) >> 16)
+            acc0 += d_a * sum0 - m_a * low0
+            acc1 += d_a * sum1 - m_a * low1
+            acc2 += d_b * sum2 - m_b * low2
+            acc3 += d_b * sum3 - m_b * low3
         ra = _pick(row_a + zw, e, 0)
         cb = _pick(col0 + 2 * t + zw, e, 0)
-        _store_frag(y_ptr, acc0 - mins0, ra, cb, M, N, stride_ym, SPLIT_K)
-        _store_frag(y_ptr, acc1 - mins1, ra, cb + 1, M, N, stride_ym, SPLIT_K)
-        _store_frag(y_ptr, acc2 - mins2, ra + 8, cb, M, N, stride_ym, SPLIT_K)
-        _store_frag(y_ptr, acc3 - mins3, ra + 8, cb + 1, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc0, ra, cb, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc1, ra, cb + 1, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc2, ra + 8, cb, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc3, ra + 8, cb + 1, M, N, stride_ym, SPLIT_K)
 
     @jit
     def _store_frag(y_ptr, out, row, col, M, N, stride_ym, SPLIT_K: tl.constexpr):

@@ -3,6 +3,8 @@ mma is computed from the whole warp's fragments, so these check the lane map and
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from ninfer.kernels.gemv_frag import FRAG_FORMATS, SCHEDULES, frag_route, gemv_f
 from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("triton_on_cpu_env")]
+REPO = Path(__file__).resolve().parents[1]
 
 
 # (format, schedule, columns, rows, blocks per row): one column of one tile; rows not a multiple of the tile
@@ -36,7 +39,7 @@ def test_frag_kernel_equals_twin(fmt, sched, width, rows, nb):
 
 
 def test_bf16_experiment_equals_its_twin():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(REPO))
     from bench.frag_bf16 import gemv_frag_bf16, gemv_frag_bf16_twin
 
     raw, x = gemv_case("q4_k", 24, 512, 3, seed=7)
@@ -60,3 +63,18 @@ def test_frag_route_and_errors():
     raw, x = gemv_case("q6_k", 4, 256, 1, seed=3)
     with pytest.raises(NinferError, match="tensor-core fragment"):
         gemv_frag(raw, "q6_k", quantize_activation(x), 4, "frag_w1_r1_m8")
+
+
+def test_sm90_compile_issues_the_mma_from_registers():
+    """The kernel's premise, checked on the sm_90 build: the int8 mma.sync runs once per sub-block (8 per
+    super-block and column tile) on operands that never pass through shared memory (no barrier, no shared
+    stores or loads in the loop: the lane-first tiles keep one register layout)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled mode: a fresh process
+    env["NINFER_TRITON_COMPILE_CHECK"] = "1"
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "sass_frag.py"), "--schedules",
+                          "frag_w1_r1_m8_s2,frag_w1_r1_m16"], capture_output=True, text=True, timeout=300,
+                         cwd=REPO, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("q4_k:frag_")]
+    assert len(lines) == 2, out.stdout
+    assert "(IMMA 8, BAR 0, STS 0, LDS 0)" in lines[0] and "(IMMA 16, BAR 0, STS 0, LDS 0)" in lines[1]

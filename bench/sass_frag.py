@@ -1,0 +1,44 @@
+"""Compile fragment-GEMV schedules (ninfer/kernels/gemv_frag.py) for sm_90 without a GPU and print what their
+super-block loop runs: registers, SASS instruction count and opcode mix (IMMA = the int8 mma.sync; no BAR /
+STS / LDS: the fragments never pass through shared memory).
+
+    NINFER_TRITON_COMPILE_CHECK=1 python bench/sass_frag.py [--schedules A,B] [--format q4_k|q5_k]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+os.environ.setdefault("NINFER_TRITON_COMPILE_CHECK", "1")  # before ninfer imports triton_support
+
+from sass_tools import compile_sm90, cuobjdump, loop_body, opcode_mix  # noqa: E402  (bench/ is sys.path[0])
+
+
+def main() -> int:
+    from ninfer.kernels import gemv_frag as f
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--schedules", default="frag_w1_r1_m8_s2,frag_w2_r1_m8_s8")
+    p.add_argument("--format", default="q4_k")
+    a = p.parse_args()
+    for name in a.schedules.split(","):
+        s = f.SCHEDULES[name]
+        sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32",
+               "y_ptr": "*fp32" if s.split_k > 1 else "*bf16", "N": "i32", "K": "i32", "M": "i32",
+               "row_words": "i32", "stride_xd": "i32", "stride_ym": "i32"}
+        hinted = ("w_ptr", "xw_ptr", "xd_ptr", "xs_ptr", "y_ptr", "K", "row_words", "stride_xd", "stride_ym")
+        const = dict(FMT=f._FMT[a.format], WARPS=s.num_warps, RT=s.row_tiles, NT=s.block_m // 8,
+                     SPLIT_K=s.split_k, EMULATE=False, PDL=1)
+        c = compile_sm90(f._gemv_frag_kernel, sig, const, hinted, s.num_warps, 1)
+        regs = re.search(r"REG:(\d+)", cuobjdump(c, "-res-usage")).group(1)
+        body = loop_body(cuobjdump(c, "-sass"))
+        mix = opcode_mix(body)
+        print(f"{a.format}:{name}: regs {regs} loop {len(body)} {dict(mix.most_common(12))} "
+              f"(IMMA {mix['IMMA']}, BAR {mix['BAR']}, STS {mix['STS']}, LDS {mix['LDS']})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,7 +2,7 @@
 super-block loop runs: registers, SASS instruction count and opcode mix (IMMA = the int8 mma.sync; no BAR /
 STS / LDS: the fragments never pass through shared memory).
 
-    NINFER_TRITON_COMPILE_CHECK=1 python bench/sass_frag.py [--schedules A,B] [--format q4_k|q5_k]
+    NINFER_TRITON_COMPILE_CHECK=1 python bench/sass_frag.py [--schedules A,B] [--format q4_k|q5_k|iq3_s]
 """
 
 from __future__ import annotations
@@ -25,13 +25,25 @@ def main() -> int:
     a = p.parse_args()
     for name in a.schedules.split(","):
         s = f.SCHEDULES[name]
-        sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32",
-               "y_ptr": "*fp32" if s.split_k > 1 else "*bf16", "N": "i32", "K": "i32", "M": "i32",
-               "row_words": "i32", "stride_xd": "i32", "stride_ym": "i32"}
-        hinted = ("w_ptr", "xw_ptr", "xd_ptr", "xs_ptr", "y_ptr", "K", "row_words", "stride_xd", "stride_ym")
-        const = dict(FMT=f._FMT[a.format], WARPS=s.num_warps, RT=s.row_tiles, NT=s.block_m // 8,
-                     SPLIT_K=s.split_k, EMULATE=False, PDL=1)
-        c = compile_sm90(f._gemv_frag_kernel, sig, const, hinted, s.num_warps, 1)
+        y = "*fp32" if s.split_k > 1 else "*bf16"
+        const = dict(WARPS=s.num_warps, RT=s.row_tiles, NT=s.block_m // 8, SPLIT_K=s.split_k, EMULATE=False,
+                     PDL=1)
+        if a.format == "iq3_s":
+            sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "grid_ptr": "*i16", "y_ptr": y,
+                   "N": "i32", "K": "i32", "M": "i32", "row_bytes": "i32", "stride_xd": "i32",
+                   "stride_ym": "i32"}
+            hinted = ("w_ptr", "xw_ptr", "xd_ptr", "grid_ptr", "y_ptr", "K", "stride_xd", "stride_ym")
+            kernel = f._gemv_frag_iq3_kernel
+            const["WIDE"] = False
+        else:
+            sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "y_ptr": y,
+                   "N": "i32", "K": "i32", "M": "i32", "row_words": "i32", "stride_xd": "i32",
+                   "stride_ym": "i32"}
+            hinted = ("w_ptr", "xw_ptr", "xd_ptr", "xs_ptr", "y_ptr", "K", "row_words", "stride_xd",
+                      "stride_ym")
+            kernel = f._gemv_frag_kernel
+            const["FMT"] = f._FMT[a.format]
+        c = compile_sm90(kernel, sig, const, hinted, s.num_warps, 1)
         regs = re.search(r"REG:(\d+)", cuobjdump(c, "-res-usage")).group(1)
         body = loop_body(cuobjdump(c, "-sass"))
         mix = opcode_mix(body)

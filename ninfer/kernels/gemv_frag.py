@@ -1,5 +1,5 @@
 """Decode GEMV for 1–16 columns on int8 tensor cores with the operands loaded straight into the mma
-fragments ("frag"): q4_k and q5_k codes × int8 activations.
+fragments ("frag"): q4_k, q5_k and iq3_s codes × int8 activations.
 
 `gemv_mma.py` reaches the tensor cores through `tl.dot`, which stages both operands through shared memory
 behind a barrier: each sub-block's dot waits on its loads, one after another (~340 ns each on the H200). Here
@@ -13,11 +13,14 @@ the same k-slots; D d0, d1 = row g, columns 2t, 2t + 1; d2, d3 = row g + 8). The
 is free as long as A and B agree, so lane t takes codes 8t..8t + 7 of each 32-code sub-block: for q4_k
 those are bytes 8t..8t + 7 of the sub-block's 32-byte qs run (one 8-byte load per row serves the low-nibble
 and the high-nibble sub-block), the activation's codes 8t..8t + 7 one 8-byte load per column. After each
-mma the int32 tile gets the sub-block's scales in fp32:
+mma the int32 tile gets the sub-block's scales (sc·D in int32, d and dmin once per super-block):
 
     y[n, m] += d·sc_j[n] · D[n, m] · xd_j[m] − dmin·mn_j[n] · xs_j[m]
 
-so columns 1–8 cost the same weight traffic and one mma per sub-block (16 columns: two). Tensors are
+so columns 1–8 cost the same weight traffic and one mma per sub-block (16 columns: two). iq3_s
+(`_gemv_frag_iq3_kernel`): lane t's codes are grid words 2t, 2t + 1 of each sub-block with sign byte t, read
+as 2-byte pieces of the 2-byte-aligned blocks; 2.2× q4_k's instructions per super-block, not routed until
+timed (docs/gpu-notes.md, session 9). Tensors are
 `[32·warps, RT, NT, 4]`: the lane axis first (Triton gives lanes to the leading axis of equal contiguity, so
 element i of axis 0 lives in thread i), RT row tiles and NT column tiles of 8 per lane in registers, the word
 axis e last; every load is built at the full shape (zero strides where a value does not depend on an axis),
@@ -35,11 +38,11 @@ import torch
 
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
 from ninfer.kernels.gemv_rows import rows_setup
-from ninfer.kernels.gguf_matmul import MatmulSchedule, _f16_lo, _small_float
+from ninfer.kernels.gguf_matmul import MatmulSchedule, _f16_lo, _small_float, iq3s_grid16
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
 
-FRAG_FORMATS = ("q4_k", "q5_k")
+FRAG_FORMATS = ("q4_k", "q5_k", "iq3_s")
 _FMT = {"q4_k": 4, "q5_k": 5}
 MAX_COLUMNS = 16
 
@@ -86,7 +89,9 @@ def frag_route(fmt: str, out_features: int, in_features: int, columns: int) -> F
 
 
 if HAVE_TRITON:
+    from ninfer.kernels.gemv_q8_iq import prmt
     from ninfer.kernels.gemv_rows import _pick
+    from ninfer.kernels.gemv_rows_iq import _shf
 
     @jit
     def _mma_emulated(a0, a1, a2, a3, b0, b1, L: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr):
@@ -259,6 +264,158 @@ if HAVE_TRITON:
         _store_frag(y_ptr, acc3, ra + 8, cb + 1, M, N, stride_ym, SPLIT_K)
 
     @jit
+    def _signed_grid(g, nib, EMULATE: tl.constexpr):
+        """Grid word g (4 magnitude bytes, each 1..15) with byte k negated where bit k of nib (low 4 bits) is
+        set: nib · 0x10204080 puts bit k at the top of byte k (the 4 shifted copies never overlap), a
+        sign-replicating `prmt` makes the byte mask m, and −g = (g ^ 0xFF) + 1 per byte without carries."""
+        m = prmt((nib & 0xF) * 0x10204080, nib * 0, 0xBA98 + nib * 0, EMULATE)
+        return (g ^ m) + (m & 0x01010101)
+
+    @jit
+    def _grid(grid16_ptr, idx):
+        """`iq3s_grid_word` for int32 indices (0..511): a signed offset is one IMAD.WIDE, an unsigned one
+        two LEAs."""
+        h = tl.load(grid16_ptr + idx).to(tl.uint16, bitcast=True).to(tl.int32)
+        return (h | (h << 12)) & 0x0F0F0F0F
+
+    @jit
+    def _iq3_lane_words(w_ptr, b0, t, e):
+        """A lane's qs-pair and sign-byte words of one iq3_s block at byte offset b0 (full tile shape, the
+        same for every e): qs pair 2t of sub-blocks e (lo) and 4 + e (hi), sign byte t of the same
+        sub-blocks, each shifted into the low bits."""
+        q_at = b0 + 2 + 2 * t  # even: a 2-byte piece never crosses an aligned word
+        s_at = b0 + 74 + t
+        q_word = w_ptr + (q_at >> 2) + 2 * e
+        s_word = w_ptr + (s_at >> 2) + e
+        q_sh = ((q_at & 3) * 8).to(tl.int32)
+        s_sh = ((s_at & 3) * 8).to(tl.int32)
+        return (tl.load(q_word) >> q_sh, tl.load(q_word + 8) >> q_sh, tl.load(s_word) >> s_sh,
+                tl.load(s_word + 4) >> s_sh)
+
+    @jit
+    def _gemv_frag_iq3_kernel(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_xd,
+                              stride_ym, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
+                              SPLIT_K: tl.constexpr, WIDE: tl.constexpr, EMULATE: tl.constexpr,
+                              PDL: tl.constexpr = 0):
+        """iq3_s (110-byte blocks: d, qs[64], qh[8], signs[32], scales[4]): lane t's codes 8t..8t + 7 of
+        sub-block s are grid words 2t and 2t + 1 — qs bytes 8s + 2t, 8s + 2t + 1, their 9th bits 2t, 2t + 1
+        of qh byte s — and sign byte 4s + t (low nibble word 2t, high nibble 2t + 1). Blocks are only 2-byte
+        aligned, so the weight is read as aligned int32 words at byte offsets; every piece lies at an even
+        offset of its block, so a shift of 0 or 16 bits places it (`_shf` where 4 bytes span two words).
+        The word axis e carries rows g (e even) and g + 8 (odd). y += Σ_s d·(1 + 2·sc_s) · D_s · xd_s (no
+        min term). WIDE: 64-bit byte offsets (tensors of 2 GiB and more)."""
+        pdl_start(PDL)
+        L: tl.constexpr = 32 * WARPS
+        i, rt, nt, e = _frag_axes(WARPS, RT, NT)
+        zw = i * 0 + rt * 0 + nt * 0 + e * 0
+        g = (i % 32) // 4
+        t = i % 4
+        row_a = ((tl.program_id(0) * WARPS + i // 32) * RT + rt) * 16 + g
+        col0 = tl.program_id(1) * (8 * NT) + nt * 8
+        row = tl.minimum(tl.where(e % 2 == 0, row_a, row_a + 8), N - 1)
+        base = (row.to(tl.int64) if WIDE else row) * row_bytes + zw  # rows g (e even) and g + 8 (e odd)
+        row_g = tl.minimum(row_a, N - 1)
+        row_g8 = tl.minimum(row_a + 8, N - 1)
+        base_a = (row_g.to(tl.int64) if WIDE else row_g) * row_bytes + zw
+        base_b = (row_g8.to(tl.int64) if WIDE else row_g8) * row_bytes + zw
+        x_col = tl.minimum(col0 + g, M - 1).to(tl.int64) * (K // 4)
+        x_at = xw_ptr + x_col + 2 * t + e % 2 + 8 * (e // 2) + zw
+        c_d0 = tl.minimum(col0 + 2 * t, M - 1).to(tl.int64) * stride_xd + e + zw
+        c_d1 = tl.minimum(col0 + 2 * t + 1, M - 1).to(tl.int64) * stride_xd + e + zw
+        t3 = _pick(t + zw, e, 0)
+        steps = K // 256
+        per_split = (steps + SPLIT_K - 1) // SPLIT_K
+        s0 = tl.program_id(2) * per_split
+        s1 = tl.minimum(steps, s0 + per_split)
+        zf = tl.zeros([L, RT, NT], dtype=tl.float32)
+        acc0 = zf  # row g, column 2t
+        acc1 = zf  # row g, column 2t + 1
+        acc2 = zf  # row g + 8, column 2t
+        acc3 = zf  # row g + 8, column 2t + 1
+        for blk in range(s0, s1):
+            b0 = base + blk * 110
+            sh0 = ((b0 & 3) * 8).to(tl.int32)  # 0 or 16: the bit shift of offsets ≡ 0 mod 4 (d)
+            sh2 = 16 - sh0  # and of offsets ≡ 2 mod 4 (qh at 66, scales at 106)
+            # per row, words (qh 0, qh 1 | qh 2, d | scales 0, scales 1) in e = (g, g + 8, g, g + 8)
+            h_at = (b0 + 66) >> 2
+            w_qh = tl.load(w_ptr + h_at + e // 2)
+            w_qd = tl.load(w_ptr + tl.where(e < 2, h_at + 2, b0 >> 2))
+            w_sc = tl.load(w_ptr + ((b0 + 106) >> 2) + e // 2)
+            # the rows' qh bytes 0-3 and 4-7 and their 4 scale bytes as words (funnel-shifted by sh2)
+            sh2_a = _pick(sh2, e, 0)
+            sh2_b = _pick(sh2, e, 1)
+            qh_a0 = _shf(_pick(w_qh, e, 0), _pick(w_qh, e, 2), sh2_a, EMULATE)
+            qh_a1 = _shf(_pick(w_qh, e, 2), _pick(w_qd, e, 0), sh2_a, EMULATE)
+            qh_b0 = _shf(_pick(w_qh, e, 1), _pick(w_qh, e, 3), sh2_b, EMULATE)
+            qh_b1 = _shf(_pick(w_qh, e, 3), _pick(w_qd, e, 1), sh2_b, EMULATE)
+            sc_aw = _shf(_pick(w_sc, e, 0), _pick(w_sc, e, 2), sh2_a, EMULATE)
+            sc_bw = _shf(_pick(w_sc, e, 1), _pick(w_sc, e, 3), sh2_b, EMULATE)
+            # per row: the words of the qs pairs 2t of sub-blocks s = e, 4 + e (every second word) and of the
+            # sign bytes t (consecutive words), each set from one base (4 loads at immediate offsets)
+            qa_lo, qa_hi, sa_lo, sa_hi = _iq3_lane_words(w_ptr, base_a + blk * 110, t, e)
+            qb_lo, qb_hi, sb_lo, sb_hi = _iq3_lane_words(w_ptr, base_b + blk * 110, t, e)
+            dx0_lo = tl.load(xd_ptr + c_d0 + blk * 8)
+            dx0_hi = tl.load(xd_ptr + c_d0 + blk * 8 + 4)
+            dx1_lo = tl.load(xd_ptr + c_d1 + blk * 8)
+            dx1_hi = tl.load(xd_ptr + c_d1 + blk * 8 + 4)
+            sum0 = zf
+            sum1 = zf
+            sum2 = zf
+            sum3 = zf
+            for c in tl.static_range(4):
+                x = tl.load(x_at + blk * 64 + 16 * c)
+                for h in tl.static_range(2):
+                    s = 2 * c + h
+                    if s < 4:
+                        q_a = _pick(qa_lo, e, s)
+                        q_b = _pick(qb_lo, e, s)
+                        sg_a = _pick(sa_lo, e, s)
+                        sg_b = _pick(sb_lo, e, s)
+                    else:
+                        q_a = _pick(qa_hi, e, s - 4)
+                        q_b = _pick(qb_hi, e, s - 4)
+                        sg_a = _pick(sa_hi, e, s - 4)
+                        sg_b = _pick(sb_hi, e, s - 4)
+                    # bits 2t, 2t + 1 of qh byte s: the 9th index bits of words 2t, 2t + 1
+                    if s < 4:
+                        h_a = qh_a0 >> (8 * s + 2 * t3)
+                        h_b = qh_b0 >> (8 * s + 2 * t3)
+                    else:
+                        h_a = qh_a1 >> (8 * s - 32 + 2 * t3)
+                        h_b = qh_b1 >> (8 * s - 32 + 2 * t3)
+                    g0_a = _grid(grid_ptr, (q_a & 0xFF) | ((h_a & 1) << 8))
+                    g1_a = _grid(grid_ptr, ((q_a >> 8) & 0xFF) | ((h_a & 2) << 7))
+                    g0_b = _grid(grid_ptr, (q_b & 0xFF) | ((h_b & 1) << 8))
+                    g1_b = _grid(grid_ptr, ((q_b >> 8) & 0xFF) | ((h_b & 2) << 7))
+                    r0, r1, r2, r3 = _mma(_signed_grid(g0_a, sg_a, EMULATE),
+                                          _signed_grid(g0_b, sg_b, EMULATE),
+                                          _signed_grid(g1_a, sg_a >> 4, EMULATE),
+                                          _signed_grid(g1_b, sg_b >> 4, EMULATE),
+                                          _pick(x, e, 2 * h), _pick(x, e, 2 * h + 1), L, RT, NT, EMULATE)
+                    # scale nibble s: 4 scale bytes from the two words of each row
+                    sc_a = 1 + 2 * ((sc_aw >> (4 * s)) & 0xF)
+                    sc_b = 1 + 2 * ((sc_bw >> (4 * s)) & 0xF)
+                    xd0 = _pick(dx0_lo, e, s, -0.0) + _pick(dx0_hi, e, s - 4, -0.0)
+                    xd1 = _pick(dx1_lo, e, s, -0.0) + _pick(dx1_hi, e, s - 4, -0.0)
+                    # sc·D exactly in int32 (|D| ≤ 32·15·127, sc ≤ 31), then to float without a conversion
+                    sum0 += _int22_float(r0 * sc_a) * xd0
+                    sum1 += _int22_float(r1 * sc_a) * xd1
+                    sum2 += _int22_float(r2 * sc_b) * xd0
+                    sum3 += _int22_float(r3 * sc_b) * xd1
+            d_a = _f16_lo(_pick(w_qd, e, 2) >> _pick(sh0, e, 0))
+            d_b = _f16_lo(_pick(w_qd, e, 3) >> _pick(sh0, e, 1))
+            acc0 += d_a * sum0
+            acc1 += d_a * sum1
+            acc2 += d_b * sum2
+            acc3 += d_b * sum3
+        ra = _pick(row_a + zw, e, 0)
+        cb = _pick(col0 + 2 * t + zw, e, 0)
+        _store_frag(y_ptr, acc0, ra, cb, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc1, ra, cb + 1, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc2, ra + 8, cb, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc3, ra + 8, cb + 1, M, N, stride_ym, SPLIT_K)
+
+    @jit
     def _store_frag(y_ptr, out, row, col, M, N, stride_ym, SPLIT_K: tl.constexpr):
         """A lane's sums into y at (column col, row row): stored, or added with fp32 atomics under split-K."""
         ptrs = y_ptr + col.to(tl.int64) * stride_ym + row
@@ -271,16 +428,24 @@ if HAVE_TRITON:
 
 def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
               schedule: FragSchedule | str) -> torch.Tensor:
-    """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, q4_k
-    or q5_k) and xa the int8 activation (1–16 columns); the kernel runs on `raw`'s device (CUDA, or CPU under
-    the interpreter)."""
+    """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, q4_k,
+    q5_k or iq3_s) and xa the int8 activation (1–16 columns); the kernel runs on `raw`'s device (CUDA, or CPU
+    under the interpreter)."""
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
     y, launch, extra = rows_setup(raw, format, xa, out_features, s, FRAG_FORMATS, "tensor-core fragment GEMV")
-    _gemv_frag_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n,
-                              raw.shape[1] // 4, k // 32, y.stride(0), FMT=_FMT[format], WARPS=s.num_warps,
-                              RT=s.row_tiles, NT=s.block_m // 8, SPLIT_K=s.split_k, EMULATE=EMULATE_DP4A,
-                              **extra, **pdl_options(raw, trigger=False))
-    return y.to(xa.dtype)
+    tiles = dict(WARPS=s.num_warps, RT=s.row_tiles, NT=s.block_m // 8, SPLIT_K=s.split_k,
+                 EMULATE=EMULATE_DP4A)
+    if format == "iq3_s":
+        from ninfer.kernels.gemv_rows_iq import _aligned_words
 
+        _gemv_frag_iq3_kernel[launch](_aligned_words(raw), xa.words, xa.d, iq3s_grid16(raw.device), y,
+                                      out_features, k, n, raw.shape[1], k // 32, y.stride(0), **tiles,
+                                      WIDE=raw.numel() >= 2**31 - 256, **extra,
+                                      **pdl_options(raw, trigger=False))
+    else:
+        _gemv_frag_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n,
+                                  raw.shape[1] // 4, k // 32, y.stride(0), FMT=_FMT[format], **tiles,
+                                  **extra, **pdl_options(raw, trigger=False))
+    return y.to(xa.dtype)

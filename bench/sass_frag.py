@@ -2,7 +2,7 @@
 super-block loop runs: registers, SASS instruction count and opcode mix (IMMA = the int8 mma.sync; no BAR /
 STS / LDS: the fragments never pass through shared memory).
 
-    NINFER_TRITON_COMPILE_CHECK=1 python bench/sass_frag.py [--schedules A,B] [--format q4_k|q5_k|iq3_s]
+    NINFER_TRITON_COMPILE_CHECK=1 python bench/sass_frag.py [--schedules A,B] [--format q4_k|q5_k|iq3_s|q6_k]
 """
 
 from __future__ import annotations
@@ -28,12 +28,16 @@ def main() -> int:
         y = "*fp32" if s.split_k > 1 else "*bf16"
         const = dict(WARPS=s.num_warps, RT=s.row_tiles, NT=s.block_m // 8, SPLIT_K=s.split_k, EMULATE=False,
                      PDL=1)
-        if a.format == "iq3_s":
+        if a.format in ("iq3_s", "q6_k"):  # byte offsets into aligned words (2-byte-aligned blocks)
             sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "grid_ptr": "*i16", "y_ptr": y,
                    "N": "i32", "K": "i32", "M": "i32", "row_bytes": "i32", "stride_xd": "i32",
                    "stride_ym": "i32"}
             hinted = ("w_ptr", "xw_ptr", "xd_ptr", "grid_ptr", "y_ptr", "K", "stride_xd", "stride_ym")
             kernel = f._gemv_frag_iq3_kernel
+            if a.format == "q6_k":
+                del sig["grid_ptr"]
+                kernel = f._gemv_frag_q6k_kernel
+            hinted = tuple(h for h in hinted if h in sig)
             const["WIDE"] = False
         else:
             sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "y_ptr": y,

@@ -85,7 +85,7 @@ def test_mma_gemm_on_gpu(fmt, monkeypatch):
         assert rel(quant_matmul(raw, fmt, x, 17408), want) < 5e-3, width
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "iq3_s"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "iq3_s", "q6_k"])
 def test_frag_gemv_on_gpu(fmt):
     """The tensor-core fragment schedules (mma.sync through inline PTX: the fragment layout is the
     hardware's, so only a GPU checks it) vs the float64 twin at 1, 7, 8 and 16 columns, rows past the tile,

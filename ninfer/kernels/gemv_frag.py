@@ -19,8 +19,9 @@ mma the int32 tile gets the sub-block's scales (sc·D in int32, d and dmin once 
 
 so columns 1–8 cost the same weight traffic and one mma per sub-block (16 columns: two). iq3_s
 (`_gemv_frag_iq3_kernel`): lane t's codes are grid words 2t, 2t + 1 of each sub-block with sign byte t, read
-as 2-byte pieces of the 2-byte-aligned blocks; 2.2× q4_k's instructions per super-block, not routed until
-timed (docs/gpu-notes.md, session 9). Tensors are
+as 2-byte pieces of the 2-byte-aligned blocks; q6_k (`_gemv_frag_q6k_kernel`, the output head): one m16n8k16
+mma per 16-code scale group. Both run ~2× q4_k's instructions per super-block and are not routed until timed
+(docs/gpu-notes.md, session 9). Tensors are
 `[32·warps, RT, NT, 4]`: the lane axis first (Triton gives lanes to the leading axis of equal contiguity, so
 element i of axis 0 lives in thread i), RT row tiles and NT column tiles of 8 per lane in registers, the word
 axis e last; every load is built at the full shape (zero strides where a value does not depend on an axis),
@@ -42,7 +43,7 @@ from ninfer.kernels.gguf_matmul import MatmulSchedule, _f16_lo, _small_float, iq
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
 
-FRAG_FORMATS = ("q4_k", "q5_k", "iq3_s")
+FRAG_FORMATS = ("q4_k", "q5_k", "iq3_s", "q6_k")
 _FMT = {"q4_k": 4, "q5_k": 5}
 MAX_COLUMNS = 16
 
@@ -127,6 +128,19 @@ if HAVE_TRITON:
                 "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
                 "{$8, $9}, {$10, $10, $10, $10};",
                 "=r,=r,=r,=r,r,r,r,r,r,r,r", [a0, a1, a2, a3, b0, b1, a0 * 0],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+    @jit
+    def _mma16(a0, a1, b0, L: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr, EMULATE: tl.constexpr):
+        """The int32 16×8 tile of one m16n8k16 int8 mma: A words a0 / a1 = rows g / g + 8 at k-slots
+        4t..4t + 3, B word b0 = column g at the same slots (emulated as the k32 mma, upper half zero)."""
+        if EMULATE:
+            return _mma_emulated(a0, a1, a0 * 0, a0 * 0, b0, b0 * 0, L, RT, NT)
+        else:
+            return tl.inline_asm_elementwise(
+                "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, {$4, $5}, {$6}, "
+                "{$7, $7, $7, $7};",
+                "=r,=r,=r,=r,r,r,r,r", [a0, a1, b0, a0 * 0],
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
     @jit
@@ -416,6 +430,119 @@ if HAVE_TRITON:
         _store_frag(y_ptr, acc3, ra + 8, cb + 1, M, N, stride_ym, SPLIT_K)
 
     @jit
+    def _q6k_lane_words(w_ptr, b0, t, e):
+        """A lane's words of one q6_k block at byte offset b0 (full tile shape, the same for every e), each
+        with the aligned word after it (the pair `_shf` joins): the 4-byte pieces 4t of the eight 16-byte ql
+        runs (runs e and 4 + e), of the four 16-byte qh runs (run e), and the scale words 48 + e (the word
+        after the last one, 52, holds d)."""
+        q = w_ptr + (b0 >> 2) + t + 4 * e
+        sc = w_ptr + (b0 >> 2) + 48 + e
+        return (tl.load(q), tl.load(q + 1), tl.load(q + 16), tl.load(q + 17), tl.load(q + 32),
+                tl.load(q + 33), tl.load(sc), tl.load(sc + 1))
+
+    @jit
+    def _q6_codes(low, qh, JQ: tl.constexpr):
+        """int8 words q − 32 from 4 low nibbles (low, in each byte's bits 0-3) and their two high bits (bits
+        2·JQ, 2·JQ + 1 of each qh byte): c ^ 0x20 is q − 32 for q ≥ 32 and q + 32 below, where adding 6·32
+        makes it q − 32 mod 256 (no carries between bytes)."""
+        x = (low | (((qh >> (2 * JQ)) & 0x03030303) << 4)) ^ 0x20202020
+        return x + 6 * (x & 0x20202020)
+
+    @jit
+    def _gemv_frag_q6k_kernel(w_ptr, xw_ptr, xd_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym,
+                              WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr, SPLIT_K: tl.constexpr,
+                              WIDE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
+        """q6_k (210-byte blocks: ql[128], qh[64], scales[16] int8, d) on m16n8k16 int8 mmas, one per
+        16-code scale group j = 8h + 2·jq + b: lane t's codes 4t..4t + 3 of the group are the 4-byte ql piece
+        at 64h + 32(jq % 2) + 16b + 4t (nibble jq // 2) and the qh piece at 128 + 32h + 16b + 4t (bits
+        2·jq). Every piece lies at an offset ≡ 0 mod 4 of its 2-byte-aligned block, so all take the block's
+        one funnel shift (0 or 16 bits). y += d · Σ_j sc_j · D_j · xd_(j/2)."""
+        pdl_start(PDL)
+        L: tl.constexpr = 32 * WARPS
+        i, rt, nt, e = _frag_axes(WARPS, RT, NT)
+        zw = i * 0 + rt * 0 + nt * 0 + e * 0
+        g = (i % 32) // 4
+        t = i % 4
+        row_a = ((tl.program_id(0) * WARPS + i // 32) * RT + rt) * 16 + g
+        col0 = tl.program_id(1) * (8 * NT) + nt * 8
+        row_g = tl.minimum(row_a, N - 1)
+        row_g8 = tl.minimum(row_a + 8, N - 1)
+        base_a = (row_g.to(tl.int64) if WIDE else row_g) * row_bytes + zw
+        base_b = (row_g8.to(tl.int64) if WIDE else row_g8) * row_bytes + zw
+        # t hidden from Triton's contiguity analysis: the lanes of a row read consecutive words, and a
+        # contiguous lane axis would be vectorised, giving a thread 4 lanes' elements (and each mma 4 times)
+        t_h = tl.where(t < 4, t, 0)
+        # activation: codes 16j + 4t..4t + 3 of column g are word 4j + t (group 4u + e in load u)
+        x_at = xw_ptr + tl.minimum(col0 + g, M - 1).to(tl.int64) * (K // 4) + t_h + 4 * e + zw
+        c_d0 = tl.minimum(col0 + 2 * t, M - 1).to(tl.int64) * stride_xd + e + zw
+        c_d1 = tl.minimum(col0 + 2 * t + 1, M - 1).to(tl.int64) * stride_xd + e + zw
+        steps = K // 256
+        per_split = (steps + SPLIT_K - 1) // SPLIT_K
+        s0 = tl.program_id(2) * per_split
+        s1 = tl.minimum(steps, s0 + per_split)
+        zf = tl.zeros([L, RT, NT], dtype=tl.float32)
+        acc0 = zf  # row g, column 2t
+        acc1 = zf  # row g, column 2t + 1
+        acc2 = zf  # row g + 8, column 2t
+        acc3 = zf  # row g + 8, column 2t + 1
+        for blk in range(s0, s1):
+            b_a = base_a + blk * 210
+            b_b = base_b + blk * 210
+            sh_a = _pick(((b_a & 3) * 8).to(tl.int32), e, 0)  # 0 or 16
+            sh_b = _pick(((b_b & 3) * 8).to(tl.int32), e, 0)
+            la, la_n, la4, la4_n, ha, ha_n, sa, sa_n = _q6k_lane_words(w_ptr, b_a, t_h, e)
+            lb, lb_n, lb4, lb4_n, hb, hb_n, sb, sb_n = _q6k_lane_words(w_ptr, b_b, t_h, e)
+            d_a = _f16_lo(_pick(sa_n, e, 3) >> sh_a)
+            d_b = _f16_lo(_pick(sb_n, e, 3) >> sh_b)
+            dx0_lo = tl.load(xd_ptr + c_d0 + blk * 8)
+            dx0_hi = tl.load(xd_ptr + c_d0 + blk * 8 + 4)
+            dx1_lo = tl.load(xd_ptr + c_d1 + blk * 8)
+            dx1_hi = tl.load(xd_ptr + c_d1 + blk * 8 + 4)
+            sum0 = zf
+            sum1 = zf
+            sum2 = zf
+            sum3 = zf
+            for u in tl.static_range(4):  # activation words of groups 4u..4u + 3
+                x = tl.load(x_at + blk * 64 + 16 * u)
+                for v in tl.static_range(4):
+                    j = 4 * u + v
+                    jq = (j % 8) // 2
+                    run = 4 * (j // 8) + 2 * (jq % 2) + j % 2  # the 16-byte ql run: 64h + 32(jq % 2) + 16b
+                    if run < 4:
+                        qa = _shf(_pick(la, e, run), _pick(la_n, e, run), sh_a, EMULATE)
+                        qb = _shf(_pick(lb, e, run), _pick(lb_n, e, run), sh_b, EMULATE)
+                    else:
+                        qa = _shf(_pick(la4, e, run - 4), _pick(la4_n, e, run - 4), sh_a, EMULATE)
+                        qb = _shf(_pick(lb4, e, run - 4), _pick(lb4_n, e, run - 4), sh_b, EMULATE)
+                    hrun = 2 * (j // 8) + j % 2  # the 16-byte qh run: 128 + 32h + 16b
+                    hh_a = _shf(_pick(ha, e, hrun), _pick(ha_n, e, hrun), sh_a, EMULATE)
+                    hh_b = _shf(_pick(hb, e, hrun), _pick(hb_n, e, hrun), sh_b, EMULATE)
+                    code_a = _q6_codes((qa >> (4 * (jq // 2))) & 0x0F0F0F0F, hh_a, jq)
+                    code_b = _q6_codes((qb >> (4 * (jq // 2))) & 0x0F0F0F0F, hh_b, jq)
+                    r0, r1, r2, r3 = _mma16(code_a, code_b, _pick(x, e, v), L, RT, NT, EMULATE)
+                    # the groups' int8 scales: byte j % 4 of scale word j // 4, sign-extended
+                    sw_a = _shf(_pick(sa, e, j // 4), _pick(sa_n, e, j // 4), sh_a, EMULATE)
+                    sw_b = _shf(_pick(sb, e, j // 4), _pick(sb_n, e, j // 4), sh_b, EMULATE)
+                    sc_a = _int22_float((sw_a << (24 - 8 * (j % 4))) >> 24)
+                    sc_b = _int22_float((sw_b << (24 - 8 * (j % 4))) >> 24)
+                    xd0 = _pick(dx0_lo, e, j // 2, -0.0) + _pick(dx0_hi, e, j // 2 - 4, -0.0)
+                    xd1 = _pick(dx1_lo, e, j // 2, -0.0) + _pick(dx1_hi, e, j // 2 - 4, -0.0)
+                    sum0 += (_int22_float(r0) * sc_a) * xd0
+                    sum1 += (_int22_float(r1) * sc_a) * xd1
+                    sum2 += (_int22_float(r2) * sc_b) * xd0
+                    sum3 += (_int22_float(r3) * sc_b) * xd1
+            acc0 += d_a * sum0
+            acc1 += d_a * sum1
+            acc2 += d_b * sum2
+            acc3 += d_b * sum3
+        ra = _pick(row_a + zw, e, 0)
+        cb = _pick(col0 + 2 * t + zw, e, 0)
+        _store_frag(y_ptr, acc0, ra, cb, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc1, ra, cb + 1, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc2, ra + 8, cb, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc3, ra + 8, cb + 1, M, N, stride_ym, SPLIT_K)
+
+    @jit
     def _store_frag(y_ptr, out, row, col, M, N, stride_ym, SPLIT_K: tl.constexpr):
         """A lane's sums into y at (column col, row row): stored, or added with fp32 atomics under split-K."""
         ptrs = y_ptr + col.to(tl.int64) * stride_ym + row
@@ -437,13 +564,18 @@ def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     y, launch, extra = rows_setup(raw, format, xa, out_features, s, FRAG_FORMATS, "tensor-core fragment GEMV")
     tiles = dict(WARPS=s.num_warps, RT=s.row_tiles, NT=s.block_m // 8, SPLIT_K=s.split_k,
                  EMULATE=EMULATE_DP4A)
-    if format == "iq3_s":
+    if format in ("iq3_s", "q6_k"):  # 2-byte-aligned blocks: aligned words at byte offsets
         from ninfer.kernels.gemv_rows_iq import _aligned_words
 
-        _gemv_frag_iq3_kernel[launch](_aligned_words(raw), xa.words, xa.d, iq3s_grid16(raw.device), y,
-                                      out_features, k, n, raw.shape[1], k // 32, y.stride(0), **tiles,
-                                      WIDE=raw.numel() >= 2**31 - 256, **extra,
-                                      **pdl_options(raw, trigger=False))
+        wide = raw.numel() >= 2**31 - 256
+        if format == "iq3_s":
+            _gemv_frag_iq3_kernel[launch](_aligned_words(raw), xa.words, xa.d, iq3s_grid16(raw.device), y,
+                                          out_features, k, n, raw.shape[1], k // 32, y.stride(0), **tiles,
+                                          WIDE=wide, **extra, **pdl_options(raw, trigger=False))
+        else:
+            _gemv_frag_q6k_kernel[launch](_aligned_words(raw), xa.words, xa.d, y, out_features, k, n,
+                                          raw.shape[1], k // 32, y.stride(0), **tiles, WIDE=wide, **extra,
+                                          **pdl_options(raw, trigger=False))
     else:
         _gemv_frag_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n,
                                   raw.shape[1] // 4, k // 32, y.stride(0), FMT=_FMT[format], **tiles,

@@ -45,7 +45,6 @@ from ninfer.quant.formats import GGUF_PREFIX
 
 FRAG_FORMATS = ("q4_k", "q5_k", "iq3_s", "q6_k")
 _FMT = {"q4_k": 4, "q5_k": 5}
-MAX_COLUMNS = 16
 
 
 @dataclass(frozen=True)
@@ -75,8 +74,9 @@ SCHEDULES: dict[str, FragSchedule] = {
 def frag_route(fmt: str, out_features: int, in_features: int, columns: int) -> FragSchedule | None:
     """The fragment schedule for a q4_k decode GEMV of 5–8 columns on matrices of ≥ 10240 rows or of rows
     longer than 8192 columns, where it beats the rows kernels and the `tl.dot` tiles (H200,
-    bench/frag_timing.py, session 9 run 6, µs at 8 columns): 17408×5120 37.1 vs 45.6 (the tile), 5120×17408
-    36.4 vs 43.2-46.3, 10240×5120 24.0 vs 27.6; not on 6144×5120 (18.2 vs 18.0) nor at 1-4 columns
+    bench/frag_timing.py and rows_timing.py, session 9 runs 6 and 8, µs at 8 columns): 17408×5120 37.1 vs
+    45.6 (the tile), 5120×17408 36.4 vs 43.2-46.3, 12288×5120 27.5 vs 32.1 and 10240×5120 24.2 vs 27.5 (the
+    rows kernel's piece lanes); not on 6144×5120 (18.3 vs 17.8) nor at 1-4 columns
     (17408×5120: 26.3 µs at one column where the rows kernel takes 16). Its cost hardly grows with the
     columns: the weight decode and the scaling of each int32 tile (~380 instructions per warp and
     super-block, issue-bound) are the same for 1 and for 8."""
@@ -91,7 +91,7 @@ def frag_route(fmt: str, out_features: int, in_features: int, columns: int) -> F
 
 if HAVE_TRITON:
     from ninfer.kernels.gemv_q8_iq import prmt
-    from ninfer.kernels.gemv_rows import _pick
+    from ninfer.kernels.gemv_rows import _pick, _step_range
     from ninfer.kernels.gemv_rows_iq import _shf
 
     @jit
@@ -194,10 +194,7 @@ if HAVE_TRITON:
         # 16 bytes wide)
         c_d0 = tl.minimum(col0 + 2 * t, M - 1).to(tl.int64) * stride_xd + e + zw
         c_d1 = tl.minimum(col0 + 2 * t + 1, M - 1).to(tl.int64) * stride_xd + e + zw
-        steps = K // 256
-        per_split = (steps + SPLIT_K - 1) // SPLIT_K
-        s0 = tl.program_id(2) * per_split
-        s1 = tl.minimum(steps, s0 + per_split)
+        s0, s1 = _step_range(K, 1, SPLIT_K)
         zf = tl.zeros([L, RT, NT], dtype=tl.float32)
         acc0 = zf  # row g, column 2t
         acc1 = zf  # row g, column 2t + 1
@@ -270,12 +267,8 @@ if HAVE_TRITON:
             acc1 += d_a * sum1 - m_a * low1
             acc2 += d_b * sum2 - m_b * low2
             acc3 += d_b * sum3 - m_b * low3
-        ra = _pick(row_a + zw, e, 0)
-        cb = _pick(col0 + 2 * t + zw, e, 0)
-        _store_frag(y_ptr, acc0, ra, cb, M, N, stride_ym, SPLIT_K)
-        _store_frag(y_ptr, acc1, ra, cb + 1, M, N, stride_ym, SPLIT_K)
-        _store_frag(y_ptr, acc2, ra + 8, cb, M, N, stride_ym, SPLIT_K)
-        _store_frag(y_ptr, acc3, ra + 8, cb + 1, M, N, stride_ym, SPLIT_K)
+        _store_tile(y_ptr, acc0, acc1, acc2, acc3, _pick(row_a + zw, e, 0), _pick(col0 + 2 * t + zw, e, 0),
+                    M, N, stride_ym, SPLIT_K)
 
     @jit
     def _signed_grid(g, nib, EMULATE: tl.constexpr):
@@ -337,10 +330,7 @@ if HAVE_TRITON:
         c_d0 = tl.minimum(col0 + 2 * t, M - 1).to(tl.int64) * stride_xd + e + zw
         c_d1 = tl.minimum(col0 + 2 * t + 1, M - 1).to(tl.int64) * stride_xd + e + zw
         t3 = _pick(t + zw, e, 0)
-        steps = K // 256
-        per_split = (steps + SPLIT_K - 1) // SPLIT_K
-        s0 = tl.program_id(2) * per_split
-        s1 = tl.minimum(steps, s0 + per_split)
+        s0, s1 = _step_range(K, 1, SPLIT_K)
         zf = tl.zeros([L, RT, NT], dtype=tl.float32)
         acc0 = zf  # row g, column 2t
         acc1 = zf  # row g, column 2t + 1
@@ -422,12 +412,8 @@ if HAVE_TRITON:
             acc1 += d_a * sum1
             acc2 += d_b * sum2
             acc3 += d_b * sum3
-        ra = _pick(row_a + zw, e, 0)
-        cb = _pick(col0 + 2 * t + zw, e, 0)
-        _store_frag(y_ptr, acc0, ra, cb, M, N, stride_ym, SPLIT_K)
-        _store_frag(y_ptr, acc1, ra, cb + 1, M, N, stride_ym, SPLIT_K)
-        _store_frag(y_ptr, acc2, ra + 8, cb, M, N, stride_ym, SPLIT_K)
-        _store_frag(y_ptr, acc3, ra + 8, cb + 1, M, N, stride_ym, SPLIT_K)
+        _store_tile(y_ptr, acc0, acc1, acc2, acc3, _pick(row_a + zw, e, 0), _pick(col0 + 2 * t + zw, e, 0),
+                    M, N, stride_ym, SPLIT_K)
 
     @jit
     def _q6k_lane_words(w_ptr, b0, t, e):
@@ -476,10 +462,7 @@ if HAVE_TRITON:
         x_at = xw_ptr + tl.minimum(col0 + g, M - 1).to(tl.int64) * (K // 4) + t_h + 4 * e + zw
         c_d0 = tl.minimum(col0 + 2 * t, M - 1).to(tl.int64) * stride_xd + e + zw
         c_d1 = tl.minimum(col0 + 2 * t + 1, M - 1).to(tl.int64) * stride_xd + e + zw
-        steps = K // 256
-        per_split = (steps + SPLIT_K - 1) // SPLIT_K
-        s0 = tl.program_id(2) * per_split
-        s1 = tl.minimum(steps, s0 + per_split)
+        s0, s1 = _step_range(K, 1, SPLIT_K)
         zf = tl.zeros([L, RT, NT], dtype=tl.float32)
         acc0 = zf  # row g, column 2t
         acc1 = zf  # row g, column 2t + 1
@@ -535,12 +518,16 @@ if HAVE_TRITON:
             acc1 += d_a * sum1
             acc2 += d_b * sum2
             acc3 += d_b * sum3
-        ra = _pick(row_a + zw, e, 0)
-        cb = _pick(col0 + 2 * t + zw, e, 0)
-        _store_frag(y_ptr, acc0, ra, cb, M, N, stride_ym, SPLIT_K)
-        _store_frag(y_ptr, acc1, ra, cb + 1, M, N, stride_ym, SPLIT_K)
-        _store_frag(y_ptr, acc2, ra + 8, cb, M, N, stride_ym, SPLIT_K)
-        _store_frag(y_ptr, acc3, ra + 8, cb + 1, M, N, stride_ym, SPLIT_K)
+        _store_tile(y_ptr, acc0, acc1, acc2, acc3, _pick(row_a + zw, e, 0), _pick(col0 + 2 * t + zw, e, 0),
+                    M, N, stride_ym, SPLIT_K)
+
+    @jit
+    def _store_tile(y_ptr, acc0, acc1, acc2, acc3, row, col, M, N, stride_ym, SPLIT_K: tl.constexpr):
+        """A lane's four sums of the mma's D layout: rows row, row + 8 × columns col, col + 1."""
+        _store_frag(y_ptr, acc0, row, col, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc1, row, col + 1, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc2, row + 8, col, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc3, row + 8, col + 1, M, N, stride_ym, SPLIT_K)
 
     @jit
     def _store_frag(y_ptr, out, row, col, M, N, stride_ym, SPLIT_K: tl.constexpr):

@@ -23,9 +23,9 @@ from ninfer.kernels.triton_support import jit, pdl_options, pdl_start, tl, tl_su
 from ninfer.quant.formats import GGUF_PREFIX
 
 if tl is not None:
-    from ninfer.kernels.gemv_frag import _frag_axes, _store_frag
+    from ninfer.kernels.gemv_frag import _lane_map, _store_tile
     from ninfer.kernels.gemv_q8_iq import prmt
-    from ninfer.kernels.gemv_rows import _pick
+    from ninfer.kernels.gemv_rows import _pick, _step_range
 
 
 @jit
@@ -160,22 +160,14 @@ def _gemv_frag_bf16_kernel(w_ptr, x_ptr, y_ptr, N, K, M, row_words, stride_x, st
     once per super-block: y += d·Σ sc·q·x − dmin·Σ mn·x."""
     pdl_start(PDL)
     L: tl.constexpr = 32 * WARPS
-    i, rt, nt, e = _frag_axes(WARPS, RT, NT)
-    zw = i * 0 + rt * 0 + nt * 0 + e * 0
-    g = (i % 32) // 4
-    t = i % 4
-    row_a = ((tl.program_id(0) * WARPS + i // 32) * RT + rt) * 16 + g
-    col0 = tl.program_id(1) * (8 * NT) + nt * 8
+    e, zw, g, t, row_a, col0 = _lane_map(WARPS, RT, NT)
     wa = w_ptr + tl.minimum(row_a, N - 1).to(tl.int64) * row_words + zw
     wb = w_ptr + tl.minimum(row_a + 8, N - 1).to(tl.int64) * row_words + zw
     qa = wa + 8 * t  # the lane's chunk t: qs words 8t..8t + 7 after the 4 header words
     qb = wb + 8 * t
     # the lane's 64 activation values of a super-block (codes 64t..64t + 63) as 32 bf16-pair words
     xr = x_ptr + tl.minimum(col0 + g, M - 1).to(tl.int64) * stride_x + 32 * t + zw
-    steps = K // 256
-    per_split = (steps + SPLIT_K - 1) // SPLIT_K
-    s0 = tl.program_id(2) * per_split
-    s1 = tl.minimum(steps, s0 + per_split)
+    s0, s1 = _step_range(K, 1, SPLIT_K)
     zf = tl.zeros([L, RT, NT], dtype=tl.float32)
     magic = _pick(zw + 0x43004300, e, 0)
     acc0 = zf  # row g, column 2t
@@ -255,12 +247,8 @@ def _gemv_frag_bf16_kernel(w_ptr, x_ptr, y_ptr, N, K, M, row_words, stride_x, st
         if PF:
             ha, hb, qa0, qa1, qb0, qb1 = ha_n, hb_n, qa0_n, qa1_n, qb0_n, qb1_n
             xl0, xl1, xl2, xl3, xh0, xh1, xh2, xh3 = xl0_n, xl1_n, xl2_n, xl3_n, xh0_n, xh1_n, xh2_n, xh3_n
-    ra = _pick(row_a + zw, e, 0)
-    cb = _pick(col0 + 2 * t + zw, e, 0)
-    _store_frag(y_ptr, acc0, ra, cb, M, N, stride_ym, SPLIT_K)
-    _store_frag(y_ptr, acc1, ra, cb + 1, M, N, stride_ym, SPLIT_K)
-    _store_frag(y_ptr, acc2, ra + 8, cb, M, N, stride_ym, SPLIT_K)
-    _store_frag(y_ptr, acc3, ra + 8, cb + 1, M, N, stride_ym, SPLIT_K)
+    _store_tile(y_ptr, acc0, acc1, acc2, acc3, _pick(row_a + zw, e, 0), _pick(col0 + 2 * t + zw, e, 0), M, N,
+                stride_ym, SPLIT_K)
 
 
 def gemv_frag_bf16(raw: torch.Tensor, format: str, x: torch.Tensor, out_features: int,

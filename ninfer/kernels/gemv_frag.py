@@ -161,10 +161,39 @@ if HAVE_TRITON:
         return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
     @jit
-    def _frag_axes(WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr):
-        """Axes [lane i, row tile rt, column tile nt, word e] as aranges along their own axis."""
-        return (tl.arange(0, 32 * WARPS)[:, None, None, None], tl.arange(0, RT)[None, :, None, None],
-                tl.arange(0, NT)[None, None, :, None], tl.arange(0, 4)[None, None, None, :])
+    def _d_columns(col0, t, M, stride_xd, e, zw):
+        """Offsets of the per-32 activation scales of the D columns 2t and 2t + 1 (word e: sub-block e of a
+        super-block; stride_xd = K / 32 as its own argument, which Triton specialises as 16-divisible, so
+        the loads are 16 bytes wide); columns past the end read the last one."""
+        return (tl.minimum(col0 + 2 * t, M - 1).to(tl.int64) * stride_xd + e + zw,
+                tl.minimum(col0 + 2 * t + 1, M - 1).to(tl.int64) * stride_xd + e + zw)
+
+    @jit
+    def _block_scales(ptr, c_d0, c_d1, blk):
+        """A super-block's 8 per-32 scales of the two D columns: (column 2t sub-blocks 0-3, 4-7, column
+        2t + 1 sub-blocks 0-3, 4-7)."""
+        at0 = ptr + c_d0 + blk * 8
+        at1 = ptr + c_d1 + blk * 8
+        return tl.load(at0), tl.load(at0 + 4), tl.load(at1), tl.load(at1 + 4)
+
+    @jit
+    def _of8(lo, hi, e, S: tl.constexpr):
+        """Value S of the 8 held as words e of lo (0-3) and hi (4-7); the pick that matches nothing folds
+        away (x + -0.0)."""
+        return _pick(lo, e, S, -0.0) + _pick(hi, e, S - 4, -0.0)
+
+    @jit
+    def _lane_map(WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr):
+        """A program's lane map, tensors `[32·warps, RT, NT, 4]`: the word axis e, int32 zeros at that shape,
+        each lane's group g and slot t (lane 4g + t), its A rows row_a = g and row_a + 8 of its warp's 16-row
+        tile, and the first column of its 8-column tile."""
+        i = tl.arange(0, 32 * WARPS)[:, None, None, None]
+        rt = tl.arange(0, RT)[None, :, None, None]
+        nt = tl.arange(0, NT)[None, None, :, None]
+        e = tl.arange(0, 4)[None, None, None, :]
+        g = (i % 32) // 4
+        row_a = ((tl.program_id(0) * WARPS + i // 32) * RT + rt) * 16 + g
+        return (e, i * 0 + rt * 0 + nt * 0 + e * 0, g, i % 4, row_a, tl.program_id(1) * (8 * NT) + nt * 8)
 
     @jit
     def _gemv_frag_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_xd, stride_ym,
@@ -174,12 +203,7 @@ if HAVE_TRITON:
         L: tl.constexpr = 32 * WARPS
         WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
         QS: tl.constexpr = 4 if FMT == 4 else 12  # first qs word
-        i, rt, nt, e = _frag_axes(WARPS, RT, NT)
-        zw = i * 0 + rt * 0 + nt * 0 + e * 0  # int32 zeros at the full tile shape
-        g = (i % 32) // 4
-        t = i % 4
-        row_a = ((tl.program_id(0) * WARPS + i // 32) * RT + rt) * 16 + g  # rows g (A) and g + 8 (B)
-        col0 = tl.program_id(1) * (8 * NT) + nt * 8
+        e, zw, g, t, row_a, col0 = _lane_map(WARPS, RT, NT)
         # weights: the lane's 8 qs bytes of rows g (words e = 0, 1) and g + 8 (e = 2, 3); rows past the end
         # read the last one and are not stored
         w_row = tl.minimum(row_a + 8 * (e // 2), N - 1).to(tl.int64) * row_words + zw
@@ -189,11 +213,7 @@ if HAVE_TRITON:
         # activation: codes 8t..8t + 7 of column g's low (e = 0, 1) and high (e = 2, 3) sub-block
         x_col = tl.minimum(col0 + g, M - 1).to(tl.int64) * (K // 4)
         x_at = xw_ptr + x_col + 2 * t + e % 2 + 8 * (e // 2) + zw
-        # per-32 activation scales of the D columns 2t and 2t + 1, sub-blocks e and 4 + e of a super-block
-        # (stride_xd = K / 32 as its own argument: Triton specialises it as 16-divisible, so these loads are
-        # 16 bytes wide)
-        c_d0 = tl.minimum(col0 + 2 * t, M - 1).to(tl.int64) * stride_xd + e + zw
-        c_d1 = tl.minimum(col0 + 2 * t + 1, M - 1).to(tl.int64) * stride_xd + e + zw
+        c_d0, c_d1 = _d_columns(col0, t, M, stride_xd, e, zw)
         s0, s1 = _step_range(K, 1, SPLIT_K)
         zf = tl.zeros([L, RT, NT], dtype=tl.float32)
         acc0 = zf  # row g, column 2t
@@ -203,14 +223,8 @@ if HAVE_TRITON:
         for blk in range(s0, s1):
             ha = tl.load(h_a + blk * WB)
             hb = tl.load(h_b + blk * WB)
-            dx0_lo = tl.load(xd_ptr + c_d0 + blk * 8)
-            dx0_hi = tl.load(xd_ptr + c_d0 + blk * 8 + 4)
-            dx1_lo = tl.load(xd_ptr + c_d1 + blk * 8)
-            dx1_hi = tl.load(xd_ptr + c_d1 + blk * 8 + 4)
-            sx0_lo = tl.load(xs_ptr + c_d0 + blk * 8)
-            sx0_hi = tl.load(xs_ptr + c_d0 + blk * 8 + 4)
-            sx1_lo = tl.load(xs_ptr + c_d1 + blk * 8)
-            sx1_hi = tl.load(xs_ptr + c_d1 + blk * 8 + 4)
+            dx0_lo, dx0_hi, dx1_lo, dx1_hi = _block_scales(xd_ptr, c_d0, c_d1, blk)
+            sx0_lo, sx0_hi, sx1_lo, sx1_hi = _block_scales(xs_ptr, c_d0, c_d1, blk)
             # the 6-bit scales and mins of rows g and g + 8, four to a word (byte j: sub-block j, 4 + j)
             sc_a_lo, sc_a_hi, mn_a_lo, mn_a_hi = _k_scale_bytes(ha, e)
             sc_b_lo, sc_b_hi, mn_b_lo, mn_b_hi = _k_scale_bytes(hb, e)
@@ -246,10 +260,10 @@ if HAVE_TRITON:
                         sc_b = (sc_b_hi >> sh) & 0xFF
                         mn_a = _small_float((mn_a_hi >> sh) & 0xFF)
                         mn_b = _small_float((mn_b_hi >> sh) & 0xFF)
-                    xd0 = _pick(dx0_lo, e, s, -0.0) + _pick(dx0_hi, e, s - 4, -0.0)
-                    xd1 = _pick(dx1_lo, e, s, -0.0) + _pick(dx1_hi, e, s - 4, -0.0)
-                    xs0 = _pick(sx0_lo, e, s, -0.0) + _pick(sx0_hi, e, s - 4, -0.0)
-                    xs1 = _pick(sx1_lo, e, s, -0.0) + _pick(sx1_hi, e, s - 4, -0.0)
+                    xd0 = _of8(dx0_lo, dx0_hi, e, s)
+                    xd1 = _of8(dx1_lo, dx1_hi, e, s)
+                    xs0 = _of8(sx0_lo, sx0_hi, e, s)
+                    xs1 = _of8(sx1_lo, sx1_hi, e, s)
                     # sc·D exactly in int32 (|D| ≤ 32·15·127, sc < 64), then to float without a conversion
                     sum0 += _int22_float(r0 * sc_a) * xd0
                     sum1 += _int22_float(r1 * sc_a) * xd1
@@ -313,12 +327,7 @@ if HAVE_TRITON:
         min term). WIDE: 64-bit byte offsets (tensors of 2 GiB and more)."""
         pdl_start(PDL)
         L: tl.constexpr = 32 * WARPS
-        i, rt, nt, e = _frag_axes(WARPS, RT, NT)
-        zw = i * 0 + rt * 0 + nt * 0 + e * 0
-        g = (i % 32) // 4
-        t = i % 4
-        row_a = ((tl.program_id(0) * WARPS + i // 32) * RT + rt) * 16 + g
-        col0 = tl.program_id(1) * (8 * NT) + nt * 8
+        e, zw, g, t, row_a, col0 = _lane_map(WARPS, RT, NT)
         row = tl.minimum(tl.where(e % 2 == 0, row_a, row_a + 8), N - 1)
         base = (row.to(tl.int64) if WIDE else row) * row_bytes + zw  # rows g (e even) and g + 8 (e odd)
         row_g = tl.minimum(row_a, N - 1)
@@ -327,8 +336,7 @@ if HAVE_TRITON:
         base_b = (row_g8.to(tl.int64) if WIDE else row_g8) * row_bytes + zw
         x_col = tl.minimum(col0 + g, M - 1).to(tl.int64) * (K // 4)
         x_at = xw_ptr + x_col + 2 * t + e % 2 + 8 * (e // 2) + zw
-        c_d0 = tl.minimum(col0 + 2 * t, M - 1).to(tl.int64) * stride_xd + e + zw
-        c_d1 = tl.minimum(col0 + 2 * t + 1, M - 1).to(tl.int64) * stride_xd + e + zw
+        c_d0, c_d1 = _d_columns(col0, t, M, stride_xd, e, zw)
         t3 = _pick(t + zw, e, 0)
         s0, s1 = _step_range(K, 1, SPLIT_K)
         zf = tl.zeros([L, RT, NT], dtype=tl.float32)
@@ -358,10 +366,7 @@ if HAVE_TRITON:
             # sign bytes t (consecutive words), each set from one base (4 loads at immediate offsets)
             qa_lo, qa_hi, sa_lo, sa_hi = _iq3_lane_words(w_ptr, base_a + blk * 110, t, e)
             qb_lo, qb_hi, sb_lo, sb_hi = _iq3_lane_words(w_ptr, base_b + blk * 110, t, e)
-            dx0_lo = tl.load(xd_ptr + c_d0 + blk * 8)
-            dx0_hi = tl.load(xd_ptr + c_d0 + blk * 8 + 4)
-            dx1_lo = tl.load(xd_ptr + c_d1 + blk * 8)
-            dx1_hi = tl.load(xd_ptr + c_d1 + blk * 8 + 4)
+            dx0_lo, dx0_hi, dx1_lo, dx1_hi = _block_scales(xd_ptr, c_d0, c_d1, blk)
             sum0 = zf
             sum1 = zf
             sum2 = zf
@@ -399,8 +404,8 @@ if HAVE_TRITON:
                     # scale nibble s: 4 scale bytes from the two words of each row
                     sc_a = 1 + 2 * ((sc_aw >> (4 * s)) & 0xF)
                     sc_b = 1 + 2 * ((sc_bw >> (4 * s)) & 0xF)
-                    xd0 = _pick(dx0_lo, e, s, -0.0) + _pick(dx0_hi, e, s - 4, -0.0)
-                    xd1 = _pick(dx1_lo, e, s, -0.0) + _pick(dx1_hi, e, s - 4, -0.0)
+                    xd0 = _of8(dx0_lo, dx0_hi, e, s)
+                    xd1 = _of8(dx1_lo, dx1_hi, e, s)
                     # sc·D exactly in int32 (|D| ≤ 32·15·127, sc ≤ 31), then to float without a conversion
                     sum0 += _int22_float(r0 * sc_a) * xd0
                     sum1 += _int22_float(r1 * sc_a) * xd1
@@ -445,12 +450,7 @@ if HAVE_TRITON:
         one funnel shift (0 or 16 bits). y += d · Σ_j sc_j · D_j · xd_(j/2)."""
         pdl_start(PDL)
         L: tl.constexpr = 32 * WARPS
-        i, rt, nt, e = _frag_axes(WARPS, RT, NT)
-        zw = i * 0 + rt * 0 + nt * 0 + e * 0
-        g = (i % 32) // 4
-        t = i % 4
-        row_a = ((tl.program_id(0) * WARPS + i // 32) * RT + rt) * 16 + g
-        col0 = tl.program_id(1) * (8 * NT) + nt * 8
+        e, zw, g, t, row_a, col0 = _lane_map(WARPS, RT, NT)
         row_g = tl.minimum(row_a, N - 1)
         row_g8 = tl.minimum(row_a + 8, N - 1)
         base_a = (row_g.to(tl.int64) if WIDE else row_g) * row_bytes + zw
@@ -460,8 +460,7 @@ if HAVE_TRITON:
         t_h = tl.where(t < 4, t, 0)
         # activation: codes 16j + 4t..4t + 3 of column g are word 4j + t (group 4u + e in load u)
         x_at = xw_ptr + tl.minimum(col0 + g, M - 1).to(tl.int64) * (K // 4) + t_h + 4 * e + zw
-        c_d0 = tl.minimum(col0 + 2 * t, M - 1).to(tl.int64) * stride_xd + e + zw
-        c_d1 = tl.minimum(col0 + 2 * t + 1, M - 1).to(tl.int64) * stride_xd + e + zw
+        c_d0, c_d1 = _d_columns(col0, t, M, stride_xd, e, zw)
         s0, s1 = _step_range(K, 1, SPLIT_K)
         zf = tl.zeros([L, RT, NT], dtype=tl.float32)
         acc0 = zf  # row g, column 2t
@@ -477,10 +476,7 @@ if HAVE_TRITON:
             lb, lb_n, lb4, lb4_n, hb, hb_n, sb, sb_n = _q6k_lane_words(w_ptr, b_b, t_h, e)
             d_a = _f16_lo(_pick(sa_n, e, 3) >> sh_a)
             d_b = _f16_lo(_pick(sb_n, e, 3) >> sh_b)
-            dx0_lo = tl.load(xd_ptr + c_d0 + blk * 8)
-            dx0_hi = tl.load(xd_ptr + c_d0 + blk * 8 + 4)
-            dx1_lo = tl.load(xd_ptr + c_d1 + blk * 8)
-            dx1_hi = tl.load(xd_ptr + c_d1 + blk * 8 + 4)
+            dx0_lo, dx0_hi, dx1_lo, dx1_hi = _block_scales(xd_ptr, c_d0, c_d1, blk)
             sum0 = zf
             sum1 = zf
             sum2 = zf
@@ -508,8 +504,8 @@ if HAVE_TRITON:
                     sw_b = _shf(_pick(sb, e, j // 4), _pick(sb_n, e, j // 4), sh_b, EMULATE)
                     sc_a = _int22_float((sw_a << (24 - 8 * (j % 4))) >> 24)
                     sc_b = _int22_float((sw_b << (24 - 8 * (j % 4))) >> 24)
-                    xd0 = _pick(dx0_lo, e, j // 2, -0.0) + _pick(dx0_hi, e, j // 2 - 4, -0.0)
-                    xd1 = _pick(dx1_lo, e, j // 2, -0.0) + _pick(dx1_hi, e, j // 2 - 4, -0.0)
+                    xd0 = _of8(dx0_lo, dx0_hi, e, j // 2)
+                    xd1 = _of8(dx1_lo, dx1_hi, e, j // 2)
                     sum0 += (_int22_float(r0) * sc_a) * xd0
                     sum1 += (_int22_float(r1) * sc_a) * xd1
                     sum2 += (_int22_float(r2) * sc_b) * xd0

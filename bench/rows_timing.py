@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="folder for rows_timing.json")
     ap.add_argument("--quick", action="store_true", help="only the checks on a tiny shape (CPU works)")
-    ap.add_argument("--formats", default="q4_k,q5_k", help="formats to check")
+    ap.add_argument("--formats", default="q4_k,q5_k", help="formats to check (\"\": none)")
     ap.add_argument("--time-formats", default="q4_k", help="formats to time")
     ap.add_argument("--widths", default="1,2,4,8", help="column counts to time (up to 16)")
     ap.add_argument("--only", default="", help="comma-separated parts of schedule names to check and time")
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     NVRTC = a.nvrtc and torch.cuda.is_available()
     t0 = time.time()
     log, dev = timing_session(a.out, "rows_timing.json")
-    formats = a.formats.split(",")
+    formats = [f for f in a.formats.split(",") if f]  # "" times without checking
     ok = check(log, dev, a.quick or dev.type != "cuda", formats, a.only)
     log.save()
     if a.quick or dev.type != "cuda":

@@ -71,17 +71,31 @@ SCHEDULES: dict[str, FragSchedule] = {
 }
 
 
+# the fewest columns from which the fragment kernel beats the rows kernels and two 1-column GEMVs
+FRAG_FROM = {"q4_k": 5, "iq3_s": 5, "q6_k": 2}
+
+
 def frag_route(fmt: str, out_features: int, in_features: int, columns: int) -> FragSchedule | None:
-    """The fragment schedule for a q4_k decode GEMV of 5–8 columns on matrices of ≥ 10240 rows or of rows
-    longer than 8192 columns, where it beats the rows kernels and the `tl.dot` tiles (H200,
-    bench/frag_timing.py and rows_timing.py, session 9 runs 6 and 8, µs at 8 columns): 17408×5120 37.1 vs
-    45.6 (the tile), 5120×17408 36.4 vs 43.2-46.3, 12288×5120 27.5 vs 32.1 and 10240×5120 24.2 vs 27.5 (the
-    rows kernel's piece lanes); not on 6144×5120 (18.3 vs 17.8) nor at 1-4 columns
-    (17408×5120: 26.3 µs at one column where the rows kernel takes 16). Its cost hardly grows with the
-    columns: the weight decode and the scaling of each int32 tile (~380 instructions per warp and
-    super-block, issue-bound) are the same for 1 and for 8."""
-    if fmt.removeprefix(GGUF_PREFIX) != "q4_k" or in_features % 256 or not 5 <= columns <= 8:
+    """The fragment schedule for a decode GEMV of up to 8 columns where it beats the rows kernels and the
+    `tl.dot` tiles (H200, bench/frag_timing.py and rows_timing.py; µs at 8 columns unless named):
+
+    - the q6_k output head (248320×5120) at 2–8 columns: 466 / 518 / 623 µs at 2 / 4 / 8 where two 1-column
+      GEMVs take 676 and the tile 1,174 / 1,210 (one column stays on the q8 GEMV: 341 vs 422);
+    - q4_k and iq3_s from 5, q6_k from 2 columns, on matrices of ≥ 10240 rows or of rows longer than 8192
+      columns (session 9 runs 6 and 8, session 10 runs 1 and 3): q4_k 17408×5120 37.1 vs 45.6 (the tile),
+      5120×17408 36.4 vs 43.2-46.3, 12288×5120 27.5 vs 32.1 and 10240×5120 24.2 vs 27.5 (the rows kernel's
+      piece lanes); iq3_s 53.8 vs 65.0, 52.0 vs 78.0, 39.4 vs 43.7 and 32.8 vs 36.9 (the tile); q6_k 60.7 vs
+      95.3, 55.5 vs 102.3, 43.8 vs 66.3 (at 2 columns 48.7 / 46.5 / 35.3 where two 1-column GEMVs take
+      59.9 / 64.7 / 46.9). Not on 6144×5120 (q4_k 18.3 vs 17.8), nor below 5 columns for q4_k and iq3_s,
+      where the rows kernels win (iq3_s 17408×5120 at 4 columns: 33.5 vs 51.2).
+
+    Its cost hardly grows with the columns: the weight decode and the scaling of each int32 tile (~380
+    instructions per warp and q4_k super-block, issue-bound) are the same for 1 and for 8."""
+    fmt = fmt.removeprefix(GGUF_PREFIX)
+    if in_features % 256 or not FRAG_FROM.get(fmt, 9) <= columns <= 8:
         return None
+    if fmt == "q6_k" and out_features >= 65536:
+        return SCHEDULES["frag_w2_r1_m8"]
     if in_features > 8192:
         return SCHEDULES["frag_w2_r1_m8_s8"]
     if out_features >= 16384:

@@ -882,7 +882,7 @@ def quant_matmul(
         from ninfer.kernels.gemv_q8 import quantize_activation_cached
 
         frag = None if mma_forced() else frag_route(format, out_features, in_features, M)
-        if frag is not None:  # the mma fragments loaded by each lane (5-8 columns, q4_k)
+        if frag is not None:  # the mma fragments loaded by each lane (frag_route)
             y = gemv_frag(raw, format, quantize_activation_cached(x), out_features, frag)
             return y.reshape(*x.shape[:-1], out_features)
         tile = mma_route(format, out_features, in_features, M, mma_forced())
@@ -916,7 +916,7 @@ def quant_matmul(
             y = gemv_q8_iq(raw, format, xa, out_features, s)
         elif M == 2 and schedule is None:
             # two 1-column GEMVs beat one 4-column tile for the k-quants (H200: q4_k 17408×5120 2 × 23.1 µs vs
-            # 75.5 µs, q6_k head 2 × 349 vs 1238 µs; at 3 columns the tile wins on 12288 rows)
+            # 75.5 µs; at 3 columns the tile wins on 12288 rows; big q6_k matrices take frag_route first)
             one = default_schedule(1, format, out_features, in_features, q8=True)
             y = torch.cat([gemv_q8(raw, format, xa.row(i), out_features, one) for i in range(2)])
         else:

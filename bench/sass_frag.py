@@ -3,6 +3,7 @@ super-block loop runs: registers, SASS instruction count and opcode mix (IMMA = 
 STS / LDS: the fragments never pass through shared memory).
 
     NINFER_TRITON_COMPILE_CHECK=1 python bench/sass_frag.py [--schedules A,B] [--format q4_k|q5_k|iq3_s|q6_k]
+        [--dump]   # --dump: the loop's SASS too
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--schedules", default="frag_w1_r1_m8_s2,frag_w2_r1_m8_s8")
     p.add_argument("--format", default="q4_k")
+    p.add_argument("--dump", action="store_true", help="also print the loop's SASS")
     a = p.parse_args()
     for name in a.schedules.split(","):
         s = f.SCHEDULES[name]
@@ -53,6 +55,8 @@ def main() -> int:
         mix = opcode_mix(body)
         print(f"{a.format}:{name}: regs {regs} loop {len(body)} {dict(mix.most_common(12))} "
               f"(IMMA {mix['IMMA']}, BAR {mix['BAR']}, STS {mix['STS']}, LDS {mix['LDS']})")
+        if a.dump:
+            print("\n".join(body))
     return 0
 
 

@@ -39,7 +39,7 @@ import torch
 
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
 from ninfer.kernels.gemv_rows import rows_setup
-from ninfer.kernels.gguf_matmul import MatmulSchedule, _f16_lo, _small_float, iq3s_grid16
+from ninfer.kernels.gguf_matmul import MatmulSchedule, _f16_lo, iq3s_grid16
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
 
@@ -109,9 +109,13 @@ if HAVE_TRITON:
     from ninfer.kernels.gemv_rows_iq import _shf
 
     @jit
-    def _mma_emulated(a0, a1, a2, a3, b0, b1, L: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr):
-        """What `mma.sync.m16n8k32.row.col.s32.s8.s8.s32` returns to each lane, computed from the whole
-        warp's fragments (tensors `[L, RT, NT]`, lane 4g + t of warp w at index 32w + 4g + t)."""
+    def _mma_emulated(a0, a1, a2, a3, b0, b1, L: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
+                      TF32: tl.constexpr = False):
+        """What `mma.sync.m16n8k32.row.col.s32.s8.s8.s32` (TF32: `m16n8k8.row.col.f32.tf32.tf32.f32`, the
+        operands fp32 bits) returns to each lane, computed from the whole warp's fragments (tensors
+        `[L, RT, NT]`, lane 4g + t of warp w at index 32w + 4g + t). Both lay A out as a0 / a2 = row g and
+        a1 / a3 = row g + 8 at k-slot t (four int8 slots 4t..4t + 3) in the lower / upper half of k, B as
+        b0 / b1 = column g at the same slots, D as row g (d0, d1) and g + 8 (d2, d3) × columns 2t, 2t + 1."""
         W: tl.constexpr = L // 32
         A0 = tl.reshape(a0, [W, 8, 4, RT, NT])[:, :, None, :, :, :]  # [warp, row g, ·, slot t, RT, NT]
         A1 = tl.reshape(a1, [W, 8, 4, RT, NT])[:, :, None, :, :, :]
@@ -119,8 +123,15 @@ if HAVE_TRITON:
         A3 = tl.reshape(a3, [W, 8, 4, RT, NT])[:, :, None, :, :, :]
         B0 = tl.reshape(b0, [W, 8, 4, RT, NT])[:, None, :, :, :, :]  # [warp, ·, column n, slot t, RT, NT]
         B1 = tl.reshape(b1, [W, 8, 4, RT, NT])[:, None, :, :, :, :]
-        top = tl_sum(dp4a(A0, B0, 0, True) + dp4a(A2, B1, 0, True), 3)[:, :, None, :, :, :]  # [W, g, ·, n]
-        bot = tl_sum(dp4a(A1, B0, 0, True) + dp4a(A3, B1, 0, True), 3)[:, :, None, :, :, :]
+        if TF32:
+            A0, A1, A2, A3 = (A0.to(tl.float32, bitcast=True), A1.to(tl.float32, bitcast=True),
+                              A2.to(tl.float32, bitcast=True), A3.to(tl.float32, bitcast=True))
+            B0, B1 = B0.to(tl.float32, bitcast=True), B1.to(tl.float32, bitcast=True)
+            top = tl_sum(A0 * B0 + A2 * B1, 3)[:, :, None, :, :, :]  # [W, g, ·, n]
+            bot = tl_sum(A1 * B0 + A3 * B1, 3)[:, :, None, :, :, :]
+        else:
+            top = tl_sum(dp4a(A0, B0, 0, True) + dp4a(A2, B1, 0, True), 3)[:, :, None, :, :, :]
+            bot = tl_sum(dp4a(A1, B0, 0, True) + dp4a(A3, B1, 0, True), 3)[:, :, None, :, :, :]
         n = tl.arange(0, 8)[None, None, None, :, None, None]
         t = tl.arange(0, 4)[None, None, :, None, None, None]
         d0 = tl_sum(tl.where(n == 2 * t, top, 0), 3)  # [W, g, t, RT, NT]: row g, column 2t
@@ -143,6 +154,48 @@ if HAVE_TRITON:
                 "{$8, $9}, {$10, $10, $10, $10};",
                 "=r,=r,=r,=r,r,r,r,r,r,r,r", [a0, a1, a2, a3, b0, b1, a0 * 0],
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+    @jit
+    def _tf32_parts(v):
+        """v (fp32) as three tf32 values (fp32 bits with the low 13 mantissa bits clear) summing to v up to
+        2^-33·|v|: each mma product of a part is then exact."""
+        hi = (v.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+        mid = ((v - hi).to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+        return hi, mid, v - hi - mid
+
+    @jit
+    def _mma_tf32(a0, a1, a2, a3, b, b4, L: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
+                  EMULATE: tl.constexpr):
+        """The fp32 16×8 tile A·B of m16n8k8 tf32 mmas, A (a0..a3: small integers, exact in tf32) times B
+        (b, b4: fp32 of k-slots t and t + 4, split into three tf32 parts, so the tile is fp32-exact up to the
+        mma's own fp32 sums), as each lane's (d0, d1, d2, d3)."""
+        bh, bm, bl = _tf32_parts(b)
+        b4h, b4m, b4l = _tf32_parts(b4)
+        a0 = a0.to(tl.int32, bitcast=True)
+        a1 = a1.to(tl.int32, bitcast=True)
+        a2 = a2.to(tl.int32, bitcast=True)
+        a3 = a3.to(tl.int32, bitcast=True)
+        if EMULATE:  # the three products in the hardware's order, each exact, added in fp32
+            l0, l1, l2, l3 = _mma_emulated(a0, a1, a2, a3, bl.to(tl.int32, bitcast=True),
+                                           b4l.to(tl.int32, bitcast=True), L, RT, NT, True)
+            m0, m1, m2, m3 = _mma_emulated(a0, a1, a2, a3, bm.to(tl.int32, bitcast=True),
+                                           b4m.to(tl.int32, bitcast=True), L, RT, NT, True)
+            h0, h1, h2, h3 = _mma_emulated(a0, a1, a2, a3, bh.to(tl.int32, bitcast=True),
+                                           b4h.to(tl.int32, bitcast=True), L, RT, NT, True)
+            return l0 + m0 + h0, l1 + m1 + h1, l2 + m2 + h2, l3 + m3 + h3
+        else:
+            return tl.inline_asm_elementwise(
+                "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+                "{$8, $9}, {$14, $14, $14, $14};\n"
+                "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+                "{$10, $11}, {$0, $1, $2, $3};\n"
+                "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+                "{$12, $13}, {$0, $1, $2, $3};",
+                "=&f,=&f,=&f,=&f,r,r,r,r,r,r,r,r,r,r,f",
+                [a0, a1, a2, a3, bl.to(tl.int32, bitcast=True), b4l.to(tl.int32, bitcast=True),
+                 bm.to(tl.int32, bitcast=True), b4m.to(tl.int32, bitcast=True), bh.to(tl.int32, bitcast=True),
+                 b4h.to(tl.int32, bitcast=True), tl.zeros_like(b)],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
 
     @jit
     def _mma16(a0, a1, b0, L: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr, EMULATE: tl.constexpr):
@@ -191,10 +244,17 @@ if HAVE_TRITON:
         return tl.load(at0), tl.load(at0 + 4), tl.load(at1), tl.load(at1 + 4)
 
     @jit
-    def _of8(lo, hi, e, S: tl.constexpr):
-        """Value S of the 8 held as words e of lo (0-3) and hi (4-7); the pick that matches nothing folds
-        away (x + -0.0)."""
-        return _pick(lo, e, S, -0.0) + _pick(hi, e, S - 4, -0.0)
+    def _word(v, S: tl.constexpr):
+        """Word S of the 4 along the last axis of a `[L, RT, NT, 4]` tensor, split out of the thread's
+        registers (no arithmetic: a float pick by a sum needs an add of +0.0 per value to keep −0.0)."""
+        even, odd = tl.split(tl.reshape(v, [v.shape[0], v.shape[1], v.shape[2], 2, 2]))
+        w02, w13 = tl.split(odd if S % 2 else even)
+        return w13 if S >= 2 else w02
+
+    @jit
+    def _of8(lo, hi, S: tl.constexpr):
+        """Value S of the 8 held as words of lo (0-3) and hi (4-7)."""
+        return _word(lo, S) if S < 4 else _word(hi, S - 4)
 
     @jit
     def _lane_map(WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr):
@@ -228,6 +288,13 @@ if HAVE_TRITON:
         x_col = tl.minimum(col0 + g, M - 1).to(tl.int64) * (K // 4)
         x_at = xw_ptr + x_col + 2 * t + e % 2 + 8 * (e // 2) + zw
         c_d0, c_d1 = _d_columns(col0, t, M, stride_xd, e, zw)
+        # the min term's B fragment: column g's activation sums of sub-blocks t and 4 + t (t hidden from
+        # the contiguity analysis, see the q6_k kernel); its A fragment picks byte t of the min words
+        t3 = _pick(t + zw, e, 0)
+        xs_at = xs_ptr + _pick(tl.minimum(col0 + g, M - 1).to(tl.int64) + zw, e, 0) * stride_xd + tl.where(
+            t3 < 4, t3, 0)
+        byte_t = 0x7440 + t3  # prmt: byte t, zeros, 0x4B on top (the fp32 bits of 2^23 + byte)
+        top = t3 * 0 + 0x4B000000
         s0, s1 = _step_range(K, 1, SPLIT_K)
         zf = tl.zeros([L, RT, NT], dtype=tl.float32)
         acc0 = zf  # row g, column 2t
@@ -238,18 +305,20 @@ if HAVE_TRITON:
             ha = tl.load(h_a + blk * WB)
             hb = tl.load(h_b + blk * WB)
             dx0_lo, dx0_hi, dx1_lo, dx1_hi = _block_scales(xd_ptr, c_d0, c_d1, blk)
-            sx0_lo, sx0_hi, sx1_lo, sx1_hi = _block_scales(xs_ptr, c_d0, c_d1, blk)
             # the 6-bit scales and mins of rows g and g + 8, four to a word (byte j: sub-block j, 4 + j)
             sc_a_lo, sc_a_hi, mn_a_lo, mn_a_hi = _k_scale_bytes(ha, e)
             sc_b_lo, sc_b_hi, mn_b_lo, mn_b_hi = _k_scale_bytes(hb, e)
+            # Σ_s mn·xs of the four (dmin after it): one 16×8×8 product over the 8 sub-blocks
+            low0, low1, low2, low3 = _mma_tf32(
+                prmt(mn_a_lo, top, byte_t, EMULATE).to(tl.float32, bitcast=True) - 8388608.0,
+                prmt(mn_b_lo, top, byte_t, EMULATE).to(tl.float32, bitcast=True) - 8388608.0,
+                prmt(mn_a_hi, top, byte_t, EMULATE).to(tl.float32, bitcast=True) - 8388608.0,
+                prmt(mn_b_hi, top, byte_t, EMULATE).to(tl.float32, bitcast=True) - 8388608.0,
+                tl.load(xs_at + blk * 8), tl.load(xs_at + blk * 8 + 4), L, RT, NT, EMULATE)
             sum0 = zf  # this super-block's Σ_s sc·D·xd of the four (d applied after it)
             sum1 = zf
             sum2 = zf
             sum3 = zf
-            low0 = zf  # and its Σ_s mn·xs (dmin after it)
-            low1 = zf
-            low2 = zf
-            low3 = zf
             for c in tl.static_range(4):
                 q = tl.load(q_at + blk * WB + 8 * c)
                 x = tl.load(x_at + blk * 64 + 16 * c)
@@ -267,26 +336,16 @@ if HAVE_TRITON:
                     if s < 4:
                         sc_a = (sc_a_lo >> sh) & 0xFF
                         sc_b = (sc_b_lo >> sh) & 0xFF
-                        mn_a = _small_float((mn_a_lo >> sh) & 0xFF)
-                        mn_b = _small_float((mn_b_lo >> sh) & 0xFF)
                     else:
                         sc_a = (sc_a_hi >> sh) & 0xFF
                         sc_b = (sc_b_hi >> sh) & 0xFF
-                        mn_a = _small_float((mn_a_hi >> sh) & 0xFF)
-                        mn_b = _small_float((mn_b_hi >> sh) & 0xFF)
-                    xd0 = _of8(dx0_lo, dx0_hi, e, s)
-                    xd1 = _of8(dx1_lo, dx1_hi, e, s)
-                    xs0 = _of8(sx0_lo, sx0_hi, e, s)
-                    xs1 = _of8(sx1_lo, sx1_hi, e, s)
+                    xd0 = _of8(dx0_lo, dx0_hi, s)
+                    xd1 = _of8(dx1_lo, dx1_hi, s)
                     # sc·D exactly in int32 (|D| ≤ 32·15·127, sc < 64), then to float without a conversion
                     sum0 += _int22_float(r0 * sc_a) * xd0
                     sum1 += _int22_float(r1 * sc_a) * xd1
                     sum2 += _int22_float(r2 * sc_b) * xd0
                     sum3 += _int22_float(r3 * sc_b) * xd1
-                    low0 += mn_a * xs0
-                    low1 += mn_a * xs1
-                    low2 += mn_b * xs0
-                    low3 += mn_b * xs1
             d_a = _f16_lo(_pick(ha, e, 0))
             m_a = _f16_lo(_pick(ha, e, 0) >> 16)
             d_b = _f16_lo(_pick(hb, e, 0))
@@ -418,8 +477,8 @@ if HAVE_TRITON:
                     # scale nibble s: 4 scale bytes from the two words of each row
                     sc_a = 1 + 2 * ((sc_aw >> (4 * s)) & 0xF)
                     sc_b = 1 + 2 * ((sc_bw >> (4 * s)) & 0xF)
-                    xd0 = _of8(dx0_lo, dx0_hi, e, s)
-                    xd1 = _of8(dx1_lo, dx1_hi, e, s)
+                    xd0 = _of8(dx0_lo, dx0_hi, s)
+                    xd1 = _of8(dx1_lo, dx1_hi, s)
                     # sc·D exactly in int32 (|D| ≤ 32·15·127, sc ≤ 31), then to float without a conversion
                     sum0 += _int22_float(r0 * sc_a) * xd0
                     sum1 += _int22_float(r1 * sc_a) * xd1
@@ -518,8 +577,8 @@ if HAVE_TRITON:
                     sw_b = _shf(_pick(sb, e, j // 4), _pick(sb_n, e, j // 4), sh_b, EMULATE)
                     sc_a = _int22_float((sw_a << (24 - 8 * (j % 4))) >> 24)
                     sc_b = _int22_float((sw_b << (24 - 8 * (j % 4))) >> 24)
-                    xd0 = _of8(dx0_lo, dx0_hi, e, j // 2)
-                    xd1 = _of8(dx1_lo, dx1_hi, e, j // 2)
+                    xd0 = _of8(dx0_lo, dx0_hi, j // 2)
+                    xd1 = _of8(dx1_lo, dx1_hi, j // 2)
                     sum0 += (_int22_float(r0) * sc_a) * xd0
                     sum1 += (_int22_float(r1) * sc_a) * xd1
                     sum2 += (_int22_float(r2) * sc_b) * xd0

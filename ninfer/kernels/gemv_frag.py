@@ -1,5 +1,5 @@
 """Decode GEMV for 1–16 columns on int8 tensor cores with the operands loaded straight into the mma
-fragments ("frag"): q4_k, q5_k and iq3_s codes × int8 activations.
+fragments ("frag"): q4_k, q5_k, iq3_s and q6_k codes × int8 activations.
 
 `gemv_mma.py` reaches the tensor cores through `tl.dot`, which stages both operands through shared memory
 behind a barrier: each sub-block's dot waits on its loads, one after another (~340 ns each on the H200). Here
@@ -20,13 +20,16 @@ mma the int32 tile gets the sub-block's scales (sc·D in int32, d and dmin once 
 so columns 1–8 cost the same weight traffic and one mma per sub-block (16 columns: two). iq3_s
 (`_gemv_frag_iq3_kernel`): lane t's codes are grid words 2t, 2t + 1 of each sub-block with sign byte t, read
 as 2-byte pieces of the 2-byte-aligned blocks; q6_k (`_gemv_frag_q6k_kernel`, the output head): one m16n8k16
-mma per 16-code scale group. Both run ~2× q4_k's instructions per super-block and are not routed until timed
-(docs/gpu-notes.md, session 9). Tensors are
-`[32·warps, RT, NT, 4]`: the lane axis first (Triton gives lanes to the leading axis of equal contiguity, so
-element i of axis 0 lives in thread i), RT row tiles and NT column tiles of 8 per lane in registers, the word
-axis e last; every load is built at the full shape (zero strides where a value does not depend on an axis),
-so all values share one register layout. Under the CPU interpreter the mma is computed from the whole
-warp's fragments (`_mma_emulated`), the same lane map, so the CPU tests check the kernel's indexing.
+mma per 16-code scale group. Both run ~2× q4_k's instructions per super-block; `frag_route` says where
+each wins (docs/gpu-notes.md, sessions 9–10). The q4_k / q5_k min term `dmin·Σ_s mn_s·xs_s` of a super-block
+is one m16n8k8 tf32 mma (k = the 8 sub-blocks; the activation sums split in three tf32 parts: fp32-exact).
+
+Tensors are `[32·warps, RT, NT, 4]`: the lane axis first (Triton gives lanes to the leading axis of equal
+contiguity, so element i of axis 0 lives in thread i), RT row tiles and NT column tiles of 8 per lane in
+registers, the word axis e last; every load is built at the full shape (zero strides where a value does not
+depend on an axis), so all values share one register layout. Under the CPU interpreter the mma is computed
+from the whole warp's fragments (`_mma_emulated`), the same lane map, so the CPU tests check the kernel's
+indexing.
 
 The oracle is `gemv_q8_reference` (dequantised weight × dequantised int8 activation, float64).
 """

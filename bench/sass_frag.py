@@ -1,6 +1,6 @@
 """Compile fragment-GEMV schedules (ninfer/kernels/gemv_frag.py) for sm_90 without a GPU and print what their
-super-block loop runs: registers, SASS instruction count and opcode mix (IMMA = the int8 mma.sync; no BAR /
-STS / LDS: the fragments never pass through shared memory).
+super-block loop runs: registers, SASS instruction count and opcode mix (IMMA = the int8 mma.sync, HMMA the
+q4_k / q5_k min term's tf32 one; no BAR / STS / LDS: the fragments never pass through shared memory).
 
     NINFER_TRITON_COMPILE_CHECK=1 python bench/sass_frag.py [--schedules A,B] [--format q4_k|q5_k|iq3_s|q6_k]
         [--dump]   # --dump: the loop's SASS too
@@ -49,12 +49,14 @@ def main() -> int:
                       "stride_ym")
             kernel = f._gemv_frag_kernel
             const["FMT"] = f._FMT[a.format]
+            const["PREFETCH"] = s.prefetch
         c = compile_sm90(kernel, sig, const, hinted, s.num_warps, 1)
         regs = re.search(r"REG:(\d+)", cuobjdump(c, "-res-usage")).group(1)
         body = loop_body(cuobjdump(c, "-sass"))
         mix = opcode_mix(body)
         print(f"{a.format}:{name}: regs {regs} loop {len(body)} {dict(mix.most_common(12))} "
-              f"(IMMA {mix['IMMA']}, BAR {mix['BAR']}, STS {mix['STS']}, LDS {mix['LDS']})")
+              f"(IMMA {mix['IMMA']}, HMMA {mix['HMMA']}, BAR {mix['BAR']}, STS {mix['STS']}, "
+              f"LDS {mix['LDS']})")
         if a.dump:
             print("\n".join(body))
     return 0

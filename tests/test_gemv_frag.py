@@ -24,11 +24,12 @@ REPO = Path(__file__).resolve().parents[1]
 # (clamped loads, masked stores) with two row tiles per warp and split-K 2 over 3 blocks (uneven splits);
 # two column tiles (11 columns) with split-K 4 over 3 blocks (an empty split); two warps; iq3_s with one block
 # per row (110-byte rows: every second row starts 2 bytes into a word) and with 3 (330 bytes); q6_k (630-byte
-# rows: the same alternation)
+# rows: the same alternation); loads one super-block ahead with an empty split and with an uneven one
 CASES = [("q4_k", "frag_w1_r1_m8", 1, 16, 1), ("q4_k", "frag_w1_r2_m8_s2", 5, 40, 3),
          ("q5_k", "frag_w1_r1_m16_s4", 11, 20, 3), ("q5_k", "frag_w2_r1_m8", 8, 40, 2),
          ("iq3_s", "frag_w1_r1_m8", 3, 16, 1), ("iq3_s", "frag_w1_r1_m8_s2", 5, 20, 3),
-         ("q6_k", "frag_w1_r1_m8_s2", 5, 20, 3)]
+         ("q6_k", "frag_w1_r1_m8_s2", 5, 20, 3),
+         ("q4_k", "frag_w2_r1_m8_s4_pf", 6, 40, 3), ("q5_k", "frag_w1_r1_m8_s2_pf", 8, 20, 3)]
 
 
 @pytest.mark.parametrize("fmt,sched,width,rows,nb", CASES)
@@ -72,21 +73,26 @@ def test_frag_route_and_errors():
     raw, x = gemv_case("iq4_xs", 4, 256, 1, seed=3)
     with pytest.raises(NinferError, match="tensor-core fragment"):
         gemv_frag(raw, "iq4_xs", quantize_activation(x), 4, "frag_w1_r1_m8")
+    raw, x = gemv_case("iq3_s", 16, 256, 1, seed=3)
+    with pytest.raises(NinferError, match="without _pf"):
+        gemv_frag(raw, "iq3_s", quantize_activation(x), 16, "frag_w1_r1_m8_s2_pf")
 
 
 def test_sm90_compile_issues_the_mma_from_registers():
     """The kernel's premise, checked on the sm_90 build: the int8 mma.sync runs once per sub-block (8 per
-    super-block and column tile) on operands that never pass through shared memory (no barrier, no shared
-    stores or loads in the loop: the lane-first tiles keep one register layout)."""
+    super-block and column tile; q4_k's min term: 3 tf32 ones) on operands that never pass through shared
+    memory (no barrier, no shared stores or loads in the loop: the lane-first tiles keep one register layout),
+    also with the loads one super-block ahead."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled mode: a fresh process
     env["NINFER_TRITON_COMPILE_CHECK"] = "1"
     out = subprocess.run([sys.executable, str(REPO / "bench" / "sass_frag.py"), "--schedules",
-                          "frag_w1_r1_m8_s2,frag_w1_r1_m16"], capture_output=True, text=True, timeout=300,
-                         cwd=REPO, env=env)
+                          "frag_w1_r1_m8_s2,frag_w1_r1_m16,frag_w1_r1_m8_s2_pf"], capture_output=True,
+                         text=True, timeout=300, cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("q4_k:frag_")]
-    assert len(lines) == 2, out.stdout
-    assert "(IMMA 8, BAR 0, STS 0, LDS 0)" in lines[0] and "(IMMA 16, BAR 0, STS 0, LDS 0)" in lines[1]
+    assert len(lines) == 3, out.stdout
+    assert "(IMMA 8, HMMA 3, BAR 0, STS 0, LDS 0)" in lines[0] and "(IMMA 8, HMMA 3, BAR 0," in lines[2]
+    assert "(IMMA 16, HMMA 6, BAR 0, STS 0, LDS 0)" in lines[1]
     # iq3_s: 8 k32 mmas a super-block; q6_k: 16 k16 ones, one warp (its lanes read consecutive words: a
     # lane axis Triton saw as contiguous would be vectorised and break the one-element-per-lane map)
     for fmt, imma in (("iq3_s", 8), ("q6_k", 16)):
@@ -94,4 +100,4 @@ def test_sm90_compile_issues_the_mma_from_registers():
                               "--schedules", "frag_w1_r1_m8_s2"], capture_output=True, text=True, timeout=300,
                              cwd=REPO, env=env)
         assert out.returncode == 0 and f"{fmt}:frag_w1_r1_m8_s2:" in out.stdout, out.stderr[-2000:]
-        assert f"(IMMA {imma}, BAR 0, STS 0, LDS 0)" in out.stdout, out.stdout
+        assert f"(IMMA {imma}, HMMA 0, BAR 0, STS 0, LDS 0)" in out.stdout, out.stdout

@@ -42,26 +42,30 @@ import torch
 
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
 from ninfer.kernels.gemv_rows import rows_setup
-from ninfer.kernels.gguf_matmul import MatmulSchedule, _f16_lo, iq3s_grid16
+from ninfer.kernels.gguf_matmul import MatmulSchedule, QuantKernelError, _f16_lo, iq3s_grid16
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
 
 FRAG_FORMATS = ("q4_k", "q5_k", "iq3_s", "q6_k")
-_FMT = {"q4_k": 4, "q5_k": 5}
+_FMT = {"q4_k": 4, "q5_k": 5}  # the formats of `_gemv_frag_kernel`, the only one with the `_pf` schedules
 
 
 @dataclass(frozen=True)
 class FragSchedule(MatmulSchedule):
     """`num_warps` warps of `row_tiles` 16-row tiles each per program (block_n = 16 · warps · row_tiles rows),
-    block_m = 8 · column tiles columns, split-K over the row's super-blocks (fp32 atomics)."""
+    block_m = 8 · column tiles columns, split-K over the row's super-blocks (fp32 atomics); `prefetch`: every
+    load of the next super-block issues before this one's math (q4_k, q5_k)."""
 
     row_tiles: int = 1
+    prefetch: bool = False
 
 
-def _sched(num_warps: int, row_tiles: int, col_tiles: int, split_k: int = 1) -> FragSchedule:
-    name = f"frag_w{num_warps}_r{row_tiles}_m{8 * col_tiles}" + (f"_s{split_k}" if split_k > 1 else "")
+def _sched(num_warps: int, row_tiles: int, col_tiles: int, split_k: int = 1, prefetch: bool = False
+           ) -> FragSchedule:
+    name = (f"frag_w{num_warps}_r{row_tiles}_m{8 * col_tiles}" + (f"_s{split_k}" if split_k > 1 else "")
+            + ("_pf" if prefetch else ""))
     return FragSchedule(name, "frag", 16 * num_warps * row_tiles, 8 * col_tiles, split_k=split_k,
-                        num_warps=num_warps, num_stages=1, row_tiles=row_tiles)
+                        num_warps=num_warps, num_stages=1, row_tiles=row_tiles, prefetch=prefetch)
 
 
 SCHEDULES: dict[str, FragSchedule] = {
@@ -72,6 +76,9 @@ SCHEDULES: dict[str, FragSchedule] = {
     for k in (1, 2, 4, 8)
     for s in [_sched(w, r, m, k)]
 }
+# loads one super-block ahead, for the routed 8-column shapes (session 10: written after the device time)
+SCHEDULES.update((s.name, s) for w, k in ((1, 2), (2, 2), (2, 4), (2, 8), (4, 4))
+                 for s in [_sched(w, 1, 1, k, True)])
 
 
 # the fewest columns from which the fragment kernel beats the rows kernels and two 1-column GEMVs
@@ -273,9 +280,89 @@ if HAVE_TRITON:
         return (e, i * 0 + rt * 0 + nt * 0 + e * 0, g, i % 4, row_a, tl.program_id(1) * (8 * NT) + nt * 8)
 
     @jit
+    def _k_loads(w_ptr, xd_ptr, h_a, h_b, q_at, x_at, w_row, c_d0, c_d1, xs_at, blk, e, t, FMT: tl.constexpr,
+                 WB: tl.constexpr):
+        """Everything a lane reads of one q4_k / q5_k super-block: header words of rows g and g + 8, the D
+        columns' activation scales, column g's activation sums of sub-blocks t and 4 + t, the qs and
+        activation words of the 4 sub-block pairs, and (q5_k) the qh words."""
+        dx0_lo, dx0_hi, dx1_lo, dx1_hi = _block_scales(xd_ptr, c_d0, c_d1, blk)
+        q = q_at + blk * WB
+        x = x_at + blk * 64
+        if FMT == 5:  # fifth bit of code 32s + l: bit s of qh byte l (qh words 4..11)
+            qh = tl.load(w_ptr + w_row + blk * WB + 4 + 2 * t + e % 2)
+        else:
+            qh = e * 0
+        return (tl.load(h_a + blk * WB), tl.load(h_b + blk * WB), dx0_lo, dx0_hi, dx1_lo, dx1_hi,
+                tl.load(xs_at + blk * 8), tl.load(xs_at + blk * 8 + 4), tl.load(q), tl.load(q + 8),
+                tl.load(q + 16), tl.load(q + 24), tl.load(x), tl.load(x + 16), tl.load(x + 32),
+                tl.load(x + 48), qh)
+
+    @jit
+    def _k_math(ha, hb, dx0_lo, dx0_hi, dx1_lo, dx1_hi, xs_lo, xs_hi, q0, q1, q2, q3, x0, x1, x2, x3, qh,
+                byte_t, top, e, zf, FMT: tl.constexpr, L: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
+                EMULATE: tl.constexpr):
+        """One q4_k / q5_k super-block's part of a lane's four sums, from what `_k_loads` read."""
+        # the 6-bit scales and mins of rows g and g + 8, four to a word (byte j: sub-block j, 4 + j)
+        sc_a_lo, sc_a_hi, mn_a_lo, mn_a_hi = _k_scale_bytes(ha, e)
+        sc_b_lo, sc_b_hi, mn_b_lo, mn_b_hi = _k_scale_bytes(hb, e)
+        # Σ_s mn·xs of the four (dmin after it): one 16×8×8 product over the 8 sub-blocks
+        low0, low1, low2, low3 = _mma_tf32(
+            prmt(mn_a_lo, top, byte_t, EMULATE).to(tl.float32, bitcast=True) - 8388608.0,
+            prmt(mn_b_lo, top, byte_t, EMULATE).to(tl.float32, bitcast=True) - 8388608.0,
+            prmt(mn_a_hi, top, byte_t, EMULATE).to(tl.float32, bitcast=True) - 8388608.0,
+            prmt(mn_b_hi, top, byte_t, EMULATE).to(tl.float32, bitcast=True) - 8388608.0,
+            xs_lo, xs_hi, L, RT, NT, EMULATE)
+        sum0 = zf  # this super-block's Σ_s sc·D·xd of the four (d applied after it)
+        sum1 = zf
+        sum2 = zf
+        sum3 = zf
+        for c in tl.static_range(4):
+            if c == 0:
+                q = q0
+                x = x0
+            elif c == 1:
+                q = q1
+                x = x1
+            elif c == 2:
+                q = q2
+                x = x2
+            else:
+                q = q3
+                x = x3
+            for h in tl.static_range(2):
+                codes = (q >> (4 * h)) & 0x0F0F0F0F
+                if FMT == 5:
+                    codes = codes | (((qh >> (2 * c + h)) << 4) & 0x10101010)
+                r0, r1, r2, r3 = _mma(_pick(codes, e, 0), _pick(codes, e, 2), _pick(codes, e, 1),
+                                      _pick(codes, e, 3), _pick(x, e, 2 * h), _pick(x, e, 2 * h + 1),
+                                      L, RT, NT, EMULATE)
+                s = 2 * c + h
+                sh = 8 * (s % 4)
+                if s < 4:
+                    sc_a = (sc_a_lo >> sh) & 0xFF
+                    sc_b = (sc_b_lo >> sh) & 0xFF
+                else:
+                    sc_a = (sc_a_hi >> sh) & 0xFF
+                    sc_b = (sc_b_hi >> sh) & 0xFF
+                xd0 = _of8(dx0_lo, dx0_hi, s)
+                xd1 = _of8(dx1_lo, dx1_hi, s)
+                # sc·D exactly in int32 (|D| ≤ 32·15·127, sc < 64), then to float without a conversion
+                sum0 += _int22_float(r0 * sc_a) * xd0
+                sum1 += _int22_float(r1 * sc_a) * xd1
+                sum2 += _int22_float(r2 * sc_b) * xd0
+                sum3 += _int22_float(r3 * sc_b) * xd1
+        d_a = _f16_lo(_pick(ha, e, 0))
+        m_a = _f16_lo(_pick(ha, e, 0) >> 16)
+        d_b = _f16_lo(_pick(hb, e, 0))
+        m_b = _f16_lo(_pick(hb, e, 0) >> 16)
+        return (d_a * sum0 - m_a * low0, d_a * sum1 - m_a * low1, d_b * sum2 - m_b * low2,
+                d_b * sum3 - m_b * low3)
+
+    @jit
     def _gemv_frag_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_xd, stride_ym,
                           FMT: tl.constexpr, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
-                          SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
+                          SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, PREFETCH: tl.constexpr = False,
+                          PDL: tl.constexpr = 0):
         pdl_start(PDL)
         L: tl.constexpr = 32 * WARPS
         WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
@@ -304,59 +391,33 @@ if HAVE_TRITON:
         acc1 = zf  # row g, column 2t + 1
         acc2 = zf  # row g + 8, column 2t
         acc3 = zf  # row g + 8, column 2t + 1
-        for blk in range(s0, s1):
-            ha = tl.load(h_a + blk * WB)
-            hb = tl.load(h_b + blk * WB)
-            dx0_lo, dx0_hi, dx1_lo, dx1_hi = _block_scales(xd_ptr, c_d0, c_d1, blk)
-            # the 6-bit scales and mins of rows g and g + 8, four to a word (byte j: sub-block j, 4 + j)
-            sc_a_lo, sc_a_hi, mn_a_lo, mn_a_hi = _k_scale_bytes(ha, e)
-            sc_b_lo, sc_b_hi, mn_b_lo, mn_b_hi = _k_scale_bytes(hb, e)
-            # Σ_s mn·xs of the four (dmin after it): one 16×8×8 product over the 8 sub-blocks
-            low0, low1, low2, low3 = _mma_tf32(
-                prmt(mn_a_lo, top, byte_t, EMULATE).to(tl.float32, bitcast=True) - 8388608.0,
-                prmt(mn_b_lo, top, byte_t, EMULATE).to(tl.float32, bitcast=True) - 8388608.0,
-                prmt(mn_a_hi, top, byte_t, EMULATE).to(tl.float32, bitcast=True) - 8388608.0,
-                prmt(mn_b_hi, top, byte_t, EMULATE).to(tl.float32, bitcast=True) - 8388608.0,
-                tl.load(xs_at + blk * 8), tl.load(xs_at + blk * 8 + 4), L, RT, NT, EMULATE)
-            sum0 = zf  # this super-block's Σ_s sc·D·xd of the four (d applied after it)
-            sum1 = zf
-            sum2 = zf
-            sum3 = zf
-            for c in tl.static_range(4):
-                q = tl.load(q_at + blk * WB + 8 * c)
-                x = tl.load(x_at + blk * 64 + 16 * c)
-                if FMT == 5:  # fifth bit of code 32s + l: bit s of qh byte l (qh words 4..11)
-                    qh = tl.load(w_ptr + w_row + blk * WB + 4 + 2 * t + e % 2)
-                for h in tl.static_range(2):
-                    codes = (q >> (4 * h)) & 0x0F0F0F0F
-                    if FMT == 5:
-                        codes = codes | (((qh >> (2 * c + h)) << 4) & 0x10101010)
-                    r0, r1, r2, r3 = _mma(_pick(codes, e, 0), _pick(codes, e, 2), _pick(codes, e, 1),
-                                          _pick(codes, e, 3), _pick(x, e, 2 * h), _pick(x, e, 2 * h + 1),
-                                          L, RT, NT, EMULATE)
-                    s = 2 * c + h
-                    sh = 8 * (s % 4)
-                    if s < 4:
-                        sc_a = (sc_a_lo >> sh) & 0xFF
-                        sc_b = (sc_b_lo >> sh) & 0xFF
-                    else:
-                        sc_a = (sc_a_hi >> sh) & 0xFF
-                        sc_b = (sc_b_hi >> sh) & 0xFF
-                    xd0 = _of8(dx0_lo, dx0_hi, s)
-                    xd1 = _of8(dx1_lo, dx1_hi, s)
-                    # sc·D exactly in int32 (|D| ≤ 32·15·127, sc < 64), then to float without a conversion
-                    sum0 += _int22_float(r0 * sc_a) * xd0
-                    sum1 += _int22_float(r1 * sc_a) * xd1
-                    sum2 += _int22_float(r2 * sc_b) * xd0
-                    sum3 += _int22_float(r3 * sc_b) * xd1
-            d_a = _f16_lo(_pick(ha, e, 0))
-            m_a = _f16_lo(_pick(ha, e, 0) >> 16)
-            d_b = _f16_lo(_pick(hb, e, 0))
-            m_b = _f16_lo(_pick(hb, e, 0) >> 16)
-            acc0 += d_a * sum0 - m_a * low0
-            acc1 += d_a * sum1 - m_a * low1
-            acc2 += d_b * sum2 - m_b * low2
-            acc3 += d_b * sum3 - m_b * low3
+        if PREFETCH:  # the loads of super-block blk + 1 issue before blk's math (the last one reads itself)
+            (ha, hb, dx0_lo, dx0_hi, dx1_lo, dx1_hi, xs_lo, xs_hi, q0, q1, q2, q3, x0, x1, x2, x3,
+             qh) = _k_loads(w_ptr, xd_ptr, h_a, h_b, q_at, x_at, w_row, c_d0, c_d1, xs_at,
+                            tl.minimum(s0, K // 256 - 1), e, t, FMT, WB)
+            for blk in range(s0, s1):
+                (n_ha, n_hb, n_dx0_lo, n_dx0_hi, n_dx1_lo, n_dx1_hi, n_xs_lo, n_xs_hi, n_q0, n_q1, n_q2, n_q3,
+                 n_x0, n_x1, n_x2, n_x3, n_qh) = _k_loads(w_ptr, xd_ptr, h_a, h_b, q_at, x_at, w_row, c_d0,
+                                                          c_d1, xs_at, tl.minimum(blk + 1, s1 - 1), e, t, FMT,
+                                                          WB)
+                c0, c1, c2, c3 = _k_math(ha, hb, dx0_lo, dx0_hi, dx1_lo, dx1_hi, xs_lo, xs_hi, q0, q1, q2, q3,
+                                         x0, x1, x2, x3, qh, byte_t, top, e, zf, FMT, L, RT, NT, EMULATE)
+                acc0 += c0
+                acc1 += c1
+                acc2 += c2
+                acc3 += c3
+                ha, hb, dx0_lo, dx0_hi, dx1_lo, dx1_hi = n_ha, n_hb, n_dx0_lo, n_dx0_hi, n_dx1_lo, n_dx1_hi
+                xs_lo, xs_hi, qh = n_xs_lo, n_xs_hi, n_qh
+                q0, q1, q2, q3, x0, x1, x2, x3 = n_q0, n_q1, n_q2, n_q3, n_x0, n_x1, n_x2, n_x3
+        else:
+            for blk in range(s0, s1):
+                c0, c1, c2, c3 = _k_math(*_k_loads(w_ptr, xd_ptr, h_a, h_b, q_at, x_at, w_row, c_d0, c_d1,
+                                                   xs_at, blk, e, t, FMT, WB), byte_t, top, e, zf, FMT, L, RT,
+                                         NT, EMULATE)
+                acc0 += c0
+                acc1 += c1
+                acc2 += c2
+                acc3 += c3
         _store_tile(y_ptr, acc0, acc1, acc2, acc3, _pick(row_a + zw, e, 0), _pick(col0 + 2 * t + zw, e, 0),
                     M, N, stride_ym, SPLIT_K)
 
@@ -624,6 +685,9 @@ def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     tiles = dict(WARPS=s.num_warps, RT=s.row_tiles, NT=s.block_m // 8, SPLIT_K=s.split_k,
                  EMULATE=EMULATE_DP4A)
     if format in ("iq3_s", "q6_k"):  # 2-byte-aligned blocks: aligned words at byte offsets
+        if s.prefetch:  # not in the iq3_s / q6_k kernels
+            raise QuantKernelError(f"fragment schedule {s.name} prefetches in the q4_k / q5_k loop only; "
+                                   f"{format} takes the schedules without _pf")
         from ninfer.kernels.gemv_rows_iq import _aligned_words
 
         wide = raw.numel() >= 2**31 - 256
@@ -638,5 +702,5 @@ def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     else:
         _gemv_frag_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n,
                                   raw.shape[1] // 4, k // 32, y.stride(0), FMT=_FMT[format], **tiles,
-                                  **extra, **pdl_options(raw, trigger=False))
+                                  PREFETCH=s.prefetch, **extra, **pdl_options(raw, trigger=False))
     return y.to(xa.dtype)

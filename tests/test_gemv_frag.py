@@ -93,9 +93,9 @@ def test_sm90_compile_issues_the_mma_from_registers():
     assert len(lines) == 3, out.stdout
     assert "(IMMA 8, HMMA 3, BAR 0, STS 0, LDS 0)" in lines[0] and "(IMMA 8, HMMA 3, BAR 0," in lines[2]
     assert "(IMMA 16, HMMA 6, BAR 0, STS 0, LDS 0)" in lines[1]
-    # iq3_s: 8 k32 mmas a super-block; q6_k: 16 k16 ones, one warp (its lanes read consecutive words: a
+    # iq3_s: 8 k32 mmas a super-block; q6_k: 2 × 16 k16 ones, one warp (its lanes read consecutive words: a
     # lane axis Triton saw as contiguous would be vectorised and break the one-element-per-lane map)
-    for fmt, imma in (("iq3_s", 8), ("q6_k", 16)):
+    for fmt, imma in (("iq3_s", 8), ("q6_k", 32)):  # q6_k: 16 groups, each with its −32 offset mma
         out = subprocess.run([sys.executable, str(REPO / "bench" / "sass_frag.py"), "--format", fmt,
                               "--schedules", "frag_w1_r1_m8_s2"], capture_output=True, text=True, timeout=300,
                              cwd=REPO, env=env)

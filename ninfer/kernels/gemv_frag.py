@@ -20,7 +20,7 @@ mma the int32 tile gets the sub-block's scales (sc·D in int32, d and dmin once 
 so columns 1–8 cost the same weight traffic and one mma per sub-block (16 columns: two). iq3_s
 (`_gemv_frag_iq3_kernel`): lane t's codes are grid words 2t, 2t + 1 of each sub-block with sign byte t, read
 as 2-byte pieces of the 2-byte-aligned blocks; q6_k (`_gemv_frag_q6k_kernel`, the output head): one m16n8k16
-mma per 16-code scale group. Both run ~2× q4_k's instructions per super-block; `frag_route` says where
+mma per 16-code scale group on the codes 0..63, seeded by one with A = −32 for their offset. Both run ~2× q4_k's instructions per super-block; `frag_route` says where
 each wins (docs/gpu-notes.md, sessions 9–10). The q4_k / q5_k min term `dmin·Σ_s mn_s·xs_s` of a super-block
 is one m16n8k8 tf32 mma (k = the 8 sub-blocks; the activation sums split in three tf32 parts: fp32-exact).
 
@@ -208,16 +208,24 @@ if HAVE_TRITON:
                 dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
 
     @jit
-    def _mma16(a0, a1, b0, L: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr, EMULATE: tl.constexpr):
-        """The int32 16×8 tile of one m16n8k16 int8 mma: A words a0 / a1 = rows g / g + 8 at k-slots
-        4t..4t + 3, B word b0 = column g at the same slots (emulated as the k32 mma, upper half zero)."""
+    def _mma16_q6(a0, a1, b0, L: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr, EMULATE: tl.constexpr):
+        """The int32 16×8 tile of m16n8k16 int8 mmas for q6_k codes 0..63 (read as int8: the same values):
+        A words a0 / a1 = rows g / g + 8 at k-slots 4t..4t + 3, B word b0 = column g at the same slots; the
+        codes' offset −32 is one more mma with every A byte −32 (0xE0), whose tile seeds the accumulator
+        (emulated as the k32 mma, upper half zero)."""
+        neg = a0 * 0 - 0x1F1F1F20  # 0xE0E0E0E0: −32 in every byte
         if EMULATE:
-            return _mma_emulated(a0, a1, a0 * 0, a0 * 0, b0, b0 * 0, L, RT, NT)
+            z = a0 * 0
+            o0, o1, o2, o3 = _mma_emulated(neg, neg, z, z, b0, z, L, RT, NT)
+            d0, d1, d2, d3 = _mma_emulated(a0, a1, z, z, b0, z, L, RT, NT)
+            return d0 + o0, d1 + o1, d2 + o2, d3 + o3
         else:
             return tl.inline_asm_elementwise(
+                "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, {$7, $7}, {$6}, "
+                "{$8, $8, $8, $8};\n"
                 "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, {$4, $5}, {$6}, "
-                "{$7, $7, $7, $7};",
-                "=r,=r,=r,=r,r,r,r,r", [a0, a1, b0, a0 * 0],
+                "{$0, $1, $2, $3};",
+                "=&r,=&r,=&r,=&r,r,r,r,r,r", [a0, a1, b0, neg, a0 * 0],
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
 
     @jit
@@ -570,11 +578,9 @@ if HAVE_TRITON:
 
     @jit
     def _q6_codes(low, qh, JQ: tl.constexpr):
-        """int8 words q − 32 from 4 low nibbles (low, in each byte's bits 0-3) and their two high bits (bits
-        2·JQ, 2·JQ + 1 of each qh byte): c ^ 0x20 is q − 32 for q ≥ 32 and q + 32 below, where adding 6·32
-        makes it q − 32 mod 256 (no carries between bytes)."""
-        x = (low | (((qh >> (2 * JQ)) & 0x03030303) << 4)) ^ 0x20202020
-        return x + 6 * (x & 0x20202020)
+        """Words of 4 q6_k codes 0..63 from 4 low nibbles (low, in each byte's bits 0-3) and their two high
+        bits (bits 2·JQ, 2·JQ + 1 of each qh byte); `_mma16_q6` applies the −32."""
+        return low | (((qh >> (2 * JQ)) & 0x03030303) << 4)
 
     @jit
     def _gemv_frag_q6k_kernel(w_ptr, xw_ptr, xd_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym,
@@ -635,7 +641,7 @@ if HAVE_TRITON:
                     hh_b = _shf(_pick(hb, e, hrun), _pick(hb_n, e, hrun), sh_b, EMULATE)
                     code_a = _q6_codes((qa >> (4 * (jq // 2))) & 0x0F0F0F0F, hh_a, jq)
                     code_b = _q6_codes((qb >> (4 * (jq // 2))) & 0x0F0F0F0F, hh_b, jq)
-                    r0, r1, r2, r3 = _mma16(code_a, code_b, _pick(x, e, v), L, RT, NT, EMULATE)
+                    r0, r1, r2, r3 = _mma16_q6(code_a, code_b, _pick(x, e, v), L, RT, NT, EMULATE)
                     # the groups' int8 scales: byte j % 4 of scale word j // 4, sign-extended
                     sw_a = _shf(_pick(sa, e, j // 4), _pick(sa_n, e, j // 4), sh_a, EMULATE)
                     sw_b = _shf(_pick(sb, e, j // 4), _pick(sb_n, e, j // 4), sh_b, EMULATE)

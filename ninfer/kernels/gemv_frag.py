@@ -20,9 +20,10 @@ mma the int32 tile gets the sub-block's scales (sc·D in int32, d and dmin once 
 so columns 1–8 cost the same weight traffic and one mma per sub-block (16 columns: two). iq3_s
 (`_gemv_frag_iq3_kernel`): lane t's codes are grid words 2t, 2t + 1 of each sub-block with sign byte t, read
 as 2-byte pieces of the 2-byte-aligned blocks; q6_k (`_gemv_frag_q6k_kernel`, the output head): one m16n8k16
-mma per 16-code scale group on the codes 0..63, seeded by one with A = −32 for their offset. Both run ~2× q4_k's instructions per super-block; `frag_route` says where
-each wins (docs/gpu-notes.md, sessions 9–10). The q4_k / q5_k min term `dmin·Σ_s mn_s·xs_s` of a super-block
-is one m16n8k8 tf32 mma (k = the 8 sub-blocks; the activation sums split in three tf32 parts: fp32-exact).
+mma per 16-code scale group on the codes 0..63, seeded by one with A = −32 for their offset. Both run ~2×
+q4_k's instructions per super-block; `frag_route` says where each wins (docs/gpu-notes.md, sessions 9–10).
+The q4_k / q5_k min term `dmin·Σ_s mn_s·xs_s` of a super-block is one m16n8k8 tf32 mma (k = the 8
+sub-blocks; the activation sums split in three tf32 parts: exact).
 
 Tensors are `[32·warps, RT, NT, 4]`: the lane axis first (Triton gives lanes to the leading axis of equal
 contiguity, so element i of axis 0 lives in thread i), RT row tiles and NT column tiles of 8 per lane in
@@ -167,8 +168,8 @@ if HAVE_TRITON:
 
     @jit
     def _tf32_parts(v):
-        """v (fp32) as three tf32 values (fp32 bits with the low 13 mantissa bits clear) summing to v up to
-        2^-33·|v|: each mma product of a part is then exact."""
+        """v (fp32) as three tf32 values (fp32 bits with the low 13 mantissa bits clear) that sum to v exactly
+        (11 + 11 + 2 of its 24 significant bits): each mma product of a part is then exact."""
         hi = (v.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
         mid = ((v - hi).to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
         return hi, mid, v - hi - mid

@@ -29,7 +29,7 @@ CASES = [("q4_k", "frag_w1_r1_m8", 1, 16, 1), ("q4_k", "frag_w1_r2_m8_s2", 5, 40
          ("q5_k", "frag_w1_r1_m16_s4", 11, 20, 3), ("q5_k", "frag_w2_r1_m8", 8, 40, 2),
          ("iq3_s", "frag_w1_r1_m8", 3, 16, 1), ("iq3_s", "frag_w1_r1_m8_s2", 5, 20, 3),
          ("q6_k", "frag_w1_r1_m8_s2", 5, 20, 3),
-         ("q4_k", "frag_w2_r1_m8_s4_pf", 6, 40, 3), ("q5_k", "frag_w1_r1_m8_s2_pf", 8, 20, 3)]
+         ("q4_k", "frag_w2_r1_m8_s4_pf", 6, 20, 3), ("q5_k", "frag_w1_r1_m8_s2_pf", 8, 20, 3)]
 
 
 @pytest.mark.parametrize("fmt,sched,width,rows,nb", CASES)

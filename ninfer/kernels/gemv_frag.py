@@ -209,17 +209,22 @@ if HAVE_TRITON:
                 dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
 
     @jit
+    def _minus32(q):
+        """Bytes q − 32 mod 256 of 4 codes 0..63 without carries between bytes: q ^ 0x20 is q − 32 for q ≥ 32
+        and q + 32 below, where adding 6·32 wraps it to q − 32."""
+        x = q ^ 0x20202020
+        return x + 6 * (x & 0x20202020)
+
+    @jit
     def _mma16_q6(a0, a1, b0, L: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr, EMULATE: tl.constexpr):
         """The int32 16×8 tile of m16n8k16 int8 mmas for q6_k codes 0..63 (read as int8: the same values):
         A words a0 / a1 = rows g / g + 8 at k-slots 4t..4t + 3, B word b0 = column g at the same slots; the
         codes' offset −32 is one more mma with every A byte −32 (0xE0), whose tile seeds the accumulator
         (emulated as the k32 mma, upper half zero)."""
         neg = a0 * 0 - 0x1F1F1F20  # 0xE0E0E0E0: −32 in every byte
-        if EMULATE:
+        if EMULATE:  # the same tile as one mma on the bytes q − 32 (the mma is linear in A)
             z = a0 * 0
-            o0, o1, o2, o3 = _mma_emulated(neg, neg, z, z, b0, z, L, RT, NT)
-            d0, d1, d2, d3 = _mma_emulated(a0, a1, z, z, b0, z, L, RT, NT)
-            return d0 + o0, d1 + o1, d2 + o2, d3 + o3
+            return _mma_emulated(_minus32(a0), _minus32(a1), z, z, b0, z, L, RT, NT)
         else:
             return tl.inline_asm_elementwise(
                 "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {$0, $1, $2, $3}, {$7, $7}, {$6}, "

@@ -54,8 +54,7 @@ def kernel(fmt: str):
     iq = fmt in iq_mod.IQ_ROWS_FORMATS
     rows_gemv = iq_mod.gemv_rows_iq if iq else rows_mod.gemv_rows
     mma = mma_mod.schedules_for(fmt)
-    frag = {n: s for n, s in frag_mod.SCHEDULES.items() if not s.prefetch or fmt in frag_mod._FMT} if (
-        fmt in frag_mod.FRAG_FORMATS) else {}
+    frag = frag_mod.schedules_for(fmt)
     cuda = {}
     if NVRTC and fmt == "iq3_s":
         from bench import nvrtc_iq3s

@@ -82,6 +82,14 @@ SCHEDULES.update((s.name, s) for w, k in ((1, 2), (2, 2), (2, 4), (2, 8), (4, 4)
                  for s in [_sched(w, 1, 1, k, True)])
 
 
+def schedules_for(fmt: str) -> dict[str, FragSchedule]:
+    """The schedules `gemv_frag` runs for a format (the `_pf` ones only for q4_k / q5_k; none outside
+    FRAG_FORMATS)."""
+    if fmt not in FRAG_FORMATS:
+        return {}
+    return {n: s for n, s in SCHEDULES.items() if not s.prefetch or fmt in _FMT}
+
+
 # the fewest columns from which the fragment kernel beats the rows kernels and two 1-column GEMVs
 FRAG_FROM = {"q4_k": 5, "iq3_s": 5, "q6_k": 2}
 
@@ -103,7 +111,8 @@ def frag_route(fmt: str, out_features: int, in_features: int, columns: int) -> F
     Its cost hardly grows with the columns: the weight decode and the scaling of each int32 tile (~380
     instructions per warp and q4_k super-block, issue-bound) are the same for 1 and for 8."""
     fmt = fmt.removeprefix(GGUF_PREFIX)
-    if in_features % 256 or not FRAG_FROM.get(fmt, 9) <= columns <= 8:
+    first = FRAG_FROM.get(fmt)
+    if first is None or in_features % 256 or not first <= columns <= 8:
         return None
     if fmt == "q6_k" and out_features >= 65536:
         return SCHEDULES["frag_w2_r1_m8"]
@@ -688,8 +697,8 @@ if HAVE_TRITON:
 def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
               schedule: FragSchedule | str) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, q4_k,
-    q5_k or iq3_s) and xa the int8 activation (1–16 columns); the kernel runs on `raw`'s device (CUDA, or CPU
-    under the interpreter)."""
+    q5_k, iq3_s or q6_k) and xa the int8 activation (1–16 columns); the kernel runs on `raw`'s device (CUDA,
+    or CPU under the interpreter)."""
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape

@@ -160,7 +160,7 @@ def _gemv_frag_bf16_kernel(w_ptr, x_ptr, y_ptr, N, K, M, row_words, stride_x, st
     once per super-block: y += d·Σ sc·q·x − dmin·Σ mn·x."""
     pdl_start(PDL)
     L: tl.constexpr = 32 * WARPS
-    e, zw, g, t, row_a, col0 = _lane_map(WARPS, RT, NT)
+    e, zw, g, t, row_a, col0 = _lane_map(tl.program_id(0), WARPS, RT, NT)
     wa = w_ptr + tl.minimum(row_a, N - 1).to(tl.int64) * row_words + zw
     wb = w_ptr + tl.minimum(row_a + 8, N - 1).to(tl.int64) * row_words + zw
     qa = wa + 8 * t  # the lane's chunk t: qs words 8t..8t + 7 after the 4 header words
@@ -248,7 +248,7 @@ def _gemv_frag_bf16_kernel(w_ptr, x_ptr, y_ptr, N, K, M, row_words, stride_x, st
             ha, hb, qa0, qa1, qb0, qb1 = ha_n, hb_n, qa0_n, qa1_n, qb0_n, qb1_n
             xl0, xl1, xl2, xl3, xh0, xh1, xh2, xh3 = xl0_n, xl1_n, xl2_n, xl3_n, xh0_n, xh1_n, xh2_n, xh3_n
     _store_tile(y_ptr, acc0, acc1, acc2, acc3, _pick(row_a + zw, e, 0), _pick(col0 + 2 * t + zw, e, 0), M, N,
-                stride_ym, SPLIT_K)
+                stride_ym, SPLIT_K > 1)
 
 
 def gemv_frag_bf16(raw: torch.Tensor, format: str, x: torch.Tensor, out_features: int,

@@ -27,9 +27,9 @@ def main() -> int:
     a = p.parse_args()
     for name in a.schedules.split(","):
         s = f.SCHEDULES[name]
-        y = "*fp32" if s.split_k > 1 else "*bf16"
+        y = "*fp32" if s.split_k > 1 or s.stream else "*bf16"
         const = dict(WARPS=s.num_warps, RT=s.row_tiles, NT=s.block_m // 8, SPLIT_K=s.split_k, EMULATE=False,
-                     PDL=1)
+                     STREAM=s.stream > 0, PDL=1)
         if a.format in ("iq3_s", "q6_k"):  # byte offsets into aligned words (2-byte-aligned blocks)
             sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "grid_ptr": "*i16", "y_ptr": y,
                    "N": "i32", "K": "i32", "M": "i32", "row_bytes": "i32", "stride_xd": "i32",

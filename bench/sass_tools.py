@@ -38,13 +38,15 @@ def cuobjdump(compiled, flag: str) -> str:
 
 
 def loop_body(sass: str) -> list[str]:
-    """The instructions of the longest backward branch's span (the block loop); [] when there is none."""
+    """The instructions of the longest innermost backward branch's span (the block loop, not a loop around
+    it such as stream-K's over row tiles); [] when there is none."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+([^;]*);", sass)]
     loops = [(int(t.group(1), 16), a) for a, i in ins for t in [re.search(r"BRA (0x[0-9a-f]+)", i)]
              if t and int(t.group(1), 16) < a]
-    if not loops:
+    inner = [r for r in loops if not any(r[0] <= o[0] and o[1] <= r[1] and o != r for o in loops)]
+    if not inner:
         return []
-    lo, hi = max(loops, key=lambda r: r[1] - r[0])
+    lo, hi = max(inner, key=lambda r: r[1] - r[0])
     return [i for a, i in ins if lo <= a <= hi]
 
 

@@ -3,6 +3,7 @@ the mma is computed from the whole warp's fragments, so these check the lane map
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -29,11 +30,18 @@ CASES = [("q4_k", "frag_w1_r1_m8", 1, 16, 1), ("q4_k", "frag_w1_r2_m8_s2", 5, 40
          ("q5_k", "frag_w1_r1_m16_s4", 11, 20, 3), ("q5_k", "frag_w2_r1_m8", 8, 40, 2),
          ("iq3_s", "frag_w1_r1_m8", 3, 16, 1), ("iq3_s", "frag_w1_r1_m8_s2", 5, 20, 3),
          ("q6_k", "frag_w1_r1_m8_s2", 5, 20, 3),
-         ("q4_k", "frag_w2_r1_m8_s4_pf", 6, 20, 3), ("q5_k", "frag_w1_r1_m8_s2_pf", 8, 20, 3)]
+         ("q4_k", "frag_w2_r1_m8_s4_pf", 6, 20, 3), ("q5_k", "frag_w1_r1_m8_s2_pf", 8, 20, 3),
+         # stream-K (the interpreter is one SM: `stream` programs): 9 steps over 5 programs (runs of 2 that
+         # cross row tiles, the last one short), over 7 (two programs without work), with prefetch
+         ("q4_k", "frag_w1_r1_m8_sk16:5", 5, 40, 3), ("iq3_s", "frag_w1_r1_m8_sk16:7", 3, 40, 3),
+         ("q6_k", "frag_w1_r1_m8_sk16:4", 2, 20, 3), ("q5_k", "frag_w2_r1_m8_sk8_pf:2", 8, 40, 2)]
 
 
 @pytest.mark.parametrize("fmt,sched,width,rows,nb", CASES)
 def test_frag_kernel_equals_twin(fmt, sched, width, rows, nb):
+    if ":" in sched:  # a stream-K schedule: its programs on the one-SM interpreter
+        name, programs = sched.split(":")
+        sched = dataclasses.replace(SCHEDULES[name], stream=int(programs))
     raw, x = gemv_case(fmt, rows, nb * 256, width, seed=FRAG_FORMATS.index(fmt) * 10 + width)
     xa = quantize_activation(x)
     y = gemv_frag(raw, fmt, xa, rows, sched)
@@ -60,6 +68,8 @@ def test_bf16_experiment_equals_its_twin():
 def test_frag_route_and_errors():
     assert frag_route("gguf_q4_k", 17408, 5120, 8).name in SCHEDULES
     assert frag_route("q4_k", 5120, 17408, 5).name in SCHEDULES
+    assert frag_route("q4_k", 5120, 17408, 4).name == "frag_w2_r1_m8_s4_pf"  # long rows: from 4 columns
+    assert frag_route("q4_k", 5120, 17408, 3) is None and frag_route("iq3_s", 5120, 17408, 4) is None
     assert all(frag_route("q4_k", 17408, 5120, m) is None for m in (1, 2, 4, 9))  # the rows kernels win
     assert frag_route("q4_k", 12288, 5120, 6).name in SCHEDULES
     assert frag_route("q4_k", 6144, 5120, 8) is None  # smaller matrices: the rows kernels

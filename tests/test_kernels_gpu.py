@@ -89,11 +89,12 @@ def test_mma_gemm_on_gpu(fmt, monkeypatch):
 def test_frag_gemv_on_gpu(fmt):
     """The tensor-core fragment schedules (mma.sync through inline PTX: the fragment layout is the
     hardware's, so only a GPU checks it) vs the float64 twin at 1, 7, 8 and 16 columns, rows past the tile,
-    split-K; quant_matmul's route at 5-8 columns on the biggest matrices (q4_k); bf16 output rounding."""
+    split-K, stream-K; quant_matmul's route at 5-8 columns on the biggest matrices (q4_k); bf16 output
+    rounding."""
     from ninfer.kernels.gemv_frag import SCHEDULES, gemv_frag
 
     names = ["frag_w1_r1_m8", "frag_w1_r1_m8_s2", "frag_w2_r1_m8", "frag_w2_r1_m8_s8", "frag_w2_r2_m8_s2",
-             "frag_w4_r1_m16_s4", "frag_w1_r2_m16"]
+             "frag_w4_r1_m16_s4", "frag_w1_r2_m16", "frag_w1_r1_m8_sk16"]
     for rows, cols in ((1040, 5120), (136, 17408)):
         raw = random_gguf_weight(fmt, rows, cols, "cuda")
         for width in (1, 7, 8, 16):

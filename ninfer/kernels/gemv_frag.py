@@ -37,6 +37,7 @@ The oracle is `gemv_q8_reference` (dequantised weight × dequantised int8 activa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,18 +56,23 @@ _FMT = {"q4_k": 4, "q5_k": 5}  # the formats of `_gemv_frag_kernel`, the only on
 class FragSchedule(MatmulSchedule):
     """`num_warps` warps of `row_tiles` 16-row tiles each per program (block_n = 16 · warps · row_tiles rows),
     block_m = 8 · column tiles columns, split-K over the row's super-blocks (fp32 atomics); `prefetch`: every
-    load of the next super-block issues before this one's math (q4_k, q5_k)."""
+    load of the next super-block issues before this one's math (q4_k, q5_k). `stream` > 0: stream-K, that
+    many programs per SM share the (row tile, super-block) steps evenly, each walking a contiguous run of
+    them across row tiles (fp32 atomics at each tile's end): one full wave, no split to tune (split_k
+    unused)."""
 
     row_tiles: int = 1
     prefetch: bool = False
+    stream: int = 0
 
 
-def _sched(num_warps: int, row_tiles: int, col_tiles: int, split_k: int = 1, prefetch: bool = False
-           ) -> FragSchedule:
+def _sched(num_warps: int, row_tiles: int, col_tiles: int, split_k: int = 1, prefetch: bool = False,
+           stream: int = 0) -> FragSchedule:
     name = (f"frag_w{num_warps}_r{row_tiles}_m{8 * col_tiles}" + (f"_s{split_k}" if split_k > 1 else "")
-            + ("_pf" if prefetch else ""))
+            + (f"_sk{stream}" if stream else "") + ("_pf" if prefetch else ""))
     return FragSchedule(name, "frag", 16 * num_warps * row_tiles, 8 * col_tiles, split_k=split_k,
-                        num_warps=num_warps, num_stages=1, row_tiles=row_tiles, prefetch=prefetch)
+                        num_warps=num_warps, num_stages=1, row_tiles=row_tiles, prefetch=prefetch,
+                        stream=stream)
 
 
 SCHEDULES: dict[str, FragSchedule] = {
@@ -80,6 +86,11 @@ SCHEDULES: dict[str, FragSchedule] = {
 # loads one super-block ahead, for the routed 8-column shapes (session 10: written after the device time)
 SCHEDULES.update((s.name, s) for w, k in ((1, 2), (2, 2), (2, 4), (2, 8), (4, 4))
                  for s in [_sched(w, 1, 1, k, True)])
+# stream-K at or below the register-limited occupancy (sm_90, 64 K registers per SM): q4_k's 96 (w2) / 102
+# (w1) registers hold 10 two-warp / 19 one-warp programs per SM, iq3_s's 71 (w2) 14, q6_k's 88 (w2) 11
+SCHEDULES.update((s.name, s) for w, p, pf in ((1, 16, False), (1, 19, False), (2, 8, False), (2, 10, False),
+                                              (2, 14, False), (4, 5, False), (2, 8, True))
+                 for s in [_sched(w, 1, 1, prefetch=pf, stream=p)])
 
 
 def schedules_for(fmt: str) -> dict[str, FragSchedule]:
@@ -108,11 +119,22 @@ def frag_route(fmt: str, out_features: int, in_features: int, columns: int) -> F
       59.9 / 64.7 / 46.9). Not on 6144×5120 (q4_k 18.3 vs 17.8), nor below 5 columns for q4_k and iq3_s,
       where the rows kernels win (iq3_s 17408×5120 at 4 columns: 33.5 vs 51.2).
 
+    - q4_k 5120×17408 (rows longer than 8192 columns) from 4 columns on `frag_w2_r1_m8_s4_pf` (session 11
+      run 2: 27.9 / 31.2 µs at 4 / 8 where the rows kernel takes 30.6 at 4 and `_s8` 32.2 at 8).
+
+    Stream-K (`_sk`: one full wave of programs sharing the steps) was slower everywhere at 4–8 columns
+    (session 11 run 2: q4_k 17408×5120 at 8 36.5–51.4 vs 32.4), though at 1 column `_sk8_pf` is the fastest
+    fragment schedule (24.1 vs 27.4; the rows kernel 15.8).
+
     Its cost hardly grows with the columns: the weight decode and the scaling of each int32 tile (~380
     instructions per warp and q4_k super-block, issue-bound) are the same for 1 and for 8."""
     fmt = fmt.removeprefix(GGUF_PREFIX)
     first = FRAG_FROM.get(fmt)
-    if first is None or in_features % 256 or not first <= columns <= 8:
+    if first is None or in_features % 256 or not min(first, 4) <= columns <= 8:
+        return None
+    if fmt == "q4_k" and in_features > 8192:  # from 4 columns, loads one super-block ahead (session 11)
+        return SCHEDULES["frag_w2_r1_m8_s4_pf"]
+    if columns < first:
         return None
     if fmt == "q6_k" and out_features >= 65536:
         return SCHEDULES["frag_w2_r1_m8"]
@@ -290,16 +312,16 @@ if HAVE_TRITON:
         return _word(lo, S) if S < 4 else _word(hi, S - 4)
 
     @jit
-    def _lane_map(WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr):
-        """A program's lane map, tensors `[32·warps, RT, NT, 4]`: the word axis e, int32 zeros at that shape,
-        each lane's group g and slot t (lane 4g + t), its A rows row_a = g and row_a + 8 of its warp's 16-row
-        tile, and the first column of its 8-column tile."""
+    def _lane_map(tile, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr):
+        """The lane map of row tile `tile` (16 · WARPS · RT rows), tensors `[32·warps, RT, NT, 4]`: the word
+        axis e, int32 zeros at that shape, each lane's group g and slot t (lane 4g + t), its A rows row_a = g
+        and row_a + 8 of its warp's 16-row tile, and the first column of its 8-column tile."""
         i = tl.arange(0, 32 * WARPS)[:, None, None, None]
         rt = tl.arange(0, RT)[None, :, None, None]
         nt = tl.arange(0, NT)[None, None, :, None]
         e = tl.arange(0, 4)[None, None, None, :]
         g = (i % 32) // 4
-        row_a = ((tl.program_id(0) * WARPS + i // 32) * RT + rt) * 16 + g
+        row_a = ((tile * WARPS + i // 32) * RT + rt) * 16 + g
         return (e, i * 0 + rt * 0 + nt * 0 + e * 0, g, i % 4, row_a, tl.program_id(1) * (8 * NT) + nt * 8)
 
     @jit
@@ -382,15 +404,42 @@ if HAVE_TRITON:
                 d_b * sum3 - m_b * low3)
 
     @jit
+    def _stream_span(N, K, ROWS: tl.constexpr):
+        """Stream-K: this program's even share [start, end) of the row-tile-major (row tile of ROWS rows,
+        super-block) steps, and the number of super-blocks per row; it touches row tiles start // nb up to
+        (end − 1) // nb (none where start ≥ end)."""
+        nb = K // 256
+        total = tl.cdiv(N, ROWS) * nb
+        per = tl.cdiv(total, tl.num_programs(2))
+        start = tl.program_id(2) * per
+        return start, tl.minimum(start + per, total), nb
+
+    @jit
     def _gemv_frag_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_xd, stride_ym,
                           FMT: tl.constexpr, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
                           SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, PREFETCH: tl.constexpr = False,
-                          PDL: tl.constexpr = 0):
+                          STREAM: tl.constexpr = False, PDL: tl.constexpr = 0):
         pdl_start(PDL)
+        if STREAM:
+            start, end, nb = _stream_span(N, K, 16 * WARPS * RT)
+            for tile in range(start // nb, (end + nb - 1) // nb):
+                _k_tile(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_xd, stride_ym, tile,
+                        tl.maximum(start - tile * nb, 0), tl.minimum(end - tile * nb, nb), FMT, WARPS, RT,
+                        NT, True, EMULATE, PREFETCH)
+        else:
+            s0, s1 = _step_range(K, 1, SPLIT_K)
+            _k_tile(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_xd, stride_ym,
+                    tl.program_id(0), s0, s1, FMT, WARPS, RT, NT, SPLIT_K > 1, EMULATE, PREFETCH)
+
+    @jit
+    def _k_tile(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_xd, stride_ym, tile, s0, s1,
+                FMT: tl.constexpr, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
+                ATOMIC: tl.constexpr, EMULATE: tl.constexpr, PREFETCH: tl.constexpr):
+        """Row tile `tile`'s super-blocks [s0, s1) of q4_k / q5_k into y (added with atomics if ATOMIC)."""
         L: tl.constexpr = 32 * WARPS
         WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
         QS: tl.constexpr = 4 if FMT == 4 else 12  # first qs word
-        e, zw, g, t, row_a, col0 = _lane_map(WARPS, RT, NT)
+        e, zw, g, t, row_a, col0 = _lane_map(tile, WARPS, RT, NT)
         # weights: the lane's 8 qs bytes of rows g (words e = 0, 1) and g + 8 (e = 2, 3); rows past the end
         # read the last one and are not stored
         w_row = tl.minimum(row_a + 8 * (e // 2), N - 1).to(tl.int64) * row_words + zw
@@ -408,7 +457,6 @@ if HAVE_TRITON:
             t3 < 4, t3, 0)
         byte_t = 0x7440 + t3  # prmt: byte t, zeros, 0x4B on top (the fp32 bits of 2^23 + byte)
         top = t3 * 0 + 0x4B000000
-        s0, s1 = _step_range(K, 1, SPLIT_K)
         zf = tl.zeros([L, RT, NT], dtype=tl.float32)
         acc0 = zf  # row g, column 2t
         acc1 = zf  # row g, column 2t + 1
@@ -442,7 +490,7 @@ if HAVE_TRITON:
                 acc2 += c2
                 acc3 += c3
         _store_tile(y_ptr, acc0, acc1, acc2, acc3, _pick(row_a + zw, e, 0), _pick(col0 + 2 * t + zw, e, 0),
-                    M, N, stride_ym, SPLIT_K)
+                    M, N, stride_ym, ATOMIC)
 
     @jit
     def _signed_grid(g, nib, EMULATE: tl.constexpr):
@@ -477,17 +525,33 @@ if HAVE_TRITON:
     def _gemv_frag_iq3_kernel(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_xd,
                               stride_ym, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
                               SPLIT_K: tl.constexpr, WIDE: tl.constexpr, EMULATE: tl.constexpr,
-                              PDL: tl.constexpr = 0):
+                              STREAM: tl.constexpr = False, PDL: tl.constexpr = 0):
+        pdl_start(PDL)
+        if STREAM:
+            start, end, nb = _stream_span(N, K, 16 * WARPS * RT)
+            for tile in range(start // nb, (end + nb - 1) // nb):
+                _iq3_tile(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym,
+                          tile, tl.maximum(start - tile * nb, 0), tl.minimum(end - tile * nb, nb), WARPS, RT,
+                          NT, True, WIDE, EMULATE)
+        else:
+            s0, s1 = _step_range(K, 1, SPLIT_K)
+            _iq3_tile(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym,
+                      tl.program_id(0), s0, s1, WARPS, RT, NT, SPLIT_K > 1, WIDE, EMULATE)
+
+    @jit
+    def _iq3_tile(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym, tile, s0,
+                  s1, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr, ATOMIC: tl.constexpr,
+                  WIDE: tl.constexpr, EMULATE: tl.constexpr):
         """iq3_s (110-byte blocks: d, qs[64], qh[8], signs[32], scales[4]): lane t's codes 8t..8t + 7 of
         sub-block s are grid words 2t and 2t + 1 — qs bytes 8s + 2t, 8s + 2t + 1, their 9th bits 2t, 2t + 1
         of qh byte s — and sign byte 4s + t (low nibble word 2t, high nibble 2t + 1). Blocks are only 2-byte
         aligned, so the weight is read as aligned int32 words at byte offsets; every piece lies at an even
         offset of its block, so a shift of 0 or 16 bits places it (`_shf` where 4 bytes span two words).
         The word axis e carries rows g (e even) and g + 8 (odd). y += Σ_s d·(1 + 2·sc_s) · D_s · xd_s (no
-        min term). WIDE: 64-bit byte offsets (tensors of 2 GiB and more)."""
-        pdl_start(PDL)
+        min term). WIDE: 64-bit byte offsets (tensors of 2 GiB and more). Row tile `tile`'s super-blocks
+        [s0, s1)."""
         L: tl.constexpr = 32 * WARPS
-        e, zw, g, t, row_a, col0 = _lane_map(WARPS, RT, NT)
+        e, zw, g, t, row_a, col0 = _lane_map(tile, WARPS, RT, NT)
         row = tl.minimum(tl.where(e % 2 == 0, row_a, row_a + 8), N - 1)
         base = (row.to(tl.int64) if WIDE else row) * row_bytes + zw  # rows g (e even) and g + 8 (e odd)
         row_g = tl.minimum(row_a, N - 1)
@@ -498,7 +562,6 @@ if HAVE_TRITON:
         x_at = xw_ptr + x_col + 2 * t + e % 2 + 8 * (e // 2) + zw
         c_d0, c_d1 = _d_columns(col0, t, M, stride_xd, e, zw)
         t3 = _pick(t + zw, e, 0)
-        s0, s1 = _step_range(K, 1, SPLIT_K)
         zf = tl.zeros([L, RT, NT], dtype=tl.float32)
         acc0 = zf  # row g, column 2t
         acc1 = zf  # row g, column 2t + 1
@@ -578,7 +641,7 @@ if HAVE_TRITON:
             acc2 += d_b * sum2
             acc3 += d_b * sum3
         _store_tile(y_ptr, acc0, acc1, acc2, acc3, _pick(row_a + zw, e, 0), _pick(col0 + 2 * t + zw, e, 0),
-                    M, N, stride_ym, SPLIT_K)
+                    M, N, stride_ym, ATOMIC)
 
     @jit
     def _q6k_lane_words(w_ptr, b0, t, e):
@@ -600,15 +663,32 @@ if HAVE_TRITON:
     @jit
     def _gemv_frag_q6k_kernel(w_ptr, xw_ptr, xd_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym,
                               WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr, SPLIT_K: tl.constexpr,
-                              WIDE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
+                              WIDE: tl.constexpr, EMULATE: tl.constexpr, STREAM: tl.constexpr = False,
+                              PDL: tl.constexpr = 0):
+        pdl_start(PDL)
+        if STREAM:
+            start, end, nb = _stream_span(N, K, 16 * WARPS * RT)
+            for tile in range(start // nb, (end + nb - 1) // nb):
+                _q6_tile(w_ptr, xw_ptr, xd_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym, tile,
+                         tl.maximum(start - tile * nb, 0), tl.minimum(end - tile * nb, nb), WARPS, RT, NT,
+                         True, WIDE, EMULATE)
+        else:
+            s0, s1 = _step_range(K, 1, SPLIT_K)
+            _q6_tile(w_ptr, xw_ptr, xd_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym, tl.program_id(0),
+                     s0, s1, WARPS, RT, NT, SPLIT_K > 1, WIDE, EMULATE)
+
+    @jit
+    def _q6_tile(w_ptr, xw_ptr, xd_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym, tile, s0, s1,
+                 WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr, ATOMIC: tl.constexpr,
+                 WIDE: tl.constexpr, EMULATE: tl.constexpr):
         """q6_k (210-byte blocks: ql[128], qh[64], scales[16] int8, d) on m16n8k16 int8 mmas, one per
         16-code scale group j = 8h + 2·jq + b: lane t's codes 4t..4t + 3 of the group are the 4-byte ql piece
         at 64h + 32(jq % 2) + 16b + 4t (nibble jq // 2) and the qh piece at 128 + 32h + 16b + 4t (bits
         2·jq). Every piece lies at an offset ≡ 0 mod 4 of its 2-byte-aligned block, so all take the block's
-        one funnel shift (0 or 16 bits). y += d · Σ_j sc_j · D_j · xd_(j/2)."""
-        pdl_start(PDL)
+        one funnel shift (0 or 16 bits). y += d · Σ_j sc_j · D_j · xd_(j/2), over row tile `tile`'s
+        super-blocks [s0, s1)."""
         L: tl.constexpr = 32 * WARPS
-        e, zw, g, t, row_a, col0 = _lane_map(WARPS, RT, NT)
+        e, zw, g, t, row_a, col0 = _lane_map(tile, WARPS, RT, NT)
         row_g = tl.minimum(row_a, N - 1)
         row_g8 = tl.minimum(row_a + 8, N - 1)
         base_a = (row_g.to(tl.int64) if WIDE else row_g) * row_bytes + zw
@@ -619,7 +699,6 @@ if HAVE_TRITON:
         # activation: codes 16j + 4t..4t + 3 of column g are word 4j + t (group 4u + e in load u)
         x_at = xw_ptr + tl.minimum(col0 + g, M - 1).to(tl.int64) * (K // 4) + t_h + 4 * e + zw
         c_d0, c_d1 = _d_columns(col0, t, M, stride_xd, e, zw)
-        s0, s1 = _step_range(K, 1, SPLIT_K)
         zf = tl.zeros([L, RT, NT], dtype=tl.float32)
         acc0 = zf  # row g, column 2t
         acc1 = zf  # row g, column 2t + 1
@@ -673,25 +752,39 @@ if HAVE_TRITON:
             acc2 += d_b * sum2
             acc3 += d_b * sum3
         _store_tile(y_ptr, acc0, acc1, acc2, acc3, _pick(row_a + zw, e, 0), _pick(col0 + 2 * t + zw, e, 0),
-                    M, N, stride_ym, SPLIT_K)
+                    M, N, stride_ym, ATOMIC)
 
     @jit
-    def _store_tile(y_ptr, acc0, acc1, acc2, acc3, row, col, M, N, stride_ym, SPLIT_K: tl.constexpr):
+    def _store_tile(y_ptr, acc0, acc1, acc2, acc3, row, col, M, N, stride_ym, ATOMIC: tl.constexpr):
         """A lane's four sums of the mma's D layout: rows row, row + 8 × columns col, col + 1."""
-        _store_frag(y_ptr, acc0, row, col, M, N, stride_ym, SPLIT_K)
-        _store_frag(y_ptr, acc1, row, col + 1, M, N, stride_ym, SPLIT_K)
-        _store_frag(y_ptr, acc2, row + 8, col, M, N, stride_ym, SPLIT_K)
-        _store_frag(y_ptr, acc3, row + 8, col + 1, M, N, stride_ym, SPLIT_K)
+        _store_frag(y_ptr, acc0, row, col, M, N, stride_ym, ATOMIC)
+        _store_frag(y_ptr, acc1, row, col + 1, M, N, stride_ym, ATOMIC)
+        _store_frag(y_ptr, acc2, row + 8, col, M, N, stride_ym, ATOMIC)
+        _store_frag(y_ptr, acc3, row + 8, col + 1, M, N, stride_ym, ATOMIC)
 
     @jit
-    def _store_frag(y_ptr, out, row, col, M, N, stride_ym, SPLIT_K: tl.constexpr):
-        """A lane's sums into y at (column col, row row): stored, or added with fp32 atomics under split-K."""
+    def _store_frag(y_ptr, out, row, col, M, N, stride_ym, ATOMIC: tl.constexpr):
+        """A lane's sums into y at (column col, row row): stored, or added with fp32 atomics (split-K,
+        stream-K)."""
         ptrs = y_ptr + col.to(tl.int64) * stride_ym + row
         mask = (col < M) & (row < N)
-        if SPLIT_K == 1:
-            tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
-        else:
+        if ATOMIC:
             tl.atomic_add(ptrs, out, mask=mask)
+        else:
+            tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def stream_programs(device: torch.device, s: FragSchedule, out_features: int, in_features: int) -> int:
+    """A stream-K schedule's program count: `s.stream` per SM (one per row tile and super-block at most; the
+    CPU interpreter counts as one SM)."""
+    steps = -(-out_features // s.block_n) * (in_features // 256)
+    sms = _sm_count(device) if device.type == "cuda" else 1
+    return max(1, min(steps, s.stream * sms))
 
 
 def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
@@ -702,9 +795,11 @@ def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
-    y, launch, extra = rows_setup(raw, format, xa, out_features, s, FRAG_FORMATS, "tensor-core fragment GEMV")
+    programs = stream_programs(raw.device, s, out_features, k) if s.stream else 0
+    y, launch, extra = rows_setup(raw, format, xa, out_features, s, FRAG_FORMATS, "tensor-core fragment GEMV",
+                                  programs)
     tiles = dict(WARPS=s.num_warps, RT=s.row_tiles, NT=s.block_m // 8, SPLIT_K=s.split_k,
-                 EMULATE=EMULATE_DP4A)
+                 STREAM=programs > 0, EMULATE=EMULATE_DP4A)
     if format in ("iq3_s", "q6_k"):  # 2-byte-aligned blocks: aligned words at byte offsets
         if s.prefetch:  # not in the iq3_s / q6_k kernels
             raise QuantKernelError(f"fragment schedule {s.name} prefetches in the q4_k / q5_k loop only; "

@@ -395,21 +395,28 @@ if HAVE_TRITON:
 
 
 def rows_setup(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
-               s: MatmulSchedule, formats: tuple[str, ...], kind: str) -> tuple[torch.Tensor, tuple, dict]:
+               s: MatmulSchedule, formats: tuple[str, ...], kind: str, stream_programs: int = 0,
+               check: bool = True) -> tuple[torch.Tensor, tuple, dict]:
     """What every rows GEMV (and the tensor-core GEMM) does before its launch: check the weight against
-    `formats` (`kind` names the kernel in the error), then the output (fp32 zeros when split-K programs add
-    partial sums), the launch grid and the compile options."""
+    `formats` (`kind` names the kernel in the error), then the output (fp32 zeros when split-K or stream-K
+    programs add partial sums), the launch grid (`stream_programs` > 0: that many stream-K programs on the
+    third axis instead of the row tiles × splits) and the compile options; `check=False`: the caller checked
+    a weight in another layout."""
     n, k = xa.q.shape
-    check_weight(raw, format, out_features, k)
+    if check:
+        check_weight(raw, format, out_features, k)
     if format not in formats:
         raise QuantKernelError(f"schedule {s.name} ({kind}) supports {', '.join(formats)}, not {format}; "
                                "pick another rows_*, a q8_* or a wv_* schedule")
     if k % 256:
         raise QuantKernelError(f"schedule {s.name} needs rows of whole 256-column blocks, got {k}")
-    partial = s.split_k > 1
+    partial = s.split_k > 1 or stream_programs > 0
     y = (torch.zeros if partial else torch.empty)(
         (n, out_features), dtype=torch.float32 if partial else xa.dtype, device=raw.device)
-    launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
+    if stream_programs:
+        launch = (1, triton_cdiv(n, s.block_m), stream_programs)
+    else:
+        launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
     extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}
     return y, launch, extra
 

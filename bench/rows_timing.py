@@ -61,15 +61,23 @@ def kernel(fmt: str):
 
         cuda = nvrtc_iq3s.SCHEDULES
 
+    # iq3_s: the rows schedules on the 112-byte aligned blocks too ("_pad"; repacked on the first call,
+    # outside the timed graph, and kept on the weight tensor)
+    pad = {f"{n}_pad": s for n, s in iq_mod.SCHEDULES.items() if not s.signed_grid} if fmt == "iq3_s" else {}
+
     def gemv(raw, fmt, xa, rows, name):
         if name in cuda:
             return nvrtc_iq3s.gemv_cuda_iq3s(raw, xa, rows, name)
+        if name in pad:
+            if not hasattr(raw, "padded_copy"):
+                raw.padded_copy = iq_mod.iq3_s_padded(raw)
+            return iq_mod.gemv_rows_iq(raw.padded_copy, fmt, xa, rows, name.removesuffix("_pad"), padded=True)
         if name in frag:
             return frag_mod.gemv_frag(raw, fmt, xa, rows, name)
         return (mma_mod.gemv_mma if name in mma else rows_gemv)(raw, fmt, xa, rows, name)
 
     rows = iq_mod.SCHEDULES if iq else rows_mod.SCHEDULES if fmt in rows_mod.ROWS_FORMATS else {}
-    return {**rows, **mma, **frag, **cuda}, gemv, iq_mod.rows_iq_route if iq else rows_mod.rows_route
+    return {**rows, **pad, **mma, **frag, **cuda}, gemv, iq_mod.rows_iq_route if iq else rows_mod.rows_route
 
 
 def serves(s, width: int) -> bool:

@@ -8,7 +8,14 @@ from conftest import gemv_case, needs_triton
 
 from ninfer.errors import NinferError
 from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation
-from ninfer.kernels.gemv_rows_iq import MAX_COLUMNS, SCHEDULES, RowsIqSchedule, gemv_rows_iq, rows_iq_route
+from ninfer.kernels.gemv_rows_iq import (
+    MAX_COLUMNS,
+    SCHEDULES,
+    RowsIqSchedule,
+    gemv_rows_iq,
+    iq3_s_padded,
+    rows_iq_route,
+)
 from ninfer.kernels.gguf_matmul import random_gguf_weight
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("triton_on_cpu_env")]
@@ -46,6 +53,21 @@ def test_rows_iq_misaligned_view(fmt):
     y = gemv_rows_iq(raw[1:], fmt, xa, 2, "rows_iq_n2_m1_b2_w1_s4")
     want = gemv_q8_reference(raw[1:], fmt, xa, 2)
     assert (y.double() - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+@pytest.mark.parametrize("sched,width,nb", [("rows_iq_n2_m1_b4_w2", 1, 3), ("rows_iq_n4_m4_b4_w4", 3, 2)])
+def test_rows_iq3_s_padded_layout(sched, width, nb):
+    """The 112-byte aligned iq3_s blocks give the GGUF blocks' products (every sub-block c of every block
+    reads its own qs, signs, qh byte and scale nibble: a wrong offset changes the sums)."""
+    raw, x = gemv_case("iq3_s", 5, nb * 256, width, seed=40 + nb)
+    xa = quantize_activation(x)
+    padded = iq3_s_padded(raw)
+    assert padded.shape == (5, nb * 112) and padded.view(5, nb, 112)[..., 110:].eq(0).all()
+    y = gemv_rows_iq(padded, "iq3_s", xa, 5, sched, padded=True)
+    want = gemv_q8_reference(raw, "iq3_s", xa, 5)
+    assert (y.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    with pytest.raises(NinferError, match="padded weight"):
+        gemv_rows_iq(raw, "iq3_s", xa, 5, sched, padded=True)
 
 
 def test_rows_iq_route_and_errors():

@@ -161,26 +161,34 @@ if HAVE_TRITON:
     def _gemv_rows_iq3_kernel(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
                               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                               SPLIT_K: tl.constexpr, EVEN: tl.constexpr, SIGNED: tl.constexpr,
-                              EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
+                              EMULATE: tl.constexpr, PADDED: tl.constexpr = False, PDL: tl.constexpr = 0):
+        """PADDED: the 112-byte aligned blocks of `iq3_s_padded` (qs, signs, qh, scales, d, 2 zero bytes)."""
         pdl_start(PDL)
-        BB: tl.constexpr = 110  # bytes per block
+        BB: tl.constexpr = 112 if PADDED else 110  # bytes per block
         c, b, n, m, e = _tile_axes(BLOCK_N, BLOCK_M, NB)
         zero = (m * 0) + (n * 0) + (b * 0) + (c * 0) + (e * 0)  # int32 zeros at the full tile shape
         nblk = K // 256
         s0, s1 = _step_range(K, NB, SPLIT_K)
         # the thread's block start (bytes) in the first step; rows and columns past the end read the last one
         start = tl.minimum(n, N - 1).to(tl.int64) * row_bytes + BB * (b % 2) + zero
-        # bytes of the two weight loads: [qs 0-3, 4-7, 8-11, d] and [signs 0-3, 4-7, qh, scales]
-        # (consecutive words as constant offsets from one word: one address computation for the run)
-        wa = w_ptr + tl.where(e < 3, ((start + 2 + 8 * c) >> 2) + e, start >> 2)
-        wb = w_ptr + tl.where(e < 2, ((start + 74 + 4 * c) >> 2) + e,
-                              tl.where(e == 2, (start + 66 + c) >> 2, (start + 106 + c // 2) >> 2))
+        if PADDED:  # [qs 2c, 2c + 1, signs c, signs c] and [qh 0-3, qh 4-7, scales, d], all aligned
+            wa = w_ptr + (start >> 2) + tl.where(e < 2, 2 * c + e, 16 + c)
+            wb = w_ptr + (start >> 2) + 24 + e
+        else:
+            # bytes of the two weight loads: [qs 0-3, 4-7, 8-11, d] and [signs 0-3, 4-7, qh, scales]
+            # (consecutive words as constant offsets from one word: one address computation for the run)
+            wa = w_ptr + tl.where(e < 3, ((start + 2 + 8 * c) >> 2) + e, start >> 2)
+            wb = w_ptr + tl.where(e < 2, ((start + 74 + 4 * c) >> 2) + e,
+                                  tl.where(e == 2, (start + 66 + c) >> 2, (start + 106 + c // 2) >> 2))
         # bit offsets inside the aligned words, the same in every step (NB even: steps of 4-byte multiples)
         lead = (start & 3).to(tl.int32)
         sh_q = _pick(((lead + 2) & 3) * 8, e, 0)  # qs and signs start 2 bytes after d
         sh_d = _pick(lead * 8, e, 0)
         sel_h = _pick(0x4440 + ((lead + 2 + c) & 3), e, 0)  # prmt selector of qh byte 66 + c, zero-extended
         sh_s = _pick(((lead + 2 + c // 2) & 3) * 8 + 4 * (c % 2), e, 0)  # scale nibble of byte 106 + c // 2
+        cc = _pick(c + zero, e, 0)
+        if PADDED:
+            sel_h = 0x4440 + (cc & 3)  # qh byte c: byte c % 4 of word c // 4
         mc = tl.minimum(m, M - 1).to(tl.int64)
         xrow = xw_ptr + mc * (K // 4) + 8 * c + e + zero
         # a column's sub-block scales are contiguous along c: hidden from Triton's contiguity analysis, which
@@ -194,10 +202,16 @@ if HAVE_TRITON:
             words = ((blk + b) >> 1) * (2 * BB // 4)
             ha = _ld(wa + words, ok, EVEN)
             hb = _ld(wb + words, ok, EVEN)
-            q0 = _shf(_pick(ha, e, 0), _pick(ha, e, 1), sh_q, EMULATE)
-            q1 = _shf(_pick(ha, e, 1), _pick(ha, e, 2), sh_q, EMULATE)
-            sg = _shf(_pick(hb, e, 0), _pick(hb, e, 1), sh_q, EMULATE)
-            qh = prmt(_pick(hb, e, 2), sh_q * 0, sel_h, EMULATE)
+            if PADDED:
+                q0 = _pick(ha, e, 0)
+                q1 = _pick(ha, e, 1)
+                sg = _pick(ha, e, 2)
+                qh = prmt(tl.where(cc < 4, _pick(hb, e, 0), _pick(hb, e, 1)), sh_q * 0, sel_h, EMULATE)
+            else:
+                q0 = _shf(_pick(ha, e, 0), _pick(ha, e, 1), sh_q, EMULATE)
+                q1 = _shf(_pick(ha, e, 1), _pick(ha, e, 2), sh_q, EMULATE)
+                sg = _shf(_pick(hb, e, 0), _pick(hb, e, 1), sh_q, EMULATE)
+                qh = prmt(_pick(hb, e, 2), sh_q * 0, sel_h, EMULATE)
             h0 = ((qh & 0xF) * 0x204081) & 0x01010101  # qh bit k -> byte k (0 or 1)
             h1 = ((qh >> 4) * 0x204081) & 0x01010101
             x0 = _ld(xrow + (blk + b) * 64, ok, EVEN)
@@ -211,8 +225,12 @@ if HAVE_TRITON:
                 acc_g, acc_m = _iq3_s_half(q0, h0, sg, x0, grid_ptr, e, zero, 0, BLOCK_M > 2, EMULATE)
                 g1, m1 = _iq3_s_half(q1, h1, sg, x1, grid_ptr, e, zero, 1, BLOCK_M > 2, EMULATE)
                 isum = (acc_g + g1) - (acc_m + m1)
-            sc = (_pick(hb, e, 3) >> sh_s) & 0xF
-            dw = _f16_lo(_pick(ha, e, 3) >> sh_d) * (1 + 2 * sc).to(tl.float32)
+            if PADDED:
+                sc = (_pick(hb, e, 2) >> (4 * cc)) & 0xF
+                dw = _f16_lo(_pick(hb, e, 3)) * (1 + 2 * sc).to(tl.float32)
+            else:
+                sc = (_pick(hb, e, 3) >> sh_s) & 0xF
+                dw = _f16_lo(_pick(ha, e, 3) >> sh_d) * (1 + 2 * sc).to(tl.float32)
             dx = _pick(_ld(drow + (blk + b) * 8, ok, EVEN), e, 0, -0.0)
             acc += dw * (isum.to(tl.float32) * dx)
         _store_rows(y_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M, SPLIT_K)
@@ -312,15 +330,31 @@ def _grid_words(device: torch.device, signed: bool) -> torch.Tensor:
     return _SIGNED_GRIDS[device]
 
 
+IQ3_S_PADDED_BYTES = 112
+
+
+def iq3_s_padded(raw: torch.Tensor) -> torch.Tensor:
+    """iq3_s rows (uint8 `[N, 110 · blocks]`) as 112-byte blocks with every field naturally aligned: qs[64]
+    at 0, signs[32] at 64, qh[8] at 96, scales[4] at 104, d at 108, two zero bytes (1.018× the bytes)."""
+    blocks = raw.reshape(raw.shape[0], -1, 110)
+    return torch.cat([blocks[..., 2:66], blocks[..., 74:106], blocks[..., 66:74], blocks[..., 106:110],
+                      blocks[..., 0:2], torch.zeros_like(blocks[..., :2])], dim=-1).reshape(raw.shape[0], -1)
+
+
 def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
-                 schedule: RowsIqSchedule | str) -> torch.Tensor:
+                 schedule: RowsIqSchedule | str, padded: bool = False) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, iq3_s
     or iq4_xs; "_sg" schedules matter to iq3_s only) and xa the int8 activation; the kernel runs on `raw`'s
-    device (CUDA, or CPU under the interpreter)."""
+    device (CUDA, or CPU under the interpreter). `padded`: raw is `iq3_s_padded`'s layout (iq3_s)."""
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
-    y, launch, extra = rows_setup(raw, format, xa, out_features, s, IQ_ROWS_FORMATS, "rows i-quant GEMV")
+    if padded and (format != "iq3_s" or raw.dtype != torch.uint8
+                   or tuple(raw.shape) != (out_features, k // 256 * IQ3_S_PADDED_BYTES)):
+        raise QuantKernelError(f"a padded weight is iq3_s uint8 [{out_features}, {k // 256 * 112}] "
+                               f"(iq3_s_padded), got {format} {raw.dtype} {list(raw.shape)}")
+    y, launch, extra = rows_setup(raw, format, xa, out_features, s, IQ_ROWS_FORMATS, "rows i-quant GEMV",
+                                  check=not padded)
     if s.blocks % 2 and format == "iq3_s":
         raise QuantKernelError(f"schedule {s.name} steps over {s.blocks} blocks; the iq3_s rows GEMV needs "
                                "an even number")
@@ -337,6 +371,6 @@ def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_fe
     _gemv_rows_iq3_kernel[launch](_aligned_words(raw), xa.words, xa.d, grid, y, out_features, k, n,
                                   raw.shape[1], y.stride(0), BLOCK_N=s.block_n, BLOCK_M=s.block_m,
                                   NB=s.blocks, SPLIT_K=s.split_k, EVEN=k // 256 % s.blocks == 0,
-                                  SIGNED=s.signed_grid, EMULATE=EMULATE_DP4A,
+                                  SIGNED=s.signed_grid, EMULATE=EMULATE_DP4A, PADDED=padded,
                                   **extra, **pdl_options(raw, trigger=False))
     return y.to(xa.dtype)

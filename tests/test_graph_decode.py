@@ -102,15 +102,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def schedule_rounds():
     """Prefills crossing pages, a mixed round (decodes + a chunk), a verification-shaped span (4 tokens, the
-    recurrent kernel with T positions) beside a decode, then decode rounds of three lanes."""
+    recurrent kernel with T positions) beside a decode and one alone (the whole batch), then decode rounds of
+    three lanes."""
     p0, p1, p2 = tokens(70, 1), tokens(5, 2), tokens(130, 3)
     rounds = [
         [(0, p0, 0)],
         [(1, p1, 0), (2, p2[:66], 0)],
         [(0, tokens(1, 4), 70), (2, p2[66:], 66), (1, tokens(1, 5), 5)],
         [(1, tokens(4, 6), 6), (0, tokens(1, 7), 71)],
+        [(1, tokens(3, 8), 10)],
     ]
-    lens = {0: 72, 1: 10, 2: 130}
+    lens = {0: 72, 1: 13, 2: 130}
     for r in range(4):
         rounds.append([(lane, tokens(1, 10 + 3 * r + lane), lens[lane] + r) for lane in (2, 0, 1)])
     return rounds

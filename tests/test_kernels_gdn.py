@@ -75,6 +75,9 @@ def test_multi_position_states_match_reference(state_dtype):
     layer = make_layer(gen, B, T, Hk, Hv, Dk, Dv, slots=5, state_dtype=state_dtype)
     slot_ids = torch.tensor([4, 1], dtype=torch.int32)
     ref_in, mine = cloned(layer), cloned(layer)
+    # a and b as column views of one projection output (as the model hands them): read in place, strided
+    ab = torch.cat([mine["a"], torch.randn(B, T, 3, generator=gen), mine["b"]], dim=-1)
+    mine["a"], mine["b"] = ab[..., :Hv], ab[..., Hv + 3:]
     ref = gdn_decode_reference(**ref_in, slot_ids=slot_ids, num_key_heads=Hk, return_all_states=True)
     out = gdn_decode(**mine, slot_ids=slot_ids, num_key_heads=Hk, return_all_states=True)
     # fp32: the same operations in another summation order, measured <= 1.8e-7; fp16 slots: both round

@@ -117,6 +117,7 @@ def test_batch_context_routes_spans_through_the_kernels(kernel_only, monkeypatch
     forwards = [  # (spans, tokens): two prompts, then a second chunk beside a decode step
         [SequenceSpan(0, 40, 0, 0), SequenceSpan(40, 70, 0, 1)],
         [SequenceSpan(0, 30, 40, 0), SequenceSpan(30, 1, 70, 1)],
+        [SequenceSpan(0, 4, 70, 0)],  # one span: the whole batch (returned without a copy)
     ]
     for spans in forwards:
         T = sum(s.length for s in spans)

@@ -94,6 +94,8 @@ def mix(plan: GdnMixPlan, states: GdnStatePool, gdn_layer: int, mixed_qkv: torch
     """The `gdn_mix` hook over a forward's spans -> o [T, Hv, Dv] fp32."""
     if plan.decode_slots is not None and plan.decode_rows is None:
         return decode_mix(states, gdn_layer, mixed_qkv, a, b, params, plan.decode_slots)
+    if plan.decode_slots is None and len(plan.spans) == 1:  # one span is the whole batch: no copy
+        return _span_rows(states, gdn_layer, plan.spans[0], plan.short_slots[0], mixed_qkv, a, b, params)
     out = torch.empty(plan.rows, params.num_value_heads, params.value_dim, dtype=torch.float32,
                       device=mixed_qkv.device)
     if plan.decode_slots is not None:
@@ -101,10 +103,16 @@ def mix(plan: GdnMixPlan, states: GdnStatePool, gdn_layer: int, mixed_qkv: torch
         out[r] = decode_mix(states, gdn_layer, mixed_qkv[r], a[r], b[r], params, plan.decode_slots)
     for s, slot_id in zip(plan.spans, plan.short_slots, strict=True):
         rows = slice(s.start, s.start + s.length)
-        if slot_id is not None:  # a few positions (speculative verification): the recurrent decode kernel
-            out[rows] = gdn_decode(mixed_qkv[rows][None], a[rows][None], b[rows][None], params.conv_weight,
-                                   params.a_log, params.dt_bias, states.conv[gdn_layer],
-                                   states.recurrent[gdn_layer], slot_id, params.num_key_heads).output[0]
-        else:
-            out[rows] = span_mix(states, gdn_layer, s.slot, mixed_qkv[rows], a[rows], b[rows], params)
+        out[rows] = _span_rows(states, gdn_layer, s, slot_id, mixed_qkv[rows], a[rows], b[rows], params)
     return out
+
+
+def _span_rows(states: GdnStatePool, gdn_layer: int, span: SequenceSpan, slot_id: torch.Tensor | None,
+               mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, params) -> torch.Tensor:
+    """One longer span's rows -> o [L, Hv, Dv] fp32: a few positions (speculative verification, `slot_id`
+    on the device) on the recurrent decode kernel, a prefill chunk on the chunked one."""
+    if slot_id is None:
+        return span_mix(states, gdn_layer, span.slot, mixed_qkv, a, b, params)
+    out = gdn_decode(mixed_qkv[None], a[None], b[None], params.conv_weight, params.a_log, params.dt_bias,
+                     states.conv[gdn_layer], states.recurrent[gdn_layer], slot_id, params.num_key_heads)
+    return out.output[0]

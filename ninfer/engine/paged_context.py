@@ -69,8 +69,11 @@ class PagedBatchContext:
             if i in decode:
                 continue
             if kernel:  # flash attention over the pages in their stored format
-                out[rows] = prefill_attention(q[rows], self._kv.storage[kv_layer], self._kv.page_tables,
-                                              span.slot, span.cached_tokens, self._kv.fmt)
+                o = prefill_attention(q[rows], self._kv.storage[kv_layer], self._kv.page_tables, span.slot,
+                                      span.cached_tokens, self._kv.fmt)
+                if len(self.spans) == 1:  # the span is the whole batch: no copy
+                    return o
+                out[rows] = o
                 continue
             keys, values = self._kv.read(kv_layer, pages, span.cached_tokens + span.length)
             qs = q[rows].float()

@@ -190,8 +190,8 @@ def gdn_decode(
         return gdn_decode_reference(mixed_qkv, a, b, conv_weight, a_log, dt_bias, conv_slots, state_slots,
                                     slot_ids, num_key_heads, return_all_states)
     dev = mixed_qkv.device
-    a = a.contiguous()
-    b = b.contiguous()
+    if a.stride(2) != 1 or b.stride() != a.stride():  # the kernel reads both with a's strides (column views
+        a, b = a.contiguous(), b.contiguous()          # of one projection share them: no copies)
     y = torch.empty((B, T, C), dtype=torch.float32, device=dev)
     out = torch.empty((B, T, Hv, Dv), dtype=torch.float32, device=dev)
     states = convs = None

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ninfer.cli.bench import bench_prompt, make_engine  # noqa: E402
 from ninfer.engine.api import GenerationRequest, SamplingParams  # noqa: E402
+from ninfer.engine.scheduler import Round, WorkItem  # noqa: E402
 
 
 def sync() -> None:
@@ -31,9 +32,11 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def decode_steps(engine, n_prompt: int, steps: int, profile: bool):
+def decode_steps(engine, n_prompt: int, steps: int, profile: bool, columns: int = 1):
     """Prefill a prompt, then run `steps` decode rounds (under torch.profiler if `profile`); returns the
-    profiler (or None) and the mean wall time of a decode round in ms."""
+    profiler (or None) and the mean wall time of a decode round in ms. `columns` > 1: the rounds are the
+    suite's verification step instead (one lane, `columns` positions, logits of every row; the cache is
+    not advanced, as in `bench_suite.step_times`)."""
     ids = bench_prompt(getattr(engine.model, "vocab_size", 1000), n_prompt, seed=1)
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     handle = engine.submit(GenerationRequest("profile", ids, params))
@@ -41,6 +44,8 @@ def decode_steps(engine, n_prompt: int, steps: int, profile: bool):
         rnd = engine.scheduler.schedule()
         if rnd is not None:
             engine.step(rnd)
+    seq = handle.seq
+    item = WorkItem(seq, seq.lane, (seq.tokens[-1],) * columns, seq.cached, True)
     prof = None
     if profile:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
@@ -49,7 +54,10 @@ def decode_steps(engine, n_prompt: int, steps: int, profile: bool):
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):
-        engine.step(engine.scheduler.schedule())
+        if columns > 1:
+            engine.runner.run(Round([item], [], []), all_rows=True)
+        else:
+            engine.step(engine.scheduler.schedule())
     sync()
     ms = (time.perf_counter() - t0) / steps * 1e3
     if prof is not None:
@@ -85,6 +93,8 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--graphs", action="store_true", help="also time CUDA-graph steps")
+    p.add_argument("--columns", type=int, default=1,
+                   help="profile the suite's verification step of this many positions instead")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     rows = {}
@@ -92,8 +102,8 @@ def main() -> int:
         args = SimpleNamespace(synthetic=a.synthetic, wtype=a.wtype, device=a.device, dtype=a.dtype,
                                quantized_weights=None, cuda_graphs=graphs)
         engine, name = make_engine(args, "bf16", 4096, 2048)
-        decode_steps(engine, a.prompt, 2, False)  # compile, capture
-        prof, ms = decode_steps(engine, a.prompt, a.steps, not graphs)
+        decode_steps(engine, a.prompt, 2, False, a.columns)  # compile, capture
+        prof, ms = decode_steps(engine, a.prompt, a.steps, not graphs, a.columns)
         rows["graph_ms" if graphs else "eager_ms"] = ms
         print(f"{name}: decode step {ms:.2f} ms ({'CUDA graphs' if graphs else 'eager'})", flush=True)
         if prof is not None:
@@ -115,7 +125,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / f"step_profile_{a.wtype}.json").write_text(json.dumps(rows, indent=1))
+        (a.out / f"step_profile_{a.wtype}_c{a.columns}.json").write_text(json.dumps(rows, indent=1))
     return 0
 
 

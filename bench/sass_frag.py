@@ -29,9 +29,10 @@ def main() -> int:
         s = f.SCHEDULES[name]
         y = "*fp32" if s.split_k > 1 or s.stream else "*bf16"
         const = dict(WARPS=s.num_warps, RT=s.row_tiles, NT=s.block_m // 8, SPLIT_K=s.split_k, EMULATE=False,
-                     STREAM=s.stream > 0, PDL=1)
+                     STREAM=s.stream > 0, FIXUP=s.split_k > 1 and not s.stream, PDL=1)
+        out = {"y_ptr": y, "o_ptr": "*bf16", "cnt_ptr": "*i32"}  # sums, output (split-K fixup), counters
         if a.format in ("iq3_s", "q6_k"):  # byte offsets into aligned words (2-byte-aligned blocks)
-            sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "grid_ptr": "*i16", "y_ptr": y,
+            sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "grid_ptr": "*i16", **out,
                    "N": "i32", "K": "i32", "M": "i32", "row_bytes": "i32", "stride_xd": "i32",
                    "stride_ym": "i32"}
             hinted = ("w_ptr", "xw_ptr", "xd_ptr", "grid_ptr", "y_ptr", "K", "stride_xd", "stride_ym")
@@ -42,7 +43,7 @@ def main() -> int:
             hinted = tuple(h for h in hinted if h in sig)
             const["WIDE"] = False
         else:
-            sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "y_ptr": y,
+            sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **out,
                    "N": "i32", "K": "i32", "M": "i32", "row_words": "i32", "stride_xd": "i32",
                    "stride_ym": "i32"}
             hinted = ("w_ptr", "xw_ptr", "xd_ptr", "xs_ptr", "y_ptr", "K", "row_words", "stride_xd",

@@ -14,7 +14,7 @@ import torch
 from conftest import gemv_case, needs_triton
 
 from ninfer.errors import NinferError
-from ninfer.kernels.gemv_frag import FRAG_FORMATS, SCHEDULES, frag_route, gemv_frag
+from ninfer.kernels.gemv_frag import FRAG_FORMATS, SCHEDULES, frag_route, gemv_frag, split_workspace
 from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("triton_on_cpu_env")]
@@ -42,6 +42,7 @@ def test_frag_kernel_equals_twin(fmt, sched, width, rows, nb):
     if ":" in sched:  # a stream-K schedule: its programs on the one-SM interpreter
         name, programs = sched.split(":")
         sched = dataclasses.replace(SCHEDULES[name], stream=int(programs))
+    sched = SCHEDULES[sched] if isinstance(sched, str) else sched
     raw, x = gemv_case(fmt, rows, nb * 256, width, seed=FRAG_FORMATS.index(fmt) * 10 + width)
     xa = quantize_activation(x)
     y = gemv_frag(raw, fmt, xa, rows, sched)
@@ -49,6 +50,9 @@ def test_frag_kernel_equals_twin(fmt, sched, width, rows, nb):
     assert y.dtype == torch.float32 and y.shape == (width, rows)
     # exact int32 sub-block dots, fp32 scaling and sums (≤ 1.3e-7 of max|y| measured)
     assert (y.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    if sched.split_k > 1 and not sched.stream:  # the last split of each tile left sums and counter zero
+        sums, counters = split_workspace(raw.device, 0, 0)
+        assert not sums.any() and not counters.any()
 
 
 def test_bf16_experiment_equals_its_twin():

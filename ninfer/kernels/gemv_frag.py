@@ -415,27 +415,33 @@ if HAVE_TRITON:
         return start, tl.minimum(start + per, total), nb
 
     @jit
-    def _gemv_frag_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_xd, stride_ym,
-                          FMT: tl.constexpr, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
-                          SPLIT_K: tl.constexpr, EMULATE: tl.constexpr, PREFETCH: tl.constexpr = False,
-                          STREAM: tl.constexpr = False, PDL: tl.constexpr = 0):
+    def _gemv_frag_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, o_ptr, cnt_ptr, N, K, M, row_words, stride_xd,
+                          stride_ym, FMT: tl.constexpr, WARPS: tl.constexpr, RT: tl.constexpr,
+                          NT: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr,
+                          PREFETCH: tl.constexpr = False, STREAM: tl.constexpr = False,
+                          FIXUP: tl.constexpr = False, PDL: tl.constexpr = 0):
         pdl_start(PDL)
         if STREAM:
             start, end, nb = _stream_span(N, K, 16 * WARPS * RT)
             for tile in range(start // nb, (end + nb - 1) // nb):
-                _k_tile(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_xd, stride_ym, tile,
-                        tl.maximum(start - tile * nb, 0), tl.minimum(end - tile * nb, nb), FMT, WARPS, RT,
-                        NT, True, EMULATE, PREFETCH)
+                a0, a1, a2, a3, row, col = _k_tile(
+                    w_ptr, xw_ptr, xd_ptr, xs_ptr, N, K, M, row_words, stride_xd, tile,
+                    tl.maximum(start - tile * nb, 0), tl.minimum(end - tile * nb, nb), FMT, WARPS, RT, NT,
+                    EMULATE, PREFETCH)
+                _store_tile(y_ptr, a0, a1, a2, a3, row, col, M, N, stride_ym, True)
         else:
             s0, s1 = _step_range(K, 1, SPLIT_K)
-            _k_tile(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_xd, stride_ym,
-                    tl.program_id(0), s0, s1, FMT, WARPS, RT, NT, SPLIT_K > 1, EMULATE, PREFETCH)
+            a0, a1, a2, a3, row, col = _k_tile(w_ptr, xw_ptr, xd_ptr, xs_ptr, N, K, M, row_words,
+                                               stride_xd, tl.program_id(0), s0, s1, FMT, WARPS, RT, NT,
+                                               EMULATE, PREFETCH)
+            _finish(y_ptr, o_ptr, cnt_ptr, a0, a1, a2, a3, row, col, M, N, stride_ym, SPLIT_K, FIXUP)
 
     @jit
-    def _k_tile(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_xd, stride_ym, tile, s0, s1,
-                FMT: tl.constexpr, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
-                ATOMIC: tl.constexpr, EMULATE: tl.constexpr, PREFETCH: tl.constexpr):
-        """Row tile `tile`'s super-blocks [s0, s1) of q4_k / q5_k into y (added with atomics if ATOMIC)."""
+    def _k_tile(w_ptr, xw_ptr, xd_ptr, xs_ptr, N, K, M, row_words, stride_xd, tile, s0, s1, FMT: tl.constexpr,
+                WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr, EMULATE: tl.constexpr,
+                PREFETCH: tl.constexpr):
+        """Row tile `tile`'s super-blocks [s0, s1) of q4_k / q5_k: a lane's four sums of the mma's D layout
+        and their row and column (`_store_tile`)."""
         L: tl.constexpr = 32 * WARPS
         WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
         QS: tl.constexpr = 4 if FMT == 4 else 12  # first qs word
@@ -489,8 +495,7 @@ if HAVE_TRITON:
                 acc1 += c1
                 acc2 += c2
                 acc3 += c3
-        _store_tile(y_ptr, acc0, acc1, acc2, acc3, _pick(row_a + zw, e, 0), _pick(col0 + 2 * t + zw, e, 0),
-                    M, N, stride_ym, ATOMIC)
+        return acc0, acc1, acc2, acc3, _pick(row_a + zw, e, 0), _pick(col0 + 2 * t + zw, e, 0)
 
     @jit
     def _signed_grid(g, nib, EMULATE: tl.constexpr):
@@ -522,26 +527,31 @@ if HAVE_TRITON:
                 tl.load(s_word + 4) >> s_sh)
 
     @jit
-    def _gemv_frag_iq3_kernel(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_xd,
-                              stride_ym, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
+    def _gemv_frag_iq3_kernel(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, o_ptr, cnt_ptr, N, K, M, row_bytes,
+                              stride_xd, stride_ym, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
                               SPLIT_K: tl.constexpr, WIDE: tl.constexpr, EMULATE: tl.constexpr,
-                              STREAM: tl.constexpr = False, PDL: tl.constexpr = 0):
+                              STREAM: tl.constexpr = False, FIXUP: tl.constexpr = False,
+                              PDL: tl.constexpr = 0):
         pdl_start(PDL)
         if STREAM:
             start, end, nb = _stream_span(N, K, 16 * WARPS * RT)
             for tile in range(start // nb, (end + nb - 1) // nb):
-                _iq3_tile(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym,
-                          tile, tl.maximum(start - tile * nb, 0), tl.minimum(end - tile * nb, nb), WARPS, RT,
-                          NT, True, WIDE, EMULATE)
+                a0, a1, a2, a3, row, col = _iq3_tile(
+                    w_ptr, xw_ptr, xd_ptr, grid_ptr, N, K, M, row_bytes, stride_xd, tile,
+                    tl.maximum(start - tile * nb, 0), tl.minimum(end - tile * nb, nb), WARPS, RT, NT, WIDE,
+                    EMULATE)
+                _store_tile(y_ptr, a0, a1, a2, a3, row, col, M, N, stride_ym, True)
         else:
             s0, s1 = _step_range(K, 1, SPLIT_K)
-            _iq3_tile(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym,
-                      tl.program_id(0), s0, s1, WARPS, RT, NT, SPLIT_K > 1, WIDE, EMULATE)
+            a0, a1, a2, a3, row, col = _iq3_tile(w_ptr, xw_ptr, xd_ptr, grid_ptr, N, K, M, row_bytes,
+                                                 stride_xd, tl.program_id(0), s0, s1, WARPS, RT, NT, WIDE,
+                                                 EMULATE)
+            _finish(y_ptr, o_ptr, cnt_ptr, a0, a1, a2, a3, row, col, M, N, stride_ym, SPLIT_K, FIXUP)
 
     @jit
-    def _iq3_tile(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym, tile, s0,
-                  s1, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr, ATOMIC: tl.constexpr,
-                  WIDE: tl.constexpr, EMULATE: tl.constexpr):
+    def _iq3_tile(w_ptr, xw_ptr, xd_ptr, grid_ptr, N, K, M, row_bytes, stride_xd, tile, s0, s1,
+                  WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr, WIDE: tl.constexpr,
+                  EMULATE: tl.constexpr):
         """iq3_s (110-byte blocks: d, qs[64], qh[8], signs[32], scales[4]): lane t's codes 8t..8t + 7 of
         sub-block s are grid words 2t and 2t + 1 — qs bytes 8s + 2t, 8s + 2t + 1, their 9th bits 2t, 2t + 1
         of qh byte s — and sign byte 4s + t (low nibble word 2t, high nibble 2t + 1). Blocks are only 2-byte
@@ -549,7 +559,7 @@ if HAVE_TRITON:
         offset of its block, so a shift of 0 or 16 bits places it (`_shf` where 4 bytes span two words).
         The word axis e carries rows g (e even) and g + 8 (odd). y += Σ_s d·(1 + 2·sc_s) · D_s · xd_s (no
         min term). WIDE: 64-bit byte offsets (tensors of 2 GiB and more). Row tile `tile`'s super-blocks
-        [s0, s1)."""
+        [s0, s1), returned as `_k_tile`'s."""
         L: tl.constexpr = 32 * WARPS
         e, zw, g, t, row_a, col0 = _lane_map(tile, WARPS, RT, NT)
         row = tl.minimum(tl.where(e % 2 == 0, row_a, row_a + 8), N - 1)
@@ -640,8 +650,7 @@ if HAVE_TRITON:
             acc1 += d_a * sum1
             acc2 += d_b * sum2
             acc3 += d_b * sum3
-        _store_tile(y_ptr, acc0, acc1, acc2, acc3, _pick(row_a + zw, e, 0), _pick(col0 + 2 * t + zw, e, 0),
-                    M, N, stride_ym, ATOMIC)
+        return acc0, acc1, acc2, acc3, _pick(row_a + zw, e, 0), _pick(col0 + 2 * t + zw, e, 0)
 
     @jit
     def _q6k_lane_words(w_ptr, b0, t, e):
@@ -661,32 +670,35 @@ if HAVE_TRITON:
         return low | (((qh >> (2 * JQ)) & 0x03030303) << 4)
 
     @jit
-    def _gemv_frag_q6k_kernel(w_ptr, xw_ptr, xd_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym,
-                              WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr, SPLIT_K: tl.constexpr,
-                              WIDE: tl.constexpr, EMULATE: tl.constexpr, STREAM: tl.constexpr = False,
+    def _gemv_frag_q6k_kernel(w_ptr, xw_ptr, xd_ptr, y_ptr, o_ptr, cnt_ptr, N, K, M, row_bytes, stride_xd,
+                              stride_ym, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
+                              SPLIT_K: tl.constexpr, WIDE: tl.constexpr, EMULATE: tl.constexpr,
+                              STREAM: tl.constexpr = False, FIXUP: tl.constexpr = False,
                               PDL: tl.constexpr = 0):
         pdl_start(PDL)
         if STREAM:
             start, end, nb = _stream_span(N, K, 16 * WARPS * RT)
             for tile in range(start // nb, (end + nb - 1) // nb):
-                _q6_tile(w_ptr, xw_ptr, xd_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym, tile,
-                         tl.maximum(start - tile * nb, 0), tl.minimum(end - tile * nb, nb), WARPS, RT, NT,
-                         True, WIDE, EMULATE)
+                a0, a1, a2, a3, row, col = _q6_tile(
+                    w_ptr, xw_ptr, xd_ptr, N, K, M, row_bytes, stride_xd, tile,
+                    tl.maximum(start - tile * nb, 0), tl.minimum(end - tile * nb, nb), WARPS, RT, NT, WIDE,
+                    EMULATE)
+                _store_tile(y_ptr, a0, a1, a2, a3, row, col, M, N, stride_ym, True)
         else:
             s0, s1 = _step_range(K, 1, SPLIT_K)
-            _q6_tile(w_ptr, xw_ptr, xd_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym, tl.program_id(0),
-                     s0, s1, WARPS, RT, NT, SPLIT_K > 1, WIDE, EMULATE)
+            a0, a1, a2, a3, row, col = _q6_tile(w_ptr, xw_ptr, xd_ptr, N, K, M, row_bytes, stride_xd,
+                                                tl.program_id(0), s0, s1, WARPS, RT, NT, WIDE, EMULATE)
+            _finish(y_ptr, o_ptr, cnt_ptr, a0, a1, a2, a3, row, col, M, N, stride_ym, SPLIT_K, FIXUP)
 
     @jit
-    def _q6_tile(w_ptr, xw_ptr, xd_ptr, y_ptr, N, K, M, row_bytes, stride_xd, stride_ym, tile, s0, s1,
-                 WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr, ATOMIC: tl.constexpr,
-                 WIDE: tl.constexpr, EMULATE: tl.constexpr):
+    def _q6_tile(w_ptr, xw_ptr, xd_ptr, N, K, M, row_bytes, stride_xd, tile, s0, s1, WARPS: tl.constexpr,
+                 RT: tl.constexpr, NT: tl.constexpr, WIDE: tl.constexpr, EMULATE: tl.constexpr):
         """q6_k (210-byte blocks: ql[128], qh[64], scales[16] int8, d) on m16n8k16 int8 mmas, one per
         16-code scale group j = 8h + 2·jq + b: lane t's codes 4t..4t + 3 of the group are the 4-byte ql piece
         at 64h + 32(jq % 2) + 16b + 4t (nibble jq // 2) and the qh piece at 128 + 32h + 16b + 4t (bits
         2·jq). Every piece lies at an offset ≡ 0 mod 4 of its 2-byte-aligned block, so all take the block's
         one funnel shift (0 or 16 bits). y += d · Σ_j sc_j · D_j · xd_(j/2), over row tile `tile`'s
-        super-blocks [s0, s1)."""
+        super-blocks [s0, s1), returned as `_k_tile`'s."""
         L: tl.constexpr = 32 * WARPS
         e, zw, g, t, row_a, col0 = _lane_map(tile, WARPS, RT, NT)
         row_g = tl.minimum(row_a, N - 1)
@@ -751,8 +763,34 @@ if HAVE_TRITON:
             acc1 += d_a * sum1
             acc2 += d_b * sum2
             acc3 += d_b * sum3
-        _store_tile(y_ptr, acc0, acc1, acc2, acc3, _pick(row_a + zw, e, 0), _pick(col0 + 2 * t + zw, e, 0),
-                    M, N, stride_ym, ATOMIC)
+        return acc0, acc1, acc2, acc3, _pick(row_a + zw, e, 0), _pick(col0 + 2 * t + zw, e, 0)
+
+    @jit
+    def _finish(y_ptr, o_ptr, cnt_ptr, acc0, acc1, acc2, acc3, row, col, M, N, stride_ym,
+                SPLIT_K: tl.constexpr, FIXUP: tl.constexpr):
+        """A split-K program's sums into y: stored (one split), or added with fp32 atomics; FIXUP: the last
+        of a tile's SPLIT_K programs to finish (a counter per program tile at cnt_ptr, acq_rel at GPU scope
+        after a barrier over the program) reads the tile's totals, writes them to o in its dtype, and leaves
+        y and its counter zero for the next call: no zero-fill and no conversion launches."""
+        _store_tile(y_ptr, acc0, acc1, acc2, acc3, row, col, M, N, stride_ym, SPLIT_K > 1)
+        if FIXUP:
+            tl.debug_barrier()
+            cnt = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                _fixup_frag(y_ptr, o_ptr, row, col, M, N, stride_ym)
+                _fixup_frag(y_ptr, o_ptr, row, col + 1, M, N, stride_ym)
+                _fixup_frag(y_ptr, o_ptr, row + 8, col, M, N, stride_ym)
+                _fixup_frag(y_ptr, o_ptr, row + 8, col + 1, M, N, stride_ym)
+                tl.atomic_xchg(cnt, 0, sem="relaxed")
+
+    @jit
+    def _fixup_frag(y_ptr, o_ptr, row, col, M, N, stride_ym):
+        """The totals at a lane's (column col, row row) positions from y (through L2) into o; y back to 0."""
+        at = col.to(tl.int64) * stride_ym + row
+        mask = (col < M) & (row < N)
+        total = tl.load(y_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(o_ptr + at, total.to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + at, tl.zeros_like(total), mask=mask)
 
     @jit
     def _store_tile(y_ptr, acc0, acc1, acc2, acc3, row, col, M, N, stride_ym, ATOMIC: tl.constexpr):
@@ -768,10 +806,36 @@ if HAVE_TRITON:
         stream-K)."""
         ptrs = y_ptr + col.to(tl.int64) * stride_ym + row
         mask = (col < M) & (row < N)
-        if ATOMIC:
-            tl.atomic_add(ptrs, out, mask=mask)
+        if ATOMIC:  # relaxed (a RED): the kernel's end or `_finish`'s release orders them
+            tl.atomic_add(ptrs, out, mask=mask, sem="relaxed")
         else:
             tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# device -> (fp32 sums, int32 tile counters): zero between calls (the last program of each tile clears its
+# part); replaced by a bigger one when a call needs more, the old one kept alive for the CUDA graphs that
+# captured it (never freed: 8 MB and 256 KB at first)
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_CAPTURED_WORKSPACES: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def split_workspace(device: torch.device, floats: int, counters: int
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The zeroed split-K workspace of a device with room for `floats` sums and `counters` tiles; None while a
+    CUDA graph is being captured and the present one is too small (an allocation there would belong to the
+    graph's pool; the caller falls back to a zero-filled output and a conversion)."""
+    ws = _WORKSPACES.get(device)
+    if ws is not None and ws[0].numel() >= floats and ws[1].numel() >= counters:
+        return ws
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if ws is not None:
+        _CAPTURED_WORKSPACES.append(ws)
+    sums = max(floats, 1 << 21, ws[0].numel() if ws else 0)
+    tiles = max(counters, 1 << 16, ws[1].numel() if ws else 0)
+    _WORKSPACES[device] = ws = (torch.zeros(sums, dtype=torch.float32, device=device),
+                                torch.zeros(tiles, dtype=torch.int32, device=device))
+    return ws
 
 
 @functools.cache
@@ -796,10 +860,17 @@ def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
     programs = stream_programs(raw.device, s, out_features, k) if s.stream else 0
+    work = None
+    if s.split_k > 1 and not programs:  # serial split-K fixup in a workspace that every call leaves zero
+        tiles = -(-out_features // s.block_n) * -(-n // s.block_m)
+        work = split_workspace(raw.device, n * out_features, tiles)
     y, launch, extra = rows_setup(raw, format, xa, out_features, s, FRAG_FORMATS, "tensor-core fragment GEMV",
-                                  programs)
+                                  programs, output=None if work is None else work[0][:n * out_features].view(
+                                      n, out_features))
+    out = y if work is None else torch.empty((n, out_features), dtype=xa.dtype, device=raw.device)
+    args = (y, out, xa.words if work is None else work[1], out_features, k, n)
     tiles = dict(WARPS=s.num_warps, RT=s.row_tiles, NT=s.block_m // 8, SPLIT_K=s.split_k,
-                 STREAM=programs > 0, EMULATE=EMULATE_DP4A)
+                 STREAM=programs > 0, FIXUP=work is not None, EMULATE=EMULATE_DP4A)
     if format in ("iq3_s", "q6_k"):  # 2-byte-aligned blocks: aligned words at byte offsets
         if s.prefetch:  # not in the iq3_s / q6_k kernels
             raise QuantKernelError(f"fragment schedule {s.name} prefetches in the q4_k / q5_k loop only; "
@@ -808,15 +879,15 @@ def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
 
         wide = raw.numel() >= 2**31 - 256
         if format == "iq3_s":
-            _gemv_frag_iq3_kernel[launch](_aligned_words(raw), xa.words, xa.d, iq3s_grid16(raw.device), y,
-                                          out_features, k, n, raw.shape[1], k // 32, y.stride(0), **tiles,
-                                          WIDE=wide, **extra, **pdl_options(raw, trigger=False))
-        else:
-            _gemv_frag_q6k_kernel[launch](_aligned_words(raw), xa.words, xa.d, y, out_features, k, n,
+            _gemv_frag_iq3_kernel[launch](_aligned_words(raw), xa.words, xa.d, iq3s_grid16(raw.device), *args,
                                           raw.shape[1], k // 32, y.stride(0), **tiles, WIDE=wide, **extra,
                                           **pdl_options(raw, trigger=False))
+        else:
+            _gemv_frag_q6k_kernel[launch](_aligned_words(raw), xa.words, xa.d, *args, raw.shape[1], k // 32,
+                                          y.stride(0), **tiles, WIDE=wide, **extra,
+                                          **pdl_options(raw, trigger=False))
     else:
-        _gemv_frag_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n,
-                                  raw.shape[1] // 4, k // 32, y.stride(0), FMT=_FMT[format], **tiles,
-                                  PREFETCH=s.prefetch, **extra, **pdl_options(raw, trigger=False))
-    return y.to(xa.dtype)
+        _gemv_frag_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, *args, raw.shape[1] // 4,
+                                  k // 32, y.stride(0), FMT=_FMT[format], **tiles, PREFETCH=s.prefetch,
+                                  **extra, **pdl_options(raw, trigger=False))
+    return out.to(xa.dtype)

@@ -396,12 +396,12 @@ if HAVE_TRITON:
 
 def rows_setup(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
                s: MatmulSchedule, formats: tuple[str, ...], kind: str, stream_programs: int = 0,
-               check: bool = True) -> tuple[torch.Tensor, tuple, dict]:
+               check: bool = True, output: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple, dict]:
     """What every rows GEMV (and the tensor-core GEMM) does before its launch: check the weight against
     `formats` (`kind` names the kernel in the error), then the output (fp32 zeros when split-K or stream-K
     programs add partial sums), the launch grid (`stream_programs` > 0: that many stream-K programs on the
     third axis instead of the row tiles × splits) and the compile options; `check=False`: the caller checked
-    a weight in another layout."""
+    a weight in another layout; `output`: the caller's fp32 buffer for the partial sums (zero), used as y."""
     n, k = xa.q.shape
     if check:
         check_weight(raw, format, out_features, k)
@@ -411,7 +411,7 @@ def rows_setup(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_feat
     if k % 256:
         raise QuantKernelError(f"schedule {s.name} needs rows of whole 256-column blocks, got {k}")
     partial = s.split_k > 1 or stream_programs > 0
-    y = (torch.zeros if partial else torch.empty)(
+    y = output if output is not None else (torch.zeros if partial else torch.empty)(
         (n, out_features), dtype=torch.float32 if partial else xa.dtype, device=raw.device)
     if stream_programs:
         launch = (1, triton_cdiv(n, s.block_m), stream_programs)

@@ -25,6 +25,11 @@ q4_k's instructions per super-block; `frag_route` says where each wins (docs/gpu
 The q4_k / q5_k min term `dmin·Σ_s mn_s·xs_s` of a super-block is one m16n8k8 tf32 mma (k = the 8
 sub-blocks; the activation sums split in three tf32 parts: exact).
 
+Split-K programs add their sums into a per-device fp32 workspace (`split_workspace`) and the last program of
+each tile to finish converts the totals to the output dtype and zeroes them again (`_finish`), so a call is one
+launch. Stream-K schedules (`_sk`) share the (row tile, super-block) steps of one full wave of programs; they
+were measured slower and are not routed.
+
 Tensors are `[32·warps, RT, NT, 4]`: the lane axis first (Triton gives lanes to the leading axis of equal
 contiguity, so element i of axis 0 lives in thread i), RT row tiles and NT column tiles of 8 per lane in
 registers, the word axis e last; every load is built at the full shape (zero strides where a value does not
@@ -109,16 +114,16 @@ def frag_route(fmt: str, out_features: int, in_features: int, columns: int) -> F
     """The fragment schedule for a decode GEMV of up to 8 columns where it beats the rows kernels and the
     `tl.dot` tiles (H200, bench/frag_timing.py and rows_timing.py; µs at 8 columns unless named):
 
-    - the q6_k output head (248320×5120) at 2–8 columns: 466 / 518 / 623 µs at 2 / 4 / 8 where two 1-column
-      GEMVs take 676 and the tile 1,174 / 1,210 (one column stays on the q8 GEMV: 341 vs 422);
+    - the q6_k output head (248320×5120) at 2–8 columns: 458 / 504 / 603 µs at 2 / 4 / 8 (session 11 run 1)
+      where two 1-column GEMVs take 676 and the tile 1,174 / 1,210 (one column stays on the q8 GEMV: 339 vs
+      452);
     - q4_k and iq3_s from 5, q6_k from 2 columns, on matrices of ≥ 10240 rows or of rows longer than 8192
       columns (session 9 runs 6 and 8, session 10 runs 1 and 3): q4_k 17408×5120 37.1 vs 45.6 (the tile),
       5120×17408 36.4 vs 43.2-46.3, 12288×5120 27.5 vs 32.1 and 10240×5120 24.2 vs 27.5 (the rows kernel's
       piece lanes); iq3_s 53.8 vs 65.0, 52.0 vs 78.0, 39.4 vs 43.7 and 32.8 vs 36.9 (the tile); q6_k 60.7 vs
       95.3, 55.5 vs 102.3, 43.8 vs 66.3 (at 2 columns 48.7 / 46.5 / 35.3 where two 1-column GEMVs take
       59.9 / 64.7 / 46.9). Not on 6144×5120 (q4_k 18.3 vs 17.8), nor below 5 columns for q4_k and iq3_s,
-      where the rows kernels win (iq3_s 17408×5120 at 4 columns: 33.5 vs 51.2).
-
+      where the rows kernels win (iq3_s 17408×5120 at 4 columns: 33.5 vs 51.2);
     - q4_k 5120×17408 (rows longer than 8192 columns) from 4 columns on `frag_w2_r1_m8_s4_pf` (session 11
       run 2: 27.9 / 31.2 µs at 4 / 8 where the rows kernel takes 30.6 at 4 and `_s8` 32.2 at 8).
 
@@ -126,13 +131,13 @@ def frag_route(fmt: str, out_features: int, in_features: int, columns: int) -> F
     (session 11 run 2: q4_k 17408×5120 at 8 36.5–51.4 vs 32.4), though at 1 column `_sk8_pf` is the fastest
     fragment schedule (24.1 vs 27.4; the rows kernel 15.8).
 
-    Its cost hardly grows with the columns: the weight decode and the scaling of each int32 tile (~380
-    instructions per warp and q4_k super-block, issue-bound) are the same for 1 and for 8."""
+    Its cost hardly grows with the columns: the weight decode and the scaling of each int32 tile (283
+    instructions per warp and q4_k super-block) are the same for 1 and for 8."""
     fmt = fmt.removeprefix(GGUF_PREFIX)
     first = FRAG_FROM.get(fmt)
-    if first is None or in_features % 256 or not min(first, 4) <= columns <= 8:
+    if first is None or in_features % 256 or columns > 8:
         return None
-    if fmt == "q4_k" and in_features > 8192:  # from 4 columns, loads one super-block ahead (session 11)
+    if fmt == "q4_k" and in_features > 8192 and columns >= 4:  # loads one super-block ahead (session 11)
         return SCHEDULES["frag_w2_r1_m8_s4_pf"]
     if columns < first:
         return None

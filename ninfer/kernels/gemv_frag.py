@@ -26,9 +26,9 @@ The q4_k / q5_k min term `dmin·Σ_s mn_s·xs_s` of a super-block is one m16n8k8
 sub-blocks; the activation sums split in three tf32 parts: exact).
 
 Split-K programs add their sums into a per-device fp32 workspace (`split_workspace`) and the last program of
-each tile to finish converts the totals to the output dtype and zeroes them again (`_finish`), so a call is one
-launch. Stream-K schedules (`_sk`) share the (row tile, super-block) steps of one full wave of programs; they
-were measured slower and are not routed.
+each tile to finish converts the totals to the output dtype and zeroes them again (`_finish`), so a call is
+one launch. Stream-K schedules (`_sk`) share the (row tile, super-block) steps of one full wave of programs;
+they were measured slower and are not routed.
 
 Tensors are `[32·warps, RT, NT, 4]`: the lane axis first (Triton gives lanes to the leading axis of equal
 contiguity, so element i of axis 0 lives in thread i), RT row tiles and NT column tiles of 8 per lane in

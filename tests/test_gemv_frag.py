@@ -31,10 +31,11 @@ CASES = [("q4_k", "frag_w1_r1_m8", 1, 16, 1), ("q4_k", "frag_w1_r2_m8_s2", 5, 40
          ("iq3_s", "frag_w1_r1_m8", 3, 16, 1), ("iq3_s", "frag_w1_r1_m8_s2", 5, 20, 3),
          ("q6_k", "frag_w1_r1_m8_s2", 5, 20, 3),
          ("q4_k", "frag_w2_r1_m8_s4_pf", 6, 20, 3), ("q5_k", "frag_w1_r1_m8_s2_pf", 8, 20, 3),
-         # stream-K (the interpreter is one SM: `stream` programs): 9 steps over 5 programs (runs of 2 that
-         # cross row tiles, the last one short), over 7 (two programs without work), with prefetch
-         ("q4_k", "frag_w1_r1_m8_sk16:5", 5, 40, 3), ("iq3_s", "frag_w1_r1_m8_sk16:7", 3, 40, 3),
-         ("q6_k", "frag_w1_r1_m8_sk16:4", 2, 20, 3), ("q5_k", "frag_w2_r1_m8_sk8_pf:2", 8, 40, 2)]
+         # stream-K (the interpreter is one SM: `stream` programs): 6 steps (3 row tiles of 2 blocks) over 2
+         # programs (runs of 3 that cross a row tile), 6 (2 tiles of 3) over 4 (runs of 2, one program
+         # without work), 4 over 2, and with prefetch
+         ("q4_k", "frag_w1_r1_m8_sk16:2", 5, 40, 2), ("iq3_s", "frag_w1_r1_m8_sk16:4", 3, 20, 3),
+         ("q6_k", "frag_w1_r1_m8_sk16:2", 2, 20, 2), ("q5_k", "frag_w2_r1_m8_sk8_pf:2", 8, 40, 2)]
 
 
 @pytest.mark.parametrize("fmt,sched,width,rows,nb", CASES)

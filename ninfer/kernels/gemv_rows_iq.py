@@ -184,11 +184,12 @@ if HAVE_TRITON:
         lead = (start & 3).to(tl.int32)
         sh_q = _pick(((lead + 2) & 3) * 8, e, 0)  # qs and signs start 2 bytes after d
         sh_d = _pick(lead * 8, e, 0)
-        sel_h = _pick(0x4440 + ((lead + 2 + c) & 3), e, 0)  # prmt selector of qh byte 66 + c, zero-extended
         sh_s = _pick(((lead + 2 + c // 2) & 3) * 8 + 4 * (c % 2), e, 0)  # scale nibble of byte 106 + c // 2
         cc = _pick(c + zero, e, 0)
-        if PADDED:
-            sel_h = 0x4440 + (cc & 3)  # qh byte c: byte c % 4 of word c // 4
+        if PADDED:  # prmt selector of qh byte c (byte c % 4 of word c // 4), zero-extended
+            sel_h = 0x4440 + (cc & 3)
+        else:  # of qh byte 66 + c
+            sel_h = _pick(0x4440 + ((lead + 2 + c) & 3), e, 0)
         mc = tl.minimum(m, M - 1).to(tl.int64)
         xrow = xw_ptr + mc * (K // 4) + 8 * c + e + zero
         # a column's sub-block scales are contiguous along c: hidden from Triton's contiguity analysis, which

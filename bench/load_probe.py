@@ -39,7 +39,8 @@ MODES = {"chunk": (0, 4), "half": (1, 4), "piece": (2, 8), "half_pair": (3, 4), 
 
 @triton.jit
 def _probe_kernel(w_ptr, x_ptr, xd_ptr, out_ptr, row_words, K, MODE: tl.constexpr, R: tl.constexpr,
-                  G: tl.constexpr, NB: tl.constexpr, L: tl.constexpr, ACT: tl.constexpr):
+                  G: tl.constexpr, NB: tl.constexpr, L: tl.constexpr, ACT: tl.constexpr,
+                  SWEEP: tl.constexpr = False):
     # tile [row r (registers), row group g, block b, lane c, word e]; activation-side tensors carry no r axis
     r = tl.arange(0, R)[:, None, None, None, None]
     g = tl.arange(0, G)[None, :, None, None, None]
@@ -75,7 +76,11 @@ def _probe_kernel(w_ptr, x_ptr, xd_ptr, out_ptr, row_words, K, MODE: tl.constexp
         h_at = q_at
     acc = zw
     for step in range(0, K // 256 // NB):
-        wb = row + step * NB * 36
+        if SWEEP:  # step-major layout: step s of every program's rows is one contiguous run, program order
+            run = (step * tl.num_programs(0) + tl.program_id(0)) * (R * G) + r * G + g
+            wb = w_ptr + run.to(tl.int64) * (NB * 36)
+        else:
+            wb = row + step * NB * 36
         acc ^= tl.load(wb + q_at, eviction_policy="evict_first")
         if MODE < 2 or MODE == 3:
             acc ^= tl.load(wb + q2_at, eviction_policy="evict_first")
@@ -116,6 +121,9 @@ def main() -> int:
                     help="RxG: R rows per lane (registers) × G row groups (warps = G·NB·L / 32)")
     ap.add_argument("--act", default="0,1", help="0 weights only, 1 + activation (scales as 4 scalar loads), "
                     "2 + activation (scales interleaved: one 16-byte load)")
+    ap.add_argument("--sweep", default="0", help="0 rows as stored (each program walks its own rows), 1 a "
+                    "step-major layout (step s of all programs' rows contiguous: programs sweep memory "
+                    "together)")
     ap.add_argument("--ncu", action="store_true", help="launch each once between cudaProfilerStart/Stop")
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -128,14 +136,16 @@ def main() -> int:
     table = []
     for name in a.modes.split(","):
         mode, lanes = MODES[name]
-        for act in map(int, a.act.split(",")):
+        sweeps = list(map(int, a.sweep.split(",")))
+        for act, sweep in ((act, sweep) for act in map(int, a.act.split(",")) for sweep in sweeps):
             for R, G in (tuple(map(int, t.split("x"))) for t in a.tiles.split(",")):
                 nb = 4
                 warps = max(1, G * nb * lanes // 32)
 
-                def call(w, mode=mode, lanes=lanes, act=act, R=R, G=G, nb=nb, warps=warps):
+                def call(w, mode=mode, lanes=lanes, act=act, R=R, G=G, nb=nb, warps=warps, sweep=sweep):
                     _probe_kernel[(a.rows // (R * G),)](w, x, xd, out, w.shape[1], a.cols, MODE=mode, R=R,
-                                                        G=G, NB=nb, L=lanes, ACT=act, num_warps=warps)
+                                                        G=G, NB=nb, L=lanes, ACT=act, SWEEP=bool(sweep),
+                                                        num_warps=warps)
                 if a.ncu:
                     call(words[0])
                     torch.cuda.synchronize()
@@ -145,7 +155,7 @@ def main() -> int:
                     torch.cuda.profiler.stop()
                     continue
                 us = graph_us([lambda w=w: call(w) for w in words])
-                label = f"{name}{('', '+act', '+act4')[act]} r{R} g{G} w{warps}"
+                label = f"{name}{('', '+act', '+act4')[act]}{'+sweep' if sweep else ''} r{R} g{G} w{warps}"
                 table.append((label, us, nbytes / us / 1e6))
                 print(f"{label:28s} {us:7.2f} µs {nbytes / us / 1e6:5.2f} TB/s", flush=True)
     print("\nmode                          µs     TB/s (weight bytes / time)")

@@ -42,7 +42,7 @@ def main() -> int:
 
     for pdl in ("0", "1", "0", "1"):
         os.environ["NINFER_PDL"] = pdl
-        triton_support.pdl_enabled.cache_clear()
+        triton_support.reread_launch_settings()
         small, pairs = graph_us([small_chain]) / 400, graph_us([gemv_chain]) / 128  # µs per kernel
         print(f"PDL {'on ' if triton_support.pdl_enabled() else 'off'}: SwiGLU chain {small:.2f} µs/kernel, "
               f"norm + GEMV chain {pairs:.2f} µs/kernel", flush=True)

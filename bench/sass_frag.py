@@ -29,7 +29,7 @@ def main() -> int:
         s = f.SCHEDULES[name]
         y = "*fp32" if s.split_k > 1 or s.stream else "*bf16"
         const = dict(WARPS=s.num_warps, RT=s.row_tiles, NT=s.block_m // 8, SPLIT_K=s.split_k, EMULATE=False,
-                     STREAM=s.stream > 0, FIXUP=s.split_k > 1 and not s.stream, PDL=1)
+                     STREAM=s.stream > 0, FIXUP=s.split_k > 1 and not s.stream, PDL=3)  # wait, late release
         out = {"y_ptr": y, "o_ptr": "*bf16", "cnt_ptr": "*i32"}  # sums, output (split-K fixup), counters
         if a.format in ("iq3_s", "q6_k"):  # byte offsets into aligned words (2-byte-aligned blocks)
             sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "grid_ptr": "*i16", **out,

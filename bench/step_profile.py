@@ -84,6 +84,48 @@ def grouped(prof, steps: int) -> list[tuple[str, float, float]]:
     return sorted(((k, v[0], v[1]) for k, v in groups.items()), key=lambda r: -r[1])
 
 
+def replay_ms(engine, columns: int, replays: int = 40) -> float:
+    """GPU time of one replay of the captured decode graph of one lane (`columns` positions), median of 5
+    runs of `replays` back-to-back replays between CUDA events (no host work inside). The replays run on the
+    scratch lane (the profiled request has finished and its pages are free)."""
+    graphs = engine.runner.graphs
+    entry = graphs._graphs[1, columns]
+    with torch.inference_mode():  # the static inputs are inference tensors
+        graphs._stage(entry.ctx.inputs, [[] for _ in range(5)])
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(replays):
+            entry.graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    return sorted(times)[2]
+
+
+def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
+    """The captured step's GPU time under each launch setting ("NAME=value", several joined by "+", e.g.
+    NINFER_PDL_LATE=0), the graphs captured again for each, twice over in alternating order (the machine's
+    drift shows as the difference)."""
+    import os
+
+    from ninfer.kernels import triton_support
+
+    out: dict[str, list[float]] = {}
+    for setting in settings + settings[::-1]:
+        for assignment in setting.split("+"):
+            name, _, value = assignment.partition("=")
+            os.environ[name] = value
+        triton_support.reread_launch_settings()
+        engine.runner.graphs._graphs.clear()  # captured again under the new setting
+        decode_steps(engine, a.prompt, 2, False, a.columns)
+        ms = replay_ms(engine, a.columns)
+        out.setdefault(setting, []).append(ms)
+        print(f"  {setting}: graph replay {ms:.3f} ms", flush=True)
+    return {k: min(t) for k, t in out.items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--synthetic", default="27b")
@@ -95,10 +137,13 @@ def main() -> int:
     p.add_argument("--graphs", action="store_true", help="also time CUDA-graph steps")
     p.add_argument("--columns", type=int, default=1,
                    help="profile the suite's verification step of this many positions instead")
+    p.add_argument("--sweep", default="",
+                   help="time only the graphed step, under each of these comma-separated launch settings "
+                        "(NAME=value, several joined by +; e.g. NINFER_PDL_LATE=0,NINFER_PDL_LATE=1)")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     rows = {}
-    for graphs in (True, False) if a.graphs else (False,):
+    for graphs in (True,) if a.sweep else (True, False) if a.graphs else (False,):
         args = SimpleNamespace(synthetic=a.synthetic, wtype=a.wtype, device=a.device, dtype=a.dtype,
                                quantized_weights=None, cuda_graphs=graphs)
         engine, name = make_engine(args, "bf16", 4096, 2048)
@@ -106,6 +151,8 @@ def main() -> int:
         prof, ms = decode_steps(engine, a.prompt, a.steps, not graphs, a.columns)
         rows["graph_ms" if graphs else "eager_ms"] = ms
         print(f"{name}: decode step {ms:.2f} ms ({'CUDA graphs' if graphs else 'eager'})", flush=True)
+        if graphs and a.sweep and engine.runner.graphs is not None:
+            rows["sweep_ms"] = env_sweep(engine, a, a.sweep.split(","))
         if prof is not None:
             table = grouped(prof, a.steps)
             total = sum(r[1] for r in table)

@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ninfer.artifact import open_artifact
 from ninfer.cli.convert import main as convert_main
+from ninfer.convert.recipes.qwen3_5 import tiled_input_columns
 from ninfer.errors import NinferError
 from ninfer.kernels import fused, gguf_matmul, ops, reference
 from ninfer.models import load_model
@@ -173,6 +174,48 @@ def test_int8_activation_made_in_the_same_launch(gen, op, width):
         fused.swiglu(a[:, :40], b[:, :40], quantize=True)
 
 
+@pytest.mark.parametrize("order", ["none", "heads", "tiled"])
+def test_gated_rms_norm_quantises_whole_heads_for_the_output_projection(gen, order):
+    """The GDN output norm with `quantize`: its flat bf16 output unchanged and its int8 activation bit-equal
+    to quantising that output, also when the output Linear's input order moves whole heads (a GGUF's tiled
+    value heads) — each program's head stays one run of 32-column groups."""
+    from ninfer.kernels import gemv_q8
+    from ninfer.models.weights import aligned_run
+
+    T, H, N = 3, 6, 64
+    core, z = _randn(gen, T, H, N), _randn(gen, T, H, N, dtype=torch.bfloat16, scale=2.0)
+    w = _randn(gen, N).abs()
+    heads = torch.randperm(H, generator=gen)
+    gather = {"none": None, "heads": (heads[:, None] * N + torch.arange(N)).reshape(-1),
+              "tiled": tiled_input_columns(2, H, N)}[order]
+    scatter = None if gather is None else torch.argsort(gather)
+    if scatter is not None:
+        assert aligned_run(scatter) % N == 0
+    out = fused.gated_rms_norm(core, z, w, 1e-6, torch.bfloat16, scatter, quantize=True)
+    want = reference.gated_rms_norm(core.to(torch.bfloat16), z, w, 1e-6).reshape(T, -1)
+    _close(out, want if gather is None else want.index_select(-1, gather))
+    assert torch.equal(out, fused.gated_rms_norm(core, z, w, 1e-6, torch.bfloat16, scatter).reshape(T, -1))
+    got, ref = gemv_q8.quantize_activation_cached(out), gemv_q8.quantize_activation_reference(out)
+    assert got is gemv_q8._MEMO.result
+    assert torch.equal(got.q, ref.q) and torch.equal(got.d, ref.d) and torch.equal(got.s, ref.s)
+    gemv_q8._MEMO.clear()
+    with pytest.raises(NinferError, match="power-of-two multiple of 32"):
+        fused.gated_rms_norm(core[..., :48], z[..., :48], w[:48], 1e-6, torch.bfloat16, quantize=True)
+
+
+def test_aligned_run_finds_the_runs_a_permutation_keeps_together():
+    from ninfer.models.weights import aligned_run
+
+    assert aligned_run(torch.arange(768)) == 256  # 768 = 3 · 256: no longer power-of-two run divides it
+    heads = torch.tensor([2, 0, 3, 1])
+    assert aligned_run((heads[:, None] * 128 + torch.arange(128)).reshape(-1)) == 128
+    swapped = torch.arange(512)
+    swapped[[5, 6]] = swapped[[6, 5]]
+    assert aligned_run(swapped) == 1
+    shifted = (torch.arange(512) + 32) % 512  # consecutive runs, but starting off their alignment
+    assert aligned_run(shifted) == 32
+
+
 def test_ops_take_the_reference_path_off_triton(gen, monkeypatch):
     """Without NINFER_TRITON_ON_CPU (ordinary CPU inference) every op is its reference, bit for bit."""
     monkeypatch.delenv("NINFER_TRITON_ON_CPU")
@@ -296,7 +339,7 @@ def test_model_on_fused_kernels_matches_the_reference_path(tiny_bf16, monkeypatc
 
 # ---- launch count of one decode step ---------------------------------------------------------------------
 
-def _gated_norm_stand_in(o, z, w, eps, out_dtype=None, scatter=None):
+def _gated_norm_stand_in(o, z, w, eps, out_dtype=None, scatter=None, quantize=False):
     gather = None if scatter is None else torch.argsort(scatter)
     return fused.gated_rms_norm_reference(o, z, w, eps, out_dtype, gather)
 
@@ -421,9 +464,9 @@ def compile_for_sm90() -> list[str]:
                      "CHUNK": 1024 if res else 8192}
             build(fused._norm_kernel, norm, flags, 16)
         gated = {"o_ptr": "*fp32", "z_ptr": f"*{ty}", "w_ptr": "*fp32", "out_ptr": f"*{ty}",
-                 "scatter_ptr": "*i64", **ints("N", "H", "so0", "so1", "sz0", "sz1"), "eps": "fp32"}
+                 "scatter_ptr": "*i64", **int8, **ints("N", "H", "so0", "so1", "sz0", "sz1"), "eps": "fp32"}
         for scatter in (True, False):
-            build(fused._gated_norm_kernel, gated, {"SCATTER": scatter, "BLOCK": 128}, 1)
+            build(fused._gated_norm_kernel, gated, {"SCATTER": scatter, "QUANT": scatter, "BLOCK": 128}, 1)
         rotary = {"x_ptr": f"*{ty}", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                   "out_ptr": f"*{ty}", **ints("D", "H", "R", "sx0", "sx1", "sc0", "ss0"), "eps": "fp32"}
         for has_w in (True, False):

@@ -131,7 +131,8 @@ def test_producers_leave_the_int8_activation_for_the_next_linear():
 def test_programmatic_dependent_launches_in_a_graph_equal_plain_launches(monkeypatch):
     """A decode-like chain (add + norm + int8 → rows GEMV → SwiGLU + int8 → rows GEMV, q4_k and iq3_s, four
     layers deep) captured in a CUDA graph with programmatic dependent launch gives bitwise the outputs of
-    plain eager launches: every PDL kernel waits for its predecessor before touching memory."""
+    plain eager launches: every PDL kernel waits for its predecessor before touching memory, whether the
+    GEMVs let the next kernel launch after their main loop (the default) or only at their end."""
     from ninfer.kernels import ops, triton_support
 
     torch.manual_seed(0)
@@ -148,9 +149,10 @@ def test_programmatic_dependent_launches_in_a_graph_equal_plain_launches(monkeyp
             x = quant_matmul(down, fmt, ops.swiglu(gu[:, :5120], gu[:, 5120:]), 5120)
         return x + h
 
-    def run(pdl: bool, graphed: bool):
+    def run(pdl: bool, graphed: bool, late: bool = True):
         monkeypatch.setenv("NINFER_PDL", "1" if pdl else "0")
-        triton_support.pdl_enabled.cache_clear()
+        monkeypatch.setenv("NINFER_PDL_LATE", "1" if late else "0")
+        triton_support.reread_launch_settings()
         assert triton_support.pdl_enabled() == pdl
         x = x0.clone()
         if not graphed:
@@ -165,10 +167,12 @@ def test_programmatic_dependent_launches_in_a_graph_equal_plain_launches(monkeyp
 
     try:
         plain = run(False, graphed=False)
-        assert torch.equal(run(True, graphed=True), plain)
+        for late in (True, False):
+            assert torch.equal(run(True, True, late), plain), late
         assert torch.equal(run(True, graphed=False), plain)
     finally:
-        triton_support.pdl_enabled.cache_clear()  # re-read once monkeypatch restores the environment
+        monkeypatch.undo()
+        triton_support.reread_launch_settings()
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])

@@ -11,7 +11,7 @@ import torch
 
 from ninfer.errors import NinferError
 from ninfer.kernels import reference
-from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, triton_runs_on
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_max, triton_runs_on
 
 MAX_ROW = 65536  # the norms hold a whole row in one program
 ELEMENTWISE_BLOCK = 1024
@@ -148,11 +148,14 @@ if HAVE_TRITON:
         return s
 
     @jit
-    def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, scatter_ptr, N, H, so0, so1, sz0, sz1, eps,
-                           SCATTER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, scatter_ptr, q_ptr, d_ptr, s_ptr, N, H, so0, so1,
+                           sz0, sz1, eps, SCATTER: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr = 0):
         """`rmsnorm(o)·w·silu(z)` per row of N; rows (i // H, i % H); o first rounded to the output dtype (the
         unfused model cast the mixer's fp32 output first). Out contiguous [T, H·N]; with SCATTER, flat column
-        c of row t lands in column scatter[c] (a Linear's input-column order applied on the way out)."""
+        c of row t lands in column scatter[c] (a Linear's input-column order applied on the way out). QUANT
+        (BLOCK = N, a multiple of 32, and each head's N columns landing as one aligned run): the int8
+        activation of out's rows too."""
         pdl_start(PDL)
         i = tl.program_id(0)
         t, h = i // H, i % H
@@ -168,7 +171,10 @@ if HAVE_TRITON:
             dest = tl.load(scatter_ptr + h * N + cols, mask=ok, other=0)
             tl.store(out_ptr + t * H * N + dest, y, mask=ok)
         else:
+            dest = h * N + cols
             tl.store(out_ptr + i * N + cols, y, mask=ok)
+        if QUANT:  # the head's run starts at its smallest destination column
+            _quantize_row(y.to(tl.float32), t, -tl_max(-dest, 0) // 32, ok, H * N, q_ptr, d_ptr, s_ptr, BLOCK)
 
     @jit
     def _norm_rotary_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, D, H, R, sx0, sx1, sc0, ss0, eps,
@@ -325,11 +331,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
 
 def gated_rms_norm(
     o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
-    scatter: torch.Tensor | None = None,
+    scatter: torch.Tensor | None = None, quantize: bool = False,
 ) -> torch.Tensor:
     """The GDN output norm `rmsnorm(o)·w·silu(z)` over the last dim, in `out_dtype` (default o's; o is rounded
     to it first). `scatter` (int [H·N], a permutation): output `[T, H·N]` whose column scatter[c] holds
-    flat column c, i.e. `gated_rms_norm_reference(...)[:, argsort(scatter)]` in the same launch."""
+    flat column c, i.e. `gated_rms_norm_reference(...)[:, argsort(scatter)]` in the same launch. `quantize`
+    (N a power of two and a multiple of 32; with `scatter`, each head's N columns one aligned run: see
+    `models.weights.aligned_run`): output `[T, H·N]` and its int8 activation, left for the Linear that
+    reads it."""
     o3, z3 = _rows3(o, "o"), _rows3(z, "z")
     if o3.shape != z3.shape:
         raise FusedKernelError(f"gated norm: o {tuple(o.shape)} and z {tuple(z.shape)} differ")
@@ -337,14 +346,21 @@ def gated_rms_norm(
     if scatter is not None and (scatter.shape != (H * N,) or scatter.device != o.device):
         raise FusedKernelError(f"gated norm: scatter must be [{H * N}] on {o.device}, got "
                                f"{tuple(scatter.shape)} on {scatter.device}")
-    out = torch.empty(o.shape, dtype=out_dtype or o.dtype, device=o.device)
+    block = _block(N)
+    if quantize and (block != N or N % 32):
+        raise FusedKernelError(f"gated norm: the int8 activation needs heads of a power-of-two multiple of "
+                               f"32 columns, got {N}")
+    flat = scatter is not None or quantize
+    out = torch.empty((T, H * N) if flat else o.shape, dtype=out_dtype or o.dtype, device=o.device)
+    q8 = _int8_buffers(out, quantize)
     if T * H:
-        block = _block(N)
         dest = o3 if scatter is None else scatter  # any pointer when not scattering
-        _gated_norm_kernel[(T * H,)](o3, z3, weight, out, dest, N, H, o3.stride(0), o3.stride(1),
+        _gated_norm_kernel[(T * H,)](o3, z3, weight, out, dest, *q8, N, H, o3.stride(0), o3.stride(1),
                                      z3.stride(0), z3.stride(1), eps, SCATTER=scatter is not None,
-                                     BLOCK=block, **_extra(o, _row_warps(block)))
-    return out if scatter is None else out.view(T, H * N)
+                                     QUANT=quantize, BLOCK=block, **_extra(o, _row_warps(block)))
+    if quantize:
+        _remember_int8(out, q8)
+    return out
 
 
 def gated_rms_norm_reference(

@@ -50,7 +50,7 @@ import torch
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
 from ninfer.kernels.gemv_rows import rows_setup
 from ninfer.kernels.gguf_matmul import MatmulSchedule, QuantKernelError, _f16_lo, iq3s_grid16
-from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_sum
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_release, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
 
 FRAG_FORMATS = ("q4_k", "q5_k", "iq3_s", "q6_k")
@@ -439,6 +439,7 @@ if HAVE_TRITON:
             a0, a1, a2, a3, row, col = _k_tile(w_ptr, xw_ptr, xd_ptr, xs_ptr, N, K, M, row_words,
                                                stride_xd, tl.program_id(0), s0, s1, FMT, WARPS, RT, NT,
                                                EMULATE, PREFETCH)
+            pdl_release(PDL)
             _finish(y_ptr, o_ptr, cnt_ptr, a0, a1, a2, a3, row, col, M, N, stride_ym, SPLIT_K, FIXUP)
 
     @jit
@@ -551,6 +552,7 @@ if HAVE_TRITON:
             a0, a1, a2, a3, row, col = _iq3_tile(w_ptr, xw_ptr, xd_ptr, grid_ptr, N, K, M, row_bytes,
                                                  stride_xd, tl.program_id(0), s0, s1, WARPS, RT, NT, WIDE,
                                                  EMULATE)
+            pdl_release(PDL)
             _finish(y_ptr, o_ptr, cnt_ptr, a0, a1, a2, a3, row, col, M, N, stride_ym, SPLIT_K, FIXUP)
 
     @jit
@@ -693,6 +695,7 @@ if HAVE_TRITON:
             s0, s1 = _step_range(K, 1, SPLIT_K)
             a0, a1, a2, a3, row, col = _q6_tile(w_ptr, xw_ptr, xd_ptr, N, K, M, row_bytes, stride_xd,
                                                 tl.program_id(0), s0, s1, WARPS, RT, NT, WIDE, EMULATE)
+            pdl_release(PDL)
             _finish(y_ptr, o_ptr, cnt_ptr, a0, a1, a2, a3, row, col, M, N, stride_ym, SPLIT_K, FIXUP)
 
     @jit

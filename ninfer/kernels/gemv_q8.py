@@ -27,6 +27,7 @@ from ninfer.kernels.triton_support import (
     INTERPRET,
     jit,
     pdl_options,
+    pdl_release,
     pdl_start,
     tl,
     tl_max,
@@ -473,6 +474,7 @@ if HAVE_TRITON:
         else:
             out = _kquant_q8(u_ptr, xw_ptr, xd_ptr, xs_ptr, offs_n, n_ok, offs_m, m_ok, K, row_units, s0, s1,
                              FMT, BLOCK_N, BLOCK_M, EMULATE, STAGES, UNROLL)
+        pdl_release(PDL)
         ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
         if SPLIT_K == 1:

@@ -41,7 +41,7 @@ from ninfer.kernels.gguf_matmul import (
     check_weight,
     triton_cdiv,
 )
-from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_sum
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_release, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
 
 ROWS_FORMATS = ("q4_k", "q5_k")
@@ -340,6 +340,7 @@ if HAVE_TRITON:
             hd = _ldw(wb + h_at, ok_w, EVEN, CACHE)
             dx_lo, dx_hi, sx_lo, sx_hi = _x_scales(xd_ptr, xs_ptr, drow + blk * 8 + d_at, ok, e, EVEN)
             acc += _chunk_sum(hd, e, c4, _pick_sum(i_lo), _pick_sum(i_hi), dx_lo, dx_hi, sx_lo, sx_hi, True)
+        pdl_release(PDL)
         out = tl_sum(tl_sum(acc, 0), 0)  # [G, R, BLOCK_M]
         mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, None, :]
         no = tl.program_id(0) * BLOCK_N + tl.arange(0, R)[None, :, None] * G + tl.arange(0, G)[:, None, None]
@@ -391,6 +392,7 @@ if HAVE_TRITON:
             hd = _ldw(wb + h_at, ok_w, EVEN, CACHE)
             dx_lo, dx_hi, sx_lo, sx_hi = _x_scales(xd_ptr, xs_ptr, drow + blk * 8 + d_at, ok, e, EVEN)
             acc += _chunk_sum(hd, e, c4, i_lo, i_hi, dx_lo, dx_hi, sx_lo, sx_hi, first)
+        pdl_release(PDL)
         _store_rows(y_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M, SPLIT_K)
 
 

@@ -33,7 +33,7 @@ import torch
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
 from ninfer.kernels.gemv_rows import RowsSchedule, rows_setup, shape_class, width_slot
 from ninfer.kernels.gguf_matmul import QuantKernelError, _f16_lo, iq3s_grid16, iq3s_grid_word
-from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_sum
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_release, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
 from ninfer.quant.tables import IQ4_LEVELS
 
@@ -234,6 +234,7 @@ if HAVE_TRITON:
                 dw = _f16_lo(_pick(ha, e, 3) >> sh_d) * (1 + 2 * sc).to(tl.float32)
             dx = _pick(_ld(drow + (blk + b) * 8, ok, EVEN), e, 0, -0.0)
             acc += dw * (isum.to(tl.float32) * dx)
+        pdl_release(PDL)
         _store_rows(y_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M, SPLIT_K)
 
 
@@ -301,6 +302,7 @@ if HAVE_TRITON:
                 isum = dp4a(_pick(w_hi, e, i), _pick(x_hi, e, i), isum, EMULATE)
             dx = _pick(_ld(drow + (blk + b) * 8, ok, EVEN), e, 0, -0.0)
             acc += dw * (isum.to(tl.float32) * dx)
+        pdl_release(PDL)
         _store_rows(y_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M, SPLIT_K)
 
 

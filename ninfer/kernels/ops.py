@@ -41,14 +41,19 @@ def add_rms_norm(
 
 def gated_rms_norm(
     o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
-    gather: torch.Tensor | None = None, scatter: torch.Tensor | None = None,
+    gather: torch.Tensor | None = None, scatter: torch.Tensor | None = None, scatter_run: int = 0,
 ) -> torch.Tensor:
     """The GDN output norm `rmsnorm(o)·w·silu(z)` (`reference.gated_rms_norm`) of o cast to `out_dtype`;
-    with `gather` (and its inverse permutation `scatter`) the flattened output's columns `gather`, ready for
-    a Linear with those recorded input columns."""
+    with `gather` (and its inverse permutation `scatter`, whose `models.weights.aligned_run` is
+    `scatter_run`) the flattened output's columns `gather`, ready for a Linear with those recorded input
+    columns. At decode widths on CUDA the kernel quantises its output for that Linear too, where each head's
+    columns stay one aligned run."""
     if fused.runs_on(o) and o.dim() in (2, 3) and o.stride(-1) == 1 and z.stride(-1) == 1:
         if gather is None or scatter is not None:
-            return fused.gated_rms_norm(o, z, w, eps, out_dtype, scatter)
+            N = o.shape[-1]
+            whole_heads = N % 32 == 0 and N & (N - 1) == 0 and (scatter is None or scatter_run % N == 0)
+            quantize = whole_heads and int8_next(o.reshape(o.shape[0], -1))
+            return fused.gated_rms_norm(o, z, w, eps, out_dtype, scatter, quantize)
     return fused.gated_rms_norm_reference(o, z, w, eps, out_dtype, gather)
 
 

@@ -186,8 +186,10 @@ class GatedDeltaNet(nn.Module):
             core = self._mix(mixed, a, b, ctx)
         # the output projection's recorded input-column order is applied by the norm as it writes
         out = ops.gated_rms_norm(core, z, self.norm_weight, self.eps, x.dtype, self.output.input_columns,
-                                 self.output.input_scatter)
-        return self.output(out.reshape(x.shape[0], -1), columns_applied=True)
+                                 self.output.input_scatter, self.output.scatter_run)
+        # the very tensor (not a new view of it) when flat: its int8 activation is found by identity
+        flat = out if out.dim() == 2 else out.reshape(x.shape[0], -1)
+        return self.output(flat, columns_applied=True)
 
     def _mix(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         """Reference token mixing: per sequence span, conv + gated delta rule on its GdnState."""

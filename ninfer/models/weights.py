@@ -117,6 +117,22 @@ def resident_weight(source: WeightSource, name: str, dtype: torch.dtype, device:
     return nn.Buffer(load_dense(source, name, dtype, device)), None
 
 
+def aligned_run(scatter: torch.Tensor) -> int:
+    """The longest power-of-two run r (dividing the length) such that `scatter` maps every r-aligned run of
+    columns onto one r-aligned run of consecutive columns (the whole length for the identity, 1 for a
+    scattered permutation): a producer whose programs each write such a run may quantise it in place."""
+    s = scatter.to("cpu", torch.long)
+    run = 1
+    while s.numel() % (2 * run) == 0:
+        runs = s.view(-1, 2 * run)
+        starts = runs[:, :1]
+        steps = torch.arange(2 * run).expand_as(runs)
+        if (starts % (2 * run)).any() or not torch.equal(runs - starts, steps):
+            break
+        run *= 2
+    return run
+
+
 class Linear(nn.Module):
     """`y = x[..., input_columns] @ Wᵀ (+ b)`; W [out, in] from the artifact.
 
@@ -145,7 +161,9 @@ class Linear(nn.Module):
         columns = source.input_columns(name)
         self.input_columns = None if columns is None else columns.to(device=device, dtype=torch.long)
         # where each input column goes in the gathered order: lets the producer of x write it pre-gathered
+        # (and quantise it on the way, in runs of `scatter_run` columns that stay together)
         self.input_scatter = None if columns is None else torch.argsort(self.input_columns)
+        self.scatter_run = self.in_features if columns is None else aligned_run(torch.argsort(columns))
         self.bias = None if bias_name is None else nn.Buffer(load_dense(source, bias_name, dtype, device))
 
     def forward(self, x: torch.Tensor, columns_applied: bool = False) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ninfer.cli.bench import bench_prompt, make_engine  # noqa: E402
+from ninfer.cli.bench_suite import SuiteSizes, aggregate_decode  # noqa: E402
 from ninfer.engine.api import GenerationRequest, SamplingParams  # noqa: E402
 from ninfer.engine.scheduler import Round, WorkItem  # noqa: E402
 
@@ -122,7 +123,12 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
         decode_steps(engine, a.prompt, 2, False, a.columns)
         ms = replay_ms(engine, a.columns)
         out.setdefault(setting, []).append(ms)
-        print(f"  {setting}: graph replay {ms:.3f} ms", flush=True)
+        line = f"  {setting}: graph replay {ms:.3f} ms"
+        for c in map(int, filter(None, a.lanes.split(","))):  # the suite's aggregate decode, c lanes
+            rate = aggregate_decode(engine, SuiteSizes(short_prompt=a.prompt), c, "cuda")
+            out.setdefault(f"{setting} C={c}", []).append(-rate)
+            line += f", C={c} {rate:.1f} tok/s"
+        print(line, flush=True)
     return {k: min(t) for k, t in out.items()}
 
 
@@ -140,13 +146,16 @@ def main() -> int:
     p.add_argument("--sweep", default="",
                    help="time only the graphed step, under each of these comma-separated launch settings "
                         "(NAME=value, several joined by +; e.g. NINFER_PDL_LATE=0,NINFER_PDL_LATE=1)")
+    p.add_argument("--lanes", default="", help="with --sweep: also the suite's aggregate decode at these "
+                   "lane counts (comma-separated) under each setting")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     rows = {}
     for graphs in (True,) if a.sweep else (True, False) if a.graphs else (False,):
         args = SimpleNamespace(synthetic=a.synthetic, wtype=a.wtype, device=a.device, dtype=a.dtype,
                                quantized_weights=None, cuda_graphs=graphs)
-        engine, name = make_engine(args, "bf16", 4096, 2048)
+        lanes = max([1, *map(int, filter(None, a.lanes.split(",")))])
+        engine, name = make_engine(args, "bf16", 4096, 2048, lanes=lanes)
         decode_steps(engine, a.prompt, 2, False, a.columns)  # compile, capture
         prof, ms = decode_steps(engine, a.prompt, a.steps, not graphs, a.columns)
         rows["graph_ms" if graphs else "eager_ms"] = ms

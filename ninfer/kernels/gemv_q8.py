@@ -193,10 +193,15 @@ def int8_next(x: torch.Tensor) -> bool:
     """Whether a quantized Linear fed x would quantise it to int8 (CUDA, decode widths of the int8 routes:
     1-8 columns, 1-16 where the tensor-core GEMM may take it): the kernel producing x then does it in the
     same launch."""
+    return x.dim() == 2 and int8_next_shape(x.is_cuda, *x.shape)
+
+
+def int8_next_shape(cuda: bool, rows: int, features: int) -> bool:
+    """`int8_next` of a `[rows, features]` tensor (on CUDA or not) that is not made yet."""
     from ninfer.kernels.gguf_matmul import q8_enabled, rows_enabled
 
-    return (x.is_cuda and x.dim() == 2 and x.shape[1] % QBLOCK == 0 and q8_enabled()
-            and 1 <= x.shape[0] <= (16 if rows_enabled() else 8))
+    return (cuda and features % QBLOCK == 0 and q8_enabled()
+            and 1 <= rows <= (16 if rows_enabled() else 8))
 
 
 def quantize_activation_cached(x: torch.Tensor) -> QuantizedActivation:

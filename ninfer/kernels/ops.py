@@ -5,10 +5,12 @@ reference otherwise, so CPU inference computes exactly what the references compu
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ninfer.kernels import fused, reference
-from ninfer.kernels.gemv_q8 import int8_next
+from ninfer.kernels.gemv_q8 import int8_next, int8_next_shape
 from ninfer.kernels.reference import (  # noqa: F401  (re-exported: no fused form, PyTorch on every device)
     apply_rotary,
     attention_reference,
@@ -52,7 +54,7 @@ def gated_rms_norm(
         if gather is None or scatter is not None:
             N = o.shape[-1]
             whole_heads = N % 32 == 0 and N & (N - 1) == 0 and (scatter is None or scatter_run % N == 0)
-            quantize = whole_heads and int8_next(o.reshape(o.shape[0], -1))
+            quantize = whole_heads and int8_next_shape(o.is_cuda, o.shape[0], math.prod(o.shape[1:]))
             return fused.gated_rms_norm(o, z, w, eps, out_dtype, scatter, quantize)
     return fused.gated_rms_norm_reference(o, z, w, eps, out_dtype, gather)
 

@@ -148,12 +148,15 @@ def main() -> int:
                         "(NAME=value, several joined by +; e.g. NINFER_PDL_LATE=0,NINFER_PDL_LATE=1)")
     p.add_argument("--lanes", default="", help="with --sweep: also the suite's aggregate decode at these "
                    "lane counts (comma-separated) under each setting")
+    p.add_argument("--decode-lookahead", action="store_true", help="the engine's decode lookahead on (the "
+                   "suite's aggregate decode of --lanes and the step wall time see it; graph replays do not)")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     rows = {}
     for graphs in (True,) if a.sweep else (True, False) if a.graphs else (False,):
         args = SimpleNamespace(synthetic=a.synthetic, wtype=a.wtype, device=a.device, dtype=a.dtype,
-                               quantized_weights=None, cuda_graphs=graphs)
+                               quantized_weights=None, cuda_graphs=graphs,
+                               decode_lookahead=a.decode_lookahead)
         lanes = max([1, *map(int, filter(None, a.lanes.split(",")))])
         engine, name = make_engine(args, "bf16", 4096, 2048, lanes=lanes)
         decode_steps(engine, a.prompt, 2, False, a.columns)  # compile, capture

@@ -314,16 +314,17 @@ def test_cuda_graph_replay_equals_eager(kv_dtype):
 
 def test_engine_decode_rounds_through_graphs_same_tokens(tiny):
     """The runner sends all-decode rounds to DecodeGraphs (eager here): same greedy tokens as without,
-    with lanes admitted and released between rounds."""
+    with lanes admitted and released between rounds — also with the decode lookahead feeding the graphs'
+    token ids from the device."""
     from test_engine_invariants import drive
 
     from ninfer.engine.api import GenerationRequest, SamplingParams
     from ninfer.engine.engine import Engine, EngineConfig
 
     outs, used = [], []
-    for graphs in (False, True):
+    for graphs, lookahead in ((False, False), (True, False), (True, True)):
         config = EngineConfig(max_concurrency=3, max_context=256, kv_capacity=1024, kv_dtype="fp32",
-                              prefill_chunk=48)
+                              prefill_chunk=48, decode_lookahead=lookahead)
         engine = Engine.from_model(tiny, config)
         if graphs:
             engine.runner.graphs = DecodeGraphs(tiny, engine.kv, engine.states, capture=False)
@@ -332,8 +333,30 @@ def test_engine_decode_rounds_through_graphs_same_tokens(tiny):
                    for i, (n, m) in enumerate([(60, 12), (7, 20), (100, 6), (30, 10)])]
         outs.append(drive(engine, handles))
         used.append(engine.runner.graphs)
+    assert outs[0] == outs[1] == outs[2]
+    assert used[0] is None and sorted(used[1]._graphs) and sorted(used[2]._graphs)  # through the graphs
+
+
+@pytest.mark.gpu
+def test_decode_lookahead_on_cuda_graphs_same_tokens():
+    """On CUDA (captured graphs, the next round's token ids copied on the device, the tokens' way to the
+    host through pinned memory): greedy tokens equal to the engine without the lookahead."""
+    from test_engine_invariants import drive
+
+    from ninfer.engine.api import GenerationRequest, SamplingParams
+    from ninfer.engine.engine import Engine, EngineConfig
+
+    model = synthetic_model("tiny", device="cuda").eval()
+    outs = []
+    for lookahead in (False, True):
+        config = EngineConfig(max_concurrency=3, max_context=256, kv_capacity=1024, kv_dtype="bf16",
+                              prefill_chunk=48, device="cuda", decode_lookahead=lookahead)
+        engine = Engine.from_model(model, config)
+        handles = [engine.submit(GenerationRequest(f"r{i}", tuple(tokens(n, 300 + i)),
+                                                   SamplingParams(max_tokens=m, temperature=0)))
+                   for i, (n, m) in enumerate([(60, 12), (7, 20), (100, 6), (30, 10)])]
+        outs.append(drive(engine, handles))
     assert outs[0] == outs[1]
-    assert used[0] is None and sorted(used[1]._graphs)  # decode rounds went through the graphs
 
 
 def test_no_cuda_graphs_flag_reaches_engine_config():
@@ -341,6 +364,8 @@ def test_no_cuda_graphs_flag_reaches_engine_config():
 
     assert engine_config(build_parser().parse_args(["m.ninfer", "--no-cuda-graphs"])).cuda_graphs is False
     assert engine_config(build_parser().parse_args(["m.ninfer"])).cuda_graphs is True
+    assert engine_config(build_parser().parse_args(["m.ninfer"])).decode_lookahead is False
+    assert engine_config(build_parser().parse_args(["m.ninfer", "--decode-lookahead"])).decode_lookahead
 
 
 @pytest.mark.gpu

@@ -141,6 +141,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help="run decode rounds eagerly instead of replaying captured CUDA graphs (default: graphs on CUDA)",
     )
     eng.add_argument(
+        "--decode-lookahead", action="store_true",
+        help="greedy decode rounds launch the next round before their tokens reach the host (default off)",
+    )
+    eng.add_argument(
         "--prefill-chunk",
         metavar="N",
         type=int,
@@ -300,6 +304,7 @@ def engine_config(args: argparse.Namespace):
         gpu_memory_limit_mib=args.gpu_memory_limit_mib,
         kv_headroom_mib=args.kv_headroom_mib,
         cuda_graphs=args.cuda_graphs,
+        decode_lookahead=args.decode_lookahead,
         **extra,
     )
 

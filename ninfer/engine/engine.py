@@ -12,12 +12,14 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ninfer.engine.api import GenerationRequest, TokenEvent
+from ninfer.engine.gdn_mix import SHORT_SPAN
 from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.memory import (
     MemoryLedger,
@@ -28,7 +30,7 @@ from ninfer.engine.memory import (
 )
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.sampler import SamplerState, sample_token, stop_reason
-from ninfer.engine.scheduler import Round, Scheduler, SchedulerLimits, Sequence
+from ninfer.engine.scheduler import Round, Scheduler, SchedulerLimits, Sequence, WorkItem
 from ninfer.engine.state_pool import GdnStatePool
 from ninfer.errors import EngineConfigError, RequestError
 from ninfer.kernels.kv_quant import KV_DTYPES
@@ -56,6 +58,8 @@ class EngineConfig:
     quantized_weights: bool | None = None
     # decode rounds (all one-token items) replay captured CUDA graphs on CUDA; False: eager (--no-cuda-graphs)
     cuda_graphs: bool = True
+    # greedy decode rounds launch the next round before their tokens reach the host (--decode-lookahead)
+    decode_lookahead: bool = False
 
     @property
     def keeps_quantized_weights(self) -> bool:
@@ -113,6 +117,30 @@ class EngineHandle:
             yield ev
             if ev.finish_reason is not None:
                 return
+
+
+@dataclass
+class _Lookahead:
+    """A greedy decode round already launched on the device, before the round that feeds it was committed:
+    its items (start = the next position, token ids placeholders) and their argmax tokens on the device."""
+
+    items: list[WorkItem]
+    ids: torch.Tensor
+
+    def rows(self, rnd: Round) -> dict[int, int]:
+        """{index in rnd.items: row in `ids`} of the round's items this lookahead already ran."""
+        by_seq = {id(it.seq): (row, it) for row, it in enumerate(self.items)}
+        done = {}
+        for i, item in enumerate(rnd.items):
+            hit = by_seq.get(id(item.seq))
+            if hit is None:
+                continue
+            if item.start != hit[1].start or len(item.token_ids) != 1 or not item.sample:
+                # running it again would advance the lane's GDN state twice
+                raise RuntimeError(f"decode lookahead out of step for lane {item.lane}: planned position "
+                                   f"{hit[1].start}, scheduled {item.start}")
+            done[i] = hit[0]
+        return done
 
 
 class Engine:
@@ -177,6 +205,10 @@ class Engine:
         self._requests_finished = 0
         self._rounds = 0
         self._tokenizer = None
+        self._ahead: _Lookahead | None = None
+        # the sampled tokens' way to the host (pinned on CUDA, so the copy is asynchronous)
+        self._host_ids = torch.empty(config.max_concurrency * SHORT_SPAN, dtype=torch.long,
+                                     pin_memory=config.device.startswith("cuda"))
 
     # -- public ----------------------------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -273,28 +305,98 @@ class Engine:
                         self.scheduler.fail_one(item.seq, f"internal error: {exc}", "internal_error")
 
     def step(self, rnd: Round) -> None:
-        """Run one planned round and commit its tokens."""
-        logits = self.runner.run(rnd)
-        argmax = None
+        """Run one planned round and commit its tokens. Items that the previous step's lookahead already ran
+        (`EngineConfig.decode_lookahead`) take its tokens; a greedy decode round launches the next one before
+        its own tokens come back to the host, so the device works while the host commits."""
+        ahead, self._ahead = self._ahead, None
+        done = ahead.rows(rnd) if ahead is not None else {}
+        rest = [it for i, it in enumerate(rnd.items) if i not in done]
+        logits = self.runner.run(Round(rest, rnd.admitted, rnd.released))
+        greedy = self._all_plain_greedy(rnd)
+        host_logits = device_ids = None
         if logits is not None:
             logits = logits[:, : self.sample_vocab]
-            if self._all_plain_greedy(rnd):  # argmax on the device: only the token ids cross to the host
-                argmax = logits.argmax(dim=-1).tolist()
+            if greedy:  # argmax on the device: only the token ids cross to the host
+                device_ids = logits.argmax(dim=-1)
             else:
-                logits = logits.cpu()  # sampling (seeded generators, penalties) runs on the host
+                host_logits = logits.cpu()  # sampling (seeded generators, penalties) runs on the host
+        sampled = [i for i, it in enumerate(rnd.items) if it.sample]
+        rest_rows = [i for i in sampled if i not in done]  # the rows of `logits`, in order
+        if not sampled:
+            known = {}
+        elif device_ids is not None or not rest_rows:  # every sampled token is on the device
+            tokens = self._tokens_on_device(sampled, done, ahead, device_ids)
+            wait = self._copy_to_host(tokens)
+            if greedy and self.config.decode_lookahead:
+                self._launch_lookahead(rnd, tokens)
+            known = dict(zip(sampled, wait(), strict=True))
+        else:
+            from_ahead = ahead.ids.tolist() if done else []
+            known = {i: from_ahead[row] for i, row in done.items()}
+        self._commit(rnd, known, host_logits, rest_rows)
+
+    @staticmethod
+    def _tokens_on_device(sampled: list[int], done: dict[int, int], ahead: _Lookahead | None,
+                          device_ids: torch.Tensor | None) -> torch.Tensor:
+        """The sampled items' tokens in item order on the device: from the lookahead for `done` items, the
+        round's own argmax (`device_ids`, in order) for the rest."""
+        if not done:
+            return device_ids
+        if len(done) == len(sampled) and [done[i] for i in sampled] == list(range(len(ahead.items))):
+            return ahead.ids
+        pool = ahead.ids if device_ids is None else torch.cat([ahead.ids, device_ids])
+        rest = iter(range(len(ahead.items), pool.numel()))
+        order = [done[i] if i in done else next(rest) for i in sampled]
+        return pool[torch.tensor(order, device=pool.device)]
+
+    def _copy_to_host(self, tokens: torch.Tensor) -> Callable[[], list[int]]:
+        """Start copying `tokens` to the host; returns the function that waits for them (a list of ints)."""
+        host = self._host_ids[: tokens.numel()]
+        host.copy_(tokens, non_blocking=True)
+        if not tokens.is_cuda:
+            return host.tolist
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def wait() -> list[int]:
+            copied.synchronize()
+            return host.tolist()
+        return wait
+
+    def _launch_lookahead(self, rnd: Round, tokens: torch.Tensor) -> None:
+        """A round of only one-token greedy decode items (`tokens`: theirs, on the device) launches the next
+        one, each item one position on and fed its token from the device, except items that end now
+        (max_tokens, cancelled); the next `step` takes its results."""
+        if not all(len(it.token_ids) == 1 and it.sample for it in rnd.items):
+            return
+        keep = [r for r, it in enumerate(rnd.items) if not self._ends_after(it)]
+        if not keep:
+            return
+        items = [replace(rnd.items[r], token_ids=(0,), start=rnd.items[r].start + 1) for r in keep]
+        feed = tokens if len(keep) == len(rnd.items) else tokens[torch.tensor(keep, device=tokens.device)]
+        logits = self.runner.run(Round(items, [], []), device_ids=feed)
+        self._ahead = _Lookahead(items, logits[:, : self.sample_vocab].argmax(dim=-1))
+
+    def _ends_after(self, item: WorkItem) -> bool:
+        """The item's request ends with the token this round samples for it (or is gone already)."""
+        state = self._samplers.get(id(item.seq))
+        return state is None or item.seq.cancel_requested or item.seq.generated + 1 >= state.params.max_tokens
+
+    def _commit(self, rnd: Round, known: dict[int, int], host_logits: torch.Tensor | None,
+                rest_rows: list[int]) -> None:
+        """Record every item of the round: its token (`known`: from the device, by item index; else sampled
+        here from its row of `host_logits`, rows in `rest_rows` order) and whether its request ends."""
         self._rounds += 1
         now = time.monotonic()
-        j = 0
         with self._lock:
-            for item in rnd.items:
+            for i, item in enumerate(rnd.items):
                 if not item.sample:
                     self.scheduler.commit(item, None, None, now)
                     continue
-                j += 1
                 state = self._samplers.get(id(item.seq))
                 if state is None or item.seq.finished:
                     continue
-                token = argmax[j - 1] if argmax is not None else sample_token(logits[j - 1], state)
+                token = known[i] if i in known else sample_token(host_logits[rest_rows.index(i)], state)
                 state.record(token)
                 finish = stop_reason(token, item.seq.generated + 1, state.params, self.eos_ids)
                 self.scheduler.commit(item, token, finish, now)

@@ -145,8 +145,10 @@ class DecodeGraphs:
         """Logits fp32 `[B, vocab]` of B one-token decode items (lane, token at position)."""
         return self.run_spans(lanes, [[t] for t in token_ids], positions)
 
-    def run_spans(self, lanes: list[int], token_ids: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """Logits fp32 `[B·T, vocab]` (lane-major) of B items of T tokens each (lane, tokens from start)."""
+    def run_spans(self, lanes: list[int], token_ids: list[list[int]], starts: list[int],
+                  device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits fp32 `[B·T, vocab]` (lane-major) of B items of T tokens each (lane, tokens from start);
+        `device_ids` (`[B·T]` on the pools' device): the tokens themselves, `token_ids` then only give T."""
         B, T = len(lanes), len(token_ids[0])
         n = self.padded_size(B)
         rows = [[t for ids in token_ids for t in ids], [p for s in starts for p in range(s, s + T)],
@@ -155,6 +157,8 @@ class DecodeGraphs:
         with self._on_device():
             entry = self._graphs.get((n, T)) or self._build(n, T)
             self._stage(entry.ctx.inputs, rows)
+            if device_ids is not None:  # in stream order after the staged copy, before the replay
+                entry.ctx.inputs[_IDS, : B * T].copy_(device_ids)
             if entry.graph is None:
                 return self._forward(entry.ctx)[: B * T]
             entry.graph.replay()

@@ -42,16 +42,19 @@ class ModelRunner:
             it.sample and len(it.token_ids) == T for it in rnd.items)
 
     @torch.inference_mode()
-    def run(self, rnd: Round, all_rows: bool = False) -> torch.Tensor | None:
+    def run(self, rnd: Round, all_rows: bool = False, device_ids: torch.Tensor | None = None
+            ) -> torch.Tensor | None:
         """Forward every item of the round; returns fp32 logits [n_sampled, vocab] in item order
-        (with `all_rows`, logits of every row of the batch: perplexity)."""
+        (with `all_rows`, logits of every row of the batch: perplexity). `device_ids`: the items' tokens in
+        row order, already on the device (a decode round launched before the tokens that feed it reached the
+        host); the items' `token_ids` then only give their lengths."""
         self.install(rnd)
         if not rnd.items:
             return None
         if self.graphs is not None and self._graph_shape(rnd, all_rows):
             items = rnd.items
             logits = self.graphs.run_spans([it.lane for it in items], [list(it.token_ids) for it in items],
-                                           [it.start for it in items])
+                                           [it.start for it in items], device_ids)
             T = len(rnd.items[0].token_ids)
             return logits if all_rows or T == 1 else logits[T - 1 :: T]
         ids, positions, spans, last_rows = [], [], [], []
@@ -65,7 +68,8 @@ class ModelRunner:
                 last_rows.append(row + n - 1)
             row += n
         ctx = PagedBatchContext(spans, self.kv, self.states, self.batched_decode, self.gdn_kernels)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        input_ids = device_ids if device_ids is not None else torch.tensor(ids, dtype=torch.long,
+                                                                            device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model.forward(input_ids, pos, ctx)
         ctx.commit_states()

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from ninfer.engine.api import GenerationRequest, TokenEvent
-from ninfer.engine.gdn_mix import SHORT_SPAN
 from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.memory import (
     MemoryLedger,
@@ -206,8 +205,8 @@ class Engine:
         self._rounds = 0
         self._tokenizer = None
         self._ahead: _Lookahead | None = None
-        # the sampled tokens' way to the host (pinned on CUDA, so the copy is asynchronous)
-        self._host_ids = torch.empty(config.max_concurrency * SHORT_SPAN, dtype=torch.long,
+        # the sampled tokens' way to the host, one per lane (pinned on CUDA, so the copy is asynchronous)
+        self._host_ids = torch.empty(config.max_concurrency, dtype=torch.long,
                                      pin_memory=config.device.startswith("cuda"))
 
     # -- public ----------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ time (and with --graphs its time through CUDA graphs).
 
     python3 bench/step_profile.py --wtype q4_k --out $OUT   # GPU machine (wheels installed as gpu_bench.sh)
     python3 bench/step_profile.py --synthetic tiny --device cpu --dtype float32 --steps 2   # CPU smoke run
+    python3 bench/step_profile.py --wtype q4_k --sweep NINFER_PDL_LATE=0,NINFER_PDL_LATE=1 --lanes 1,8
+        # launch settings A/B/B/A: graph replays (CUDA events) and the suite's aggregate decode
 
 Kernel names are grouped by their prefix before the first '<' or '(' (Triton kernels keep their Python name).
 """

@@ -6,6 +6,7 @@ time (and with --graphs its time through CUDA graphs).
     python3 bench/step_profile.py --synthetic tiny --device cpu --dtype float32 --steps 2   # CPU smoke run
     python3 bench/step_profile.py --wtype q4_k --sweep NINFER_PDL_LATE=0,NINFER_PDL_LATE=1 --lanes 1,8
         # launch settings A/B/B/A: graph replays (CUDA events) and the suite's aggregate decode
+    python3 bench/step_profile.py --wtype q4_k --sweep lookahead=0,lookahead=1 --lanes 1,8
 
 Kernel names are grouped by their prefix before the first '<' or '(' (Triton kernels keep their Python name).
 """
@@ -109,9 +110,11 @@ def replay_ms(engine, columns: int, replays: int = 40) -> float:
 
 def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     """The captured step's GPU time under each launch setting ("NAME=value", several joined by "+", e.g.
-    NINFER_PDL_LATE=0), the graphs captured again for each, twice over in alternating order (the machine's
-    drift shows as the difference)."""
+    NINFER_PDL_LATE=0; the name `lookahead` sets the engine's decode lookahead, seen by --lanes only), the
+    graphs captured again for each, twice over in alternating order (the machine's drift shows as the
+    difference)."""
     import os
+    from dataclasses import replace
 
     from ninfer.kernels import triton_support
 
@@ -119,7 +122,10 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     for setting in settings + settings[::-1]:
         for assignment in setting.split("+"):
             name, _, value = assignment.partition("=")
-            os.environ[name] = value
+            if name == "lookahead":
+                engine.config = replace(engine.config, decode_lookahead=value == "1")
+            else:
+                os.environ[name] = value
         triton_support.reread_launch_settings()
         engine.runner.graphs._graphs.clear()  # captured again under the new setting
         decode_steps(engine, a.prompt, 2, False, a.columns)
@@ -150,8 +156,9 @@ def main() -> int:
                         "(NAME=value, several joined by +; e.g. NINFER_PDL_LATE=0,NINFER_PDL_LATE=1)")
     p.add_argument("--lanes", default="", help="with --sweep: also the suite's aggregate decode at these "
                    "lane counts (comma-separated) under each setting")
-    p.add_argument("--decode-lookahead", action="store_true", help="the engine's decode lookahead on (the "
-                   "suite's aggregate decode of --lanes and the step wall time see it; graph replays do not)")
+    p.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine's decode lookahead (default: the engine's, on CUDA yes); the suite's "
+                        "aggregate decode of --lanes and the step wall time see it, graph replays do not")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     rows = {}

@@ -8,6 +8,7 @@ of the two paths (see each test) with margin, never zero-cost exactness claims a
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -364,8 +365,12 @@ def test_no_cuda_graphs_flag_reaches_engine_config():
 
     assert engine_config(build_parser().parse_args(["m.ninfer", "--no-cuda-graphs"])).cuda_graphs is False
     assert engine_config(build_parser().parse_args(["m.ninfer"])).cuda_graphs is True
-    assert engine_config(build_parser().parse_args(["m.ninfer"])).decode_lookahead is False
-    assert engine_config(build_parser().parse_args(["m.ninfer", "--decode-lookahead"])).decode_lookahead
+    default = engine_config(build_parser().parse_args(["m.ninfer"]))
+    assert default.decode_lookahead is None  # on CUDA yes, on CPU no
+    assert replace(default, device="cuda").looks_ahead and not replace(default, device="cpu").looks_ahead
+    assert engine_config(build_parser().parse_args(["m.ninfer", "--decode-lookahead"])).looks_ahead
+    off = engine_config(build_parser().parse_args(["m.ninfer", "--no-decode-lookahead", "--device", "cuda"]))
+    assert not off.looks_ahead
 
 
 @pytest.mark.gpu

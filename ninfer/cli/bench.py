@@ -42,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "dequantising them to --dtype (default: on CUDA yes, on CPU no)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode rounds through captured CUDA graphs (default: the engine's default)")
-    p.add_argument("--decode-lookahead", action="store_true",
+    p.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=None,
                    help="greedy decode rounds launch the next round before their tokens reach the host "
-                        "(EngineConfig.decode_lookahead; default off)")
+                        "(EngineConfig.decode_lookahead; default: on CUDA yes, on CPU no)")
     p.add_argument("--suite", choices=SUITES,
                    help="issue5: copy bandwidth, memory, pp512 + tg128, 4-/1-column step, C=1/2/4/8 "
                         "aggregate decode, pp8192, tg128 at 16K depth, each beside its target "
@@ -83,9 +83,7 @@ def make_engine(args, kv_dtype: str, ctx: int, chunk: int, lanes: int = 1,
                 kv_tokens: int | None = None) -> tuple[Engine, str]:
     config = EngineConfig(max_concurrency=lanes, max_context=ctx, kv_capacity=kv_tokens or ctx,
                           kv_dtype=kv_dtype, device=args.device, dtype=args.dtype, prefill_chunk=chunk,
-                          quantized_weights=args.quantized_weights)
-    if args.decode_lookahead:
-        config = replace(config, decode_lookahead=True)
+                          quantized_weights=args.quantized_weights, decode_lookahead=args.decode_lookahead)
     if args.cuda_graphs is not None:
         if "cuda_graphs" not in {f.name for f in fields(EngineConfig)}:
             raise EngineConfigError("--cuda-graphs / --no-cuda-graphs: this engine has no CUDA-graph decode")

@@ -128,17 +128,20 @@ def copy_bandwidth_tb_s(device: str, nbytes: int, calls: int = 10) -> float:
 
 
 def drive(engine: Engine, handles: list, device: str) -> list[tuple[int, bool, float]]:
-    """Run rounds on this thread until every handle finished; per round (items, all one-token decode, s)."""
+    """Run rounds on this thread until every handle finished; per round (items, all one-token decode, s), s
+    the wall time since the previous round ended (scheduling included; a decode lookahead's round launched
+    by the step before runs on the device meanwhile, so no synchronisation between rounds)."""
     log, open_handles = [], list(handles)
+    _sync(device)
+    last = time.perf_counter()
     while open_handles:
         rnd = engine.scheduler.schedule()
         if rnd is not None:
-            _sync(device)
-            t0 = time.perf_counter()
             engine.step(rnd)
-            seconds = time.perf_counter() - t0
+            now = time.perf_counter()
             decode_only = all(len(i.token_ids) == 1 and i.sample for i in rnd.items)
-            log.append((len(rnd.items), decode_only and bool(rnd.items), seconds))
+            log.append((len(rnd.items), decode_only and bool(rnd.items), now - last))
+            last = now
         for h in list(open_handles):
             while (ev := h.next_event(0)) is not None:
                 if ev.finish_reason == "error":

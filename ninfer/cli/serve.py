@@ -141,8 +141,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help="run decode rounds eagerly instead of replaying captured CUDA graphs (default: graphs on CUDA)",
     )
     eng.add_argument(
-        "--decode-lookahead", action="store_true",
-        help="greedy decode rounds launch the next round before their tokens reach the host (default off)",
+        "--decode-lookahead", action=argparse.BooleanOptionalAction, default=None,
+        help="greedy decode rounds launch the next round before their tokens reach the host "
+             "(default: on CUDA yes, on CPU no)",
     )
     eng.add_argument(
         "--prefill-chunk",

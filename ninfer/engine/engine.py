@@ -57,14 +57,21 @@ class EngineConfig:
     quantized_weights: bool | None = None
     # decode rounds (all one-token items) replay captured CUDA graphs on CUDA; False: eager (--no-cuda-graphs)
     cuda_graphs: bool = True
-    # greedy decode rounds launch the next round before their tokens reach the host (--decode-lookahead)
-    decode_lookahead: bool = False
+    # greedy decode rounds launch the next round before their tokens reach the host; None: on CUDA yes, on
+    # CPU no (nothing runs meanwhile there) (--decode-lookahead / --no-decode-lookahead)
+    decode_lookahead: bool | None = None
 
     @property
     def keeps_quantized_weights(self) -> bool:
         if self.quantized_weights is None:
             return self.device.startswith("cuda")
         return self.quantized_weights
+
+    @property
+    def looks_ahead(self) -> bool:
+        if self.decode_lookahead is None:
+            return self.device.startswith("cuda")
+        return self.decode_lookahead
 
     def validate(self) -> None:
         if not 1 <= self.max_concurrency <= 8:
@@ -326,7 +333,7 @@ class Engine:
         elif device_ids is not None or not rest_rows:  # every sampled token is on the device
             tokens = self._tokens_on_device(sampled, done, ahead, device_ids)
             wait = self._copy_to_host(tokens)
-            if greedy and self.config.decode_lookahead:
+            if greedy and self.config.looks_ahead:
                 self._launch_lookahead(rnd, tokens)
             known = dict(zip(sampled, wait(), strict=True))
         else:

@@ -23,7 +23,7 @@ from ninfer.artifact import open_artifact
 from ninfer.cli.convert import main as convert_main
 from ninfer.convert.recipes.qwen3_5 import tiled_input_columns
 from ninfer.errors import NinferError
-from ninfer.kernels import fused, gguf_matmul, ops, reference
+from ninfer.kernels import fused, gguf_matmul, kv_quant, kv_write, ops, reference
 from ninfer.models import load_model
 from ninfer.models.weights import MergedLinear, merged_projections
 
@@ -104,6 +104,23 @@ def test_norm_rotary_matches_reference(gen, dtype, head_dim, rotary_dim, section
     # measured over 400 seeds (fp16): ≤ 0.0038 relative where the two rotary terms cancel, ≤ 1 ulp elsewhere
     _close(fused.norm_rotary(x, w, cos, sin, 1e-6), fused.norm_rotary_reference(x, w, cos, sin, 1e-6), 2.0)
     _close(fused.norm_rotary(x, None, cos, sin, 1e-6), reference.apply_rotary(x, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_rotary_pair_is_two_norm_rotaries(gen, dtype):
+    """Queries and keys (strided views of one merged output, their own norm weights) in one launch: each the
+    single-tensor kernel's result bit for bit."""
+    T, Hq, Hk, D = 2, 6, 2, 128
+    merged = _randn(gen, T, (Hq + Hk) * D + 32, dtype=dtype)
+    q, k = merged[:, 32:32 + Hq * D].view(T, Hq, D), merged[:, 32 + Hq * D:].view(T, Hk, D)
+    wq, wk = _randn(gen, D, scale=0.2), _randn(gen, D, scale=0.2)
+    cos, sin = reference.mrope_cos_sin(torch.arange(T) + 300, 64, 1e7, None, False)
+    got_q, got_k = fused.norm_rotary_pair(q, wq, k, wk, cos, sin, 1e-6)
+    assert torch.equal(got_q, fused.norm_rotary(q, wq, cos, sin, 1e-6))
+    assert torch.equal(got_k, fused.norm_rotary(k, wk, cos, sin, 1e-6))
+    _close(got_k, fused.norm_rotary_reference(k, wk, cos, sin, 1e-6), 2.0)
+    with pytest.raises(fused.FusedKernelError, match="norm weight"):
+        fused.norm_rotary_pair(q, wq, k, None, cos, sin, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -346,6 +363,9 @@ def _gated_norm_stand_in(o, z, w, eps, out_dtype=None, scatter=None, quantize=Fa
 
 REFERENCE_FORMS = {"add_rms_norm": fused.add_rms_norm_reference, "rms_norm": reference.rms_norm,
                    "gated_rms_norm": _gated_norm_stand_in, "norm_rotary": fused.norm_rotary_reference,
+                   "norm_rotary_pair": lambda q, wq, k, wk, cos, sin, eps: (
+                       fused.norm_rotary_reference(q, wq, cos, sin, eps),
+                       fused.norm_rotary_reference(k, wk, cos, sin, eps)),
                    "swiglu": reference.swiglu, "sigmoid_gate_mul": fused.sigmoid_gate_mul_reference}
 NOT_LAUNCHES = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                 torch.ops.aten.empty_like.default, torch.ops.aten.lift_fresh.default}
@@ -428,10 +448,11 @@ def test_decode_step_launch_count(q4km, monkeypatch, capsys):
     with capsys.disabled():
         print(f"\ndecode step launches: before {before}, per layer {layers_before}; "
               f"after {after}, per layer {layers_after} (layer types {plain.cfg.layer_types})")
-    # measured: before 272, per layer [50, 51, 51, 72]; after 81, per layer [10, 10, 11, 11] (layer 2: q|k|v
-    # in q6_k apart from z|a|b in q4_k). The rest of a step (embedding lookup: here the CPU stand-in of the
-    # quantized row decode, ~20 ops; RoPE tables ~10) is the same before and after.
-    assert max(layers_after) <= 11 and sum(layers_after) * 4 < sum(layers_before)
+    # measured: before 267, per layer [50, 51, 51, 72]; after 75, per layer [10, 10, 11, 10] (layer 2: q|k|v
+    # in q6_k apart from z|a|b in q4_k; the attention layer's queries and keys normed in one launch). The
+    # rest of a step (embedding lookup: here the CPU stand-in of the quantized row decode, ~20 ops; RoPE
+    # tables ~10) is the same before and after.
+    assert max(layers_after) <= 11 and layers_after[3] <= 10 and sum(layers_after) * 4 < sum(layers_before)
 
 
 # ---- compiled for the GPU (sm_90) without a GPU: front end + ptxas ---------------------------------------
@@ -467,8 +488,9 @@ def compile_for_sm90() -> list[str]:
                  "scatter_ptr": "*i64", **int8, **ints("N", "H", "so0", "so1", "sz0", "sz1"), "eps": "fp32"}
         for scatter in (True, False):
             build(fused._gated_norm_kernel, gated, {"SCATTER": scatter, "QUANT": scatter, "BLOCK": 128}, 1)
-        rotary = {"x_ptr": f"*{ty}", "w_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                  "out_ptr": f"*{ty}", **ints("D", "H", "R", "sx0", "sx1", "sc0", "ss0"), "eps": "fp32"}
+        rotary = {"x_ptr": f"*{ty}", "w_ptr": "*fp32", "out_ptr": f"*{ty}", "x2_ptr": f"*{ty}",
+                  "w2_ptr": "*fp32", "out2_ptr": f"*{ty}", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                  **ints("D", "H", "H2", "R", "sx0", "sx1", "sx20", "sx21", "sc0", "ss0"), "eps": "fp32"}
         for has_w in (True, False):
             build(fused._norm_rotary_kernel, rotary, {"HAS_W": has_w, "ZERO_CENTRED": True, "BLOCK": 256}, 1)
         pair = [f"*{ty}", f"*{ty}", f"*{ty}", *int8.values(), "i32", "i32", "i32"]
@@ -477,6 +499,12 @@ def compile_for_sm90() -> list[str]:
         for quant in (True, False):
             for kernel, names in ((fused._swiglu_kernel, swiglu), (fused._gate_mul_kernel, gate_mul)):
                 build(kernel, dict(zip(names, pair, strict=True)), {"QUANT": quant, "BLOCK": 1024}, 4)
+        for name, code in kv_write.WRITE_CODES.items():  # the KV pool write (kernels.kv_write)
+            write = {"k_ptr": f"*{ty}", "v_ptr": f"*{ty}", "kv8_ptr": "*u8", "kv16_ptr": "*i16",
+                     "kv32_ptr": "*fp32" if name == "fp32" else "*i16", "page_ptr": "*i64", "off_ptr": "*i64",
+                     **ints("H", "sk0", "sk1", "sv0", "sv1")}
+            build(kv_write._kv_write_kernel, write,
+                  {"D": 256, "TB": kv_quant.kv_format(name, 256).token_bytes, "FMT": code}, 4)
     return failures
 
 

@@ -22,7 +22,6 @@ from ninfer.engine.gdn_mix import SHORT_SPAN, decode_mix
 from ninfer.engine.kv_pool import PAGE_TOKENS, KvPool
 from ninfer.engine.state_pool import GdnStatePool
 from ninfer.kernels.gdn_decode import gdn_decode
-from ninfer.kernels.kv_quant import encode_kv
 from ninfer.kernels.paged_attention import paged_decode_attention
 from ninfer.models.context import GdnState, SequenceSpan
 
@@ -70,10 +69,9 @@ class GraphDecodeContext:
         self._lane_slots = self.inputs[_SLOT][:: self.positions].contiguous()
 
     def attention(self, kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        storage = self._kv.storage[kv_layer]
-        storage[self._write_pages, :, self._write_offsets] = encode_kv(self._kv.fmt, k, v)
-        return paged_decode_attention(q, storage, self._kv.page_tables, self.inputs[_LANE], self.inputs[_LEN],
-                                      self._kv.fmt)
+        self._kv.write(kv_layer, (self._write_pages, self._write_offsets), k, v)
+        return paged_decode_attention(q, self._kv.storage[kv_layer], self._kv.page_tables, self.inputs[_LANE],
+                                      self.inputs[_LEN], self._kv.fmt)
 
     def gdn_mix(self, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 params) -> torch.Tensor:

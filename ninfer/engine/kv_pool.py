@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ninfer.kernels.kv_quant import KvFormat, decode_kv, encode_kv, kv_format
+from ninfer.kernels.kv_write import kernel_writes, write_kv
 from ninfer.models.cache_spec import CacheSpec
 
 PAGE_TOKENS = 64
@@ -121,7 +122,11 @@ class KvPool:
               v: torch.Tensor) -> None:
         """Store k, v [L, kv_heads, D] (keys unrotated) at `where` (from `locate`)."""
         pages, offsets = where
-        self.storage[layer][pages, :, offsets] = encode_kv(self.fmt, k, v)
+        storage = self.storage[layer]
+        if kernel_writes(self.fmt, storage):  # one launch: encoded and stored in place
+            write_kv(storage, pages, offsets, k, v, self.fmt)
+        else:
+            storage[pages, :, offsets] = encode_kv(self.fmt, k, v)
 
     def read(self, layer: int, pages: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions 0..tokens-1 held in `pages` (from `page_index`) as float32 k, v [kv_heads, tokens, D]

@@ -115,25 +115,29 @@ if HAVE_TRITON:
         of a [T, H, N] strided view. Each program sums the squares of the whole row, then writes its chunk
         (so that a one-row decode step's norm runs on N / CHUNK SMs, not one). QUANT (H = 1): the output's
         int8 activation too (q, d, s). Rows are held as [groups, 32] tiles, the int8 activation's groups,
-        so quantising needs no reshape (a layout conversion through shared memory)."""
-        pdl_start(PDL)
+        so quantising needs no reshape (a layout conversion through shared memory). The norm weight (a
+        constant) is loaded before the PDL wait, its latency hidden."""
         W: tl.constexpr = 32 if BLOCK >= 32 else BLOCK
+        group = tl.program_id(1) * (CHUNK // W) + tl.arange(0, CHUNK // W)
+        chunk = group[:, None] * W + tl.arange(0, W)[None, :]
+        ok = chunk < N
+        if HAS_W:
+            w = tl.load(w_ptr + chunk, mask=ok, other=0.0).to(tl.float32)
+            w = 1.0 + w if ZERO_CENTRED else w
+        pdl_start(PDL)
         i = tl.program_id(0)
         t, h = i // H, i % H
         x_row, r_row = x_ptr + t * sx0 + h * sx1, r_ptr + t * sr0 + h * sr1
         cols = tl.arange(0, BLOCK // W)[:, None] * W + tl.arange(0, W)[None, :]
         s = _norm_input(x_row, r_row, cols, cols < N, HAS_RES, res_out_ptr.dtype.element_ty)
         inv = tl.math.rsqrt(_tile_sum(s * s) / N + eps)
-        group = tl.program_id(1) * (CHUNK // W) + tl.arange(0, CHUNK // W)
-        cols = group[:, None] * W + tl.arange(0, W)[None, :]
-        ok = cols < N
+        cols = chunk
         s = _norm_input(x_row, r_row, cols, ok, HAS_RES, res_out_ptr.dtype.element_ty)  # L1 hits
         if HAS_RES:
             tl.store(res_out_ptr + t * sro0 + h * sro1 + cols, s, mask=ok)
         y = s * inv
         if HAS_W:
-            w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-            y = y * (1.0 + w if ZERO_CENTRED else w)
+            y = y * w
         y = _round(y, out_ptr.dtype.element_ty)
         tl.store(out_ptr + t * so0 + h * so1 + cols, y, mask=ok)
         if QUANT:  # W = 32 (N a multiple of 32)
@@ -155,20 +159,21 @@ if HAVE_TRITON:
         unfused model cast the mixer's fp32 output first). Out contiguous [T, H·N]; with SCATTER, flat column
         c of row t lands in column scatter[c] (a Linear's input-column order applied on the way out). QUANT
         (BLOCK = N, a multiple of 32, and each head's N columns landing as one aligned run): the int8
-        activation of out's rows too."""
-        pdl_start(PDL)
+        activation of out's rows too. The constants (norm weight, scatter) are loaded before the PDL wait."""
         i = tl.program_id(0)
         t, h = i // H, i % H
         cols = tl.arange(0, BLOCK)
         ok = cols < N
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        if SCATTER:
+            dest = tl.load(scatter_ptr + h * N + cols, mask=ok, other=0)
+        pdl_start(PDL)
         o = tl.load(o_ptr + t * so0 + h * so1 + cols, mask=ok, other=0.0).to(tl.float32)
         o = _round(o, out_ptr.dtype.element_ty).to(tl.float32)
         z = tl.load(z_ptr + t * sz0 + h * sz1 + cols, mask=ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         inv = tl.math.rsqrt(_row_sum(o * o) / N + eps)
         y = _round(o * inv * w * (z * _sigmoid(z)), out_ptr.dtype.element_ty)
         if SCATTER:
-            dest = tl.load(scatter_ptr + h * N + cols, mask=ok, other=0)
             tl.store(out_ptr + t * H * N + dest, y, mask=ok)
         else:
             dest = h * N + cols
@@ -177,20 +182,31 @@ if HAVE_TRITON:
             _quantize_row(y.to(tl.float32), t, -tl_max(-dest, 0) // 32, ok, H * N, q_ptr, d_ptr, s_ptr, BLOCK)
 
     @jit
-    def _norm_rotary_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, D, H, R, sx0, sx1, sc0, ss0, eps,
-                            HAS_W: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr,
-                            PDL: tl.constexpr = 0):
+    def _norm_rotary_kernel(x_ptr, w_ptr, out_ptr, x2_ptr, w2_ptr, out2_ptr, cos_ptr, sin_ptr, D, H, H2, R,
+                            sx0, sx1, sx20, sx21, sc0, ss0, eps, HAS_W: tl.constexpr,
+                            ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
         """Per head row of D: RMSNorm (rounded to the dtype, as the unfused ops did), then rotate-half on
-        the first R dims: `y[d] = n[d]·cos[d] + n[partner(d)]·sin[d]·(−1 if d < R/2)`; out contiguous."""
+        the first R dims: `y[d] = n[d]·cos[d] + n[partner(d)]·sin[d]·(−1 if d < R/2)`; out contiguous.
+        Programs t·(H + H2) + h take head h of x (h < H) or head h − H of x2 (the keys beside the queries:
+        one launch for both); their norm weights w, w2."""
         pdl_start(PDL)
         i = tl.program_id(0)
-        t, h = i // H, i % H
+        t, h = i // (H + H2), i % (H + H2)
+        if h < H:
+            _norm_rotary_row(x_ptr + t * sx0 + h * sx1, w_ptr, out_ptr + (t * H + h) * D, cos_ptr + t * sc0,
+                             sin_ptr + t * ss0, D, R, eps, HAS_W, ZERO_CENTRED, BLOCK)
+        else:
+            _norm_rotary_row(x2_ptr + t * sx20 + (h - H) * sx21, w2_ptr, out2_ptr + (t * H2 + h - H) * D,
+                             cos_ptr + t * sc0, sin_ptr + t * ss0, D, R, eps, HAS_W, ZERO_CENTRED, BLOCK)
+
+    @jit
+    def _norm_rotary_row(row, w_ptr, out_row, cos_row, sin_row, D, R, eps, HAS_W: tl.constexpr,
+                         ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
         cols = tl.arange(0, BLOCK)
         ok = cols < D
         half = R // 2
         rot = cols < R
         partner = tl.where(cols < half, cols + half, cols - half)
-        row = x_ptr + t * sx0 + h * sx1
         x = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
         xp = tl.load(row + partner, mask=rot, other=0.0).to(tl.float32)
         if HAS_W:
@@ -199,12 +215,12 @@ if HAVE_TRITON:
             wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
             if ZERO_CENTRED:
                 w, wp = 1.0 + w, 1.0 + wp
-            x = _round(x * inv * w, out_ptr.dtype.element_ty).to(tl.float32)
-            xp = _round(xp * inv * wp, out_ptr.dtype.element_ty).to(tl.float32)
-        c = tl.load(cos_ptr + t * sc0 + cols, mask=rot, other=1.0).to(tl.float32)
-        s = tl.load(sin_ptr + t * ss0 + cols, mask=rot, other=0.0).to(tl.float32)
+            x = _round(x * inv * w, out_row.dtype.element_ty).to(tl.float32)
+            xp = _round(xp * inv * wp, out_row.dtype.element_ty).to(tl.float32)
+        c = tl.load(cos_row + cols, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(sin_row + cols, mask=rot, other=0.0).to(tl.float32)
         y = x * c + tl.where(cols < half, -xp, xp) * s
-        tl.store(out_ptr + i * D + cols, _round(y, out_ptr.dtype.element_ty), mask=ok)
+        tl.store(out_row + cols, _round(y, out_row.dtype.element_ty), mask=ok)
 
     @jit
     def _store_row_block(out_ptr, y, t, cols, ok, N, q_ptr, d_ptr, s_ptr, QUANT: tl.constexpr,
@@ -379,21 +395,39 @@ def norm_rotary(
 ) -> torch.Tensor:
     """Per-head RMSNorm (none when weight is None) + rotate-half RoPE on the first cos.shape[-1] dims of
     x [T, H, D]; cos/sin [T, R] fp32 (`reference.mrope_cos_sin`). One launch; out contiguous."""
-    if x.dim() != 3 or x.stride(2) != 1:
-        raise FusedKernelError(f"norm_rotary takes x [T, H, D], unit stride along D; got {tuple(x.shape)}")
+    return norm_rotary_pair(x, weight, x[:, :0], weight, cos, sin, eps, zero_centred)[0]
+
+
+def norm_rotary_pair(
+    x: torch.Tensor, weight: torch.Tensor | None, x2: torch.Tensor, weight2: torch.Tensor | None,
+    cos: torch.Tensor, sin: torch.Tensor, eps: float, zero_centred: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_rotary` of x [T, H, D] and of x2 [T, H2, D] (queries and keys, each with its own norm weight,
+    both or neither) in one launch."""
+    for name, t in (("x", x), ("x2", x2)):
+        if t.dim() != 3 or (t.shape[1] and t.stride(2) != 1):
+            raise FusedKernelError(f"norm_rotary takes {name} [T, H, D], unit stride along D; got "
+                                   f"{tuple(t.shape)}")
     T, H, D = x.shape
     R = cos.shape[-1]
+    if x2.shape[0] != T or x2.shape[2] != D or (weight is None) != (weight2 is None):
+        raise FusedKernelError(f"norm_rotary_pair: x2 {tuple(x2.shape)} must be [T={T}, H2, D={D}], with a "
+                               "norm weight exactly when x has one")
     unit_stride = cos.stride(-1) == 1 and sin.stride(-1) == 1
     if R % 2 or R > D or cos.shape[0] != T or sin.shape != cos.shape or not unit_stride:
         raise FusedKernelError(f"norm_rotary: cos/sin {tuple(cos.shape)} must be [T={T}, R], even R <= {D}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if T * H:
+    out2 = torch.empty(x2.shape, dtype=x2.dtype, device=x2.device)
+    H2 = x2.shape[1]
+    if T * (H + H2):
         block = _block(D)
-        w = x if weight is None else weight  # any pointer when there is no norm
-        _norm_rotary_kernel[(T * H,)](x, w, cos, sin, out, D, H, R, x.stride(0), x.stride(1), cos.stride(0),
-                                      sin.stride(0), eps, HAS_W=weight is not None, ZERO_CENTRED=zero_centred,
-                                      BLOCK=block, **_extra(x, _row_warps(block)))
-    return out
+        w, w2 = (x, x2) if weight is None else (weight, weight2)  # any pointer when there is no norm
+        second = (x2, w2, out2) if H2 else (x, w, out)  # never read without heads (maybe no storage)
+        _norm_rotary_kernel[(T * (H + H2),)](
+            x, w, out, *second, cos, sin, D, H, H2, R, x.stride(0), x.stride(1), second[0].stride(0),
+            second[0].stride(1), cos.stride(0), sin.stride(0), eps, HAS_W=weight is not None,
+            ZERO_CENTRED=zero_centred, BLOCK=block, **_extra(x, _row_warps(block)))
+    return out, out2
 
 
 def _rows2(x: torch.Tensor, what: str) -> torch.Tensor:

@@ -69,6 +69,17 @@ def norm_rotary(
     return fused.norm_rotary_reference(x, w, cos, sin, eps, zero_centred)
 
 
+def norm_rotary_pair(
+    q: torch.Tensor, wq: torch.Tensor | None, k: torch.Tensor, wk: torch.Tensor | None, cos: torch.Tensor,
+    sin: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm_rotary` of the queries q [T, Hq, D] and the keys k [T, Hk, D] (one launch on CUDA)."""
+    if fused.runs_on(q) and q.dim() == k.dim() == 3 and q.stride(-1) == k.stride(-1) == 1:
+        return fused.norm_rotary_pair(q, wq, k, wk, cos.contiguous(), sin.contiguous(), eps)
+    return (fused.norm_rotary_reference(q, wq, cos, sin, eps),
+            fused.norm_rotary_reference(k, wk, cos, sin, eps))
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`silu(gate)·up`; gate and up may be the two halves of a merged gate|up output."""
     if fused.runs_on(gate) and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:

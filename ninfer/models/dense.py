@@ -117,8 +117,8 @@ class DenseAttention(nn.Module):
     ) -> torch.Tensor:
         cfg, T = self.cfg, x.shape[0]
         eps = cfg.rms_norm_eps  # unused: no q/k norm here, rotary only
-        q = ops.norm_rotary(self.query(x).view(T, cfg.num_heads, cfg.head_dim), None, cos, sin, eps)
-        k = ops.norm_rotary(self.key(x).view(T, cfg.num_kv_heads, cfg.head_dim), None, cos, sin, eps)
+        q, k = ops.norm_rotary_pair(self.query(x).view(T, cfg.num_heads, cfg.head_dim), None,
+                                    self.key(x).view(T, cfg.num_kv_heads, cfg.head_dim), None, cos, sin, eps)
         v = self.value(x).view(T, cfg.num_kv_heads, cfg.head_dim)
         return self.output(ctx.attention(self.kv_layer, q, k, v).reshape(T, -1))
 

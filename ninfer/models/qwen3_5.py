@@ -252,8 +252,9 @@ class GatedAttention(nn.Module):
         else:
             q, gate, k, v = self.query(x), self.gate(x), self.key(x), self.value(x)
         eps = cfg.rms_norm_eps
-        q = ops.norm_rotary(q.view(T, cfg.num_heads, cfg.head_dim), self.query_norm.weight, cos, sin, eps)
-        k = ops.norm_rotary(k.view(T, cfg.num_kv_heads, cfg.head_dim), self.key_norm.weight, cos, sin, eps)
+        q, k = ops.norm_rotary_pair(q.view(T, cfg.num_heads, cfg.head_dim), self.query_norm.weight,
+                                    k.view(T, cfg.num_kv_heads, cfg.head_dim), self.key_norm.weight, cos, sin,
+                                    eps)
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         attn = ctx.attention(self.kv_layer, q, k, v).reshape(T, -1)
         return self.output(ops.sigmoid_gate_mul(attn, gate))

@@ -687,13 +687,15 @@ def compile_all(log: Log) -> bool:
                 units = "*i16" if fmt == "q8_0" else "*i32"  # q8_0 rows are read as int16
                 build(gm._gemv_wv_kernel, {**fma_sig, "w32_ptr": units, "row_words": "i32"}, {**geo, **tiles},
                       f"wv {fmt} {sc.name}", warps=sc.num_warps)
-    gdn = {"x_ptr": "*bf16", "w_ptr": "*fp32", "conv_ptr": "*fp32", "a_ptr": "*bf16", "b_ptr": "*bf16",
-           "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "state_ptr": "*fp16", "slot_ptr": "*i32",
-           "cnt_ptr": "*i32", "o_ptr": "*fp32", "all_ptr": "*fp16", "conv_all_ptr": "*fp32", "T": "i32",
-           "Hv": "i32",
-           **dict.fromkeys(("s_xb", "s_xt", "s_cs", "s_cc", "s_ab", "s_at", "s_ss", "s_sh"), "i32")}
-    build(gd._decode_kernel, gdn, {"HK": 16, "DK": 128, "DV": 128, "BLOCK_V": 32, "STORE_ALL": True},
-          "gdn decode")
+    build(gd._conv_kernel, {"x_ptr": "*bf16", "w_ptr": "*fp32", "conv_ptr": "*fp32", "slot_ptr": "*i32",
+                            "y_ptr": "*fp32", "conv_all_ptr": "*fp32", "T": "i32", "C": "i32", "s_xb": "i32",
+                            "s_xt": "i32", "s_cs": "i32", "s_cc": "i32"}, {"BLOCK_C": 256, "STORE_ALL": True},
+          "gdn conv")
+    rec = {"y_ptr": "*fp32", "a_ptr": "*fp32", "b_ptr": "*fp32", "alog_ptr": "*fp32", "dtb_ptr": "*fp32",
+           "state_ptr": "*fp16", "slot_ptr": "*i32", "o_ptr": "*fp32", "all_ptr": "*fp16", "T": "i32",
+           "C": "i32", "Hv": "i32", "s_ab": "i32", "s_at": "i32", "s_ss": "i32", "s_sh": "i32"}
+    build(gd._recurrent_kernel, rec,
+          {"HK": 16, "DK": 128, "DV": 128, "BLOCK_V": 32, "STORE_ALL": True}, "gdn recurrent")
     ok &= compile_attention(log)
     return ok
 

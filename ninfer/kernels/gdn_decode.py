@@ -1,16 +1,13 @@
 """Fused Gated DeltaNet decode: conv1d + SiLU, then the gated delta recurrence, on state slots in place.
 
-Decode (and the T ≤ 16 positions of a speculative verification) runs one launch per layer, `_decode_kernel`:
-per lane, value head and slice of the value dim, the depthwise causal conv (kernel 4) + SiLU of the channels
-that program reads (its key head's q and k, its slice of v) over the T new inputs, continuing from the lane's
-conv slot; q/k L2-normalised, the decay `g = -exp(A_log)·softplus(a + dt_bias)` and `beta = sigmoid(b)`, then
-per position `S ← exp(g)·S; S ← S + k ⊗ beta·(v − Sᵀk); o = Sᵀq`, the state held in registers between
-positions and written back once (fp32 or fp16 slots). Optionally every position's state (recurrent and conv)
-is written too, so a verifier can commit the accepted prefix. The conv slot is updated in place: a slice of v
-by the one program that reads it, the q / k taps of a key head (read by all Hv/Hk · Dv/32 programs of it) by
-the last of them to finish, through a counter per lane and key head (the split-K workspace's,
-`gemv_frag.split_workspace`, left at zero). Until session 13 the conv ran as a kernel of its own (H200: 48
-launches and ~90 µs per 27B decode step).
+Decode (and the T ≤ 16 positions of a speculative verification) runs two small launches per layer:
+1. `_conv_kernel`: per lane and channel, the depthwise causal conv (kernel 4) over the T new inputs,
+   continuing from the lane's conv state slot, SiLU; updates the conv slot in place.
+2. `_recurrent_kernel`: per lane, value head and slice of the value dim, q/k L2-normalised, the decay
+   `g = -exp(A_log)·softplus(a + dt_bias)` and `beta = sigmoid(b)`, then per position
+   `S ← exp(g)·S; S ← S + k ⊗ beta·(v − Sᵀk); o = Sᵀq`, the state held in registers between positions
+   and written back once (fp32 or fp16 slots). Optionally every position's state is written too, so a
+   verifier can commit the accepted prefix.
 Layouts: mixed_qkv `[B, T, C]` with C = q (Hk·Dk) | k (Hk·Dk) | v (Hv·Dv), value heads in grouped order
 (value head h reads key head h // (Hv/Hk)); conv slots `[slots, C, K-1]` (oldest input first, as
 `reference.causal_conv1d`); recurrent slots `[slots, Hv, Dk, Dv]`; `slot_ids` int32 `[B]`.
@@ -26,7 +23,6 @@ import torch.nn.functional as F
 
 from ninfer.errors import NinferError
 from ninfer.kernels import reference
-from ninfer.kernels.gemv_frag import split_workspace
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_sum, triton_runs_on
 
 
@@ -80,81 +76,65 @@ def gdn_decode_reference(
 
 
 @jit
-def _taps(conv_ptr, at, ok):
-    """The three conv taps (oldest first) at `at` (a channel vector's offsets), as fp32."""
-    return (tl.load(conv_ptr + at, mask=ok, other=0.0).to(tl.float32),
-            tl.load(conv_ptr + at + 1, mask=ok, other=0.0).to(tl.float32),
-            tl.load(conv_ptr + at + 2, mask=ok, other=0.0).to(tl.float32))
+def _conv_kernel(
+    x_ptr, w_ptr, conv_ptr, slot_ptr, y_ptr, conv_all_ptr,
+    T, C, s_xb, s_xt, s_cs, s_cc,
+    BLOCK_C: tl.constexpr, STORE_ALL: tl.constexpr, PDL: tl.constexpr = 0,
+):
+    pdl_start(PDL)
+    lane = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = offs < C
+    slot = tl.load(slot_ptr + lane).to(tl.int64)
+    cp = conv_ptr + slot * s_cs + offs * s_cc
+    s0 = tl.load(cp, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(cp + 1, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(cp + 2, mask=ok, other=0.0).to(tl.float32)
+    w0 = tl.load(w_ptr + offs * 4, mask=ok, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + offs * 4 + 1, mask=ok, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + offs * 4 + 2, mask=ok, other=0.0).to(tl.float32)
+    w3 = tl.load(w_ptr + offs * 4 + 3, mask=ok, other=0.0).to(tl.float32)
+    for t in range(T):
+        x = tl.load(x_ptr + lane * s_xb + t * s_xt + offs, mask=ok, other=0.0).to(tl.float32)
+        acc = w0 * s0 + w1 * s1 + w2 * s2 + w3 * x
+        y = acc / (1.0 + tl.exp(-acc))
+        tl.store(y_ptr + (lane * T + t) * C + offs, y, mask=ok)
+        s0 = s1
+        s1 = s2
+        s2 = x
+        if STORE_ALL:
+            ap = conv_all_ptr + ((lane * T + t) * C + offs) * 3
+            tl.store(ap, s0.to(conv_all_ptr.dtype.element_ty), mask=ok)
+            tl.store(ap + 1, s1.to(conv_all_ptr.dtype.element_ty), mask=ok)
+            tl.store(ap + 2, s2.to(conv_all_ptr.dtype.element_ty), mask=ok)
+    tl.store(cp, s0.to(conv_ptr.dtype.element_ty), mask=ok)
+    tl.store(cp + 1, s1.to(conv_ptr.dtype.element_ty), mask=ok)
+    tl.store(cp + 2, s2.to(conv_ptr.dtype.element_ty), mask=ok)
 
 
 @jit
-def _weights(w_ptr, ch, ok):
-    """A channel vector's four conv weights."""
-    return (tl.load(w_ptr + ch * 4, mask=ok, other=0.0).to(tl.float32),
-            tl.load(w_ptr + ch * 4 + 1, mask=ok, other=0.0).to(tl.float32),
-            tl.load(w_ptr + ch * 4 + 2, mask=ok, other=0.0).to(tl.float32),
-            tl.load(w_ptr + ch * 4 + 3, mask=ok, other=0.0).to(tl.float32))
-
-
-@jit
-def _conv_silu(x, s0, s1, s2, w0, w1, w2, w3):
-    acc = w0 * s0 + w1 * s1 + w2 * s2 + w3 * x
-    return acc / (1.0 + tl.exp(-acc))
-
-
-@jit
-def _store_taps(ptr, at, s0, s1, s2, ok):
-    tl.store(ptr + at, s0.to(ptr.dtype.element_ty), mask=ok)
-    tl.store(ptr + at + 1, s1.to(ptr.dtype.element_ty), mask=ok)
-    tl.store(ptr + at + 2, s2.to(ptr.dtype.element_ty), mask=ok)
-
-
-@jit
-def _decode_kernel(
-    x_ptr, w_ptr, conv_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, cnt_ptr, o_ptr, all_ptr,
-    conv_all_ptr, T, Hv, s_xb, s_xt, s_cs, s_cc, s_ab, s_at, s_ss, s_sh,
+def _recurrent_kernel(
+    y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr, all_ptr,
+    T, C, Hv, s_ab, s_at, s_ss, s_sh,
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, STORE_ALL: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
-    """Lane, value head h, slice of the value dim: conv + SiLU of the channels it reads (its key head's q and
-    k, its slice of v) from the conv slot's taps, then the recurrence. The v taps are this program's alone
-    and written back by it; the q / k taps are read by every program of the key head, so the last of them
-    to finish (a counter per lane and key head, acq_rel at GPU scope after a barrier, left at zero) writes
-    them."""
+    pdl_start(PDL)
     lane = tl.program_id(0)
     h = tl.program_id(1)
-    vb = tl.program_id(2)
-    G = Hv // HK
-    kh = h // G
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_k = tl.arange(0, DK)
-    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    cq, ck, cv = kh * DK + offs_k, HK * DK + kh * DK + offs_k, 2 * HK * DK + h * DV + offs_v
-    yes_k, yes_v = offs_k < DK, offs_v < DV
-    # constants first (their loads overlap the wait for the projection that made x)
-    wq0, wq1, wq2, wq3 = _weights(w_ptr, cq, yes_k)
-    wk0, wk1, wk2, wk3 = _weights(w_ptr, ck, yes_k)
-    wv0, wv1, wv2, wv3 = _weights(w_ptr, cv, yes_v)
-    neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    dtb = tl.load(dtb_ptr + h).to(tl.float32)
-    pdl_start(PDL)
+    kh = h // (Hv // HK)
     slot = tl.load(slot_ptr + lane).to(tl.int64)
-    taps = conv_ptr + slot * s_cs
-    q0, q1, q2 = _taps(taps, cq * s_cc, yes_k)
-    k0, k1, k2 = _taps(taps, ck * s_cc, yes_k)
-    v0, v1, v2 = _taps(taps, cv * s_cc, yes_v)
     sp = state_ptr + slot * s_ss + h * s_sh + offs_k[:, None] * DV + offs_v[None, :]
     S = tl.load(sp).to(tl.float32)
+    neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dtb = tl.load(dtb_ptr + h).to(tl.float32)
     for t in range(T):
-        row = x_ptr + lane * s_xb + t * s_xt
-        xq = tl.load(row + cq).to(tl.float32)
-        xk = tl.load(row + ck).to(tl.float32)
-        xv = tl.load(row + cv).to(tl.float32)
-        q = _conv_silu(xq, q0, q1, q2, wq0, wq1, wq2, wq3)
-        k = _conv_silu(xk, k0, k1, k2, wk0, wk1, wk2, wk3)
-        v = _conv_silu(xv, v0, v1, v2, wv0, wv1, wv2, wv3)
-        q0, q1, q2 = q1, q2, xq
-        k0, k1, k2 = k1, k2, xk
-        v0, v1, v2 = v1, v2, xv
+        row = y_ptr + (lane * T + t) * C
+        q = tl.load(row + kh * DK + offs_k)
+        k = tl.load(row + HK * DK + kh * DK + offs_k)
+        v = tl.load(row + 2 * HK * DK + h * DV + offs_v)
         q = q * (1.0 / tl.sqrt(tl_sum(q * q, axis=0) + 1e-6)) * (1.0 / tl.sqrt(DK * 1.0))
         k = k * (1.0 / tl.sqrt(tl_sum(k * k, axis=0) + 1e-6))
         av = tl.load(a_ptr + lane * s_ab + t * s_at + h).to(tl.float32) + dtb
@@ -168,21 +148,7 @@ def _decode_kernel(
         if STORE_ALL:
             ap = all_ptr + (((lane * T + t) * Hv + h) * DK + offs_k[:, None]) * DV + offs_v[None, :]
             tl.store(ap, S.to(all_ptr.dtype.element_ty))
-            conv_t = conv_all_ptr + (lane * T + t) * (2 * HK * DK + Hv * DV) * 3
-            _store_taps(conv_t, cv * 3, v0, v1, v2, yes_v)
-            # one program of the key head writes its q / k taps (a tensor compare: the interpreter rejects a
-            # scalar bool in a mask)
-            first = (offs_k * 0 + (h % G) + vb) == 0
-            _store_taps(conv_t, cq * 3, q0, q1, q2, first)
-            _store_taps(conv_t, ck * 3, k0, k1, k2, first)
     tl.store(sp, S.to(state_ptr.dtype.element_ty))
-    _store_taps(taps, cv * s_cc, v0, v1, v2, yes_v)
-    tl.debug_barrier()  # every tap of this program read before it counts itself done
-    cnt = cnt_ptr + lane * HK + kh
-    if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == G * tl.num_programs(2) - 1:
-        _store_taps(taps, cq * s_cc, q0, q1, q2, yes_k)
-        _store_taps(taps, ck * s_cc, k0, k1, k2, yes_k)
-        tl.atomic_xchg(cnt, 0, sem="relaxed")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -213,35 +179,35 @@ def gdn_decode(
 ) -> GdnDecodeResult:
     """One decode step (T positions per lane) of a GDN layer; conv and recurrent slots updated in place.
 
-    Runs the Triton kernel where Triton can run, else `gdn_decode_reference`. Output fp32.
+    Runs the two Triton launches where Triton can run, else `gdn_decode_reference`. Output fp32.
     """
     _check(mixed_qkv, a, b, conv_weight, conv_slots, state_slots, slot_ids, num_key_heads)
     B, T, C = mixed_qkv.shape
     Hv, Dk, Dv = state_slots.shape[1:]
     usable = (HAVE_TRITON and triton_runs_on(mixed_qkv) and conv_slots.stride(2) == 1
-              and state_slots.is_contiguous() and mixed_qkv.stride(2) == 1 and Dk & (Dk - 1) == 0
-              and Dv & (Dv - 1) == 0)
+              and state_slots.is_contiguous() and mixed_qkv.stride(2) == 1 and Dk & (Dk - 1) == 0)
     if not usable:
         return gdn_decode_reference(mixed_qkv, a, b, conv_weight, a_log, dt_bias, conv_slots, state_slots,
                                     slot_ids, num_key_heads, return_all_states)
     dev = mixed_qkv.device
     if a.stride(2) != 1 or b.stride() != a.stride():  # the kernel reads both with a's strides (column views
         a, b = a.contiguous(), b.contiguous()          # of one projection share them: no copies)
+    y = torch.empty((B, T, C), dtype=torch.float32, device=dev)
     out = torch.empty((B, T, Hv, Dv), dtype=torch.float32, device=dev)
     states = convs = None
     if return_all_states:
         states = torch.empty((B, T, Hv, Dk, Dv), dtype=state_slots.dtype, device=dev)
         convs = torch.empty((B, T, C, 3), dtype=conv_slots.dtype, device=dev)
-    workspace = split_workspace(dev, 0, B * num_key_heads)
-    if workspace is None:
-        raise GdnKernelError("the kernels' counter workspace is too small and a CUDA graph is being "
-                             "captured; run the shape once eagerly before capturing it")
+    block_c = 256
+    _conv_kernel[(B, -(-C // block_c))](
+        mixed_qkv, conv_weight.contiguous(), conv_slots, slot_ids, y, convs if convs is not None else y,
+        T, C, mixed_qkv.stride(0), mixed_qkv.stride(1), conv_slots.stride(0), conv_slots.stride(1),
+        BLOCK_C=block_c, STORE_ALL=return_all_states, **pdl_options(mixed_qkv),
+    )
     block_v = min(32, Dv)
-    _decode_kernel[(B, Hv, Dv // block_v)](
-        mixed_qkv, conv_weight.contiguous(), conv_slots, a, b, a_log, dt_bias, state_slots, slot_ids,
-        workspace[1], out, states if states is not None else out, convs if convs is not None else conv_slots,
-        T, Hv, mixed_qkv.stride(0), mixed_qkv.stride(1), conv_slots.stride(0), conv_slots.stride(1),
-        a.stride(0), a.stride(1), state_slots.stride(0), state_slots.stride(1), HK=num_key_heads, DK=Dk,
-        DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states, **pdl_options(mixed_qkv),
+    _recurrent_kernel[(B, Hv, -(-Dv // block_v))](
+        y, a, b, a_log, dt_bias, state_slots, slot_ids, out, states if states is not None else out,
+        T, C, Hv, a.stride(0), a.stride(1), state_slots.stride(0), state_slots.stride(1),
+        HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states, **pdl_options(y),
     )
     return GdnDecodeResult(out, states, convs)

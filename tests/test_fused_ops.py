@@ -23,7 +23,7 @@ from ninfer.artifact import open_artifact
 from ninfer.cli.convert import main as convert_main
 from ninfer.convert.recipes.qwen3_5 import tiled_input_columns
 from ninfer.errors import NinferError
-from ninfer.kernels import fused, gguf_matmul, kv_quant, kv_write, ops, reference
+from ninfer.kernels import fused, gguf_matmul, kv_quant, kv_write, ops, paged_attention, reference
 from ninfer.models import load_model
 from ninfer.models.weights import MergedLinear, merged_projections
 
@@ -459,7 +459,8 @@ def test_decode_step_launch_count(q4km, monkeypatch, capsys):
 
 
 def compile_for_sm90() -> list[str]:
-    """Compile every fused kernel variant for sm_90 (run with NINFER_TRITON_COMPILE_CHECK=1); failures."""
+    """Compile every fused kernel variant, the KV write and paged attention's merge for sm_90 (run with
+    NINFER_TRITON_COMPILE_CHECK=1); failures."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -505,6 +506,11 @@ def compile_for_sm90() -> list[str]:
                      **ints("H", "sk0", "sk1", "sv0", "sv1")}
             build(kv_write._kv_write_kernel, write,
                   {"D": 256, "TB": kv_quant.kv_format(name, 256).token_bytes, "FMT": code}, 4)
+        merge = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": f"*{ty}",
+                 "gate_ptr": f"*{ty}", **int8, **ints("Hq", "pages_per_split", "s_gate")}
+        for gate in (True, False):  # paged attention's merge, with the output gate
+            build(paged_attention._merge_splits_kernel, merge,
+                  {"D": 256, "SPLITS": 16, "BS": 16, "GATE": gate, "QUANT": gate}, 4)
     return failures
 
 

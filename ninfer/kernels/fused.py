@@ -284,7 +284,7 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def _int8_buffers(out: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, ...]:
+def int8_buffers(out: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, ...]:
     """Where a kernel writes the int8 activation of its `[T, N]` output `out` (gemv_q8's format), or
     placeholders (any pointer) when it does not quantise."""
     if not quantize:
@@ -297,7 +297,7 @@ def _int8_buffers(out: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, ...]
             torch.empty((T, N // 32), dtype=torch.float32, device=out.device))
 
 
-def _remember_int8(out: torch.Tensor, buffers: tuple[torch.Tensor, ...]) -> None:
+def remember_int8(out: torch.Tensor, buffers: tuple[torch.Tensor, ...]) -> None:
     """The Linear reading `out` next finds its int8 activation in gemv_q8's memo instead of quantising."""
     from ninfer.kernels.gemv_q8 import QuantizedActivation, remember_activation
 
@@ -315,7 +315,7 @@ def add_rms_norm(
     if quantize and x.dim() != 2:
         raise FusedKernelError(f"the int8 activation is made for [T, N] rows, got shape {tuple(x.shape)}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    q8 = _int8_buffers(out, quantize)
+    q8 = int8_buffers(out, quantize)
     o3 = out.view(T, H, N)
     if residual is None:
         r3 = ro3 = x3
@@ -336,7 +336,7 @@ def add_rms_norm(
             HAS_W=True, ZERO_CENTRED=zero_centred, QUANT=quantize, BLOCK=block, CHUNK=chunk,
             **_extra(x, _row_warps(block)))
     if quantize:
-        _remember_int8(out, q8)
+        remember_int8(out, q8)
     return out, new_residual
 
 
@@ -368,14 +368,14 @@ def gated_rms_norm(
                                f"32 columns, got {N}")
     flat = scatter is not None or quantize
     out = torch.empty((T, H * N) if flat else o.shape, dtype=out_dtype or o.dtype, device=o.device)
-    q8 = _int8_buffers(out, quantize)
+    q8 = int8_buffers(out, quantize)
     if T * H:
         dest = o3 if scatter is None else scatter  # any pointer when not scattering
         _gated_norm_kernel[(T * H,)](o3, z3, weight, out, dest, *q8, N, H, o3.stride(0), o3.stride(1),
                                      z3.stride(0), z3.stride(1), eps, SCATTER=scatter is not None,
                                      QUANT=quantize, BLOCK=block, **_extra(o, _row_warps(block)))
     if quantize:
-        _remember_int8(out, q8)
+        remember_int8(out, q8)
     return out
 
 
@@ -446,13 +446,13 @@ def _elementwise2(kernel, a: torch.Tensor, b: torch.Tensor, op: str, names: tupl
         raise FusedKernelError(f"{op}: {names[0]} {tuple(x.shape)} and {names[1]} {tuple(y.shape)} differ")
     T, N = x.shape
     out = torch.empty((T, N), dtype=a.dtype, device=a.device)
-    q8 = _int8_buffers(out, quantize)
+    q8 = int8_buffers(out, quantize)
     if T * N:
         grid = (T, -(-N // ELEMENTWISE_BLOCK))
         kernel[grid](x, y, out, *q8, N, x.stride(0), y.stride(0), QUANT=quantize, BLOCK=ELEMENTWISE_BLOCK,
                      **_extra(x, 4))
     if quantize:
-        _remember_int8(out, q8)
+        remember_int8(out, q8)
     return out
 
 

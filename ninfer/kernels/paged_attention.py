@@ -18,7 +18,7 @@ import math
 import torch
 
 from ninfer.errors import NinferError
-from ninfer.kernels import kv_quant, reference
+from ninfer.kernels import fused, gemv_q8, kv_quant, reference
 from ninfer.kernels.triton_support import (
     HAVE_TRITON,
     jit,
@@ -29,6 +29,9 @@ from ninfer.kernels.triton_support import (
     tl_sum,
     triton_runs_on,
 )
+
+if HAVE_TRITON:  # the output gate's arithmetic, shared with fused.sigmoid_gate_mul
+    from ninfer.kernels.fused import _quantize_row, _round, _sigmoid
 
 PAGE_TOKENS = 64
 PAGES_PER_SPLIT = 4  # pages one decode program reads: 16K context = 64 splits per sequence and KV head
@@ -153,11 +156,14 @@ def _paged_decode_kernel(
 
 @jit
 def _merge_splits_kernel(
-    acc_ptr, ml_ptr, len_ptr, out_ptr, Hq, pages_per_split,
-    D: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr = 0,
+    acc_ptr, ml_ptr, len_ptr, out_ptr, gate_ptr, q_ptr, d_ptr, s_ptr, Hq, pages_per_split, s_gate,
+    D: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, QUANT: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     """out[b, head] from the partial softmaxes of the splits that hold pages of sequence b (the rest were not
-    written): two passes over those splits, max then weighted sums."""
+    written): two passes over those splits, max then weighted sums. GATE: times the output gate as
+    `fused.sigmoid_gate_mul` computes it (out rounded to its dtype, the sigmoid too); QUANT: the int8
+    activation of the gated rows as well (each head's D columns are whole 32-column groups)."""
     pdl_start(PDL)
     b = tl.program_id(0)
     hq = tl.program_id(1)
@@ -181,7 +187,16 @@ def _merge_splits_kernel(
         part = tl.load(acc_ptr + (base + c + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
         out += tl_sum(part * w[:, None], 0)
     out = out / tl_sum(den, 0)
-    tl.store(out_ptr + (b * Hq + hq) * D + d, out.to(out_ptr.dtype.element_ty))
+    if GATE:
+        ty = out_ptr.dtype.element_ty
+        g = tl.load(gate_ptr + b * s_gate + hq * D + d).to(tl.float32)
+        out = _round(out, ty).to(tl.float32) * _round(_sigmoid(g), ty).to(tl.float32)
+        out = _round(out, ty)
+        tl.store(out_ptr + (b * Hq + hq) * D + d, out)
+        if QUANT:
+            _quantize_row(out.to(tl.float32), b, hq * (D // 32), d < D, Hq * D, q_ptr, d_ptr, s_ptr, D)
+    else:
+        tl.store(out_ptr + (b * Hq + hq) * D + d, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
@@ -220,17 +235,25 @@ def kernel_supports(fmt: kv_quant.KvFormat) -> bool:
 def paged_decode_attention(
     q: torch.Tensor, storage: torch.Tensor, page_tables: torch.Tensor, lane_ids: torch.Tensor,
     seq_lens: torch.Tensor, fmt: kv_quant.KvFormat, scale: float | None = None,
-    pages_per_split: int = PAGES_PER_SPLIT,
+    pages_per_split: int = PAGES_PER_SPLIT, gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached pages (the new token's K/V already
     written). q `[B, Hq, D]` not rotated; seq_lens include the new token. Returns `[B, Hq, D]`, q's dtype.
 
     The context is split into runs of `pages_per_split` pages, one program each (per sequence and KV head);
-    the split count comes from the page table's width, never from the lengths (no host sync: graph-safe)."""
+    the split count comes from the page table's width, never from the lengths (no host sync: graph-safe).
+
+    `gate` (`[B, Hq·D]`, unit stride along its rows): the attention output gate applied in the merge launch,
+    `fused.sigmoid_gate_mul(out, gate)`, returned as `[B, Hq·D]` with its int8 activation left for the
+    Linear that reads it (decode widths on CUDA, as the fused kernels do)."""
     _check(q, storage, page_tables, lane_ids, seq_lens, fmt)
-    if not (HAVE_TRITON and triton_runs_on(q) and kernel_supports(fmt)):
-        return paged_decode_attention_reference(q, storage, page_tables, lane_ids, seq_lens, fmt, scale)
     B, Hq, D = q.shape
+    if gate is not None and (gate.shape != (B, Hq * D) or gate.stride(1) != 1):
+        raise PagedAttentionError(f"the output gate must be [{B}, {Hq * D}] with unit stride along its rows, "
+                                  f"got {tuple(gate.shape)} strides {gate.stride()}")
+    if not (HAVE_TRITON and triton_runs_on(q) and kernel_supports(fmt)):
+        out = paged_decode_attention_reference(q, storage, page_tables, lane_ids, seq_lens, fmt, scale)
+        return out if gate is None else fused.sigmoid_gate_mul_reference(out.reshape(B, Hq * D), gate)
     Hkv = storage.shape[1]
     G = Hq // Hkv
     splits = -(-page_tables.shape[1] // pages_per_split)
@@ -246,7 +269,13 @@ def paged_decode_attention(
         FMT=KERNEL_KV_CODES[fmt.name], D=D, G=G, GPAD=max(16, 1 << (G - 1).bit_length()), KB=fmt.key_bytes,
         TB=fmt.token_bytes, SPLITS=splits, **pdl_options(q),
     )
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _merge_splits_kernel[(B, Hq)](acc, ml, lens, out, Hq, pages_per_split, D=D, SPLITS=splits,
-                                  BS=min(64, max(16, 1 << (splits - 1).bit_length())), **pdl_options(q))
+    out = torch.empty(q.shape if gate is None else (B, Hq * D), dtype=q.dtype, device=q.device)
+    quantize = gate is not None and D % 32 == 0 and gemv_q8.int8_next(out)
+    q8 = fused.int8_buffers(out, quantize)
+    _merge_splits_kernel[(B, Hq)](acc, ml, lens, out, out if gate is None else gate, *q8, Hq, pages_per_split,
+                                  0 if gate is None else gate.stride(0), D=D, SPLITS=splits,
+                                  BS=min(64, max(16, 1 << (splits - 1).bit_length())), GATE=gate is not None,
+                                  QUANT=quantize, **pdl_options(q))
+    if quantize:
+        fused.remember_int8(out, q8)
     return out

@@ -51,6 +51,10 @@ class BatchContext(Protocol):
         q [T, Hq, D], k/v [T, Hkv, D] after q/k norm and rotary. Appends k/v of each span to its
         sequence's cache, then attends each row to its sequence's cached + new keys up to itself.
         Scale 1/sqrt(D). Returns [T, Hq, D] in q's dtype.
+
+        A context may also define the optional hook `gated_attention(kv_layer, q, k, v, gate [T, Hq·D])
+        -> [T, Hq·D]`: the same attention times its output gate, `fused.sigmoid_gate_mul`, in the
+        attention's own launches (the CUDA-graph decode context); models fall back to attention + gate.
         """
         ...
 

@@ -256,6 +256,9 @@ class GatedAttention(nn.Module):
                                     k.view(T, cfg.num_kv_heads, cfg.head_dim), self.key_norm.weight, cos, sin,
                                     eps)
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        gated = getattr(ctx, "gated_attention", None)  # optional backend hook: the gate inside the attention
+        if gated is not None:
+            return self.output(gated(self.kv_layer, q, k, v, gate))
         attn = ctx.attention(self.kv_layer, q, k, v).reshape(T, -1)
         return self.output(ops.sigmoid_gate_mul(attn, gate))
 

@@ -162,6 +162,8 @@ def prefill_attention(
     )
     if splits > 1:  # row i sees cached + i + 1 keys: the merge takes its active splits from that
         lens = torch.arange(cached + 1, cached + L + 1, dtype=torch.int32, device=q.device)
-        _merge_splits_kernel[(L, Hq)](acc, ml, lens, out, Hq, pages_per_split, D=D, SPLITS=splits,
-                                      BS=min(64, max(16, 1 << (splits - 1).bit_length())))
+        # no output gate here (the gate pointers are placeholders): prefill spans take ops.sigmoid_gate_mul
+        _merge_splits_kernel[(L, Hq)](acc, ml, lens, out, out, out, out, out, Hq, pages_per_split, 0, D=D,
+                                      SPLITS=splits, BS=min(64, max(16, 1 << (splits - 1).bit_length())),
+                                      GATE=False, QUANT=False)
     return out

@@ -244,8 +244,9 @@ def test_ops_take_the_reference_path_off_triton(gen, monkeypatch):
         (ops.add_rms_norm(x, r, w, 1e-6, True), fused.add_rms_norm_reference(x, r, w, 1e-6, True)),
         (ops.rms_norm(x, w, 1e-6, False), reference.rms_norm(x, w, 1e-6, False)),
         (ops.gated_rms_norm(h, h, w[:128], 1e-6), reference.gated_rms_norm(h, h, w[:128], 1e-6)),
-        (ops.norm_rotary(h, w[:128], cos, sin, 1e-6),
-         fused.norm_rotary_reference(h, w[:128], cos, sin, 1e-6)),
+        (ops.norm_rotary_pair(h, w[:128], x.view(2, 2, 128)[:, :1], w[128:], cos, sin, 1e-6),
+         (fused.norm_rotary_reference(h, w[:128], cos, sin, 1e-6),
+          fused.norm_rotary_reference(h[:, :1], w[128:], cos, sin, 1e-6))),
         (ops.swiglu(x, r), reference.swiglu(x, r)),
         (ops.sigmoid_gate_mul(x, r), fused.sigmoid_gate_mul_reference(x, r)),
     ]

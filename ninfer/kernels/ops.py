@@ -59,21 +59,12 @@ def gated_rms_norm(
     return fused.gated_rms_norm_reference(o, z, w, eps, out_dtype, gather)
 
 
-def norm_rotary(
-    x: torch.Tensor, w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float,
-    zero_centred: bool = True,
-) -> torch.Tensor:
-    """Per-head q/k RMSNorm (none when w is None) then partial rotate-half RoPE of x [T, H, D]."""
-    if fused.runs_on(x) and x.dim() == 3 and x.stride(-1) == 1:
-        return fused.norm_rotary(x, w, cos.contiguous(), sin.contiguous(), eps, zero_centred)
-    return fused.norm_rotary_reference(x, w, cos, sin, eps, zero_centred)
-
-
 def norm_rotary_pair(
     q: torch.Tensor, wq: torch.Tensor | None, k: torch.Tensor, wk: torch.Tensor | None, cos: torch.Tensor,
     sin: torch.Tensor, eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm_rotary` of the queries q [T, Hq, D] and the keys k [T, Hk, D] (one launch on CUDA)."""
+    """Per-head RMSNorm (none where the weight is None) then partial rotate-half RoPE of the queries
+    q [T, Hq, D] and the keys k [T, Hk, D], each with its own norm weight (one launch on CUDA)."""
     if fused.runs_on(q) and q.dim() == k.dim() == 3 and q.stride(-1) == k.stride(-1) == 1:
         return fused.norm_rotary_pair(q, wq, k, wk, cos.contiguous(), sin.contiguous(), eps)
     return (fused.norm_rotary_reference(q, wq, cos, sin, eps),

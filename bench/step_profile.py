@@ -153,7 +153,8 @@ def main() -> int:
                    help="profile the suite's verification step of this many positions instead")
     p.add_argument("--sweep", default="",
                    help="time only the graphed step, under each of these comma-separated launch settings "
-                        "(NAME=value, several joined by +; e.g. NINFER_PDL_LATE=0,NINFER_PDL_LATE=1)")
+                        "(NAME=value, several joined by +; e.g. NINFER_PDL_LATE=0,NINFER_PDL_LATE=1; "
+                        "lookahead=0,lookahead=1 sets the engine's decode lookahead)")
     p.add_argument("--lanes", default="", help="with --sweep: also the suite's aggregate decode at these "
                    "lane counts (comma-separated) under each setting")
     p.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=None,

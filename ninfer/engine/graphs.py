@@ -68,17 +68,16 @@ class GraphDecodeContext:
         self._write_offsets = pos % PAGE_TOKENS
         self._lane_slots = self.inputs[_SLOT][:: self.positions].contiguous()
 
-    def attention(self, kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  gate: torch.Tensor | None = None) -> torch.Tensor:
+    def attention(self, kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.gated_attention(kv_layer, q, k, v, None)
+
+    def gated_attention(self, kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        gate: torch.Tensor | None) -> torch.Tensor:
+        """`attention` times its output gate, `[T, Hq·D]`, the gate applied in the attention's last launch
+        (the optional hook of `models.qwen3_5.GatedAttention`); no gate: `attention`'s `[T, Hq, D]`."""
         self._kv.write(kv_layer, (self._write_pages, self._write_offsets), k, v)
         return paged_decode_attention(q, self._kv.storage[kv_layer], self._kv.page_tables, self.inputs[_LANE],
                                       self.inputs[_LEN], self._kv.fmt, gate=gate)
-
-    def gated_attention(self, kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        gate: torch.Tensor) -> torch.Tensor:
-        """`attention` times its output gate, `[T, Hq·D]`, the gate applied in the attention's last launch
-        (the optional hook of `models.qwen3_5.GatedAttention`)."""
-        return self.attention(kv_layer, q, k, v, gate)
 
     def gdn_mix(self, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 params) -> torch.Tensor:

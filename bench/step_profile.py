@@ -36,19 +36,21 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def decode_steps(engine, n_prompt: int, steps: int, profile: bool, columns: int = 1):
-    """Prefill a prompt, then run `steps` decode rounds (under torch.profiler if `profile`); returns the
-    profiler (or None) and the mean wall time of a decode round in ms. `columns` > 1: the rounds are the
-    suite's verification step instead (one lane, `columns` positions, logits of every row; the cache is
-    not advanced, as in `bench_suite.step_times`)."""
-    ids = bench_prompt(getattr(engine.model, "vocab_size", 1000), n_prompt, seed=1)
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    handle = engine.submit(GenerationRequest("profile", ids, params))
-    while handle.next_event(0) is None:  # prefill up to the first token
+def decode_steps(engine, n_prompt: int, steps: int, profile: bool, columns: int = 1, lanes: int = 1):
+    """Prefill `lanes` prompts, then run `steps` decode rounds of all of them (under torch.profiler if
+    `profile`); returns the profiler (or None) and the mean wall time of a decode round in ms. `columns` >
+    1: the rounds are the suite's verification step instead (one lane, `columns` positions, logits of every
+    row; the cache is not advanced, as in `bench_suite.step_times`)."""
+    handles = []
+    for lane in range(lanes):
+        ids = bench_prompt(getattr(engine.model, "vocab_size", 1000), n_prompt, seed=1 + lane)
+        params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+        handles.append(engine.submit(GenerationRequest(f"profile-{lane}", ids, params)))
+    while any(h.seq.generated < 1 for h in handles):  # prefill up to every lane's first token
         rnd = engine.scheduler.schedule()
         if rnd is not None:
             engine.step(rnd)
-    seq = handle.seq
+    seq = handles[0].seq
     item = WorkItem(seq, seq.lane, (seq.tokens[-1],) * columns, seq.cached, True)
     prof = None
     if profile:
@@ -88,12 +90,42 @@ def grouped(prof, steps: int) -> list[tuple[str, float, float]]:
     return sorted(((k, v[0], v[1]) for k, v in groups.items()), key=lambda r: -r[1])
 
 
-def replay_ms(engine, columns: int, replays: int = 40) -> float:
-    """GPU time of one replay of the captured decode graph of one lane (`columns` positions), median of 5
-    runs of `replays` back-to-back replays between CUDA events (no host work inside). The replays run on the
-    scratch lane (the profiled request has finished and its pages are free)."""
+def idle_gaps(prof, steps: int, top: int = 12) -> dict:
+    """The device's idle time between kernels / copies over the profiled rounds: per round the span, busy and
+    idle µs, and the largest idle totals by the (kernel before, kernel after) pair."""
+    spans = sorted((ev.time_range.start, ev.time_range.end, re.split(r"[<(]", ev.name)[0].strip()[:48])
+                   for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+    if not spans:
+        return {}
+    pairs: dict[tuple[str, str], list[float]] = {}
+    busy, idle, end, before = 0.0, 0.0, spans[0][0], spans[0][2]
+    for start, stop, name in spans:
+        if start > end:
+            gap = start - end
+            idle += gap
+            if gap > 1.0:
+                pairs.setdefault((before, name), [0.0, 0])[0] += gap
+                pairs[before, name][1] += 1
+        busy += max(0.0, stop - max(start, end))
+        if stop >= end:
+            end, before = stop, name
+    span = end - spans[0][0]
+    print(f"\ndevice per round: span {span / steps:.0f} µs, busy {busy / steps:.0f}, idle {idle / steps:.0f} "
+          f"({len(spans) / steps:.0f} kernels and copies)")
+    print("| idle after | before | µs / round | gaps / round |\n|---|---|---|---|")
+    worst = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]
+    for (a, b), (us, n) in worst:
+        print(f"| {a} | {b} | {us / steps:.1f} | {n / steps:.1f} |")
+    return dict(span_us=span / steps, busy_us=busy / steps, idle_us=idle / steps,
+                gaps=[dict(after=a, before=b, us=us / steps, count=n / steps) for (a, b), (us, n) in worst])
+
+
+def replay_ms(engine, columns: int, replays: int = 40, lanes: int = 1) -> float:
+    """GPU time of one replay of the captured decode graph of `lanes` lanes (`columns` positions each),
+    median of 5 runs of `replays` back-to-back replays between CUDA events (no host work inside). The
+    replays run on the scratch lane (the profiled requests have finished and their pages are free)."""
     graphs = engine.runner.graphs
-    entry = graphs._graphs[1, columns]
+    entry = graphs._graphs[graphs.padded_size(lanes), columns]
     with torch.inference_mode():  # the static inputs are inference tensors
         graphs._stage(entry.ctx.inputs, [[] for _ in range(5)])
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -136,6 +168,10 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
             rate = aggregate_decode(engine, SuiteSizes(short_prompt=a.prompt), c, "cuda")
             out.setdefault(f"{setting} C={c}", []).append(-rate)
             line += f", C={c} {rate:.1f} tok/s"
+            if c > 1:  # the same round as one graph replay: what the host's work adds to it
+                ms_c = replay_ms(engine, 1, lanes=c)
+                out.setdefault(f"{setting} C={c} replay", []).append(ms_c)
+                line += f" (replay {ms_c:.3f} ms = {c / ms_c * 1e3:.1f} tok/s)"
         print(line, flush=True)
     return {k: min(t) for k, t in out.items()}
 
@@ -156,24 +192,35 @@ def main() -> int:
                         "(NAME=value, several joined by +; e.g. NINFER_PDL_LATE=0,NINFER_PDL_LATE=1; "
                         "lookahead=0,lookahead=1 sets the engine's decode lookahead)")
     p.add_argument("--lanes", default="", help="with --sweep: also the suite's aggregate decode at these "
-                   "lane counts (comma-separated) under each setting")
+                   "lane counts (comma-separated) under each setting; else the profiled rounds decode this "
+                   "many lanes (the largest)")
+    p.add_argument("--timeline", action="store_true",
+                   help="profile the CUDA-graph rounds through the engine (lookahead as configured) and list "
+                        "the device's idle gaps between kernels (with --graphs, the eager profile follows)")
     p.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's decode lookahead (default: the engine's, on CUDA yes); the suite's "
                         "aggregate decode of --lanes and the step wall time see it, graph replays do not")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     rows = {}
-    for graphs in (True,) if a.sweep else (True, False) if a.graphs else (False,):
+    modes = (True,) if a.sweep else (True, False) if a.graphs else (True,) if a.timeline else (False,)
+    for graphs in modes:
         # the eager profile counts only its own rounds: no lookahead unless asked for
         lookahead = False if not graphs and a.decode_lookahead is None else a.decode_lookahead
         args = SimpleNamespace(synthetic=a.synthetic, wtype=a.wtype, device=a.device, dtype=a.dtype,
                                quantized_weights=None, cuda_graphs=graphs, decode_lookahead=lookahead)
         lanes = max([1, *map(int, filter(None, a.lanes.split(",")))])
         engine, name = make_engine(args, "bf16", 4096, 2048, lanes=lanes)
-        decode_steps(engine, a.prompt, 2, False, a.columns)  # compile, capture
-        prof, ms = decode_steps(engine, a.prompt, a.steps, not graphs, a.columns)
+        profiled = lanes if not a.sweep else 1
+        decode_steps(engine, a.prompt, 2, False, a.columns, profiled)  # compile, capture
+        profile = a.timeline if graphs else True
+        prof, ms = decode_steps(engine, a.prompt, a.steps, profile, a.columns, profiled)
         rows["graph_ms" if graphs else "eager_ms"] = ms
-        print(f"{name}: decode step {ms:.2f} ms ({'CUDA graphs' if graphs else 'eager'})", flush=True)
+        print(f"{name}: decode step {ms:.2f} ms ({'CUDA graphs' if graphs else 'eager'}, {profiled} lanes)",
+              flush=True)
+        if graphs and a.timeline:
+            rows["timeline"] = idle_gaps(prof, a.steps)
+            prof = None
         if graphs and a.sweep and engine.runner.graphs is not None:
             rows["sweep_ms"] = env_sweep(engine, a, a.sweep.split(","))
         if prof is not None:

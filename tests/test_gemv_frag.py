@@ -14,7 +14,14 @@ import torch
 from conftest import gemv_case, needs_triton
 
 from ninfer.errors import NinferError
-from ninfer.kernels.gemv_frag import FRAG_FORMATS, SCHEDULES, frag_route, gemv_frag, split_workspace
+from ninfer.kernels.gemv_frag import (
+    FRAG_FORMATS,
+    MEASURED_ROUTES,
+    SCHEDULES,
+    frag_route,
+    gemv_frag,
+    split_workspace,
+)
 from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("triton_on_cpu_env")]
@@ -71,15 +78,23 @@ def test_bf16_experiment_equals_its_twin():
 
 
 def test_frag_route_and_errors():
+    # by shape class (a long-rows shape the 27B step does not run: 5120×13824)
     assert frag_route("gguf_q4_k", 17408, 5120, 8).name in SCHEDULES
-    assert frag_route("q4_k", 5120, 17408, 5).name in SCHEDULES
-    assert frag_route("q4_k", 5120, 17408, 4).name == "frag_w2_r1_m8_s4_pf"  # long rows: from 4 columns
-    assert frag_route("q4_k", 5120, 17408, 3) is None and frag_route("iq3_s", 5120, 17408, 4) is None
+    assert frag_route("q4_k", 5120, 13824, 5).name in SCHEDULES
+    assert frag_route("q4_k", 5120, 13824, 4).name == "frag_w2_r1_m8_s4_pf"  # long rows: from 4 columns
+    assert frag_route("q4_k", 5120, 13824, 3) is None and frag_route("iq3_s", 5120, 13824, 4) is None
     assert all(frag_route("q4_k", 17408, 5120, m) is None for m in (1, 2, 4, 9))  # the rows kernels win
     assert frag_route("q4_k", 12288, 5120, 6).name in SCHEDULES
     assert frag_route("q4_k", 6144, 5120, 8) is None  # smaller matrices: the rows kernels
     assert frag_route("q5_k", 17408, 5120, 8) is None  # not measured
-    assert frag_route("iq3_s", 5120, 17408, 8).name == "frag_w2_r1_m8_s8"
+    assert frag_route("iq3_s", 5120, 13824, 8).name == "frag_w2_r1_m8_s8"
+    # the 27B step's merged matrices: the schedules timed on them, each serving its widths
+    for (fmt, n, k), names in MEASURED_ROUTES.items():
+        for m, name in zip((2, 4, 8), names, strict=True):
+            got = frag_route(fmt, n, k, m)
+            assert (got.name if got else None) == name and (got is None or got.block_m >= m)
+        assert frag_route(fmt, n, k, 1) is None
+    assert frag_route("q4_k", 34816, 5120, 4) is None and frag_route("q4_k", 5120, 17408, 2).split_k == 8
     assert frag_route("iq3_s", 17408, 5120, 4) is None
     assert all(frag_route("q6_k", 248320, 5120, m).name == "frag_w2_r1_m8" for m in (2, 4, 8))  # the head
     assert frag_route("q6_k", 248320, 5120, 1) is None and frag_route("q6_k", 6144, 5120, 8) is None

@@ -45,6 +45,10 @@ def test_rows_route_and_errors():
     for shape in ((48, 5120), (5120, 17408), (17408, 5120), (6144, 5120)):
         for fmt in ROWS_FORMATS:
             assert all(rows_route(fmt, *shape, m).block_m >= m for m in range(1, 5))
+    # the 27B step's attention input and output projections: the schedules timed on those shapes
+    assert rows_route("q4_k", 14336, 5120, 2).name == "rowsp_n2_m2_b4_w1"
+    assert rows_route("q4_k", 5120, 6144, 4).name == "rowsp_n2_m4_b4_w1"
+    assert rows_route("q4_k", 12288, 5120, 4).name == "rows_n8_m4_b4_w1_r4"  # its shape class's
     raw, x = gemv_case("q6_k", 4, 256, 1, seed=3)
     with pytest.raises(NinferError, match="rows GEMV"):
         gemv_rows(raw, "q6_k", quantize_activation(x), 4, "rows_n8_m1_b4_w4")

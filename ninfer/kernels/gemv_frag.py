@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
-from ninfer.kernels.gemv_rows import rows_setup
+from ninfer.kernels.gemv_rows import rows_setup, width_slot
 from ninfer.kernels.gguf_matmul import MatmulSchedule, QuantKernelError, _f16_lo, iq3s_grid16
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_release, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
@@ -109,6 +109,30 @@ def schedules_for(fmt: str) -> dict[str, FragSchedule]:
 # the fewest columns from which the fragment kernel beats the rows kernels and two 1-column GEMVs
 FRAG_FROM = {"q4_k": 5, "iq3_s": 5, "q6_k": 2}
 
+# The matrices the 27B decode step runs (same-input Linears merged: MLP gate|up 34816×5120, GDN q|k|v|z|a|b
+# 16480×5120 (16384 where a, b are stored apart), attention q|gate|k|v 14336×5120, the output projections
+# 5120×6144, MLP down 5120×17408): the fragment schedule for 2, 3–4 and 5–8 columns, None where the rows
+# kernels win. H200 session 14 runs 5–6 (bench/rows_timing.py on these shapes, µs; "was" = the routes by
+# shape class, measured on the unmerged matrices): q4_k at 8 columns 55.4 (was 65.6), 26.3 (32.7), 25.5
+# (31.1), 30.1 (31.6), 14.3 (21.3 on the rows kernel's piece lanes); at 4 columns 16480 24.5 (26.5), 16384
+# 21.6 (26.8), 14336 20.8 (26.0), 5120×17408 25.4 (25.9); at 2 columns 16384 20.1 (21.6), 5120×17408 23.9
+# (25.2); iq3_s at 8 columns 87.5 (109.9), 45.2 (49.7), 38.6, 48.2 (48.8), 20.5 (24.9 on the tile); iq3_s at
+# 2–4 columns stays on the rows kernels (59.1–13.5 vs the fragment kernel's 76.7–18.8 at 4).
+MEASURED_ROUTES: dict[tuple[str, int, int], tuple[str | None, str | None, str | None]] = {
+    ("q4_k", 34816, 5120): (None, None, "frag_w2_r1_m8_s4"),
+    ("q4_k", 16480, 5120): (None, "frag_w2_r1_m8_s4_pf", "frag_w1_r1_m8_s2_pf"),
+    ("q4_k", 16384, 5120): ("frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),
+    ("q4_k", 14336, 5120): (None, "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),
+    ("q4_k", 5120, 17408): ("frag_w4_r1_m8_s8", "frag_w4_r1_m8_s8", "frag_w2_r1_m8_s8"),
+    ("q4_k", 5120, 6144): (None, None, "frag_w2_r1_m8_s8"),
+    ("iq3_s", 34816, 5120): (None, None, "frag_w4_r1_m8_s4"),
+    ("iq3_s", 16480, 5120): (None, None, "frag_w4_r1_m8_s8"),
+    ("iq3_s", 16384, 5120): (None, None, "frag_w4_r1_m8_s8"),
+    ("iq3_s", 14336, 5120): (None, None, "frag_w4_r1_m8_s4"),
+    ("iq3_s", 5120, 17408): (None, None, "frag_w4_r1_m8_s8"),
+    ("iq3_s", 5120, 6144): (None, None, "frag_w4_r1_m8_s8"),
+}
+
 
 def frag_route(fmt: str, out_features: int, in_features: int, columns: int) -> FragSchedule | None:
     """The fragment schedule for a decode GEMV of up to 8 columns where it beats the rows kernels and the
@@ -132,11 +156,17 @@ def frag_route(fmt: str, out_features: int, in_features: int, columns: int) -> F
     fragment schedule (24.1 vs 27.4; the rows kernel 15.8).
 
     Its cost hardly grows with the columns: the weight decode and the scaling of each int32 tile (283
-    instructions per warp and q4_k super-block) are the same for 1 and for 8."""
+    instructions per warp and q4_k super-block) are the same for 1 and for 8. The matrices of the 27B step
+    take `MEASURED_ROUTES` instead (timed on those shapes: the grid's fit in one wave of programs moves the
+    best schedule between neighbouring shapes)."""
     fmt = fmt.removeprefix(GGUF_PREFIX)
     first = FRAG_FROM.get(fmt)
     if first is None or in_features % 256 or columns > 8:
         return None
+    measured = MEASURED_ROUTES.get((fmt, out_features, in_features))
+    if measured is not None:
+        name = measured[width_slot(columns) - 1] if columns > 1 else None
+        return SCHEDULES[name] if name else None
     if fmt == "q4_k" and in_features > 8192 and columns >= 4:  # loads one super-block ahead (session 11)
         return SCHEDULES["frag_w2_r1_m8_s4_pf"]
     if columns < first:

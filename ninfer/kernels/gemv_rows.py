@@ -156,6 +156,18 @@ _ROUTE = {
 }
 
 
+# (format, out, in) of the 27B step's merged matrices -> the schedule for 1, 2, 3-4 and 5-8 columns where it
+# differs from the shape class's (H200 session 14 runs 5-6, µs): attention q|gate|k|v 14336×5120 at 1 column
+# 13.5 vs 13.9, at 2 columns 18.4 vs 19.7; the output projections 5120×6144 at 1 column 7.5 vs 7.8, at 4
+# columns 12.1 vs 13.5 (5-8 columns: gemv_frag.MEASURED_ROUTES, as the others at 2-8)
+_EXACT = {
+    ("q4_k", 14336, 5120): ("rows_n16_m1_b4_w4_r2_ef", "rowsp_n2_m2_b4_w1", "rows_n8_m4_b4_w1_r4",
+                            "rowsp_n4_m8_b4_w1"),
+    ("q4_k", 5120, 6144): ("rows_n8_m1_b8_w4_r2_ef", "rows_n4_m2_b4_w1_r2", "rowsp_n2_m4_b4_w1",
+                           "rowsp_n4_m8_b4_w1"),
+}
+
+
 def width_slot(columns: int) -> int:
     """The index of a route tuple's entry for `columns` (1, 2, 3-4, 5-8)."""
     return 0 if columns == 1 else 1 if columns == 2 else 2 if columns <= 4 else 3
@@ -173,7 +185,8 @@ def rows_route(fmt: str, out_features: int, in_features: int, columns: int) -> R
     fmt = fmt.removeprefix(GGUF_PREFIX)
     if fmt not in ROWS_FORMATS or in_features % 256 or not 1 <= columns <= MAX_COLUMNS:
         return None
-    name = _ROUTE[fmt, shape_class(out_features, in_features)][width_slot(columns)]
+    routes = _EXACT.get((fmt, out_features, in_features))
+    name = (routes or _ROUTE[fmt, shape_class(out_features, in_features)])[width_slot(columns)]
     return SCHEDULES[name] if name else None
 
 

@@ -3,7 +3,8 @@ super-block loop runs: registers, SASS instruction count and opcode mix (IMMA = 
 q4_k / q5_k min term's tf32 one; no BAR / STS / LDS: the fragments never pass through shared memory).
 
     NINFER_TRITON_COMPILE_CHECK=1 python bench/sass_frag.py [--schedules A,B] [--format q4_k|q5_k|iq3_s|q6_k]
-        [--dump]   # --dump: the loop's SASS too
+        [--dump] [--unhinted]   # --dump: the loop's SASS too; --unhinted: also the build for sizes that are
+                                # not multiples of 16 (rows of 256·odd columns: K % 512 ≠ 0, e.g. 1280)
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def main() -> int:
     p.add_argument("--schedules", default="frag_w1_r1_m8_s2,frag_w2_r1_m8_s8")
     p.add_argument("--format", default="q4_k")
     p.add_argument("--dump", action="store_true", help="also print the loop's SASS")
+    p.add_argument("--unhinted", action="store_true",
+                   help="also build with the row-length and scale-stride arguments not 16-divisible (Triton "
+                        "specialises on that at run time: K % 512 != 0 gets this build)")
     a = p.parse_args()
     for name in a.schedules.split(","):
         s = f.SCHEDULES[name]
@@ -33,9 +37,9 @@ def main() -> int:
         out = {"y_ptr": y, "o_ptr": "*bf16", "cnt_ptr": "*i32"}  # sums, output (split-K fixup), counters
         if a.format in ("iq3_s", "q6_k"):  # byte offsets into aligned words (2-byte-aligned blocks)
             sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "grid_ptr": "*i16", **out,
-                   "N": "i32", "K": "i32", "M": "i32", "row_bytes": "i32", "stride_xd": "i32",
+                   "N": "i32", "K": "i32", "M": "i32", "row_bytes": "i32", "xd_blocks": "i32",
                    "stride_ym": "i32"}
-            hinted = ("w_ptr", "xw_ptr", "xd_ptr", "grid_ptr", "y_ptr", "K", "stride_xd", "stride_ym")
+            hinted = ("w_ptr", "xw_ptr", "xd_ptr", "grid_ptr", "y_ptr", "K", "xd_blocks", "stride_ym")
             kernel = f._gemv_frag_iq3_kernel
             if a.format == "q6_k":
                 del sig["grid_ptr"]
@@ -44,22 +48,26 @@ def main() -> int:
             const["WIDE"] = False
         else:
             sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **out,
-                   "N": "i32", "K": "i32", "M": "i32", "row_words": "i32", "stride_xd": "i32",
+                   "N": "i32", "K": "i32", "M": "i32", "row_quads": "i32", "xd_blocks": "i32",
                    "stride_ym": "i32"}
-            hinted = ("w_ptr", "xw_ptr", "xd_ptr", "xs_ptr", "y_ptr", "K", "row_words", "stride_xd",
+            hinted = ("w_ptr", "xw_ptr", "xd_ptr", "xs_ptr", "y_ptr", "K", "row_quads", "xd_blocks",
                       "stride_ym")
             kernel = f._gemv_frag_kernel
             const["FMT"] = f._FMT[a.format]
             const["PREFETCH"] = s.prefetch
-        c = compile_sm90(kernel, sig, const, hinted, s.num_warps, 1)
-        regs = re.search(r"REG:(\d+)", cuobjdump(c, "-res-usage")).group(1)
-        body = loop_body(cuobjdump(c, "-sass"))
-        mix = opcode_mix(body)
-        print(f"{a.format}:{name}: regs {regs} loop {len(body)} {dict(mix.most_common(12))} "
-              f"(IMMA {mix['IMMA']}, HMMA {mix['HMMA']}, BAR {mix['BAR']}, STS {mix['STS']}, "
-              f"LDS {mix['LDS']})")
-        if a.dump:
-            print("\n".join(body))
+        builds = [("", hinted)]
+        if a.unhinted:
+            builds.append((" unhinted", tuple(h for h in hinted if h not in ("row_quads", "xd_blocks"))))
+        for label, hints in builds:
+            c = compile_sm90(kernel, sig, const, hints, s.num_warps, 1)
+            regs = re.search(r"REG:(\d+)", cuobjdump(c, "-res-usage")).group(1)
+            body = loop_body(cuobjdump(c, "-sass"))
+            mix = opcode_mix(body)
+            print(f"{a.format}:{name}{label}: regs {regs} loop {len(body)} {dict(mix.most_common(12))} "
+                  f"(IMMA {mix['IMMA']}, HMMA {mix['HMMA']}, BAR {mix['BAR']}, STS {mix['STS']}, "
+                  f"LDS {mix['LDS']})")
+            if a.dump:
+                print("\n".join(body))
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,9 +126,18 @@ def test_sm90_compile_issues_the_mma_from_registers():
     assert "(IMMA 16, HMMA 6, BAR 0, STS 0, LDS 0)" in lines[1]
     # iq3_s: 8 k32 mmas a super-block; q6_k: 2 × 16 k16 ones, one warp (its lanes read consecutive words: a
     # lane axis Triton saw as contiguous would be vectorised and break the one-element-per-lane map)
-    for fmt, imma in (("iq3_s", 8), ("q6_k", 32)):  # q6_k: 16 groups, each with its −32 offset mma
-        out = subprocess.run([sys.executable, str(REPO / "bench" / "sass_frag.py"), "--format", fmt,
-                              "--schedules", "frag_w1_r1_m8_s2"], capture_output=True, text=True, timeout=300,
-                             cwd=REPO, env=env)
+    # Every format also as built for rows of 256·odd columns (K % 512 ≠ 0: the row length and the scale
+    # stride are not multiples of 16 and Triton specialises without that hint): the same loop. Passed in
+    # words, such sizes made Triton put 2 words to a thread (2 over lanes), which broke the lane-first
+    # fragments (q4_k: 16 mmas a super-block and garbage sums on the H200 at 24×1280; iq3_s / q6_k: twice
+    # the instructions).
+    for fmt, imma, hmma in (("q4_k", 8, 3), ("iq3_s", 8, 0), ("q6_k", 32, 0)):  # q6_k: 16 groups × 2
+        args = ["--format", fmt, "--schedules", "frag_w1_r1_m8_s2", "--unhinted"]
+        out = subprocess.run([sys.executable, str(REPO / "bench" / "sass_frag.py"), *args],
+                             capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
         assert out.returncode == 0 and f"{fmt}:frag_w1_r1_m8_s2:" in out.stdout, out.stderr[-2000:]
-        assert f"(IMMA {imma}, HMMA 0, BAR 0, STS 0, LDS 0)" in out.stdout, out.stdout
+        hinted, unhinted = (re.search(rf"^{fmt}:frag_w1_r1_m8_s2{label}: .* loop (\d+) .*$", out.stdout, re.M)
+                            for label in ("", " unhinted"))
+        assert hinted and unhinted and hinted[1] == unhinted[1], out.stdout  # the same loop length
+        for line in (hinted[0], unhinted[0]):
+            assert f"(IMMA {imma}, HMMA {hmma}, BAR 0, STS 0, LDS 0)" in line, out.stdout

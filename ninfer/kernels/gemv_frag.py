@@ -450,11 +450,18 @@ if HAVE_TRITON:
         return start, tl.minimum(start + per, total), nb
 
     @jit
-    def _gemv_frag_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, o_ptr, cnt_ptr, N, K, M, row_words, stride_xd,
+    def _gemv_frag_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, o_ptr, cnt_ptr, N, K, M, row_quads, xd_blocks,
                           stride_ym, FMT: tl.constexpr, WARPS: tl.constexpr, RT: tl.constexpr,
                           NT: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr,
                           PREFETCH: tl.constexpr = False, STREAM: tl.constexpr = False,
                           FIXUP: tl.constexpr = False, PDL: tl.constexpr = 0):
+        # the row length in 16-byte units (36 or 44 words a block) and the activation scales' row stride in
+        # super-blocks (8 a block): products with the constants carry the alignment into the axis analysis,
+        # so the loads keep 4 words to a thread whatever the sizes' divisibility by 16 (passed in words, rows
+        # of e.g. 1280 columns had Triton lay the word axis 2 to a thread and 2 over lanes, which breaks the
+        # lane-first fragments: garbage sums)
+        row_words = row_quads * 4
+        stride_xd = xd_blocks * 8
         pdl_start(PDL)
         if STREAM:
             start, end, nb = _stream_span(N, K, 16 * WARPS * RT)
@@ -564,10 +571,11 @@ if HAVE_TRITON:
 
     @jit
     def _gemv_frag_iq3_kernel(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, o_ptr, cnt_ptr, N, K, M, row_bytes,
-                              stride_xd, stride_ym, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
+                              xd_blocks, stride_ym, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
                               SPLIT_K: tl.constexpr, WIDE: tl.constexpr, EMULATE: tl.constexpr,
                               STREAM: tl.constexpr = False, FIXUP: tl.constexpr = False,
                               PDL: tl.constexpr = 0):
+        stride_xd = xd_blocks * 8  # as `_gemv_frag_kernel`: 4 words to a thread whatever K's divisibility
         pdl_start(PDL)
         if STREAM:
             start, end, nb = _stream_span(N, K, 16 * WARPS * RT)
@@ -707,11 +715,12 @@ if HAVE_TRITON:
         return low | (((qh >> (2 * JQ)) & 0x03030303) << 4)
 
     @jit
-    def _gemv_frag_q6k_kernel(w_ptr, xw_ptr, xd_ptr, y_ptr, o_ptr, cnt_ptr, N, K, M, row_bytes, stride_xd,
+    def _gemv_frag_q6k_kernel(w_ptr, xw_ptr, xd_ptr, y_ptr, o_ptr, cnt_ptr, N, K, M, row_bytes, xd_blocks,
                               stride_ym, WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
                               SPLIT_K: tl.constexpr, WIDE: tl.constexpr, EMULATE: tl.constexpr,
                               STREAM: tl.constexpr = False, FIXUP: tl.constexpr = False,
                               PDL: tl.constexpr = 0):
+        stride_xd = xd_blocks * 8  # as `_gemv_frag_kernel`: 4 words to a thread whatever K's divisibility
         pdl_start(PDL)
         if STREAM:
             start, end, nb = _stream_span(N, K, 16 * WARPS * RT)
@@ -918,14 +927,14 @@ def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
         wide = raw.numel() >= 2**31 - 256
         if format == "iq3_s":
             _gemv_frag_iq3_kernel[launch](_aligned_words(raw), xa.words, xa.d, iq3s_grid16(raw.device), *args,
-                                          raw.shape[1], k // 32, y.stride(0), **tiles, WIDE=wide, **extra,
+                                          raw.shape[1], k // 256, y.stride(0), **tiles, WIDE=wide, **extra,
                                           **pdl_options(raw, trigger=False))
         else:
-            _gemv_frag_q6k_kernel[launch](_aligned_words(raw), xa.words, xa.d, *args, raw.shape[1], k // 32,
+            _gemv_frag_q6k_kernel[launch](_aligned_words(raw), xa.words, xa.d, *args, raw.shape[1], k // 256,
                                           y.stride(0), **tiles, WIDE=wide, **extra,
                                           **pdl_options(raw, trigger=False))
     else:
-        _gemv_frag_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, *args, raw.shape[1] // 4,
-                                  k // 32, y.stride(0), FMT=_FMT[format], **tiles, PREFETCH=s.prefetch,
+        _gemv_frag_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, *args, raw.shape[1] // 16,
+                                  k // 256, y.stride(0), FMT=_FMT[format], **tiles, PREFETCH=s.prefetch,
                                   **extra, **pdl_options(raw, trigger=False))
     return out.to(xa.dtype)

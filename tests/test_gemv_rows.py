@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import gemv_case, needs_triton
@@ -11,6 +17,7 @@ from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation
 from ninfer.kernels.gemv_rows import MAX_COLUMNS, ROWS_FORMATS, SCHEDULES, gemv_rows, rows_route
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("triton_on_cpu_env")]
+REPO = Path(__file__).resolve().parents[1]
 
 
 # (format, schedule, columns, blocks per row); 10 rows (no multiple of a tile). 4 blocks: whole steps (no
@@ -52,3 +59,20 @@ def test_rows_route_and_errors():
     raw, x = gemv_case("q6_k", 4, 256, 1, seed=3)
     with pytest.raises(NinferError, match="rows GEMV"):
         gemv_rows(raw, "q6_k", quantize_activation(x), 4, "rows_n8_m1_b4_w4")
+
+
+def test_sm90_build_does_not_depend_on_the_row_length():
+    """Rows of a number of blocks that is not a multiple of 4 (2560, 9728 columns) get Triton's build without
+    the 16-divisibility hint on the row length: the same block loop as the 27B's rows (passed in words, such
+    rows fell back to narrower loads: 2-3x the instructions)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled mode: a fresh process
+    env["NINFER_TRITON_COMPILE_CHECK"] = "1"
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "sass_rows.py"), "--unhinted"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    loops = re.findall(r"^q4_k:(\S+?)( unhinted)?: regs \d+ loop (\d+)", out.stdout, re.M)
+    assert len(loops) == 4 and all(int(n) > 0 for *_, n in loops), out.stdout
+    by_name: dict[str, set[str]] = {}
+    for name, _, n in loops:
+        by_name.setdefault(name, set()).add(n)
+    assert all(len(ns) == 1 for ns in by_name.values()), out.stdout

@@ -237,11 +237,14 @@ if HAVE_TRITON:
         return s0, tl.minimum(steps, s0 + per_split)
 
     @jit
-    def _row_bases(w_ptr, xw_ptr, n, m, zw, zx, N, M, K, row_words):
+    def _row_bases(w_ptr, xw_ptr, n, m, zw, zx, N, M, K, row_quads):
         """Pointers to the weight rows n and activation rows m, and the activation-scale offsets; rows and
-        columns past the end read the last one (no masks in the loop), their sums are not stored."""
+        columns past the end read the last one (no masks in the loop), their sums are not stored. The row
+        length comes in 16-byte units (9 or 11 a block): times 4 words, the rows' alignment is known to the
+        axis analysis whatever Triton's divisibility specialisation says of the size (in words, rows of a
+        number of blocks not a multiple of 4 — 2560 or 9728 columns — got scalar loads: 2-3x the loop)."""
         mc = tl.minimum(m, M - 1).to(tl.int64)
-        wrow = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * row_words + zw
+        wrow = w_ptr + tl.minimum(n, N - 1).to(tl.int64) * (row_quads * 4) + zw
         return wrow, xw_ptr + mc * (K // 4) + zx, mc * (K // 32) + zx
 
     @jit
@@ -307,7 +310,7 @@ if HAVE_TRITON:
                 tl.arange(0, 4)[None, None, None, None, None, :])
 
     @jit
-    def _gemv_rows_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
+    def _gemv_rows_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_quads, stride_ym,
                           FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                           R: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
                           EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
@@ -325,7 +328,7 @@ if HAVE_TRITON:
         zx = (m * 0) + (g * 0) + (b * 0) + (c * 0) + (e * 0)  # [4, NB, G, 1, BLOCK_M, 4]
         nblk = K // 256
         s0, s1 = _step_range(K, NB, SPLIT_K)
-        wrow, xrow, drow = _row_bases(w_ptr, xw_ptr, n, m, zw, zx, N, M, K, row_words)
+        wrow, xrow, drow = _row_bases(w_ptr, xw_ptr, n, m, zw, zx, N, M, K, row_quads)
         q_at = b * WB + QS + 8 * c + e  # words e and 4 + e of chunk c
         h_at = b * WB + e  # the 4 header words, for every chunk
         x_at = b * 64 + 16 * c + e
@@ -360,7 +363,7 @@ if HAVE_TRITON:
         _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
 
     @jit
-    def _gemv_rows_p_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_words, stride_ym,
+    def _gemv_rows_p_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_quads, stride_ym,
                             FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                             SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
                             EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
@@ -379,7 +382,7 @@ if HAVE_TRITON:
         zx = (m * 0) + (b * 0) + (p * 0) + (e * 0)
         nblk = K // 256
         s0, s1 = _step_range(K, NB, SPLIT_K)
-        wrow, xrow, drow = _row_bases(w_ptr, xw_ptr, n, m, zw, zx, N, M, K, row_words)
+        wrow, xrow, drow = _row_bases(w_ptr, xw_ptr, n, m, zw, zx, N, M, K, row_quads)
         q_at = b * WB + QS + 4 * p + e
         h_at = b * WB + e
         x_at = b * 64 + 16 * c + 4 * h + e
@@ -445,7 +448,7 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
     y, launch, extra = rows_setup(raw, format, xa, out_features, s, ROWS_FORMATS, "rows GEMV")
-    args = (raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 4,
+    args = (raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 16,
             y.stride(0))
     common = dict(FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,
                   EVEN=k // 256 % s.blocks == 0, CACHE=s.cache, EMULATE=EMULATE_DP4A, **extra,

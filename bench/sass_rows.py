@@ -1,0 +1,52 @@
+"""Compile rows-GEMV schedules (ninfer/kernels/gemv_rows.py: q4_k, q5_k) for sm_90 without a GPU and print
+their block loop: registers, SASS instruction count, loads and dp4a (IDP) count.
+
+    NINFER_TRITON_COMPILE_CHECK=1 python bench/sass_rows.py [--schedules A,B] [--format q4_k|q5_k]
+        [--unhinted]   # also the build Triton makes when the row length is not a multiple of 16 (rows of a
+                       # number of blocks that is not a multiple of 4: 2560 or 9728 columns)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+os.environ.setdefault("NINFER_TRITON_COMPILE_CHECK", "1")  # before ninfer imports triton_support
+
+from sass_tools import compile_sm90, cuobjdump, loop_body, opcode_mix  # noqa: E402  (bench/ is sys.path[0])
+
+
+def main() -> int:
+    from ninfer.kernels import gemv_rows as g
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--schedules", default="rows_n16_m1_b4_w4_r2_ef,rowsp_n2_m4_b4_w1")
+    p.add_argument("--format", default="q4_k", choices=g.ROWS_FORMATS)
+    p.add_argument("--unhinted", action="store_true",
+                   help="also build with the row length not 16-divisible (Triton specialises on that at run "
+                        "time)")
+    a = p.parse_args()
+    sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "y_ptr": "*bf16",
+           "N": "i32", "K": "i32", "M": "i32", "row_quads": "i32", "stride_ym": "i32"}
+    hinted = ("w_ptr", "xw_ptr", "xd_ptr", "xs_ptr", "y_ptr", "K", "row_quads", "stride_ym")
+    for name in a.schedules.split(","):
+        s = g.SCHEDULES[name]
+        const = dict(FMT=g._FMT[a.format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,
+                     SPLIT_K=s.split_k, EVEN=True, CACHE=s.cache, EMULATE=False, PDL=3)
+        kernel = g._gemv_rows_p_kernel
+        if s.lanes != "piece":
+            kernel, const["R"] = g._gemv_rows_kernel, s.rows_per_lane
+        builds = [("", hinted)] + ([(" unhinted", tuple(h for h in hinted if h != "row_quads"))]
+                                   if a.unhinted else [])
+        for label, hints in builds:
+            c = compile_sm90(kernel, sig, const, hints, s.num_warps, 1)
+            regs = re.search(r"REG:(\d+)", cuobjdump(c, "-res-usage")).group(1)
+            mix = opcode_mix(body := loop_body(cuobjdump(c, "-sass")))
+            print(f"{a.format}:{name}{label}: regs {regs} loop {len(body)} "
+                  f"(LDG {mix['LDG']}, IDP {mix['IDP']})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -90,8 +90,8 @@ def test_frag_gemv_on_gpu(fmt):
     """The tensor-core fragment schedules (mma.sync through inline PTX: the fragment layout is the
     hardware's, so only a GPU checks it) vs the float64 twin at 1, 7, 8 and 16 columns, rows past the tile,
     split-K, stream-K, rows of 1280 columns (sizes not 16-divisible: Triton's other specialisation; session
-    14's check failed there before the sizes were passed in aligned units); quant_matmul's route at 5-8
-    columns on the biggest matrices (q4_k); bf16 output rounding."""
+    14's check failed there before the sizes were passed in aligned units); quant_matmul's routes at 1-8
+    columns on the 27B's matrices, merged and not (rows, fragment and tile kernels); bf16 output rounding."""
     from ninfer.kernels.gemv_frag import SCHEDULES, gemv_frag
 
     names = ["frag_w1_r1_m8", "frag_w1_r1_m8_s2", "frag_w2_r1_m8", "frag_w2_r1_m8_s8", "frag_w2_r2_m8_s2",
@@ -108,7 +108,7 @@ def test_frag_gemv_on_gpu(fmt):
     for rows, cols in ((17408, 5120), (5120, 17408), (12288, 5120), (34816, 5120), (16480, 5120),
                        (14336, 5120), (5120, 6144)):
         raw = random_gguf_weight(fmt, rows, cols, "cuda")
-        for width in (2, 4, 6):
+        for width in (1, 2, 4, 6, 8):
             x = torch.randn(width, cols, device="cuda", dtype=torch.bfloat16)
             want = gemv_q8_reference(raw, fmt, quantize_activation_reference(x), rows).cuda()
             assert rel(quant_matmul(raw, fmt, x, rows), want) < 5e-3, (rows, cols, width)

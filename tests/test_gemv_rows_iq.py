@@ -75,6 +75,11 @@ def test_rows_iq_route_and_errors():
     assert rows_iq_route("iq3_s", 1024, 5120, 1).block_m == 1
     assert all(rows_iq_route("iq3_s", 1024, 5120, m).block_m >= m for m in range(2, MAX_COLUMNS + 1))
     assert all(rows_iq_route("iq3_s", 5120, 17408, m).block_m >= m for m in range(1, 5))
+    # the merged 27B matrices' own 1-column routes; wider, the shape class's
+    for rows, cols in ((34816, 5120), (16480, 5120), (5120, 17408)):
+        assert rows_iq_route("iq3_s", rows, cols, 1).name != rows_iq_route("iq3_s", rows + 256, cols, 1).name
+        for m in range(2, MAX_COLUMNS + 1):
+            assert rows_iq_route("iq3_s", rows, cols, m) == rows_iq_route("iq3_s", rows + 256, cols, m)
     # slower than the tensor-core tile (5-8 columns on big matrices) or not measured (iq4_xs)
     assert rows_iq_route("iq3_s", 17408, 5120, 8) is None
     assert rows_iq_route("iq4_xs", 5120, 17408, 1) is None

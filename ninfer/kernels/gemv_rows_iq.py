@@ -84,6 +84,16 @@ _ROUTE = {"small": ("rows_iq_n2_m1_b8_w4", "rows_iq_n4_m2_b4_w4", "rows_iq_n2_m4
           "mid": ("rows_iq_n8_m1_b4_w4", "rows_iq_n8_m2_b4_w4", "rows_iq_n8_m4_b4_w2", None)}
 
 
+# (out, in) of the 27B step's merged matrices -> the schedule for 1, 2, 3-4 and 5-8 columns where it differs
+# from the shape class's (H200 session 15 run 1, µs at 1 column): MLP gate|up 34816×5120 44.0 vs 45.0, GDN
+# q|k|v|z|a|b 16480×5120 22.1 vs 24.3, MLP down 5120×17408 26.1 vs 27.0 (2 columns: the class's won everywhere)
+_EXACT = {
+    (34816, 5120): ("rows_iq_n4_m1_b4_w1", *_ROUTE["wide"][1:]),
+    (16480, 5120): ("rows_iq_n4_m1_b4_w1", *_ROUTE["wide"][1:]),
+    (5120, 17408): ("rows_iq_n8_m1_b4_w8", *_ROUTE["long"][1:]),
+}
+
+
 def rows_iq_route(fmt: str, out_features: int, in_features: int, columns: int) -> RowsIqSchedule | None:
     """The iq3_s rows schedule for a decode GEMV of `columns` columns, None where the tensor-core tile
     (gemv_mma) is faster or nothing was measured (iq4_xs). H200, the 27B shapes after the lane-axes-first
@@ -94,7 +104,8 @@ def rows_iq_route(fmt: str, out_features: int, in_features: int, columns: int) -
     fmt = fmt.removeprefix(GGUF_PREFIX)
     if fmt != "iq3_s" or in_features % 256 or not 1 <= columns <= MAX_COLUMNS:
         return None
-    name = _ROUTE[shape_class(out_features, in_features)][width_slot(columns)]
+    routes = _EXACT.get((out_features, in_features)) or _ROUTE[shape_class(out_features, in_features)]
+    name = routes[width_slot(columns)]
     return SCHEDULES[name] if name else None
 
 

@@ -148,7 +148,7 @@ def _bf16_step_loads(wa, wb, qa, qb, xr, blk, e):
             tl.load(xr + xo + 24), tl.load(xr + xo + 28))
 
 @jit
-def _gemv_frag_bf16_kernel(w_ptr, x_ptr, y_ptr, N, K, M, row_words, stride_x, stride_ym,
+def _gemv_frag_bf16_kernel(w_ptr, x_ptr, y_ptr, N, K, M, row_quads, stride_x, stride_ym,
                            WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr,
                            SPLIT_K: tl.constexpr, PF: tl.constexpr, EMULATE: tl.constexpr,
                            PDL: tl.constexpr = 0):
@@ -160,6 +160,9 @@ def _gemv_frag_bf16_kernel(w_ptr, x_ptr, y_ptr, N, K, M, row_words, stride_x, st
     once per super-block: y += d·Σ sc·q·x − dmin·Σ mn·x."""
     pdl_start(PDL)
     L: tl.constexpr = 32 * WARPS
+    # the row length comes in 16-byte units so its 4-word alignment is known whatever Triton's divisibility
+    # specialisation of the arguments (gemv_frag's fragment layout depends on it)
+    row_words = row_quads * 4
     e, zw, g, t, row_a, col0 = _lane_map(tl.program_id(0), WARPS, RT, NT)
     wa = w_ptr + tl.minimum(row_a, N - 1).to(tl.int64) * row_words + zw
     wb = w_ptr + tl.minimum(row_a + 8, N - 1).to(tl.int64) * row_words + zw
@@ -273,7 +276,7 @@ def gemv_frag_bf16(raw: torch.Tensor, format: str, x: torch.Tensor, out_features
     launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
     extra = {} if INTERPRET else {"num_warps": s.num_warps, "num_stages": s.num_stages}
     _gemv_frag_bf16_kernel[launch](raw.view(torch.int32), xb.view(torch.int32), y, out_features, k, n,
-                                   raw.shape[1] // 4, k // 2, y.stride(0), WARPS=s.num_warps, RT=s.row_tiles,
+                                   raw.shape[1] // 16, k // 2, y.stride(0), WARPS=s.num_warps, RT=s.row_tiles,
                                    NT=s.block_m // 8, SPLIT_K=s.split_k, PF=prefetch, EMULATE=EMULATE_DP4A,
                                    **extra, **pdl_options(raw, trigger=False))
     return y.to(x.dtype)

@@ -27,7 +27,7 @@ def main() -> int:
     p.add_argument("--dump", action="store_true", help="also print the loop's SASS")
     p.add_argument("--unhinted", action="store_true",
                    help="also build with the row-length and scale-stride arguments not 16-divisible (Triton "
-                        "specialises on that at run time: K % 512 != 0 gets this build)")
+                        "specialises on that at run time: K = 256 · odd gets this build)")
     a = p.parse_args()
     for name in a.schedules.split(","):
         s = f.SCHEDULES[name]

@@ -86,7 +86,8 @@ _ROUTE = {"small": ("rows_iq_n2_m1_b8_w4", "rows_iq_n4_m2_b4_w4", "rows_iq_n2_m4
 
 # (out, in) of the 27B step's merged matrices -> the schedule for 1, 2, 3-4 and 5-8 columns where it differs
 # from the shape class's (H200 session 15 run 1, µs at 1 column): MLP gate|up 34816×5120 44.0 vs 45.0, GDN
-# q|k|v|z|a|b 16480×5120 22.1 vs 24.3, MLP down 5120×17408 26.1 vs 27.0 (2 columns: the class's won everywhere)
+# q|k|v|z|a|b 16480×5120 22.1 vs 24.3, MLP down 5120×17408 26.1 vs 27.0
+# (2 columns: the class's won everywhere)
 _EXACT = {
     (34816, 5120): ("rows_iq_n4_m1_b4_w1", *_ROUTE["wide"][1:]),
     (16480, 5120): ("rows_iq_n4_m1_b4_w1", *_ROUTE["wide"][1:]),

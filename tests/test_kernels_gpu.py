@@ -90,8 +90,7 @@ def test_frag_gemv_on_gpu(fmt):
     """The tensor-core fragment schedules (mma.sync through inline PTX: the fragment layout is the
     hardware's, so only a GPU checks it) vs the float64 twin at 1, 7, 8 and 16 columns, rows past the tile,
     split-K, stream-K, rows of 1280 columns (sizes not 16-divisible: Triton's other specialisation; session
-    14's check failed there before the sizes were passed in aligned units); quant_matmul's routes at 1-8
-    columns on the 27B's matrices, merged and not (rows, fragment and tile kernels); bf16 output rounding."""
+    14's check failed there before the sizes were passed in aligned units); bf16 output rounding."""
     from ninfer.kernels.gemv_frag import SCHEDULES, gemv_frag
 
     names = ["frag_w1_r1_m8", "frag_w1_r1_m8_s2", "frag_w2_r1_m8", "frag_w2_r1_m8_s8", "frag_w2_r2_m8_s2",
@@ -104,14 +103,22 @@ def test_frag_gemv_on_gpu(fmt):
             for name in names:
                 if width <= SCHEDULES[name].block_m:
                     assert rel(gemv_frag(raw, fmt, xa, rows, name), want) < 5e-3, (rows, cols, name, width)
-    # the routes, among them those timed on the 27B step's merged matrices (gemv_frag.MEASURED_ROUTES)
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "iq3_s", "q6_k"])
+def test_decode_routes_on_the_27b_matrices_on_gpu(fmt):
+    """quant_matmul's routes (rows, fragment and tile kernels) at 1-8 columns on the 27B's matrices, merged as
+    the engine runs them (gemv_frag.MEASURED_ROUTES, the rows kernels' exact routes) and not, vs the float64
+    twin (the weight dequantised once per matrix); bf16 output rounding."""
     for rows, cols in ((17408, 5120), (5120, 17408), (12288, 5120), (34816, 5120), (16480, 5120),
                        (14336, 5120), (5120, 6144)):
         raw = random_gguf_weight(fmt, rows, cols, "cuda")
+        w = dequantize(raw.cpu().reshape(-1), "gguf_" + fmt, (rows, cols)).to("cuda", torch.float64)
         for width in (1, 2, 4, 6, 8):
             x = torch.randn(width, cols, device="cuda", dtype=torch.bfloat16)
-            want = gemv_q8_reference(raw, fmt, quantize_activation_reference(x), rows).cuda()
+            want = quantize_activation_reference(x).dequantize() @ w.t()
             assert rel(quant_matmul(raw, fmt, x, rows), want) < 5e-3, (rows, cols, width)
+        del w
 
 
 def test_producers_leave_the_int8_activation_for_the_next_linear():

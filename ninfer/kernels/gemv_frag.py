@@ -117,9 +117,11 @@ FRAG_FROM = {"q4_k": 5, "iq3_s": 5, "q6_k": 2}
 # (31.1), 30.1 (31.6), 14.3 (21.3 on the rows kernel's piece lanes); at 4 columns 16480 24.5 (26.5), 16384
 # 21.6 (26.8), 14336 20.8 (26.0), 5120×17408 25.4 (25.9); at 2 columns 16384 20.1 (21.6), 5120×17408 23.9
 # (25.2); iq3_s at 8 columns 87.5 (109.9), 45.2 (49.7), 38.6, 48.2 (48.8), 20.5 (24.9 on the tile); iq3_s at
-# 2–4 columns stays on the rows kernels (59.1–13.5 vs the fragment kernel's 76.7–18.8 at 4).
+# 2–4 columns stays on the rows kernels (59.1–13.5 vs the fragment kernel's 76.7–18.8 at 4). Session 15 run
+# 4, after the aligned-units fix: q4_k 34816×5120 at 8 columns `frag_w2_r1_m8_s4` 63.0 (55.4 in session 14),
+# `_s8` 59.9 (56.7), the `_pf` schedules unchanged (`frag_w2_r1_m8_s2_pf` 59.1, 59.8): routed to that one.
 MEASURED_ROUTES: dict[tuple[str, int, int], tuple[str | None, str | None, str | None]] = {
-    ("q4_k", 34816, 5120): (None, None, "frag_w2_r1_m8_s4"),
+    ("q4_k", 34816, 5120): (None, None, "frag_w2_r1_m8_s2_pf"),
     ("q4_k", 16480, 5120): (None, "frag_w2_r1_m8_s4_pf", "frag_w1_r1_m8_s2_pf"),
     ("q4_k", 16384, 5120): ("frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),
     ("q4_k", 14336, 5120): (None, "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),

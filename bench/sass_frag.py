@@ -27,7 +27,8 @@ def main() -> int:
     p.add_argument("--dump", action="store_true", help="also print the loop's SASS")
     p.add_argument("--unhinted", action="store_true",
                    help="also build with the row-length and scale-stride arguments not 16-divisible (Triton "
-                        "specialises on that at run time: K = 256 · odd gets this build)")
+                        "specialises on that at run time: K = 256 · odd gets this build; q4_k / q5_k take "
+                        "them in aligned units there)")
     a = p.parse_args()
     for name in a.schedules.split(","):
         s = f.SCHEDULES[name]
@@ -48,18 +49,20 @@ def main() -> int:
             const["WIDE"] = False
         else:
             sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **out,
-                   "N": "i32", "K": "i32", "M": "i32", "row_quads": "i32", "xd_blocks": "i32",
-                   "stride_ym": "i32"}
-            hinted = ("w_ptr", "xw_ptr", "xd_ptr", "xs_ptr", "y_ptr", "K", "row_quads", "xd_blocks",
-                      "stride_ym")
+                   "N": "i32", "K": "i32", "M": "i32", "row_len": "i32", "xd_len": "i32", "stride_ym": "i32"}
+            hinted = ("w_ptr", "xw_ptr", "xd_ptr", "xs_ptr", "y_ptr", "K", "row_len", "xd_len", "stride_ym")
             kernel = f._gemv_frag_kernel
             const["FMT"] = f._FMT[a.format]
             const["PREFETCH"] = s.prefetch
-        builds = [("", hinted)]
+            const["UNITS"] = False
+        # q4_k / q5_k: sizes in words (16-divisible) as the 27B's, else in aligned units (needs_units)
+        builds = [("", hinted, {})]
         if a.unhinted:
-            builds.append((" unhinted", tuple(h for h in hinted if h not in ("row_quads", "xd_blocks"))))
-        for label, hints in builds:
-            c = compile_sm90(kernel, sig, const, hints, s.num_warps, 1)
+            sized = ("row_len", "xd_len", "xd_blocks")
+            builds.append((" unhinted", tuple(h for h in hinted if h not in sized),
+                           {"UNITS": True} if kernel is f._gemv_frag_kernel else {}))
+        for label, hints, units in builds:
+            c = compile_sm90(kernel, sig, {**const, **units}, hints, s.num_warps, 1)
             regs = re.search(r"REG:(\d+)", cuobjdump(c, "-res-usage")).group(1)
             body = loop_body(cuobjdump(c, "-sass"))
             mix = opcode_mix(body)

@@ -21,6 +21,7 @@ from ninfer.kernels.gemv_frag import (
     SCHEDULES,
     frag_route,
     gemv_frag,
+    needs_units,
     split_workspace,
 )
 from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation
@@ -33,8 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 # (clamped loads, masked stores) with two row tiles per warp and split-K 2 over 3 blocks (uneven splits);
 # two column tiles (11 columns) with split-K 4 over 3 blocks (an empty split); two warps; iq3_s with one block
 # per row (110-byte rows: every second row starts 2 bytes into a word) and with 3 (330 bytes); q6_k (630-byte
-# rows: the same alternation); loads one super-block ahead with an empty split and with an uneven one
-CASES = [("q4_k", "frag_w1_r1_m8", 1, 16, 1), ("q4_k", "frag_w1_r2_m8_s2", 5, 40, 3),
+# rows: the same alternation); loads one super-block ahead with an empty split and with an uneven one; q4_k /
+# q5_k rows of 4 blocks (1024 columns: sizes in words, as the 27B's; else in aligned units, `needs_units`)
+CASES = [("q4_k", "frag_w1_r1_m8_s2", 3, 20, 4), ("q5_k", "frag_w1_r1_m8_s2_pf", 5, 16, 4),
+         ("q4_k", "frag_w1_r1_m8", 1, 16, 1), ("q4_k", "frag_w1_r2_m8_s2", 5, 40, 3),
          ("q5_k", "frag_w1_r1_m16_s4", 11, 20, 3), ("q5_k", "frag_w2_r1_m8", 8, 40, 2),
          ("iq3_s", "frag_w1_r1_m8", 3, 16, 1), ("iq3_s", "frag_w1_r1_m8_s2", 5, 20, 3),
          ("q6_k", "frag_w1_r1_m8_s2", 5, 20, 3),
@@ -101,6 +104,9 @@ def test_frag_route_and_errors():
     assert frag_route("q6_k", 248320, 5120, 1) is None and frag_route("q6_k", 6144, 5120, 8) is None
     assert frag_route("q6_k", 17408, 5120, 2).name == "frag_w1_r1_m8_s2"
     assert all(s.block_m in (8, 16) and s.block_n % 16 == 0 for s in SCHEDULES.values())
+    # q4_k / q5_k sizes in words where Triton specialises them as 16-divisible (the 27B's K), else in units
+    assert not any(needs_units(k // 256 * words, k) for k in (1024, 5120, 6144, 17408) for words in (36, 44))
+    assert all(needs_units(k // 256 * words, k) for k in (256, 1280, 1536, 2560, 4864) for words in (36, 44))
     raw, x = gemv_case("iq4_xs", 4, 256, 1, seed=3)
     with pytest.raises(NinferError, match="tensor-core fragment"):
         gemv_frag(raw, "iq4_xs", quantize_activation(x), 4, "frag_w1_r1_m8")
@@ -138,6 +144,7 @@ def test_sm90_compile_issues_the_mma_from_registers():
         assert out.returncode == 0 and f"{fmt}:frag_w1_r1_m8_s2:" in out.stdout, out.stderr[-2000:]
         hinted, unhinted = (re.search(rf"^{fmt}:frag_w1_r1_m8_s2{label}: .* loop (\d+) .*$", out.stdout, re.M)
                             for label in ("", " unhinted"))
-        assert hinted and unhinted and hinted[1] == unhinted[1], out.stdout  # the same loop length
+        # the same loop (q4_k: one instruction more in the aligned-units build)
+        assert hinted and unhinted and abs(int(hinted[1]) - int(unhinted[1])) <= 2, out.stdout
         for line in (hinted[0], unhinted[0]):
             assert f"(IMMA {imma}, HMMA {hmma}, BAR 0, STS 0, LDS 0)" in line, out.stdout

@@ -117,11 +117,11 @@ FRAG_FROM = {"q4_k": 5, "iq3_s": 5, "q6_k": 2}
 # (31.1), 30.1 (31.6), 14.3 (21.3 on the rows kernel's piece lanes); at 4 columns 16480 24.5 (26.5), 16384
 # 21.6 (26.8), 14336 20.8 (26.0), 5120×17408 25.4 (25.9); at 2 columns 16384 20.1 (21.6), 5120×17408 23.9
 # (25.2); iq3_s at 8 columns 87.5 (109.9), 45.2 (49.7), 38.6, 48.2 (48.8), 20.5 (24.9 on the tile); iq3_s at
-# 2–4 columns stays on the rows kernels (59.1–13.5 vs the fragment kernel's 76.7–18.8 at 4). Session 15 run
-# 4, after the aligned-units fix: q4_k 34816×5120 at 8 columns `frag_w2_r1_m8_s4` 63.0 (55.4 in session 14),
-# `_s8` 59.9 (56.7), the `_pf` schedules unchanged (`frag_w2_r1_m8_s2_pf` 59.1, 59.8): routed to that one.
+# 2–4 columns stays on the rows kernels (59.1–13.5 vs the fragment kernel's 76.7–18.8 at 4). (Session 15 run
+# 4 timed q4_k's aligned-units build, which these shapes no longer take (`needs_units`): 34816×5120 at 8
+# columns `frag_w2_r1_m8_s4` 63.0, `_s8` 59.9, the `_pf` schedules as before.)
 MEASURED_ROUTES: dict[tuple[str, int, int], tuple[str | None, str | None, str | None]] = {
-    ("q4_k", 34816, 5120): (None, None, "frag_w2_r1_m8_s2_pf"),
+    ("q4_k", 34816, 5120): (None, None, "frag_w2_r1_m8_s4"),
     ("q4_k", 16480, 5120): (None, "frag_w2_r1_m8_s4_pf", "frag_w1_r1_m8_s2_pf"),
     ("q4_k", 16384, 5120): ("frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),
     ("q4_k", 14336, 5120): (None, "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),
@@ -452,18 +452,20 @@ if HAVE_TRITON:
         return start, tl.minimum(start + per, total), nb
 
     @jit
-    def _gemv_frag_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, o_ptr, cnt_ptr, N, K, M, row_quads, xd_blocks,
+    def _gemv_frag_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, o_ptr, cnt_ptr, N, K, M, row_len, xd_len,
                           stride_ym, FMT: tl.constexpr, WARPS: tl.constexpr, RT: tl.constexpr,
                           NT: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr,
                           PREFETCH: tl.constexpr = False, STREAM: tl.constexpr = False,
-                          FIXUP: tl.constexpr = False, PDL: tl.constexpr = 0):
-        # the row length in 16-byte units (36 or 44 words a block) and the activation scales' row stride in
-        # super-blocks (8 a block): products with the constants carry the alignment into the axis analysis,
-        # so the loads keep 4 words to a thread whatever the sizes' divisibility by 16 (passed in words, rows
-        # of e.g. 1280 columns had Triton lay the word axis 2 to a thread and 2 over lanes, which breaks the
-        # lane-first fragments: garbage sums)
-        row_words = row_quads * 4
-        stride_xd = xd_blocks * 8
+                          FIXUP: tl.constexpr = False, PDL: tl.constexpr = 0, UNITS: tl.constexpr = False):
+        # the row length (36 or 44 words a block) and the activation scales' row stride (8 a block). UNITS:
+        # given in 16-byte units and super-blocks, whose products with the constants carry the alignment into
+        # the axis analysis, so the loads keep 4 words to a thread whatever the sizes' divisibility by 16
+        # (in words, rows of e.g. 1280 columns had Triton lay the word axis 2 to a thread and 2 over lanes,
+        # which breaks the lane-first fragments: garbage sums). Else in words, both multiples of 16 (Triton
+        # specialises them so, `needs_units`): the build timed in sessions 9-14, whose non-prefetching loop
+        # issues its loads earlier
+        row_words = row_len * 4 if UNITS else row_len
+        stride_xd = xd_len * 8 if UNITS else xd_len
         pdl_start(PDL)
         if STREAM:
             start, end, nb = _stream_span(N, K, 16 * WARPS * RT)
@@ -900,6 +902,15 @@ def stream_programs(device: torch.device, s: FragSchedule, out_features: int, in
     return max(1, min(steps, s.stream * sms))
 
 
+def needs_units(row_words: int, k: int) -> bool:
+    """Whether `_gemv_frag_kernel` takes a weight row's length and the activation scales' stride in aligned
+    units (16 bytes, super-blocks) rather than in words: unless both word counts are multiples of 16 (q4_k /
+    q5_k rows of a multiple of 1024 columns, as all of the 27B's). The words build is the one timed in
+    sessions 9-14; the units build gives the same instructions but another order and register count, and
+    its non-prefetching schedules measured slower (docs/gpu-notes.md, session 15)."""
+    return row_words % 16 != 0 or k // 32 % 16 != 0
+
+
 def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
               schedule: FragSchedule | str) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, q4_k,
@@ -936,7 +947,9 @@ def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
                                           y.stride(0), **tiles, WIDE=wide, **extra,
                                           **pdl_options(raw, trigger=False))
     else:
-        _gemv_frag_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, *args, raw.shape[1] // 16,
-                                  k // 256, y.stride(0), FMT=_FMT[format], **tiles, PREFETCH=s.prefetch,
+        units = needs_units(raw.shape[1] // 4, k)
+        row_len, xd_len = (raw.shape[1] // 16, k // 256) if units else (raw.shape[1] // 4, k // 32)
+        _gemv_frag_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, *args, row_len, xd_len,
+                                  y.stride(0), FMT=_FMT[format], **tiles, PREFETCH=s.prefetch, UNITS=units,
                                   **extra, **pdl_options(raw, trigger=False))
     return out.to(xa.dtype)

@@ -85,8 +85,9 @@ def test_mma_gemm_on_gpu(fmt, monkeypatch):
         assert rel(quant_matmul(raw, fmt, x, 17408), want) < 5e-3, width
 
 
+@pytest.mark.parametrize("shape", [(1040, 5120), (136, 17408), (24, 1280)])
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "iq3_s", "q6_k"])
-def test_frag_gemv_on_gpu(fmt):
+def test_frag_gemv_on_gpu(fmt, shape):
     """The tensor-core fragment schedules (mma.sync through inline PTX: the fragment layout is the
     hardware's, so only a GPU checks it) vs the float64 twin at 1, 7, 8 and 16 columns, rows past the tile,
     split-K, stream-K, rows of 1280 columns (sizes not 16-divisible: Triton's other specialisation; session
@@ -95,23 +96,25 @@ def test_frag_gemv_on_gpu(fmt):
 
     names = ["frag_w1_r1_m8", "frag_w1_r1_m8_s2", "frag_w2_r1_m8", "frag_w2_r1_m8_s8", "frag_w2_r2_m8_s2",
              "frag_w4_r1_m16_s4", "frag_w1_r2_m16", "frag_w1_r1_m8_sk16", "frag_w2_r1_m8_s4"]
-    for rows, cols in ((1040, 5120), (136, 17408), (24, 1280)):
-        raw = random_gguf_weight(fmt, rows, cols, "cuda")
-        for width in (1, 7, 8, 16):
-            xa = quantize_activation_reference(torch.randn(width, cols, device="cuda", dtype=torch.bfloat16))
-            want = gemv_q8_reference(raw, fmt, xa, rows).cuda()
-            for name in names:
-                if width <= SCHEDULES[name].block_m:
-                    assert rel(gemv_frag(raw, fmt, xa, rows, name), want) < 5e-3, (rows, cols, name, width)
+    rows, cols = shape  # one test per shape: each compiles its own specialisations (~50 builds a format)
+    raw = random_gguf_weight(fmt, rows, cols, "cuda")
+    for width in (1, 7, 8, 16):
+        xa = quantize_activation_reference(torch.randn(width, cols, device="cuda", dtype=torch.bfloat16))
+        want = gemv_q8_reference(raw, fmt, xa, rows).cuda()
+        for name in names:
+            if width <= SCHEDULES[name].block_m:
+                assert rel(gemv_frag(raw, fmt, xa, rows, name), want) < 5e-3, (rows, cols, name, width)
 
 
+@pytest.mark.parametrize("merged", [True, False])
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "iq3_s", "q6_k"])
-def test_decode_routes_on_the_27b_matrices_on_gpu(fmt):
+def test_decode_routes_on_the_27b_matrices_on_gpu(fmt, merged):
     """quant_matmul's routes (rows, fragment and tile kernels) at 1-8 columns on the 27B's matrices, merged as
     the engine runs them (gemv_frag.MEASURED_ROUTES, the rows kernels' exact routes) and not, vs the float64
     twin (the weight dequantised once per matrix); bf16 output rounding."""
-    for rows, cols in ((17408, 5120), (5120, 17408), (12288, 5120), (34816, 5120), (16480, 5120),
-                       (14336, 5120), (5120, 6144)):
+    shapes = ((34816, 5120), (16480, 5120), (14336, 5120), (5120, 6144)) if merged else (
+        (17408, 5120), (5120, 17408), (12288, 5120))
+    for rows, cols in shapes:
         raw = random_gguf_weight(fmt, rows, cols, "cuda")
         w = dequantize(raw.cpu().reshape(-1), "gguf_" + fmt, (rows, cols)).to("cuda", torch.float64)
         for width in (1, 2, 4, 6, 8):

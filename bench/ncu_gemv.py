@@ -21,8 +21,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.rows_timing import kernel  # noqa: E402
-from ninfer.kernels import gemv_frag as frag_mod  # noqa: E402
-from ninfer.kernels import gemv_mma as mma_mod  # noqa: E402
 from ninfer.kernels.gemv_q8 import quantize_activation  # noqa: E402
 from ninfer.kernels.gguf_matmul import random_gguf_weight  # noqa: E402
 
@@ -38,9 +36,7 @@ def launcher(spec: str, rows: int, cols: int, dev: torch.device):
         return f"{fmt} {width} col {name}", lambda raw: gemv_frag_bf16(raw, fmt, x, rows, name[5:])
     schedules, gemv, route = kernel(fmt)
     if name == "route":
-        chosen = (frag_mod.frag_route(fmt, rows, cols, width) or mma_mod.mma_route(fmt, rows, cols, width)
-                  or route(fmt, rows, cols, width))  # quant_matmul's order
-        name = chosen.name
+        name = route(fmt, rows, cols, width).name
     if name not in schedules:
         raise SystemExit(f"{spec}: no schedule {name!r} for {fmt} (have: {', '.join(schedules)})")
     xa = quantize_activation(torch.randn(width, cols, device=dev, dtype=torch.bfloat16))

@@ -48,9 +48,9 @@ NVRTC = False  # --nvrtc: also the CUDA C iq3_s experiment (bench/nvrtc_iq3s.py)
 
 
 def kernel(fmt: str):
-    """(schedules, GEMV, route) of the rows kernel for a format (gemv_rows_iq for the i-quants), with the
-    tensor-core schedules where gemv_mma and gemv_frag take the format (and the NVRTC experiment's under
-    --nvrtc)."""
+    """(schedules, GEMV, route) for a format: the rows kernel's schedules (gemv_rows_iq for the i-quants), the
+    tensor-core ones where gemv_mma and gemv_frag take the format (and the NVRTC experiment's under --nvrtc),
+    and quant_matmul's route."""
     iq = fmt in iq_mod.IQ_ROWS_FORMATS
     rows_gemv = iq_mod.gemv_rows_iq if iq else rows_mod.gemv_rows
     mma = mma_mod.schedules_for(fmt)
@@ -76,8 +76,15 @@ def kernel(fmt: str):
             return frag_mod.gemv_frag(raw, fmt, xa, rows, name)
         return (mma_mod.gemv_mma if name in mma else rows_gemv)(raw, fmt, xa, rows, name)
 
+    rows_route = iq_mod.rows_iq_route if iq else rows_mod.rows_route
+
+    def route(fmt, rows, cols, width):
+        """The schedule quant_matmul takes (its order: fragment kernel, tensor-core tile, rows kernel)."""
+        return (frag_mod.frag_route(fmt, rows, cols, width) or mma_mod.mma_route(fmt, rows, cols, width)
+                or rows_route(fmt, rows, cols, width))
+
     rows = iq_mod.SCHEDULES if iq else rows_mod.SCHEDULES if fmt in rows_mod.ROWS_FORMATS else {}
-    return {**rows, **pad, **mma, **frag, **cuda}, gemv, iq_mod.rows_iq_route if iq else rows_mod.rows_route
+    return {**rows, **pad, **mma, **frag, **cuda}, gemv, route
 
 
 def serves(s, width: int) -> bool:

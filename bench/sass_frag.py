@@ -1,7 +1,6 @@
 """Compile fragment-GEMV schedules (ninfer/kernels/gemv_frag.py) for sm_90 without a GPU and print what their
 super-block loop runs: registers, SASS instruction count and opcode mix (IMMA = the int8 mma.sync, HMMA the
-q4_k / q5_k min term's tf32 one; no BAR / STS / LDS: the fragments never pass through shared memory) and
-the L2 prefetches of the `_l` schedules.
+q4_k / q5_k min term's tf32 one; no BAR / STS / LDS: the fragments never pass through shared memory).
 
     NINFER_TRITON_COMPILE_CHECK=1 python bench/sass_frag.py [--schedules A,B] [--format q4_k|q5_k|iq3_s|q6_k]
         [--dump] [--unhinted]   # --dump: the loop's SASS too; --unhinted: also the build for sizes that are
@@ -55,7 +54,6 @@ def main() -> int:
             kernel = f._gemv_frag_kernel
             const["FMT"] = f._FMT[a.format]
             const["PREFETCH"] = s.prefetch
-            const["L2AHEAD"] = s.l2
             const["UNITS"] = False
         # q4_k / q5_k: sizes in words (16-divisible) as the 27B's, else in aligned units (needs_units)
         builds = [("", hinted, {})]
@@ -70,7 +68,7 @@ def main() -> int:
             mix = opcode_mix(body)
             print(f"{a.format}:{name}{label}: regs {regs} loop {len(body)} {dict(mix.most_common(12))} "
                   f"(IMMA {mix['IMMA']}, HMMA {mix['HMMA']}, BAR {mix['BAR']}, STS {mix['STS']}, "
-                  f"LDS {mix['LDS']}) L2 {mix['CCTL'] + mix['UBLKPF']}")
+                  f"LDS {mix['LDS']})")
             if a.dump:
                 print("\n".join(body))
     return 0

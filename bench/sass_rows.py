@@ -1,5 +1,5 @@
 """Compile rows-GEMV schedules (ninfer/kernels/gemv_rows.py: q4_k, q5_k) for sm_90 without a GPU and print
-their block loop: registers, SASS instruction count, loads, dp4a (IDP) and L2 prefetch (`_l` schedules) count.
+their block loop: registers, SASS instruction count, loads and dp4a (IDP) count.
 
     NINFER_TRITON_COMPILE_CHECK=1 python bench/sass_rows.py [--schedules A,B] [--format q4_k|q5_k]
         [--unhinted]   # also the build Triton makes when the row length is not a multiple of 16 (rows of a
@@ -33,8 +33,7 @@ def main() -> int:
     for name in a.schedules.split(","):
         s = g.SCHEDULES[name]
         const = dict(FMT=g._FMT[a.format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,
-                     SPLIT_K=s.split_k, EVEN=True, CACHE=s.cache, EMULATE=False, PDL=3,
-                     L2AHEAD=s.l2)
+                     SPLIT_K=s.split_k, EVEN=True, CACHE=s.cache, EMULATE=False, PDL=3)
         kernel = g._gemv_rows_p_kernel
         if s.lanes != "piece":
             kernel, const["R"] = g._gemv_rows_kernel, s.rows_per_lane
@@ -45,7 +44,7 @@ def main() -> int:
             regs = re.search(r"REG:(\d+)", cuobjdump(c, "-res-usage")).group(1)
             mix = opcode_mix(body := loop_body(cuobjdump(c, "-sass")))
             print(f"{a.format}:{name}{label}: regs {regs} loop {len(body)} "
-                  f"(LDG {mix['LDG']}, IDP {mix['IDP']}, L2 {mix['UBLKPF'] + mix['CCTL']})")
+                  f"(LDG {mix['LDG']}, IDP {mix['IDP']})")
     return 0
 
 

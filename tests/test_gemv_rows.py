@@ -76,19 +76,3 @@ def test_sm90_build_does_not_depend_on_the_row_length():
     for name, _, n in loops:
         by_name.setdefault(name, set()).add(n)
     assert all(len(ns) == 1 for ns in by_name.values()), out.stdout
-
-
-def test_sm90_build_asks_l2_ahead_without_more_loads():
-    """An `_l1` schedule's sm_90 loop adds the bulk L2 prefetch of each row's next step (one per row, through
-    a uniform register) to the same weight / activation loads and dp4a as its base schedule."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["NINFER_TRITON_COMPILE_CHECK"] = "1"
-    args = ["--schedules", "rowsp_n2_m4_b4_w1,rowsp_n2_m4_b4_w1_l1"]
-    out = subprocess.run([sys.executable, str(REPO / "bench" / "sass_rows.py"), *args], capture_output=True,
-                         text=True, timeout=300, cwd=REPO, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    mixes = re.findall(r"^q4_k:rowsp_n2_m4_b4_w1(_l1)?: .*\(LDG (\d+), IDP (\d+), L2 (\d+)\)", out.stdout,
-                       re.M)
-    assert [m[0] for m in mixes] == ["", "_l1"], out.stdout
-    (_, ldg, idp, l2), (_, ldg1, idp1, l2_1) = mixes
-    assert (ldg, idp, l2) == (ldg1, idp1, "0") and int(l2_1) > 0, out.stdout

@@ -91,8 +91,5 @@ def test_rows_iq_route_and_errors():
     odd = RowsIqSchedule("rows_iq_odd", "rows_iq", 2, 1, blocks=1)
     with pytest.raises(NinferError, match="even number"):
         gemv_rows_iq(random_gguf_weight("iq3_s", 2, 256), "iq3_s", xa, 2, odd)
-    with pytest.raises(NinferError, match="without _l"):  # L2 asked ahead in the iq3_s kernel only
-        gemv_rows_iq(random_gguf_weight("iq4_xs", 8, 256).view(torch.uint8), "iq4_xs", xa, 8,
-                     "rows_iq_n8_m1_b4_w4_l1")
     with pytest.raises(NinferError, match="must be uint8"):
         gemv_rows_iq(random_gguf_weight("iq4_xs", 2, 256), "iq4_xs", xa, 3, "rows_iq_n4_m1_b4_w4")

@@ -50,17 +50,7 @@ import torch
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
 from ninfer.kernels.gemv_rows import rows_setup, width_slot
 from ninfer.kernels.gguf_matmul import MatmulSchedule, QuantKernelError, _f16_lo, iq3s_grid16
-from ninfer.kernels.triton_support import (
-    HAVE_TRITON,
-    jit,
-    l2_ahead,
-    l2_touch,
-    pdl_options,
-    pdl_release,
-    pdl_start,
-    tl,
-    tl_sum,
-)
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_release, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
 
 FRAG_FORMATS = ("q4_k", "q5_k", "iq3_s", "q6_k")
@@ -79,16 +69,15 @@ class FragSchedule(MatmulSchedule):
     row_tiles: int = 1
     prefetch: bool = False
     stream: int = 0
-    l2: int = 0  # ask L2 for each row's super-block this many steps ahead (q4_k, q5_k; sm_90 `l2_prefetch`)
 
 
 def _sched(num_warps: int, row_tiles: int, col_tiles: int, split_k: int = 1, prefetch: bool = False,
-           stream: int = 0, l2: int = 0) -> FragSchedule:
+           stream: int = 0) -> FragSchedule:
     name = (f"frag_w{num_warps}_r{row_tiles}_m{8 * col_tiles}" + (f"_s{split_k}" if split_k > 1 else "")
-            + (f"_sk{stream}" if stream else "") + ("_pf" if prefetch else "") + (f"_l{l2}" if l2 else ""))
+            + (f"_sk{stream}" if stream else "") + ("_pf" if prefetch else ""))
     return FragSchedule(name, "frag", 16 * num_warps * row_tiles, 8 * col_tiles, split_k=split_k,
                         num_warps=num_warps, num_stages=1, row_tiles=row_tiles, prefetch=prefetch,
-                        stream=stream, l2=l2)
+                        stream=stream)
 
 
 SCHEDULES: dict[str, FragSchedule] = {
@@ -109,18 +98,12 @@ SCHEDULES.update((s.name, s) for w, p, pf in ((1, 16, False), (1, 19, False), (2
                  for s in [_sched(w, 1, 1, prefetch=pf, stream=p)])
 
 
-# the 27B step's 4-8-column routes asking L2 for each row's super-blocks 1, 2 or 4 steps ahead (session 16)
-SCHEDULES.update((s.name, s) for w, k, pf in ((2, 4, False), (2, 8, False), (1, 2, True), (2, 2, True),
-                                              (2, 4, True))
-                 for a in (1, 2, 4) for s in [_sched(w, 1, 1, k, pf, l2=a)])
-
-
 def schedules_for(fmt: str) -> dict[str, FragSchedule]:
-    """The schedules `gemv_frag` runs for a format (the `_pf` and `_l` ones only for q4_k / q5_k; none
-    outside FRAG_FORMATS)."""
+    """The schedules `gemv_frag` runs for a format (the `_pf` ones only for q4_k / q5_k; none outside
+    FRAG_FORMATS)."""
     if fmt not in FRAG_FORMATS:
         return {}
-    return {n: s for n, s in SCHEDULES.items() if not (s.prefetch or s.l2) or fmt in _FMT}
+    return {n: s for n, s in SCHEDULES.items() if not s.prefetch or fmt in _FMT}
 
 
 # the fewest columns from which the fragment kernel beats the rows kernels and two 1-column GEMVs
@@ -473,8 +456,7 @@ if HAVE_TRITON:
                           stride_ym, FMT: tl.constexpr, WARPS: tl.constexpr, RT: tl.constexpr,
                           NT: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE: tl.constexpr,
                           PREFETCH: tl.constexpr = False, STREAM: tl.constexpr = False,
-                          FIXUP: tl.constexpr = False, PDL: tl.constexpr = 0, UNITS: tl.constexpr = False,
-                          L2AHEAD: tl.constexpr = 0):
+                          FIXUP: tl.constexpr = False, PDL: tl.constexpr = 0, UNITS: tl.constexpr = False):
         # the row length (36 or 44 words a block) and the activation scales' row stride (8 a block). UNITS:
         # given in 16-byte units and super-blocks, whose products with the constants carry the alignment into
         # the axis analysis, so the loads keep 4 words to a thread whatever the sizes' divisibility by 16
@@ -491,32 +473,22 @@ if HAVE_TRITON:
                 a0, a1, a2, a3, row, col = _k_tile(
                     w_ptr, xw_ptr, xd_ptr, xs_ptr, N, K, M, row_words, stride_xd, tile,
                     tl.maximum(start - tile * nb, 0), tl.minimum(end - tile * nb, nb), FMT, WARPS, RT, NT,
-                    EMULATE, PREFETCH, L2AHEAD)
+                    EMULATE, PREFETCH)
                 _store_tile(y_ptr, a0, a1, a2, a3, row, col, M, N, stride_ym, True)
         else:
             s0, s1 = _step_range(K, 1, SPLIT_K)
             a0, a1, a2, a3, row, col = _k_tile(w_ptr, xw_ptr, xd_ptr, xs_ptr, N, K, M, row_words,
                                                stride_xd, tl.program_id(0), s0, s1, FMT, WARPS, RT, NT,
-                                               EMULATE, PREFETCH, L2AHEAD)
+                                               EMULATE, PREFETCH)
             pdl_release(PDL)
             _finish(y_ptr, o_ptr, cnt_ptr, a0, a1, a2, a3, row, col, M, N, stride_ym, SPLIT_K, FIXUP)
 
     @jit
-    def _ask_ahead(row, ask, t, blk, s1, WB: tl.constexpr, L2AHEAD: tl.constexpr):
-        """Where `ask`, have L2 fetch super-block blk + L2AHEAD of the rows at `row` (none past s1, nor with
-        L2AHEAD 0): lanes t = 0, 1, 2 touch its first, middle and last word, so every 128-byte line it
-        spans (2 or 3) is asked for."""
-        if L2AHEAD > 0:
-            l2_touch(row + (blk + L2AHEAD) * WB + tl.minimum(t * (WB // 2), WB - 1),
-                     ask & (t < 3) & (blk + L2AHEAD < s1))
-
-    @jit
     def _k_tile(w_ptr, xw_ptr, xd_ptr, xs_ptr, N, K, M, row_words, stride_xd, tile, s0, s1, FMT: tl.constexpr,
                 WARPS: tl.constexpr, RT: tl.constexpr, NT: tl.constexpr, EMULATE: tl.constexpr,
-                PREFETCH: tl.constexpr, L2AHEAD: tl.constexpr):
+                PREFETCH: tl.constexpr):
         """Row tile `tile`'s super-blocks [s0, s1) of q4_k / q5_k: a lane's four sums of the mma's D layout
-        and their row and column (`_store_tile`). L2AHEAD > 0: lane 4g asks L2 for rows g and g + 8's
-        super-block that many steps ahead."""
+        and their row and column (`_store_tile`)."""
         L: tl.constexpr = 32 * WARPS
         WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
         QS: tl.constexpr = 4 if FMT == 4 else 12  # first qs word
@@ -539,7 +511,6 @@ if HAVE_TRITON:
         byte_t = 0x7440 + t3  # prmt: byte t, zeros, 0x4B on top (the fp32 bits of 2^23 + byte)
         top = t3 * 0 + 0x4B000000
         zf = tl.zeros([L, RT, NT], dtype=tl.float32)
-        ask = (e % 2 == 0) & (zw == 0)  # words 0 and 2: rows g and g + 8
         acc0 = zf  # row g, column 2t
         acc1 = zf  # row g, column 2t + 1
         acc2 = zf  # row g + 8, column 2t
@@ -549,7 +520,6 @@ if HAVE_TRITON:
              qh) = _k_loads(w_ptr, xd_ptr, h_a, h_b, q_at, x_at, w_row, c_d0, c_d1, xs_at,
                             tl.minimum(s0, K // 256 - 1), e, t, FMT, WB)
             for blk in range(s0, s1):
-                _ask_ahead(w_ptr + w_row, ask, t, blk, s1, WB, L2AHEAD)
                 (n_ha, n_hb, n_dx0_lo, n_dx0_hi, n_dx1_lo, n_dx1_hi, n_xs_lo, n_xs_hi, n_q0, n_q1, n_q2, n_q3,
                  n_x0, n_x1, n_x2, n_x3, n_qh) = _k_loads(w_ptr, xd_ptr, h_a, h_b, q_at, x_at, w_row, c_d0,
                                                           c_d1, xs_at, tl.minimum(blk + 1, s1 - 1), e, t, FMT,
@@ -565,7 +535,6 @@ if HAVE_TRITON:
                 q0, q1, q2, q3, x0, x1, x2, x3 = n_q0, n_q1, n_q2, n_q3, n_x0, n_x1, n_x2, n_x3
         else:
             for blk in range(s0, s1):
-                _ask_ahead(w_ptr + w_row, ask, t, blk, s1, WB, L2AHEAD)
                 c0, c1, c2, c3 = _k_math(*_k_loads(w_ptr, xd_ptr, h_a, h_b, q_at, x_at, w_row, c_d0, c_d1,
                                                    xs_at, blk, e, t, FMT, WB), byte_t, top, e, zf, FMT, L, RT,
                                          NT, EMULATE)
@@ -963,9 +932,9 @@ def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     tiles = dict(WARPS=s.num_warps, RT=s.row_tiles, NT=s.block_m // 8, SPLIT_K=s.split_k,
                  STREAM=programs > 0, FIXUP=work is not None, EMULATE=EMULATE_DP4A)
     if format in ("iq3_s", "q6_k"):  # 2-byte-aligned blocks: aligned words at byte offsets
-        if s.prefetch or s.l2:  # not in the iq3_s / q6_k kernels
+        if s.prefetch:  # not in the iq3_s / q6_k kernels
             raise QuantKernelError(f"fragment schedule {s.name} prefetches in the q4_k / q5_k loop only; "
-                                   f"{format} takes the schedules without _pf or _l")
+                                   f"{format} takes the schedules without _pf")
         from ninfer.kernels.gemv_rows_iq import _aligned_words
 
         wide = raw.numel() >= 2**31 - 256
@@ -982,5 +951,5 @@ def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
         row_len, xd_len = (raw.shape[1] // 16, k // 256) if units else (raw.shape[1] // 4, k // 32)
         _gemv_frag_kernel[launch](raw.view(torch.int32), xa.words, xa.d, xa.s, *args, row_len, xd_len,
                                   y.stride(0), FMT=_FMT[format], **tiles, PREFETCH=s.prefetch, UNITS=units,
-                                  L2AHEAD=l2_ahead(raw, s.l2), **extra, **pdl_options(raw, trigger=False))
+                                  **extra, **pdl_options(raw, trigger=False))
     return out.to(xa.dtype)

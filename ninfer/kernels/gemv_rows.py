@@ -41,17 +41,7 @@ from ninfer.kernels.gguf_matmul import (
     check_weight,
     triton_cdiv,
 )
-from ninfer.kernels.triton_support import (
-    HAVE_TRITON,
-    jit,
-    l2_ahead,
-    l2_prefetch,
-    pdl_options,
-    pdl_release,
-    pdl_start,
-    tl,
-    tl_sum,
-)
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_release, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
 
 ROWS_FORMATS = ("q4_k", "q5_k")
@@ -68,16 +58,15 @@ class RowsSchedule(MatmulSchedule):
     rows_per_lane: int = 1  # chunk lanes: rows of a group held in registers (block_n / r groups)
     cache: int = 0  # weight loads: 0 default, 1 ld.global.cg (no L1 allocation), 2 evict-first
     lanes: str = "chunk"  # "chunk" or "piece" (see the module docstring)
-    l2: int = 0  # ask L2 for each row's blocks this many loop steps ahead (sm_90: `l2_prefetch`)
 
 
 def _sched(block_n: int, block_m: int, blocks: int, num_warps: int, split_k: int = 1,
-           lanes: str = "chunk", cache: int = 0, r: int = 1, l2: int = 0) -> RowsSchedule:
+           lanes: str = "chunk", cache: int = 0, r: int = 1) -> RowsSchedule:
     name = (f"rows{dict(chunk='', piece='p')[lanes]}_n{block_n}_m{block_m}_b{blocks}_w{num_warps}"
             + (f"_r{r}" if r > 1 else "") + (f"_s{split_k}" if split_k > 1 else "")
-            + ("", "_cg", "_ef")[cache] + (f"_l{l2}" if l2 else ""))
+            + ("", "_cg", "_ef")[cache])
     return RowsSchedule(name, "rows", block_n, block_m, split_k=split_k, num_warps=num_warps, num_stages=1,
-                        blocks=blocks, lanes=lanes, cache=cache, rows_per_lane=r, l2=l2)
+                        blocks=blocks, lanes=lanes, cache=cache, rows_per_lane=r)
 
 
 SCHEDULES: dict[str, RowsSchedule] = {
@@ -135,11 +124,6 @@ SCHEDULES: dict[str, RowsSchedule] = {
         _sched(4, 8, 4, 1, lanes="piece"),
     )
 }
-# the 27B step's routes asking L2 for their rows 1 or 2 steps ahead (session 16, untimed)
-SCHEDULES.update((s.name, s) for a in (
-    (16, 1, 4, 4, 1, "chunk", 2, 2), (8, 1, 8, 4, 1, "chunk", 2, 2), (4, 2, 4, 1, 1, "chunk", 0, 2),
-    (8, 4, 4, 1, 1, "chunk", 0, 4), (2, 2, 4, 1, 1, "piece", 0, 1), (2, 4, 4, 1, 1, "piece", 0, 1),
-    (4, 8, 4, 1, 1, "piece", 0, 1)) for l2 in (1, 2) for s in [_sched(*a, l2=l2)])
 
 
 def shape_class(out_features: int, in_features: int) -> str:
@@ -313,15 +297,6 @@ if HAVE_TRITON:
         return _f16_lo(h0) * part - _f16_lo(h0 >> 16) * mins
 
     @jit
-    def _ask_ahead(wrow, ask, step, s1, nblk, NB: tl.constexpr, WB: tl.constexpr, L2AHEAD: tl.constexpr):
-        """Where `ask`, have L2 fetch the row's blocks of loop step `step` + L2AHEAD (none past this split's
-        last step, nor with L2AHEAD 0): `wrow` the row's int32 words."""
-        if L2AHEAD > 0:
-            ahead = (step + L2AHEAD) * NB
-            nbytes = tl.minimum(NB, nblk - ahead) * (WB * 4)
-            l2_prefetch(wrow + ahead * WB, tl.where(ask & (step + L2AHEAD < s1), nbytes, 0), True)
-
-    @jit
     def _chunk_axes(BLOCK_M: tl.constexpr, R: tl.constexpr, G: tl.constexpr, NB: tl.constexpr):
         """The chunk lanes' 6-d tile axes (chunk c, block b, row group g, row r, column m, word e), each an
         arange along its own axis (m offset by the program's column tile). Triton hands lanes and warps to
@@ -338,7 +313,7 @@ if HAVE_TRITON:
     def _gemv_rows_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_quads, stride_ym,
                           FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                           R: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
-                          EMULATE: tl.constexpr, PDL: tl.constexpr = 0, L2AHEAD: tl.constexpr = 0):
+                          EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
         """The "chunk" lane map. Tile axes [chunk c, block b, row group g, row r, column m, word e]: lanes
         and warps lie on (c, b, g), words and the R rows of a group and the columns in registers, so an
         activation load serves R rows. Weight-side tensors carry no column axis and activation-side ones no
@@ -359,11 +334,9 @@ if HAVE_TRITON:
         x_at = b * 64 + 16 * c + e
         d_at = b * 8 + 2 * c + e * 0
         c4 = _pick(c + zw, e, 0)
-        ask = (c == 0) & (b == 0) & (e == 0) & (zw == 0)  # one lane and word of each row asks L2
         acc = tl.zeros([4, NB, G, R, BLOCK_M], dtype=tl.float32)
         for step in range(s0, s1):
             blk = step * NB
-            _ask_ahead(wrow, ask, step, s1, nblk, NB, WB, L2AHEAD)
             ok_w = ((blk + b) < nblk) & (zw == 0)  # unused where EVEN (whole steps of NB blocks)
             ok = ((blk + b) < nblk) & (zx == 0)
             wb = wrow + blk * WB
@@ -393,7 +366,7 @@ if HAVE_TRITON:
     def _gemv_rows_p_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_quads, stride_ym,
                             FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                             SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
-                            EMULATE: tl.constexpr, PDL: tl.constexpr = 0, L2AHEAD: tl.constexpr = 0):
+                            EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
         """The "piece" lane map: 8 lanes per block, lane p reads qs bytes 16p..16p + 15 (a warp load: 4 whole
         128-byte qs runs), and every lane holds all BLOCK_N rows and BLOCK_M columns in registers, so one
         activation load serves BLOCK_N rows. Piece p = (chunk c = p // 2, half h = p % 2)."""
@@ -416,11 +389,9 @@ if HAVE_TRITON:
         d_at = b * 8 + 2 * c + e * 0
         c4 = _pick(c + zw, e, 0)
         first = _pick(h + zw, e, 0) == 0  # the piece that counts its sub-blocks' min terms
-        ask = (p == 0) & (b == 0) & (e == 0) & (zw == 0)  # one lane and word of each row asks L2
         acc = tl.zeros([8, NB, BLOCK_N, BLOCK_M], dtype=tl.float32)
         for step in range(s0, s1):
             blk = step * NB
-            _ask_ahead(wrow, ask, step, s1, nblk, NB, WB, L2AHEAD)
             ok_w = ((blk + b) < nblk) & (zw == 0)  # unused where EVEN
             ok = ((blk + b) < nblk) & (zx == 0)
             wb = wrow + blk * WB
@@ -480,8 +451,8 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     args = (raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 16,
             y.stride(0))
     common = dict(FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,
-                  EVEN=k // 256 % s.blocks == 0, CACHE=s.cache, EMULATE=EMULATE_DP4A,
-                  L2AHEAD=l2_ahead(raw, s.l2), **extra, **pdl_options(raw, trigger=False))
+                  EVEN=k // 256 % s.blocks == 0, CACHE=s.cache, EMULATE=EMULATE_DP4A, **extra,
+                  **pdl_options(raw, trigger=False))
     if s.lanes == "piece":
         _gemv_rows_p_kernel[launch](*args, SPLIT_K=s.split_k, **common)
     else:

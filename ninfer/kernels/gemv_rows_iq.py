@@ -33,17 +33,7 @@ import torch
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
 from ninfer.kernels.gemv_rows import RowsSchedule, rows_setup, shape_class, width_slot
 from ninfer.kernels.gguf_matmul import QuantKernelError, _f16_lo, iq3s_grid16, iq3s_grid_word
-from ninfer.kernels.triton_support import (
-    HAVE_TRITON,
-    jit,
-    l2_ahead,
-    l2_prefetch,
-    pdl_options,
-    pdl_release,
-    pdl_start,
-    tl,
-    tl_sum,
-)
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_release, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
 from ninfer.quant.tables import IQ4_LEVELS
 
@@ -64,11 +54,11 @@ class RowsIqSchedule(RowsSchedule):
 
 
 def _sched(block_n: int, block_m: int, blocks: int, num_warps: int, split_k: int = 1,
-           signed_grid: bool = False, l2: int = 0) -> RowsIqSchedule:
+           signed_grid: bool = False) -> RowsIqSchedule:
     name = (f"rows_iq_n{block_n}_m{block_m}_b{blocks}_w{num_warps}" + (f"_s{split_k}" if split_k > 1 else "")
-            + ("_sg" if signed_grid else "") + (f"_l{l2}" if l2 else ""))
+            + ("_sg" if signed_grid else ""))
     return RowsIqSchedule(name, "rows_iq", block_n, block_m, split_k=split_k, num_warps=num_warps,
-                          num_stages=1, blocks=blocks, signed_grid=signed_grid, l2=l2)
+                          num_stages=1, blocks=blocks, signed_grid=signed_grid)
 
 
 # (block_n, block_m, blocks, num_warps, split_k); blocks × rows × 8 should be ≥ 32 · warps or lanes repeat
@@ -84,9 +74,6 @@ _TILES = (
 SCHEDULES: dict[str, RowsIqSchedule] = {
     s.name: s for tile in _TILES for signed in (False, True) for s in [_sched(*tile, signed_grid=signed)]
 }
-# the 27B step's routes asking L2 for their rows 1 or 2 steps ahead (iq3_s; session 16)
-SCHEDULES.update((s.name, s) for tile in ((4, 1, 4, 1), (8, 1, 4, 8), (8, 1, 4, 4), (8, 2, 4, 4),
-                                         (8, 4, 4, 2)) for l2 in (1, 2) for s in [_sched(*tile, l2=l2)])
 
 
 # shape class (gemv_rows.shape_class) -> the iq3_s schedule for 1, 2, 3-4 and 5-8 columns (None: the tile's)
@@ -186,10 +173,8 @@ if HAVE_TRITON:
     def _gemv_rows_iq3_kernel(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
                               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                               SPLIT_K: tl.constexpr, EVEN: tl.constexpr, SIGNED: tl.constexpr,
-                              EMULATE: tl.constexpr, PADDED: tl.constexpr = False, PDL: tl.constexpr = 0,
-                              L2AHEAD: tl.constexpr = 0):
-        """PADDED: the 112-byte aligned blocks of `iq3_s_padded` (qs, signs, qh, scales, d, 2 zero bytes).
-        L2AHEAD > 0: one lane of each row asks L2 for the row's blocks that many steps ahead."""
+                              EMULATE: tl.constexpr, PADDED: tl.constexpr = False, PDL: tl.constexpr = 0):
+        """PADDED: the 112-byte aligned blocks of `iq3_s_padded` (qs, signs, qh, scales, d, 2 zero bytes)."""
         pdl_start(PDL)
         BB: tl.constexpr = 112 if PADDED else 110  # bytes per block
         c, b, n, m, e = _tile_axes(BLOCK_N, BLOCK_M, NB)
@@ -223,15 +208,8 @@ if HAVE_TRITON:
         # would otherwise lay that load out along c and convert it through shared memory in the loop
         drow = xd_ptr + mc * (K // 32) + tl.where(c < 8, c, 0) + zero
         acc = tl.zeros([8, NB, BLOCK_N, BLOCK_M], dtype=tl.float32)
-        row0 = tl.minimum(n, N - 1).to(tl.int64) * row_bytes + (b * 0) + (c * 0) + (e * 0)
-        ask = (c == 0) & (b == 0) & (e == 0) & (m == tl.program_id(1) * BLOCK_M)
         for step in range(s0, s1):
             blk = step * NB
-            if L2AHEAD > 0:  # the word holding the step's first byte, and the NB blocks from there
-                ahead = (step + L2AHEAD) * NB
-                nbytes = tl.minimum(NB, nblk - ahead) * BB + 4
-                l2_prefetch(w_ptr + ((row0 + ahead * BB) >> 2),
-                            tl.where(ask & (step + L2AHEAD < s1), nbytes, 0), False)
             ok = ((blk + b) < nblk) & (zero == 0)  # unused where EVEN (whole steps of NB blocks)
             # per thread (b // 2 pairs of blocks further), so that one IMAD.WIDE makes each address
             words = ((blk + b) >> 1) * (2 * BB // 4)
@@ -396,9 +374,6 @@ def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_fe
         raise QuantKernelError(f"schedule {s.name} steps over {s.blocks} blocks; the iq3_s rows GEMV needs "
                                "an even number")
     if format == "iq4_xs":
-        if s.l2:
-            raise QuantKernelError(f"schedule {s.name} asks L2 ahead in the iq3_s kernel only; iq4_xs "
-                                   "takes the schedules without _l")
         units = raw if raw.data_ptr() % 8 == 0 else raw.clone()  # 136-byte blocks: whole int64 units
         t0, t1, t2, t3 = _IQ4_WORDS
         _gemv_rows_iq4_kernel[launch](units.view(torch.int64), xa.words, xa.d, y, out_features, k, n,
@@ -412,5 +387,5 @@ def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_fe
                                   raw.shape[1], y.stride(0), BLOCK_N=s.block_n, BLOCK_M=s.block_m,
                                   NB=s.blocks, SPLIT_K=s.split_k, EVEN=k // 256 % s.blocks == 0,
                                   SIGNED=s.signed_grid, EMULATE=EMULATE_DP4A, PADDED=padded,
-                                  L2AHEAD=l2_ahead(raw, s.l2), **extra, **pdl_options(raw, trigger=False))
+                                  **extra, **pdl_options(raw, trigger=False))
     return y.to(xa.dtype)

@@ -114,50 +114,6 @@ def pdl_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@functools.cache
-def _l2_ahead_on(device: int) -> bool:
-    return os.environ.get("NINFER_L2_AHEAD", "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def l2_ahead(t: torch.Tensor, steps: int) -> int:
-    """The `L2AHEAD` a GEMV schedule asking L2 `steps` loop steps ahead passes for a weight on t's device: 0
-    (no prefetch) where `l2_prefetch`'s bulk prefetch does not exist (the interpreter, GPUs before sm_90) or
-    NINFER_L2_AHEAD=0 (read once per process)."""
-    if not steps or INTERPRET or not t.is_cuda:
-        return 0
-    return steps if _l2_ahead_on(t.device.index or 0) else 0
-
-
-@jit
-def l2_prefetch(ptrs, nbytes, ALIGNED: tl.constexpr):
-    """Ask L2 for the `nbytes` bytes at each pointer of `ptrs` whose nbytes > 0 (sm_90's bulk prefetch,
-    `cp.async.bulk.prefetch.L2`): nothing waits on it and no register holds it, so a GEMV's loop can have its
-    next steps' weights streaming from HBM while it works on this one's. ALIGNED: the pointers are 16-byte
-    aligned and nbytes a multiple of 16; else the range is widened to 16-byte boundaries (up to 15 bytes
-    either side). Only where `l2_ahead` said so: the instruction does not exist before sm_90."""
-    if ALIGNED:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-            "mov.b32 $0, 0; }",
-            "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b64 a, z; .reg .b32 n; setp.gt.s32 p, $2, 0; cvt.s64.s32 z, $2; "
-            "add.s64 z, $1, z; and.b64 a, $1, -16; sub.s64 z, z, a; cvt.u32.u64 n, z; add.u32 n, n, 15; "
-            "and.b32 n, n, -16; @p cp.async.bulk.prefetch.L2.global [a], n; mov.b32 $0, 0; }",
-            "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@jit
-def l2_touch(ptrs, on):
-    """Ask L2 for the line holding each pointer of `ptrs` where `on` (`prefetch.global.L2`: one lane one
-    line, no waterfall over the warp's lanes as `l2_prefetch`'s warp-uniform bulk prefetch needs). Only
-    where `l2_ahead` said so."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-        "=r,l,r", [ptrs, on.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
 if HAVE_TRITON:
 
     @jit

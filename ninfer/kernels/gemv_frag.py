@@ -119,14 +119,17 @@ FRAG_FROM = {"q4_k": 5, "iq3_s": 5, "q6_k": 2}
 # (25.2); iq3_s at 8 columns 87.5 (109.9), 45.2 (49.7), 38.6, 48.2 (48.8), 20.5 (24.9 on the tile); iq3_s at
 # 2–4 columns stays on the rows kernels (59.1–13.5 vs the fragment kernel's 76.7–18.8 at 4). (Session 15 run
 # 4 timed q4_k's aligned-units build, which these shapes no longer take (`needs_units`): 34816×5120 at 8
-# columns `frag_w2_r1_m8_s4` 63.0, `_s8` 59.9, the `_pf` schedules as before.)
+# columns `frag_w2_r1_m8_s4` 63.0, `_s8` 59.9, the `_pf` schedules as before.) Session 16 run 3: two row tiles
+# per warp (`_r2`: each activation fragment serves 32 rows) at 8 columns 49.3 (55.8 on the route before), 22.8
+# (26.9), 21.8 (25.4), 27.6 (30.1), 13.1 (14.4); at 4 columns 16480×5120 22.1 (25.0), elsewhere within 0.3 of
+# the route (kept); the 16384 route is unmeasured with them.
 MEASURED_ROUTES: dict[tuple[str, int, int], tuple[str | None, str | None, str | None]] = {
-    ("q4_k", 34816, 5120): (None, None, "frag_w2_r1_m8_s4"),
-    ("q4_k", 16480, 5120): (None, "frag_w2_r1_m8_s4_pf", "frag_w1_r1_m8_s2_pf"),
+    ("q4_k", 34816, 5120): (None, None, "frag_w2_r2_m8_s8"),
+    ("q4_k", 16480, 5120): (None, "frag_w4_r2_m8_s4", "frag_w4_r2_m8_s4"),
     ("q4_k", 16384, 5120): ("frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),
-    ("q4_k", 14336, 5120): (None, "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),
-    ("q4_k", 5120, 17408): ("frag_w4_r1_m8_s8", "frag_w4_r1_m8_s8", "frag_w2_r1_m8_s8"),
-    ("q4_k", 5120, 6144): (None, None, "frag_w2_r1_m8_s8"),
+    ("q4_k", 14336, 5120): (None, "frag_w2_r1_m8_s2_pf", "frag_w2_r2_m8_s4"),
+    ("q4_k", 5120, 17408): ("frag_w4_r1_m8_s8", "frag_w4_r1_m8_s8", "frag_w2_r2_m8_s8"),
+    ("q4_k", 5120, 6144): (None, None, "frag_w2_r2_m8_s8"),
     ("iq3_s", 34816, 5120): (None, None, "frag_w4_r1_m8_s4"),
     ("iq3_s", 16480, 5120): (None, None, "frag_w4_r1_m8_s8"),
     ("iq3_s", 16384, 5120): (None, None, "frag_w4_r1_m8_s8"),

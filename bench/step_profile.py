@@ -7,6 +7,7 @@ time (and with --graphs its time through CUDA graphs).
     python3 bench/step_profile.py --wtype q4_k --sweep NINFER_PDL_LATE=0,NINFER_PDL_LATE=1 --lanes 1,8
         # launch settings A/B/B/A: graph replays (CUDA events) and the suite's aggregate decode
     python3 bench/step_profile.py --wtype q4_k --sweep lookahead=0,lookahead=1 --lanes 1,8
+    python3 bench/step_profile.py --wtype q4_k --sweep routes=s15,routes=current --lanes 8   # ROUTE_SETS
 
 Kernel names are grouped by their prefix before the first '<' or '(' (Triton kernels keep their Python name).
 """
@@ -140,21 +141,37 @@ def replay_ms(engine, columns: int, replays: int = 40, lanes: int = 1) -> float:
     return sorted(times)[2]
 
 
+# `--sweep routes=<name>`: gemv_frag.MEASURED_ROUTES entries to run instead of the current ones ("current":
+# none). "s15": q4_k's fragment routes before session 16's two-row-tile ones (one row tile a warp)
+ROUTE_SETS = {
+    "current": {},
+    "s15": {("q4_k", 34816, 5120): (None, None, "frag_w2_r1_m8_s4"),
+            ("q4_k", 16480, 5120): (None, "frag_w2_r1_m8_s4_pf", "frag_w1_r1_m8_s2_pf"),
+            ("q4_k", 14336, 5120): (None, "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),
+            ("q4_k", 5120, 17408): ("frag_w4_r1_m8_s8", "frag_w4_r1_m8_s8", "frag_w2_r1_m8_s8"),
+            ("q4_k", 5120, 6144): (None, None, "frag_w2_r1_m8_s8")},
+}
+
+
 def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     """The captured step's GPU time under each launch setting ("NAME=value", several joined by "+", e.g.
-    NINFER_PDL_LATE=0; the name `lookahead` sets the engine's decode lookahead, seen by --lanes only), the
-    graphs captured again for each, twice over in alternating order (the machine's drift shows as the
-    difference)."""
+    NINFER_PDL_LATE=0; the name `lookahead` sets the engine's decode lookahead, seen by --lanes only; `routes`
+    one of ROUTE_SETS), the graphs captured again for each, twice over in alternating order (the machine's
+    drift shows as the difference)."""
     import os
     from dataclasses import replace
 
-    from ninfer.kernels import triton_support
+    from ninfer.kernels import gemv_frag, triton_support
 
+    current = dict(gemv_frag.MEASURED_ROUTES)
     out: dict[str, list[float]] = {}
     for setting in settings + settings[::-1]:
         for assignment in setting.split("+"):
             name, _, value = assignment.partition("=")
-            if name == "lookahead":
+            if name == "routes":
+                gemv_frag.MEASURED_ROUTES.clear()
+                gemv_frag.MEASURED_ROUTES.update({**current, **ROUTE_SETS[value]})
+            elif name == "lookahead":
                 engine.config = replace(engine.config, decode_lookahead=value == "1")
             else:
                 os.environ[name] = value
@@ -190,7 +207,8 @@ def main() -> int:
     p.add_argument("--sweep", default="",
                    help="time only the graphed step, under each of these comma-separated launch settings "
                         "(NAME=value, several joined by +; e.g. NINFER_PDL_LATE=0,NINFER_PDL_LATE=1; "
-                        "lookahead=0,lookahead=1 sets the engine's decode lookahead)")
+                        "lookahead=0,lookahead=1 sets the engine's decode lookahead; "
+                        "routes=s15,routes=current the fragment routes of ROUTE_SETS)")
     p.add_argument("--lanes", default="", help="with --sweep: also the suite's aggregate decode at these "
                    "lane counts (comma-separated) under each setting; else the profiled rounds decode this "
                    "many lanes (the largest)")

@@ -7,11 +7,13 @@ twice in A/B/B/A order. `rows_timing.py` times one GEMV back to back instead; se
 
     python3 bench/chain_timing.py --format q4_k --shape 34816x5120 --width 8 \\
         --schedules route,frag_w2_r1_m8_s4,frag_w2_r2_m8_s8          # "route": quant_matmul's own choice
+    python3 bench/chain_timing.py ... --settings NINFER_PDL=1,NINFER_PDL=0   # each schedule under each
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -21,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_check import graph_us, weight_copies  # noqa: E402
 from bench.rows_timing import kernel  # noqa: E402
-from ninfer.kernels import ops  # noqa: E402
+from ninfer.kernels import ops, triton_support  # noqa: E402
 from ninfer.kernels.gemv_q8 import quantize_activation_cached  # noqa: E402
 from ninfer.kernels.gguf_matmul import quant_matmul  # noqa: E402
 
@@ -55,18 +57,26 @@ def main() -> int:
     p.add_argument("--width", type=int, default=8, help="columns (decode lanes)")
     p.add_argument("--schedules", default="route", help="comma-separated names; route = quant_matmul's")
     p.add_argument("--pairs", type=int, default=64, help="norm + GEMV pairs per graph")
+    p.add_argument("--settings", default="", help="comma-separated launch settings NAME=value (several "
+                   "joined by +), each schedule timed under each: e.g. NINFER_PDL=1,NINFER_PDL=0")
     a = p.parse_args()
     rows, cols = map(int, a.shape.split("x"))
-    names = a.schedules.split(",")
+    runs = [(setting, name) for setting in (a.settings.split(",") if a.settings else [""])
+            for name in a.schedules.split(",")]
     weights = weight_copies(a.format, rows, cols, torch.device("cuda"))
-    times: dict[str, list[float]] = {}
-    for name in names + names[::-1]:
+    times: dict[tuple[str, str], list[float]] = {}
+    for setting, name in runs + runs[::-1]:
+        for assignment in filter(None, setting.split("+")):
+            key, _, value = assignment.partition("=")
+            os.environ[key] = value
+        triton_support.reread_launch_settings()
         us = graph_us([chain(a.format, weights, rows, cols, a.width, name, a.pairs)]) / a.pairs
-        times.setdefault(name, []).append(us)
-        print(f"{a.format} {a.shape} w{a.width} {name}: {us:.1f} µs a pair", flush=True)
-    print("\n| schedule | µs a pair (A/B/B/A) |\n|---|---|")
-    for name, t in times.items():
-        print(f"| {name} | {' / '.join(f'{v:.1f}' for v in t)} |")
+        times.setdefault((setting, name), []).append(us)
+        print(f"{a.format} {a.shape} w{a.width} {setting or 'defaults'} {name}: {us:.1f} µs a pair",
+              flush=True)
+    print("\n| settings | schedule | µs a pair (A/B/B/A) |\n|---|---|---|")
+    for (setting, name), t in times.items():
+        print(f"| {setting or 'defaults'} | {name} | {' / '.join(f'{v:.1f}' for v in t)} |")
     return 0
 
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ninfer.cli.bench import bench_prompt, make_engine  # noqa: E402
 from ninfer.cli.bench_suite import SuiteSizes, aggregate_decode  # noqa: E402
 from ninfer.engine.api import GenerationRequest, SamplingParams  # noqa: E402
+from ninfer.engine.kv_pool import PAGE_TOKENS  # noqa: E402
 from ninfer.engine.scheduler import Round, WorkItem  # noqa: E402
 
 
@@ -121,14 +122,26 @@ def idle_gaps(prof, steps: int, top: int = 12) -> dict:
                 gaps=[dict(after=a, before=b, us=us / steps, count=n / steps) for (a, b), (us, n) in worst])
 
 
-def replay_ms(engine, columns: int, replays: int = 40, lanes: int = 1) -> float:
+def replay_ms(engine, columns: int, replays: int = 40, lanes: int = 1, context: int = 0) -> float:
     """GPU time of one replay of the captured decode graph of `lanes` lanes (`columns` positions each),
     median of 5 runs of `replays` back-to-back replays between CUDA events (no host work inside). The
-    replays run on the scratch lane (the profiled requests have finished and their pages are free)."""
-    graphs = engine.runner.graphs
+    profiled requests have finished, so their lanes, pages and GDN slots are free: with `context` = 0 every
+    row is the scratch lane (one GDN slot, one KV row: both stay in L2, so a many-lane replay is cheaper
+    than the round it stands for); with `context` > 0 lane i reads `context` tokens of its own pages and
+    GDN slot i, as the suite's rounds do."""
+    graphs, kv = engine.runner.graphs, engine.runner.graphs.kv
     entry = graphs._graphs[graphs.padded_size(lanes), columns]
+    n = entry.ctx.inputs.shape[1] // columns
+    rows = [[] for _ in range(5)]
+    if context:
+        pages = -(-(context + columns) // PAGE_TOKENS)
+        for lane in range(n):
+            kv.page_tables[lane, :pages] = torch.arange(lane * pages, (lane + 1) * pages, dtype=torch.int32)
+        rows = [[0] * n * columns, [context + t for _ in range(n) for t in range(columns)],
+                [lane for lane in range(n) for _ in range(columns)]]
+        rows += [[p + 1 for p in rows[1]], rows[2]]
     with torch.inference_mode():  # the static inputs are inference tensors
-        graphs._stage(entry.ctx.inputs, [[] for _ in range(5)])
+        graphs._stage(entry.ctx.inputs, rows)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(5):
@@ -138,11 +151,13 @@ def replay_ms(engine, columns: int, replays: int = 40, lanes: int = 1) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / replays)
+    if context:
+        kv.page_tables[:n].fill_(-1)
     return sorted(times)[2]
 
 
 # `--sweep routes=<name>`: gemv_frag.MEASURED_ROUTES entries to run instead of the current ones ("current":
-# none). "s15": q4_k's fragment routes before session 16's two-row-tile ones (one row tile a warp)
+# none). "s15": q4_k's fragment routes before session 16's two-row-tile ones (one row tile a warp);
 ROUTE_SETS = {
     "current": {},
     "s15": {("q4_k", 34816, 5120): (None, None, "frag_w2_r1_m8_s4"),
@@ -150,6 +165,11 @@ ROUTE_SETS = {
             ("q4_k", 14336, 5120): (None, "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),
             ("q4_k", 5120, 17408): ("frag_w4_r1_m8_s8", "frag_w4_r1_m8_s8", "frag_w2_r1_m8_s8"),
             ("q4_k", 5120, 6144): (None, None, "frag_w2_r1_m8_s8")},
+    # "s16": iq3_s's before session 17's two-row-tile ones
+    "s16": {("iq3_s", 34816, 5120): (None, None, "frag_w4_r1_m8_s4"),
+            ("iq3_s", 16480, 5120): (None, None, "frag_w4_r1_m8_s8"),
+            ("iq3_s", 14336, 5120): (None, None, "frag_w4_r1_m8_s4"),
+            ("iq3_s", 5120, 6144): (None, None, "frag_w4_r1_m8_s8")},
 }
 
 
@@ -187,8 +207,11 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
             line += f", C={c} {rate:.1f} tok/s"
             if c > 1:  # the same round as one graph replay: what the host's work adds to it
                 ms_c = replay_ms(engine, 1, lanes=c)
+                real = replay_ms(engine, 1, lanes=c, context=a.prompt)
                 out.setdefault(f"{setting} C={c} replay", []).append(ms_c)
-                line += f" (replay {ms_c:.3f} ms = {c / ms_c * 1e3:.1f} tok/s)"
+                out.setdefault(f"{setting} C={c} replay, own slots", []).append(real)
+                line += (f" (replay {ms_c:.3f} ms = {c / ms_c * 1e3:.1f} tok/s; own slots and {a.prompt}"
+                         f" tokens {real:.3f} ms = {c / real * 1e3:.1f} tok/s)")
         print(line, flush=True)
     return {k: min(t) for k, t in out.items()}
 

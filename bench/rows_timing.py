@@ -98,10 +98,12 @@ def serves(s, width: int) -> bool:
 
 
 def sweep(fmt: str, width: int, only: str = "") -> list[str]:
-    """The schedules for `width` columns whose names contain one of the comma-separated `only` parts."""
+    """The schedules for `width` columns whose names contain one of the comma-separated `only` parts (a part
+    ending in `$`: the whole name)."""
     parts = [p for p in only.split(",") if p]
     return [name for name, s in kernel(fmt)[0].items()
-            if serves(s, width) and (not parts or any(p in name for p in parts))]
+            if serves(s, width) and (not parts or any(p in name if p[-1] != "$" else p[:-1] == name
+                                                      for p in parts))]
 
 
 def best_of(times: dict) -> str:
@@ -180,7 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="q4_k,q5_k", help="formats to check (\"\": none)")
     ap.add_argument("--time-formats", default="q4_k", help="formats to time")
     ap.add_argument("--widths", default="1,2,4,8", help="column counts to time (up to 16)")
-    ap.add_argument("--only", default="", help="comma-separated parts of schedule names to check and time")
+    ap.add_argument("--only", default="", help="comma-separated parts of schedule names to check and time "
+                    "(NAME$: exactly NAME)")
     ap.add_argument("--shapes", default="", help="rows x columns to time, e.g. 248320x5120,17408x5120 "
                     "(default: the 27B layer shapes; 248320x5120 is the output head)")
     ap.add_argument("--budget", type=float, default=150.0, help="stop timing new shapes after this many s")

@@ -102,7 +102,7 @@ def test_frag_route_and_errors():
         assert frag_route(fmt, n, k, 1) is None
     assert frag_route("q4_k", 34816, 5120, 4) is None and frag_route("q4_k", 5120, 17408, 2).split_k == 8
     assert frag_route("iq3_s", 17408, 5120, 4) is None
-    assert all(frag_route("q6_k", 248320, 5120, m).name == "frag_w2_r1_m8" for m in (2, 4, 8))  # the head
+    assert all(frag_route("q6_k", 248320, 5120, m).name == "frag_w1_r2_m8" for m in (2, 4, 8))  # the head
     assert frag_route("q6_k", 248320, 5120, 1) is None and frag_route("q6_k", 6144, 5120, 8) is None
     assert frag_route("q6_k", 17408, 5120, 2).name == "frag_w1_r1_m8_s2"
     assert all(s.block_m in (8, 16) and s.block_n % 16 == 0 for s in SCHEDULES.values())

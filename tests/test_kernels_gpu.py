@@ -111,9 +111,11 @@ def test_frag_gemv_on_gpu(fmt, shape):
 def test_decode_routes_on_the_27b_matrices_on_gpu(fmt, merged):
     """quant_matmul's routes (rows, fragment and tile kernels) at 1-8 columns on the 27B's matrices, merged as
     the engine runs them (gemv_frag.MEASURED_ROUTES, the rows kernels' exact routes) and not, vs the float64
-    twin (the weight dequantised once per matrix); bf16 output rounding."""
+    twin (the weight dequantised once per matrix); bf16 output rounding. q6_k adds a head-like 65536×5120
+    (the output head's route; the head itself is too large for a float64 twin)."""
     shapes = ((34816, 5120), (16480, 5120), (14336, 5120), (5120, 6144)) if merged else (
         (17408, 5120), (5120, 17408), (12288, 5120))
+    shapes += ((65536, 5120),) if fmt == "q6_k" and merged else ()
     for rows, cols in shapes:
         raw = random_gguf_weight(fmt, rows, cols, "cuda")
         w = dequantize(raw.cpu().reshape(-1), "gguf_" + fmt, (rows, cols)).to("cuda", torch.float64)

@@ -42,8 +42,10 @@ CASES = [("q4_k", "frag_w1_r1_m8_s2", 3, 20, 4), ("q5_k", "frag_w1_r1_m8_s2_pf",
          ("iq3_s", "frag_w1_r1_m8", 3, 16, 1), ("iq3_s", "frag_w1_r1_m8_s2", 5, 20, 3),
          ("q6_k", "frag_w1_r1_m8_s2", 5, 20, 3),
          ("q4_k", "frag_w2_r1_m8_s4_pf", 6, 20, 3), ("q5_k", "frag_w1_r1_m8_s2_pf", 8, 20, 3),
-         # the 27B routes' two row tiles a warp over two warps (rows past the tile, empty splits)
-         ("q4_k", "frag_w2_r2_m8_s8", 7, 40, 4),
+         # the 27B routes' two row tiles a warp over two warps (rows past the tile, empty splits); the q6_k
+         # head's on one warp (a second program past the rows)
+         ("q4_k", "frag_w2_r2_m8_s8", 7, 40, 4), ("iq3_s", "frag_w2_r2_m8_s8", 6, 40, 3),
+         ("q6_k", "frag_w1_r2_m8", 4, 40, 2),
          # stream-K (the interpreter is one SM: `stream` programs): 6 steps (3 row tiles of 2 blocks) over 2
          # programs (runs of 3 that cross a row tile), 6 (2 tiles of 3) over 4 (runs of 2, one program
          # without work), 4 over 2, and with prefetch

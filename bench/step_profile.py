@@ -255,7 +255,9 @@ def main() -> int:
         args = SimpleNamespace(synthetic=a.synthetic, wtype=a.wtype, device=a.device, dtype=a.dtype,
                                quantized_weights=None, cuda_graphs=graphs, decode_lookahead=lookahead)
         lanes = max([1, *map(int, filter(None, a.lanes.split(",")))])
-        engine, name = make_engine(args, "bf16", 4096, 2048, lanes=lanes)
+        # KV for every lane's prompt and the suite's n_gen + lanes tokens at once (else no round has them all)
+        kv = SuiteSizes(short_prompt=a.prompt, concurrency=(lanes,)).kv_tokens()
+        engine, name = make_engine(args, "bf16", 4096, 2048, lanes=lanes, kv_tokens=max(4096, kv))
         profiled = lanes if not a.sweep else 1
         decode_steps(engine, a.prompt, 2, False, a.columns, profiled)  # compile, capture
         profile = a.timeline if graphs else True

@@ -7,7 +7,7 @@ time (and with --graphs its time through CUDA graphs).
     python3 bench/step_profile.py --wtype q4_k --sweep NINFER_PDL_LATE=0,NINFER_PDL_LATE=1 --lanes 1,8
         # launch settings A/B/B/A: graph replays (CUDA events) and the suite's aggregate decode
     python3 bench/step_profile.py --wtype q4_k --sweep lookahead=0,lookahead=1 --lanes 1,8
-    python3 bench/step_profile.py --wtype q4_k --sweep routes=q4k_r2,routes=current --lanes 8 --prompt 512
+    python3 bench/step_profile.py --wtype q4_k --sweep routes=q4k_r1,routes=current --lanes 8 --prompt 512
 
 Kernel names are grouped by their prefix before the first '<' or '(' (Triton kernels keep their Python name).
 """
@@ -157,22 +157,20 @@ def replay_ms(engine, columns: int, replays: int = 40, lanes: int = 1, context: 
 
 
 # `--sweep routes=<name>`: gemv_frag.MEASURED_ROUTES entries to run instead of the current ones ("current":
-# none). "s16": iq3_s's before session 17's two-row-tile ones; "q4k_r2": q4_k's two-row-tile routes of session
-# 16 (reverted in session 17), "q4k_r2_gateup" only gate|up's of them, "q4k_r2_rest" the others
-_Q4K_R2 = {("q4_k", 34816, 5120): (None, None, "frag_w2_r2_m8_s8"),
-           ("q4_k", 16480, 5120): (None, "frag_w4_r2_m8_s4", "frag_w4_r2_m8_s4"),
-           ("q4_k", 14336, 5120): (None, "frag_w2_r1_m8_s2_pf", "frag_w2_r2_m8_s4"),
-           ("q4_k", 5120, 17408): ("frag_w4_r1_m8_s8", "frag_w4_r1_m8_s8", "frag_w2_r2_m8_s8"),
-           ("q4_k", 5120, 6144): (None, None, "frag_w2_r2_m8_s8")}
+# none). "s16": iq3_s's before session 17's two-row-tile ones; "q4k_r1": q4_k's on one row tile a warp at 8
+# columns (session 17 run 5's suite), "q4k_r2": on two everywhere (session 16's; the current ones but gate|up)
 ROUTE_SETS = {
     "current": {},
     "s16": {("iq3_s", 34816, 5120): (None, None, "frag_w4_r1_m8_s4"),
             ("iq3_s", 16480, 5120): (None, None, "frag_w4_r1_m8_s8"),
             ("iq3_s", 14336, 5120): (None, None, "frag_w4_r1_m8_s4"),
             ("iq3_s", 5120, 6144): (None, None, "frag_w4_r1_m8_s8")},
-    "q4k_r2": _Q4K_R2,
-    "q4k_r2_gateup": {k: v for k, v in _Q4K_R2.items() if k[1] == 34816},
-    "q4k_r2_rest": {k: v for k, v in _Q4K_R2.items() if k[1] != 34816},
+    "q4k_r1": {("q4_k", 34816, 5120): (None, None, "frag_w2_r1_m8_s4"),
+               ("q4_k", 16480, 5120): (None, "frag_w2_r1_m8_s4_pf", "frag_w1_r1_m8_s2_pf"),
+               ("q4_k", 14336, 5120): (None, "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),
+               ("q4_k", 5120, 17408): ("frag_w4_r1_m8_s8", "frag_w4_r1_m8_s8", "frag_w2_r1_m8_s8"),
+               ("q4_k", 5120, 6144): (None, None, "frag_w2_r1_m8_s8")},
+    "q4k_r2": {("q4_k", 34816, 5120): (None, None, "frag_w2_r2_m8_s8")},
 }
 
 
@@ -235,7 +233,7 @@ def main() -> int:
                    help="time only the graphed step, under each of these comma-separated launch settings "
                         "(NAME=value, several joined by +; e.g. NINFER_PDL_LATE=0,NINFER_PDL_LATE=1; "
                         "lookahead=0,lookahead=1 sets the engine's decode lookahead; "
-                        "routes=q4k_r2,routes=current the fragment routes of ROUTE_SETS)")
+                        "routes=q4k_r1,routes=current the fragment routes of ROUTE_SETS)")
     p.add_argument("--lanes", default="", help="with --sweep: also the suite's aggregate decode at these "
                    "lane counts (comma-separated) under each setting; else the profiled rounds decode this "
                    "many lanes (the largest)")

@@ -122,18 +122,19 @@ FRAG_FROM = {"q4_k": 5, "iq3_s": 5, "q6_k": 2}
 # columns `frag_w2_r1_m8_s4` 63.0, `_s8` 59.9, the `_pf` schedules as before.) Session 16 run 3: two row tiles
 # per warp (`_r2`: each activation fragment serves 32 rows) at 8 columns 49.3 (55.8 on the route before), 22.8
 # (26.9), 21.8 (25.4), 27.6 (30.1), 13.1 (14.4); at 4 columns 16480×5120 22.1 (25.0), elsewhere within 0.3 of
-# the route (kept); the 16384 route is unmeasured with them. Routed in session 16, they made the 8-lane round
-# slower, not faster (session 17 run 4, A/B in one process: 10.31 → 10.45 ms replayed on the lanes' own GDN
-# slots and pages, the suite's C = 8 768 → 759 tok/s; session 16 run 4 alike): q4_k keeps one row tile.
+# the route (kept); the 16384 route is unmeasured with them. All routed in session 16, they made the 8-lane
+# round slower, not faster (session 17 run 4, A/B in one process: 10.31 → 10.45 ms replayed on the lanes' own
+# GDN slots and pages, the suite's C = 8 768 → 759 tok/s); bisected (run 6): gate|up's alone changes nothing
+# (10.49 vs 10.47 ms, C = 8 759 vs 759), the others' alone gain (10.35 ms, C = 8 768): gate|up keeps one tile.
 # iq3_s `_r2` at 8 columns (session 16 run 4, session 17 run 1): 81.3 (87.1), 41.0 (45.7), 35.8 (38.8), 19.8
 # (20.6); 5120×17408 48.2 (48.0, kept); the 8-lane round 15.30 → 14.54 ms, C = 8 520 → 547 tok/s (run 2).
 MEASURED_ROUTES: dict[tuple[str, int, int], tuple[str | None, str | None, str | None]] = {
     ("q4_k", 34816, 5120): (None, None, "frag_w2_r1_m8_s4"),
-    ("q4_k", 16480, 5120): (None, "frag_w2_r1_m8_s4_pf", "frag_w1_r1_m8_s2_pf"),
+    ("q4_k", 16480, 5120): (None, "frag_w4_r2_m8_s4", "frag_w4_r2_m8_s4"),
     ("q4_k", 16384, 5120): ("frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),
-    ("q4_k", 14336, 5120): (None, "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),
-    ("q4_k", 5120, 17408): ("frag_w4_r1_m8_s8", "frag_w4_r1_m8_s8", "frag_w2_r1_m8_s8"),
-    ("q4_k", 5120, 6144): (None, None, "frag_w2_r1_m8_s8"),
+    ("q4_k", 14336, 5120): (None, "frag_w2_r1_m8_s2_pf", "frag_w2_r2_m8_s4"),
+    ("q4_k", 5120, 17408): ("frag_w4_r1_m8_s8", "frag_w4_r1_m8_s8", "frag_w2_r2_m8_s8"),
+    ("q4_k", 5120, 6144): (None, None, "frag_w2_r2_m8_s8"),
     ("iq3_s", 34816, 5120): (None, None, "frag_w2_r2_m8_s8"),
     ("iq3_s", 16480, 5120): (None, None, "frag_w4_r2_m8_s8"),
     ("iq3_s", 16384, 5120): (None, None, "frag_w4_r1_m8_s8"),

@@ -8,6 +8,8 @@ time (and with --graphs its time through CUDA graphs).
         # launch settings A/B/B/A: graph replays (CUDA events) and the suite's aggregate decode
     python3 bench/step_profile.py --wtype q4_k --sweep lookahead=0,lookahead=1 --lanes 1,8
     python3 bench/step_profile.py --wtype q4_k --sweep routes=q4k_r1,routes=current --lanes 8 --prompt 512
+    python3 bench/step_profile.py --wtype q4_k --lanes 8 --prompt 512 \\
+        --sweep routes=current,frag=q4_k:34816x5120:8:frag_w2_r1_m8_s8,frag=q4_k:5120x17408:8:frag_w4_r1_m8_s8
 
 Kernel names are grouped by their prefix before the first '<' or '(' (Triton kernels keep their Python name).
 """
@@ -174,11 +176,24 @@ ROUTE_SETS = {
 }
 
 
+def frag_override(value: str) -> tuple[tuple[str, int, int], int, str | None]:
+    """`FMT:ROWSxCOLS:WIDTH:SCHEDULE` (SCHEDULE `none`: the rows kernels) → (MEASURED_ROUTES key, index in its
+    tuple, schedule name), e.g. q4_k:34816x5120:8:frag_w2_r1_m8_s8."""
+    from ninfer.kernels.gemv_frag import SCHEDULES
+    from ninfer.kernels.gemv_rows import width_slot
+
+    fmt, shape, width, schedule = value.split(":")
+    rows, cols = map(int, shape.split("x"))
+    if int(width) < 2 or (schedule != "none" and schedule not in SCHEDULES):
+        raise SystemExit(f"frag={value}: width 2-8, schedule one of gemv_frag.SCHEDULES or none")
+    return (fmt, rows, cols), width_slot(int(width)) - 1, None if schedule == "none" else schedule
+
+
 def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     """The captured step's GPU time under each launch setting ("NAME=value", several joined by "+", e.g.
     NINFER_PDL_LATE=0; the name `lookahead` sets the engine's decode lookahead, seen by --lanes only; `routes`
-    one of ROUTE_SETS), the graphs captured again for each, twice over in alternating order (the machine's
-    drift shows as the difference)."""
+    one of ROUTE_SETS; `frag` one matrix's fragment schedule at one width, see `frag_override`), the graphs
+    captured again for each, twice over in alternating order (the machine's drift shows as the difference)."""
     import os
     from dataclasses import replace
 
@@ -186,12 +201,19 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
 
     current = dict(gemv_frag.MEASURED_ROUTES)
     out: dict[str, list[float]] = {}
+    routes = gemv_frag.MEASURED_ROUTES
     for setting in settings + settings[::-1]:
+        routes.clear()
+        routes.update(current)  # each setting's routes start from the current ones
         for assignment in setting.split("+"):
             name, _, value = assignment.partition("=")
             if name == "routes":
-                gemv_frag.MEASURED_ROUTES.clear()
-                gemv_frag.MEASURED_ROUTES.update({**current, **ROUTE_SETS[value]})
+                routes.update(ROUTE_SETS[value])
+            elif name == "frag":  # one matrix and width on one schedule
+                key, slot, schedule = frag_override(value)
+                names = list(routes.get(key, (None, None, None)))
+                names[slot] = schedule
+                routes[key] = tuple(names)
             elif name == "lookahead":
                 engine.config = replace(engine.config, decode_lookahead=value == "1")
             else:
@@ -203,9 +225,10 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
         out.setdefault(setting, []).append(ms)
         line = f"  {setting}: graph replay {ms:.3f} ms"
         for c in map(int, filter(None, a.lanes.split(","))):  # the suite's aggregate decode, c lanes
-            rate = aggregate_decode(engine, SuiteSizes(short_prompt=a.prompt), c, "cuda")
-            out.setdefault(f"{setting} C={c}", []).append(-rate)
-            line += f", C={c} {rate:.1f} tok/s"
+            if a.rate:
+                rate = aggregate_decode(engine, SuiteSizes(short_prompt=a.prompt), c, "cuda")
+                out.setdefault(f"{setting} C={c}", []).append(-rate)
+                line += f", C={c} {rate:.1f} tok/s"
             # the same round as one graph replay (what the host's work adds to it): on the scratch lane, and
             # on the lanes' own GDN slots and pages (what the round's GPU time is)
             ms_c = replay_ms(engine, 1, lanes=c)
@@ -215,6 +238,8 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
             line += (f" (replay {ms_c:.3f} ms = {c / ms_c * 1e3:.1f} tok/s; own slots and {a.prompt}"
                      f" tokens {real:.3f} ms = {c / real * 1e3:.1f} tok/s)")
         print(line, flush=True)
+    routes.clear()
+    routes.update(current)
     return {k: min(t) for k, t in out.items()}
 
 
@@ -233,10 +258,14 @@ def main() -> int:
                    help="time only the graphed step, under each of these comma-separated launch settings "
                         "(NAME=value, several joined by +; e.g. NINFER_PDL_LATE=0,NINFER_PDL_LATE=1; "
                         "lookahead=0,lookahead=1 sets the engine's decode lookahead; "
-                        "routes=q4k_r1,routes=current the fragment routes of ROUTE_SETS)")
+                        "routes=q4k_r1,routes=current the fragment routes of ROUTE_SETS; "
+                        "frag=q4_k:34816x5120:8:frag_w2_r1_m8_s8 one matrix's schedule at one width)")
     p.add_argument("--lanes", default="", help="with --sweep: also the suite's aggregate decode at these "
                    "lane counts (comma-separated) under each setting; else the profiled rounds decode this "
                    "many lanes (the largest)")
+    p.add_argument("--rate", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --sweep --lanes: the suite's aggregate decode too (--no-rate: the replays "
+                        "only; on the lanes' own slots they are within 0.1 ms of the suite's round)")
     p.add_argument("--timeline", action="store_true",
                    help="profile the CUDA-graph rounds through the engine (lookahead as configured) and list "
                         "the device's idle gaps between kernels (with --graphs, the eager profile follows)")

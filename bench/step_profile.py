@@ -161,14 +161,14 @@ def replay_ms(engine, columns: int, replays: int = 40, lanes: int = 1, context: 
 
 
 # `--sweep routes=<name>`: gemv_frag.MEASURED_ROUTES entries to run instead of the current ones ("current":
-# none). "s16": iq3_s's before session 17's two-row-tile ones; "q4k_r1": q4_k's on one row tile a warp at 8
-# columns (session 17 run 5's suite), "q4k_r2": on two everywhere (session 16's; the current ones but gate|up)
+# none). "iq3s_r1": iq3_s's before session 17's two-row-tile ones; "q4k_r1": q4_k's on one row tile a warp
+# at 8 columns (session 17 run 5's suite), "q4k_r2": on two everywhere (session 16's; the current but gate|up)
 ROUTE_SETS = {
     "current": {},
-    "s16": {("iq3_s", 34816, 5120): (None, None, "frag_w4_r1_m8_s4"),
-            ("iq3_s", 16480, 5120): (None, None, "frag_w4_r1_m8_s8"),
-            ("iq3_s", 14336, 5120): (None, None, "frag_w4_r1_m8_s4"),
-            ("iq3_s", 5120, 6144): (None, None, "frag_w4_r1_m8_s8")},
+    "iq3s_r1": {("iq3_s", 34816, 5120): (None, None, "frag_w4_r1_m8_s4"),
+                ("iq3_s", 16480, 5120): (None, None, "frag_w4_r1_m8_s8"),
+                ("iq3_s", 14336, 5120): (None, None, "frag_w4_r1_m8_s4"),
+                ("iq3_s", 5120, 6144): (None, None, "frag_w4_r1_m8_s8")},
     "q4k_r1": {("q4_k", 34816, 5120): (None, None, "frag_w2_r1_m8_s4"),
                ("q4_k", 16480, 5120): (None, "frag_w2_r1_m8_s4_pf", "frag_w1_r1_m8_s2_pf"),
                ("q4_k", 14336, 5120): (None, "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),

@@ -162,7 +162,8 @@ def replay_ms(engine, columns: int, replays: int = 40, lanes: int = 1, context: 
 
 # `--sweep routes=<name>`: gemv_frag.MEASURED_ROUTES entries to run instead of the current ones ("current":
 # none). "iq3s_r1": iq3_s's before session 17's two-row-tile ones; "q4k_r1": q4_k's on one row tile a warp
-# at 8 columns (session 17 run 5's suite), "q4k_r2": on two everywhere (session 16's; the current but gate|up)
+# at 8 columns (session 17 run 5's suite), "q4k_r2": on two everywhere (session 16's; the current but
+# gate|up and down)
 ROUTE_SETS = {
     "current": {},
     "iq3s_r1": {("iq3_s", 34816, 5120): (None, None, "frag_w4_r1_m8_s4"),
@@ -174,7 +175,8 @@ ROUTE_SETS = {
                ("q4_k", 14336, 5120): (None, "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),
                ("q4_k", 5120, 17408): ("frag_w4_r1_m8_s8", "frag_w4_r1_m8_s8", "frag_w2_r1_m8_s8"),
                ("q4_k", 5120, 6144): (None, None, "frag_w2_r1_m8_s8")},
-    "q4k_r2": {("q4_k", 34816, 5120): (None, None, "frag_w2_r2_m8_s8")},
+    "q4k_r2": {("q4_k", 34816, 5120): (None, None, "frag_w2_r2_m8_s8"),
+               ("q4_k", 5120, 17408): ("frag_w4_r1_m8_s8", "frag_w4_r1_m8_s8", "frag_w2_r2_m8_s8")},
 }
 
 
@@ -194,19 +196,22 @@ def frag_override(value: str) -> tuple[tuple[str, int, int], int, str | None]:
 def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     """The captured step's GPU time under each launch setting ("NAME=value", several joined by "+", e.g.
     NINFER_PDL_LATE=0; the name `lookahead` sets the engine's decode lookahead, seen by --lanes only; `routes`
-    one of ROUTE_SETS; `frag` one matrix's fragment schedule at one width, see `frag_override`), the graphs
-    captured again for each, twice over in alternating order (the machine's drift shows as the difference)."""
+    one of ROUTE_SETS; `frag` one matrix's fragment schedule at one width, see `frag_override`; `attn`
+    RUN:SPLITS the decode attention's paged_attention.DECODE_RUN_PAGES and DECODE_SPLITS), the graphs captured
+    again for each, twice over in alternating order (the machine's drift shows as the difference)."""
     import os
     from dataclasses import replace
 
-    from ninfer.kernels import gemv_frag, triton_support
+    from ninfer.kernels import gemv_frag, paged_attention, triton_support
 
     current = dict(gemv_frag.MEASURED_ROUTES)
+    attn = paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS
     out: dict[str, list[float]] = {}
     routes = gemv_frag.MEASURED_ROUTES
     for setting in settings + settings[::-1]:
         routes.clear()
         routes.update(current)  # each setting's routes start from the current ones
+        paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
         for assignment in setting.split("+"):
             name, _, value = assignment.partition("=")
             if name == "routes":
@@ -216,6 +221,9 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
                 names = list(routes.get(key, (None, None, None)))
                 names[slot] = schedule
                 routes[key] = tuple(names)
+            elif name == "attn":  # decode attention's runs: RUN pages at least, SPLITS programs at most
+                run, splits = map(int, value.split(":"))
+                paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = run, splits
             elif name == "lookahead":
                 engine.config = replace(engine.config, decode_lookahead=value == "1")
             else:
@@ -226,6 +234,10 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
         ms = replay_ms(engine, a.columns)
         out.setdefault(setting, []).append(ms)
         line = f"  {setting}: graph replay {ms:.3f} ms"
+        if a.columns > 1:  # the verification step over a context of --prompt tokens (lane 0's own slot)
+            deep = replay_ms(engine, a.columns, context=a.prompt)
+            out.setdefault(f"{setting} at {a.prompt}", []).append(deep)
+            line += f" ({deep:.3f} ms at {a.prompt} tokens)"
         for c in map(int, filter(None, a.lanes.split(","))):  # the suite's aggregate decode, c lanes
             if a.rate:
                 rate = aggregate_decode(engine, SuiteSizes(short_prompt=a.prompt), c, "cuda")
@@ -242,6 +254,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
         print(line, flush=True)
     routes.clear()
     routes.update(current)
+    paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
     return {k: min(t) for k, t in out.items()}
 
 
@@ -261,7 +274,8 @@ def main() -> int:
                         "(NAME=value, several joined by +; e.g. NINFER_PDL_LATE=0,NINFER_PDL_LATE=1; "
                         "lookahead=0,lookahead=1 sets the engine's decode lookahead; "
                         "routes=q4k_r1,routes=current the fragment routes of ROUTE_SETS; "
-                        "frag=q4_k:34816x5120:8:frag_w2_r1_m8_s8 one matrix's schedule at one width)")
+                        "frag=q4_k:34816x5120:8:frag_w2_r1_m8_s8 one matrix's schedule at one width; "
+                        "attn=4:1000 decode attention's runs of >= 4 pages, <= 1000 programs a KV head)")
     p.add_argument("--lanes", default="", help="with --sweep: also the suite's aggregate decode at these "
                    "lane counts (comma-separated) under each setting; else the profiled rounds decode this "
                    "many lanes (the largest)")

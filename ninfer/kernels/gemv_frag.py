@@ -126,6 +126,8 @@ FRAG_FROM = {"q4_k": 5, "iq3_s": 5, "q6_k": 2}
 # round slower, not faster (session 17 run 4, A/B in one process: 10.31 → 10.45 ms replayed on the lanes' own
 # GDN slots and pages, the suite's C = 8 768 → 759 tok/s); bisected (run 6): gate|up's alone changes nothing
 # (10.49 vs 10.47 ms, C = 8 759 vs 759), the others' alone gain (10.35 ms, C = 8 768): gate|up keeps one tile.
+# Session 18 run 1, one matrix at a time in that round (512-token prompts): down back on one tile 10.29 →
+# 10.24 ms (`frag_w2_r1_m8_s8`; `frag_w4_r1_m8_s8` 10.25), every other alternative slower or within 0.02.
 # iq3_s `_r2` at 8 columns (session 16 run 4, session 17 run 1): 81.3 (87.1), 41.0 (45.7), 35.8 (38.8), 19.8
 # (20.6); 5120×17408 48.2 (48.0, kept); the 8-lane round 15.30 → 14.54 ms, C = 8 520 → 547 tok/s (run 2).
 MEASURED_ROUTES: dict[tuple[str, int, int], tuple[str | None, str | None, str | None]] = {
@@ -133,7 +135,7 @@ MEASURED_ROUTES: dict[tuple[str, int, int], tuple[str | None, str | None, str | 
     ("q4_k", 16480, 5120): (None, "frag_w4_r2_m8_s4", "frag_w4_r2_m8_s4"),
     ("q4_k", 16384, 5120): ("frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf", "frag_w2_r1_m8_s2_pf"),
     ("q4_k", 14336, 5120): (None, "frag_w2_r1_m8_s2_pf", "frag_w2_r2_m8_s4"),
-    ("q4_k", 5120, 17408): ("frag_w4_r1_m8_s8", "frag_w4_r1_m8_s8", "frag_w2_r2_m8_s8"),
+    ("q4_k", 5120, 17408): ("frag_w4_r1_m8_s8", "frag_w4_r1_m8_s8", "frag_w2_r1_m8_s8"),
     ("q4_k", 5120, 6144): (None, None, "frag_w2_r2_m8_s8"),
     ("iq3_s", 34816, 5120): (None, None, "frag_w2_r2_m8_s8"),
     ("iq3_s", 16480, 5120): (None, None, "frag_w4_r2_m8_s8"),

@@ -2,12 +2,12 @@
 
 Layout (docs/engine.md): per layer a uint8 pool `[num_pages, kv_heads, 64, token_bytes]`, page tables int32
 `[lanes, max_pages]`; a token row is K part then V part, codes then fp16 scales. One program handles one
-sequence × one KV head × one slice of its pages (split over the context for long prompts), for all the query
-heads of that KV head at once (GQA: K and V are read once per group). Each split keeps an online softmax;
-a second kernel merges the splits that hold pages of the sequence. Rotated-key formats take the query
-rotated by the same Walsh–Hadamard matrix, so keys are used as stored. `paged_decode_attention_reference`
-decodes the same bytes with `kv_quant.decode_kv` and runs `reference.attention_reference`: the oracle and
-the fallback.
+sequence × one KV head × one run of its pages (the context split over up to `DECODE_SPLITS` programs), for
+all the query heads of that KV head at once (GQA: K and V are read once per group). Each split keeps an
+online softmax; a second kernel merges the splits that hold pages of the sequence. Rotated-key formats take
+the query rotated by the same Walsh–Hadamard matrix, so keys are used as stored.
+`paged_decode_attention_reference` decodes the same bytes with `kv_quant.decode_kv` and runs
+`reference.attention_reference`: the oracle and the fallback.
 """
 
 from __future__ import annotations
@@ -34,7 +34,14 @@ if HAVE_TRITON:  # the output gate's arithmetic, shared with fused.sigmoid_gate_
     from ninfer.kernels.fused import _quantize_row, _round, _sigmoid
 
 PAGE_TOKENS = 64
-PAGES_PER_SPLIT = 4  # pages one decode program reads: 16K context = 64 splits per sequence and KV head
+PAGES_PER_SPLIT = 4  # pages one prefill-span program reads over a long context (prefill_attention)
+# decode: runs of at least DECODE_RUN_PAGES pages, at most DECODE_SPLITS programs per sequence and KV head
+# (longer runs past 128 pages); module settings read at each call (`bench/step_profile.py --sweep
+# attn=RUN:SPLITS` times others in the round). H200, the 27B at 512 tokens (session 18 run 4), a step's graph
+# replay on the lanes' own slots, runs of 1 / 2 / 4 pages: one lane 5.62 / 5.63 / 5.68 ms, eight lanes
+# 10.34 / 10.19 / 10.23 ms
+DECODE_RUN_PAGES = 2
+DECODE_SPLITS = 64
 KERNEL_KV_CODES = {"bf16": 0, "int8": 1, "rk8v4": 2, "rk4v4": 3}
 
 
@@ -107,6 +114,14 @@ def _load_v(row, row16, m, FMT: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
 
 
 @jit
+def _run_pages(n, pages_per_split, SPLITS: tl.constexpr):
+    """Pages each split of a sequence of n tokens reads: `pages_per_split`, or more where SPLITS runs of it
+    would not cover the sequence's pages."""
+    pages = (n + 63) // 64
+    return tl.maximum(pages_per_split, (pages + SPLITS - 1) // SPLITS)
+
+
+@jit
 def _paged_decode_kernel(
     q_ptr, kv_ptr, kv16_ptr, pt_ptr, lane_ptr, len_ptr, levels_ptr, acc_ptr, ml_ptr,
     Hq, Hkv, pt_stride, pages_per_split, scale,
@@ -119,8 +134,9 @@ def _paged_decode_kernel(
     sp = tl.program_id(2)
     lane = tl.load(lane_ptr + b).to(tl.int64)
     n = tl.load(len_ptr + b)
-    first = sp * pages_per_split
-    last = tl.minimum((n + 63) // 64, first + pages_per_split)
+    per = _run_pages(n, pages_per_split, SPLITS)
+    first = sp * per
+    last = tl.minimum((n + 63) // 64, first + per)
     g = tl.arange(0, GPAD)
     g_ok = g < G
     d = tl.arange(0, D)[None, :]
@@ -168,7 +184,8 @@ def _merge_splits_kernel(
     b = tl.program_id(0)
     hq = tl.program_id(1)
     n = tl.load(len_ptr + b)
-    active = ((n + 63) // 64 + pages_per_split - 1) // pages_per_split
+    per = _run_pages(n, pages_per_split, SPLITS)
+    active = ((n + 63) // 64 + per - 1) // per
     base = (b * Hq + hq) * SPLITS
     s = tl.arange(0, BS)
     d = tl.arange(0, D)
@@ -235,13 +252,17 @@ def kernel_supports(fmt: kv_quant.KvFormat) -> bool:
 def paged_decode_attention(
     q: torch.Tensor, storage: torch.Tensor, page_tables: torch.Tensor, lane_ids: torch.Tensor,
     seq_lens: torch.Tensor, fmt: kv_quant.KvFormat, scale: float | None = None,
-    pages_per_split: int = PAGES_PER_SPLIT, gate: torch.Tensor | None = None,
+    pages_per_split: int | None = None, gate: torch.Tensor | None = None, max_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached pages (the new token's K/V already
     written). q `[B, Hq, D]` not rotated; seq_lens include the new token. Returns `[B, Hq, D]`, q's dtype.
 
-    The context is split into runs of `pages_per_split` pages, one program each (per sequence and KV head);
-    the split count comes from the page table's width, never from the lengths (no host sync: graph-safe).
+    The context is split into runs of `pages_per_split` pages (at least; default `DECODE_RUN_PAGES`), one
+    program each per sequence and KV head, at most `max_splits` of them (default `DECODE_SPLITS`): a longer
+    context takes longer runs (each program finds its run from the sequence's length, the merge likewise).
+    The split count comes from the page table's width, never from the lengths (no host sync: graph-safe).
+    Short runs keep the GPU busy at short contexts: at 512 tokens one lane's 4 KV heads are 16 programs of two
+    pages, where runs of 4 pages made 8.
 
     `gate` (`[B, Hq·D]`, unit stride along its rows): the attention output gate applied in the merge launch,
     `fused.sigmoid_gate_mul(out, gate)`, returned as `[B, Hq·D]` with its int8 activation left for the
@@ -256,7 +277,8 @@ def paged_decode_attention(
         return out if gate is None else fused.sigmoid_gate_mul_reference(out.reshape(B, Hq * D), gate)
     Hkv = storage.shape[1]
     G = Hq // Hkv
-    splits = -(-page_tables.shape[1] // pages_per_split)
+    pages_per_split = pages_per_split or DECODE_RUN_PAGES
+    splits = min(-(-page_tables.shape[1] // pages_per_split), max_splits or DECODE_SPLITS)
     hadamard, levels = _device_tables(D, q.device)
     qr = (q.float() @ hadamard if fmt.rotated_keys else q).contiguous()
     acc = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)

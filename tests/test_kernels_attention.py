@@ -45,7 +45,7 @@ def test_kernel_matches_reference(name):
     seq_lens = torch.tensor([lens[2], lens[0], lens[1]], dtype=torch.int32)
     q = torch.randn(3, 6, 64, generator=gen)  # 6 query heads on 2 KV heads (GQA 3)
     ref = paged_decode_attention_reference(q, storage, tables, lane_ids, seq_lens, fmt)
-    # one split per sequence; one per page (the default); at most two splits, so that a sequence of 3 pages
+    # one split per sequence; one per page; at most two splits, so that a sequence of 3 pages
     # takes runs of 2 and 1 and one of 2 pages a page each (runs found from the length in both kernels)
     for per_split, max_splits in ((4, 64), (1, 64), (1, 2)):
         out = paged_decode_attention(q, storage, tables, lane_ids, seq_lens, fmt, pages_per_split=per_split,

@@ -142,12 +142,14 @@ def _paged_decode_kernel(
     d = tl.arange(0, D)[None, :]
     t = tl.arange(0, 64)
     heads = h * G + g
-    q = tl.load(q_ptr + (b * Hq + heads)[:, None] * D + d, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    # an empty split (past the sequence's pages: most of them at short contexts) reads and writes nothing
+    mine = g_ok & (first + 0 * g < last)  # (a tensor compare: the interpreter rejects a scalar bool mask)
+    q = tl.load(q_ptr + (b * Hq + heads)[:, None] * D + d, mask=mine[:, None], other=0.0).to(tl.float32)
     q = q * (scale * 1.4426950408889634)  # scores in log2 units: exp2 below
     m_i = tl.full([GPAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GPAD], dtype=tl.float32)
     acc = tl.zeros([GPAD, D], dtype=tl.float32)
-    for pi in range(first, last):  # empty past the sequence's pages: the split writes nothing
+    for pi in range(first, last):
         page = tl.load(pt_ptr + lane * pt_stride + pi).to(tl.int64)
         tok = (page * Hkv + h) * 64 + t
         tok_ok = (pi * 64 + t) < n
@@ -164,7 +166,6 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     part = (b * Hq + heads) * SPLITS + sp
-    mine = g_ok & (first + 0 * g < last)  # (a tensor compare: the interpreter rejects a scalar bool mask)
     tl.store(acc_ptr + part[:, None] * D + d, acc, mask=mine[:, None])
     tl.store(ml_ptr + part * 2, m_i, mask=mine)
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=mine)

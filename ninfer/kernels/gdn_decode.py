@@ -133,15 +133,14 @@ def _recurrent_kernel(
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_k = tl.arange(0, DK)
     kh = h // (Hv // HK)
+    if not EARLY:
+        pdl_start(PDL)
+    slot = tl.load(slot_ptr + lane).to(tl.int64)
+    sp = state_ptr + slot * s_ss + h * s_sh + offs_k[:, None] * DV + offs_v[None, :]
     if EARLY:  # the state before the wait (triton_support.early_state_loads), through L2
-        slot = tl.load(slot_ptr + lane).to(tl.int64)
-        sp = state_ptr + slot * s_ss + h * s_sh + offs_k[:, None] * DV + offs_v[None, :]
         S = tl.load(sp, cache_modifier=".cg").to(tl.float32)
         pdl_start(PDL)
     else:
-        pdl_start(PDL)
-        slot = tl.load(slot_ptr + lane).to(tl.int64)
-        sp = state_ptr + slot * s_ss + h * s_sh + offs_k[:, None] * DV + offs_v[None, :]
         S = tl.load(sp).to(tl.float32)
     neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + h).to(tl.float32)

@@ -111,3 +111,50 @@ def test_wrong_geometry_is_a_user_error():
     layer = make_layer(gen, 1, 1, 2, 4, 16, 16, slots=2)
     with pytest.raises(NinferError, match="key heads"):
         gdn_decode(**layer, slot_ids=torch.tensor([0], dtype=torch.int32), num_key_heads=3)
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("order", ["none", "tiled"])
+def test_output_norm_in_the_recurrence(T, order):
+    """`gdn_decode(norm=...)`: the last of each head's two programs applies the layer's output norm in the
+    recurrence's launch. The same bf16 output as the recurrence followed by the separate norm kernel, in the
+    output Linear's column order, with that Linear's int8 activation left in the memo; the slots as the
+    reference leaves them."""
+    from ninfer.convert.recipes.qwen3_5 import tiled_input_columns
+    from ninfer.kernels import fused, gemv_q8
+    from ninfer.kernels.gdn_decode import OutputNorm
+    from ninfer.kernels.gemv_frag import split_workspace
+
+    gen = torch.Generator().manual_seed(20 + T)
+    B, Hk, Hv, Dk, Dv = 2, 2, 4, 16, 64
+    layer = make_layer(gen, B, T, Hk, Hv, Dk, Dv, slots=4)
+    slot_ids = torch.tensor([3, 0], dtype=torch.int32)
+    zs = torch.randn(B * T, Hv * Dv + 5, generator=gen).to(torch.bfloat16) * 2
+    z = zs[:, 5:].view(B * T, Hv, Dv)  # a column view of the projection's output, as the model has it
+    w = torch.rand(Dv, generator=gen) + 0.5
+    gather = None if order == "none" else tiled_input_columns(Hk, Hv, Dv)
+    scatter = None if gather is None else torch.argsort(gather)
+    ref_in, split, mine = cloned(layer), cloned(layer), cloned(layer)
+    norm = OutputNorm(z, w, 1e-6, torch.bfloat16, scatter, quantize=True)
+    out = gdn_decode(**mine, slot_ids=slot_ids, num_key_heads=Hk, norm=norm).output
+    memo = gemv_q8._MEMO.result if gemv_q8._MEMO.ref is not None and gemv_q8._MEMO.ref() is out else None
+    o = gdn_decode(**split, slot_ids=slot_ids, num_key_heads=Hk).output
+    separate = fused.gated_rms_norm(o.flatten(0, 1), z, w, 1e-6, torch.bfloat16, scatter)
+    assert out.shape == (B * T, Hv * Dv) and torch.equal(out, separate.reshape(B * T, -1))
+    ref = gdn_decode_reference(**ref_in, slot_ids=slot_ids, num_key_heads=Hk).output
+    want = fused.gated_rms_norm_reference(ref.flatten(0, 1), z, w, 1e-6, torch.bfloat16, gather)
+    # fp32 sums in another order, then rounded to bf16: equal but for one last-place unit here and there
+    torch.testing.assert_close(out.float(), want.reshape(B * T, -1).float(), rtol=2.0**-7, atol=1e-6)
+    assert (out != want.reshape(B * T, -1)).float().mean() <= 0.01
+    want_q = gemv_q8.quantize_activation_reference(out)
+    assert memo is not None and memo.q.shape == want_q.q.shape
+    assert torch.equal(memo.q, want_q.q) and torch.equal(memo.d, want_q.d) and torch.equal(memo.s, want_q.s)
+    gemv_q8._MEMO.clear()
+    assert not split_workspace(torch.device("cpu"), 0, 0)[1].any()  # each head's counter back at zero
+    for got in (mine, split):
+        assert rel(got["state_slots"], ref_in["state_slots"]) < 1e-6
+        assert torch.equal(got["conv_slots"], ref_in["conv_slots"])
+    with pytest.raises(NinferError, match="output norm needs z"):
+        gdn_decode(**cloned(layer), slot_ids=slot_ids, num_key_heads=Hk,
+                   norm=OutputNorm(z[:, :2], w, 1e-6, torch.bfloat16))

@@ -32,22 +32,6 @@ def triton_on_cpu_env(monkeypatch):
     monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
 
 
-@pytest.fixture
-def launch_settings(monkeypatch):
-    """`launch_settings(NINFER_GDN_NORM="1", ...)`: launch settings for the rest of the test, their cached
-    values re-read now and again once it ends."""
-    from ninfer.kernels import triton_support
-
-    def set_(**env: str) -> None:
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        triton_support.reread_launch_settings()
-
-    yield set_
-    monkeypatch.undo()
-    triton_support.reread_launch_settings()
-
-
 @pytest.fixture(autouse=True)
 def _seed_per_test(request):
     """Each test draws from its own seed (its id, salted by NINFER_TEST_SEED): random inputs are the same run

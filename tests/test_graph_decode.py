@@ -261,20 +261,6 @@ def test_graph_context_verification_spans_kernels(model, triton_on_cpu):
     compare_spans(model, {0: 62, 1: 5}, [[0, 1], [1]], T=3, tol=1e-5, kv_dtype="rk8v4")
 
 
-def test_graph_context_output_norm_in_the_recurrence(model, triton_on_cpu, launch_settings, monkeypatch):
-    """NINFER_GDN_NORM: the decode graphs' GDN layers take their output norm from the recurrence's launch
-    (the context's `gdn_mix_normed` hook); the same logits and states as the paged context, in decode rounds
-    and verification-shaped ones."""
-    launch_settings(NINFER_GDN_NORM="1")
-    calls = []
-    hook = GraphDecodeContext.gdn_mix_normed
-    monkeypatch.setattr(GraphDecodeContext, "gdn_mix_normed",
-                        lambda self, *args: calls.append(args[-1] is not None) or hook(self, *args))
-    compare_rounds(model, {0: 63, 1: 64, 2: 5}, [[1, 0, 2], [0, 2]], tol=1e-5)
-    compare_spans(model, {0: 62, 1: 5}, [[0, 1], [1]], T=3, tol=1e-5)
-    assert calls and all(calls)
-
-
 class NoHostSync(TorchDispatchMode):
     """Fails on the ops that read a tensor on the host or build one from Python data (.item(), int(t),
     bool(t), torch.tensor(list), nonzero...): none may run inside a captured CUDA graph."""

@@ -213,44 +213,6 @@ def test_gdn_decode_on_gpu(state_dtype):
     assert torch.equal(inputs["conv_slots"], ref_in["conv_slots"])
 
 
-@pytest.mark.parametrize("T", [1, 4])
-def test_gdn_output_norm_in_the_recurrence_on_gpu(T):
-    """The 27B GDN geometry, the output norm applied in the recurrence's launch (`gdn_decode(norm=...)`: each
-    head's last program), in the GGUF's tiled value-head order, quantised for the output projection, twice
-    (the counters left at zero): equal to the recurrence followed by the separate norm kernel (the same o),
-    the int8 activation that of the output, the slots those of the reference."""
-    from ninfer.convert.recipes.qwen3_5 import tiled_input_columns
-    from ninfer.kernels import fused, gemv_q8
-    from ninfer.kernels.gdn_decode import OutputNorm
-
-    B, Hk, Hv, D = 3, 16, 48, 128
-    C = 2 * Hk * D + Hv * D
-    inputs = dict(
-        mixed_qkv=torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16),
-        a=torch.randn(B, T, Hv, device="cuda"), b=torch.randn(B, T, Hv, device="cuda"),
-        conv_weight=torch.randn(C, 4, device="cuda") * 0.3,
-        a_log=torch.log(torch.rand(Hv, device="cuda") * 15 + 1), dt_bias=torch.randn(Hv, device="cuda") - 2,
-        conv_slots=torch.randn(5, C, 3, device="cuda"),
-        state_slots=torch.randn(5, Hv, D, D, device="cuda") * 0.1)
-    ids = torch.tensor([4, 0, 2], device="cuda", dtype=torch.int32)
-    z = (torch.randn(B * T, Hv * D + 96, device="cuda", dtype=torch.bfloat16) * 2)[:, 96:].view(B * T, Hv, D)
-    w = torch.rand(D, device="cuda") + 0.5
-    scatter = torch.argsort(tiled_input_columns(Hk, Hv, D)).cuda()
-    ref_in = {k: v.clone() for k, v in inputs.items()}
-    o = gdn_decode(**ref_in, slot_ids=ids, num_key_heads=Hk).output
-    want = fused.gated_rms_norm(o.flatten(0, 1), z, w, 1e-6, torch.bfloat16, scatter)
-    for _ in range(2):
-        mine = {k: v.clone() for k, v in inputs.items()}
-        norm = OutputNorm(z, w, 1e-6, torch.bfloat16, scatter, quantize=True)
-        out = gdn_decode(**mine, slot_ids=ids, num_key_heads=Hk, norm=norm).output
-        memo = gemv_q8.quantize_activation_cached(out)
-        assert torch.equal(out, want)
-        ref_q = quantize_activation_reference(out)
-        assert torch.equal(memo.q, ref_q.q) and torch.equal(memo.d, ref_q.d)
-        assert torch.equal(mine["state_slots"], ref_in["state_slots"])
-        assert torch.equal(mine["conv_slots"], ref_in["conv_slots"])
-
-
 def test_gdn_state_read_before_the_wait_in_a_graph(monkeypatch):
     """Two decode steps of one GDN layer (norm → q4_k input projection → gdn_decode → output projection, the
     same slot) captured in one CUDA graph with programmatic dependent launch and the state read before the

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ninfer.engine.gdn_mix import SHORT_SPAN
+from ninfer.engine.gdn_mix import SHORT_SPAN, decode_mix
 from ninfer.engine.kv_pool import PAGE_TOKENS, KvPool
 from ninfer.engine.state_pool import GdnStatePool
-from ninfer.kernels.gdn_decode import OutputNorm, gdn_decode
+from ninfer.kernels.gdn_decode import gdn_decode
 from ninfer.kernels.paged_attention import paged_decode_attention
 from ninfer.models.context import GdnState, SequenceSpan
 
@@ -81,17 +81,13 @@ class GraphDecodeContext:
 
     def gdn_mix(self, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 params) -> torch.Tensor:
-        return self.gdn_mix_normed(gdn_layer, mixed_qkv, a, b, params, None).flatten(0, 1)
-
-    def gdn_mix_normed(self, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                       params, norm: OutputNorm | None) -> torch.Tensor:
-        """Every lane's positions in one `gdn_decode`; with `norm` (the model's hook) the output norm's
-        `[T, Hv·Dv]` from the same launch, else o `[B, positions, Hv, Dv]`."""
+        if self.positions == 1:
+            return decode_mix(self._states, gdn_layer, mixed_qkv, a, b, params, self._lane_slots)
         shape = (self.batch, self.positions)
-        return gdn_decode(mixed_qkv.unflatten(0, shape), a.unflatten(0, shape), b.unflatten(0, shape),
-                          params.conv_weight, params.a_log, params.dt_bias, self._states.conv[gdn_layer],
-                          self._states.recurrent[gdn_layer], self._lane_slots, params.num_key_heads,
-                          norm=norm).output
+        out = gdn_decode(mixed_qkv.unflatten(0, shape), a.unflatten(0, shape), b.unflatten(0, shape),
+                         params.conv_weight, params.a_log, params.dt_bias, self._states.conv[gdn_layer],
+                         self._states.recurrent[gdn_layer], self._lane_slots, params.num_key_heads).output
+        return out.flatten(0, 1)
 
     def gdn_state(self, gdn_layer: int, span_index: int) -> GdnState:
         raise RuntimeError("GraphDecodeContext mixes GDN layers through gdn_mix; a model asked for gdn_state")

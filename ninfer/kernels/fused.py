@@ -167,25 +167,18 @@ if HAVE_TRITON:
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         if SCATTER:
             dest = tl.load(scatter_ptr + h * N + cols, mask=ok, other=0)
-        else:
-            dest = h * N + cols
         pdl_start(PDL)
         o = tl.load(o_ptr + t * so0 + h * so1 + cols, mask=ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + t * sz0 + h * sz1 + cols, mask=ok, other=0.0).to(tl.float32)
-        gated_norm_store(o, z, w, dest, ok, t, N, H, eps, out_ptr, q_ptr, d_ptr, s_ptr, QUANT, BLOCK)
-
-    @jit
-    def gated_norm_store(o, z, w, dest, ok, t, N, H, eps, out_ptr, q_ptr, d_ptr, s_ptr, QUANT: tl.constexpr,
-                         BLOCK: tl.constexpr):
-        """One head's `rmsnorm(o)·w·silu(z)` (fp32 `[BLOCK]` each, o rounded to out's dtype first) into
-        row t of out `[T, H·N]` at columns `dest`; QUANT: the head's int8 groups too (its run of columns
-        starts at its smallest destination). Shared by `_gated_norm_kernel` and the GDN recurrence, which
-        applies it to a head's output in registers (`gdn_decode(norm=...)`)."""
         o = _round(o, out_ptr.dtype.element_ty).to(tl.float32)
+        z = tl.load(z_ptr + t * sz0 + h * sz1 + cols, mask=ok, other=0.0).to(tl.float32)
         inv = tl.math.rsqrt(_row_sum(o * o) / N + eps)
         y = _round(o * inv * w * (z * _sigmoid(z)), out_ptr.dtype.element_ty)
-        tl.store(out_ptr + t * H * N + dest, y, mask=ok)
-        if QUANT:
+        if SCATTER:
+            tl.store(out_ptr + t * H * N + dest, y, mask=ok)
+        else:
+            dest = h * N + cols
+            tl.store(out_ptr + i * N + cols, y, mask=ok)
+        if QUANT:  # the head's run starts at its smallest destination column
             _quantize_row(y.to(tl.float32), t, -tl_max(-dest, 0) // 32, ok, H * N, q_ptr, d_ptr, s_ptr, BLOCK)
 
     @jit

@@ -16,14 +16,13 @@ Layouts: mixed_qkv `[B, T, C]` with C = q (Hk·Dk) | k (Hk·Dk) | v (Hv·Dv), va
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ninfer.errors import NinferError
-from ninfer.kernels import fused, reference
-from ninfer.kernels.gemv_frag import split_workspace
+from ninfer.kernels import reference
 from ninfer.kernels.triton_support import (
     HAVE_TRITON,
     early_state_loads,
@@ -35,34 +34,14 @@ from ninfer.kernels.triton_support import (
     triton_runs_on,
 )
 
-if HAVE_TRITON:
-    from ninfer.kernels.fused import gated_norm_store
-
 
 class GdnKernelError(NinferError):
     """Gated DeltaNet decode inputs of the wrong shape or type."""
 
 
 @dataclass(frozen=True)
-class OutputNorm:
-    """The GDN output norm `rmsnorm(o)·w·silu(z)` (`fused.gated_rms_norm`), applied in the recurrence's launch
-    by the last of each head's programs to finish: z `[B·T, Hv, Dv]` (rows may be strided), the norm weight
-    `[Dv]`, eps, the output dtype; `scatter` (int `[Hv·Dv]`) lands flat column c in column scatter[c] (the
-    output Linear's input-column order); `quantize`: that Linear's int8 activation too (a head: one aligned
-    run)."""
-
-    z: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    dtype: torch.dtype
-    scatter: torch.Tensor | None = None
-    quantize: bool = False
-
-
-@dataclass(frozen=True)
 class GdnDecodeResult:
-    """Output `[B, T, Hv, Dv]` (fp32), or with an `OutputNorm` the normed `[B·T, Hv·Dv]` in its dtype;
-    per-position states when asked for."""
+    """Output `[B, T, Hv, Dv]` (fp32); per-position states when asked for."""
 
     output: torch.Tensor
     states: torch.Tensor | None = None  # [B, T, Hv, Dk, Dv], the slot dtype
@@ -145,10 +124,8 @@ def _conv_kernel(
 @jit
 def _recurrent_kernel(
     y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr, all_ptr,
-    z_ptr, nw_ptr, scatter_ptr, out_ptr, q8_ptr, d8_ptr, s8_ptr, cnt_ptr,
-    T, C, Hv, s_ab, s_at, s_ss, s_sh, s_z0, s_z1, eps,
+    T, C, Hv, s_ab, s_at, s_ss, s_sh,
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, STORE_ALL: tl.constexpr,
-    NORM: tl.constexpr = False, SCATTER: tl.constexpr = False, QUANT: tl.constexpr = False,
     EARLY: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):
     lane = tl.program_id(0)
@@ -186,32 +163,6 @@ def _recurrent_kernel(
             ap = all_ptr + (((lane * T + t) * Hv + h) * DK + offs_k[:, None]) * DV + offs_v[None, :]
             tl.store(ap, S.to(all_ptr.dtype.element_ty))
     tl.store(sp, S.to(state_ptr.dtype.element_ty))
-    if NORM:
-        _output_norm_last(o_ptr, z_ptr, nw_ptr, scatter_ptr, out_ptr, q8_ptr, d8_ptr, s8_ptr, cnt_ptr, lane,
-                          h, T, Hv, s_z0, s_z1, eps, DV, DV // BLOCK_V, SCATTER, QUANT)
-
-
-@jit
-def _output_norm_last(o_ptr, z_ptr, nw_ptr, scatter_ptr, out_ptr, q8_ptr, d8_ptr, s8_ptr, cnt_ptr, lane, h,
-                      T, Hv, s_z0, s_z1, eps, DV: tl.constexpr, SLICES: tl.constexpr, SCATTER: tl.constexpr,
-                      QUANT: tl.constexpr):
-    """The last of a head's SLICES programs to finish (a counter per lane and head at cnt_ptr, acq_rel at GPU
-    scope after a barrier over the program, as the GEMVs' split-K fixup) applies the output norm to the
-    head's whole output at every position, read back through L2, and leaves the counter zero for the next
-    call."""
-    tl.debug_barrier()
-    cnt = cnt_ptr + lane * Hv + h
-    if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SLICES - 1:
-        cols = tl.arange(0, DV)
-        w = tl.load(nw_ptr + cols).to(tl.float32)
-        dest = tl.load(scatter_ptr + h * DV + cols) if SCATTER else h * DV + cols
-        for t in range(T):
-            r = lane * T + t
-            o = tl.load(o_ptr + (r * Hv + h) * DV + cols, cache_modifier=".cg")
-            z = tl.load(z_ptr + r * s_z0 + h * s_z1 + cols).to(tl.float32)
-            gated_norm_store(o, z, w, dest, cols < DV, r, DV, Hv, eps, out_ptr, q8_ptr, d8_ptr, s8_ptr, QUANT,
-                             DV)
-        tl.atomic_xchg(cnt, 0, sem="relaxed")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -239,42 +190,24 @@ def gdn_decode(
     mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
     a_log: torch.Tensor, dt_bias: torch.Tensor, conv_slots: torch.Tensor, state_slots: torch.Tensor,
     slot_ids: torch.Tensor, num_key_heads: int, return_all_states: bool = False,
-    norm: OutputNorm | None = None,
 ) -> GdnDecodeResult:
     """One decode step (T positions per lane) of a GDN layer; conv and recurrent slots updated in place.
 
-    Runs the two Triton launches where Triton can run, else `gdn_decode_reference`. Output fp32, or with
-    `norm` the output norm's (applied in the recurrence's launch by each head's last program to finish).
+    Runs the two Triton launches where Triton can run, else `gdn_decode_reference`. Output fp32.
     """
     _check(mixed_qkv, a, b, conv_weight, conv_slots, state_slots, slot_ids, num_key_heads)
     B, T, C = mixed_qkv.shape
     Hv, Dk, Dv = state_slots.shape[1:]
-    if norm is not None:
-        _check_norm(norm, B * T, Hv, Dv)
     usable = (HAVE_TRITON and triton_runs_on(mixed_qkv) and conv_slots.stride(2) == 1
-              and state_slots.is_contiguous() and mixed_qkv.stride(2) == 1 and Dk & (Dk - 1) == 0
-              and (norm is None or Dv & (Dv - 1) == 0))
+              and state_slots.is_contiguous() and mixed_qkv.stride(2) == 1 and Dk & (Dk - 1) == 0)
     if not usable:
-        result = gdn_decode_reference(mixed_qkv, a, b, conv_weight, a_log, dt_bias, conv_slots, state_slots,
-                                      slot_ids, num_key_heads, return_all_states)
-        return result if norm is None else replace(result, output=_norm_reference(result.output, norm))
+        return gdn_decode_reference(mixed_qkv, a, b, conv_weight, a_log, dt_bias, conv_slots, state_slots,
+                                    slot_ids, num_key_heads, return_all_states)
     dev = mixed_qkv.device
     if a.stride(2) != 1 or b.stride() != a.stride():  # the kernel reads both with a's strides (column views
         a, b = a.contiguous(), b.contiguous()          # of one projection share them: no copies)
     y = torch.empty((B, T, C), dtype=torch.float32, device=dev)
     out = torch.empty((B, T, Hv, Dv), dtype=torch.float32, device=dev)
-    # the output norm's counters: the split-K workspace's (zero between kernels; None while a capture would
-    # have to allocate them: the norm then takes its own launch)
-    counters = None if norm is None else split_workspace(dev, 0, B * Hv)
-    fuse = counters is not None
-    if fuse:
-        normed = torch.empty((B * T, Hv * Dv), dtype=norm.dtype, device=dev)
-        q8 = fused.int8_buffers(normed, norm.quantize)
-        norm_args = (norm.z, norm.weight, out if norm.scatter is None else norm.scatter, normed, *q8,
-                     counters[1])
-        z_strides = norm.z.stride(0), norm.z.stride(1)
-    else:
-        norm_args, z_strides = (out,) * 8, (0, 0)
     states = convs = None
     if return_all_states:
         states = torch.empty((B, T, Hv, Dk, Dv), dtype=state_slots.dtype, device=dev)
@@ -288,34 +221,8 @@ def gdn_decode(
     block_v = min(32, Dv)
     _recurrent_kernel[(B, Hv, -(-Dv // block_v))](
         y, a, b, a_log, dt_bias, state_slots, slot_ids, out, states if states is not None else out,
-        *norm_args, T, C, Hv, a.stride(0), a.stride(1), state_slots.stride(0), state_slots.stride(1),
-        *z_strides, norm.eps if fuse else 0.0,
-        HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states, NORM=fuse,
-        SCATTER=fuse and norm.scatter is not None, QUANT=fuse and norm.quantize, EARLY=early_state_loads(),
-        **pdl_options(y),
+        T, C, Hv, a.stride(0), a.stride(1), state_slots.stride(0), state_slots.stride(1),
+        HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states,
+        EARLY=early_state_loads(), **pdl_options(y),
     )
-    if norm is None:
-        return GdnDecodeResult(out, states, convs)
-    if not fuse:
-        normed = fused.gated_rms_norm(out.flatten(0, 1), norm.z, norm.weight, norm.eps, norm.dtype,
-                                      norm.scatter, norm.quantize).reshape(B * T, Hv * Dv)
-    elif norm.quantize:
-        fused.remember_int8(normed, q8)
-    return GdnDecodeResult(normed, states, convs)
-
-
-def _check_norm(norm: OutputNorm, rows: int, Hv: int, Dv: int) -> None:
-    if tuple(norm.z.shape) != (rows, Hv, Dv) or norm.z.stride(2) != 1 or tuple(norm.weight.shape) != (Dv,):
-        raise GdnKernelError(f"the output norm needs z [{rows}, {Hv}, {Dv}] (unit stride last) and a weight "
-                             f"[{Dv}], got {list(norm.z.shape)} and {list(norm.weight.shape)}")
-    if norm.scatter is not None and tuple(norm.scatter.shape) != (Hv * Dv,):
-        raise GdnKernelError(f"the output norm's scatter must be [{Hv * Dv}], got {list(norm.scatter.shape)}")
-    if norm.quantize and Dv % 32:
-        raise GdnKernelError(f"the output norm's int8 activation needs heads of a multiple of 32, got {Dv}")
-
-
-def _norm_reference(o: torch.Tensor, norm: OutputNorm) -> torch.Tensor:
-    """The output norm of the reference path's o `[B, T, Hv, Dv]`: `[B·T, Hv·Dv]` in the Linear's order."""
-    gather = None if norm.scatter is None else torch.argsort(norm.scatter)
-    out = fused.gated_rms_norm_reference(o.flatten(0, 1), norm.z, norm.weight, norm.eps, norm.dtype, gather)
-    return out.reshape(o.shape[0] * o.shape[1], -1)
+    return GdnDecodeResult(out, states, convs)

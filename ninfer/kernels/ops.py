@@ -10,7 +10,6 @@ import math
 import torch
 
 from ninfer.kernels import fused, reference
-from ninfer.kernels.gdn_decode import OutputNorm
 from ninfer.kernels.gemv_q8 import int8_next, int8_next_shape
 from ninfer.kernels.reference import (  # noqa: F401  (re-exported: no fused form, PyTorch on every device)
     apply_rotary,
@@ -24,7 +23,6 @@ from ninfer.kernels.reference import (  # noqa: F401  (re-exported: no fused for
     rope_inv_freq,
     rotate_half,
 )
-from ninfer.kernels.triton_support import HAVE_TRITON, output_norm_fused, triton_runs_on
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
@@ -54,32 +52,11 @@ def gated_rms_norm(
     columns stay one aligned run."""
     if fused.runs_on(o) and o.dim() in (2, 3) and o.stride(-1) == 1 and z.stride(-1) == 1:
         if gather is None or scatter is not None:
-            quantize = _gated_norm_quantizes(o, scatter, scatter_run)
+            N = o.shape[-1]
+            whole_heads = N % 32 == 0 and N & (N - 1) == 0 and (scatter is None or scatter_run % N == 0)
+            quantize = whole_heads and int8_next_shape(o.is_cuda, o.shape[0], math.prod(o.shape[1:]))
             return fused.gated_rms_norm(o, z, w, eps, out_dtype, scatter, quantize)
     return fused.gated_rms_norm_reference(o, z, w, eps, out_dtype, gather)
-
-
-def _gated_norm_quantizes(o: torch.Tensor, scatter: torch.Tensor | None, scatter_run: int) -> bool:
-    """Whether the GDN output norm writes its Linear's int8 activation too: decode widths on CUDA, heads of
-    a power-of-two multiple of 32 columns that the scatter keeps as aligned runs."""
-    N = o.shape[-1]
-    whole_heads = N % 32 == 0 and N & (N - 1) == 0 and (scatter is None or scatter_run % N == 0)
-    return whole_heads and int8_next_shape(o.is_cuda, o.shape[0], math.prod(o.shape[1:]))
-
-
-def gdn_output_norm(
-    z: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype, gather: torch.Tensor | None = None,
-    scatter: torch.Tensor | None = None, scatter_run: int = 0,
-) -> OutputNorm | None:
-    """`gated_rms_norm(o, z, ...)` as the GDN decode recurrence applies it to the o it computes, in the same
-    launch (`gdn_decode(norm=...)`, NINFER_GDN_NORM=1), for z `[T, Hv, Dv]`; None where that does not
-    run (turned off, the reference path, heads that are not a power of two)."""
-    N = z.shape[-1]
-    if not (output_norm_fused() and HAVE_TRITON and triton_runs_on(z) and z.dim() == 3 and z.stride(-1) == 1):
-        return None
-    if N & (N - 1) or (gather is not None and scatter is None):
-        return None
-    return OutputNorm(z, w, eps, out_dtype, scatter, _gated_norm_quantizes(z, scatter, scatter_run))
 
 
 def norm_rotary_pair(

@@ -82,9 +82,9 @@ def pdl_options(t: torch.Tensor, trigger: bool = True) -> dict:
 
 
 def reread_launch_settings() -> None:
-    """Forget the cached NINFER_PDL / NINFER_PDL_LATE / NINFER_GDN_EARLY / NINFER_GDN_NORM (benchmarks and
-    tests that change them; kernels launched from then on, and graphs captured, use the new values)."""
-    for cached in (pdl_enabled, late_release, early_state_loads, output_norm_fused):
+    """Forget the cached NINFER_PDL / NINFER_PDL_LATE / NINFER_GDN_EARLY (benchmarks and tests that change
+    them; kernels launched from then on, and graphs captured, use the new values)."""
+    for cached in (pdl_enabled, late_release, early_state_loads):
         cached.cache_clear()
 
 
@@ -104,14 +104,6 @@ def early_state_loads() -> bool:
     projection two kernels ahead (a GEMV: it lets the next kernel launch after its own wait, never before)
     has waited for every kernel before it to finish."""
     return os.environ.get("NINFER_GDN_EARLY", "0") == "1"
-
-
-@functools.cache
-def output_norm_fused() -> bool:
-    """Whether the GDN recurrence applies the layer's output norm itself (NINFER_GDN_NORM=1: the last of each
-    head's programs to finish, `gdn_decode(norm=...)`) instead of a launch of its own (0, the default until
-    timed on the H200)."""
-    return os.environ.get("NINFER_GDN_NORM", "0") == "1"
 
 
 @jit

@@ -119,9 +119,7 @@ class GdnParams:
     g = −exp(a_log)·softplus(a + dt_bias), β = sigmoid(b), the gated delta rule per span on the span's
     state, updating its conv and recurrent state (and, for speculative verification, keeping the
     per-position states it needs). GPU backends (fused decode, chunked prefill kernels) plug in here;
-    without it the layer runs the reference ops span by span. A context may also define
-    `gdn_mix_normed(gdn_layer, mixed_qkv, a, b, params, norm) -> [T, Hv·Dv]`, the same mixing with the
-    layer's output norm applied in the same launch (`norm`: `ops.gdn_output_norm`'s, not None).
+    without it the layer runs the reference ops span by span.
     """
 
     conv_weight: torch.Tensor  # [C, K] fp32
@@ -181,20 +179,14 @@ class GatedDeltaNet(nn.Module):
         cfg = self.cfg
         mixed, z, a, b = self._project(x)
         z = z.view(-1, cfg.gdn_value_heads, cfg.gdn_value_dim)
-        # the output projection's recorded input-column order is applied by the norm as it writes
-        columns = self.output.input_columns, self.output.input_scatter, self.output.scatter_run
-        mix_normed = getattr(ctx, "gdn_mix_normed", None)  # optional backend hooks, see GdnParams
-        norm = None if mix_normed is None else ops.gdn_output_norm(z, self.norm_weight, self.eps, x.dtype,
-                                                                  *columns)
-        if norm is not None:
-            out = mix_normed(self.gdn_index, mixed, a, b, self.params, norm)
+        fused = getattr(ctx, "gdn_mix", None)  # optional backend hook, see GdnParams
+        if fused is not None:
+            core = fused(self.gdn_index, mixed, a, b, self.params)  # fp32: cast inside the gated norm
         else:
-            fused = getattr(ctx, "gdn_mix", None)
-            if fused is not None:
-                core = fused(self.gdn_index, mixed, a, b, self.params)  # fp32: cast inside the gated norm
-            else:
-                core = self._mix(mixed, a, b, ctx)
-            out = ops.gated_rms_norm(core, z, self.norm_weight, self.eps, x.dtype, *columns)
+            core = self._mix(mixed, a, b, ctx)
+        # the output projection's recorded input-column order is applied by the norm as it writes
+        out = ops.gated_rms_norm(core, z, self.norm_weight, self.eps, x.dtype, self.output.input_columns,
+                                 self.output.input_scatter, self.output.scatter_run)
         # the very tensor (not a new view of it) when flat: its int8 activation is found by identity
         flat = out if out.dim() == 2 else out.reshape(x.shape[0], -1)
         return self.output(flat, columns_applied=True)

@@ -67,23 +67,9 @@ def test_single_step_matches_transformers():
         assert torch.equal(mine["conv_slots"][untouched], layer["conv_slots"][untouched])
 
 
-@pytest.fixture
-def early(request, monkeypatch):
-    """NINFER_GDN_EARLY set to the parameter for the test (the state read before the PDL wait), then unset."""
-    from ninfer.kernels import triton_support
-
-    monkeypatch.setenv("NINFER_GDN_EARLY", request.param)
-    triton_support.reread_launch_settings()
-    assert triton_support.early_state_loads() == (request.param == "1")
-    yield
-    monkeypatch.undo()
-    triton_support.reread_launch_settings()
-
-
 @needs_triton
-@pytest.mark.parametrize("early", ["0", "1"], indirect=True)
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
-def test_multi_position_states_match_reference(state_dtype, early):
+def test_multi_position_states_match_reference(state_dtype):
     gen = torch.Generator().manual_seed(12 if state_dtype == torch.float32 else 13)
     B, T, Hk, Hv, Dk, Dv = 2, 3, 1, 2, 16, 64  # Dv 64: two 32-wide value slices per head
     layer = make_layer(gen, B, T, Hk, Hv, Dk, Dv, slots=5, state_dtype=state_dtype)

@@ -25,6 +25,13 @@ from ninfer.errors import NinferError
 from ninfer.kernels import reference
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_sum, triton_runs_on
 
+# Decode tiles (read at each call; `bench/step_profile.py --sweep gdn=BLOCK_V:WARPS:BLOCK_C` times others in
+# the captured 27B step): value columns per recurrence program (Dv / BLOCK_V programs per lane and value
+# head), that program's warps, channels per conv program.
+RECURRENT_BLOCK_V = 32
+RECURRENT_WARPS = 4
+CONV_BLOCK_C = 256
+
 
 class GdnKernelError(NinferError):
     """Gated DeltaNet decode inputs of the wrong shape or type."""
@@ -198,16 +205,18 @@ def gdn_decode(
     if return_all_states:
         states = torch.empty((B, T, Hv, Dk, Dv), dtype=state_slots.dtype, device=dev)
         convs = torch.empty((B, T, C, 3), dtype=conv_slots.dtype, device=dev)
-    block_c = 256
+    block_c = CONV_BLOCK_C
     _conv_kernel[(B, -(-C // block_c))](
         mixed_qkv, conv_weight.contiguous(), conv_slots, slot_ids, y, convs if convs is not None else y,
         T, C, mixed_qkv.stride(0), mixed_qkv.stride(1), conv_slots.stride(0), conv_slots.stride(1),
         BLOCK_C=block_c, STORE_ALL=return_all_states, **pdl_options(mixed_qkv),
     )
-    block_v = min(32, Dv)
+    block_v = min(RECURRENT_BLOCK_V, Dv)
+    warps = {} if dev.type == "cpu" else {"num_warps": RECURRENT_WARPS}
     _recurrent_kernel[(B, Hv, -(-Dv // block_v))](
         y, a, b, a_log, dt_bias, state_slots, slot_ids, out, states if states is not None else out,
         T, C, Hv, a.stride(0), a.stride(1), state_slots.stride(0), state_slots.stride(1),
         HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states, **pdl_options(y),
+        **warps,
     )
     return GdnDecodeResult(out, states, convs)

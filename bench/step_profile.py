@@ -10,6 +10,8 @@ time (and with --graphs its time through CUDA graphs).
     python3 bench/step_profile.py --wtype q4_k --sweep routes=q4k_r1,routes=current --lanes 8 --prompt 512
     python3 bench/step_profile.py --wtype q4_k --lanes 8 --prompt 512 \\
         --sweep routes=current,frag=q4_k:34816x5120:8:frag_w2_r1_m8_s8,frag=q4_k:5120x17408:8:frag_w4_r1_m8_s8
+    python3 bench/step_profile.py --wtype q4_k --lanes 1,8 --prompt 512 --no-rate \
+        --sweep attn=2:64,gdn=16:4:256   # decode attention's page runs, the GDN decode tiles
 
 Kernel names are grouped by their prefix before the first '<' or '(' (Triton kernels keep their Python name).
 """

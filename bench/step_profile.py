@@ -200,8 +200,8 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     NINFER_PDL_LATE=0; the name `lookahead` sets the engine's decode lookahead, seen by --lanes only; `routes`
     one of ROUTE_SETS; `frag` one matrix's fragment schedule at one width, see `frag_override`; `attn`
     RUN:SPLITS the decode attention's paged_attention.DECODE_RUN_PAGES and DECODE_SPLITS; `gdn`
-    BLOCK_V:WARPS:BLOCK_C gdn_decode's decode tiles), the graphs captured again for each, twice over in
-    alternating order (the machine's drift shows as the difference)."""
+    BLOCK_V:WARPS:BLOCK_C gdn_decode's decode tiles, BLOCK_V for any number of lanes), the graphs captured
+    again for each, twice over in alternating order (the machine's drift shows as the difference)."""
     import os
     from dataclasses import replace
 
@@ -209,14 +209,16 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
 
     current = dict(gemv_frag.MEASURED_ROUTES)
     attn = paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS
-    gdn = gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS, gdn_decode.CONV_BLOCK_C
+    gdn = (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
+           gdn_decode.CONV_BLOCK_C)
     out: dict[str, list[float]] = {}
     routes = gemv_frag.MEASURED_ROUTES
     for setting in settings + settings[::-1]:
         routes.clear()
         routes.update(current)  # each setting's routes start from the current ones
         paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
-        gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS, gdn_decode.CONV_BLOCK_C = gdn
+        (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
+         gdn_decode.CONV_BLOCK_C) = gdn
         for assignment in setting.split("+"):
             name, _, value = assignment.partition("=")
             if name == "routes":
@@ -229,9 +231,10 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
             elif name == "attn":  # decode attention's runs: RUN pages at least, SPLITS programs at most
                 run, splits = map(int, value.split(":"))
                 paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = run, splits
-            elif name == "gdn":  # value columns, warps per GDN recurrence program; channels per conv program
-                (gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
-                 gdn_decode.CONV_BLOCK_C) = map(int, value.split(":"))
+            elif name == "gdn":  # value columns (any lanes), warps per GDN recurrence program; conv channels
+                columns, warps, channels = map(int, value.split(":"))
+                gdn_decode.RECURRENT_BLOCK_V_ONE_LANE = gdn_decode.RECURRENT_BLOCK_V = columns
+                gdn_decode.RECURRENT_WARPS, gdn_decode.CONV_BLOCK_C = warps, channels
             elif name == "lookahead":
                 engine.config = replace(engine.config, decode_lookahead=value == "1")
             else:
@@ -263,7 +266,8 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     routes.clear()
     routes.update(current)
     paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
-    gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS, gdn_decode.CONV_BLOCK_C = gdn
+    (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
+     gdn_decode.CONV_BLOCK_C) = gdn
     return {k: min(t) for k, t in out.items()}
 
 

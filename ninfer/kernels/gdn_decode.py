@@ -27,8 +27,9 @@ from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_sta
 
 # Decode tiles (read at each call; `bench/step_profile.py --sweep gdn=BLOCK_V:WARPS:BLOCK_C` times others in
 # the captured 27B step): value columns per recurrence program (Dv / BLOCK_V programs per lane and value
-# head; one lane takes half as many columns: H200 session 19, 16 columns a program made the one-lane step
-# 0.025 ms faster and the eight-lane round 0.07 ms slower), that program's warps, channels per conv program.
+# head) for one lane and for several (H200 session 19: 16 columns made the one-lane step 0.025 ms faster and
+# the eight-lane round 0.07 ms slower), that program's warps, channels per conv program.
+RECURRENT_BLOCK_V_ONE_LANE = 16
 RECURRENT_BLOCK_V = 32
 RECURRENT_WARPS = 4
 CONV_BLOCK_C = 256
@@ -212,7 +213,7 @@ def gdn_decode(
         T, C, mixed_qkv.stride(0), mixed_qkv.stride(1), conv_slots.stride(0), conv_slots.stride(1),
         BLOCK_C=block_c, STORE_ALL=return_all_states, **pdl_options(mixed_qkv),
     )
-    block_v = min(RECURRENT_BLOCK_V // (2 if B == 1 else 1), Dv)
+    block_v = min(RECURRENT_BLOCK_V_ONE_LANE if B == 1 else RECURRENT_BLOCK_V, Dv)
     warps = {} if dev.type == "cpu" else {"num_warps": RECURRENT_WARPS}
     _recurrent_kernel[(B, Hv, -(-Dv // block_v))](
         y, a, b, a_log, dt_bias, state_slots, slot_ids, out, states if states is not None else out,

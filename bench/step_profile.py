@@ -12,6 +12,8 @@ time (and with --graphs its time through CUDA graphs).
         --sweep routes=current,frag=q4_k:34816x5120:8:frag_w2_r1_m8_s8,frag=q4_k:5120x17408:8:frag_w4_r1_m8_s8
     python3 bench/step_profile.py --wtype q4_k --lanes 1,8 --prompt 512 --no-rate \
         --sweep attn=2:64,gdn=16:4:256   # decode attention's page runs, the GDN decode tiles
+    python3 bench/step_profile.py --wtype q4_k --lanes 1 --prompt 512 --no-rate \
+        --sweep skip=,skip=fused._swiglu_kernel   # what a step would save without a kernel (outputs wrong)
 
 Kernel names are grouped by their prefix before the first '<' or '(' (Triton kernels keep their Python name).
 """
@@ -195,13 +197,37 @@ def frag_override(value: str) -> tuple[tuple[str, int, int], int, str | None]:
     return (fmt, rows, cols), width_slot(int(width)) - 1, None if schedule == "none" else schedule
 
 
+class _Skipped:
+    """Stands for a Triton kernel whose launches are dropped (`--sweep skip=`): `kernel[grid](...)` does
+    nothing, so the step runs without it (its consumers read stale data: a timing probe only)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def skip_kernels(names: str) -> list[tuple[object, str, object]]:
+    """Replace each `module.kernel` of ninfer.kernels (joined by ":") with `_Skipped`; returns what to put
+    back."""
+    import importlib
+
+    undo = []
+    for name in filter(None, names.split(":")):
+        module_name, _, kernel = name.rpartition(".")
+        module = importlib.import_module(f"ninfer.kernels.{module_name}")
+        undo.append((module, kernel, getattr(module, kernel)))
+        setattr(module, kernel, _Skipped())
+    return undo
+
+
 def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     """The captured step's GPU time under each launch setting ("NAME=value", several joined by "+", e.g.
     NINFER_PDL_LATE=0; the name `lookahead` sets the engine's decode lookahead, seen by --lanes only; `routes`
     one of ROUTE_SETS; `frag` one matrix's fragment schedule at one width, see `frag_override`; `attn`
     RUN:SPLITS the decode attention's paged_attention.DECODE_RUN_PAGES and DECODE_SPLITS; `gdn`
-    BLOCK_V:WARPS:BLOCK_C gdn_decode's decode tiles, BLOCK_V for any number of lanes), the graphs captured
-    again for each, twice over in alternating order (the machine's drift shows as the difference)."""
+    BLOCK_V:WARPS:BLOCK_C gdn_decode's decode tiles, BLOCK_V for any number of lanes; `skip`
+    module.kernel[:module.kernel…] of ninfer.kernels left out of the step, an upper bound on what fusing them
+    away could gain), the graphs captured again for each, twice over in alternating order (the machine's
+    drift shows as the difference)."""
     import os
     from dataclasses import replace
 
@@ -219,9 +245,12 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
         paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
         (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
          gdn_decode.CONV_BLOCK_C) = gdn
+        undo = []
         for assignment in setting.split("+"):
             name, _, value = assignment.partition("=")
-            if name == "routes":
+            if name == "skip":
+                undo += skip_kernels(value)
+            elif name == "routes":
                 routes.update(ROUTE_SETS[value])
             elif name == "frag":  # one matrix and width on one schedule
                 key, slot, schedule = frag_override(value)
@@ -263,6 +292,8 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
             line += (f" (replay {ms_c:.3f} ms = {c / ms_c * 1e3:.1f} tok/s; own slots and {a.prompt}"
                      f" tokens {real:.3f} ms = {c / real * 1e3:.1f} tok/s)")
         print(line, flush=True)
+        for module, kernel, original in undo:
+            setattr(module, kernel, original)
     routes.clear()
     routes.update(current)
     paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn

@@ -2,6 +2,7 @@
 their block loop: registers, SASS instruction count, loads and dp4a (IDP) count.
 
     NINFER_TRITON_COMPILE_CHECK=1 python bench/sass_rows.py [--schedules A,B] [--format q4_k|q5_k]
+        [--conv]       # the chunk lanes built with the GDN decode conv in the epilogue
         [--unhinted]   # also the build Triton makes when the row length is not a multiple of 16 (rows of a
                        # number of blocks that is not a multiple of 4: 2560 or 9728 columns)
 """
@@ -26,6 +27,7 @@ def main() -> int:
     p.add_argument("--unhinted", action="store_true",
                    help="also build with the row length not 16-divisible (Triton specialises on that at run "
                         "time)")
+    p.add_argument("--conv", action="store_true", help="the chunk lanes' build with the GDN conv epilogue")
     a = p.parse_args()
     sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "y_ptr": "*bf16",
            "N": "i32", "K": "i32", "M": "i32", "row_quads": "i32", "stride_ym": "i32"}
@@ -34,13 +36,15 @@ def main() -> int:
         s = g.SCHEDULES[name]
         const = dict(FMT=g._FMT[a.format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,
                      SPLIT_K=s.split_k, EVEN=True, CACHE=s.cache, EMULATE=False, PDL=3)
-        kernel = g._gemv_rows_p_kernel
+        kernel, sig_k = g._gemv_rows_p_kernel, sig
         if s.lanes != "piece":
-            kernel, const["R"] = g._gemv_rows_kernel, s.rows_per_lane
+            kernel, const["R"], const["CONV"] = g._gemv_rows_kernel, s.rows_per_lane, a.conv
+            sig_k = {**sig, "cw_ptr": "*fp32", "cs_ptr": "*fp32", "slot_ptr": "*i32", "co_ptr": "*fp32",
+                     "C": "i32", "s_cs": "i32"}
         builds = [("", hinted)] + ([(" unhinted", tuple(h for h in hinted if h != "row_quads"))]
                                    if a.unhinted else [])
         for label, hints in builds:
-            c = compile_sm90(kernel, sig, const, hints, s.num_warps, 1)
+            c = compile_sm90(kernel, sig_k, const, hints, s.num_warps, 1)
             regs = re.search(r"REG:(\d+)", cuobjdump(c, "-res-usage")).group(1)
             mix = opcode_mix(body := loop_body(cuobjdump(c, "-sass")))
             print(f"{a.format}:{name}{label}: regs {regs} loop {len(body)} "

@@ -213,6 +213,31 @@ def test_gdn_decode_on_gpu(state_dtype):
     assert torch.equal(inputs["conv_slots"], ref_in["conv_slots"])
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "iq3_s"])
+def test_gdn_conv_in_the_projection_on_gpu(fmt):
+    """The 27B GDN input projection (q|k|v|z|a|b 16480×5120) at 1-2 lanes on its rows route, the conv run in
+    its epilogue (gdn_decode.ConvEpilogue), against the plain GEMV then the conv kernel."""
+    from ninfer.kernels.gdn_decode import ConvEpilogue, _conv_kernel
+
+    rows, channels = 16480, 10240
+    raw = random_gguf_weight(fmt, rows, 5120, "cuda")
+    weight = torch.randn(channels, 4, device="cuda") * 0.3
+    for lanes in (1, 2):
+        x = torch.randn(lanes, 5120, device="cuda", dtype=torch.bfloat16)
+        slots = torch.randn(4, channels, 3, device="cuda")
+        ids = torch.tensor([3, 1][:lanes], device="cuda", dtype=torch.int32)
+        plain = quant_matmul(raw, fmt, x, rows)
+        want_slots, want = slots.clone(), torch.empty(lanes, 1, channels, device="cuda")
+        _conv_kernel[(lanes, channels // 256)](plain[:, None], weight, want_slots, ids, want, want, 1,
+                                               channels, plain.stride(0), plain.stride(0), 3 * channels, 3,
+                                               BLOCK_C=256, STORE_ALL=False)
+        conv = ConvEpilogue.of(weight, slots, ids)
+        y = quant_matmul(raw, fmt, x, rows, conv=conv)
+        assert conv.applied and torch.equal(y, plain)
+        assert rel(conv.out, want[:, 0]) < 1e-6  # the same fp32 operations, FMA contraction aside
+        assert torch.equal(slots, want_slots)
+
+
 @pytest.mark.parametrize("name", ["bf16", "int8", "rk8v4", "rk4v4"])
 def test_paged_attention_on_gpu(name):
     fmt = kv_quant.kv_format(name, 256)
@@ -278,9 +303,10 @@ def _greedy(model, device: str, dtype: str, kv_dtype: str, ref) -> tuple[dict, d
     return tokens, margins
 
 
-@pytest.mark.parametrize("gguf_name", ["model-bf16.gguf", "model-q8_0.gguf"])
+@pytest.mark.parametrize("gguf_name", ["model-bf16.gguf", "model-q8_0.gguf", "model-iq3_s.gguf"])
 def test_fixture_greedy_gpu_matches_cpu(tiny_dir, tmp_path, gguf_name):
-    """The fixture model on the GPU (bf16 compute; the q8_0 file through the quantized kernels) gives the CPU
+    """The fixture model on the GPU (bf16 compute; the q8_0 and iq3_s files through the quantized kernels, the
+    iq3_s GDN input projection running the decode conv in its epilogue) gives the CPU
     reference engine's greedy tokens (fp32, dense weights) up to the first step whose CPU top-1/top-2 margin
     is under 0.1 (bf16 compute moves logits by ~1e-2; issue 5: >= 16 identical tokens on the bf16 file)."""
     import contextlib

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.engine.state_pool import GdnStatePool
-from ninfer.kernels.gdn_decode import gdn_decode
+from ninfer.kernels.gdn_decode import ConvEpilogue, gdn_decode
 from ninfer.kernels.gdn_prefill import gdn_prefill
 from ninfer.kernels.reference import l2_norm
 from ninfer.models.context import SequenceSpan
@@ -40,6 +40,11 @@ class GdnMixPlan:
     rows: int
     short_slots: tuple[torch.Tensor | None, ...] = ()  # per span: its slot id on the device when short
 
+    @property
+    def all_decodes(self) -> bool:
+        """Every row a one-token span, in row order (one `gdn_decode` call for the whole batch)."""
+        return self.decode_slots is not None and self.decode_rows is None
+
     @classmethod
     def of(cls, spans: list[SequenceSpan], device: torch.device) -> GdnMixPlan:
         one = [s for s in spans if s.length == 1]
@@ -56,13 +61,20 @@ class GdnMixPlan:
 
 
 def decode_mix(states: GdnStatePool, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor,
-               b: torch.Tensor, params, slot_ids: torch.Tensor) -> torch.Tensor:
+               b: torch.Tensor, params, slot_ids: torch.Tensor, conv_done: bool = False) -> torch.Tensor:
     """B one-token spans in one `gdn_decode` call: mixed_qkv [B, C], a/b [B, Hv] -> o [B, Hv, Dv] fp32.
-    No host synchronisation (the slot ids stay on the device): safe inside a CUDA graph."""
+    No host synchronisation (the slot ids stay on the device): safe inside a CUDA graph. `conv_done`:
+    mixed_qkv is the conv's output already (`decode_conv`'s epilogue ran in the input projection)."""
     result = gdn_decode(mixed_qkv[:, None], a[:, None], b[:, None], params.conv_weight, params.a_log,
                         params.dt_bias, states.conv[gdn_layer], states.recurrent[gdn_layer], slot_ids,
-                        params.num_key_heads)
+                        params.num_key_heads, conv_done=conv_done)
     return result.output[:, 0]
+
+
+def decode_conv(states: GdnStatePool, gdn_layer: int, params, slot_ids: torch.Tensor) -> ConvEpilogue:
+    """The decode conv of B one-token spans on lanes `slot_ids`, for the input projection's GEMV to run in
+    its epilogue (`gdn_decode.ConvEpilogue`), unless NINFER_CONV_EPILOGUE=0 leaves it to `decode_mix`."""
+    return ConvEpilogue.of(params.conv_weight, states.conv[gdn_layer], slot_ids)
 
 
 def span_mix(states: GdnStatePool, gdn_layer: int, slot: int, mixed_qkv: torch.Tensor, a: torch.Tensor,
@@ -90,10 +102,13 @@ def span_mix(states: GdnStatePool, gdn_layer: int, slot: int, mixed_qkv: torch.T
 
 
 def mix(plan: GdnMixPlan, states: GdnStatePool, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor,
-        b: torch.Tensor, params) -> torch.Tensor:
-    """The `gdn_mix` hook over a forward's spans -> o [T, Hv, Dv] fp32."""
-    if plan.decode_slots is not None and plan.decode_rows is None:
-        return decode_mix(states, gdn_layer, mixed_qkv, a, b, params, plan.decode_slots)
+        b: torch.Tensor, params, conv_done: bool = False) -> torch.Tensor:
+    """The `gdn_mix` hook over a forward's spans -> o [T, Hv, Dv] fp32 (`conv_done`: where every row is a
+    one-token span in order, as `GdnMixPlan.all_decodes` says)."""
+    if plan.all_decodes:
+        return decode_mix(states, gdn_layer, mixed_qkv, a, b, params, plan.decode_slots, conv_done)
+    if conv_done:
+        raise ValueError("the GDN conv ran in the projection, but the forward has spans longer than a token")
     if plan.decode_slots is None and len(plan.spans) == 1:  # one span is the whole batch: no copy
         return _span_rows(states, gdn_layer, plan.spans[0], plan.short_slots[0], mixed_qkv, a, b, params)
     out = torch.empty(plan.rows, params.num_value_heads, params.value_dim, dtype=torch.float32,

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ninfer.engine.gdn_mix import SHORT_SPAN, decode_mix
+from ninfer.engine.gdn_mix import SHORT_SPAN, decode_conv, decode_mix
 from ninfer.engine.kv_pool import PAGE_TOKENS, KvPool
 from ninfer.engine.state_pool import GdnStatePool
-from ninfer.kernels.gdn_decode import gdn_decode
+from ninfer.kernels.gdn_decode import ConvEpilogue, gdn_decode
 from ninfer.kernels.paged_attention import paged_decode_attention
 from ninfer.models.context import GdnState, SequenceSpan
 
@@ -80,14 +80,21 @@ class GraphDecodeContext:
                                       self.inputs[_LEN], self._kv.fmt, gate=gate)
 
     def gdn_mix(self, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                params) -> torch.Tensor:
+                params, conv_done: bool = False) -> torch.Tensor:
         if self.positions == 1:
-            return decode_mix(self._states, gdn_layer, mixed_qkv, a, b, params, self._lane_slots)
+            return decode_mix(self._states, gdn_layer, mixed_qkv, a, b, params, self._lane_slots, conv_done)
+        if conv_done:
+            raise ValueError("the GDN conv ran in the projection of a several-position span")
         shape = (self.batch, self.positions)
         out = gdn_decode(mixed_qkv.unflatten(0, shape), a.unflatten(0, shape), b.unflatten(0, shape),
                          params.conv_weight, params.a_log, params.dt_bias, self._states.conv[gdn_layer],
                          self._states.recurrent[gdn_layer], self._lane_slots, params.num_key_heads).output
         return out.flatten(0, 1)
+
+    def gdn_conv(self, gdn_layer: int, params, rows: int) -> ConvEpilogue | None:
+        """The decode conv for the input projection to run (`models.qwen3_5.GdnParams`); one position a lane
+        only."""
+        return decode_conv(self._states, gdn_layer, params, self._lane_slots) if self.positions == 1 else None
 
     def gdn_state(self, gdn_layer: int, span_index: int) -> GdnState:
         raise RuntimeError("GraphDecodeContext mixes GDN layers through gdn_mix; a model asked for gdn_state")

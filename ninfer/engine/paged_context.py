@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ninfer.engine.gdn_mix import GdnMixPlan
+from ninfer.engine.gdn_mix import GdnMixPlan, decode_conv
 from ninfer.engine.gdn_mix import mix as mix_spans
 from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.state_pool import GdnStatePool
+from ninfer.kernels.gdn_decode import ConvEpilogue
 from ninfer.kernels.kv_quant import rotate
 from ninfer.kernels.paged_attention import kernel_supports
 from ninfer.kernels.prefill_attention import prefill_attention
@@ -113,12 +114,21 @@ class PagedBatchContext:
                                        self._kv.page_index(span.slot, span.cached_tokens + span.length))
         return self._where[span_index]
 
-    def gdn_mix(self, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                params) -> torch.Tensor:
-        """GDN token mixing on the kernels (`ninfer.engine.gdn_mix`; contract: `models.qwen3_5.GdnParams`)."""
+    def _plan(self) -> GdnMixPlan:
         if self._gdn_plan is None:  # once per forward, shared by every GDN layer
-            self._gdn_plan = GdnMixPlan.of(self.spans, mixed_qkv.device)
-        return mix_spans(self._gdn_plan, self._states, gdn_layer, mixed_qkv, a, b, params)
+            self._gdn_plan = GdnMixPlan.of(self.spans, self._kv.device)
+        return self._gdn_plan
+
+    def gdn_mix(self, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                params, conv_done: bool = False) -> torch.Tensor:
+        """GDN token mixing on the kernels (`ninfer.engine.gdn_mix`; contract: `models.qwen3_5.GdnParams`)."""
+        return mix_spans(self._plan(), self._states, gdn_layer, mixed_qkv, a, b, params, conv_done)
+
+    def gdn_conv(self, gdn_layer: int, params, rows: int) -> ConvEpilogue | None:
+        """The decode conv for the input projection to run (`GdnParams`), where every row is a one-token
+        span."""
+        plan = self._plan()
+        return decode_conv(self._states, gdn_layer, params, plan.decode_slots) if plan.all_decodes else None
 
     def gdn_state(self, gdn_layer: int, span_index: int) -> GdnState:
         key = (gdn_layer, span_index)

@@ -8,6 +8,9 @@ Decode (and the T ≤ 16 positions of a speculative verification) runs two small
    `S ← exp(g)·S; S ← S + k ⊗ beta·(v − Sᵀk); o = Sᵀq`, the state held in registers between positions
    and written back once (fp32 or fp16 slots). Optionally every position's state is written too, so a
    verifier can commit the accepted prefix.
+At one position a lane the conv can instead run in the epilogue of the GEMV that makes its input (the
+merged input projection's rows kernels: `ConvEpilogue`, `conv_epilogue_store`), one launch and one round
+trip through memory fewer a layer; `gdn_decode(conv_done=True)` then runs only the recurrence.
 Layouts: mixed_qkv `[B, T, C]` with C = q (Hk·Dk) | k (Hk·Dk) | v (Hv·Dv), value heads in grouped order
 (value head h reads key head h // (Hv/Hk)); conv slots `[slots, C, K-1]` (oldest input first, as
 `reference.causal_conv1d`); recurrent slots `[slots, Hv, Dk, Dv]`; `slot_ids` int32 `[B]`.
@@ -39,6 +42,35 @@ class GdnKernelError(NinferError):
     """Gated DeltaNet decode inputs of the wrong shape or type."""
 
 
+@dataclass
+class ConvEpilogue:
+    """The decode conv + SiLU of a GDN layer (`_conv_kernel` for one token a lane), for the GEMV that makes
+    its input to do in its epilogue: column m of that GEMV is lane m's token; outputs 0..C-1 are the conv
+    channels; lane m's conv slot `slot_ids[m]` of `slots` `[S, C, 3]` moves on by that input and `out`
+    `[M, C]` (fp32) gets silu(conv), what `gdn_decode` then reads instead of running its conv (`conv_done`).
+    `applied` is set by the GEMV that did it (`gguf_matmul.quant_matmul`: rows kernels without split-K)."""
+
+    weight: torch.Tensor  # [C, 4] fp32, contiguous
+    slots: torch.Tensor  # [S, C, 3], the layer's conv slots (unit stride along the taps)
+    slot_ids: torch.Tensor  # [M] int32
+    out: torch.Tensor  # [M, C] fp32
+    applied: bool = False
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor) -> ConvEpilogue:
+        C = slots.shape[1]
+        return cls(weight.float().contiguous(), slots, slot_ids,
+                   torch.empty((slot_ids.shape[0], C), dtype=torch.float32, device=slots.device))
+
+    @property
+    def channels(self) -> int:
+        return self.slots.shape[1]
+
+    def launch_args(self) -> tuple:
+        """The GEMV kernels' conv arguments (cw_ptr, cs_ptr, slot_ptr, co_ptr, C, s_cs)."""
+        return self.weight, self.slots, self.slot_ids, self.out, self.channels, self.slots.stride(0)
+
+
 @dataclass(frozen=True)
 class GdnDecodeResult:
     """Output `[B, T, Hv, Dv]` (fp32); per-position states when asked for."""
@@ -51,20 +83,24 @@ class GdnDecodeResult:
 def gdn_decode_reference(
     mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
     a_log: torch.Tensor, dt_bias: torch.Tensor, conv_slots: torch.Tensor, state_slots: torch.Tensor,
-    slot_ids: torch.Tensor, num_key_heads: int, return_all_states: bool = False,
+    slot_ids: torch.Tensor, num_key_heads: int, return_all_states: bool = False, conv_done: bool = False,
 ) -> GdnDecodeResult:
-    """The decode step from the reference ops, one lane at a time; updates the slots in place."""
+    """The decode step from the reference ops, one lane at a time; updates the slots in place (`conv_done`:
+    mixed_qkv is the conv's output, the conv slots moved on already)."""
     B, T, C = mixed_qkv.shape
     Hv, Dk, Dv = state_slots.shape[1:]
     Hk = num_key_heads
     outs, states, convs = [], [], []
     for lane in range(B):
         slot = int(slot_ids[lane])
-        y, _ = reference.causal_conv1d(mixed_qkv[lane].float(), conv_weight, conv_slots[slot].float())
-        full = torch.cat([conv_slots[slot].float(), mixed_qkv[lane].float().t()], dim=1)
-        k_minus_1 = conv_slots.shape[2]
-        convs.append(torch.stack([full[:, t + 1:t + 1 + k_minus_1] for t in range(T)]))
-        conv_slots[slot] = full[:, T:].to(conv_slots.dtype)
+        if conv_done:
+            y = mixed_qkv[lane].float()
+        else:
+            y, _ = reference.causal_conv1d(mixed_qkv[lane].float(), conv_weight, conv_slots[slot].float())
+            full = torch.cat([conv_slots[slot].float(), mixed_qkv[lane].float().t()], dim=1)
+            k_minus_1 = conv_slots.shape[2]
+            convs.append(torch.stack([full[:, t + 1:t + 1 + k_minus_1] for t in range(T)]))
+            conv_slots[slot] = full[:, T:].to(conv_slots.dtype)
         q = reference.l2_norm(y[:, :Hk * Dk].reshape(T, Hk, Dk)) * Dk ** -0.5
         k = reference.l2_norm(y[:, Hk * Dk:2 * Hk * Dk].reshape(T, Hk, Dk))
         v = y[:, 2 * Hk * Dk:].reshape(T, Hv, Dv)
@@ -82,6 +118,30 @@ def gdn_decode_reference(
 
 # ---------------------------------------------------------------------------------------------------------
 # Triton kernels
+
+
+@jit
+def conv_epilogue_store(y_ptr, out, mo, no, M, N, stride_ym, cw_ptr, cs_ptr, slot_ptr, co_ptr, C, s_cs):
+    """A GEMV's sums `out` at (column mo, row no) into y as `_store` does (its dtype), and for the rows
+    below C the decode conv of `ConvEpilogue` on those very values: lane mo's conv slot read and moved on,
+    silu(conv) into co `[M, C]` (the arithmetic of `_conv_kernel`)."""
+    live = (mo < M) & (no < N)
+    x = out.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + mo * stride_ym + no, x, mask=live)
+    ok = live & (no < C)
+    x = x.to(tl.float32)
+    slot = tl.load(slot_ptr + tl.minimum(mo, M - 1), mask=mo < M, other=0).to(tl.int64)
+    cp = cs_ptr + slot * s_cs + no * 3
+    s0 = tl.load(cp, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(cp + 1, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(cp + 2, mask=ok, other=0.0).to(tl.float32)
+    w = cw_ptr + no * 4
+    acc = (tl.load(w, mask=ok, other=0.0) * s0 + tl.load(w + 1, mask=ok, other=0.0) * s1
+           + tl.load(w + 2, mask=ok, other=0.0) * s2 + tl.load(w + 3, mask=ok, other=0.0) * x)
+    tl.store(co_ptr + mo * C + no, acc / (1.0 + tl.exp(-acc)), mask=ok)
+    tl.store(cp, s1.to(cs_ptr.dtype.element_ty), mask=ok)
+    tl.store(cp + 1, s2.to(cs_ptr.dtype.element_ty), mask=ok)
+    tl.store(cp + 2, x.to(cs_ptr.dtype.element_ty), mask=ok)
 
 
 @jit
@@ -184,35 +244,42 @@ def _check(mixed_qkv, a, b, conv_weight, conv_slots, state_slots, slot_ids, num_
 def gdn_decode(
     mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
     a_log: torch.Tensor, dt_bias: torch.Tensor, conv_slots: torch.Tensor, state_slots: torch.Tensor,
-    slot_ids: torch.Tensor, num_key_heads: int, return_all_states: bool = False,
+    slot_ids: torch.Tensor, num_key_heads: int, return_all_states: bool = False, conv_done: bool = False,
 ) -> GdnDecodeResult:
     """One decode step (T positions per lane) of a GDN layer; conv and recurrent slots updated in place.
 
     Runs the two Triton launches where Triton can run, else `gdn_decode_reference`. Output fp32.
+    `conv_done` (one position a lane): mixed_qkv is the conv's output already (a `ConvEpilogue` ran it and
+    moved the conv slots on): only the recurrence runs.
     """
     _check(mixed_qkv, a, b, conv_weight, conv_slots, state_slots, slot_ids, num_key_heads)
+    if conv_done and (mixed_qkv.shape[1] != 1 or return_all_states):
+        raise GdnKernelError("conv_done takes one position a lane and no per-position states")
     B, T, C = mixed_qkv.shape
     Hv, Dk, Dv = state_slots.shape[1:]
     usable = (HAVE_TRITON and triton_runs_on(mixed_qkv) and conv_slots.stride(2) == 1
               and state_slots.is_contiguous() and mixed_qkv.stride(2) == 1 and Dk & (Dk - 1) == 0)
     if not usable:
         return gdn_decode_reference(mixed_qkv, a, b, conv_weight, a_log, dt_bias, conv_slots, state_slots,
-                                    slot_ids, num_key_heads, return_all_states)
+                                    slot_ids, num_key_heads, return_all_states, conv_done)
     dev = mixed_qkv.device
     if a.stride(2) != 1 or b.stride() != a.stride():  # the kernel reads both with a's strides (column views
         a, b = a.contiguous(), b.contiguous()          # of one projection share them: no copies)
-    y = torch.empty((B, T, C), dtype=torch.float32, device=dev)
     out = torch.empty((B, T, Hv, Dv), dtype=torch.float32, device=dev)
     states = convs = None
     if return_all_states:
         states = torch.empty((B, T, Hv, Dk, Dv), dtype=state_slots.dtype, device=dev)
         convs = torch.empty((B, T, C, 3), dtype=conv_slots.dtype, device=dev)
-    block_c = CONV_BLOCK_C
-    _conv_kernel[(B, -(-C // block_c))](
-        mixed_qkv, conv_weight.contiguous(), conv_slots, slot_ids, y, convs if convs is not None else y,
-        T, C, mixed_qkv.stride(0), mixed_qkv.stride(1), conv_slots.stride(0), conv_slots.stride(1),
-        BLOCK_C=block_c, STORE_ALL=return_all_states, **pdl_options(mixed_qkv),
-    )
+    if conv_done:
+        y = mixed_qkv.float().contiguous()
+    else:
+        y = torch.empty((B, T, C), dtype=torch.float32, device=dev)
+        block_c = CONV_BLOCK_C
+        _conv_kernel[(B, -(-C // block_c))](
+            mixed_qkv, conv_weight.contiguous(), conv_slots, slot_ids, y, convs if convs is not None else y,
+            T, C, mixed_qkv.stride(0), mixed_qkv.stride(1), conv_slots.stride(0), conv_slots.stride(1),
+            BLOCK_C=block_c, STORE_ALL=return_all_states, **pdl_options(mixed_qkv),
+        )
     block_v = min(RECURRENT_BLOCK_V_ONE_LANE if B == 1 else RECURRENT_BLOCK_V, Dv)
     warps = {} if dev.type == "cpu" else {"num_warps": RECURRENT_WARPS}
     _recurrent_kernel[(B, Hv, -(-Dv // block_v))](

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ninfer.kernels.gdn_decode import ConvEpilogue
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
 from ninfer.kernels.gguf_matmul import (
     MatmulSchedule,
@@ -191,6 +192,7 @@ def rows_route(fmt: str, out_features: int, in_features: int, columns: int) -> R
 
 
 if HAVE_TRITON:
+    from ninfer.kernels.gdn_decode import conv_epilogue_store
 
     @jit
     def _pick(v, e, i: tl.constexpr, ZERO: tl.constexpr = 0):
@@ -310,14 +312,17 @@ if HAVE_TRITON:
                 tl.arange(0, 4)[None, None, None, None, None, :])
 
     @jit
-    def _gemv_rows_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_quads, stride_ym,
-                          FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
-                          R: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
-                          EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
+    def _gemv_rows_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_quads, stride_ym, cw_ptr, cs_ptr,
+                          slot_ptr, co_ptr, C, s_cs, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_M: tl.constexpr, NB: tl.constexpr, R: tl.constexpr, SPLIT_K: tl.constexpr,
+                          EVEN: tl.constexpr, CACHE: tl.constexpr, EMULATE: tl.constexpr,
+                          CONV: tl.constexpr = False, PDL: tl.constexpr = 0):
         """The "chunk" lane map. Tile axes [chunk c, block b, row group g, row r, column m, word e]: lanes
         and warps lie on (c, b, g), words and the R rows of a group and the columns in registers, so an
         activation load serves R rows. Weight-side tensors carry no column axis and activation-side ones no
-        row axis; both keep the full g axis, so they share one layout and broadcast without a conversion."""
+        row axis; both keep the full g axis, so they share one layout and broadcast without a conversion.
+        CONV: the GDN decode conv of the first C rows in the epilogue (`gdn_decode.ConvEpilogue`; the
+        conv arguments are placeholders otherwise)."""
         pdl_start(PDL)
         WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
         QS: tl.constexpr = 4 if FMT == 4 else 12  # first qs word
@@ -360,7 +365,11 @@ if HAVE_TRITON:
         out = tl_sum(tl_sum(acc, 0), 0)  # [G, R, BLOCK_M]
         mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, None, :]
         no = tl.program_id(0) * BLOCK_N + tl.arange(0, R)[None, :, None] * G + tl.arange(0, G)[:, None, None]
-        _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
+        if CONV:
+            conv_epilogue_store(y_ptr, out, mo, no, M, N, stride_ym, cw_ptr, cs_ptr, slot_ptr, co_ptr, C,
+                                s_cs)
+        else:
+            _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
 
     @jit
     def _gemv_rows_p_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_quads, stride_ym,
@@ -439,15 +448,31 @@ def rows_setup(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_feat
     return y, launch, extra
 
 
+def takes_conv(s: RowsSchedule, conv: ConvEpilogue, columns: int, out_features: int) -> bool:
+    """Whether a rows schedule can run a GDN decode conv in its epilogue (`gdn_decode.ConvEpilogue`): no
+    split-K, the chunk lanes of q4_k / q5_k or the i-quant kernel, one conv lane per column."""
+    return (s.split_k == 1 and (s.kernel == "rows_iq" or s.lanes == "chunk")
+            and conv.slot_ids.shape[0] == conv.out.shape[0] == columns and conv.channels <= out_features)
+
+
+def conv_arguments(y: torch.Tensor, conv: ConvEpilogue | None) -> tuple:
+    """The rows kernels' conv arguments: the epilogue's, or placeholders (y for every pointer)."""
+    return (y, y, y, y, 0, 0) if conv is None else conv.launch_args()
+
+
 def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
-              schedule: RowsSchedule | str) -> torch.Tensor:
+              schedule: RowsSchedule | str, conv: ConvEpilogue | None = None) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, q4_k
     or q5_k) and xa the int8 activation; the kernel runs on `raw`'s device (CUDA, or CPU under the
-    interpreter)."""
+    interpreter). `conv`: the epilogue also runs that GDN decode conv on the first outputs (`takes_conv`
+    must hold) and marks it applied."""
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
     y, launch, extra = rows_setup(raw, format, xa, out_features, s, ROWS_FORMATS, "rows GEMV")
+    if conv is not None and not takes_conv(s, conv, n, out_features):
+        raise QuantKernelError(f"schedule {s.name} cannot run the GDN conv of {conv.channels} channels for "
+                               f"{conv.slot_ids.shape[0]} lanes at {n} columns (no split-K, chunk lanes)")
     args = (raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 16,
             y.stride(0))
     common = dict(FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,
@@ -456,5 +481,8 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     if s.lanes == "piece":
         _gemv_rows_p_kernel[launch](*args, SPLIT_K=s.split_k, **common)
     else:
-        _gemv_rows_kernel[launch](*args, R=s.rows_per_lane, SPLIT_K=s.split_k, **common)
+        _gemv_rows_kernel[launch](*args, *conv_arguments(y, conv), R=s.rows_per_lane, SPLIT_K=s.split_k,
+                                  CONV=conv is not None, **common)
+    if conv is not None:
+        conv.applied = True
     return y.to(xa.dtype)

@@ -30,8 +30,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ninfer.kernels.gdn_decode import ConvEpilogue
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
-from ninfer.kernels.gemv_rows import RowsSchedule, rows_setup, shape_class, width_slot
+from ninfer.kernels.gemv_rows import (
+    RowsSchedule,
+    conv_arguments,
+    rows_setup,
+    shape_class,
+    takes_conv,
+    width_slot,
+)
 from ninfer.kernels.gguf_matmul import QuantKernelError, _f16_lo, iq3s_grid16, iq3s_grid_word
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_release, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
@@ -111,6 +119,7 @@ def rows_iq_route(fmt: str, out_features: int, in_features: int, columns: int) -
 
 
 if HAVE_TRITON:
+    from ninfer.kernels.gdn_decode import conv_epilogue_store
     from ninfer.kernels.gemv_q8_iq import prmt
     from ninfer.kernels.gemv_rows import _ld, _pick, _step_range, _store_rows, _tile_axes
 
@@ -170,11 +179,13 @@ if HAVE_TRITON:
         return (((p << 1) | (p << 5)) & 0x1E1E1E1E) | qh_bits
 
     @jit
-    def _gemv_rows_iq3_kernel(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
-                              BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
-                              SPLIT_K: tl.constexpr, EVEN: tl.constexpr, SIGNED: tl.constexpr,
-                              EMULATE: tl.constexpr, PADDED: tl.constexpr = False, PDL: tl.constexpr = 0):
-        """PADDED: the 112-byte aligned blocks of `iq3_s_padded` (qs, signs, qh, scales, d, 2 zero bytes)."""
+    def _gemv_rows_iq3_kernel(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_ym, cw_ptr,
+                              cs_ptr, slot_ptr, co_ptr, C, s_cs, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                              NB: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
+                              SIGNED: tl.constexpr, EMULATE: tl.constexpr, PADDED: tl.constexpr = False,
+                              CONV: tl.constexpr = False, PDL: tl.constexpr = 0):
+        """PADDED: the 112-byte aligned blocks of `iq3_s_padded` (qs, signs, qh, scales, d, 2 zero bytes).
+        CONV: the GDN decode conv of the first C rows in the epilogue (`gdn_decode.ConvEpilogue`)."""
         pdl_start(PDL)
         BB: tl.constexpr = 112 if PADDED else 110  # bytes per block
         c, b, n, m, e = _tile_axes(BLOCK_N, BLOCK_M, NB)
@@ -247,7 +258,13 @@ if HAVE_TRITON:
             dx = _pick(_ld(drow + (blk + b) * 8, ok, EVEN), e, 0, -0.0)
             acc += dw * (isum.to(tl.float32) * dx)
         pdl_release(PDL)
-        _store_rows(y_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M, SPLIT_K)
+        if CONV:
+            no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+            mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+            conv_epilogue_store(y_ptr, tl_sum(tl_sum(acc, 0), 0), mo, no, M, N, stride_ym, cw_ptr, cs_ptr,
+                                slot_ptr, co_ptr, C, s_cs)
+        else:
+            _store_rows(y_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M, SPLIT_K)
 
 
     @jit
@@ -357,10 +374,12 @@ def iq3_s_padded(raw: torch.Tensor) -> torch.Tensor:
 
 
 def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
-                 schedule: RowsIqSchedule | str, padded: bool = False) -> torch.Tensor:
+                 schedule: RowsIqSchedule | str, padded: bool = False, conv: ConvEpilogue | None = None
+                 ) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the GGUF rows `raw` (uint8 `[N, row_bytes]`, iq3_s
     or iq4_xs; "_sg" schedules matter to iq3_s only) and xa the int8 activation; the kernel runs on `raw`'s
-    device (CUDA, or CPU under the interpreter). `padded`: raw is `iq3_s_padded`'s layout (iq3_s)."""
+    device (CUDA, or CPU under the interpreter). `padded`: raw is `iq3_s_padded`'s layout (iq3_s). `conv`
+    (iq3_s): as in `gemv_rows.gemv_rows`."""
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
@@ -370,6 +389,9 @@ def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_fe
                                f"(iq3_s_padded), got {format} {raw.dtype} {list(raw.shape)}")
     y, launch, extra = rows_setup(raw, format, xa, out_features, s, IQ_ROWS_FORMATS, "rows i-quant GEMV",
                                   check=not padded)
+    if conv is not None and (format != "iq3_s" or not takes_conv(s, conv, n, out_features)):
+        raise QuantKernelError(f"schedule {s.name} cannot run the GDN conv of {conv.channels} channels for "
+                               f"{conv.slot_ids.shape[0]} lanes at {n} columns ({format}; iq3_s, no split-K)")
     if s.blocks % 2 and format == "iq3_s":
         raise QuantKernelError(f"schedule {s.name} steps over {s.blocks} blocks; the iq3_s rows GEMV needs "
                                "an even number")
@@ -384,8 +406,11 @@ def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_fe
         return y.to(xa.dtype)
     grid = _grid_words(raw.device, s.signed_grid)
     _gemv_rows_iq3_kernel[launch](_aligned_words(raw), xa.words, xa.d, grid, y, out_features, k, n,
-                                  raw.shape[1], y.stride(0), BLOCK_N=s.block_n, BLOCK_M=s.block_m,
-                                  NB=s.blocks, SPLIT_K=s.split_k, EVEN=k // 256 % s.blocks == 0,
-                                  SIGNED=s.signed_grid, EMULATE=EMULATE_DP4A, PADDED=padded,
-                                  **extra, **pdl_options(raw, trigger=False))
+                                  raw.shape[1], y.stride(0), *conv_arguments(y, conv), BLOCK_N=s.block_n,
+                                  BLOCK_M=s.block_m, NB=s.blocks, SPLIT_K=s.split_k,
+                                  EVEN=k // 256 % s.blocks == 0, SIGNED=s.signed_grid, EMULATE=EMULATE_DP4A,
+                                  PADDED=padded, CONV=conv is not None, **extra,
+                                  **pdl_options(raw, trigger=False))
+    if conv is not None:
+        conv.applied = True
     return y.to(xa.dtype)

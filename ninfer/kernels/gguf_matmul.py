@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.errors import NinferError
+from ninfer.kernels.gdn_decode import ConvEpilogue
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_sum, triton_runs_on
 from ninfer.quant import FORMATS, dequantize
 from ninfer.quant.formats import GGUF_PREFIX
@@ -854,6 +855,10 @@ def check_weight(raw: torch.Tensor, format: str, out_features: int, in_features:
                                f"{raw.dtype} {list(raw.shape)}; pass the artifact tensor's row view")
 
 
+# the formats whose rows kernels run a GDN decode conv in their epilogue (gdn_decode.ConvEpilogue)
+CONV_FORMATS = ("q4_k", "q5_k", "iq3_s")
+
+
 def quant_matmul(
     raw: torch.Tensor,
     format: str,
@@ -861,11 +866,14 @@ def quant_matmul(
     out_features: int,
     schedule: MatmulSchedule | str | None = None,
     dot_f16: bool = True,
+    conv: ConvEpilogue | None = None,
 ) -> torch.Tensor:
     """`x [..., K] @ Wᵀ -> [..., N]` with W the GGUF rows `raw` (uint8 `[N, row_bytes]`), in x's dtype.
 
     Runs a Triton kernel where it can (CUDA, or CPU under the interpreter), else the reference.
-    `dot_f16` picks fp16 (default: more mantissa for the weights) or bf16 operands for the dot.
+    `dot_f16` picks fp16 (default: more mantissa for the weights) or bf16 operands for the dot. `conv`: a
+    GDN decode conv the GEMV may run on its first outputs (the rows kernels' routes without split-K, unless
+    NINFER_CONV_EPILOGUE=0); `conv.applied` says whether it did.
     """
     in_features = x.shape[-1]
     format = format.removeprefix(GGUF_PREFIX)
@@ -909,7 +917,12 @@ def quant_matmul(
                 from ninfer.kernels.gemv_rows import rows_route as route
             rows = route(format, out_features, in_features, M)
         if rows is not None:
-            y = rows_gemv(raw, format, xa, out_features, rows)
+            from ninfer.kernels.gemv_rows import takes_conv
+
+            if conv is not None and not (takes_conv(rows, conv, M, out_features) and format in CONV_FORMATS
+                                         and os.environ.get("NINFER_CONV_EPILOGUE", "1") != "0"):
+                conv = None
+            y = rows_gemv(raw, format, xa, out_features, rows, conv=conv)
         elif format in IQ_Q8_ROUTE_FORMATS:
             from ninfer.kernels.gemv_q8_iq import gemv_q8_iq
 

@@ -119,7 +119,10 @@ class GdnParams:
     g = −exp(a_log)·softplus(a + dt_bias), β = sigmoid(b), the gated delta rule per span on the span's
     state, updating its conv and recurrent state (and, for speculative verification, keeping the
     per-position states it needs). GPU backends (fused decode, chunked prefill kernels) plug in here;
-    without it the layer runs the reference ops span by span.
+    without it the layer runs the reference ops span by span. With it a context may also define
+    `gdn_conv(gdn_layer, params, rows) -> kernels.gdn_decode.ConvEpilogue | None` (a forward of one-token
+    spans only): the input projection may then run the conv itself, and where it did (`applied`)
+    `gdn_mix(..., conv_done=True)` gets the conv's output instead of the pre-conv channels.
     """
 
     conv_weight: torch.Tensor  # [C, K] fp32
@@ -168,20 +171,26 @@ class GatedDeltaNet(nn.Module):
         return GdnParams(self.conv_weight, self.a_log, self.dt_bias, cfg.gdn_key_heads, cfg.gdn_key_dim,
                          cfg.gdn_value_heads, cfg.gdn_value_dim)  # fmt: skip
 
-    def _project(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """mixed (conv channels q|k|v) [T, C], z [T, Hv·Dv], a, b [T, Hv]."""
+    def _project(self, x: torch.Tensor, conv=None) -> list[torch.Tensor]:
+        """mixed (conv channels q|k|v) [T, C], z [T, Hv·Dv], a, b [T, Hv]; `conv` (a decode context's
+        `kernels.gdn_decode.ConvEpilogue`) handed to the merged projection, which may run it."""
         if self.in_proj is not None:
-            return self.in_proj(x)
+            return self.in_proj(x, conv=conv)
         mixed = torch.cat([self.query(x), self.key(x), self.value(x)], dim=-1)
         return [mixed, self.z(x), self.a_projection(x), self.b_projection(x)]
 
     def forward(self, x: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         cfg = self.cfg
-        mixed, z, a, b = self._project(x)
+        fused = getattr(ctx, "gdn_mix", None)  # optional backend hooks, see GdnParams
+        conv_hook = getattr(ctx, "gdn_conv", None)
+        conv = conv_hook(self.gdn_index, self.params, x.shape[0]) if fused and conv_hook else None
+        mixed, z, a, b = self._project(x, conv)
         z = z.view(-1, cfg.gdn_value_heads, cfg.gdn_value_dim)
-        fused = getattr(ctx, "gdn_mix", None)  # optional backend hook, see GdnParams
         if fused is not None:
-            core = fused(self.gdn_index, mixed, a, b, self.params)  # fp32: cast inside the gated norm
+            if conv is not None and conv.applied:  # the projection ran the conv: its output is the input
+                core = fused(self.gdn_index, conv.out, a, b, self.params, conv_done=True)
+            else:
+                core = fused(self.gdn_index, mixed, a, b, self.params)  # fp32: cast inside the gated norm
         else:
             core = self._mix(mixed, a, b, ctx)
         # the output projection's recorded input-column order is applied by the norm as it writes

@@ -166,8 +166,9 @@ class Linear(nn.Module):
         self.scatter_run = self.in_features if columns is None else aligned_run(torch.argsort(columns))
         self.bias = None if bias_name is None else nn.Buffer(load_dense(source, bias_name, dtype, device))
 
-    def forward(self, x: torch.Tensor, columns_applied: bool = False) -> torch.Tensor:
-        """`columns_applied`: x already is in `input_columns` order (`ops.gated_rms_norm(gather=...)`)."""
+    def forward(self, x: torch.Tensor, columns_applied: bool = False, conv=None) -> torch.Tensor:
+        """`columns_applied`: x already is in `input_columns` order (`ops.gated_rms_norm(gather=...)`).
+        `conv`: a `kernels.gdn_decode.ConvEpilogue` of the first outputs the matmul may run (quantized)."""
         if self.input_columns is not None and not columns_applied:
             x = x.index_select(-1, self.input_columns)
         x = x.to(self.dtype)
@@ -175,7 +176,7 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         from ninfer.kernels.gguf_matmul import quant_matmul
 
-        y = quant_matmul(self.raw, self.format, x, self.out_features)
+        y = quant_matmul(self.raw, self.format, x, self.out_features, conv=conv)
         return y if self.bias is None else y + self.bias
 
     @classmethod
@@ -248,9 +249,13 @@ class MergedLinear(nn.Module):
                     spans.append((g, a, b))
             self.parts.append(tuple(spans))
 
-    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """One output per part, `[..., part width]` (views into the group outputs where possible)."""
-        ys = [group(x) for group in self.groups]
+    def forward(self, x: torch.Tensor, conv=None) -> list[torch.Tensor]:
+        """One output per part, `[..., part width]` (views into the group outputs where possible). `conv`: a
+        `kernels.gdn_decode.ConvEpilogue` of the first part, handed to its matmul where that part is the
+        first columns of one group."""
+        first = self.parts[0][0]
+        whole = len(self.parts[0]) == 1 and first[1] == 0
+        ys = [group(x, conv=conv if whole and g == first[0] else None) for g, group in enumerate(self.groups)]
         outs = []
         for spans in self.parts:
             pieces = [ys[g][..., a:b] for g, a, b in spans]

@@ -215,8 +215,9 @@ def test_gdn_decode_on_gpu(state_dtype):
 
 @pytest.mark.parametrize("fmt", ["q4_k", "iq3_s"])
 def test_gdn_conv_in_the_projection_on_gpu(fmt):
-    """The 27B GDN input projection (q|k|v|z|a|b 16480×5120) at 1-2 lanes on its rows route, the conv run in
-    its epilogue (gdn_decode.ConvEpilogue), against the plain GEMV then the conv kernel."""
+    """The 27B GDN input projection (q|k|v|z|a|b 16480×5120) at one lane on its rows route, the conv run in
+    its epilogue (gdn_decode.ConvEpilogue), against the plain GEMV then the conv kernel; at two lanes the
+    route leaves the conv to the conv kernel (slower there)."""
     from ninfer.kernels.gdn_decode import ConvEpilogue, _conv_kernel
 
     rows, channels = 16480, 10240
@@ -233,9 +234,12 @@ def test_gdn_conv_in_the_projection_on_gpu(fmt):
                                                BLOCK_C=256, STORE_ALL=False)
         conv = ConvEpilogue.of(weight, slots, ids)
         y = quant_matmul(raw, fmt, x, rows, conv=conv)
-        assert conv.applied and torch.equal(y, plain)
-        assert rel(conv.out, want[:, 0]) < 1e-6  # the same fp32 operations, FMA contraction aside
-        assert torch.equal(slots, want_slots)
+        assert conv.applied == (lanes == 1) and torch.equal(y, plain)
+        if conv.applied:
+            assert rel(conv.out, want[:, 0]) < 1e-6  # the same fp32 operations, FMA contraction aside
+            assert torch.equal(slots, want_slots)
+        else:
+            assert not torch.equal(slots, want_slots)  # untouched: gdn_decode runs the conv
 
 
 @pytest.mark.parametrize("name", ["bf16", "int8", "rk8v4", "rk4v4"])

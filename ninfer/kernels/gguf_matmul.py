@@ -855,7 +855,10 @@ def check_weight(raw: torch.Tensor, format: str, out_features: int, in_features:
                                f"{raw.dtype} {list(raw.shape)}; pass the artifact tensor's row view")
 
 
-# the formats whose rows kernels run a GDN decode conv in their epilogue (gdn_decode.ConvEpilogue)
+# The formats whose rows kernels run a GDN decode conv in their epilogue (gdn_decode.ConvEpilogue), at one
+# column: H200 session 20 run 2, the 27B step's graph replay Q4_K 5.534 -> 5.490 ms, IQ3_S 7.817 -> 7.761 at
+# one lane; at two lanes Q4_K 7.16 -> 7.30 (the 1-warp `rows_n4_m2_b4_w1_r2` programs each wait on the
+# epilogue's dependent slot and state loads), IQ3_S 8.95 -> 8.94: one column only.
 CONV_FORMATS = ("q4_k", "q5_k", "iq3_s")
 
 
@@ -872,8 +875,8 @@ def quant_matmul(
 
     Runs a Triton kernel where it can (CUDA, or CPU under the interpreter), else the reference.
     `dot_f16` picks fp16 (default: more mantissa for the weights) or bf16 operands for the dot. `conv`: a
-    GDN decode conv the GEMV may run on its first outputs (the rows kernels' routes without split-K, unless
-    NINFER_CONV_EPILOGUE=0); `conv.applied` says whether it did.
+    GDN decode conv the GEMV may run on its first outputs (one column on a rows kernel's route without
+    split-K, unless NINFER_CONV_EPILOGUE=0); `conv.applied` says whether it did.
     """
     in_features = x.shape[-1]
     format = format.removeprefix(GGUF_PREFIX)
@@ -919,7 +922,8 @@ def quant_matmul(
         if rows is not None:
             from ninfer.kernels.gemv_rows import takes_conv
 
-            if conv is not None and not (takes_conv(rows, conv, M, out_features) and format in CONV_FORMATS
+            if conv is not None and not (M == 1 and takes_conv(rows, conv, M, out_features)
+                                         and format in CONV_FORMATS
                                          and os.environ.get("NINFER_CONV_EPILOGUE", "1") != "0"):
                 conv = None
             y = rows_gemv(raw, format, xa, out_features, rows, conv=conv)

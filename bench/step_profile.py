@@ -14,6 +14,7 @@ time (and with --graphs its time through CUDA graphs).
         --sweep attn=2:64,gdn=16:4:256   # decode attention's page runs, the GDN decode tiles
     python3 bench/step_profile.py --wtype q4_k --lanes 1 --prompt 512 --no-rate \
         --sweep skip=,skip=fused._swiglu_kernel   # what a step would save without a kernel (outputs wrong)
+    python3 bench/step_profile.py --wtype q4_k --lanes 1 --prompt 512 --no-rate --sweep norm=512,norm=1024
 
 Kernel names are grouped by their prefix before the first '<' or '(' (Triton kernels keep their Python name).
 """
@@ -226,14 +227,15 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     RUN:SPLITS the decode attention's paged_attention.DECODE_RUN_PAGES and DECODE_SPLITS; `gdn`
     BLOCK_V:WARPS:BLOCK_C gdn_decode's decode tiles, BLOCK_V for any number of lanes; `skip`
     module.kernel[:module.kernel…] of ninfer.kernels left out of the step, an upper bound on what fusing them
-    away could gain), the graphs captured again for each, twice over in alternating order (the machine's
-    drift shows as the difference)."""
+    away could gain; `norm` the decode add + RMSNorm's columns a program), the graphs captured again for
+    each, twice over in alternating order (the machine's drift shows as the difference)."""
     import os
     from dataclasses import replace
 
-    from ninfer.kernels import gdn_decode, gemv_frag, paged_attention, triton_support
+    from ninfer.kernels import fused, gdn_decode, gemv_frag, paged_attention, triton_support
 
     current = dict(gemv_frag.MEASURED_ROUTES)
+    norm_chunk = fused.NORM_CHUNK
     attn = paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS
     gdn = (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
            gdn_decode.CONV_BLOCK_C)
@@ -245,6 +247,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
         paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
         (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
          gdn_decode.CONV_BLOCK_C) = gdn
+        fused.NORM_CHUNK = norm_chunk
         undo = []
         for assignment in setting.split("+"):
             name, _, value = assignment.partition("=")
@@ -264,6 +267,8 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
                 columns, warps, channels = map(int, value.split(":"))
                 gdn_decode.RECURRENT_BLOCK_V_ONE_LANE = gdn_decode.RECURRENT_BLOCK_V = columns
                 gdn_decode.RECURRENT_WARPS, gdn_decode.CONV_BLOCK_C = warps, channels
+            elif name == "norm":  # columns a program of the decode add + RMSNorm (fused.NORM_CHUNK)
+                fused.NORM_CHUNK = int(value)
             elif name == "lookahead":
                 engine.config = replace(engine.config, decode_lookahead=value == "1")
             else:
@@ -296,6 +301,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
             setattr(module, kernel, original)
     routes.clear()
     routes.update(current)
+    fused.NORM_CHUNK = norm_chunk
     paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
     (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
      gdn_decode.CONV_BLOCK_C) = gdn

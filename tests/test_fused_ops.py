@@ -460,14 +460,13 @@ def test_decode_step_launch_count(q4km, monkeypatch, capsys):
 
 
 def compile_for_sm90() -> list[str]:
-    """Compile every fused kernel variant, the KV write, paged attention's merge, the rows GEMVs with the GDN
-    conv in their epilogue and the GDN recurrence's early state read for sm_90 (run with
-    NINFER_TRITON_COMPILE_CHECK=1); failures."""
+    """Compile every fused kernel variant, the KV write, paged attention's merge and the rows GEMVs with the
+    GDN conv in their epilogue for sm_90 (run with NINFER_TRITON_COMPILE_CHECK=1); failures."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ninfer.kernels import gdn_decode, gemv_rows, gemv_rows_iq
+    from ninfer.kernels import gemv_rows, gemv_rows_iq
 
     failures = []
 
@@ -515,7 +514,7 @@ def compile_for_sm90() -> list[str]:
         for gate in (True, False):  # paged attention's merge, with the output gate
             build(paged_attention._merge_splits_kernel, merge,
                   {"D": 256, "SPLITS": 16, "BS": 16, "GATE": gate, "QUANT": gate}, 4)
-        if ty == "bf16":  # the GDN decode conv in the rows GEMVs' epilogue, the recurrence's early state read
+        if ty == "bf16":  # the GDN decode conv in the rows GEMVs' epilogue
             conv = {"cw_ptr": "*fp32", "cs_ptr": "*fp32", "slot_ptr": "*i32", "co_ptr": "*fp32",
                     **ints("C", "s_cs")}
             gemv = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "y_ptr": f"*{ty}",
@@ -528,11 +527,6 @@ def compile_for_sm90() -> list[str]:
                                                        **ints("row_bytes", "stride_ym"), **conv},
                   {"BLOCK_N": 4, "BLOCK_M": 1, "NB": 4, "SPLIT_K": 1, "EVEN": True, "SIGNED": False,
                    "EMULATE": False, "PADDED": False, "CONV": True}, 1)
-            rec = {"y_ptr": "*fp32", "a_ptr": f"*{ty}", "b_ptr": f"*{ty}", "alog_ptr": "*fp32",
-                   "dtb_ptr": "*fp32", "state_ptr": "*fp32", "slot_ptr": "*i32", "o_ptr": "*fp32",
-                   "all_ptr": "*fp32", **ints("T", "C", "Hv", "s_ab", "s_at", "s_ss", "s_sh")}
-            build(gdn_decode._recurrent_kernel, rec,
-                  {"HK": 16, "DK": 128, "DV": 128, "BLOCK_V": 16, "STORE_ALL": False, "EARLY": True}, 4)
     return failures
 
 

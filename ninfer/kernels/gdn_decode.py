@@ -26,16 +26,7 @@ import torch.nn.functional as F
 
 from ninfer.errors import NinferError
 from ninfer.kernels import reference
-from ninfer.kernels.triton_support import (
-    HAVE_TRITON,
-    early_state_loads,
-    jit,
-    pdl_options,
-    pdl_start,
-    tl,
-    tl_sum,
-    triton_runs_on,
-)
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_sum, triton_runs_on
 
 # Decode tiles (read at each call; `bench/step_profile.py --sweep gdn=BLOCK_V:WARPS:BLOCK_C` times others in
 # the captured 27B step): value columns per recurrence program (Dv / BLOCK_V programs per lane and value
@@ -195,11 +186,9 @@ def _recurrent_kernel(
     y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr, all_ptr,
     T, C, Hv, s_ab, s_at, s_ss, s_sh,
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, STORE_ALL: tl.constexpr,
-    EARLY: tl.constexpr = False, PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0,
 ):
-    """EARLY: the lane's state is read before the wait for the kernel ahead (`early_state_loads`)."""
-    if not EARLY:
-        pdl_start(PDL)
+    pdl_start(PDL)
     lane = tl.program_id(0)
     h = tl.program_id(1)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -208,8 +197,6 @@ def _recurrent_kernel(
     slot = tl.load(slot_ptr + lane).to(tl.int64)
     sp = state_ptr + slot * s_ss + h * s_sh + offs_k[:, None] * DV + offs_v[None, :]
     S = tl.load(sp).to(tl.float32)
-    if EARLY:
-        pdl_start(PDL)
     neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
     for t in range(T):
@@ -298,7 +285,7 @@ def gdn_decode(
     _recurrent_kernel[(B, Hv, -(-Dv // block_v))](
         y, a, b, a_log, dt_bias, state_slots, slot_ids, out, states if states is not None else out,
         T, C, Hv, a.stride(0), a.stride(1), state_slots.stride(0), state_slots.stride(1),
-        HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states,
-        EARLY=conv_done and early_state_loads(), **pdl_options(y), **warps,
+        HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states, **pdl_options(y),
+        **warps,
     )
     return GdnDecodeResult(out, states, convs)

@@ -82,9 +82,9 @@ def pdl_options(t: torch.Tensor, trigger: bool = True) -> dict:
 
 
 def reread_launch_settings() -> None:
-    """Forget the cached NINFER_PDL / NINFER_PDL_LATE / NINFER_GDN_EARLY (benchmarks and tests that change
-    them; kernels launched from then on, and graphs captured, use the new values)."""
-    for cached in (pdl_enabled, late_release, early_state_loads):
+    """Forget the cached NINFER_PDL / NINFER_PDL_LATE (benchmarks and tests that change them; kernels
+    launched from then on, and graphs captured, use the new values)."""
+    for cached in (pdl_enabled, late_release):
         cached.cache_clear()
 
 
@@ -94,16 +94,6 @@ def late_release() -> bool:
     (`pdl_release`), so that its launch overlaps their last sums and stores; NINFER_PDL_LATE=0 turns it off
     (H200, the graphed 27B decode step: Q4_K 5.81 → 5.73 ms, IQ3_S 8.14 → 8.02; one lane +2 %)."""
     return os.environ.get("NINFER_PDL_LATE", "1") == "1"
-
-
-@functools.cache
-def early_state_loads() -> bool:
-    """Whether the GDN recurrence reads its lanes' states before `pdl_start` where the conv ran in the input
-    projection's epilogue (`gdn_decode(conv_done=True)`; NINFER_GDN_EARLY=0 turns it off), so that the
-    state's DRAM reads overlap the projection's last programs. Safe because no kernel between two steps of a
-    layer writes the state, and the recurrence is launched by that projection — a GEMV, which releases its
-    successor after its main loop, past its own wait for every kernel before it to finish."""
-    return os.environ.get("NINFER_GDN_EARLY", "1") == "1"
 
 
 @jit

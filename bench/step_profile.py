@@ -225,8 +225,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     NINFER_PDL_LATE=0; the name `lookahead` sets the engine's decode lookahead, seen by --lanes only; `routes`
     one of ROUTE_SETS; `frag` one matrix's fragment schedule at one width, see `frag_override`; `attn`
     RUN:SPLITS the decode attention's paged_attention.DECODE_RUN_PAGES and DECODE_SPLITS; `gdn`
-    BLOCK_V:WARPS:BLOCK_C[:1] gdn_decode's decode tiles, BLOCK_V for any number of lanes, :1 one pass of
-    sums (RECURRENT_ONE_PASS); `skip`
+    BLOCK_V:WARPS:BLOCK_C gdn_decode's decode tiles, BLOCK_V for any number of lanes; `skip`
     module.kernel[:module.kernel…] of ninfer.kernels left out of the step, an upper bound on what fusing them
     away could gain; `norm` the decode add + RMSNorm's columns a program), the graphs captured again for
     each, twice over in alternating order (the machine's drift shows as the difference)."""
@@ -239,7 +238,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     norm_chunk = fused.NORM_CHUNK
     attn = paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS
     gdn = (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
-           gdn_decode.CONV_BLOCK_C, gdn_decode.RECURRENT_ONE_PASS)
+           gdn_decode.CONV_BLOCK_C)
     out: dict[str, list[float]] = {}
     routes = gemv_frag.MEASURED_ROUTES
     for setting in settings + settings[::-1]:
@@ -247,7 +246,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
         routes.update(current)  # each setting's routes start from the current ones
         paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
         (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
-         gdn_decode.CONV_BLOCK_C, gdn_decode.RECURRENT_ONE_PASS) = gdn
+         gdn_decode.CONV_BLOCK_C) = gdn
         fused.NORM_CHUNK = norm_chunk
         undo = []
         for assignment in setting.split("+"):
@@ -264,11 +263,10 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
             elif name == "attn":  # decode attention's runs: RUN pages at least, SPLITS programs at most
                 run, splits = map(int, value.split(":"))
                 paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = run, splits
-            elif name == "gdn":  # value columns (any lanes), warps per GDN recurrence program; conv channels;
-                columns, warps, channels, *one = map(int, value.split(":"))  # optional: one pass of sums
+            elif name == "gdn":  # value columns (any lanes), warps per GDN recurrence program; conv channels
+                columns, warps, channels = map(int, value.split(":"))
                 gdn_decode.RECURRENT_BLOCK_V_ONE_LANE = gdn_decode.RECURRENT_BLOCK_V = columns
                 gdn_decode.RECURRENT_WARPS, gdn_decode.CONV_BLOCK_C = warps, channels
-                gdn_decode.RECURRENT_ONE_PASS = bool(one and one[0])
             elif name == "norm":  # columns a program of the decode add + RMSNorm (fused.NORM_CHUNK)
                 fused.NORM_CHUNK = int(value)
             elif name == "lookahead":
@@ -306,7 +304,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     fused.NORM_CHUNK = norm_chunk
     paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
     (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
-     gdn_decode.CONV_BLOCK_C, gdn_decode.RECURRENT_ONE_PASS) = gdn
+     gdn_decode.CONV_BLOCK_C) = gdn
     return {k: min(t) for k, t in out.items()}
 
 

@@ -68,11 +68,9 @@ def test_single_step_matches_transformers():
 
 
 @needs_triton
-@pytest.mark.parametrize("one_pass", [False, True])  # gdn_decode.RECURRENT_ONE_PASS
 @pytest.mark.parametrize("B", [2, 1])  # one lane: 16 value columns a program, else 32
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
-def test_multi_position_states_match_reference(state_dtype, B, one_pass, monkeypatch):
-    monkeypatch.setattr(ninfer.kernels.gdn_decode, "RECURRENT_ONE_PASS", one_pass)
+def test_multi_position_states_match_reference(state_dtype, B):
     gen = torch.Generator().manual_seed(12 if state_dtype == torch.float32 else 13)
     T, Hk, Hv, Dk, Dv = 3, 1, 2, 16, 64  # Dv 64: two or four value slices per head
     layer = make_layer(gen, B, T, Hk, Hv, Dk, Dv, slots=5, state_dtype=state_dtype)

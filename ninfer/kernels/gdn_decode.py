@@ -35,10 +35,6 @@ from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_sta
 RECURRENT_BLOCK_V_ONE_LANE = 16
 RECURRENT_BLOCK_V = 32
 RECURRENT_WARPS = 4
-# One pass of reductions a position (all five — Sᵀk, Sᵀq, |k|², |q|², k·q — on the state before the update,
-# the norms, decay and update applied to their results) instead of three dependent ones (norms, then Sᵀk on
-# the decayed state, then Sᵀq on the updated one): the same values up to fp32 rounding.
-RECURRENT_ONE_PASS = False
 CONV_BLOCK_C = 256
 
 
@@ -190,7 +186,7 @@ def _recurrent_kernel(
     y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr, all_ptr,
     T, C, Hv, s_ab, s_at, s_ss, s_sh,
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, STORE_ALL: tl.constexpr,
-    ONE_PASS: tl.constexpr = False, PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0,
 ):
     pdl_start(PDL)
     lane = tl.program_id(0)
@@ -208,26 +204,15 @@ def _recurrent_kernel(
         q = tl.load(row + kh * DK + offs_k)
         k = tl.load(row + HK * DK + kh * DK + offs_k)
         v = tl.load(row + 2 * HK * DK + h * DV + offs_v)
+        q = q * (1.0 / tl.sqrt(tl_sum(q * q, axis=0) + 1e-6)) * (1.0 / tl.sqrt(DK * 1.0))
+        k = k * (1.0 / tl.sqrt(tl_sum(k * k, axis=0) + 1e-6))
         av = tl.load(a_ptr + lane * s_ab + t * s_at + h).to(tl.float32) + dtb
         softplus = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(av)))
         beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + lane * s_ab + t * s_at + h).to(tl.float32)))
-        decay = tl.exp(neg_a * softplus)
-        if ONE_PASS:
-            nq = (1.0 / tl.sqrt(tl_sum(q * q, axis=0) + 1e-6)) * (1.0 / tl.sqrt(DK * 1.0))
-            nk = 1.0 / tl.sqrt(tl_sum(k * k, axis=0) + 1e-6)
-            kq = tl_sum(k * q, axis=0)
-            sk = tl_sum(S * k[:, None], axis=0)
-            sq = tl_sum(S * q[:, None], axis=0)
-            delta = (v - decay * nk * sk) * beta
-            S = S * decay + (k * nk)[:, None] * delta[None, :]
-            o = decay * nq * sq + (nk * nq * kq) * delta
-        else:
-            q = q * (1.0 / tl.sqrt(tl_sum(q * q, axis=0) + 1e-6)) * (1.0 / tl.sqrt(DK * 1.0))
-            k = k * (1.0 / tl.sqrt(tl_sum(k * k, axis=0) + 1e-6))
-            S = S * decay
-            delta = (v - tl_sum(S * k[:, None], axis=0)) * beta
-            S = S + k[:, None] * delta[None, :]
-            o = tl_sum(S * q[:, None], axis=0)
+        S = S * tl.exp(neg_a * softplus)
+        delta = (v - tl_sum(S * k[:, None], axis=0)) * beta
+        S = S + k[:, None] * delta[None, :]
+        o = tl_sum(S * q[:, None], axis=0)
         tl.store(o_ptr + ((lane * T + t) * Hv + h) * DV + offs_v, o)
         if STORE_ALL:
             ap = all_ptr + (((lane * T + t) * Hv + h) * DK + offs_k[:, None]) * DV + offs_v[None, :]
@@ -300,7 +285,7 @@ def gdn_decode(
     _recurrent_kernel[(B, Hv, -(-Dv // block_v))](
         y, a, b, a_log, dt_bias, state_slots, slot_ids, out, states if states is not None else out,
         T, C, Hv, a.stride(0), a.stride(1), state_slots.stride(0), state_slots.stride(1),
-        HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states,
-        ONE_PASS=RECURRENT_ONE_PASS, **pdl_options(y), **warps,
+        HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states, **pdl_options(y),
+        **warps,
     )
     return GdnDecodeResult(out, states, convs)

@@ -94,3 +94,51 @@ def test_decode_step_after_the_epilogue_equals_the_plain_step():
     with pytest.raises(NinferError, match="conv_done"):
         gdn.gdn_decode(mixed.expand(B, 2, C), a.expand(B, 2, Hv), b.expand(B, 2, Hv), weight, a_log, dt_bias,
                        conv_slots, state, ids, Hk, conv_done=True)
+
+
+def test_model_decode_with_the_conv_in_the_projection(monkeypatch, tmp_path):
+    """The wiring on the tiny q4_k_m model (CPU, reference matmuls): the decode context's `gdn_conv` hook
+    reaches the merged GDN input projection, whose matmul (a stand-in here for the rows GEMV: the reference
+    product, then the conv in PyTorch) runs it; the layer then mixes with `conv_done` — the same logits and
+    states as the conv kernel's path, one and two lanes."""
+    import torch.nn.functional as F
+    from test_fused_ops import _convert
+    from test_graph_decode import Pools, run_forward, tokens
+
+    from ninfer.engine.paged_context import PagedBatchContext
+    from ninfer.kernels import gguf_matmul
+    from ninfer.models import load_model
+
+    monkeypatch.delenv("NINFER_TRITON_ON_CPU")  # GDN on its references (the interpreter is slow at 128²)
+    calls = []
+
+    def matmul(raw, format, x, out_features, conv=None, **kw):
+        y = gguf_matmul.quant_matmul_reference(raw, format, x, out_features)
+        if conv is not None:
+            calls.append(conv.slot_ids.tolist())
+            for m, slot in enumerate(conv.slot_ids.tolist()):
+                taps = torch.cat([conv.slots[slot], y[m, :conv.channels].float()[:, None]], dim=1)  # [C, 4]
+                conv.out[m] = F.silu((taps * conv.weight).sum(1))
+                conv.slots[slot] = taps[:, 1:]
+            conv.applied = True
+        return y
+
+    monkeypatch.setattr(gguf_matmul, "quant_matmul", matmul)
+    model = load_model(_convert(tmp_path / "q4km.ninfer", "q4_k_m"), quantized_weights=True, load_mtp=False)
+    fused, plain = Pools(model), None
+    for batch in ([(0, tokens(9, 1), 0), (1, tokens(5, 2), 0)], [(0, tokens(1, 3), 9)],
+                  [(0, tokens(1, 4), 10), (1, tokens(1, 5), 5)]):
+        if plain is None:  # the prefill round: spans longer than a token, no conv hook
+            got = run_forward(model, fused, batch, gdn_kernels=True)
+            assert not calls
+            plain = fused.clone()
+            continue
+        got = run_forward(model, fused, batch, gdn_kernels=True)
+        with monkeypatch.context() as m:
+            m.setattr(PagedBatchContext, "gdn_conv", lambda self, layer, params: None)
+            want = run_forward(model, plain, batch, gdn_kernels=True)
+        assert calls and calls[-1] == [lane for lane, _, _ in batch]  # every GDN layer, the batch's lanes
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for layer in range(len(fused.states.conv)):
+            torch.testing.assert_close(fused.states.conv[layer], plain.states.conv[layer])
+            torch.testing.assert_close(fused.states.recurrent[layer], plain.states.recurrent[layer])

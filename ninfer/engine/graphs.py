@@ -91,7 +91,7 @@ class GraphDecodeContext:
                          self._states.recurrent[gdn_layer], self._lane_slots, params.num_key_heads).output
         return out.flatten(0, 1)
 
-    def gdn_conv(self, gdn_layer: int, params, rows: int) -> ConvEpilogue | None:
+    def gdn_conv(self, gdn_layer: int, params) -> ConvEpilogue | None:
         """The decode conv for the input projection to run (`models.qwen3_5.GdnParams`); one position a lane
         only."""
         return decode_conv(self._states, gdn_layer, params, self._lane_slots) if self.positions == 1 else None

@@ -124,7 +124,7 @@ class PagedBatchContext:
         """GDN token mixing on the kernels (`ninfer.engine.gdn_mix`; contract: `models.qwen3_5.GdnParams`)."""
         return mix_spans(self._plan(), self._states, gdn_layer, mixed_qkv, a, b, params, conv_done)
 
-    def gdn_conv(self, gdn_layer: int, params, rows: int) -> ConvEpilogue | None:
+    def gdn_conv(self, gdn_layer: int, params) -> ConvEpilogue | None:
         """The decode conv for the input projection to run (`GdnParams`), where every row is a one-token
         span."""
         plan = self._plan()

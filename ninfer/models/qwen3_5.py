@@ -120,7 +120,7 @@ class GdnParams:
     state, updating its conv and recurrent state (and, for speculative verification, keeping the
     per-position states it needs). GPU backends (fused decode, chunked prefill kernels) plug in here;
     without it the layer runs the reference ops span by span. With it a context may also define
-    `gdn_conv(gdn_layer, params, rows) -> kernels.gdn_decode.ConvEpilogue | None` (a forward of one-token
+    `gdn_conv(gdn_layer, params) -> kernels.gdn_decode.ConvEpilogue | None` (a forward of one-token
     spans only): the input projection may then run the conv itself, and where it did (`applied`)
     `gdn_mix(..., conv_done=True)` gets the conv's output instead of the pre-conv channels.
     """
@@ -183,7 +183,7 @@ class GatedDeltaNet(nn.Module):
         cfg = self.cfg
         fused = getattr(ctx, "gdn_mix", None)  # optional backend hooks, see GdnParams
         conv_hook = getattr(ctx, "gdn_conv", None)
-        conv = conv_hook(self.gdn_index, self.params, x.shape[0]) if fused and conv_hook else None
+        conv = conv_hook(self.gdn_index, self.params) if fused and conv_hook else None
         mixed, z, a, b = self._project(x, conv)
         z = z.view(-1, cfg.gdn_value_heads, cfg.gdn_value_dim)
         if fused is not None:

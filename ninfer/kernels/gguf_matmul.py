@@ -862,6 +862,18 @@ def check_weight(raw: torch.Tensor, format: str, out_features: int, in_features:
 CONV_FORMATS = ("q4_k", "q5_k", "iq3_s")
 
 
+def _conv_route(conv: ConvEpilogue | None, rows, format: str, columns: int, out_features: int
+                ) -> ConvEpilogue | None:
+    """`conv` where the rows GEMV `rows` is to run it (one column, CONV_FORMATS, `gemv_rows.takes_conv`,
+    NINFER_CONV_EPILOGUE not 0), else None."""
+    if conv is None or columns != 1 or format not in CONV_FORMATS:
+        return None
+    from ninfer.kernels.gemv_rows import takes_conv
+
+    ok = takes_conv(rows, conv, columns, out_features) and os.environ.get("NINFER_CONV_EPILOGUE", "1") != "0"
+    return conv if ok else None
+
+
 def quant_matmul(
     raw: torch.Tensor,
     format: str,
@@ -920,13 +932,8 @@ def quant_matmul(
                 from ninfer.kernels.gemv_rows import rows_route as route
             rows = route(format, out_features, in_features, M)
         if rows is not None:
-            from ninfer.kernels.gemv_rows import takes_conv
-
-            if conv is not None and not (M == 1 and takes_conv(rows, conv, M, out_features)
-                                         and format in CONV_FORMATS
-                                         and os.environ.get("NINFER_CONV_EPILOGUE", "1") != "0"):
-                conv = None
-            y = rows_gemv(raw, format, xa, out_features, rows, conv=conv)
+            y = rows_gemv(raw, format, xa, out_features, rows, conv=_conv_route(conv, rows, format, M,
+                                                                               out_features))
         elif format in IQ_Q8_ROUTE_FORMATS:
             from ninfer.kernels.gemv_q8_iq import gemv_q8_iq
 

@@ -188,9 +188,10 @@ def test_default_route_on_cuda_is_q8_unless_wv_is_asked(monkeypatch, fmt):
     real_q8, real_iq, real_rows = q8mod.gemv_q8, iqmod.gemv_q8_iq, rowsmod.gemv_rows
     monkeypatch.setattr(q8mod, "gemv_q8", lambda *a: calls.append("q8") or real_q8(*a))
     monkeypatch.setattr(iqmod, "gemv_q8_iq", lambda *a: calls.append("iq") or real_iq(*a))
-    monkeypatch.setattr(rowsmod, "gemv_rows", lambda *a: calls.append("rows") or real_rows(*a))
+    monkeypatch.setattr(rowsmod, "gemv_rows", lambda *a, **kw: calls.append("rows") or real_rows(*a, **kw))
     real_rows_iq = rowsiqmod.gemv_rows_iq
-    monkeypatch.setattr(rowsiqmod, "gemv_rows_iq", lambda *a: calls.append("rows_iq") or real_rows_iq(*a))
+    monkeypatch.setattr(rowsiqmod, "gemv_rows_iq",
+                        lambda *a, **kw: calls.append("rows_iq") or real_rows_iq(*a, **kw))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: self.device.type == "cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_properties",  # gemv_q8_iq sizes stream-K grids by SM count
                         lambda device: types.SimpleNamespace(multi_processor_count=132))

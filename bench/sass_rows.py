@@ -3,6 +3,7 @@ their block loop: registers, SASS instruction count, loads and dp4a (IDP) count.
 
     NINFER_TRITON_COMPILE_CHECK=1 python bench/sass_rows.py [--schedules A,B] [--format q4_k|q5_k]
         [--conv]       # the chunk lanes built with the GDN decode conv in the epilogue
+        [--maxnreg N]  # registers a thread capped (ptxas), e.g. the conv build at the plain build's 78
         [--unhinted]   # also the build Triton makes when the row length is not a multiple of 16 (rows of a
                        # number of blocks that is not a multiple of 4: 2560 or 9728 columns)
 """
@@ -28,6 +29,7 @@ def main() -> int:
                    help="also build with the row length not 16-divisible (Triton specialises on that at run "
                         "time)")
     p.add_argument("--conv", action="store_true", help="the chunk lanes' build with the GDN conv epilogue")
+    p.add_argument("--maxnreg", type=int, default=0, help="cap the registers a thread (ptxas maxnreg)")
     a = p.parse_args()
     sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "y_ptr": "*bf16",
            "N": "i32", "K": "i32", "M": "i32", "row_quads": "i32", "stride_ym": "i32"}
@@ -44,11 +46,11 @@ def main() -> int:
         builds = [("", hinted)] + ([(" unhinted", tuple(h for h in hinted if h != "row_quads"))]
                                    if a.unhinted else [])
         for label, hints in builds:
-            c = compile_sm90(kernel, sig_k, const, hints, s.num_warps, 1)
+            c = compile_sm90(kernel, sig_k, const, hints, s.num_warps, 1, a.maxnreg)
             regs = re.search(r"REG:(\d+)", cuobjdump(c, "-res-usage")).group(1)
             mix = opcode_mix(body := loop_body(cuobjdump(c, "-sass")))
             print(f"{a.format}:{name}{label}: regs {regs} loop {len(body)} "
-                  f"(LDG {mix['LDG']}, IDP {mix['IDP']})")
+                  f"(LDG {mix['LDG']}, IDP {mix['IDP']}, local {mix.get('LDL', 0) + mix.get('STL', 0)})")
     return 0
 
 

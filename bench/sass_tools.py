@@ -12,9 +12,9 @@ from pathlib import Path
 
 
 def compile_sm90(kernel, sig: dict, const: dict, hinted: tuple[str, ...], num_warps: int,
-                 num_stages: int = 3):
+                 num_stages: int = 3, maxnreg: int = 0):
     """`triton.compile` of `kernel` for sm_90: `sig` the argument types, `const` the constexprs, `hinted` the
-    arguments marked 16-divisible."""
+    arguments marked 16-divisible; `maxnreg` caps the registers a thread."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -22,8 +22,8 @@ def compile_sm90(kernel, sig: dict, const: dict, hinted: tuple[str, ...], num_wa
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in hinted}
     src = ASTSource(kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages} | ({"maxnreg": maxnreg} if maxnreg else {})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def cuobjdump(compiled, flag: str) -> str:

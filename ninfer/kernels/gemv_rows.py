@@ -28,6 +28,7 @@ The oracle is `gemv_q8_reference` (dequantised weight × dequantised int8 activa
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -473,6 +474,11 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     if conv is not None and not takes_conv(s, conv, n, out_features):
         raise QuantKernelError(f"schedule {s.name} cannot run the GDN conv of {conv.channels} channels for "
                                f"{conv.slot_ids.shape[0]} lanes at {n} columns (no split-K, chunk lanes)")
+    if conv is not None and extra and int(os.environ.get("NINFER_CONV_MAXNREG", "0")):
+        # the conv epilogue takes the q4_k wide route from 78 to 90 registers (6 -> 5 programs an SM); capped
+        # at 78 the loop is the same and only the epilogue spills (bench/sass_rows.py --conv --maxnreg 78).
+        # Untimed (H200 session 20 ran out of device time): A/B with --sweep NINFER_CONV_MAXNREG=0,..=78
+        extra = {**extra, "maxnreg": int(os.environ["NINFER_CONV_MAXNREG"])}
     args = (raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 16,
             y.stride(0))
     common = dict(FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,

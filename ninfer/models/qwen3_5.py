@@ -183,14 +183,15 @@ class GatedDeltaNet(nn.Module):
         cfg = self.cfg
         fused = getattr(ctx, "gdn_mix", None)  # optional backend hooks, see GdnParams
         conv_hook = getattr(ctx, "gdn_conv", None)
-        conv = conv_hook(self.gdn_index, self.params) if fused and conv_hook else None
+        params = self.params
+        conv = conv_hook(self.gdn_index, params) if fused and conv_hook else None
         mixed, z, a, b = self._project(x, conv)
         z = z.view(-1, cfg.gdn_value_heads, cfg.gdn_value_dim)
         if fused is not None:
             if conv is not None and conv.applied:  # the projection ran the conv: its output is the input
-                core = fused(self.gdn_index, conv.out, a, b, self.params, conv_done=True)
+                core = fused(self.gdn_index, conv.out, a, b, params, conv_done=True)
             else:
-                core = fused(self.gdn_index, mixed, a, b, self.params)  # fp32: cast inside the gated norm
+                core = fused(self.gdn_index, mixed, a, b, params)  # fp32: cast inside the gated norm
         else:
             core = self._mix(mixed, a, b, ctx)
         # the output projection's recorded input-column order is applied by the norm as it writes

@@ -3,6 +3,7 @@ their block loop: registers, SASS instruction count, loads and dp4a (IDP) count.
 
     NINFER_TRITON_COMPILE_CHECK=1 python bench/sass_rows.py [--schedules A,B] [--format q4_k|q5_k]
         [--conv]       # the chunk lanes built with the GDN decode conv in the epilogue
+        [--early]      # with --conv: its operands loaded before the programmatic-launch wait
         [--maxnreg N]  # registers a thread capped (ptxas), e.g. the conv build at the plain build's 78
         [--unhinted]   # also the build Triton makes when the row length is not a multiple of 16 (rows of a
                        # number of blocks that is not a multiple of 4: 2560 or 9728 columns)
@@ -29,6 +30,7 @@ def main() -> int:
                    help="also build with the row length not 16-divisible (Triton specialises on that at run "
                         "time)")
     p.add_argument("--conv", action="store_true", help="the chunk lanes' build with the GDN conv epilogue")
+    p.add_argument("--early", action="store_true", help="with --conv: the conv operands loaded first")
     p.add_argument("--maxnreg", type=int, default=0, help="cap the registers a thread (ptxas maxnreg)")
     a = p.parse_args()
     sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "y_ptr": "*bf16",
@@ -41,6 +43,7 @@ def main() -> int:
         kernel, sig_k = g._gemv_rows_p_kernel, sig
         if s.lanes != "piece":
             kernel, const["R"], const["CONV"] = g._gemv_rows_kernel, s.rows_per_lane, a.conv
+            const["CONV_EARLY"] = a.early
             sig_k = {**sig, "cw_ptr": "*fp32", "cs_ptr": "*fp32", "slot_ptr": "*i32", "co_ptr": "*fp32",
                      "C": "i32", "s_cs": "i32"}
         builds = [("", hinted)] + ([(" unhinted", tuple(h for h in hinted if h != "row_quads"))]

@@ -35,6 +35,7 @@ def _conv_after(y: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, slot
                                                   ("iq3_s", "rows_iq_n4_m1_b4_w1", 1),
                                                   ("iq3_s", "rows_iq_n8_m2_b4_w4", 2)])
 def test_gemv_epilogue_runs_the_conv(fmt, schedule, columns):
+    """Both builds: the conv operands loaded after the GEMV's loop (one column) or before its wait (more)."""
     rows, channels = 40, 24  # conv channels first (a partial program past them), then z / a / b rows
     raw, x = gemv_case(fmt, rows, 512, columns, seed=columns * 11 + rows)
     xa = quantize_activation(x.to(torch.bfloat16))
@@ -66,6 +67,23 @@ def test_conv_epilogue_refused_where_it_cannot_run():
     # quant_matmul on the CPU path (no rows route there) leaves it to the conv kernel
     quant_matmul(raw, "q4_k", x, 40, conv=conv)
     assert not conv.applied
+
+
+def test_conv_route_by_format_and_columns(monkeypatch):
+    from ninfer.kernels.gemv_rows import SCHEDULES
+    from ninfer.kernels.gguf_matmul import _conv_route
+
+    slots = torch.randn(3, 24, 3)
+    two = gdn.ConvEpilogue.of(torch.randn(24, 4), slots, torch.tensor([1, 2], dtype=torch.int32))
+    one = gdn.ConvEpilogue.of(torch.randn(24, 4), slots, torch.tensor([1], dtype=torch.int32))
+    rows1, rows2 = SCHEDULES["rows_n16_m1_b4_w4_r2_ef"], SCHEDULES["rows_n4_m2_b4_w1_r2"]
+    assert _conv_route(one, rows1, "q4_k", 1, 40) is one
+    assert _conv_route(two, rows2, "q4_k", 2, 40) is two
+    assert _conv_route(two, rows2, "iq3_s", 2, 40) is None  # slower there: the conv kernel runs it
+    assert _conv_route(one, rows1, "q6_k", 1, 40) is None  # no conv build for q6_k
+    assert _conv_route(two, SCHEDULES["rowsp_n2_m2_b4_w1"], "q4_k", 2, 40) is None  # piece lanes
+    monkeypatch.setenv("NINFER_CONV_EPILOGUE", "0")
+    assert _conv_route(one, rows1, "q4_k", 1, 40) is None
 
 
 def test_decode_step_after_the_epilogue_equals_the_plain_step():

@@ -79,19 +79,24 @@ def test_sm90_build_does_not_depend_on_the_row_length():
 
 
 def test_sm90_conv_build_keeps_the_loop():
-    """The GDN conv epilogue (gdn_decode.ConvEpilogue) leaves the q4_k wide route's block loop as it is and
-    its registers capped at the plain build's (NINFER_CONV_MAXNREG) keep the loop free of spills."""
+    """The GDN conv epilogue (gdn_decode.ConvEpilogue) leaves the q4_k routes' block loops as they are and
+    their registers near the plain builds' when its operands load after the loop (one column); loaded
+    before the wait (two columns) they stay in registers, not local memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["NINFER_TRITON_COMPILE_CHECK"] = "1"
-    pattern = r"^q4_k:\S+: regs (\d+) loop (\d+) \(LDG (\d+), IDP (\d+), local (\d+)\)"
+    pattern = r"^q4_k:(\S+): regs (\d+) loop (\d+) \(LDG (\d+), IDP (\d+), local (\d+)\)"
     builds = {}
-    for flags in ([], ["--conv"], ["--conv", "--maxnreg", "78"]):
+    for flags in ([], ["--conv"], ["--conv", "--early"]):
         out = subprocess.run([sys.executable, str(REPO / "bench" / "sass_rows.py"), "--schedules",
-                              "rows_n16_m1_b4_w4_r2_ef", *flags], capture_output=True, text=True, timeout=300,
-                             cwd=REPO, env=env)
+                              "rows_n16_m1_b4_w4_r2_ef,rows_n4_m2_b4_w1_r2", *flags], capture_output=True,
+                             text=True, timeout=300, cwd=REPO, env=env)
         assert out.returncode == 0, out.stderr[-2000:]
-        builds[" ".join(flags)] = tuple(map(int, re.search(pattern, out.stdout, re.M).groups()))
-    plain, conv, capped = builds[""], builds["--conv"], builds["--conv --maxnreg 78"]
-    # the same loads and dp4a, no local memory in the loop, about the same instructions
-    assert conv[2:] == capped[2:] == plain[2:] and abs(conv[1] - plain[1]) <= 4
-    assert capped[0] <= 78 and abs(capped[1] - plain[1]) <= 4
+        for name, *numbers in re.findall(pattern, out.stdout, re.M):
+            builds[name, " ".join(flags)] = tuple(map(int, numbers))
+    assert len(builds) == 6, builds
+    for name in ("rows_n16_m1_b4_w4_r2_ef", "rows_n4_m2_b4_w1_r2"):
+        plain, late, early = (builds[name, f] for f in ("", "--conv", "--conv --early"))
+        # the same loads and dp4a, no local memory in the loop, about the same instructions
+        assert plain[2:] == late[2:] == early[2:] and plain[4] == 0, builds
+        assert abs(late[1] - plain[1]) <= 4 and abs(early[1] - plain[1]) <= 16, builds
+        assert late[0] <= plain[0] + 4, builds

@@ -121,27 +121,37 @@ def gdn_decode_reference(
 
 
 @jit
-def conv_epilogue_store(y_ptr, out, mo, no, M, N, stride_ym, cw_ptr, cs_ptr, slot_ptr, co_ptr, C, s_cs):
+def conv_epilogue_load(mo, no, M, N, cw_ptr, cs_ptr, slot_ptr, C, s_cs):
+    """What `conv_epilogue_store` reads for (column mo, row no) besides the GEMV's sums: lane mo's conv slot
+    row (its pointer and three values) and the conv weights. The kernel ahead of the projection in the
+    decode step (the add + RMSNorm) writes none of it, so a GEMV may load it before its programmatic-launch
+    wait (`gemv_rows.conv_early`)."""
+    ok = (mo < M) & (no < N) & (no < C)
+    slot = tl.load(slot_ptr + tl.minimum(mo, M - 1), mask=mo < M, other=0).to(tl.int64)
+    cp = cs_ptr + slot * s_cs + no * 3
+    w = cw_ptr + no * 4
+    s0 = tl.load(cp, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(cp + 1, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(cp + 2, mask=ok, other=0.0).to(tl.float32)
+    return (cp, s0, s1, s2, tl.load(w, mask=ok, other=0.0), tl.load(w + 1, mask=ok, other=0.0),
+            tl.load(w + 2, mask=ok, other=0.0), tl.load(w + 3, mask=ok, other=0.0))
+
+
+@jit
+def conv_epilogue_store(y_ptr, out, mo, no, M, N, stride_ym, co_ptr, C, cp, s0, s1, s2, w0, w1, w2, w3):
     """A GEMV's sums `out` at (column mo, row no) into y as `_store` does (its dtype), and for the rows
-    below C the decode conv of `ConvEpilogue` on those very values: lane mo's conv slot read and moved on,
-    silu(conv) into co `[M, C]` (the arithmetic of `_conv_kernel`)."""
+    below C the decode conv of `ConvEpilogue` on those very values (the operands of `conv_epilogue_load`):
+    silu(conv) into co `[M, C]` and lane mo's conv slot moved on (the arithmetic of `_conv_kernel`)."""
     live = (mo < M) & (no < N)
     x = out.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + mo * stride_ym + no, x, mask=live)
     ok = live & (no < C)
     x = x.to(tl.float32)
-    slot = tl.load(slot_ptr + tl.minimum(mo, M - 1), mask=mo < M, other=0).to(tl.int64)
-    cp = cs_ptr + slot * s_cs + no * 3
-    s0 = tl.load(cp, mask=ok, other=0.0).to(tl.float32)
-    s1 = tl.load(cp + 1, mask=ok, other=0.0).to(tl.float32)
-    s2 = tl.load(cp + 2, mask=ok, other=0.0).to(tl.float32)
-    w = cw_ptr + no * 4
-    acc = (tl.load(w, mask=ok, other=0.0) * s0 + tl.load(w + 1, mask=ok, other=0.0) * s1
-           + tl.load(w + 2, mask=ok, other=0.0) * s2 + tl.load(w + 3, mask=ok, other=0.0) * x)
+    acc = w0 * s0 + w1 * s1 + w2 * s2 + w3 * x
     tl.store(co_ptr + mo * C + no, acc / (1.0 + tl.exp(-acc)), mask=ok)
-    tl.store(cp, s1.to(cs_ptr.dtype.element_ty), mask=ok)
-    tl.store(cp + 1, s2.to(cs_ptr.dtype.element_ty), mask=ok)
-    tl.store(cp + 2, x.to(cs_ptr.dtype.element_ty), mask=ok)
+    tl.store(cp, s1.to(cp.dtype.element_ty), mask=ok)
+    tl.store(cp + 1, s2.to(cp.dtype.element_ty), mask=ok)
+    tl.store(cp + 2, x.to(cp.dtype.element_ty), mask=ok)
 
 
 @jit

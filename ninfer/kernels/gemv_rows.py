@@ -28,7 +28,6 @@ The oracle is `gemv_q8_reference` (dequantised weight × dequantised int8 activa
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -193,7 +192,7 @@ def rows_route(fmt: str, out_features: int, in_features: int, columns: int) -> R
 
 
 if HAVE_TRITON:
-    from ninfer.kernels.gdn_decode import conv_epilogue_store
+    from ninfer.kernels.gdn_decode import conv_epilogue_load, conv_epilogue_store
 
     @jit
     def _pick(v, e, i: tl.constexpr, ZERO: tl.constexpr = 0):
@@ -317,17 +316,23 @@ if HAVE_TRITON:
                           slot_ptr, co_ptr, C, s_cs, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_M: tl.constexpr, NB: tl.constexpr, R: tl.constexpr, SPLIT_K: tl.constexpr,
                           EVEN: tl.constexpr, CACHE: tl.constexpr, EMULATE: tl.constexpr,
-                          CONV: tl.constexpr = False, PDL: tl.constexpr = 0):
+                          CONV: tl.constexpr = False, CONV_EARLY: tl.constexpr = False,
+                          PDL: tl.constexpr = 0):
         """The "chunk" lane map. Tile axes [chunk c, block b, row group g, row r, column m, word e]: lanes
         and warps lie on (c, b, g), words and the R rows of a group and the columns in registers, so an
         activation load serves R rows. Weight-side tensors carry no column axis and activation-side ones no
         row axis; both keep the full g axis, so they share one layout and broadcast without a conversion.
         CONV: the GDN decode conv of the first C rows in the epilogue (`gdn_decode.ConvEpilogue`; the
-        conv arguments are placeholders otherwise)."""
+        conv arguments are placeholders otherwise); CONV_EARLY: its operands loaded before the wait."""
+        G: tl.constexpr = BLOCK_N // R
+        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, None, :]
+        no = tl.program_id(0) * BLOCK_N + tl.arange(0, R)[None, :, None] * G + tl.arange(0, G)[:, None, None]
+        if CONV and CONV_EARLY:
+            cp, cs0, cs1, cs2, cw0, cw1, cw2, cw3 = conv_epilogue_load(mo, no, M, N, cw_ptr, cs_ptr, slot_ptr,
+                                                                       C, s_cs)
         pdl_start(PDL)
         WB: tl.constexpr = 36 if FMT == 4 else 44  # int32 words per block
         QS: tl.constexpr = 4 if FMT == 4 else 12  # first qs word
-        G: tl.constexpr = BLOCK_N // R
         c, b, g, r, m, e = _chunk_axes(BLOCK_M, R, G, NB)
         n = tl.program_id(0) * BLOCK_N + r * G + g
         zw = (n * 0) + (b * 0) + (c * 0) + (e * 0)  # [4, NB, G, R, 1, 4]
@@ -364,11 +369,12 @@ if HAVE_TRITON:
             acc += _chunk_sum(hd, e, c4, _pick_sum(i_lo), _pick_sum(i_hi), dx_lo, dx_hi, sx_lo, sx_hi, True)
         pdl_release(PDL)
         out = tl_sum(tl_sum(acc, 0), 0)  # [G, R, BLOCK_M]
-        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, None, :]
-        no = tl.program_id(0) * BLOCK_N + tl.arange(0, R)[None, :, None] * G + tl.arange(0, G)[:, None, None]
         if CONV:
-            conv_epilogue_store(y_ptr, out, mo, no, M, N, stride_ym, cw_ptr, cs_ptr, slot_ptr, co_ptr, C,
-                                s_cs)
+            if not CONV_EARLY:
+                cp, cs0, cs1, cs2, cw0, cw1, cw2, cw3 = conv_epilogue_load(mo, no, M, N, cw_ptr, cs_ptr,
+                                                                           slot_ptr, C, s_cs)
+            conv_epilogue_store(y_ptr, out, mo, no, M, N, stride_ym, co_ptr, C, cp, cs0, cs1, cs2, cw0, cw1,
+                                cw2, cw3)
         else:
             _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
 
@@ -456,6 +462,14 @@ def takes_conv(s: RowsSchedule, conv: ConvEpilogue, columns: int, out_features: 
             and conv.slot_ids.shape[0] == conv.out.shape[0] == columns and conv.channels <= out_features)
 
 
+def conv_early(columns: int) -> bool:
+    """Whether a conv epilogue loads its operands (conv slots, weights) before the GEMV's programmatic-launch
+    wait: at several columns, where small programs would each wait on them at their end (H200 session 21: two
+    lanes Q4_K −0.10 ms a step against loading them after the loop); one column loads them after the loop
+    (−0.03 ms against before the wait: fewer registers through the loop)."""
+    return columns > 1
+
+
 def conv_arguments(y: torch.Tensor, conv: ConvEpilogue | None) -> tuple:
     """The rows kernels' conv arguments: the epilogue's, or placeholders (y for every pointer)."""
     return (y, y, y, y, 0, 0) if conv is None else conv.launch_args()
@@ -474,11 +488,6 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     if conv is not None and not takes_conv(s, conv, n, out_features):
         raise QuantKernelError(f"schedule {s.name} cannot run the GDN conv of {conv.channels} channels for "
                                f"{conv.slot_ids.shape[0]} lanes at {n} columns (no split-K, chunk lanes)")
-    if conv is not None and extra and int(os.environ.get("NINFER_CONV_MAXNREG", "0")):
-        # the conv epilogue takes the q4_k wide route from 78 to 90 registers (6 -> 5 programs an SM); capped
-        # at 78 the loop is the same and only the epilogue spills (bench/sass_rows.py --conv --maxnreg 78).
-        # Untimed (H200 session 20 ran out of device time): A/B with --sweep NINFER_CONV_MAXNREG=0,..=78
-        extra = {**extra, "maxnreg": int(os.environ["NINFER_CONV_MAXNREG"])}
     args = (raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 16,
             y.stride(0))
     common = dict(FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,
@@ -488,7 +497,7 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
         _gemv_rows_p_kernel[launch](*args, SPLIT_K=s.split_k, **common)
     else:
         _gemv_rows_kernel[launch](*args, *conv_arguments(y, conv), R=s.rows_per_lane, SPLIT_K=s.split_k,
-                                  CONV=conv is not None, **common)
+                                  CONV=conv is not None, CONV_EARLY=conv_early(n), **common)
     if conv is not None:
         conv.applied = True
     return y.to(xa.dtype)

@@ -35,6 +35,7 @@ from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
 from ninfer.kernels.gemv_rows import (
     RowsSchedule,
     conv_arguments,
+    conv_early,
     rows_setup,
     shape_class,
     takes_conv,
@@ -119,7 +120,7 @@ def rows_iq_route(fmt: str, out_features: int, in_features: int, columns: int) -
 
 
 if HAVE_TRITON:
-    from ninfer.kernels.gdn_decode import conv_epilogue_store
+    from ninfer.kernels.gdn_decode import conv_epilogue_load, conv_epilogue_store
     from ninfer.kernels.gemv_q8_iq import prmt
     from ninfer.kernels.gemv_rows import _ld, _pick, _step_range, _store_rows, _tile_axes
 
@@ -183,9 +184,16 @@ if HAVE_TRITON:
                               cs_ptr, slot_ptr, co_ptr, C, s_cs, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                               NB: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
                               SIGNED: tl.constexpr, EMULATE: tl.constexpr, PADDED: tl.constexpr = False,
-                              CONV: tl.constexpr = False, PDL: tl.constexpr = 0):
+                              CONV: tl.constexpr = False, CONV_EARLY: tl.constexpr = False,
+                              PDL: tl.constexpr = 0):
         """PADDED: the 112-byte aligned blocks of `iq3_s_padded` (qs, signs, qh, scales, d, 2 zero bytes).
-        CONV: the GDN decode conv of the first C rows in the epilogue (`gdn_decode.ConvEpilogue`)."""
+        CONV: the GDN decode conv of the first C rows in the epilogue (`gdn_decode.ConvEpilogue`);
+        CONV_EARLY: its operands loaded before the wait."""
+        no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+        mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        if CONV and CONV_EARLY:
+            cp, cs0, cs1, cs2, cw0, cw1, cw2, cw3 = conv_epilogue_load(mo, no, M, N, cw_ptr, cs_ptr, slot_ptr,
+                                                                       C, s_cs)
         pdl_start(PDL)
         BB: tl.constexpr = 112 if PADDED else 110  # bytes per block
         c, b, n, m, e = _tile_axes(BLOCK_N, BLOCK_M, NB)
@@ -259,10 +267,11 @@ if HAVE_TRITON:
             acc += dw * (isum.to(tl.float32) * dx)
         pdl_release(PDL)
         if CONV:
-            no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-            mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-            conv_epilogue_store(y_ptr, tl_sum(tl_sum(acc, 0), 0), mo, no, M, N, stride_ym, cw_ptr, cs_ptr,
-                                slot_ptr, co_ptr, C, s_cs)
+            if not CONV_EARLY:
+                cp, cs0, cs1, cs2, cw0, cw1, cw2, cw3 = conv_epilogue_load(mo, no, M, N, cw_ptr, cs_ptr,
+                                                                           slot_ptr, C, s_cs)
+            conv_epilogue_store(y_ptr, tl_sum(tl_sum(acc, 0), 0), mo, no, M, N, stride_ym, co_ptr, C, cp,
+                                cs0, cs1, cs2, cw0, cw1, cw2, cw3)
         else:
             _store_rows(y_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M, SPLIT_K)
 
@@ -409,7 +418,7 @@ def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_fe
                                   raw.shape[1], y.stride(0), *conv_arguments(y, conv), BLOCK_N=s.block_n,
                                   BLOCK_M=s.block_m, NB=s.blocks, SPLIT_K=s.split_k,
                                   EVEN=k // 256 % s.blocks == 0, SIGNED=s.signed_grid, EMULATE=EMULATE_DP4A,
-                                  PADDED=padded, CONV=conv is not None, **extra,
+                                  PADDED=padded, CONV=conv is not None, CONV_EARLY=conv_early(n), **extra,
                                   **pdl_options(raw, trigger=False))
     if conv is not None:
         conv.applied = True

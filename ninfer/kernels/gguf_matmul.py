@@ -855,18 +855,19 @@ def check_weight(raw: torch.Tensor, format: str, out_features: int, in_features:
                                f"{raw.dtype} {list(raw.shape)}; pass the artifact tensor's row view")
 
 
-# The formats whose rows kernels run a GDN decode conv in their epilogue (gdn_decode.ConvEpilogue), at one
-# column: H200 session 20 run 2, the 27B step's graph replay Q4_K 5.534 -> 5.490 ms, IQ3_S 7.817 -> 7.761 at
-# one lane; at two lanes Q4_K 7.16 -> 7.30 (the 1-warp `rows_n4_m2_b4_w1_r2` programs each wait on the
-# epilogue's dependent slot and state loads), IQ3_S 8.95 -> 8.94: one column only.
-CONV_FORMATS = ("q4_k", "q5_k", "iq3_s")
+# The formats whose rows kernels run a GDN decode conv in their epilogue (gdn_decode.ConvEpilogue), and up to
+# how many columns. H200 session 21 run 1, the 27B step's graph replay on the lanes' own slots (ms): one lane
+# Q4_K 5.625 -> 5.574, IQ3_S 7.868 -> 7.806 (operands loaded after the loop; before the wait: 5.601, 7.833);
+# two lanes Q4_K 7.277 -> 7.203 with the operands loaded before the wait (after the loop: 7.307, the 1-warp
+# `rows_n4_m2_b4_w1_r2` programs each waiting on them at their end), IQ3_S 9.023 -> 9.097 / 9.141: one column.
+CONV_COLUMNS = {"q4_k": 2, "q5_k": 2, "iq3_s": 1}
 
 
 def _conv_route(conv: ConvEpilogue | None, rows, format: str, columns: int, out_features: int
                 ) -> ConvEpilogue | None:
-    """`conv` where the rows GEMV `rows` is to run it (one column, CONV_FORMATS, `gemv_rows.takes_conv`,
+    """`conv` where the rows GEMV `rows` is to run it (CONV_COLUMNS, `gemv_rows.takes_conv`,
     NINFER_CONV_EPILOGUE not 0), else None."""
-    if conv is None or columns != 1 or format not in CONV_FORMATS:
+    if conv is None or columns > CONV_COLUMNS.get(format, 0):
         return None
     from ninfer.kernels.gemv_rows import takes_conv
 

@@ -15,8 +15,6 @@ time (and with --graphs its time through CUDA graphs).
     python3 bench/step_profile.py --wtype q4_k --lanes 1 --prompt 512 --no-rate \
         --sweep skip=,skip=fused._swiglu_kernel   # what a step would save without a kernel (outputs wrong)
     python3 bench/step_profile.py --wtype q4_k --lanes 1 --prompt 512 --no-rate --sweep norm=512,norm=1024
-    python3 bench/step_profile.py --wtype q4_k --columns 4 --prompt 512 --no-rate \\
-        --sweep NINFER_GDN_CHUNK=0,NINFER_GDN_CHUNK=1+chunk=8:4   # the 4-position GDN recurrence
 
 Kernel names are grouped by their prefix before the first '<' or '(' (Triton kernels keep their Python name).
 """
@@ -229,9 +227,8 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     RUN:SPLITS the decode attention's paged_attention.DECODE_RUN_PAGES and DECODE_SPLITS; `gdn`
     BLOCK_V:WARPS:BLOCK_C gdn_decode's decode tiles, BLOCK_V for any number of lanes; `skip`
     module.kernel[:module.kernel…] of ninfer.kernels left out of the step, an upper bound on what fusing them
-    away could gain; `norm` the decode add + RMSNorm's columns a program; `chunk` BLOCK_V:WARPS of the GDN
-    recurrence over a lane's positions at once, gdn_decode.CHUNK_BLOCK_V / CHUNK_WARPS), the graphs captured
-    again for each, twice over in alternating order (the machine's drift shows as the difference)."""
+    away could gain; `norm` the decode add + RMSNorm's columns a program), the graphs captured again for
+    each, twice over in alternating order (the machine's drift shows as the difference)."""
     import os
     from dataclasses import replace
 
@@ -241,7 +238,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     norm_chunk = fused.NORM_CHUNK
     attn = paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS
     gdn = (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
-           gdn_decode.CONV_BLOCK_C, gdn_decode.CHUNK_BLOCK_V, gdn_decode.CHUNK_WARPS)
+           gdn_decode.CONV_BLOCK_C)
     out: dict[str, list[float]] = {}
     routes = gemv_frag.MEASURED_ROUTES
     for setting in settings + settings[::-1]:
@@ -249,7 +246,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
         routes.update(current)  # each setting's routes start from the current ones
         paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
         (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
-         gdn_decode.CONV_BLOCK_C, gdn_decode.CHUNK_BLOCK_V, gdn_decode.CHUNK_WARPS) = gdn
+         gdn_decode.CONV_BLOCK_C) = gdn
         fused.NORM_CHUNK = norm_chunk
         undo = []
         for assignment in setting.split("+"):
@@ -270,8 +267,6 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
                 columns, warps, channels = map(int, value.split(":"))
                 gdn_decode.RECURRENT_BLOCK_V_ONE_LANE = gdn_decode.RECURRENT_BLOCK_V = columns
                 gdn_decode.RECURRENT_WARPS, gdn_decode.CONV_BLOCK_C = warps, channels
-            elif name == "chunk":  # value columns, warps of the GDN recurrence over several positions at once
-                gdn_decode.CHUNK_BLOCK_V, gdn_decode.CHUNK_WARPS = map(int, value.split(":"))
             elif name == "norm":  # columns a program of the decode add + RMSNorm (fused.NORM_CHUNK)
                 fused.NORM_CHUNK = int(value)
             elif name == "lookahead":
@@ -309,7 +304,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     fused.NORM_CHUNK = norm_chunk
     paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
     (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
-     gdn_decode.CONV_BLOCK_C, gdn_decode.CHUNK_BLOCK_V, gdn_decode.CHUNK_WARPS) = gdn
+     gdn_decode.CONV_BLOCK_C) = gdn
     return {k: min(t) for k, t in out.items()}
 
 

@@ -70,10 +70,9 @@ def test_single_step_matches_transformers():
 @needs_triton
 @pytest.mark.parametrize("B", [2, 1])  # one lane: 16 value columns a program, else 32
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("T", [3, 11])  # ≤ 8: all positions at once (_recurrent_chunk_kernel)
-def test_multi_position_states_match_reference(state_dtype, B, T):
-    gen = torch.Generator().manual_seed((12 if state_dtype == torch.float32 else 13) + T)
-    Hk, Hv, Dk, Dv = 1, 2, 16, 64  # Dv 64: two or four value slices per head
+def test_multi_position_states_match_reference(state_dtype, B):
+    gen = torch.Generator().manual_seed(12 if state_dtype == torch.float32 else 13)
+    T, Hk, Hv, Dk, Dv = 3, 1, 2, 16, 64  # Dv 64: two or four value slices per head
     layer = make_layer(gen, B, T, Hk, Hv, Dk, Dv, slots=5, state_dtype=state_dtype)
     slot_ids = torch.tensor([4, 1][:B], dtype=torch.int32)
     ref_in, mine = cloned(layer), cloned(layer)
@@ -82,9 +81,8 @@ def test_multi_position_states_match_reference(state_dtype, B, T):
     mine["a"], mine["b"] = ab[..., :Hv], ab[..., Hv + 3:]
     ref = gdn_decode_reference(**ref_in, slot_ids=slot_ids, num_key_heads=Hk, return_all_states=True)
     out = gdn_decode(**mine, slot_ids=slot_ids, num_key_heads=Hk, return_all_states=True)
-    # fp32: the same operations in another summation order (all positions at once: another form of the
-    # sums), measured <= 3.5e-7; fp16 slots: both round the states to fp16, order differences flip a few
-    # roundings, measured 5.6e-6
+    # fp32: the same operations in another summation order, measured <= 1.8e-7; fp16 slots: both round
+    # the states to fp16, order differences flip a few roundings, measured 5.6e-6
     tol = 1e-6 if state_dtype == torch.float32 else 5e-5
     assert rel(out.output, ref.output) < tol
     assert rel(out.states.float(), ref.states.float()) < tol
@@ -93,24 +91,6 @@ def test_multi_position_states_match_reference(state_dtype, B, T):
     assert torch.equal(mine["conv_slots"], ref_in["conv_slots"])
     # the last per-position state is the committed slot state
     assert torch.equal(out.states[:, -1], mine["state_slots"][slot_ids.long()])
-
-
-@needs_triton
-def test_positions_at_once_equal_positions_in_sequence(monkeypatch):
-    """The chunk kernel (all T positions from one read of the state) against the sequential kernel on the
-    same inputs: strong and weak decays, a lane's positions 2..8."""
-    gen = torch.Generator().manual_seed(21)
-    for T in (2, 5, 8):
-        layer = make_layer(gen, 2, T, 1, 2, 16, 16, slots=3)
-        layer["a_log"][0] = 6.0  # exp(A_log) = 403: head 0's summed decay e^G underflows to 0
-        ids = torch.tensor([2, 0], dtype=torch.int32)
-        seq, chunk = cloned(layer), cloned(layer)
-        monkeypatch.setenv("NINFER_GDN_CHUNK", "0")
-        want = gdn_decode(**seq, slot_ids=ids, num_key_heads=1, return_all_states=True)
-        monkeypatch.setenv("NINFER_GDN_CHUNK", "1")
-        got = gdn_decode(**chunk, slot_ids=ids, num_key_heads=1, return_all_states=True)
-        assert rel(got.output, want.output) < 1e-6 and rel(got.states, want.states) < 1e-6
-        assert rel(chunk["state_slots"], seq["state_slots"]) < 1e-6
 
 
 def test_wrong_geometry_is_a_user_error():

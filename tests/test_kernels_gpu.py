@@ -192,9 +192,8 @@ def test_programmatic_dependent_launches_in_a_graph_equal_plain_launches(monkeyp
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("T", [4, 12])  # all positions at once (≤ 8), one after another
-def test_gdn_decode_on_gpu(state_dtype, T):
-    B, Hk, Hv, D = 3, 16, 48, 128
+def test_gdn_decode_on_gpu(state_dtype):
+    B, T, Hk, Hv, D = 3, 4, 16, 48, 128
     C = 2 * Hk * D + Hv * D
     inputs = dict(
         mixed_qkv=torch.randn(B, T, C, device="cuda", dtype=torch.bfloat16),
@@ -221,6 +220,7 @@ def test_gdn_conv_in_the_projection_on_gpu(fmt):
     against the plain GEMV then the conv kernel; iq3_s at two lanes leaves the conv to the conv kernel."""
     from ninfer.kernels.gdn_decode import ConvEpilogue, _conv_kernel
     from ninfer.kernels.gguf_matmul import CONV_COLUMNS
+
 
     rows, channels = 16480, 10240
     raw = random_gguf_weight(fmt, rows, 5120, "cuda")

@@ -19,7 +19,6 @@ Layouts: mixed_qkv `[B, T, C]` with C = q (Hk·Dk) | k (Hk·Dk) | v (Hv·Dv), va
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +36,6 @@ RECURRENT_BLOCK_V_ONE_LANE = 16
 RECURRENT_BLOCK_V = 32
 RECURRENT_WARPS = 4
 CONV_BLOCK_C = 256
-# `_recurrent_chunk_kernel` (2..CHUNK_POSITIONS positions a lane at once; more run one after another): value
-# columns a program (at most 64 / 2^⌈log2 T⌉: its [T, Dk, columns] products) and warps
-CHUNK_POSITIONS = 8
-CHUNK_BLOCK_V = 8
-CHUNK_WARPS = 4
 
 
 class GdnKernelError(NinferError):
@@ -236,81 +230,6 @@ def _recurrent_kernel(
     tl.store(sp, S.to(state_ptr.dtype.element_ty))
 
 
-@jit
-def _mm(x, y):
-    """[P, Q] @ [Q, R] of small register tensors (broadcast products summed over Q)."""
-    return tl_sum(x[:, :, None] * y[None, :, :], 1)
-
-
-@jit
-def _recurrent_chunk_kernel(
-    y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr, all_ptr,
-    T, C, Hv, s_ab, s_at, s_ss, s_sh,
-    HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, TP: tl.constexpr,
-    LOG_TP: tl.constexpr, STORE_ALL: tl.constexpr, PDL: tl.constexpr = 0,
-):
-    """`_recurrent_kernel` for 2 ≤ T ≤ TP = 2^LOG_TP positions at once instead of one after another. With
-    G_t the decay summed up to t, S0 the slot's state, and the positions' q, k normalised:
-        δ_t = β_t·(v_t − e^{G_t}·S0ᵀk_t − Σ_{s<t} e^{G_t − G_s}(k_s·k_t)·δ_s)
-        o_t = e^{G_t}·S0ᵀq_t + Σ_{s≤t} e^{G_t − G_s}(k_s·q_t)·δ_s
-        S_t = e^{G_t}·S0 + Σ_{s≤t} e^{G_t − G_s}·k_s ⊗ δ_s
-    so the state is read and reduced once for all positions (S0ᵀk, S0ᵀq), and the positions' dependence is a
-    TP × TP unit lower-triangular system, solved by its inverse (I + N)⁻¹ = (I − N)(I + N²)(I + N⁴)… (N
-    nilpotent)."""
-    pdl_start(PDL)
-    lane = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    offs_k = tl.arange(0, DK)
-    t_row = tl.arange(0, TP)[:, None]  # position t (rows of the TP × TP matrices)
-    t_col = tl.arange(0, TP)[None, :]  # position s (their columns)
-    live = tl.arange(0, TP) < T
-    kh = h // (Hv // HK)
-    slot = tl.load(slot_ptr + lane).to(tl.int64)
-    sp = state_ptr + slot * s_ss + h * s_sh + offs_k[:, None] * DV + offs_v[None, :]
-    S = tl.load(sp).to(tl.float32)  # [DK, BLOCK_V]
-    row = y_ptr + (lane * T + tl.arange(0, TP))[:, None] * C  # [TP, 1]
-    q = tl.load(row + kh * DK + offs_k[None, :], mask=live[:, None], other=0.0)  # [TP, DK]
-    k = tl.load(row + HK * DK + kh * DK + offs_k[None, :], mask=live[:, None], other=0.0)
-    v = tl.load(row + 2 * HK * DK + h * DV + offs_v[None, :], mask=live[:, None], other=0.0)  # [TP, BLOCK_V]
-    q = q * (1.0 / tl.sqrt(tl_sum(q * q, 1) + 1e-6))[:, None] * (1.0 / tl.sqrt(DK * 1.0))
-    k = k * (1.0 / tl.sqrt(tl_sum(k * k, 1) + 1e-6))[:, None]
-    ab = lane * s_ab + tl.arange(0, TP) * s_at + h
-    av = tl.load(a_ptr + ab, mask=live, other=0.0).to(tl.float32) + tl.load(dtb_ptr + h).to(tl.float32)
-    softplus = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(av)))
-    g = tl.where(live, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * softplus, 0.0)
-    bv = tl.load(b_ptr + ab, mask=live, other=0.0).to(tl.float32)
-    beta = tl.where(live, 1.0 / (1.0 + tl.exp(-bv)), 0.0)
-    G = tl_sum(tl.where(t_col <= t_row, g[None, :], 0.0), 1)  # [TP], the decay summed up to each position
-    # e^{G_t − G_s} for s ≤ t (≤ 1: G falls), 0 above the diagonal
-    decay = tl.where(t_col <= t_row, tl.exp(tl.minimum(G[:, None] - G[None, :], 0.0)), 0.0)
-    kk = _mm(k, tl.trans(k))  # [TP, TP]: k_t·k_s
-    qk = _mm(q, tl.trans(k))
-    eye = tl.where(t_col == t_row, 1.0, 0.0)
-    n = tl.where(t_col < t_row, beta[:, None] * decay * kk, 0.0)  # strictly lower
-    inv = eye - n
-    power = n
-    for _ in tl.static_range(LOG_TP - 1):  # N^TP = 0
-        power = _mm(power, power)
-        inv = _mm(inv, eye + power)
-    rhs = beta[:, None] * (v - tl.exp(G)[:, None] * _mm(k, S))  # [TP, BLOCK_V]
-    delta = _mm(inv, rhs)
-    o = tl.exp(G)[:, None] * _mm(q, S) + _mm(decay * qk, delta)
-    out_row = ((lane * T + tl.arange(0, TP)) * Hv + h) * DV
-    tl.store(o_ptr + out_row[:, None] + offs_v[None, :], o, mask=live[:, None])
-    if STORE_ALL:
-        for t in tl.static_range(TP):
-            if t < T:
-                c = tl_sum(tl.where(t_row == t, decay, 0.0), 0)  # [TP]: e^{G_t − G_s} for s ≤ t
-                gt = tl_sum(tl.where(tl.arange(0, TP) == t, G, 0.0), 0)
-                st = tl.exp(gt) * S + _mm(tl.trans(k * c[:, None]), delta)
-                ap = all_ptr + (((lane * T + t) * Hv + h) * DK + offs_k[:, None]) * DV + offs_v[None, :]
-                tl.store(ap, st.to(all_ptr.dtype.element_ty))
-    c = tl_sum(tl.where(t_row == T - 1, decay, 0.0), 0)
-    g_last = tl_sum(tl.where(tl.arange(0, TP) == T - 1, G, 0.0), 0)
-    tl.store(sp, (tl.exp(g_last) * S + _mm(tl.trans(k * c[:, None]), delta)).to(state_ptr.dtype.element_ty))
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Public entry
 
@@ -372,17 +291,11 @@ def gdn_decode(
             BLOCK_C=block_c, STORE_ALL=return_all_states, **pdl_options(mixed_qkv),
         )
     block_v = min(RECURRENT_BLOCK_V_ONE_LANE if B == 1 else RECURRENT_BLOCK_V, Dv)
-    cuda = dev.type != "cpu"
-    args = (y, a, b, a_log, dt_bias, state_slots, slot_ids, out, states if states is not None else out,
-            T, C, Hv, a.stride(0), a.stride(1), state_slots.stride(0), state_slots.stride(1))
-    if 2 <= T <= CHUNK_POSITIONS and os.environ.get("NINFER_GDN_CHUNK", "1") != "0":
-        log_tp = (T - 1).bit_length()
-        block_v = min(CHUNK_BLOCK_V, 64 >> log_tp, Dv)
-        _recurrent_chunk_kernel[(B, Hv, -(-Dv // block_v))](
-            *args, HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, TP=1 << log_tp, LOG_TP=log_tp,
-            STORE_ALL=return_all_states, **pdl_options(y), **({"num_warps": CHUNK_WARPS} if cuda else {}))
-    else:
-        _recurrent_kernel[(B, Hv, -(-Dv // block_v))](
-            *args, HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states,
-            **pdl_options(y), **({"num_warps": RECURRENT_WARPS} if cuda else {}))
+    warps = {} if dev.type == "cpu" else {"num_warps": RECURRENT_WARPS}
+    _recurrent_kernel[(B, Hv, -(-Dv // block_v))](
+        y, a, b, a_log, dt_bias, state_slots, slot_ids, out, states if states is not None else out,
+        T, C, Hv, a.stride(0), a.stride(1), state_slots.stride(0), state_slots.stride(1),
+        HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states, **pdl_options(y),
+        **warps,
+    )
     return GdnDecodeResult(out, states, convs)

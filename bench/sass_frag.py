@@ -25,6 +25,7 @@ def main() -> int:
     p.add_argument("--schedules", default="frag_w1_r1_m8_s2,frag_w2_r1_m8_s8")
     p.add_argument("--format", default="q4_k")
     p.add_argument("--dump", action="store_true", help="also print the loop's SASS")
+    p.add_argument("--maxnreg", type=int, default=0, help="cap the registers a thread (ptxas maxnreg)")
     p.add_argument("--unhinted", action="store_true",
                    help="also build with the row-length and scale-stride arguments not 16-divisible (Triton "
                         "specialises on that at run time: K = 256 · odd gets this build; q4_k / q5_k take "
@@ -62,13 +63,13 @@ def main() -> int:
             builds.append((" unhinted", tuple(h for h in hinted if h not in sized),
                            {"UNITS": True} if kernel is f._gemv_frag_kernel else {}))
         for label, hints, units in builds:
-            c = compile_sm90(kernel, sig, {**const, **units}, hints, s.num_warps, 1)
+            c = compile_sm90(kernel, sig, {**const, **units}, hints, s.num_warps, 1, a.maxnreg)
             regs = re.search(r"REG:(\d+)", cuobjdump(c, "-res-usage")).group(1)
             body = loop_body(cuobjdump(c, "-sass"))
             mix = opcode_mix(body)
             print(f"{a.format}:{name}{label}: regs {regs} loop {len(body)} {dict(mix.most_common(12))} "
                   f"(IMMA {mix['IMMA']}, HMMA {mix['HMMA']}, BAR {mix['BAR']}, STS {mix['STS']}, "
-                  f"LDS {mix['LDS']})")
+                  f"LDS {mix['LDS']}, local {mix['LDL'] + mix['STL']})")
             if a.dump:
                 print("\n".join(body))
     return 0

@@ -59,6 +59,30 @@ def test_rows_gemv_on_gpu(fmt):
             assert rel(gemv_rows(raw, fmt, xa, rows, name), want) < 5e-3, (rows, cols, name)  # bf16 output
 
 
+def test_q6k_rows_gemv_on_gpu(monkeypatch):
+    """The q6_k rows GEMV (every schedule) vs the float64 twin on a head-like 16384×5120 and a masked
+    1040×1536; quant_matmul's head route with NINFER_Q6K_ROWS=1 runs it."""
+    from ninfer.kernels import gemv_rows_q6k as module
+    from ninfer.kernels.gemv_rows_q6k import SCHEDULES, gemv_rows_q6k
+
+    for rows, cols in ((16384, 5120), (1040, 1536)):
+        raw = random_gguf_weight("q6_k", rows, cols, "cuda")
+        x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
+        xa = quantize_activation_reference(x)
+        want = gemv_q8_reference(raw, "q6_k", xa, rows).cuda()
+        for name in SCHEDULES:
+            assert rel(gemv_rows_q6k(raw, "q6_k", xa, rows, name), want) < 5e-3, (rows, name)  # bf16 output
+
+    calls = []
+    monkeypatch.setattr(module, "gemv_rows_q6k", lambda *a, **k: calls.append(a[4]) or gemv_rows_q6k(*a, **k))
+    monkeypatch.setenv("NINFER_Q6K_ROWS", "1")
+    raw = random_gguf_weight("q6_k", 65536, 1024, "cuda")
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    want = gemv_q8_reference(raw, "q6_k", quantize_activation_reference(x), 65536).cuda()
+    y = quant_matmul(raw, "q6_k", x, 65536)
+    assert [schedule.name for schedule in calls] == [module.HEAD_ROUTE] and rel(y, want) < 5e-3
+
+
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "iq3_s"])
 def test_mma_gemm_on_gpu(fmt, monkeypatch):
     """Every int8 tensor-core schedule vs the float64 twin at 2, 7 and 16 columns (rows past the tile,

@@ -928,6 +928,9 @@ def quant_matmul(
             if format in IQ_Q8_ROUTE_FORMATS:
                 from ninfer.kernels.gemv_rows_iq import gemv_rows_iq as rows_gemv
                 from ninfer.kernels.gemv_rows_iq import rows_iq_route as route
+            elif format == "q6_k":
+                from ninfer.kernels.gemv_rows_q6k import gemv_rows_q6k as rows_gemv
+                from ninfer.kernels.gemv_rows_q6k import rows_q6k_route as route
             else:
                 from ninfer.kernels.gemv_rows import gemv_rows as rows_gemv
                 from ninfer.kernels.gemv_rows import rows_route as route

@@ -26,16 +26,16 @@ def test_q6k_rows_gemv_matches_the_float64_twin(schedule):
         assert float((got.double() - want).norm() / want.norm()) < 1e-6, (rows, cols)
 
 
-def test_q6k_rows_route_is_the_head_at_one_column_when_asked(monkeypatch):
+def test_q6k_rows_route_is_the_head_at_one_column(monkeypatch):
     monkeypatch.delenv("NINFER_Q6K_ROWS", raising=False)
-    assert rows_q6k_route("q6_k", 248320, 5120, 1) is None  # off by default: the q8 GEMV
-    monkeypatch.setenv("NINFER_Q6K_ROWS", "1")
     assert rows_q6k_route("gguf_q6_k", 248320, 5120, 1).name == HEAD_ROUTE
     assert rows_q6k_route("q6_k", 248320, 5120, 2) is None  # several rows: the fragment kernel
-    assert rows_q6k_route("q6_k", 5120, 17408, 1) is None  # not a head
+    assert rows_q6k_route("q6_k", 5120, 17408, 1) is None  # not a head: the q8 GEMV
     assert rows_q6k_route("q4_k", 248320, 5120, 1) is None
     monkeypatch.setenv("NINFER_Q6K_ROWS", "rows_q6k_n16_m1_b4_w8")
     assert rows_q6k_route("q6_k", 248320, 5120, 1).name == "rows_q6k_n16_m1_b4_w8"
+    monkeypatch.setenv("NINFER_Q6K_ROWS", "0")
+    assert rows_q6k_route("q6_k", 248320, 5120, 1) is None
 
 
 def test_q6k_rows_refuses_what_it_cannot_run():

@@ -61,7 +61,7 @@ def test_rows_gemv_on_gpu(fmt):
 
 def test_q6k_rows_gemv_on_gpu(monkeypatch):
     """The q6_k rows GEMV (every schedule) vs the float64 twin on a head-like 16384×5120 and a masked
-    1040×1536; quant_matmul's head route with NINFER_Q6K_ROWS=1 runs it."""
+    1040×1536; quant_matmul's head route runs it."""
     from ninfer.kernels import gemv_rows_q6k as module
     from ninfer.kernels.gemv_rows_q6k import SCHEDULES, gemv_rows_q6k
 
@@ -75,7 +75,7 @@ def test_q6k_rows_gemv_on_gpu(monkeypatch):
 
     calls = []
     monkeypatch.setattr(module, "gemv_rows_q6k", lambda *a, **k: calls.append(a[4]) or gemv_rows_q6k(*a, **k))
-    monkeypatch.setenv("NINFER_Q6K_ROWS", "1")
+    monkeypatch.delenv("NINFER_Q6K_ROWS", raising=False)
     raw = random_gguf_weight("q6_k", 65536, 1024, "cuda")
     x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
     want = gemv_q8_reference(raw, "q6_k", quantize_activation_reference(x), 65536).cuda()

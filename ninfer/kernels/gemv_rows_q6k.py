@@ -1,5 +1,6 @@
 """Decode GEMV for q6_k rows read contiguously ("rows"), int8 activations and `dp4a`: the output head of the
-Qwen3.5 GGUFs (248,320 × 5,120 at the 27B) at one column.
+Qwen3.5 GGUFs (248,320 × 5,120 at the 27B) at one column, at 3.74 TB/s where the q8 GEMV's q6_k path (rows
+across lanes) reaches 3.07 on the H200.
 
 The lane map of `gemv_rows_iq.py` (8 lanes per block, a warp over NB consecutive blocks of one row, rows over
 warps and registers; tile axes `[lane c, block b, row n, column m, word e]`) for q6_k's 210-byte blocks
@@ -39,16 +40,19 @@ def _sched(block_n: int, blocks: int, num_warps: int) -> RowsSchedule:
 # one column; blocks × rows × 8 ≥ 32 · warps (else lanes repeat work)
 SCHEDULES: dict[str, RowsSchedule] = {s.name: s for s in (
     _sched(8, 4, 8), _sched(8, 4, 4), _sched(16, 4, 8), _sched(4, 4, 4), _sched(4, 4, 1), _sched(8, 4, 2),
+    _sched(8, 4, 1), _sched(2, 4, 1),
 )}
-# The head at one column. Untimed: off unless NINFER_Q6K_ROWS is 1 (this schedule) or a schedule's name (the
-# head then runs it instead of the q8 GEMV's q6_k path)
-HEAD_ROUTE = "rows_q6k_n8_m1_b4_w4"
+# The head at one column (H200 session 21 runs 4, 5; 248320×5120 in a CUDA graph over two copies: the q8
+# GEMV 340 µs = 3.07 TB/s; n4_w1 279 (3.74 TB/s), n8_w2 282, n8_w1 298, n2_w1 294, n8_w4 307, n16_w8 307,
+# n8_w8 387, n4_w4 398 µs; the 27B step on its own slot: Q4_K 5.557 -> 5.495 ms, IQ3_S 7.815 -> 7.757).
+# NINFER_Q6K_ROWS=0 leaves the head to the q8 GEMV; a schedule's name runs that one instead.
+HEAD_ROUTE = "rows_q6k_n4_m1_b4_w1"
 
 
 def rows_q6k_route(fmt: str, out_features: int, in_features: int, columns: int) -> RowsSchedule | None:
-    """The q6_k rows schedule for a decode GEMV: the output head (≥ 65536 rows) at one column where
-    NINFER_Q6K_ROWS asks for it, else None (the q8 GEMV)."""
-    asked = os.environ.get("NINFER_Q6K_ROWS", "0")
+    """The q6_k rows schedule for a decode GEMV: the output head (≥ 65536 rows) at one column, unless
+    NINFER_Q6K_ROWS=0; else None (the q8 GEMV)."""
+    asked = os.environ.get("NINFER_Q6K_ROWS", "1")
     if (fmt.removeprefix(GGUF_PREFIX) != "q6_k" or columns != 1 or in_features % 1024
             or out_features < 65536 or asked == "0"):
         return None

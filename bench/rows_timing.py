@@ -1,6 +1,7 @@
 """GPU check and timing of the coalesced-rows int8-activation GEMVs (ninfer/kernels/gemv_rows.py: q4_k, q5_k;
-gemv_rows_iq.py: iq3_s, iq4_xs) and the int8 tensor-core GEMM (gemv_mma.py: q4_k, q5_k, q6_k, iq3_s at 2–16
-columns) beside the q8 routes they replace (gemv_q8.py, gemv_q8_iq.py).
+gemv_rows_iq.py: iq3_s, iq4_xs; gemv_rows_q6k.py: q6_k at one column) and the int8 tensor-core GEMM
+(gemv_mma.py: q4_k, q5_k, q6_k, iq3_s at 2–16 columns) beside the q8 routes they replace (gemv_q8.py,
+gemv_q8_iq.py).
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site:$PWD
@@ -35,6 +36,7 @@ from ninfer.kernels import gemv_frag as frag_mod  # noqa: E402
 from ninfer.kernels import gemv_mma as mma_mod  # noqa: E402
 from ninfer.kernels import gemv_rows as rows_mod  # noqa: E402
 from ninfer.kernels import gemv_rows_iq as iq_mod  # noqa: E402
+from ninfer.kernels import gemv_rows_q6k as q6k_mod  # noqa: E402
 from ninfer.kernels.gemv_q8 import gemv_q8, quantize_activation  # noqa: E402
 from ninfer.kernels.gemv_q8_iq import gemv_q8_iq  # noqa: E402
 from ninfer.kernels.gguf_matmul import default_schedule, quant_matmul  # noqa: E402
@@ -52,7 +54,7 @@ def kernel(fmt: str):
     tensor-core ones where gemv_mma and gemv_frag take the format (and the NVRTC experiment's under --nvrtc),
     and quant_matmul's route."""
     iq = fmt in iq_mod.IQ_ROWS_FORMATS
-    rows_gemv = iq_mod.gemv_rows_iq if iq else rows_mod.gemv_rows
+    rows_gemv = iq_mod.gemv_rows_iq if iq else q6k_mod.gemv_rows_q6k if fmt == "q6_k" else rows_mod.gemv_rows
     mma = mma_mod.schedules_for(fmt)
     frag = frag_mod.schedules_for(fmt)
     cuda = {}
@@ -76,14 +78,16 @@ def kernel(fmt: str):
             return frag_mod.gemv_frag(raw, fmt, xa, rows, name)
         return (mma_mod.gemv_mma if name in mma else rows_gemv)(raw, fmt, xa, rows, name)
 
-    rows_route = iq_mod.rows_iq_route if iq else rows_mod.rows_route
+    rows_route = (iq_mod.rows_iq_route if iq else q6k_mod.rows_q6k_route if fmt == "q6_k"
+                  else rows_mod.rows_route)
 
     def route(fmt, rows, cols, width):
         """The schedule quant_matmul takes (its order: fragment kernel, tensor-core tile, rows kernel)."""
         return (frag_mod.frag_route(fmt, rows, cols, width) or mma_mod.mma_route(fmt, rows, cols, width)
                 or rows_route(fmt, rows, cols, width))
 
-    rows = iq_mod.SCHEDULES if iq else rows_mod.SCHEDULES if fmt in rows_mod.ROWS_FORMATS else {}
+    rows = (iq_mod.SCHEDULES if iq else q6k_mod.SCHEDULES if fmt == "q6_k"
+            else rows_mod.SCHEDULES if fmt in rows_mod.ROWS_FORMATS else {})
     return {**rows, **pad, **mma, **frag, **cuda}, gemv, route
 
 

@@ -245,7 +245,6 @@ def test_gdn_conv_in_the_projection_on_gpu(fmt):
     from ninfer.kernels.gdn_decode import ConvEpilogue, _conv_kernel
     from ninfer.kernels.gguf_matmul import CONV_COLUMNS
 
-
     rows, channels = 16480, 10240
     raw = random_gguf_weight(fmt, rows, 5120, "cuda")
     weight = torch.randn(channels, 4, device="cuda") * 0.3

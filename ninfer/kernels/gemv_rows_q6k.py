@@ -8,13 +8,13 @@ warps and registers; tile axes `[lane c, block b, row n, column m, word e]`) for
 128h + 32j + l (half h, run j of 32, l < 32) has its low nibble in ql byte 64h + 32(j % 2) + l (nibble j // 2)
 and its high bits in qh byte 128 + 32h + l (bits 2j, 2j + 1); its scale is byte 192 + 8h + 2j + (l ≥ 16).
 Lane c = 4h + g takes l = 8g .. 8g + 7 of all four runs j of half h: two ql words from each of the two ql
-runs, two qh words, the four scale bytes of its l range and d — 13 aligned int32 words read as four 4-word
-loads (blocks start 0 or 2 bytes into a word; NB is even, so a step keeps every thread's alignment and the
-misaligned words are funnel-shifted by an amount fixed for the loop, as for iq3_s); the activation words of
-each run as the aligned 16 bytes that hold the lane's 8 (lanes 2g, 2g + 1 share them). A code word becomes
-four signed bytes q − 32 (with c = code ^ 0x20 per byte, c + 6·(c & 0x20) sign-extends bit 5) and one `dp4a`
-with the activation word; each run j sums 8 codes, so its scale and the activation's group scale (32-code
-groups 8b + 4h + j) apply once per run. The oracle is `gemv_q8_reference` (float64).
+runs, two qh words, the four scale bytes of its l range and d — 13 aligned int32 words read as three 4-word
+loads and one word (blocks start 0 or 2 bytes into a word; NB is even, so a step keeps every thread's
+alignment and the misaligned words are funnel-shifted by an amount fixed for the loop, as for iq3_s); the
+activation words of each run as the aligned 16 bytes that hold the lane's 8 (lanes 2g, 2g + 1 share them). A
+code word becomes four signed bytes q − 32 (with c = code ^ 0x20 per byte, c + 6·(c & 0x20) sign-extends bit
+5) and one `dp4a` with the activation word; each run j sums 8 codes, so its scale and the activation's group
+scale (32-code groups 8b + 4h + j) apply once per run. The oracle is `gemv_q8_reference` (float64).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
 from ninfer.kernels.gemv_rows import RowsSchedule, rows_setup
+from ninfer.kernels.gemv_rows_iq import _aligned_words
 from ninfer.kernels.gguf_matmul import QuantKernelError, _f16_lo
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_release, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
@@ -152,8 +153,6 @@ def gemv_rows_q6k(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_f
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the q6_k GGUF rows `raw` (uint8 `[N, row_bytes]`)
     and xa the int8 activation; the kernel runs on `raw`'s device (CUDA, or CPU under the interpreter).
     `conv` must be None (no GDN conv epilogue here)."""
-    from ninfer.kernels.gemv_rows_iq import _aligned_words
-
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     if conv is not None:

@@ -466,7 +466,7 @@ def compile_for_sm90() -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ninfer.kernels import gemv_rows, gemv_rows_iq
+    from ninfer.kernels import gemv_rows, gemv_rows_iq, gemv_rows_q6k
 
     failures = []
 
@@ -519,14 +519,18 @@ def compile_for_sm90() -> list[str]:
                     **ints("C", "s_cs")}
             gemv = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "y_ptr": f"*{ty}",
                     **ints("N", "K", "M")}
-            build(gemv_rows._gemv_rows_kernel, {**gemv, "xs_ptr": "*fp32", **ints("row_quads", "stride_ym"),
-                                                **conv},
-                  {"FMT": 4, "BLOCK_N": 16, "BLOCK_M": 1, "NB": 4, "R": 2, "SPLIT_K": 1, "EVEN": True,
-                   "CACHE": 2, "EMULATE": False, "CONV": True}, 4)
-            build(gemv_rows_iq._gemv_rows_iq3_kernel, {**gemv, "grid_ptr": "*i16",
-                                                       **ints("row_bytes", "stride_ym"), **conv},
-                  {"BLOCK_N": 4, "BLOCK_M": 1, "NB": 4, "SPLIT_K": 1, "EVEN": True, "SIGNED": False,
-                   "EMULATE": False, "PADDED": False, "CONV": True}, 1)
+            for early in (False, True):  # its operands loaded after the loop or before the wait
+                build(gemv_rows._gemv_rows_kernel, {**gemv, "xs_ptr": "*fp32",
+                                                    **ints("row_quads", "stride_ym"), **conv},
+                      {"FMT": 4, "BLOCK_N": 16, "BLOCK_M": 1, "NB": 4, "R": 2, "SPLIT_K": 1, "EVEN": True,
+                       "CACHE": 2, "EMULATE": False, "CONV": True, "CONV_EARLY": early}, 4)
+                build(gemv_rows_iq._gemv_rows_iq3_kernel, {**gemv, "grid_ptr": "*i16",
+                                                           **ints("row_bytes", "stride_ym"), **conv},
+                      {"BLOCK_N": 4, "BLOCK_M": 1, "NB": 4, "SPLIT_K": 1, "EVEN": True, "SIGNED": False,
+                       "EMULATE": False, "PADDED": False, "CONV": True, "CONV_EARLY": early}, 1)
+            # the q6_k output head's rows GEMV
+            build(gemv_rows_q6k._gemv_rows_q6k_kernel, {**gemv, **ints("row_bytes", "stride_ym")},
+                  {"BLOCK_N": 4, "BLOCK_M": 1, "NB": 4, "SPLIT_K": 1, "EVEN": True, "EMULATE": False}, 1)
     return failures
 
 

@@ -132,8 +132,9 @@ def test_sm90_compile_issues_the_mma_from_registers():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("q4_k:frag_")]
     assert len(lines) == 3, out.stdout
-    assert "(IMMA 8, HMMA 3, BAR 0, STS 0, LDS 0)" in lines[0] and "(IMMA 8, HMMA 3, BAR 0," in lines[2]
-    assert "(IMMA 16, HMMA 6, BAR 0, STS 0, LDS 0)" in lines[1]
+    assert "(IMMA 8, HMMA 3, BAR 0, STS 0, LDS 0, local 0)" in lines[0]
+    assert "(IMMA 8, HMMA 3, BAR 0," in lines[2]
+    assert "(IMMA 16, HMMA 6, BAR 0, STS 0, LDS 0, local 0)" in lines[1]
     # iq3_s: 8 k32 mmas a super-block; q6_k: 2 × 16 k16 ones, one warp (its lanes read consecutive words: a
     # lane axis Triton saw as contiguous would be vectorised and break the one-element-per-lane map)
     # Every format also as built for rows of 256·odd columns (K % 512 ≠ 0: the row length and the scale
@@ -151,4 +152,4 @@ def test_sm90_compile_issues_the_mma_from_registers():
         # the same loop (q4_k: one instruction more in the aligned-units build)
         assert hinted and unhinted and abs(int(hinted[1]) - int(unhinted[1])) <= 2, out.stdout
         for line in (hinted[0], unhinted[0]):
-            assert f"(IMMA {imma}, HMMA {hmma}, BAR 0, STS 0, LDS 0)" in line, out.stdout
+            assert f"(IMMA {imma}, HMMA {hmma}, BAR 0, STS 0, LDS 0, local 0)" in line, out.stdout

@@ -1,9 +1,10 @@
-"""The q6_k output head at one column: the q8 GEMV's route beside every q6_k rows schedule (gemv_rows_q6k.py),
-µs per call in one CUDA graph over two weight copies (2 GB at the 27B's 248320×5120, far beyond the L2), with
-each schedule's output checked against the q8 route's.
+"""The q6_k output head at 1-8 columns: the present routes (the q8 GEMV at one column, the fragment kernel's
+`frag_w1_r2_m8` at 2-8) beside every q6_k rows schedule of that width (gemv_rows_q6k.py: one program decodes
+its weights once for all of its columns), µs per call in one CUDA graph over two weight copies (2 GB at the
+27B's 248320×5120, far beyond the L2), each schedule's output checked against the q8 GEMV's.
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site:$PWD python3 bench/head_timing.py [--rows 248320 --cols 5120]
+    PYTHONPATH=/tmp/site:$PWD python3 bench/head_timing.py [--rows 248320 --cols 5120 --widths 1,2,4,8]
 """
 
 from __future__ import annotations
@@ -17,30 +18,47 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_check import graph_us  # noqa: E402
+from ninfer.kernels.gemv_frag import gemv_frag  # noqa: E402
 from ninfer.kernels.gemv_q8 import gemv_q8, quantize_activation  # noqa: E402
 from ninfer.kernels.gemv_rows_q6k import SCHEDULES, gemv_rows_q6k  # noqa: E402
 from ninfer.kernels.gguf_matmul import default_schedule, random_gguf_weight  # noqa: E402
+
+FRAG_HEAD = "frag_w1_r2_m8"  # gemv_frag.frag_route's head schedule at 2-8 columns
+
+
+def time_width(weights: list[torch.Tensor], m: int, rows: int, cols: int) -> dict[str, float]:
+    """µs a call of the present route and of every rows schedule at `m` columns, outputs checked."""
+    xa = quantize_activation(torch.randn(m, cols, device="cuda", dtype=torch.bfloat16))
+    q8 = default_schedule(1, "q6_k", rows, cols, q8=True)
+    ref = torch.cat([gemv_q8(weights[0], "q6_k", xa.row(i), rows, q8) for i in range(m)]).float()
+    if m == 1:
+        calls = {f"q8 {q8.name}": lambda w: gemv_q8(w, "q6_k", xa, rows, q8)}
+    else:
+        calls = {FRAG_HEAD: lambda w: gemv_frag(w, "q6_k", xa, rows, FRAG_HEAD)}
+    for name in (n for n, s in SCHEDULES.items() if s.block_m == m):
+        calls[name] = lambda w, n=name: gemv_rows_q6k(w, "q6_k", xa, rows, n)
+    times = {}
+    for name, call in calls.items():
+        out = call(weights[0]).float()
+        err = float((out - ref).norm() / ref.norm())
+        assert err < 5e-3, f"{name} at {m} columns: {err:.2e} from the q8 GEMV"  # both round to bf16
+        times[name] = graph_us([lambda w=w, c=call: c(w) for w in weights])
+    return times
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=248320)
     p.add_argument("--cols", type=int, default=5120)
+    p.add_argument("--widths", default="1,2,3,4,8")
     a = p.parse_args()
     weights = [random_gguf_weight("q6_k", a.rows, a.cols, "cuda") for _ in range(2)]
-    xa = quantize_activation(torch.randn(1, a.cols, device="cuda", dtype=torch.bfloat16))
-    q8 = default_schedule(1, "q6_k", a.rows, a.cols, q8=True)
-    ref = gemv_q8(weights[0], "q6_k", xa, a.rows, q8).float()
-    times = {f"q8 {q8.name}": graph_us([lambda w=w: gemv_q8(w, "q6_k", xa, a.rows, q8) for w in weights])}
-    for name in SCHEDULES:
-        out = gemv_rows_q6k(weights[0], "q6_k", xa, a.rows, name).float()
-        err = float((out - ref).norm() / ref.norm())
-        assert err < 5e-3, f"{name}: {err:.2e} from the q8 route"  # both round to bf16
-        times[name] = graph_us([lambda w=w, n=name: gemv_rows_q6k(w, "q6_k", xa, a.rows, n) for w in weights])
     size = weights[0].numel()
-    print(f"q6_k {a.rows}×{a.cols} ({size / 1e9:.3f} GB) at one column, µs a call:")
-    for name, us in sorted(times.items(), key=lambda kv: kv[1]):
-        print(f"  {name:28s} {us:8.1f}  {size / us / 1e6:5.2f} TB/s")
+    for m in map(int, a.widths.split(",")):
+        times = time_width(weights, m, a.rows, a.cols)
+        print(f"q6_k {a.rows}×{a.cols} ({size / 1e9:.3f} GB) at {m} column(s), µs a call:", flush=True)
+        for name, us in sorted(times.items(), key=lambda kv: kv[1]):
+            print(f"  {name:28s} {us:8.1f}  {size / us / 1e6:5.2f} TB/s", flush=True)
     return 0
 
 

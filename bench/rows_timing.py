@@ -82,9 +82,11 @@ def kernel(fmt: str):
                   else rows_mod.rows_route)
 
     def route(fmt, rows, cols, width):
-        """The schedule quant_matmul takes (its order: fragment kernel, tensor-core tile, rows kernel)."""
-        return (frag_mod.frag_route(fmt, rows, cols, width) or mma_mod.mma_route(fmt, rows, cols, width)
-                or rows_route(fmt, rows, cols, width))
+        """The schedule quant_matmul takes (its order: the q6_k head's rows kernel, fragment kernel,
+        tensor-core tile, rows kernel)."""
+        head = rows_route(fmt, rows, cols, width) if fmt == "q6_k" else None
+        return (head or frag_mod.frag_route(fmt, rows, cols, width)
+                or mma_mod.mma_route(fmt, rows, cols, width) or rows_route(fmt, rows, cols, width))
 
     rows = (iq_mod.SCHEDULES if iq else q6k_mod.SCHEDULES if fmt == "q6_k"
             else rows_mod.SCHEDULES if fmt in rows_mod.ROWS_FORMATS else {})

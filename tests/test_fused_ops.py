@@ -528,9 +528,10 @@ def compile_for_sm90() -> list[str]:
                                                            **ints("row_bytes", "stride_ym"), **conv},
                       {"BLOCK_N": 4, "BLOCK_M": 1, "NB": 4, "SPLIT_K": 1, "EVEN": True, "SIGNED": False,
                        "EMULATE": False, "PADDED": False, "CONV": True, "CONV_EARLY": early}, 1)
-            # the q6_k output head's rows GEMV
-            build(gemv_rows_q6k._gemv_rows_q6k_kernel, {**gemv, **ints("row_bytes", "stride_ym")},
-                  {"BLOCK_N": 4, "BLOCK_M": 1, "NB": 4, "SPLIT_K": 1, "EVEN": True, "EMULATE": False}, 1)
+            for columns in (1, 4):  # the q6_k output head's rows GEMV
+                build(gemv_rows_q6k._gemv_rows_q6k_kernel, {**gemv, **ints("row_bytes", "stride_ym")},
+                      {"BLOCK_N": 2, "BLOCK_M": columns, "NB": 4, "SPLIT_K": 1, "EVEN": True,
+                       "EMULATE": False}, 1)
     return failures
 
 

@@ -60,27 +60,31 @@ def test_rows_gemv_on_gpu(fmt):
 
 
 def test_q6k_rows_gemv_on_gpu(monkeypatch):
-    """The q6_k rows GEMV (every schedule) vs the float64 twin on a head-like 16384×5120 and a masked
-    1040×1536; quant_matmul's head route runs it."""
+    """The q6_k rows GEMV (every schedule, at its columns) vs the float64 twin on a head-like 16384×5120, the
+    routed ones on a masked 1040×1536 too; quant_matmul's head route runs it at 1 and 3 columns, the fragment
+    kernel at 4."""
     from ninfer.kernels import gemv_rows_q6k as module
     from ninfer.kernels.gemv_rows_q6k import SCHEDULES, gemv_rows_q6k
 
     for rows, cols in ((16384, 5120), (1040, 1536)):
         raw = random_gguf_weight("q6_k", rows, cols, "cuda")
-        x = torch.randn(1, cols, device="cuda", dtype=torch.bfloat16)
-        xa = quantize_activation_reference(x)
-        want = gemv_q8_reference(raw, "q6_k", xa, rows).cuda()
-        for name in SCHEDULES:
+        for name in SCHEDULES if cols == 5120 else module.HEAD_ROUTES.values():
+            x = torch.randn(SCHEDULES[name].block_m, cols, device="cuda", dtype=torch.bfloat16)
+            xa = quantize_activation_reference(x)
+            want = gemv_q8_reference(raw, "q6_k", xa, rows).cuda()
             assert rel(gemv_rows_q6k(raw, "q6_k", xa, rows, name), want) < 5e-3, (rows, name)  # bf16 output
 
     calls = []
     monkeypatch.setattr(module, "gemv_rows_q6k", lambda *a, **k: calls.append(a[4]) or gemv_rows_q6k(*a, **k))
     monkeypatch.delenv("NINFER_Q6K_ROWS", raising=False)
     raw = random_gguf_weight("q6_k", 65536, 1024, "cuda")
-    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
-    want = gemv_q8_reference(raw, "q6_k", quantize_activation_reference(x), 65536).cuda()
-    y = quant_matmul(raw, "q6_k", x, 65536)
-    assert [schedule.name for schedule in calls] == [module.HEAD_ROUTE] and rel(y, want) < 5e-3
+    for m in (1, 3, 4):
+        calls.clear()
+        x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+        want = gemv_q8_reference(raw, "q6_k", quantize_activation_reference(x), 65536).cuda()
+        y = quant_matmul(raw, "q6_k", x, 65536)
+        routed = [module.HEAD_ROUTES[m]] if m in module.HEAD_ROUTES else []
+        assert [schedule.name for schedule in calls] == routed and rel(y, want) < 5e-3, m
 
 
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "iq3_s"])

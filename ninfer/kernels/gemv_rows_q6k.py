@@ -33,35 +33,46 @@ from ninfer.quant.formats import GGUF_PREFIX
 ROWS_Q6K_FORMATS = ("q6_k",)
 
 
-def _sched(block_n: int, blocks: int, num_warps: int) -> RowsSchedule:
-    return RowsSchedule(f"rows_q6k_n{block_n}_m1_b{blocks}_w{num_warps}", "rows_q6k", block_n, 1,
-                        num_warps=num_warps, num_stages=1, blocks=blocks, lanes="q6k")
+def _sched(block_n: int, blocks: int, num_warps: int, block_m: int = 1) -> RowsSchedule:
+    name = f"rows_q6k_n{block_n}_m{block_m}_b{blocks}_w{num_warps}"
+    return RowsSchedule(name, "rows_q6k", block_n, block_m, num_warps=num_warps, num_stages=1, blocks=blocks,
+                        lanes="q6k")
 
 
-# one column; blocks × rows × 8 ≥ 32 · warps (else lanes repeat work)
+# blocks × rows × 8 ≥ 32 · warps (else lanes repeat work); 1-8 columns a program
 SCHEDULES: dict[str, RowsSchedule] = {s.name: s for s in (
     _sched(8, 4, 8), _sched(8, 4, 4), _sched(16, 4, 8), _sched(4, 4, 4), _sched(4, 4, 1), _sched(8, 4, 2),
     _sched(8, 4, 1), _sched(2, 4, 1),
+    *(_sched(n, 4, w, m) for m in (2, 3, 4, 8) for n, w in ((4, 1), (8, 2), (16, 4))),
+    _sched(8, 4, 1, 2), _sched(8, 4, 1, 3),
 )}
 # The head at one column (H200 session 21 runs 4, 5; 248320×5120 in a CUDA graph over two copies: the q8
 # GEMV 340 µs = 3.07 TB/s; n4_w1 279 (3.74 TB/s), n8_w2 282, n8_w1 298, n2_w1 294, n8_w4 307, n16_w8 307,
 # n8_w8 387, n4_w4 398 µs; the 27B step on its own slot: Q4_K 5.557 -> 5.495 ms, IQ3_S 7.815 -> 7.757).
-# NINFER_Q6K_ROWS=0 leaves the head to the q8 GEMV; a schedule's name runs that one instead.
-HEAD_ROUTE = "rows_q6k_n4_m1_b4_w1"
+# At 2 and 3 columns (each program decoding its weights once for all of them; session 22 run 1):
+# n4_m2_w1 320.0 µs (n8_m2_w2 325.7) and n4_m3_w1 387.5 (n8_m3_w2 431.5) where the fragment kernel's
+# frag_w1_r2_m8 takes 449.3 and 461.2; at 4 columns it keeps the head (466.1 vs 502.9 on n8_m4_w2), at 8 too
+# (510.8 vs 698.8): the rows kernel's dp4a and scaling per column and row make it issue-bound from 4 columns.
+HEAD_ROUTES = {1: "rows_q6k_n4_m1_b4_w1", 2: "rows_q6k_n4_m2_b4_w1", 3: "rows_q6k_n4_m3_b4_w1"}
+HEAD_ROUTE = HEAD_ROUTES[1]
 
 
 def rows_q6k_route(fmt: str, out_features: int, in_features: int, columns: int) -> RowsSchedule | None:
-    """The q6_k rows schedule for a decode GEMV: the output head (≥ 65536 rows) at one column, unless
-    NINFER_Q6K_ROWS=0; else None (the q8 GEMV)."""
-    asked = os.environ.get("NINFER_Q6K_ROWS", "1")
-    if (fmt.removeprefix(GGUF_PREFIX) != "q6_k" or columns != 1 or in_features % 1024
-            or out_features < 65536 or asked == "0"):
+    """The q6_k rows schedule for a decode GEMV: the output head (≥ 65536 rows) at 1-3 columns, else None
+    (the fragment kernel at 4-8 columns, the q8 GEMV elsewhere). NINFER_Q6K_ROWS: "0" none, "1" one column
+    only (session 21's route), a schedule's name that one at its width (1-8)."""
+    asked = os.environ.get("NINFER_Q6K_ROWS", "")
+    if (fmt.removeprefix(GGUF_PREFIX) != "q6_k" or in_features % 1024 or out_features < 65536 or asked == "0"
+            or (asked == "1" and columns > 1)):
         return None
-    return SCHEDULES[HEAD_ROUTE if asked == "1" else asked]
+    if asked in SCHEDULES and SCHEDULES[asked].block_m == columns:
+        return SCHEDULES[asked]
+    name = HEAD_ROUTES.get(columns)
+    return SCHEDULES[name] if name else None
 
 
 if HAVE_TRITON:
-    from ninfer.kernels.gemv_rows import _ld, _pick, _step_range, _store_rows, _tile_axes
+    from ninfer.kernels.gemv_rows import _ld, _pick, _step_range, _store, _tile_axes
     from ninfer.kernels.gemv_rows_iq import _shf
 
     @jit
@@ -77,27 +88,58 @@ if HAVE_TRITON:
         return c + 6 * (c & 0x20202020)
 
     @jit
-    def _run_dot(ql0, ql1, qh0, qh1, x, odd, e, zero, J: tl.constexpr, EMULATE: tl.constexpr):
-        """Σ (q − 32)·x over the lane's 8 codes of run J: code words from ql0 / qh0 and ql1 / qh1, the
-        activation words 0, 1 (or 2, 3 where `odd`) of the 4 loaded."""
+    def _dot2(c0, c1, x, odd, e, zero, EMULATE: tl.constexpr):
+        """Σ over 8 codes: code words c0, c1 with the activation words 0, 1 (or 2, 3 where `odd`) of the 4
+        loaded."""
         x0 = tl.where(odd, _pick(x, e, 2), _pick(x, e, 0))
         x1 = tl.where(odd, _pick(x, e, 3), _pick(x, e, 1))
-        acc = dp4a(_code_word(ql0, qh0, J), x0, _pick(zero, e, 0), EMULATE)
-        return dp4a(_code_word(ql1, qh1, J), x1, acc, EMULATE)
+        return dp4a(c1, x1, dp4a(c0, x0, _pick(zero, e, 0), EMULATE), EMULATE)
+
+    @jit
+    def _column(acc, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, dw, xrow, drow, col, M, K, kb, ok, odd,
+                e, zero, J: tl.constexpr, COLS: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr):
+        """acc + the lane's sums over block kb for the program's column J (col + J, or the last column where
+        that is past M): run j's code words c(2j), c(2j + 1) (shared by every column) against the column's
+        activation words, times the run's int8 scale r_j, the activation's group scale and the block's d
+        (dw). Unchanged where J ≥ COLS."""
+        if J < COLS:
+            mc = tl.minimum(col + J, M - 1).to(tl.int64)
+            xb = xrow + mc * (K // 4) + kb * 64
+            xd = _ld(drow + mc * (K // 32) + kb * 8, ok, EVEN)
+            i0 = _dot2(c0, c1, _ld(xb, ok, EVEN), odd, e, zero, EMULATE)
+            i1 = _dot2(c2, c3, _ld(xb + 8, ok, EVEN), odd, e, zero, EMULATE)
+            i2 = _dot2(c4, c5, _ld(xb + 16, ok, EVEN), odd, e, zero, EMULATE)
+            i3 = _dot2(c6, c7, _ld(xb + 24, ok, EVEN), odd, e, zero, EMULATE)
+            sums = (r0 * i0).to(tl.float32) * _pick(xd, e, 0, -0.0)
+            sums += (r1 * i1).to(tl.float32) * _pick(xd, e, 1, -0.0)
+            sums += (r2 * i2).to(tl.float32) * _pick(xd, e, 2, -0.0)
+            sums += (r3 * i3).to(tl.float32) * _pick(xd, e, 3, -0.0)
+            acc += dw * sums
+        return acc
+
+    @jit
+    def _store_column(y_ptr, acc, col, M, N, stride_ym, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                      J: tl.constexpr, COLS: tl.constexpr):
+        if J < COLS:
+            no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+            _store(y_ptr, tl_sum(tl_sum(acc, 0), 0), col + J + no * 0, no, M, N, stride_ym, SPLIT_K)
 
     @jit
     def _gemv_rows_q6k_kernel(w_ptr, xw_ptr, xd_ptr, y_ptr, N, K, M, row_bytes, stride_ym,
                               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                               SPLIT_K: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr,
                               PDL: tl.constexpr = 0):
+        """BLOCK_M (1-8) columns a program, each its own accumulator over tiles without a column axis (the
+        one-column layout), so the weights are loaded and decoded once for all of them."""
         pdl_start(PDL)
-        c, b, n, m, e = _tile_axes(BLOCK_N, BLOCK_M, NB)
+        c, b, n, m, e = _tile_axes(BLOCK_N, 1, NB)
         zero = (m * 0) + (n * 0) + (b * 0) + (c * 0) + (e * 0)  # int32 zeros at the full tile shape
+        col = tl.program_id(1) * BLOCK_M  # the program's first column
         h = c // 4
         g = c % 4
         nblk = K // 256
         s0, s1 = _step_range(K, NB, SPLIT_K)
-        # the thread's block start (bytes) in the first step; rows and columns past the end read the last one
+        # the thread's block start (bytes) in the first step; rows past the end read the last one
         start = tl.minimum(n, N - 1).to(tl.int64) * row_bytes + 210 * (b % 2) + zero
         base = w_ptr + (start >> 2)
         # words [ql run 2h: 0-2, d], [ql run 2h + 1: 0-2, qh 0], [qh 1-2, scales 0-1], [scales 2]
@@ -107,13 +149,20 @@ if HAVE_TRITON:
         wd = base + 48 + 2 * h + 2 + e * 0
         sh = _pick(((start & 3) * 8).to(tl.int32), e, 0)  # 0 or 16, the same in every step (NB even)
         gg = _pick(g // 2 + zero, e, 0)  # the lane's scale byte in each pair: l ≥ 16
-        mc = tl.minimum(m, M - 1).to(tl.int64)
+        k0 = 24 - 8 * gg
         # activation words 2g, 2g + 1 of run j at 32h + 8j: read as the aligned 4 words that hold them (a
         # 16-byte load; a narrower one would split the word axis over lanes and shuffle every pick)
-        xrow = xw_ptr + mc * (K // 4) + 32 * h + 4 * (g // 2) + e + zero
+        xrow = xw_ptr + 32 * h + 4 * (g // 2) + e + zero
         odd = _pick(g % 2 + zero, e, 0) == 1
-        drow = xd_ptr + mc * (K // 32) + 4 * h + e + zero  # the 4 runs' activation group scales
-        acc = tl.zeros([8, NB, BLOCK_N, BLOCK_M], dtype=tl.float32)
+        drow = xd_ptr + 4 * h + e + zero  # the 4 runs' activation group scales
+        acc0 = tl.zeros([8, NB, BLOCK_N, 1], dtype=tl.float32)
+        acc1 = acc0
+        acc2 = acc0
+        acc3 = acc0
+        acc4 = acc0
+        acc5 = acc0
+        acc6 = acc0
+        acc7 = acc0
         for step in range(s0, s1):
             blk = step * NB
             ok = ((blk + b) < nblk) & (zero == 0)  # unused where EVEN (whole steps of NB blocks)
@@ -130,22 +179,45 @@ if HAVE_TRITON:
             qh1 = _shf(_pick(lc, e, 0), _pick(lc, e, 1), sh, EMULATE)
             sc01 = _shf(_pick(lc, e, 2), _pick(lc, e, 3), sh, EMULATE)  # scale bytes 0-3 (runs 0, 1)
             sc23 = _shf(_pick(lc, e, 3), s2, sh, EMULATE)  # bytes 4-7 (runs 2, 3)
-            xb = xrow + (blk + b) * 64
-            i0 = _run_dot(qa0, qa1, qh0, qh1, _ld(xb, ok, EVEN), odd, e, zero, 0, EMULATE)
-            i1 = _run_dot(qb0, qb1, qh0, qh1, _ld(xb + 8, ok, EVEN), odd, e, zero, 1, EMULATE)
-            i2 = _run_dot(qa0, qa1, qh0, qh1, _ld(xb + 16, ok, EVEN), odd, e, zero, 2, EMULATE)
-            i3 = _run_dot(qb0, qb1, qh0, qh1, _ld(xb + 24, ok, EVEN), odd, e, zero, 3, EMULATE)
-            # int8 scale of run j: byte 2j + gg, sign-extended
-            k0 = 24 - 8 * gg
-            part = ((sc01 << k0) >> 24) * i0
-            xd = _ld(drow + (blk + b) * 8, ok, EVEN)
-            sums = part.to(tl.float32) * _pick(xd, e, 0, -0.0)
-            sums += (((sc01 << (k0 - 16)) >> 24) * i1).to(tl.float32) * _pick(xd, e, 1, -0.0)
-            sums += (((sc23 << k0) >> 24) * i2).to(tl.float32) * _pick(xd, e, 2, -0.0)
-            sums += (((sc23 << (k0 - 16)) >> 24) * i3).to(tl.float32) * _pick(xd, e, 3, -0.0)
-            acc += _f16_lo(_pick(la, e, 3) >> sh) * sums
+            c0 = _code_word(qa0, qh0, 0)
+            c1 = _code_word(qa1, qh1, 0)
+            c2 = _code_word(qb0, qh0, 1)
+            c3 = _code_word(qb1, qh1, 1)
+            c4 = _code_word(qa0, qh0, 2)
+            c5 = _code_word(qa1, qh1, 2)
+            c6 = _code_word(qb0, qh0, 3)
+            c7 = _code_word(qb1, qh1, 3)
+            # int8 scale of run j: byte 2j + gg, sign-extended; the block's d
+            r0 = (sc01 << k0) >> 24
+            r1 = (sc01 << (k0 - 16)) >> 24
+            r2 = (sc23 << k0) >> 24
+            r3 = (sc23 << (k0 - 16)) >> 24
+            dw = _f16_lo(_pick(la, e, 3) >> sh)
+            acc0 = _column(acc0, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, dw, xrow, drow, col, M,
+                           K, blk + b, ok, odd, e, zero, 0, BLOCK_M, EVEN, EMULATE)
+            acc1 = _column(acc1, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, dw, xrow, drow, col, M,
+                           K, blk + b, ok, odd, e, zero, 1, BLOCK_M, EVEN, EMULATE)
+            acc2 = _column(acc2, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, dw, xrow, drow, col, M,
+                           K, blk + b, ok, odd, e, zero, 2, BLOCK_M, EVEN, EMULATE)
+            acc3 = _column(acc3, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, dw, xrow, drow, col, M,
+                           K, blk + b, ok, odd, e, zero, 3, BLOCK_M, EVEN, EMULATE)
+            acc4 = _column(acc4, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, dw, xrow, drow, col, M,
+                           K, blk + b, ok, odd, e, zero, 4, BLOCK_M, EVEN, EMULATE)
+            acc5 = _column(acc5, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, dw, xrow, drow, col, M,
+                           K, blk + b, ok, odd, e, zero, 5, BLOCK_M, EVEN, EMULATE)
+            acc6 = _column(acc6, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, dw, xrow, drow, col, M,
+                           K, blk + b, ok, odd, e, zero, 6, BLOCK_M, EVEN, EMULATE)
+            acc7 = _column(acc7, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, dw, xrow, drow, col, M,
+                           K, blk + b, ok, odd, e, zero, 7, BLOCK_M, EVEN, EMULATE)
         pdl_release(PDL)
-        _store_rows(y_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M, SPLIT_K)
+        _store_column(y_ptr, acc0, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 0, BLOCK_M)
+        _store_column(y_ptr, acc1, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 1, BLOCK_M)
+        _store_column(y_ptr, acc2, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 2, BLOCK_M)
+        _store_column(y_ptr, acc3, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 3, BLOCK_M)
+        _store_column(y_ptr, acc4, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 4, BLOCK_M)
+        _store_column(y_ptr, acc5, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 5, BLOCK_M)
+        _store_column(y_ptr, acc6, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 6, BLOCK_M)
+        _store_column(y_ptr, acc7, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 7, BLOCK_M)
 
 
 def gemv_rows_q6k(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,

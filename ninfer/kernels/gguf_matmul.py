@@ -904,7 +904,12 @@ def quant_matmul(
         from ninfer.kernels.gemv_frag import frag_route, gemv_frag
         from ninfer.kernels.gemv_mma import gemv_mma, mma_route
         from ninfer.kernels.gemv_q8 import quantize_activation_cached
+        from ninfer.kernels.gemv_rows_q6k import gemv_rows_q6k, rows_q6k_route
 
+        head = rows_q6k_route(format, out_features, in_features, M)  # the output head at 1-8 columns
+        if head is not None:
+            y = gemv_rows_q6k(raw, format, quantize_activation_cached(x), out_features, head)
+            return y.reshape(*x.shape[:-1], out_features)
         frag = None if mma_forced() else frag_route(format, out_features, in_features, M)
         if frag is not None:  # the mma fragments loaded by each lane (frag_route)
             y = gemv_frag(raw, format, quantize_activation_cached(x), out_features, frag)
@@ -928,9 +933,6 @@ def quant_matmul(
             if format in IQ_Q8_ROUTE_FORMATS:
                 from ninfer.kernels.gemv_rows_iq import gemv_rows_iq as rows_gemv
                 from ninfer.kernels.gemv_rows_iq import rows_iq_route as route
-            elif format == "q6_k":
-                from ninfer.kernels.gemv_rows_q6k import gemv_rows_q6k as rows_gemv
-                from ninfer.kernels.gemv_rows_q6k import rows_q6k_route as route
             else:
                 from ninfer.kernels.gemv_rows import gemv_rows as rows_gemv
                 from ninfer.kernels.gemv_rows import rows_route as route

@@ -5,7 +5,7 @@ VENV ?= .venv
 TEST_WORKERS ?= 2
 BIN = $(VENV)/bin
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test lint device-triton
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,3 +23,9 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check ninfer tests bench
+
+# The GPU machine's Triton (3.6, with torch 2.11) beside the CPU one, for the sm_90 builds that bench/sass_*.py
+# read: another Triton lays tensors out differently (3.9 put layout conversions in loops 3.6 builds clean).
+# Use: PYTHONPATH=.triton-device $(BIN)/python bench/sass_rows.py
+device-triton: setup
+	$(BIN)/pip install -q --no-deps --target .triton-device triton==3.6.0

@@ -1,6 +1,11 @@
 """sm_90 builds without a GPU, for counting what a kernel's main loop costs (gpu_check.py --sass,
 sass_q8_iq.py): compile a Triton kernel with the 16-divisibility hints Triton specialises at run time, read
-its SASS and resource use with the `cuobjdump` Triton bundles, and cut out the longest loop."""
+its SASS and resource use with the `cuobjdump` Triton bundles, and cut out the longest loop.
+
+The build is the installed Triton's: read it with the GPU machine's (3.6; `make device-triton`, then
+`PYTHONPATH=.triton-device python bench/sass_rows.py`). Triton 3.9, which torch 2.13 brings here, lays
+several kernels out otherwise (session 22: the q4_k rows GEMVs with 20 barriers and shared-memory round trips
+in a loop that 3.6 builds without any)."""
 
 from __future__ import annotations
 

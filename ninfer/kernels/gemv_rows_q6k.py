@@ -61,9 +61,10 @@ def rows_q6k_route(fmt: str, out_features: int, in_features: int, columns: int) 
     """The q6_k rows schedule for a decode GEMV: the output head (≥ 65536 rows) at 1-3 columns, else None
     (the fragment kernel at 4-8 columns, the q8 GEMV elsewhere). NINFER_Q6K_ROWS: "0" none, "1" one column
     only (session 21's route), a schedule's name that one at its width (1-8)."""
+    if fmt.removeprefix(GGUF_PREFIX) != "q6_k" or in_features % 1024 or out_features < 65536:
+        return None
     asked = os.environ.get("NINFER_Q6K_ROWS", "")
-    if (fmt.removeprefix(GGUF_PREFIX) != "q6_k" or in_features % 1024 or out_features < 65536 or asked == "0"
-            or (asked == "1" and columns > 1)):
+    if asked == "0" or (asked == "1" and columns > 1):
         return None
     if asked in SCHEDULES and SCHEDULES[asked].block_m == columns:
         return SCHEDULES[asked]

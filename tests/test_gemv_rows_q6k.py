@@ -46,9 +46,9 @@ def test_q6k_rows_gemv_at_several_columns(schedule, widths):
 def test_q6k_rows_route_is_the_head_at_one_to_eight_columns(monkeypatch):
     monkeypatch.delenv("NINFER_Q6K_ROWS", raising=False)
     assert rows_q6k_route("gguf_q6_k", 248320, 5120, 1).name == HEAD_ROUTE == HEAD_ROUTES[1]
-    for m in (2, 3):
+    for m in (2, 3, 4):
         assert rows_q6k_route("q6_k", 248320, 5120, m).name == HEAD_ROUTES[m]
-    assert rows_q6k_route("q6_k", 248320, 5120, 4) is None  # the fragment kernel
+    assert rows_q6k_route("q6_k", 248320, 5120, 5) is None  # the fragment kernel
     monkeypatch.setenv("NINFER_Q6K_ROWS", "rows_q6k_n8_m4_b4_w2")  # a schedule at its width
     assert rows_q6k_route("q6_k", 248320, 5120, 4).name == "rows_q6k_n8_m4_b4_w2"
     assert rows_q6k_route("q6_k", 5120, 17408, 1) is None  # not a head: the q8 GEMV

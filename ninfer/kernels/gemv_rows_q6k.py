@@ -44,22 +44,24 @@ SCHEDULES: dict[str, RowsSchedule] = {s.name: s for s in (
     _sched(8, 4, 8), _sched(8, 4, 4), _sched(16, 4, 8), _sched(4, 4, 4), _sched(4, 4, 1), _sched(8, 4, 2),
     _sched(8, 4, 1), _sched(2, 4, 1),
     *(_sched(n, 4, w, m) for m in (2, 3, 4, 8) for n, w in ((4, 1), (8, 2), (16, 4))),
-    _sched(8, 4, 1, 2), _sched(8, 4, 1, 3),
+    _sched(8, 4, 1, 2), _sched(8, 4, 1, 3), _sched(16, 4, 2, 4), _sched(32, 4, 4, 4),
 )}
 # The head at one column (H200 session 21 runs 4, 5; 248320×5120 in a CUDA graph over two copies: the q8
 # GEMV 340 µs = 3.07 TB/s; n4_w1 279 (3.74 TB/s), n8_w2 282, n8_w1 298, n2_w1 294, n8_w4 307, n16_w8 307,
 # n8_w8 387, n4_w4 398 µs; the 27B step on its own slot: Q4_K 5.557 -> 5.495 ms, IQ3_S 7.815 -> 7.757).
-# At 2 and 3 columns (each program decoding its weights once for all of them; session 22 run 1):
-# n4_m2_w1 320.0 µs (n8_m2_w2 325.7) and n4_m3_w1 387.5 (n8_m3_w2 431.5) where the fragment kernel's
-# frag_w1_r2_m8 takes 449.3 and 461.2; at 4 columns it keeps the head (466.1 vs 502.9 on n8_m4_w2), at 8 too
-# (510.8 vs 698.8): the rows kernel's dp4a and scaling per column and row make it issue-bound from 4 columns.
-HEAD_ROUTES = {1: "rows_q6k_n4_m1_b4_w1", 2: "rows_q6k_n4_m2_b4_w1", 3: "rows_q6k_n4_m3_b4_w1"}
+# At 2-4 columns (each program decoding its weights once for all of them; session 22 runs 1, 4):
+# n4_m2_w1 320.0 µs (n16_m2_w4 327.8, n8_m2_w2 325.7), n4_m3_w1 387.5 (n16_m3_w4 400.9) and n16_m4_w2 448.7
+# (8 rows a thread, 244 registers; n32_m4_w4 462.4, n8_m4_w2 502.9) where the fragment kernel's frag_w1_r2_m8
+# takes 449.3, 461.2 and 461.9; at 8 columns the fragment kernel keeps the head (510.8 vs 698.8): the rows
+# kernel's dp4a and scaling per column and row outweigh the shared weight decode there.
+HEAD_ROUTES = {1: "rows_q6k_n4_m1_b4_w1", 2: "rows_q6k_n4_m2_b4_w1", 3: "rows_q6k_n4_m3_b4_w1",
+               4: "rows_q6k_n16_m4_b4_w2"}
 HEAD_ROUTE = HEAD_ROUTES[1]
 
 
 def rows_q6k_route(fmt: str, out_features: int, in_features: int, columns: int) -> RowsSchedule | None:
-    """The q6_k rows schedule for a decode GEMV: the output head (≥ 65536 rows) at 1-3 columns, else None
-    (the fragment kernel at 4-8 columns, the q8 GEMV elsewhere). NINFER_Q6K_ROWS: "0" none, "1" one column
+    """The q6_k rows schedule for a decode GEMV: the output head (≥ 65536 rows) at 1-4 columns, else None
+    (the fragment kernel at 5-8 columns, the q8 GEMV elsewhere). NINFER_Q6K_ROWS: "0" none, "1" one column
     only (session 21's route), a schedule's name that one at its width (1-8)."""
     if fmt.removeprefix(GGUF_PREFIX) != "q6_k" or in_features % 1024 or out_features < 65536:
         return None

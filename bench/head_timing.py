@@ -1,10 +1,10 @@
-"""The q6_k output head at 1-8 columns: the present routes (the q8 GEMV at one column, the fragment kernel's
-`frag_w1_r2_m8` at 2-8) beside every q6_k rows schedule of that width (gemv_rows_q6k.py: one program decodes
-its weights once for all of its columns), µs per call in one CUDA graph over two weight copies (2 GB at the
-27B's 248320×5120, far beyond the L2), each schedule's output checked against the q8 GEMV's.
+"""The q6_k output head at 1-8 columns: the q8 GEMV at one column or the fragment kernel's `frag_w1_r2_m8`
+at 2-8 (its route from 5) beside every q6_k rows schedule of that width (1-4; gemv_rows_q6k.py: one program
+decodes its weights once for all of its columns), µs per call in one CUDA graph over two weight copies (2 GB
+at the 27B's 248320×5120, far beyond the L2), each schedule's output checked against the q8 GEMV's.
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site:$PWD python3 bench/head_timing.py [--rows 248320 --cols 5120 --widths 1,2,4,8]
+    PYTHONPATH=/tmp/site:$PWD python3 bench/head_timing.py [--rows 248320 --cols 5120 --widths 1,2,3,4,8]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=248320)
     p.add_argument("--cols", type=int, default=5120)
-    p.add_argument("--widths", default="1,2,3,4,8")
+    p.add_argument("--widths", default="1,2,3,4")
     a = p.parse_args()
     weights = [random_gguf_weight("q6_k", a.rows, a.cols, "cuda") for _ in range(2)]
     size = weights[0].numel()

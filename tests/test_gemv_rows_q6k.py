@@ -28,10 +28,10 @@ def test_q6k_rows_gemv_matches_the_float64_twin(schedule):
 
 @needs_triton
 @pytest.mark.usefixtures("triton_on_cpu_env")
-@pytest.mark.parametrize("schedule, widths", [("rows_q6k_n4_m4_b4_w1", (1, 3, 4, 6)),
-                                              ("rows_q6k_n4_m2_b4_w1", (3,)), ("rows_q6k_n4_m8_b4_w1", (8,))])
+@pytest.mark.parametrize("schedule, widths", [
+    ("rows_q6k_n4_m4_b4_w1", (1, 3, 4, 6)), ("rows_q6k_n4_m2_b4_w1", (3,)), ("rows_q6k_n16_m4_b4_w2", (4,))])
 def test_q6k_rows_gemv_at_several_columns(schedule, widths):
-    # each program decodes its weights once for up to 8 columns; columns past the last (3 or 6 columns on 4
+    # each program decodes its weights once for up to 4 columns; columns past the last (3 or 6 columns on 4
     # a program) are computed on the last one and not stored
     for m in widths:
         for rows, cols in ((9, 1024), (5, 768)):

@@ -39,11 +39,11 @@ def _sched(block_n: int, blocks: int, num_warps: int, block_m: int = 1) -> RowsS
                         lanes="q6k")
 
 
-# blocks × rows × 8 ≥ 32 · warps (else lanes repeat work); 1-8 columns a program
+# blocks × rows × 8 ≥ 32 · warps (else lanes repeat work); 1-4 columns a program
 SCHEDULES: dict[str, RowsSchedule] = {s.name: s for s in (
     _sched(8, 4, 8), _sched(8, 4, 4), _sched(16, 4, 8), _sched(4, 4, 4), _sched(4, 4, 1), _sched(8, 4, 2),
     _sched(8, 4, 1), _sched(2, 4, 1),
-    *(_sched(n, 4, w, m) for m in (2, 3, 4, 8) for n, w in ((4, 1), (8, 2), (16, 4))),
+    *(_sched(n, 4, w, m) for m in (2, 3, 4) for n, w in ((4, 1), (8, 2), (16, 4))),
     _sched(8, 4, 1, 2), _sched(8, 4, 1, 3), _sched(16, 4, 2, 4), _sched(32, 4, 4, 4),
 )}
 # The head at one column (H200 session 21 runs 4, 5; 248320×5120 in a CUDA graph over two copies: the q8
@@ -52,8 +52,8 @@ SCHEDULES: dict[str, RowsSchedule] = {s.name: s for s in (
 # At 2-4 columns (each program decoding its weights once for all of them; session 22 runs 1, 4):
 # n4_m2_w1 320.0 µs (n16_m2_w4 327.8, n8_m2_w2 325.7), n4_m3_w1 387.5 (n16_m3_w4 400.9) and n16_m4_w2 448.7
 # (8 rows a thread, 244 registers; n32_m4_w4 462.4, n8_m4_w2 502.9) where the fragment kernel's frag_w1_r2_m8
-# takes 449.3, 461.2 and 461.9; at 8 columns the fragment kernel keeps the head (510.8 vs 698.8): the rows
-# kernel's dp4a and scaling per column and row outweigh the shared weight decode there.
+# takes 449.3, 461.2 and 461.9; at 8 columns the fragment kernel keeps the head (510.8 µs; this kernel at 8
+# columns a program took 698.8 at best): the dp4a and scaling per column and row outweigh the shared decode.
 HEAD_ROUTES = {1: "rows_q6k_n4_m1_b4_w1", 2: "rows_q6k_n4_m2_b4_w1", 3: "rows_q6k_n4_m3_b4_w1",
                4: "rows_q6k_n16_m4_b4_w2"}
 HEAD_ROUTE = HEAD_ROUTES[1]
@@ -62,7 +62,7 @@ HEAD_ROUTE = HEAD_ROUTES[1]
 def rows_q6k_route(fmt: str, out_features: int, in_features: int, columns: int) -> RowsSchedule | None:
     """The q6_k rows schedule for a decode GEMV: the output head (≥ 65536 rows) at 1-4 columns, else None
     (the fragment kernel at 5-8 columns, the q8 GEMV elsewhere). NINFER_Q6K_ROWS: "0" none, "1" one column
-    only (session 21's route), a schedule's name that one at its width (1-8)."""
+    only (session 21's route), a schedule's name that one at its width (1-4)."""
     if fmt.removeprefix(GGUF_PREFIX) != "q6_k" or in_features % 1024 or out_features < 65536:
         return None
     asked = os.environ.get("NINFER_Q6K_ROWS", "")
@@ -123,6 +123,7 @@ if HAVE_TRITON:
     @jit
     def _store_column(y_ptr, acc, col, M, N, stride_ym, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
                       J: tl.constexpr, COLS: tl.constexpr):
+        """The program's sums of column col + J (none past M, none where J ≥ COLS)."""
         if J < COLS:
             no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
             _store(y_ptr, tl_sum(tl_sum(acc, 0), 0), col + J + no * 0, no, M, N, stride_ym, SPLIT_K)
@@ -132,7 +133,7 @@ if HAVE_TRITON:
                               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
                               SPLIT_K: tl.constexpr, EVEN: tl.constexpr, EMULATE: tl.constexpr,
                               PDL: tl.constexpr = 0):
-        """BLOCK_M (1-8) columns a program, each its own accumulator over tiles without a column axis (the
+        """BLOCK_M (1-4) columns a program, each its own accumulator over tiles without a column axis (the
         one-column layout), so the weights are loaded and decoded once for all of them."""
         pdl_start(PDL)
         c, b, n, m, e = _tile_axes(BLOCK_N, 1, NB)
@@ -162,10 +163,6 @@ if HAVE_TRITON:
         acc1 = acc0
         acc2 = acc0
         acc3 = acc0
-        acc4 = acc0
-        acc5 = acc0
-        acc6 = acc0
-        acc7 = acc0
         for step in range(s0, s1):
             blk = step * NB
             ok = ((blk + b) < nblk) & (zero == 0)  # unused where EVEN (whole steps of NB blocks)
@@ -204,23 +201,11 @@ if HAVE_TRITON:
                            K, blk + b, ok, odd, e, zero, 2, BLOCK_M, EVEN, EMULATE)
             acc3 = _column(acc3, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, dw, xrow, drow, col, M,
                            K, blk + b, ok, odd, e, zero, 3, BLOCK_M, EVEN, EMULATE)
-            acc4 = _column(acc4, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, dw, xrow, drow, col, M,
-                           K, blk + b, ok, odd, e, zero, 4, BLOCK_M, EVEN, EMULATE)
-            acc5 = _column(acc5, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, dw, xrow, drow, col, M,
-                           K, blk + b, ok, odd, e, zero, 5, BLOCK_M, EVEN, EMULATE)
-            acc6 = _column(acc6, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, dw, xrow, drow, col, M,
-                           K, blk + b, ok, odd, e, zero, 6, BLOCK_M, EVEN, EMULATE)
-            acc7 = _column(acc7, c0, c1, c2, c3, c4, c5, c6, c7, r0, r1, r2, r3, dw, xrow, drow, col, M,
-                           K, blk + b, ok, odd, e, zero, 7, BLOCK_M, EVEN, EMULATE)
         pdl_release(PDL)
         _store_column(y_ptr, acc0, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 0, BLOCK_M)
         _store_column(y_ptr, acc1, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 1, BLOCK_M)
         _store_column(y_ptr, acc2, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 2, BLOCK_M)
         _store_column(y_ptr, acc3, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 3, BLOCK_M)
-        _store_column(y_ptr, acc4, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 4, BLOCK_M)
-        _store_column(y_ptr, acc5, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 5, BLOCK_M)
-        _store_column(y_ptr, acc6, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 6, BLOCK_M)
-        _store_column(y_ptr, acc7, col, M, N, stride_ym, BLOCK_N, SPLIT_K, 7, BLOCK_M)
 
 
 def gemv_rows_q6k(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,

@@ -906,7 +906,7 @@ def quant_matmul(
         from ninfer.kernels.gemv_q8 import quantize_activation_cached
         from ninfer.kernels.gemv_rows_q6k import gemv_rows_q6k, rows_q6k_route
 
-        head = rows_q6k_route(format, out_features, in_features, M)  # the output head at 1-8 columns
+        head = rows_q6k_route(format, out_features, in_features, M)  # the output head at 1-4 columns
         if head is not None:
             y = gemv_rows_q6k(raw, format, quantize_activation_cached(x), out_features, head)
             return y.reshape(*x.shape[:-1], out_features)

@@ -153,7 +153,8 @@ def frag_route(fmt: str, out_features: int, in_features: int, columns: int) -> F
     - the q6_k output head (248320×5120) at 2–8 columns: 458 / 504 / 603 µs at 2 / 4 / 8 (session 11 run 1)
       where two 1-column GEMVs take 676 and the tile 1,174 / 1,210 (one column stays on the q8 GEMV: 339 vs
       452); on two row tiles a warp (`frag_w1_r2_m8`) 447 / 465 / 508 where `frag_w2_r1_m8` took 457 / 506 /
-      609 (session 17 run 3);
+      609 (session 17 run 3); quant_matmul asks `gemv_rows_q6k.rows_q6k_route` first, which takes the head at
+      1-4 columns since session 22;
     - q4_k and iq3_s from 5, q6_k from 2 columns, on matrices of ≥ 10240 rows or of rows longer than 8192
       columns (session 9 runs 6 and 8, session 10 runs 1 and 3): q4_k 17408×5120 37.1 vs 45.6 (the tile),
       5120×17408 36.4 vs 43.2-46.3, 12288×5120 27.5 vs 32.1 and 10240×5120 24.2 vs 27.5 (the rows kernel's

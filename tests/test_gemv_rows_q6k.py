@@ -43,7 +43,7 @@ def test_q6k_rows_gemv_at_several_columns(schedule, widths):
             assert float((got.double() - want).norm() / want.norm()) < 1e-6, (m, rows, cols)
 
 
-def test_q6k_rows_route_is_the_head_at_one_to_eight_columns(monkeypatch):
+def test_q6k_rows_route_is_the_head_at_one_to_four_columns(monkeypatch):
     monkeypatch.delenv("NINFER_Q6K_ROWS", raising=False)
     assert rows_q6k_route("gguf_q6_k", 248320, 5120, 1).name == HEAD_ROUTE == HEAD_ROUTES[1]
     for m in (2, 3, 4):

@@ -18,12 +18,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_check import graph_us  # noqa: E402
-from ninfer.kernels.gemv_frag import gemv_frag  # noqa: E402
+from ninfer.kernels.gemv_frag import frag_route, gemv_frag  # noqa: E402
 from ninfer.kernels.gemv_q8 import gemv_q8, quantize_activation  # noqa: E402
 from ninfer.kernels.gemv_rows_q6k import SCHEDULES, gemv_rows_q6k  # noqa: E402
 from ninfer.kernels.gguf_matmul import default_schedule, random_gguf_weight  # noqa: E402
-
-FRAG_HEAD = "frag_w1_r2_m8"  # gemv_frag.frag_route's head schedule at 2-8 columns
 
 
 def time_width(weights: list[torch.Tensor], m: int, rows: int, cols: int) -> dict[str, float]:
@@ -34,7 +32,8 @@ def time_width(weights: list[torch.Tensor], m: int, rows: int, cols: int) -> dic
     if m == 1:
         calls = {f"q8 {q8.name}": lambda w: gemv_q8(w, "q6_k", xa, rows, q8)}
     else:
-        calls = {FRAG_HEAD: lambda w: gemv_frag(w, "q6_k", xa, rows, FRAG_HEAD)}
+        frag = frag_route("q6_k", rows, cols, m)  # the fragment kernel's head schedule
+        calls = {frag.name: lambda w: gemv_frag(w, "q6_k", xa, rows, frag)}
     for name in (n for n, s in SCHEDULES.items() if s.block_m == m):
         calls[name] = lambda w, n=name: gemv_rows_q6k(w, "q6_k", xa, rows, n)
     times = {}

@@ -31,6 +31,7 @@ def build_args(fmt: str, s, conv: bool, early: bool):
     ints = dict.fromkeys(("N", "K", "M"), "i32")
     conv_sig = {"cw_ptr": "*fp32", "cs_ptr": "*fp32", "slot_ptr": "*i32", "co_ptr": "*fp32", "C": "i32",
                 "s_cs": "i32"}
+    fixup_sig = {"o_ptr": "*bf16", "cnt_ptr": "*i32"}  # split-K's fixup (unused without FIXUP)
     const = dict(BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks, SPLIT_K=s.split_k, EVEN=True,
                  EMULATE=False, PDL=3)
     if fmt == "q6_k":
@@ -40,18 +41,18 @@ def build_args(fmt: str, s, conv: bool, early: bool):
                                                       "stride_ym")
     if fmt == "iq3_s":
         sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "grid_ptr": "*i16", "y_ptr": "*bf16",
-               **ints, "row_bytes": "i32", "stride_ym": "i32", **conv_sig}
-        const.update(SIGNED=s.signed_grid, PADDED=False, CONV=conv, CONV_EARLY=early)
+               **ints, "row_bytes": "i32", "stride_ym": "i32", **conv_sig, **fixup_sig}
+        const.update(SIGNED=s.signed_grid, PADDED=False, CONV=conv, CONV_EARLY=early, FIXUP=s.split_k > 1)
         return gi._gemv_rows_iq3_kernel, sig, const, ("w_ptr", "xw_ptr", "xd_ptr", "grid_ptr", "y_ptr", "K",
                                                       "row_bytes", "stride_ym")
     sig = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "y_ptr": "*bf16", **ints,
            "row_quads": "i32", "stride_ym": "i32"}
     hinted = ("w_ptr", "xw_ptr", "xd_ptr", "xs_ptr", "y_ptr", "K", "row_quads", "stride_ym")
-    const.update(FMT=g._FMT[fmt], CACHE=s.cache)
+    const.update(FMT=g._FMT[fmt], CACHE=s.cache, FIXUP=s.split_k > 1)
     if s.lanes == "piece":
-        return g._gemv_rows_p_kernel, sig, const, hinted
+        return g._gemv_rows_p_kernel, {**sig, **fixup_sig}, const, hinted
     const.update(R=s.rows_per_lane, CONV=conv, CONV_EARLY=early)
-    return g._gemv_rows_kernel, {**sig, **conv_sig}, const, hinted
+    return g._gemv_rows_kernel, {**sig, **conv_sig, **fixup_sig}, const, hinted
 
 
 def main() -> int:

@@ -185,6 +185,24 @@ ROUTE_SETS = {
 }
 
 
+def rows_override(value: str) -> tuple[dict, tuple, tuple]:
+    """`FMT:ROWSxCOLS:WIDTH:SCHEDULE` → (the rows route table to change, its key, the matrix's route names
+    with SCHEDULE at WIDTH's slot), e.g. q4_k:5120x17408:1:rows_n8_m1_b8_w4_r2_s2_ef."""
+    from ninfer.kernels import gemv_rows, gemv_rows_iq
+
+    fmt, shape, width, schedule = value.split(":")
+    rows, cols = map(int, shape.split("x"))
+    module = gemv_rows_iq if fmt == "iq3_s" else gemv_rows
+    if schedule not in module.SCHEDULES:
+        raise SystemExit(f"rows={value}: not one of {module.__name__}.SCHEDULES")
+    table, key = (module._EXACT, (rows, cols)) if fmt == "iq3_s" else (module._EXACT, (fmt, rows, cols))
+    shape_class = gemv_rows.shape_class(rows, cols)
+    names = list(table.get(key) or (module._ROUTE[shape_class] if fmt == "iq3_s" else
+                                    module._ROUTE[fmt, shape_class]))
+    names[gemv_rows.width_slot(int(width))] = schedule
+    return table, key, tuple(names)
+
+
 def frag_override(value: str) -> tuple[tuple[str, int, int], int, str | None]:
     """`FMT:ROWSxCOLS:WIDTH:SCHEDULE` (SCHEDULE `none`: the rows kernels) → (MEASURED_ROUTES key, index in its
     tuple, schedule name), e.g. q4_k:34816x5120:8:frag_w2_r1_m8_s8."""
@@ -223,18 +241,28 @@ def skip_kernels(names: str) -> list[tuple[object, str, object]]:
 def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     """The captured step's GPU time under each launch setting ("NAME=value", several joined by "+", e.g.
     NINFER_PDL_LATE=0; the name `lookahead` sets the engine's decode lookahead, seen by --lanes only; `routes`
-    one of ROUTE_SETS; `frag` one matrix's fragment schedule at one width, see `frag_override`; `attn`
-    RUN:SPLITS the decode attention's paged_attention.DECODE_RUN_PAGES and DECODE_SPLITS; `gdn`
-    BLOCK_V:WARPS:BLOCK_C gdn_decode's decode tiles, BLOCK_V for any number of lanes; `skip`
-    module.kernel[:module.kernel…] of ninfer.kernels left out of the step, an upper bound on what fusing them
-    away could gain; `norm` the decode add + RMSNorm's columns a program), the graphs captured again for
-    each, twice over in alternating order (the machine's drift shows as the difference)."""
+    one of ROUTE_SETS; `frag` one matrix's fragment schedule at one width, see `frag_override`; `rows` its
+    rows schedule, see `rows_override`; `attn` RUN:SPLITS the decode attention's
+    paged_attention.DECODE_RUN_PAGES and DECODE_SPLITS; `gdn` BLOCK_V:WARPS:BLOCK_C gdn_decode's decode tiles,
+    BLOCK_V for any number of lanes; `skip` module.kernel[:module.kernel…] of ninfer.kernels left out of the
+    step, an upper bound on what fusing them away could gain; `norm` the decode add + RMSNorm's columns a
+    program), the graphs captured again for each, twice over in alternating order (the machine's drift shows
+    as the difference)."""
     import os
     from dataclasses import replace
 
-    from ninfer.kernels import fused, gdn_decode, gemv_frag, paged_attention, triton_support
+    from ninfer.kernels import (
+        fused,
+        gdn_decode,
+        gemv_frag,
+        gemv_rows,
+        gemv_rows_iq,
+        paged_attention,
+        triton_support,
+    )
 
     current = dict(gemv_frag.MEASURED_ROUTES)
+    rows_tables = {id(t): (t, dict(t)) for t in (gemv_rows._EXACT, gemv_rows_iq._EXACT)}
     norm_chunk = fused.NORM_CHUNK
     attn = paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS
     gdn = (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
@@ -244,6 +272,9 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     for setting in settings + settings[::-1]:
         routes.clear()
         routes.update(current)  # each setting's routes start from the current ones
+        for table, saved in rows_tables.values():
+            table.clear()
+            table.update(saved)
         paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
         (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
          gdn_decode.CONV_BLOCK_C) = gdn
@@ -260,6 +291,9 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
                 names = list(routes.get(key, (None, None, None)))
                 names[slot] = schedule
                 routes[key] = tuple(names)
+            elif name == "rows":  # one matrix and width on one rows schedule (split-K, bench/split_timing.py)
+                table, key, names = rows_override(value)
+                table[key] = names
             elif name == "attn":  # decode attention's runs: RUN pages at least, SPLITS programs at most
                 run, splits = map(int, value.split(":"))
                 paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = run, splits

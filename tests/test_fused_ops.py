@@ -519,15 +519,19 @@ def compile_for_sm90() -> list[str]:
                     **ints("C", "s_cs")}
             gemv = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "y_ptr": f"*{ty}",
                     **ints("N", "K", "M")}
-            for early in (False, True):  # its operands loaded after the loop or before the wait
+            fixup = {"o_ptr": f"*{ty}", "cnt_ptr": "*i32"}
+            # the conv epilogue with its operands loaded after the loop or before the wait; split-K's fixup
+            for conv_on, early, split in ((True, False, 1), (True, True, 1), (False, False, 2)):
                 build(gemv_rows._gemv_rows_kernel, {**gemv, "xs_ptr": "*fp32",
-                                                    **ints("row_quads", "stride_ym"), **conv},
-                      {"FMT": 4, "BLOCK_N": 16, "BLOCK_M": 1, "NB": 4, "R": 2, "SPLIT_K": 1, "EVEN": True,
-                       "CACHE": 2, "EMULATE": False, "CONV": True, "CONV_EARLY": early}, 4)
+                                                    **ints("row_quads", "stride_ym"), **conv, **fixup},
+                      {"FMT": 4, "BLOCK_N": 16, "BLOCK_M": 1, "NB": 4, "R": 2, "SPLIT_K": split, "EVEN": True,
+                       "CACHE": 2, "EMULATE": False, "CONV": conv_on, "CONV_EARLY": early,
+                       "FIXUP": split > 1}, 4)
                 build(gemv_rows_iq._gemv_rows_iq3_kernel, {**gemv, "grid_ptr": "*i16",
-                                                           **ints("row_bytes", "stride_ym"), **conv},
-                      {"BLOCK_N": 4, "BLOCK_M": 1, "NB": 4, "SPLIT_K": 1, "EVEN": True, "SIGNED": False,
-                       "EMULATE": False, "PADDED": False, "CONV": True, "CONV_EARLY": early}, 1)
+                                                           **ints("row_bytes", "stride_ym"), **conv, **fixup},
+                      {"BLOCK_N": 4, "BLOCK_M": 1, "NB": 4, "SPLIT_K": split, "EVEN": True, "SIGNED": False,
+                       "EMULATE": False, "PADDED": False, "CONV": conv_on, "CONV_EARLY": early,
+                       "FIXUP": split > 1}, 1)
             for columns in (1, 4):  # the q6_k output head's rows GEMV
                 build(gemv_rows_q6k._gemv_rows_q6k_kernel, {**gemv, **ints("row_bytes", "stride_ym")},
                       {"BLOCK_N": 2, "BLOCK_M": columns, "NB": 4, "SPLIT_K": 1, "EVEN": True,

@@ -22,9 +22,9 @@ from ninfer.kernels.gemv_frag import (
     frag_route,
     gemv_frag,
     needs_units,
-    split_workspace,
 )
 from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation
+from ninfer.kernels.gemv_rows import split_workspace
 
 pytestmark = [needs_triton, pytest.mark.usefixtures("triton_on_cpu_env")]
 REPO = Path(__file__).resolve().parents[1]

@@ -8,6 +8,7 @@ from conftest import gemv_case, needs_triton
 
 from ninfer.errors import NinferError
 from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation
+from ninfer.kernels.gemv_rows import split_workspace
 from ninfer.kernels.gemv_rows_iq import (
     MAX_COLUMNS,
     SCHEDULES,
@@ -23,13 +24,14 @@ pytestmark = [needs_triton, pytest.mark.usefixtures("triton_on_cpu_env")]
 
 # (format, schedule, columns, blocks per row); 5 rows (no multiple of a tile). iq3_s, 3 blocks per row: rows
 # alternate between 4-byte and 2-byte aligned starts (330-byte rows). 3 blocks: a partly masked last step at
-# b2 / b4, and under split-K 4 (2 steps of b2) two empty splits; 2 or 4 blocks: whole steps (no masks).
+# b2 / b4, and under split-K 4 (2 steps of b2) two empty splits; 2 or 4 blocks: whole steps (no masks); 5
+# blocks under split-K 3 (two steps of b4: an empty split, the fixup `gemv_rows._store_split`).
 # "_sg": iq3_s signs looked up with the grid.
 CASES = [("iq3_s", "rows_iq_n4_m1_b4_w4", 1, 2), ("iq3_s", "rows_iq_n2_m1_b4_w2", 1, 3),
          ("iq3_s", "rows_iq_n2_m1_b2_w1_s4", 1, 3), ("iq3_s", "rows_iq_n2_m1_b4_w2_s4", 1, 4),
          ("iq3_s", "rows_iq_n4_m4_b4_w4", 3, 3), ("iq3_s", "rows_iq_n2_m8_b4_w2_s4", 8, 2),
          ("iq3_s", "rows_iq_n2_m1_b4_w2_sg", 1, 3), ("iq3_s", "rows_iq_n2_m1_b2_w1_s4_sg", 1, 3),
-         ("iq3_s", "rows_iq_n4_m8_b4_w4_sg", 8, 2),
+         ("iq3_s", "rows_iq_n4_m8_b4_w4_sg", 8, 2), ("iq3_s", "rows_iq_n8_m1_b4_w4_s3", 1, 5),
          ("iq4_xs", "rows_iq_n4_m1_b4_w4", 1, 4), ("iq4_xs", "rows_iq_n2_m1_b2_w1_s4", 1, 3),
          ("iq4_xs", "rows_iq_n2_m4_b4_w2_s4", 3, 2), ("iq4_xs", "rows_iq_n4_m8_b4_w4", 8, 3)]
 
@@ -43,6 +45,9 @@ def test_rows_iq_kernel_equals_twin(fmt, sched, width, nb):
     assert y.dtype == torch.float32 and y.shape == (width, 5)
     # fp32 sums of int32 sub-block dot products (as the q8 kernels)
     assert (y.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    if SCHEDULES[sched].split_k > 1 and fmt == "iq3_s":  # split-K's fixup left its workspace zero
+        sums, counters = split_workspace(raw.device, 0, 0)
+        assert not sums.any() and not counters.any()
 
 
 @pytest.mark.parametrize("fmt", ["iq3_s", "iq4_xs"])

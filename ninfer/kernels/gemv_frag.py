@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
-from ninfer.kernels.gemv_rows import rows_setup, width_slot
+from ninfer.kernels.gemv_rows import rows_setup, split_work, width_slot
 from ninfer.kernels.gguf_matmul import MatmulSchedule, QuantKernelError, _f16_lo, iq3s_grid16
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_release, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
@@ -875,32 +875,6 @@ if HAVE_TRITON:
             tl.store(ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# device -> (fp32 sums, int32 tile counters): zero between calls (the last program of each tile clears its
-# part); replaced by a bigger one when a call needs more, the old one kept alive for the CUDA graphs that
-# captured it (never freed: 8 MB and 256 KB at first)
-_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_CAPTURED_WORKSPACES: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-
-def split_workspace(device: torch.device, floats: int, counters: int
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The zeroed split-K workspace of a device with room for `floats` sums and `counters` tiles; None while a
-    CUDA graph is being captured and the present one is too small (an allocation there would belong to the
-    graph's pool; the caller falls back to a zero-filled output and a conversion)."""
-    ws = _WORKSPACES.get(device)
-    if ws is not None and ws[0].numel() >= floats and ws[1].numel() >= counters:
-        return ws
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    if ws is not None:
-        _CAPTURED_WORKSPACES.append(ws)
-    sums = max(floats, 1 << 21, ws[0].numel() if ws else 0)
-    tiles = max(counters, 1 << 16, ws[1].numel() if ws else 0)
-    _WORKSPACES[device] = ws = (torch.zeros(sums, dtype=torch.float32, device=device),
-                                torch.zeros(tiles, dtype=torch.int32, device=device))
-    return ws
-
-
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -932,13 +906,9 @@ def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
     programs = stream_programs(raw.device, s, out_features, k) if s.stream else 0
-    work = None
-    if s.split_k > 1 and not programs:  # serial split-K fixup in a workspace that every call leaves zero
-        tiles = -(-out_features // s.block_n) * -(-n // s.block_m)
-        work = split_workspace(raw.device, n * out_features, tiles)
+    work = split_work(raw.device, s, n, out_features, programs)
     y, launch, extra = rows_setup(raw, format, xa, out_features, s, FRAG_FORMATS, "tensor-core fragment GEMV",
-                                  programs, output=None if work is None else work[0][:n * out_features].view(
-                                      n, out_features))
+                                  programs, output=None if work is None else work[0])
     out = y if work is None else torch.empty((n, out_features), dtype=xa.dtype, device=raw.device)
     args = (y, out, xa.words if work is None else work[1], out_features, k, n)
     tiles = dict(WARPS=s.num_warps, RT=s.row_tiles, NT=s.block_m // 8, SPLIT_K=s.split_k,

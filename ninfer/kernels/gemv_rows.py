@@ -111,6 +111,9 @@ SCHEDULES: dict[str, RowsSchedule] = {
         _sched(16, 4, 8, 4, r=4),
         _sched(8, 1, 8, 2, r=4, cache=2),
         _sched(8, 1, 8, 4, r=2, cache=2),
+        # split-K with the one-launch fixup (`_store_split`): more programs for the 5120-row matrices
+        *(_sched(n, 1, b, w, r=2, cache=2, split_k=k) for n, b, w in ((8, 8, 4), (16, 4, 4), (4, 4, 1))
+          for k in (2, 3, 4)),
         # piece lanes (blocks = 4 · warps, rows and columns in registers): won at 2 and 8 columns, ≤ 1024 rows
         _sched(4, 1, 4, 1, lanes="piece"),
         _sched(2, 1, 4, 1, lanes="piece"),
@@ -260,12 +263,33 @@ if HAVE_TRITON:
             tl.atomic_add(ptrs, out, mask=mask)
 
     @jit
-    def _store_rows(y_ptr, out, M, N, stride_ym, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                    SPLIT_K: tl.constexpr):
-        """`_store` of a program's `[BLOCK_N, BLOCK_M]` tile of sums (rows × columns)."""
+    def _store_split(y_ptr, o_ptr, cnt_ptr, out, mo, no, M, N, stride_ym, SPLIT_K: tl.constexpr,
+                     FIXUP: tl.constexpr):
+        """`_store`; FIXUP (split-K into the zeroed workspace y, `split_output`): the last of a program tile's
+        SPLIT_K programs to finish (a counter per tile, acq_rel at GPU scope after a barrier over the
+        program) moves the tile's totals into o in its dtype and leaves y and its counter zero, as
+        `gemv_frag._finish` does: one launch, no zero-fill and no conversion."""
+        if SPLIT_K == 1 or not FIXUP:
+            _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
+        else:
+            at = mo * stride_ym + no
+            mask = (mo < M) & (no < N)
+            tl.atomic_add(y_ptr + at, out, mask=mask, sem="relaxed")  # a RED, ordered by the release below
+            tl.debug_barrier()
+            cnt = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                total = tl.load(y_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(o_ptr + at, total.to(o_ptr.dtype.element_ty), mask=mask)
+                tl.store(y_ptr + at, tl.zeros_like(total), mask=mask)
+                tl.atomic_xchg(cnt, 0, sem="relaxed")
+
+    @jit
+    def _store_rows(y_ptr, o_ptr, cnt_ptr, out, M, N, stride_ym, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                    SPLIT_K: tl.constexpr, FIXUP: tl.constexpr):
+        """`_store_split` of a program's `[BLOCK_N, BLOCK_M]` tile of sums (rows × columns)."""
         no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
         mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
+        _store_split(y_ptr, o_ptr, cnt_ptr, out, mo, no, M, N, stride_ym, SPLIT_K, FIXUP)
 
     @jit
     def _tile_axes(BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr):
@@ -313,10 +337,11 @@ if HAVE_TRITON:
 
     @jit
     def _gemv_rows_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_quads, stride_ym, cw_ptr, cs_ptr,
-                          slot_ptr, co_ptr, C, s_cs, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_M: tl.constexpr, NB: tl.constexpr, R: tl.constexpr, SPLIT_K: tl.constexpr,
-                          EVEN: tl.constexpr, CACHE: tl.constexpr, EMULATE: tl.constexpr,
-                          CONV: tl.constexpr = False, CONV_EARLY: tl.constexpr = False,
+                          slot_ptr, co_ptr, C, s_cs, o_ptr, cnt_ptr, FMT: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr, R: tl.constexpr,
+                          SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
+                          EMULATE: tl.constexpr, CONV: tl.constexpr = False,
+                          CONV_EARLY: tl.constexpr = False, FIXUP: tl.constexpr = False,
                           PDL: tl.constexpr = 0):
         """The "chunk" lane map. Tile axes [chunk c, block b, row group g, row r, column m, word e]: lanes
         and warps lie on (c, b, g), words and the R rows of a group and the columns in registers, so an
@@ -376,13 +401,13 @@ if HAVE_TRITON:
             conv_epilogue_store(y_ptr, out, mo, no, M, N, stride_ym, co_ptr, C, cp, cs0, cs1, cs2, cw0, cw1,
                                 cw2, cw3)
         else:
-            _store(y_ptr, out, mo, no, M, N, stride_ym, SPLIT_K)
+            _store_split(y_ptr, o_ptr, cnt_ptr, out, mo, no, M, N, stride_ym, SPLIT_K, FIXUP)
 
     @jit
-    def _gemv_rows_p_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_quads, stride_ym,
-                            FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, NB: tl.constexpr,
-                            SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
-                            EMULATE: tl.constexpr, PDL: tl.constexpr = 0):
+    def _gemv_rows_p_kernel(w_ptr, xw_ptr, xd_ptr, xs_ptr, y_ptr, N, K, M, row_quads, stride_ym, o_ptr,
+                            cnt_ptr, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                            NB: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr, CACHE: tl.constexpr,
+                            EMULATE: tl.constexpr, FIXUP: tl.constexpr = False, PDL: tl.constexpr = 0):
         """The "piece" lane map: 8 lanes per block, lane p reads qs bytes 16p..16p + 15 (a warp load: 4 whole
         128-byte qs runs), and every lane holds all BLOCK_N rows and BLOCK_M columns in registers, so one
         activation load serves BLOCK_N rows. Piece p = (chunk c = p // 2, half h = p % 2)."""
@@ -425,7 +450,47 @@ if HAVE_TRITON:
             dx_lo, dx_hi, sx_lo, sx_hi = _x_scales(xd_ptr, xs_ptr, drow + blk * 8 + d_at, ok, e, EVEN)
             acc += _chunk_sum(hd, e, c4, i_lo, i_hi, dx_lo, dx_hi, sx_lo, sx_hi, first)
         pdl_release(PDL)
-        _store_rows(y_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M, SPLIT_K)
+        _store_rows(y_ptr, o_ptr, cnt_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M,
+                    SPLIT_K, FIXUP)
+
+
+# device -> (fp32 sums, int32 tile counters): zero between calls (the last program of each tile clears its
+# part); replaced by a bigger one when a call needs more, the old one kept alive for the CUDA graphs that
+# captured it (never freed: 8 MB and 256 KB at first)
+_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_CAPTURED_WORKSPACES: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def split_workspace(device: torch.device, floats: int, counters: int
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The zeroed split-K workspace of a device with room for `floats` sums and `counters` tiles; None while a
+    CUDA graph is being captured and the present one is too small (an allocation there would belong to the
+    graph's pool; the caller falls back to a zero-filled output and a conversion)."""
+    ws = _WORKSPACES.get(device)
+    if ws is not None and ws[0].numel() >= floats and ws[1].numel() >= counters:
+        return ws
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if ws is not None:
+        _CAPTURED_WORKSPACES.append(ws)
+    sums = max(floats, 1 << 21, ws[0].numel() if ws else 0)
+    tiles = max(counters, 1 << 16, ws[1].numel() if ws else 0)
+    _WORKSPACES[device] = ws = (torch.zeros(sums, dtype=torch.float32, device=device),
+                                torch.zeros(tiles, dtype=torch.int32, device=device))
+    return ws
+
+
+def split_work(device: torch.device, s: MatmulSchedule, columns: int, out_features: int, stream: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A split-K schedule's one-launch fixup: the zeroed workspace as the `[columns, out_features]` fp32 sums
+    and the tile counters (one per program tile, `_store_split`, `gemv_frag._finish`); None without split-K,
+    for stream-K, or while a graph is being captured and the workspace is too small (zero-filled output and a
+    conversion then)."""
+    if s.split_k == 1 or stream:
+        return None
+    tiles = -(-out_features // s.block_n) * -(-columns // s.block_m)
+    ws = split_workspace(device, columns * out_features, tiles)
+    return None if ws is None else (ws[0][: columns * out_features].view(columns, out_features), ws[1])
 
 
 def rows_setup(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int,
@@ -453,6 +518,17 @@ def rows_setup(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_feat
         launch = (triton_cdiv(out_features, s.block_n), triton_cdiv(n, s.block_m), s.split_k)
     extra = {} if raw.device.type == "cpu" else {"num_warps": s.num_warps, "num_stages": s.num_stages}
     return y, launch, extra
+
+
+def split_target(y: torch.Tensor, work: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, dict]:
+    """The output a rows kernel leaves its sums in and the launch keywords of its split-K fixup: y itself
+    without a workspace (`split_work` None), else a fresh tensor in the activation's dtype that the last
+    program of each tile fills from the workspace y."""
+    if work is None:
+        return y, dict(o_ptr=y, cnt_ptr=y, FIXUP=False)
+    out = torch.empty(y.shape, dtype=dtype, device=y.device)
+    return out, dict(o_ptr=out, cnt_ptr=work[1], FIXUP=True)
 
 
 def takes_conv(s: RowsSchedule, conv: ConvEpilogue, columns: int, out_features: int) -> bool:
@@ -484,14 +560,17 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     format = format.removeprefix(GGUF_PREFIX)
     s = SCHEDULES[schedule] if isinstance(schedule, str) else schedule
     n, k = xa.q.shape
-    y, launch, extra = rows_setup(raw, format, xa, out_features, s, ROWS_FORMATS, "rows GEMV")
+    work = split_work(raw.device, s, n, out_features)
+    y, launch, extra = rows_setup(raw, format, xa, out_features, s, ROWS_FORMATS, "rows GEMV",
+                                  output=None if work is None else work[0])
     if conv is not None and not takes_conv(s, conv, n, out_features):
         raise QuantKernelError(f"schedule {s.name} cannot run the GDN conv of {conv.channels} channels for "
                                f"{conv.slot_ids.shape[0]} lanes at {n} columns (no split-K, chunk lanes)")
+    out, fixup = split_target(y, work, xa.dtype)
     args = (raw.view(torch.int32), xa.words, xa.d, xa.s, y, out_features, k, n, raw.shape[1] // 16,
             y.stride(0))
     common = dict(FMT=_FMT[format], BLOCK_N=s.block_n, BLOCK_M=s.block_m, NB=s.blocks,
-                  EVEN=k // 256 % s.blocks == 0, CACHE=s.cache, EMULATE=EMULATE_DP4A, **extra,
+                  EVEN=k // 256 % s.blocks == 0, CACHE=s.cache, EMULATE=EMULATE_DP4A, **fixup, **extra,
                   **pdl_options(raw, trigger=False))
     if s.lanes == "piece":
         _gemv_rows_p_kernel[launch](*args, SPLIT_K=s.split_k, **common)
@@ -500,4 +579,4 @@ def gemv_rows(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
                                   CONV=conv is not None, CONV_EARLY=conv_early(n), **common)
     if conv is not None:
         conv.applied = True
-    return y.to(xa.dtype)
+    return out.to(xa.dtype)

@@ -38,6 +38,8 @@ from ninfer.kernels.gemv_rows import (
     conv_early,
     rows_setup,
     shape_class,
+    split_target,
+    split_work,
     takes_conv,
     width_slot,
 )
@@ -79,6 +81,8 @@ _TILES = (
     (4, 2, 4, 4, 1), (2, 2, 4, 2, 4), (4, 4, 4, 4, 1), (2, 4, 4, 2, 4), (4, 8, 4, 4, 1), (2, 8, 4, 2, 4),
     (8, 2, 4, 4, 1), (8, 4, 4, 4, 1), (2, 4, 8, 4, 1), (2, 8, 8, 4, 1), (4, 4, 4, 4, 2),
     (16, 1, 4, 4, 1), (16, 1, 4, 8, 1), (8, 1, 4, 2, 1), (4, 1, 4, 1, 1), (16, 2, 4, 8, 1), (8, 4, 4, 2, 1),
+    # split-K with the one-launch fixup (`gemv_rows._store_split`): more programs for the 5120-row matrices
+    *((n, 1, 4, w, k) for n, w in ((8, 4), (8, 8), (4, 1)) for k in (2, 3, 4)),
 )
 SCHEDULES: dict[str, RowsIqSchedule] = {
     s.name: s for tile in _TILES for signed in (False, True) for s in [_sched(*tile, signed_grid=signed)]
@@ -181,14 +185,16 @@ if HAVE_TRITON:
 
     @jit
     def _gemv_rows_iq3_kernel(w_ptr, xw_ptr, xd_ptr, grid_ptr, y_ptr, N, K, M, row_bytes, stride_ym, cw_ptr,
-                              cs_ptr, slot_ptr, co_ptr, C, s_cs, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                              NB: tl.constexpr, SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
-                              SIGNED: tl.constexpr, EMULATE: tl.constexpr, PADDED: tl.constexpr = False,
-                              CONV: tl.constexpr = False, CONV_EARLY: tl.constexpr = False,
+                              cs_ptr, slot_ptr, co_ptr, C, s_cs, o_ptr, cnt_ptr, BLOCK_N: tl.constexpr,
+                              BLOCK_M: tl.constexpr, NB: tl.constexpr, SPLIT_K: tl.constexpr,
+                              EVEN: tl.constexpr, SIGNED: tl.constexpr, EMULATE: tl.constexpr,
+                              PADDED: tl.constexpr = False, CONV: tl.constexpr = False,
+                              CONV_EARLY: tl.constexpr = False, FIXUP: tl.constexpr = False,
                               PDL: tl.constexpr = 0):
         """PADDED: the 112-byte aligned blocks of `iq3_s_padded` (qs, signs, qh, scales, d, 2 zero bytes).
         CONV: the GDN decode conv of the first C rows in the epilogue (`gdn_decode.ConvEpilogue`);
-        CONV_EARLY: its operands loaded before the wait."""
+        CONV_EARLY: its operands loaded before the wait. FIXUP: split-K's one-launch fixup
+        (`gemv_rows._store_split`)."""
         no = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
         mo = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         if CONV and CONV_EARLY:
@@ -273,8 +279,8 @@ if HAVE_TRITON:
             conv_epilogue_store(y_ptr, tl_sum(tl_sum(acc, 0), 0), mo, no, M, N, stride_ym, co_ptr, C, cp,
                                 cs0, cs1, cs2, cw0, cw1, cw2, cw3)
         else:
-            _store_rows(y_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M, SPLIT_K)
-
+            _store_rows(y_ptr, o_ptr, cnt_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M,
+                        SPLIT_K, FIXUP)
 
     @jit
     def _iq4_levels(nib, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr,
@@ -341,7 +347,8 @@ if HAVE_TRITON:
             dx = _pick(_ld(drow + (blk + b) * 8, ok, EVEN), e, 0, -0.0)
             acc += dw * (isum.to(tl.float32) * dx)
         pdl_release(PDL)
-        _store_rows(y_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M, SPLIT_K)
+        _store_rows(y_ptr, y_ptr, y_ptr, tl_sum(tl_sum(acc, 0), 0), M, N, stride_ym, BLOCK_N, BLOCK_M,
+                    SPLIT_K, False)
 
 
 def _aligned_words(raw: torch.Tensor) -> torch.Tensor:
@@ -396,8 +403,9 @@ def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_fe
                    or tuple(raw.shape) != (out_features, k // 256 * IQ3_S_PADDED_BYTES)):
         raise QuantKernelError(f"a padded weight is iq3_s uint8 [{out_features}, {k // 256 * 112}] "
                                f"(iq3_s_padded), got {format} {raw.dtype} {list(raw.shape)}")
+    work = split_work(raw.device, s, n, out_features) if format == "iq3_s" else None
     y, launch, extra = rows_setup(raw, format, xa, out_features, s, IQ_ROWS_FORMATS, "rows i-quant GEMV",
-                                  check=not padded)
+                                  check=not padded, output=None if work is None else work[0])
     if conv is not None and (format != "iq3_s" or not takes_conv(s, conv, n, out_features)):
         raise QuantKernelError(f"schedule {s.name} cannot run the GDN conv of {conv.channels} channels for "
                                f"{conv.slot_ids.shape[0]} lanes at {n} columns ({format}; iq3_s, no split-K)")
@@ -414,12 +422,13 @@ def gemv_rows_iq(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_fe
                                       **extra, **pdl_options(raw, trigger=False))
         return y.to(xa.dtype)
     grid = _grid_words(raw.device, s.signed_grid)
+    out, fixup = split_target(y, work, xa.dtype)
     _gemv_rows_iq3_kernel[launch](_aligned_words(raw), xa.words, xa.d, grid, y, out_features, k, n,
                                   raw.shape[1], y.stride(0), *conv_arguments(y, conv), BLOCK_N=s.block_n,
                                   BLOCK_M=s.block_m, NB=s.blocks, SPLIT_K=s.split_k,
                                   EVEN=k // 256 % s.blocks == 0, SIGNED=s.signed_grid, EMULATE=EMULATE_DP4A,
-                                  PADDED=padded, CONV=conv is not None, CONV_EARLY=conv_early(n), **extra,
-                                  **pdl_options(raw, trigger=False))
+                                  PADDED=padded, CONV=conv is not None, CONV_EARLY=conv_early(n), **fixup,
+                                  **extra, **pdl_options(raw, trigger=False))
     if conv is not None:
         conv.applied = True
-    return y.to(xa.dtype)
+    return out.to(xa.dtype)

@@ -59,6 +59,34 @@ def test_rows_gemv_on_gpu(fmt):
             assert rel(gemv_rows(raw, fmt, xa, rows, name), want) < 5e-3, (rows, cols, name)  # bf16 output
 
 
+@pytest.mark.parametrize("fmt,names", [
+    ("q4_k", ["rows_n8_m1_b8_w4_r2_s3_ef", "rows_n16_m1_b4_w4_r2_s4_ef", "rowsp_n2_m1_b4_w1_s4"]),
+    ("iq3_s", ["rows_iq_n8_m1_b4_w4_s3", "rows_iq_n4_m1_b4_w1_s2"])])
+def test_rows_split_k_in_one_launch_on_gpu(fmt, names):
+    """Split-K rows GEMVs finish in their own launch (the last split of a tile writes the output and leaves
+    the workspace zero): two calls back to back in a CUDA graph, the second on the workspace the first left,
+    both equal the float64 twin; rows past the tile, uneven splits (24 blocks) and empty ones (68)."""
+    from ninfer.kernels.gemv_rows import gemv_rows, split_workspace
+    from ninfer.kernels.gemv_rows_iq import gemv_rows_iq
+
+    gemv = gemv_rows_iq if fmt == "iq3_s" else gemv_rows
+    for rows, cols in ((1040, 6144), (136, 17408)):
+        raw = [random_gguf_weight(fmt, rows, cols, "cuda") for _ in range(2)]
+        xa = quantize_activation_reference(torch.randn(1, cols, device="cuda", dtype=torch.bfloat16))
+        want = [gemv_q8_reference(w, fmt, xa, rows).cuda() for w in raw]
+        for name in names:
+            gemv(raw[0], fmt, xa, rows, name)  # the workspace exists before the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                ys = [gemv(w, fmt, xa, rows, name) for w in raw]
+            graph.replay()
+            torch.cuda.synchronize()
+            for y, ref in zip(ys, want, strict=True):
+                assert rel(y, ref) < 5e-3, (rows, cols, name)  # bf16 output
+            sums, counters = split_workspace(torch.device("cuda"), 0, 0)
+            assert not sums.any() and not counters.any(), name
+
+
 def test_q6k_rows_gemv_on_gpu(monkeypatch):
     """The q6_k rows GEMV (every schedule, at its columns) vs the float64 twin on a head-like 16384×5120, the
     routed ones on a masked 1040×1536 too; quant_matmul's head route runs it at 1 and 4 columns, the fragment

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.kernels.gemv_q8 import EMULATE_DP4A, QuantizedActivation, dp4a
-from ninfer.kernels.gemv_rows import rows_setup, split_work, width_slot
+from ninfer.kernels.gemv_rows import rows_setup, split_target, split_work, width_slot
 from ninfer.kernels.gguf_matmul import MatmulSchedule, QuantKernelError, _f16_lo, iq3s_grid16
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_release, pdl_start, tl, tl_sum
 from ninfer.quant.formats import GGUF_PREFIX
@@ -909,10 +909,10 @@ def gemv_frag(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_featu
     work = split_work(raw.device, s, n, out_features, programs)
     y, launch, extra = rows_setup(raw, format, xa, out_features, s, FRAG_FORMATS, "tensor-core fragment GEMV",
                                   programs, output=None if work is None else work[0])
-    out = y if work is None else torch.empty((n, out_features), dtype=xa.dtype, device=raw.device)
-    args = (y, out, xa.words if work is None else work[1], out_features, k, n)
+    out, fixup = split_target(y, work, xa.dtype)
+    args = (y, out, fixup["cnt_ptr"], out_features, k, n)
     tiles = dict(WARPS=s.num_warps, RT=s.row_tiles, NT=s.block_m // 8, SPLIT_K=s.split_k,
-                 STREAM=programs > 0, FIXUP=work is not None, EMULATE=EMULATE_DP4A)
+                 STREAM=programs > 0, FIXUP=fixup["FIXUP"], EMULATE=EMULATE_DP4A)
     if format in ("iq3_s", "q6_k"):  # 2-byte-aligned blocks: aligned words at byte offsets
         if s.prefetch:  # not in the iq3_s / q6_k kernels
             raise QuantKernelError(f"fragment schedule {s.name} prefetches in the q4_k / q5_k loop only; "

@@ -265,7 +265,7 @@ if HAVE_TRITON:
     @jit
     def _store_split(y_ptr, o_ptr, cnt_ptr, out, mo, no, M, N, stride_ym, SPLIT_K: tl.constexpr,
                      FIXUP: tl.constexpr):
-        """`_store`; FIXUP (split-K into the zeroed workspace y, `split_output`): the last of a program tile's
+        """`_store`; FIXUP (split-K into the zeroed workspace y, `split_work`): the last of a program tile's
         SPLIT_K programs to finish (a counter per tile, acq_rel at GPU scope after a barrier over the
         program) moves the tile's totals into o in its dtype and leaves y and its counter zero, as
         `gemv_frag._finish` does: one launch, no zero-fill and no conversion."""

@@ -257,8 +257,10 @@ def test_graph_context_verification_spans_tiny(tiny):
 
 
 def test_graph_context_verification_spans_kernels(model, triton_on_cpu):
-    """The kernels (interpreter): paged decode attention with one row per position, gdn_decode with T = 3."""
-    compare_spans(model, {0: 62, 1: 5}, [[0, 1], [1]], T=3, tol=1e-5, kv_dtype="rk8v4")
+    """The kernels (interpreter): paged decode attention with one row per position, gdn_decode with T = 3.
+    fp32 rounding only: < 1e-5 on the earlier CI machines, 1.29e-5 on a Sapphire Rapids CPU (its oneDNN
+    kernels sum in another order)."""
+    compare_spans(model, {0: 62, 1: 5}, [[0, 1], [1]], T=3, tol=3e-5, kv_dtype="rk8v4")
 
 
 class NoHostSync(TorchDispatchMode):

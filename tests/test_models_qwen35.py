@@ -32,8 +32,10 @@ from ninfer.cli.convert import main as convert_main
 from ninfer.models import load_model
 
 TF_ATOL = 2e-5
-# chunked vs whole prefill: the chunked GDN form and split attention differ only by fp32 rounding
-CHUNK_ATOL = 2e-5
+# chunked vs whole prefill: the chunked GDN form and split attention differ only by fp32 rounding (≤ 2e-5
+# measured on the earlier CI machines; 2.09e-5 on a Sapphire Rapids CPU, whose oneDNN kernels sum in another
+# order: twice that here)
+CHUNK_ATOL = 4e-5
 
 
 @pytest.fixture(scope="module", autouse=True)

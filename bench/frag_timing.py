@@ -56,7 +56,7 @@ def check(log: Log, dev: torch.device, names: list[str], quick: bool) -> bool:
             for kind in ("bf16", "bf16np", "int8"):
                 y = run(kind, raw, x, xa, rows, name).double().cpu()
                 want = (gemv_frag_bf16_twin(raw, x, rows) if kind.startswith("bf16")
-                        else gemv_q8_reference(raw, "q4_k", xa, rows))
+                        else gemv_q8_reference(raw, "q4_k", xa, rows)).cpu()
                 # of max|y|: fp32 sums of exact products (≤ 2.3e-7 measured on CPU); bf16 output on the GPU
                 err = float((y - want).abs().max() / want.abs().max())
                 good = err <= (4e-3 if dev.type == "cuda" else 1e-6)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from simple_context import single_thread
 
 from ninfer.kernels import kv_quant
 from ninfer.kernels.gdn_decode import gdn_decode, gdn_decode_reference
@@ -16,6 +17,15 @@ pytestmark = pytest.mark.gpu
 Q8_ROUTED = (*Q8_FORMATS, "iq3_s", "iq4_xs")  # formats whose 1-8 column default route is the q8 GEMV
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One torch thread a pytest-xdist worker: the GPU machine runs these with 12-16 workers on 16 cores, and
+    the CPU reference engine of the fixture tests spun its intra-op threads against the other workers (session
+    24: the whole file did not finish in 540 s; the float64 twins now run on the GPU too)."""
+    with single_thread():
+        yield
+
+
 def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -24,7 +34,7 @@ def rel(a, b):
 def test_gguf_matmul_on_gpu(fmt):
     rows, cols = 1040, 5120
     raw = random_gguf_weight(fmt, rows, cols, "cuda")
-    w = dequantize(raw.cpu().reshape(-1), "gguf_" + fmt, (rows, cols)).cuda().double()
+    w = dequantize(raw.reshape(-1), "gguf_" + fmt, (rows, cols)).double()
     schedules = ["sub_n32_s4", "sub_n64", "dequant_mm"] + (["fma_n16_m1_s4", "fma_n16_m4_s4"]
                                                           if fmt in FMA_FORMATS else [])
     for width in (1, 4, 300):
@@ -174,7 +184,7 @@ def test_decode_routes_on_the_27b_matrices_on_gpu(fmt, merged):
     shapes += ((65536, 5120),) if fmt == "q6_k" and merged else ()
     for rows, cols in shapes:
         raw = random_gguf_weight(fmt, rows, cols, "cuda")
-        w = dequantize(raw.cpu().reshape(-1), "gguf_" + fmt, (rows, cols)).to("cuda", torch.float64)
+        w = dequantize(raw.reshape(-1), "gguf_" + fmt, (rows, cols)).double()
         for width in (1, 2, 4, 6, 8):
             x = torch.randn(width, cols, device="cuda", dtype=torch.bfloat16)
             want = quantize_activation_reference(x).dequantize() @ w.t()

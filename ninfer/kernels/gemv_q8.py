@@ -216,15 +216,15 @@ def quantize_activation_cached(x: torch.Tensor) -> QuantizedActivation:
 
 def gemv_q8_reference(raw: torch.Tensor, format: str, xa: QuantizedActivation, out_features: int
                       ) -> torch.Tensor:
-    """`(q·d) @ Wᵀ` in float64 `[n, out_features]`, W dequantised with `ninfer.quant`: what the q8 kernels
-    compute up to fp32 rounding."""
+    """`(q·d) @ Wᵀ` in float64 `[n, out_features]` on raw's device, W dequantised with `ninfer.quant` (on CUDA
+    too: bitwise gguf's, `tests/test_quant.py`): what the q8 kernels compute up to fp32 rounding."""
     from ninfer.quant import dequantize
     from ninfer.quant.formats import GGUF_PREFIX
 
     n, k = xa.q.shape
     name = GGUF_PREFIX + format.removeprefix(GGUF_PREFIX)
-    w = dequantize(raw.cpu().reshape(-1), name, (out_features, k)).double()
-    return xa.dequantize().cpu() @ w.t()
+    w = dequantize(raw.reshape(-1), name, (out_features, k)).double()
+    return xa.dequantize().to(w.device) @ w.t()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -93,21 +93,29 @@ def tiny_dir() -> Path:
     return TINY
 
 
-def convert_tiny_bf16(out: Path) -> Path:
-    """The tiny fixture's bf16 GGUF converted with ninfer-convert (text only) into `out`."""
+def convert_tiny(out: Path, gguf_name: str = "model-bf16.gguf") -> Path:
+    """One of the tiny fixture's GGUFs converted with ninfer-convert (text only) into `out`."""
     import contextlib
     import io
 
     from ninfer.cli.convert import main as convert
 
     argv = ["--model", str(TINY_HF), "--recipe", "qwen3_5_gguf", "--source",
-            f"gguf={TINY_GGUF / 'model-bf16.gguf'}", "--name", "qwen35-tiny", "--out", str(out)]
+            f"gguf={TINY_GGUF / gguf_name}", "--name", "qwen35-tiny", "--out", str(out)]
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
         assert convert(argv) == 0
     return out
 
 
+def reference_prompts() -> dict[str, tuple[int, ...]]:
+    """The fixture's three reference prompts (token ids), by name: p1, p2, p3."""
+    import numpy as np
+
+    ref = np.load(TINY_REF / "reference.npz")
+    return {p: tuple(ref[f"{p}_ids"].tolist()) for p in ("p1", "p2", "p3")}
+
+
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory) -> Path:
     """The converted tiny bf16 artifact, shared by every test of the session (treat it as read-only)."""
-    return convert_tiny_bf16(tmp_path_factory.mktemp("tiny") / "tiny.ninfer")
+    return convert_tiny(tmp_path_factory.mktemp("tiny") / "tiny.ninfer")

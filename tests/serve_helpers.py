@@ -11,7 +11,7 @@ from functools import cache
 from pathlib import Path
 
 import httpx
-from conftest import TINY_HF, convert_tiny_bf16
+from conftest import TINY_HF, convert_tiny
 from prometheus_client.parser import text_string_to_metric_families
 
 from ninfer.engine.engine import EngineConfig
@@ -26,7 +26,7 @@ USER = [{"role": "user", "content": "Write a haiku about the sea."}]
 @cache
 def tiny_artifact() -> Path:
     """The tiny Qwen3.5 fixture (bf16 GGUF) converted with ninfer-convert, once per test process."""
-    return convert_tiny_bf16(Path(tempfile.mkdtemp(prefix="ninfer-serve-tests-")) / "tiny.ninfer")
+    return convert_tiny(Path(tempfile.mkdtemp(prefix="ninfer-serve-tests-")) / "tiny.ninfer")
 
 
 @cache
@@ -73,11 +73,13 @@ def engine_config(**overrides) -> EngineConfig:
 
 
 def start_server(
-    settings: ServeSettings | None = None, wait_ready: bool = True, load_gate=None, **engine_overrides
+    settings: ServeSettings | None = None, wait_ready: bool = True, load_gate=None,
+    artifact: Path | None = None, ready_s: float = 60, **engine_overrides,
 ) -> RunningServer:
-    """A real server: bound socket, engine loaded on the loader thread (after `load_gate` is set)."""
+    """A real server: bound socket, engine loaded on the loader thread (after `load_gate` is set) from
+    `artifact` (default: the tiny bf16 fixture), ready within `ready_s`."""
     config = engine_config(**engine_overrides)
-    artifact = tiny_artifact()
+    artifact = artifact or tiny_artifact()
 
     def load():
         if load_gate is not None:
@@ -88,7 +90,7 @@ def start_server(
     server = Server(app, bind_socket("127.0.0.1", 0), load, graceful_s=3.0)
     running = RunningServer(server, server.start_in_thread())
     if wait_ready:
-        assert wait_until(lambda: running.state.ready, 60), running.state.load_error
+        assert wait_until(lambda: running.state.ready, ready_s), running.state.load_error
     return running
 
 

@@ -59,6 +59,27 @@ def capture_logits(engine: Engine) -> list[torch.Tensor]:
     return seen
 
 
+def greedy_with_margins(model, device: str, dtype: str, kv_dtype: str, prompts: dict[str, tuple[int, ...]],
+                        max_tokens: int = 24) -> tuple[dict, dict]:
+    """Each prompt alone through an engine over `model`, greedy, EOS ignored: name -> generated tokens, and
+    name -> each step's top-1 minus top-2 logit (where another engine's numerics may pick differently)."""
+    engine = Engine.from_model(model, EngineConfig(max_concurrency=1, max_context=128, kv_capacity=128,
+                                                   kv_dtype=kv_dtype, prefill_chunk=16, device=device,
+                                                   dtype=dtype))
+    seen = capture_logits(engine)
+    tokens, margins = {}, {}
+    try:
+        for name, ids in prompts.items():
+            start = len(seen)
+            h = engine.submit(req(name, ids, max_tokens=max_tokens, temperature=0, ignore_eos=True))
+            tokens[name] = drive(engine, [h])[name][0]
+            top2 = torch.stack([row.float().reshape(-1).topk(2).values.cpu() for row in seen[start:]])
+            margins[name] = (top2[:, 0] - top2[:, 1]).tolist()
+    finally:
+        del engine.model.compute_logits
+    return tokens, margins
+
+
 @pytest.mark.parametrize("chunk", [16, 64, 1000])
 def test_chunked_prefill_gives_the_full_forward_logits(chunk):
     ids = prompt(150, 1)

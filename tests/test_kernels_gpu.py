@@ -351,55 +351,25 @@ def test_prefill_attention_on_gpu(name, cached, length):
     assert rel(out, ref) < 5e-3
 
 
-def _greedy(model, device: str, dtype: str, kv_dtype: str, ref) -> tuple[dict, dict]:
-    from test_engine_invariants import capture_logits, drive, req
-
-    from ninfer.engine.engine import Engine, EngineConfig
-
-    engine = Engine.from_model(model, EngineConfig(max_concurrency=1, max_context=128, kv_capacity=128,
-                                                   kv_dtype=kv_dtype, prefill_chunk=16, device=device,
-                                                   dtype=dtype))
-    seen = capture_logits(engine)
-    tokens, margins = {}, {}
-    try:
-        for p in ("p1", "p2", "p3"):
-            start = len(seen)
-            h = engine.submit(req(p, tuple(ref[f"{p}_ids"].tolist()), max_tokens=24, temperature=0,
-                                  ignore_eos=True))
-            tokens[p] = drive(engine, [h])[p][0]
-            top2 = torch.stack([row.float().reshape(-1).topk(2).values.cpu() for row in seen[start:]])
-            margins[p] = (top2[:, 0] - top2[:, 1]).tolist()
-    finally:
-        del engine.model.compute_logits
-    return tokens, margins
-
-
 @pytest.mark.parametrize("gguf_name", ["model-bf16.gguf", "model-q8_0.gguf", "model-iq3_s.gguf"])
 def test_fixture_greedy_gpu_matches_cpu(tiny_dir, tmp_path, gguf_name):
     """The fixture model on the GPU (bf16 compute; the q8_0 and iq3_s files through the quantized kernels, the
     iq3_s GDN input projection running the decode conv in its epilogue) gives the CPU
     reference engine's greedy tokens (fp32, dense weights) up to the first step whose CPU top-1/top-2 margin
     is under 0.1 (bf16 compute moves logits by ~1e-2; issue 5: >= 16 identical tokens on the bf16 file)."""
-    import contextlib
-    import io
-
-    import numpy as np
+    from conftest import convert_tiny, reference_prompts
+    from test_engine_invariants import greedy_with_margins
 
     from ninfer.artifact import open_artifact
-    from ninfer.cli.convert import main as convert
     from ninfer.models import load_model
 
-    out = tmp_path / "tiny.ninfer"
-    argv = ["--model", str(tiny_dir / "hf"), "--recipe", "qwen3_5_gguf", "--source",
-            f"gguf={tiny_dir / 'gguf' / gguf_name}", "--out", str(out)]
-    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-        assert convert(argv) == 0
-    ref = dict(np.load(tiny_dir / "reference" / "reference.npz"))
-    art = open_artifact(out)
-    cpu_tokens, cpu_margins = _greedy(load_model(art, load_mtp=False), "cpu", "float32", "fp32", ref)
+    art = open_artifact(convert_tiny(tmp_path / "tiny.ninfer", gguf_name))
+    prompts = reference_prompts()
+    cpu_tokens, cpu_margins = greedy_with_margins(load_model(art, load_mtp=False), "cpu", "float32", "fp32",
+                                                  prompts)
     gpu_model = load_model(art, dtype=torch.bfloat16, device="cuda", load_mtp=False,
                            quantized_weights=gguf_name != "model-bf16.gguf")
-    gpu_tokens, _ = _greedy(gpu_model, "cuda", "bfloat16", "bf16", ref)
+    gpu_tokens, _ = greedy_with_margins(gpu_model, "cuda", "bfloat16", "bf16", prompts)
     for p, tokens in cpu_tokens.items():
         fragile = next((i for i, m in enumerate(cpu_margins[p]) if m < 0.1), len(tokens))
         assert gpu_tokens[p][:fragile] == tokens[:fragile], (p, fragile)

@@ -70,6 +70,22 @@ def test_a_failed_phase_leaves_the_rows_before_it(tmp_path, capsys, monkeypatch)
     assert [r["test"] for r in json.loads(path.read_text())["rows"]] == ROWS[:8]
 
 
+def test_gdn_state_fp16_shrinks_the_state_row(tmp_path, capsys, monkeypatch):
+    def stop(run, limit):
+        raise EngineConfigError("stop after the memory rows")
+
+    monkeypatch.setattr(bench_suite, "phase_short", stop)
+    rows = {}
+    for flags in ([], ["--gdn-state-fp16"]):
+        path = tmp_path / f"state{len(flags)}.json"
+        assert bench_main([*SMALL, *flags, "--json", str(path)]) == 1
+        rows[len(flags)] = {r["test"]: r for r in json.loads(path.read_text())["rows"]}["GDN state"]
+    capsys.readouterr()
+    # the recurrent states halve; the conv states stay fp32
+    assert rows[0]["value"] / 2 < rows[1]["value"] < rows[0]["value"]
+    assert rows[0]["note"].endswith("slots of fp32") and rows[1]["note"].endswith("slots of fp16")
+
+
 def test_quantized_weights_ratio_row():
     model = synthetic_model("tiny", torch.bfloat16, wtype="iq3_s", quantized_weights=True)
     engine = Engine.from_model(model, EngineConfig(max_context=64, kv_capacity=64, dtype="bfloat16"))

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timed repetitions (default 3)")
     p.add_argument("--kv-dtype", default="bf16", help="KV cache dtype, or a comma-separated list to compare "
                                                       f"({', '.join(KV_DTYPES)}; default bf16)")
+    p.add_argument("--gdn-state-fp16", action="store_true",
+                   help="keep Gated DeltaNet states in fp16 (default fp32)")
     p.add_argument("--perplexity", type=Path, metavar="TEXT_FILE",
                    help="instead of pp/tg: perplexity of the file's first --ppl-tokens tokens per KV dtype")
     p.add_argument("--ppl-tokens", type=int, default=3072,
@@ -82,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
 def make_engine(args, kv_dtype: str, ctx: int, chunk: int, lanes: int = 1,
                 kv_tokens: int | None = None) -> tuple[Engine, str]:
     config = EngineConfig(max_concurrency=lanes, max_context=ctx, kv_capacity=kv_tokens or ctx,
-                          kv_dtype=kv_dtype, device=args.device, dtype=args.dtype, prefill_chunk=chunk,
-                          quantized_weights=args.quantized_weights, decode_lookahead=args.decode_lookahead)
+                          kv_dtype=kv_dtype, gdn_state_fp16=args.gdn_state_fp16, device=args.device,
+                          dtype=args.dtype, prefill_chunk=chunk, quantized_weights=args.quantized_weights,
+                          decode_lookahead=args.decode_lookahead)
     if args.cuda_graphs is not None:
         if "cuda_graphs" not in {f.name for f in fields(EngineConfig)}:
             raise EngineConfigError("--cuda-graphs / --no-cuda-graphs: this engine has no CUDA-graph decode")

@@ -215,7 +215,8 @@ def memory_rows(engine: Engine, report: SuiteReport, stored_bytes: int | None) -
                    f"{_size(device_bytes)} on device, {stored}"))
     report.add(Row("KV pool", ledger.kv_bytes / GIB, "GiB",
                    note=f"{ledger.kv_tokens:,} tokens of {ledger.kv_dtype}"))
-    report.add(Row("GDN state", ledger.gdn_bytes / MIB, "MiB", note=f"{ledger.gdn_slots} slots"))
+    state = "fp16" if engine.config.gdn_state_fp16 else "fp32"
+    report.add(Row("GDN state", ledger.gdn_bytes / MIB, "MiB", note=f"{ledger.gdn_slots} slots of {state}"))
 
 
 @dataclass(frozen=True)

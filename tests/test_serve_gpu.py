@@ -2,7 +2,7 @@
 loader thread, decode rounds captured as CUDA graphs and replayed on the engine's own thread; the q4_k_m file
 through the quantized kernels) answers raw HTTP with the tokens the same engine gives driven in process:
 every one of them for a request alone, streamed and not; four at once up to the first step whose top-1/top-2
-logit margin is under 0.1 (four-lane rounds run other kernels than one-lane ones, and bf16 rounding differs);
+logit margin is under ROUTE_MARGIN (four-lane rounds run other kernels than one-lane ones: other roundings);
 bad requests in between leave it serving. That the GPU engine's tokens are the CPU reference engine's is
 `test_kernels_gpu.test_fixture_greedy_gpu_matches_cpu`; this is what the server adds on top."""
 
@@ -21,7 +21,10 @@ from test_engine_invariants import greedy_with_margins
 pytestmark = pytest.mark.gpu
 
 N_TOKENS = 24
-FRAGILE_MARGIN = 0.1  # bf16 compute moves logits by ~1e-2
+# twice the largest max |Δ logit| bench/logit_drift.py measured between the engine's routes on these files
+# (bf16 against fp32: 0.155 on the CPU; decode against one-chunk prefill in bf16: ≤ 0.066 on the CPU). A 0.1
+# cut failed on the GPU: one lane and four took different tokens at a step where one lane's margin passed it.
+ROUTE_MARGIN = 0.31
 
 
 def complete(url: str, ids, stream: bool = False) -> tuple[str, int, str]:
@@ -36,7 +39,7 @@ def complete(url: str, ids, stream: bool = False) -> tuple[str, int, str]:
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
-        lines = [line for line in r.iter_lines() if line]
+        lines = [line for line in r.iter_lines() if line and not line.startswith(":")]  # ": keep-alive"
     assert lines[-1] == "data: [DONE]", lines[-3:]
     assert all(line.startswith("data: ") for line in lines), lines
     chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
@@ -69,7 +72,7 @@ def served(request, tmp_path_factory):
 
     whole, robust = {}, {}
     for name in prompts:
-        agree = next((i for i, m in enumerate(margins[name]) if m < FRAGILE_MARGIN), N_TOKENS)
+        agree = next((i for i, m in enumerate(margins[name]) if m < ROUTE_MARGIN), N_TOKENS)
         whole[name] = text(tokens[name])
         # a cut inside a multi-byte character ends with U+FFFD where the longer text goes on
         robust[name] = text(tokens[name][:agree]).rstrip("\ufffd")

@@ -21,10 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import convert_tiny, reference_prompts  # noqa: E402
-from test_engine_invariants import capture_logits, drive, req  # noqa: E402
+from test_engine_invariants import greedy_logits  # noqa: E402
 
 from ninfer.artifact import open_artifact  # noqa: E402
-from ninfer.engine.engine import Engine, EngineConfig  # noqa: E402
 from ninfer.models import load_model  # noqa: E402
 
 STEPS = 24
@@ -32,17 +31,10 @@ STEPS = 24
 
 def last_logits(model, device: str, dtype: str, ids: tuple[int, ...], max_tokens: int,
                 chunk: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and each round's last-position logits (fp32, on the CPU) for one prompt alone."""
+    """Greedy tokens and each round's last-position logits for one prompt alone."""
     kv = "fp32" if device == "cpu" else "bf16"
-    engine = Engine.from_model(model, EngineConfig(max_context=128, kv_capacity=128, kv_dtype=kv,
-                                                   prefill_chunk=chunk, device=device, dtype=dtype))
-    seen = capture_logits(engine)
-    try:
-        h = engine.submit(req("x", ids, max_tokens=max_tokens, temperature=0, ignore_eos=True))
-        tokens = drive(engine, [h])["x"][0]
-    finally:
-        del engine.model.compute_logits
-    return tokens, [row.float().reshape(-1, row.shape[-1])[-1].cpu() for row in seen]
+    tokens, logits = greedy_logits(model, device, dtype, kv, {"x": ids}, max_tokens, chunk)
+    return tokens["x"], logits["x"]
 
 
 def main(argv: list[str] | None = None) -> int:

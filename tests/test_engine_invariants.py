@@ -59,24 +59,35 @@ def capture_logits(engine: Engine) -> list[torch.Tensor]:
     return seen
 
 
-def greedy_with_margins(model, device: str, dtype: str, kv_dtype: str, prompts: dict[str, tuple[int, ...]],
-                        max_tokens: int = 24) -> tuple[dict, dict]:
+def greedy_logits(model, device: str, dtype: str, kv_dtype: str, prompts: dict[str, tuple[int, ...]],
+                  max_tokens: int = 24, chunk: int = 16) -> tuple[dict, dict]:
     """Each prompt alone through an engine over `model`, greedy, EOS ignored: name -> generated tokens, and
-    name -> each step's top-1 minus top-2 logit (where another engine's numerics may pick differently)."""
+    name -> each round's last-position logits (fp32, on the CPU)."""
     engine = Engine.from_model(model, EngineConfig(max_concurrency=1, max_context=128, kv_capacity=128,
-                                                   kv_dtype=kv_dtype, prefill_chunk=16, device=device,
+                                                   kv_dtype=kv_dtype, prefill_chunk=chunk, device=device,
                                                    dtype=dtype))
     seen = capture_logits(engine)
-    tokens, margins = {}, {}
+    tokens, logits = {}, {}
     try:
         for name, ids in prompts.items():
             start = len(seen)
             h = engine.submit(req(name, ids, max_tokens=max_tokens, temperature=0, ignore_eos=True))
             tokens[name] = drive(engine, [h])[name][0]
-            top2 = torch.stack([row.float().reshape(-1).topk(2).values.cpu() for row in seen[start:]])
-            margins[name] = (top2[:, 0] - top2[:, 1]).tolist()
+            logits[name] = [row.float().reshape(-1, row.shape[-1])[-1].cpu() for row in seen[start:]]
     finally:
         del engine.model.compute_logits
+    return tokens, logits
+
+
+def greedy_with_margins(model, device: str, dtype: str, kv_dtype: str, prompts: dict[str, tuple[int, ...]],
+                        max_tokens: int = 24) -> tuple[dict, dict]:
+    """`greedy_logits`' tokens, and name -> each step's top-1 minus top-2 logit (where another engine's
+    numerics may pick differently)."""
+    tokens, logits = greedy_logits(model, device, dtype, kv_dtype, prompts, max_tokens)
+    margins = {}
+    for name, rows in logits.items():
+        top2 = torch.stack([row.topk(2).values for row in rows])
+        margins[name] = (top2[:, 0] - top2[:, 1]).tolist()
     return tokens, margins
 
 

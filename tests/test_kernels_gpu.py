@@ -356,7 +356,8 @@ def test_fixture_greedy_gpu_matches_cpu(tiny_dir, tmp_path, gguf_name):
     """The fixture model on the GPU (bf16 compute; the q8_0 and iq3_s files through the quantized kernels, the
     iq3_s GDN input projection running the decode conv in its epilogue) gives the CPU
     reference engine's greedy tokens (fp32, dense weights) up to the first step whose CPU top-1/top-2 margin
-    is under 0.1 (bf16 compute moves logits by ~1e-2; issue 5: >= 16 identical tokens on the bf16 file)."""
+    is under 0.1 (issue 5: >= 16 identical tokens on the bf16 file; bench/logit_drift.py measures bf16 against
+    fp32 at up to 0.155 max |Δ logit| on the CPU, so a flip above 0.1 is possible: gpu-notes "Session 25")."""
     from conftest import convert_tiny, reference_prompts
     from test_engine_invariants import greedy_with_margins
 

@@ -2,7 +2,8 @@
 (prefill in 16-token chunks, then one column a step) against the CPU fp32 reference and against the same
 device's prefill of the prompt plus the decode's own tokens in one chunk (the many-column routes), every
 fourth step. Greedy tests that compare runs taking different routes (one lane against four, GPU against
-CPU) may only trust steps whose top-1/top-2 margin exceeds twice these distances.
+CPU) may only trust steps whose top-1/top-2 margin exceeds twice these distances. The rounds run without
+CUDA graphs (a replay's logits never reach Python; eager rounds give the same numbers).
 
     python bench/logit_drift.py [--device cuda] [--files model-bf16.gguf,model-q4_k_m.gguf]
 
@@ -33,7 +34,7 @@ def last_logits(model, device: str, dtype: str, ids: tuple[int, ...], max_tokens
                 chunk: int) -> tuple[list[int], list[torch.Tensor]]:
     """Greedy tokens and each round's last-position logits for one prompt alone."""
     kv = "fp32" if device == "cpu" else "bf16"
-    tokens, logits = greedy_logits(model, device, dtype, kv, {"x": ids}, max_tokens, chunk)
+    tokens, logits = greedy_logits(model, device, dtype, kv, {"x": ids}, max_tokens, chunk, graphs=False)
     return tokens["x"], logits["x"]
 
 

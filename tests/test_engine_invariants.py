@@ -60,12 +60,13 @@ def capture_logits(engine: Engine) -> list[torch.Tensor]:
 
 
 def greedy_logits(model, device: str, dtype: str, kv_dtype: str, prompts: dict[str, tuple[int, ...]],
-                  max_tokens: int = 24, chunk: int = 16) -> tuple[dict, dict]:
+                  max_tokens: int = 24, chunk: int = 16, graphs: bool = True) -> tuple[dict, dict]:
     """Each prompt alone through an engine over `model`, greedy, EOS ignored: name -> generated tokens, and
-    name -> each round's last-position logits (fp32, on the CPU)."""
+    name -> each round's last-position logits (fp32, on the CPU). A decode round replayed from a CUDA graph
+    does not call `compute_logits` from Python, so on CUDA only `graphs=False` sees every round's logits."""
     engine = Engine.from_model(model, EngineConfig(max_concurrency=1, max_context=128, kv_capacity=128,
                                                    kv_dtype=kv_dtype, prefill_chunk=chunk, device=device,
-                                                   dtype=dtype))
+                                                   dtype=dtype, cuda_graphs=graphs))
     seen = capture_logits(engine)
     tokens, logits = {}, {}
     try:
@@ -81,11 +82,12 @@ def greedy_logits(model, device: str, dtype: str, kv_dtype: str, prompts: dict[s
 
 def greedy_with_margins(model, device: str, dtype: str, kv_dtype: str, prompts: dict[str, tuple[int, ...]],
                         max_tokens: int = 24) -> tuple[dict, dict]:
-    """`greedy_logits`' tokens, and name -> each step's top-1 minus top-2 logit (where another engine's
-    numerics may pick differently)."""
-    tokens, logits = greedy_logits(model, device, dtype, kv_dtype, prompts, max_tokens)
+    """`greedy_logits`' tokens without CUDA graphs, and name -> each step's top-1 minus top-2 logit (where
+    another engine's numerics may pick differently)."""
+    tokens, logits = greedy_logits(model, device, dtype, kv_dtype, prompts, max_tokens, graphs=False)
     margins = {}
     for name, rows in logits.items():
+        assert len(rows) == len(tokens[name]), (name, len(rows), len(tokens[name]))
         top2 = torch.stack([row.topk(2).values for row in rows])
         margins[name] = (top2[:, 0] - top2[:, 1]).tolist()
     return tokens, margins

@@ -55,7 +55,11 @@ class QuantizedActivation:
 
     def row(self, i: int) -> QuantizedActivation:
         """Column `i` alone (views, no copy)."""
-        return QuantizedActivation(self.q[i : i + 1], self.d[i : i + 1], self.s[i : i + 1], self.dtype)
+        return self.rows(i, i + 1)
+
+    def rows(self, start: int, end: int) -> QuantizedActivation:
+        """Columns `start` to `end` (views, no copy)."""
+        return QuantizedActivation(self.q[start:end], self.d[start:end], self.s[start:end], self.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """`q·d` as float64 `[n, K]` (what the q8 kernels multiply the weights with)."""

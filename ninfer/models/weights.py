@@ -139,7 +139,9 @@ class Linear(nn.Module):
     Dense mode (default, the CPU reference): W dequantised once to the compute dtype (`weight`).
     Quantized mode (`quantized=True`, GGUF block formats only): the raw blocks (`raw`, uint8
     [out, row_bytes]) move to `device` as stored and every call runs `kernels.gguf_matmul.quant_matmul`
-    (Triton on CUDA; its reference elsewhere). Other formats stay dense in either mode.
+    (Triton on CUDA; its reference elsewhere); on CUDA the large iq3_s matrices are repacked once, lane per
+    row, at the same size (`layout` "il32", `kernels.gemv_il.il_matmul`). Other formats stay dense in either
+    mode.
     """
 
     def __init__(
@@ -165,6 +167,17 @@ class Linear(nn.Module):
         self.input_scatter = None if columns is None else torch.argsort(self.input_columns)
         self.scatter_run = self.in_features if columns is None else aligned_run(torch.argsort(columns))
         self.bias = None if bias_name is None else nn.Buffer(load_dense(source, bias_name, dtype, device))
+        self._take_layout()
+
+    def _take_layout(self) -> None:
+        """`layout` "il32" for the iq3_s matrices `kernels.gemv_il.il32_wanted` picks (the same bytes repacked
+        once, lane per row), else "gguf" (the rows as stored)."""
+        from ninfer.kernels.gemv_il import il32_wanted, repack_il32
+
+        self.layout = "gguf"
+        if self.raw is not None and il32_wanted(self.format, self.out_features, self.in_features,
+                                                self.raw.device):
+            self.raw, self.layout = nn.Buffer(repack_il32(self.raw)), "il32"
 
     def forward(self, x: torch.Tensor, columns_applied: bool = False, conv=None) -> torch.Tensor:
         """`columns_applied`: x already is in `input_columns` order (`ops.gated_rms_norm(gather=...)`).
@@ -174,9 +187,14 @@ class Linear(nn.Module):
         x = x.to(self.dtype)
         if self.raw is None:
             return F.linear(x, self.weight, self.bias)
-        from ninfer.kernels.gguf_matmul import quant_matmul
+        if self.layout == "il32":  # no conv epilogue here: conv.applied stays False, the caller runs it
+            from ninfer.kernels.gemv_il import il_matmul
 
-        y = quant_matmul(self.raw, self.format, x, self.out_features, conv=conv)
+            y = il_matmul(self.raw, x, self.out_features)
+        else:
+            from ninfer.kernels.gguf_matmul import quant_matmul
+
+            y = quant_matmul(self.raw, self.format, x, self.out_features, conv=conv)
         return y if self.bias is None else y + self.bias
 
     @classmethod
@@ -203,6 +221,7 @@ class Linear(nn.Module):
             dense = torch.cat([load_dense(source, n, dtype, device) for n in names])
             self.weight, self.raw = nn.Buffer(dense), None
         self.input_columns, self.input_scatter, self.bias = None, None, None
+        self._take_layout()
         return self
 
 

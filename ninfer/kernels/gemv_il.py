@@ -1,0 +1,430 @@
+"""iq3_s decode GEMV on a lane-per-row layout ("il32"), CUDA C compiled at run time by NVRTC.
+
+The GGUF iq3_s block is 110 bytes, so the decode GEMVs that read it in place (`gemv_rows_iq`, 8 lanes a
+block) load words that straddle lines and re-read the int8 activation for every row: 30-43 % of copy on the
+H200 (gpu-notes "Session 8"). For the matrices where that costs most (many rows over a short input: the 27B's
+q|k|v, GDN input and gate|up projections) the weight is repacked once at load, losslessly and at the same
+size, so that one lane owns one row:
+
+- per row, a pair of blocks (220 bytes) becomes 55 aligned words: the qs of both blocks (32 words), qh (4),
+  signs (16), scales (2), then both d in one word (`repack_il32`; `unpack_il32` inverts it);
+- word j of pair p of the rows of 32-row tile t lies at `((t·P + p)·55 + j)·32 + r`, r the row in the tile:
+  a warp's load of word j is one aligned 128-byte line, all of it used;
+- the activation is the same for the warp's 32 rows (a broadcast load), the grid sits in shared memory as 16
+  copies side by side (lane L reads copy L mod 16).
+
+A CTA of `warps` warps takes a tile, warp s the pairs s, s + warps, ... (split-K inside the CTA, summed
+through shared memory; the next block's words load while one is used); CTAs loop over the tiles. Rows are
+padded to 32 and blocks to an even count with zero blocks (d = 0): no padding on the 27B's matrices. H200,
+1 column (session 26): 34816×5120 44.2 → 32.9 µs, 16480×5120 22.3 → 17.2, 14336×5120 20.2 → 16.8; at 8
+columns the fragment kernels on the GGUF layout stay faster (79.6 vs 92 µs on 34816×5120).
+
+Triton 3.6 has no indexed shared-memory load, hence CUDA C (`torch.cuda._compile_kernel`, NVRTC from the
+torch wheel; the launches capture into CUDA graphs). The kernel's oracle is `gemv_il_reference` (float64);
+`tests/test_gemv_il.py` checks the layout and the kernel's integer recipe on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
+from ninfer.kernels.gguf_matmul import QuantKernelError, _tables, dequantize_rows
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, triton_runs_on
+
+BLOCK_BYTES = 110
+PAIR_WORDS = 55
+MAX_COLUMNS = 8
+_OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# (start, end) bytes of a block's qs, qh, signs, scales and d: the order of a pair's words
+_FIELDS = ((2, 66), (66, 74), (74, 106), (106, 110), (0, 2))
+
+
+def il32_shape(out_features: int, in_features: int) -> tuple[int, int]:
+    """(32-row tiles, block pairs) of the layout."""
+    return -(-out_features // 32), -(-(in_features // 256) // 2)
+
+
+def repack_il32(raw: torch.Tensor) -> torch.Tensor:
+    """iq3_s rows `raw` (uint8 `[N, nblk·110]`) as the int32 words of the lane-per-row layout (module doc),
+    `[tiles · pairs · 55 · 32]`, on raw's device."""
+    n, row_bytes = raw.shape
+    nblk = row_bytes // BLOCK_BYTES
+    tiles, pairs = il32_shape(n, nblk * 256)
+    blocks = torch.zeros((tiles * 32, 2 * pairs, BLOCK_BYTES), dtype=torch.uint8, device=raw.device)
+    blocks[:n, :nblk] = raw.reshape(n, nblk, BLOCK_BYTES)
+    both = blocks.view(tiles * 32, pairs, 2, BLOCK_BYTES)
+    words = torch.cat([both[..., a:b].reshape(tiles * 32, pairs, -1) for a, b in _FIELDS], dim=-1)
+    words = words.contiguous().view(torch.int32)  # [rows, pairs, 55]
+    return words.view(tiles, 32, pairs, PAIR_WORDS).permute(0, 2, 3, 1).contiguous().reshape(-1)
+
+
+def unpack_il32(words: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The GGUF rows `[out_features, in_features/256 · 110]` back from `repack_il32`'s words."""
+    tiles, pairs = il32_shape(out_features, in_features)
+    w = words.view(tiles, pairs, PAIR_WORDS, 32).permute(0, 3, 1, 2).contiguous()
+    b = w.view(torch.uint8).view(tiles * 32, pairs, 4 * PAIR_WORDS)
+    qs, qh, sg, sc, d = b.split([2 * (end - start) for start, end in _FIELDS], dim=-1)
+    per_block = [t.reshape(tiles * 32, pairs, 2, -1) for t in (d, qs, qh, sg, sc)]
+    whole = torch.cat(per_block, dim=-1).reshape(tiles * 32, 2 * pairs * BLOCK_BYTES)
+    return whole[:out_features, : in_features // 256 * BLOCK_BYTES].contiguous()
+
+
+def il32_wanted(format: str, out_features: int, in_features: int, device: torch.device | str) -> bool:
+    """Whether a resident weight takes the il32 layout: iq3_s on CUDA where NVRTC works, on matrices of at
+    least 8192 rows over at most 8192 inputs (the H200's gains, module doc; the 27B's 5120×17408 down and
+    5120×6144 output projections stay faster in place at 2-8 columns). NINFER_IQ3S_IL=0 turns it off, =1
+    takes every iq3_s matrix (the tiny fixtures' tests)."""
+    policy = os.environ.get("NINFER_IQ3S_IL", "")
+    if format.removeprefix("gguf_") != "iq3_s" or torch.device(device).type != "cuda" or policy == "0":
+        return False
+    if in_features % 256 or not nvrtc_available():
+        return False
+    return policy == "1" or (out_features >= 8192 and in_features <= 8192)
+
+
+@functools.cache
+def nvrtc_available() -> bool:
+    """The kernel compiles here: torch's NVRTC front end (a private torch API, so checked, never assumed) on
+    a GPU of compute capability 8.0 or later (bf16 conversions)."""
+    if not torch.cuda.is_available() or not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    if torch.cuda.get_device_capability()[0] < 8:
+        return False
+    try:
+        _compiled(1, _OUT_KINDS[torch.bfloat16], il_schedule(1, 5120))
+    except Exception:  # noqa: BLE001 - any NVRTC or driver failure means: keep the GGUF layout
+        return False
+    return True
+
+
+_SOURCE = r"""
+#define OUT_KIND __OUT_KIND__
+#define NCOL __NCOL__
+#define WARPS __WARPS__
+#define MIN_CTAS __MIN_CTAS__
+#define COPIES __COPIES__
+#define DECODE_FIRST __DECODE_FIRST__
+#if OUT_KIND == 0
+typedef float out_t;
+#else
+typedef unsigned short out_t;
+#endif
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned s) {
+    unsigned r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s)); return r;
+}
+__device__ __forceinline__ int dp4a(unsigned a, int b, int c) {
+    int r; asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r;
+}
+__device__ __forceinline__ unsigned lds(unsigned addr) {
+    unsigned r; asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(addr)); return r;
+}
+__device__ __forceinline__ float f16_lo(unsigned v) {
+    float f; asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l;}" : "=f"(f) : "r"(v)); return f;
+}
+__device__ __forceinline__ float f16_hi(unsigned v) {
+    float f; asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h;}" : "=f"(f) : "r"(v)); return f;
+}
+__device__ __forceinline__ out_t to_out(float v) {
+#if OUT_KIND == 0
+    return v;
+#elif OUT_KIND == 1
+    unsigned short r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v)); return r;
+#else
+    unsigned short r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v)); return r;
+#endif
+}
+
+struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
+
+// the words of block h of pair p of tile t (this lane's row)
+__device__ __forceinline__ void load_block(Blk& b, const unsigned* __restrict__ w, size_t pair, int h,
+                                           unsigned lane) {
+    const unsigned* wp = w + pair * (55 * 32) + lane;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) b.qs[i] = wp[(16 * h + i) * 32];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) b.sg[i] = wp[(36 + 8 * h + i) * 32];
+    b.qh0 = wp[(32 + 2 * h) * 32];
+    b.qh1 = wp[(33 + 2 * h) * 32];
+    b.sc = wp[(52 + h) * 32];
+    b.dw = wp[54 * 32];
+}
+
+// acc[m] += this row's block (sub-blocks sb0 .. sb0 + 7) · column m of the activation
+__device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const int* __restrict__ xw,
+                                          const float* __restrict__ xd, int K4, int K32, unsigned tab,
+                                          float acc[NCOL]) {
+    const float d = h ? f16_hi(b.dw) : f16_lo(b.dw);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const unsigned qh = ((j < 4 ? b.qh0 : b.qh1) >> (8 * (j & 3))) & 0xffu;
+        const float dl = d * (float)(1 + 2 * ((b.sc >> (4 * j)) & 15u));
+#if DECODE_FIRST
+        // the sub-block's 8 signed grid words first, then each column's 8 dp4a (few registers a column)
+        unsigned sw[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const unsigned hs = (((qh >> (4 * (k >> 2))) & 15u) * 0x204081u) & 0x01010101u;
+            const unsigned idx = prmt(b.qs[2 * j + (k >> 2)], hs, 0xCC40 + 0x11 * (k & 3));
+            const unsigned g = lds(tab + idx * (4 * COPIES));
+            const unsigned byte = prmt(b.sg[j], 0, 0x4440 + (k >> 1));
+            const unsigned m8 = prmt(byte * ((k & 1) ? 0x08040201u : 0x80402010u), 0, 0x89AB);
+            sw[k] = (g ^ m8) + (m8 & 0x01010101u);
+        }
+#pragma unroll
+        for (int m = 0; m < NCOL; ++m) {
+            const int4* xp = reinterpret_cast<const int4*>(xw + m * K4 + (sb0 + j) * 8);
+            const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
+            int s = dp4a(sw[0], x0.x, 0);
+            s = dp4a(sw[1], x0.y, s); s = dp4a(sw[2], x0.z, s); s = dp4a(sw[3], x0.w, s);
+            s = dp4a(sw[4], x1.x, s); s = dp4a(sw[5], x1.y, s);
+            s = dp4a(sw[6], x1.z, s); s = dp4a(sw[7], x1.w, s);
+            acc[m] += dl * __ldg(xd + m * K32 + sb0 + j) * (float)s;
+        }
+#else
+        int ig[NCOL], im[NCOL];
+#pragma unroll
+        for (int m = 0; m < NCOL; ++m) { ig[m] = 0; im[m] = 0; }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            // qh bits of grid words 4 half .. 4 half + 3, one per byte
+            const unsigned hs = (((qh >> (4 * half)) & 15u) * 0x204081u) & 0x01010101u;
+            const unsigned q = b.qs[2 * j + half];
+            int4 xv[NCOL];
+#pragma unroll
+            for (int m = 0; m < NCOL; ++m)
+                xv[m] = __ldg(reinterpret_cast<const int4*>(xw + m * K4 + (sb0 + j) * 8) + half);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const unsigned idx = prmt(q, hs, 0xCC40 + 0x11 * e);  // qs byte | qh bit << 8
+                const unsigned g = lds(tab + idx * (4 * COPIES));
+                // signs of grid word 4 half + e: nibble e & 1 of sign byte 2 half + e / 2; bit k moved to the
+                // top of byte 3 - k, then each byte filled with its top bit
+                const unsigned byte = prmt(b.sg[j], 0, 0x4440 + 2 * half + (e >> 1));
+                const unsigned m8 = prmt(byte * ((e & 1) ? 0x08040201u : 0x80402010u), 0, 0x89AB);
+                const unsigned gm = g ^ m8;
+#if NCOL > 2
+                const unsigned sw = gm + (m8 & 0x01010101u);  // the signed bytes
+#endif
+#pragma unroll
+                for (int m = 0; m < NCOL; ++m) {
+                    const int xe = e == 0 ? xv[m].x : e == 1 ? xv[m].y : e == 2 ? xv[m].z : xv[m].w;
+#if NCOL > 2
+                    ig[m] = dp4a(sw, xe, ig[m]);
+#else
+                    ig[m] = dp4a(gm, xe, ig[m]);
+                    im[m] = dp4a(m8, xe, im[m]);
+#endif
+                }
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < NCOL; ++m) acc[m] += dl * __ldg(xd + m * K32 + sb0 + j) * (float)(ig[m] - im[m]);
+#endif
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
+iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
+             const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y)
+{
+    extern __shared__ unsigned smem[];
+    float* red = (float*)(smem + 512 * COPIES);  // [WARPS][NCOL][32] partial sums
+    // grid word i of copy c at i * COPIES + c, four copies a 16-byte store
+    for (int i = threadIdx.x; i < 128 * COPIES; i += WARPS * 32) {
+        const unsigned g = grid[(4 * i) / COPIES];
+        reinterpret_cast<uint4*>(smem)[i] = make_uint4(g, g, g, g);
+    }
+    __syncthreads();
+    const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const unsigned tab = (unsigned)__cvta_generic_to_shared(smem) + 4 * (lane % COPIES);
+    const int P = (K + 511) >> 9, K4 = K >> 2, K32 = K >> 5, nblk = K >> 8;
+    const int tiles = (N + 31) >> 5;
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+        float acc[NCOL];
+#pragma unroll
+        for (int m = 0; m < NCOL; ++m) acc[m] = 0.f;
+        // blocks in flight: the next block's words load while this one is used
+        Blk a, b;
+        if (wid < P) load_block(a, w, (size_t)t * P + wid, 0, lane);
+        for (int p = wid; p < P; p += WARPS) {
+            load_block(b, w, (size_t)t * P + p, 1, lane);  // the padding block of an odd count is zeros
+            dot_block(a, 0, 16 * p, xw, xd, K4, K32, tab, acc);
+            if (p + WARPS < P) load_block(a, w, (size_t)t * P + p + WARPS, 0, lane);
+            if (2 * p + 1 < nblk) dot_block(b, 1, 16 * p + 8, xw, xd, K4, K32, tab, acc);
+        }
+        if (WARPS == 1) {
+            const int row = t * 32 + lane;
+            if (row < N) {
+#pragma unroll
+                for (int m = 0; m < NCOL; ++m) y[m * stride_y + row] = to_out(acc[m]);
+            }
+            continue;
+        }
+#pragma unroll
+        for (int m = 0; m < NCOL; ++m) red[(wid * NCOL + m) * 32 + lane] = acc[m];
+        __syncthreads();
+        for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
+            const int m = i >> 5, row = t * 32 + (i & 31);
+            float v = 0.f;
+#pragma unroll
+            for (int s = 0; s < WARPS; ++s) v += red[(s * NCOL + m) * 32 + (i & 31)];
+            if (row < N) y[m * stride_y + row] = to_out(v);
+        }
+        __syncthreads();
+    }
+}
+"""
+
+
+@dataclass(frozen=True)
+class IlSchedule:
+    """`warps` per CTA (split-K over a tile's pairs of blocks), `copies` of the grid in shared memory,
+    `decode_first`: a sub-block's 8 signed grid words first, then the columns' dp4a (else grid word by grid
+    word, the columns' dp4a inside)."""
+
+    warps: int
+    copies: int = 16
+    decode_first: bool = False
+    kernel: str = "il"
+
+    @property
+    def name(self) -> str:
+        return f"il_w{self.warps}_c{self.copies}" + ("_df" if self.decode_first else "")
+
+    def smem_bytes(self, columns: int) -> int:
+        return 512 * self.copies * 4 + self.warps * columns * 32 * 4
+
+
+def il_schedule(columns: int, in_features: int) -> IlSchedule:
+    """A warp per pair of blocks (at most 16 warps), the signed words first at 2 columns: on the H200 the best
+    or within 3 % of it on the 27B's K = 5120 matrices at 1 and 2 columns; at 4 and 8 columns other widths
+    win on some of them by up to 12 % (session 26)."""
+    return IlSchedule(min(16, il32_shape(32, in_features)[1]), 16, columns == 2)
+
+
+# registers a thread the build allows at 1, 2, 4, 8 columns (below these the larger widths spill)
+_REGISTERS = {1: 80, 2: 96, 4: 112, 8: 128}
+
+
+def _ctas_per_sm(s: IlSchedule, columns: int, smem: int = 228 * 1024, threads: int = 2048) -> int:
+    """CTAs an SM holds: by shared memory, threads, and registers at `_REGISTERS`."""
+    regs = 65536 // (32 * s.warps * _REGISTERS[1 << (columns - 1).bit_length()])
+    return max(1, min(smem // (s.smem_bytes(columns) + 1024), threads // (32 * s.warps), regs))
+
+
+def kernel_source(columns: int, out_kind: int, s: IlSchedule) -> str:
+    return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
+            .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns)))
+            .replace("__COPIES__", str(s.copies)).replace("__DECODE_FIRST__", str(int(s.decode_first))))
+
+
+@functools.cache
+def _compiled(columns: int, out_kind: int, s: IlSchedule):
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s), "iq3s_il_gemv")
+    kernel.set_shared_memory_config(s.smem_bytes(columns))
+    return kernel
+
+
+@functools.cache
+def _launch_shape(device: torch.device, s: IlSchedule, columns: int) -> int:
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    return props.multi_processor_count * _ctas_per_sm(s, columns, smem, props.max_threads_per_multi_processor)
+
+
+def check_il32(words: torch.Tensor, out_features: int, in_features: int) -> None:
+    tiles, pairs = il32_shape(out_features, in_features)
+    if in_features % 256 or words.dtype != torch.int32 or words.numel() != tiles * pairs * PAIR_WORDS * 32:
+        raise QuantKernelError(f"an il32 iq3_s weight of {out_features}×{in_features} is int32 "
+                               f"[{tiles * pairs * PAIR_WORDS * 32}] (repack_il32 of the GGUF rows), got "
+                               f"{words.dtype} {list(words.shape)}")
+
+
+def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
+            schedule: IlSchedule | None = None) -> torch.Tensor:
+    """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the il32 words (CUDA) and xa the int8 activation
+    of 1-8 columns."""
+    n, k = xa.q.shape
+    check_il32(words, out_features, k)
+    if not words.is_cuda:
+        raise QuantKernelError(f"the il32 GEMV is a CUDA kernel; the weight is on {words.device}")
+    if not 1 <= n <= MAX_COLUMNS:
+        raise QuantKernelError(f"the il32 GEMV takes 1-{MAX_COLUMNS} columns, got {n}")
+    if xa.dtype not in _OUT_KINDS:
+        raise QuantKernelError(f"the il32 GEMV writes float32, bfloat16 or float16, not {xa.dtype}")
+    s = schedule or il_schedule(n, k)
+    y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
+    ctas = min(-(-out_features // 32), _launch_shape(words.device, s, n))
+    args = [words, xa.words, xa.d, _tables(words.device)[1], y, out_features, k, y.stride(0)]
+    _compiled(n, _OUT_KINDS[xa.dtype], s)(grid=(ctas, 1, 1), block=(32 * s.warps, 1, 1), args=args,
+                                           shared_mem=s.smem_bytes(n))
+    return y
+
+
+@jit
+def _dequant_il32_kernel(w_ptr, out_ptr, grid_ptr, N, K, P):
+    """One 256-weight block of a 32-row tile: program (tile, block) writes out[32 rows, 256 columns]."""
+    t = tl.program_id(0)
+    blk = tl.program_id(1)
+    h = blk % 2
+    r = tl.arange(0, 32)[:, None]
+    kb = tl.arange(0, 256)[None, :]
+    j = kb // 32  # sub-block
+    e = (kb % 32) // 4  # grid word in the sub-block
+    i = kb % 4  # byte in the grid word
+    base = w_ptr + (t * P + blk // 2).to(tl.int64) * (55 * 32) + r
+    qs = (tl.load(base + (16 * h + 2 * j + e // 4) * 32) >> (8 * (e % 4))) & 255
+    qh = (tl.load(base + (32 + 2 * h + j // 4) * 32) >> (8 * (j % 4) + e)) & 1
+    g = tl.load(grid_ptr + (qs | (qh << 8)) * 4 + i).to(tl.float32)
+    neg = (tl.load(base + (36 + 8 * h + j) * 32) >> (4 * e + i)) & 1
+    sc = (tl.load(base + (52 + h) * 32) >> (4 * j)) & 15
+    d = ((tl.load(base + 54 * 32) >> (16 * h)) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    v = d.to(tl.float32) * (1 + 2 * sc).to(tl.float32) * tl.where(neg == 1, -g, g)
+    row = t * 32 + r
+    col = blk * 256 + kb
+    tl.store(out_ptr + row.to(tl.int64) * K + col, v.to(out_ptr.dtype.element_ty), mask=(row < N) & (col < K))
+
+
+def dequantize_il32(words: torch.Tensor, out_features: int, in_features: int,
+                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The dense `[out_features, in_features]` weight in `dtype` from the il32 words (a transient buffer for
+    prefill matmuls): one Triton pass where Triton runs, else unpacked and dequantised by the reference."""
+    check_il32(words, out_features, in_features)
+    if not (HAVE_TRITON and triton_runs_on(words)):
+        return dequantize_rows(unpack_il32(words, out_features, in_features), "iq3_s", out_features,
+                               in_features, dtype)
+    out = torch.empty((out_features, in_features), dtype=dtype, device=words.device)
+    tiles, pairs = il32_shape(out_features, in_features)
+    _dequant_il32_kernel[(tiles, in_features // 256)](words, out, _tables(words.device)[0], out_features,
+                                                      in_features, pairs)
+    return out
+
+
+def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the il32 words: the GEMV on up to 8 columns at a
+    time through 16, a matmul over the dequantised weight beyond (prefill)."""
+    in_features = x.shape[-1]
+    x2 = x.reshape(-1, in_features)
+    if x2.shape[0] > 2 * MAX_COLUMNS:
+        w = dequantize_il32(words, out_features, in_features, x.dtype if x.is_cuda else torch.float32)
+        return (x2.to(w.dtype) @ w.t()).to(x.dtype).reshape(*x.shape[:-1], out_features)
+    xa = quantize_activation_cached(x)
+    if x2.shape[0] <= MAX_COLUMNS:
+        y = gemv_il(words, xa, out_features)
+    else:
+        y = torch.cat([gemv_il(words, xa.rows(i, i + MAX_COLUMNS), out_features)
+                       for i in range(0, x2.shape[0], MAX_COLUMNS)])
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def gemv_il_reference(words: torch.Tensor, xa: QuantizedActivation, out_features: int) -> torch.Tensor:
+    """The oracle: the unpacked GGUF rows dequantised, times the dequantised int8 activation, float64."""
+    raw = unpack_il32(words, out_features, xa.q.shape[1])
+    return gemv_q8_reference(raw, "iq3_s", xa, out_features)

@@ -1,0 +1,200 @@
+"""The lane-per-row iq3_s layout and GEMV (ninfer/kernels/gemv_il.py): the layout, the kernel's integer
+recipe and the prefill path on the CPU; the CUDA kernel against its float64 twin on the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ninfer.kernels import gemv_il
+from ninfer.kernels.gemv_il import (
+    dequantize_il32,
+    il32_shape,
+    il32_wanted,
+    il_matmul,
+    repack_il32,
+    unpack_il32,
+)
+from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation_reference
+from ninfer.kernels.gguf_matmul import _tables, quant_matmul_reference, random_gguf_weight
+
+# (rows, columns): whole tiles and pairs; rows and blocks padded (3 blocks); one block
+SHAPES = [(64, 5120), (40, 768), (33, 256)]
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_repack_is_a_lossless_same_size_permutation(n, k):
+    gen = torch.Generator().manual_seed(n)
+    raw = torch.randint(0, 256, (n, k // 256 * 110), dtype=torch.uint8, generator=gen)
+    words = repack_il32(raw)
+    tiles, pairs = il32_shape(n, k)
+    assert words.dtype == torch.int32 and words.numel() == tiles * pairs * 55 * 32
+    assert torch.equal(unpack_il32(words, n, k), raw)
+    if n % 32 == 0 and k % 512 == 0:  # nothing padded: the very bytes, moved
+        assert words.numel() * 4 == raw.numel()
+        assert torch.equal(words.view(torch.uint8).sort().values, raw.reshape(-1).sort().values)
+
+
+def test_a_warp_load_is_one_row_per_lane():
+    """Word j of pair p of tile t for row r sits at ((t·P + p)·55 + j)·32 + r: word 54 holds both blocks' d,
+    words 0-15 the first block's qs."""
+    n, k = 64, 1024
+    raw = random_gguf_weight("iq3_s", n, k)
+    words = repack_il32(raw).view(2, 2, 55, 32)  # [tile, pair, word, lane]
+    blocks = raw.view(n, 4, 110)
+    for row in (0, 31, 45):
+        t, r = divmod(row, 32)
+        for p in range(2):
+            d0, d1 = blocks[row, 2 * p, :2], blocks[row, 2 * p + 1, :2]
+            assert words[t, p, 54, r].item() == torch.cat([d0, d1]).view(torch.int32).item()
+            assert torch.equal(words[t, p, :16, r].contiguous().view(torch.uint8), blocks[row, 2 * p, 2:66])
+
+
+def _prmt(a: np.ndarray, b: np.ndarray, sel: int) -> np.ndarray:
+    """PTX prmt.b32: byte k of the result is byte (sel nibble k & 7) of {b:a}, sign-replicated if & 8."""
+    v = (a.astype(np.uint64) & 0xFFFFFFFF) | ((b.astype(np.uint64) & 0xFFFFFFFF) << np.uint64(32))
+    out = np.zeros(a.shape, dtype=np.uint64)
+    for k in range(4):
+        nib = (sel >> (4 * k)) & 15
+        byte = (v >> np.uint64(8 * (nib & 7))) & np.uint64(0xFF)
+        if nib & 8:
+            byte = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+        out |= byte << np.uint64(8 * k)
+    return out
+
+
+def _dp4a(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Σ of the 4 signed byte products (dp4a.s32.s32 with c = 0)."""
+    def signed(x, k):
+        return (((x.astype(np.int64) & 0xFFFFFFFF) >> (8 * k)) & 0xFF ^ 0x80) - 0x80
+    return sum(signed(a, k) * signed(b, k) for k in range(4))
+
+
+@pytest.mark.parametrize(("n", "k"), [(40, 768), (64, 1024)])
+def test_the_kernels_integer_recipe_gives_the_twin(n, k):
+    """The CUDA kernel's decode written out in numpy, step for step (9-bit index by one prmt of a qs word and
+    the spread qh bits, grid word from the table, sign bytes by a multiply and a sign-replicating prmt, the
+    signed word g ^ M + (M & 0x01010101) in one dp4a): equal to the float64 twin, padding blocks included."""
+    gen = torch.Generator().manual_seed(k)
+    raw = random_gguf_weight("iq3_s", n, k, generator=gen)
+    xa = quantize_activation_reference(torch.randn(2, k, generator=gen))
+    tiles, pairs = il32_shape(n, k)
+    w = repack_il32(raw).numpy().view(np.uint32).reshape(tiles, pairs, 55, 32)
+    w = w.transpose(0, 3, 1, 2).reshape(tiles * 32, pairs, 55)  # [row, pair, word]
+    grid = _tables(torch.device("cpu"))[1].numpy().view(np.uint32)
+    xw, xd = xa.words.numpy(), xa.d.numpy().astype(np.float64)
+    y = np.zeros((2, tiles * 32))
+    zero = np.zeros(tiles * 32, dtype=np.uint32)
+    for p in range(pairs):
+        for h in range(2):
+            sb0 = (2 * p + h) * 8
+            if sb0 >= k // 32:
+                break
+            d = (w[:, p, 54] >> (16 * h) & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float64)
+            for j in range(8):
+                qh = (w[:, p, 33 + 2 * h if j >= 4 else 32 + 2 * h] >> (8 * (j & 3))) & 0xFF
+                dl = d * (1 + 2 * ((w[:, p, 52 + h] >> (4 * j)) & 15))
+                s = np.zeros((2, tiles * 32), dtype=np.int64)
+                for kw in range(8):  # grid word kw of the sub-block
+                    hs = (((qh >> (4 * (kw >> 2))) & 15).astype(np.uint64) * 0x204081) & 0x01010101
+                    idx = _prmt(w[:, p, 16 * h + 2 * j + (kw >> 2)], hs, 0xCC40 + 0x11 * (kw & 3))
+                    g = grid[idx.astype(np.int64)].astype(np.uint64)
+                    byte = _prmt(w[:, p, 36 + 8 * h + j], zero, 0x4440 + (kw >> 1))
+                    mul = np.uint64(0x08040201 if kw & 1 else 0x80402010)
+                    m8 = _prmt((byte * mul) & np.uint64(0xFFFFFFFF), zero, 0x89AB)
+                    sw = ((g ^ m8) + (m8 & np.uint64(0x01010101))) & np.uint64(0xFFFFFFFF)
+                    for m in range(2):
+                        s[m] += _dp4a(sw, np.full(sw.shape, xw[m, (sb0 + j) * 8 + kw], dtype=np.int64))
+                for m in range(2):
+                    y[m] += dl * xd[m, sb0 + j] * s[m]
+    want = gemv_q8_reference(raw, "iq3_s", xa, n).numpy()
+    assert np.abs(y[:, :n] - want).max() <= 1e-12 * np.abs(want).max()
+
+
+def test_prefill_unpacks_and_dequantises():
+    """More than 16 columns: the weight unpacked to its GGUF rows and dequantised (runs on the CPU too)."""
+    gen = torch.Generator().manual_seed(3)
+    raw = random_gguf_weight("iq3_s", 40, 768, generator=gen)
+    x = torch.randn(2, 10, 768, generator=gen)
+    out = il_matmul(repack_il32(raw), x, 40)
+    assert out.shape == (2, 10, 40)
+    want = quant_matmul_reference(raw, "iq3_s", x, 40)
+    assert (out - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.mark.parametrize(("n", "k"), [(40, 768), (64, 512)])
+def test_the_triton_dequantisation_matches_the_reference(monkeypatch, n, k):
+    """The prefill's one-pass decode of the il32 words (Triton's interpreter on the CPU) equals the GGUF rows
+    dequantised by ninfer.quant."""
+    from ninfer.kernels.triton_support import HAVE_TRITON
+    from ninfer.quant import dequantize
+
+    if not HAVE_TRITON:
+        pytest.skip("Triton is not installed")
+    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
+    raw = random_gguf_weight("iq3_s", n, k, generator=torch.Generator().manual_seed(n + k))
+    out = dequantize_il32(repack_il32(raw), n, k, torch.float32)
+    want = dequantize(raw.reshape(-1), "gguf_iq3_s", (n, k))
+    assert torch.equal(out, want)
+
+
+def test_which_weights_take_the_layout(monkeypatch):
+    monkeypatch.setattr(gemv_il, "nvrtc_available", lambda: True)
+    monkeypatch.delenv("NINFER_IQ3S_IL", raising=False)
+    assert il32_wanted("gguf_iq3_s", 34816, 5120, "cuda")
+    assert il32_wanted("iq3_s", 8192, 8192, "cuda:0")
+    assert not il32_wanted("iq3_s", 5120, 17408, "cuda")  # the 27B's down projection stays in place
+    assert not il32_wanted("iq3_s", 5120, 6144, "cuda")
+    assert not il32_wanted("q4_k", 34816, 5120, "cuda")
+    assert not il32_wanted("iq3_s", 34816, 5120, "cpu")
+    monkeypatch.setenv("NINFER_IQ3S_IL", "1")
+    assert il32_wanted("iq3_s", 40, 256, "cuda")
+    monkeypatch.setenv("NINFER_IQ3S_IL", "0")
+    assert not il32_wanted("iq3_s", 34816, 5120, "cuda")
+    monkeypatch.setattr(gemv_il, "nvrtc_available", lambda: False)
+    monkeypatch.delenv("NINFER_IQ3S_IL")
+    assert not il32_wanted("iq3_s", 34816, 5120, "cuda")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "k"), [(1040, 5120), (17408, 5120), (40, 768), (8224, 2048)])
+def test_gemv_il_matches_its_twin_on_gpu(n, k):
+    """1-8 columns (the signed-words-first build at 2), 12 through two calls, bf16 and fp32 outputs, padded
+    rows and blocks; 40 columns through the dequantised weight; and captured in a CUDA graph, the same bits
+    as eager."""
+    from ninfer.kernels.gemv_il import gemv_il, gemv_il_reference
+    from ninfer.kernels.gemv_q8 import quantize_activation
+
+    raw = random_gguf_weight("iq3_s", n, k, "cuda")
+    words = repack_il32(raw)
+    for width in (1, 2, 3, 4, 8, 12):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(width, k, device="cuda", dtype=dtype)
+            xa = quantize_activation(x)
+            want = gemv_il_reference(words, xa, n)
+            out = il_matmul(words, x, n)
+            # bf16 output rounding (2^-9) bounds the bf16 case; fp32 sums in another order: 1e-5 measured
+            assert rel(out, want) < (5e-3 if dtype == torch.bfloat16 else 1e-4), (n, k, width, dtype)
+    from ninfer.quant import dequantize
+
+    x = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)  # prefill: the Triton dequantisation
+    dense = dequantize(raw.reshape(-1), "gguf_iq3_s", (n, k)).double()
+    assert rel(il_matmul(words, x, n), x.double() @ dense.t()) < 5e-3
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    xa = quantize_activation(x)
+    eager = gemv_il(words, xa, n)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gemv_il(words, xa, n)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)

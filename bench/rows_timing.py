@@ -59,9 +59,9 @@ def kernel(fmt: str):
     frag = frag_mod.schedules_for(fmt)
     cuda = {}
     if NVRTC and fmt == "iq3_s":
-        from bench import nvrtc_iq3s
+        from bench import nvrtc_iq3s, nvrtc_iq3s_il
 
-        cuda = nvrtc_iq3s.SCHEDULES
+        cuda = {**nvrtc_iq3s.SCHEDULES, **nvrtc_iq3s_il.SCHEDULES}
 
     # iq3_s: the rows schedules on the 112-byte aligned blocks too ("_pad"; repacked on the first call,
     # outside the timed graph, and kept on the weight tensor)
@@ -69,6 +69,8 @@ def kernel(fmt: str):
 
     def gemv(raw, fmt, xa, rows, name):
         if name in cuda:
+            if name in nvrtc_iq3s_il.SCHEDULES:
+                return nvrtc_iq3s_il.gemv_cuda_iq3s_il(raw, xa, rows, name)
             return nvrtc_iq3s.gemv_cuda_iq3s(raw, xa, rows, name)
         if name in pad:
             if not hasattr(raw, "padded_copy"):
@@ -96,7 +98,7 @@ def kernel(fmt: str):
 def serves(s, width: int) -> bool:
     """A rows tile serves its own width, a tensor-core tile every width from 2 to its own, a fragment tile
     of 8 columns 1-8 and one of 16 columns 9-16."""
-    if s.kernel == "cuda":  # 1-8 columns
+    if s.kernel in ("cuda", "il"):  # 1-8 columns
         return width <= 8
     if s.kernel == "frag":
         return width <= s.block_m and (width > 8) == (s.block_m > 8)
@@ -194,7 +196,7 @@ def main(argv=None) -> int:
                     "(default: the 27B layer shapes; 248320x5120 is the output head)")
     ap.add_argument("--budget", type=float, default=150.0, help="stop timing new shapes after this many s")
     ap.add_argument("--nvrtc", action="store_true",
-                    help="also the CUDA C iq3_s experiment (bench/nvrtc_iq3s.py)")
+                    help="also the CUDA C iq3_s experiments (bench/nvrtc_iq3s.py, nvrtc_iq3s_il.py)")
     a = ap.parse_args(argv)
     global NVRTC
     NVRTC = a.nvrtc and torch.cuda.is_available()

@@ -351,26 +351,38 @@ def test_prefill_attention_on_gpu(name, cached, length):
     assert rel(out, ref) < 5e-3
 
 
-@pytest.mark.parametrize("gguf_name", ["model-bf16.gguf", "model-q8_0.gguf", "model-iq3_s.gguf"])
-def test_fixture_greedy_gpu_matches_cpu(tiny_dir, tmp_path, gguf_name):
+# Twice the largest max |Δ logit| between the GPU's one-lane decode and the CPU fp32 reference that
+# bench/logit_drift.py measured on the H200 (session 26: bf16 file 0.149; q4_k_m, q8_0 0.27)
+GREEDY_CUT = {"model-bf16.gguf": 0.30}
+GREEDY_CUT_QUANTIZED = 0.55
+
+
+@pytest.mark.parametrize("gguf_name", ["model-bf16.gguf", "model-q8_0.gguf", "model-iq3_s.gguf",
+                                       "model-iq3_s.gguf:il32"])
+def test_fixture_greedy_gpu_matches_cpu(tiny_dir, tmp_path, monkeypatch, gguf_name):
     """The fixture model on the GPU (bf16 compute; the q8_0 and iq3_s files through the quantized kernels, the
-    iq3_s GDN input projection running the decode conv in its epilogue) gives the CPU
-    reference engine's greedy tokens (fp32, dense weights) up to the first step whose CPU top-1/top-2 margin
-    is under 0.1 (issue 5: >= 16 identical tokens on the bf16 file; bench/logit_drift.py measures bf16 against
-    fp32 at up to 0.155 max |Δ logit| on the CPU, so a flip above 0.1 is possible: gpu-notes "Session 25")."""
+    iq3_s GDN input projection running the decode conv in its epilogue; ":il32": every iq3_s matrix on the
+    lane-per-row layout, NINFER_IQ3S_IL=1) gives the CPU reference engine's greedy tokens (fp32, dense
+    weights) up to the first step whose CPU top-1/top-2 margin is under twice the measured drift (issue 5:
+    >= 16 identical tokens on the bf16 file)."""
     from conftest import convert_tiny, reference_prompts
-    from test_engine_invariants import greedy_with_margins
+    from test_engine_invariants import greedy_logits, greedy_with_margins
 
     from ninfer.artifact import open_artifact
     from ninfer.models import load_model
 
+    gguf_name, _, layout = gguf_name.partition(":")
+    monkeypatch.setenv("NINFER_IQ3S_IL", "1" if layout else "0")
     art = open_artifact(convert_tiny(tmp_path / "tiny.ninfer", gguf_name))
     prompts = reference_prompts()
     cpu_tokens, cpu_margins = greedy_with_margins(load_model(art, load_mtp=False), "cpu", "float32", "fp32",
                                                   prompts)
     gpu_model = load_model(art, dtype=torch.bfloat16, device="cuda", load_mtp=False,
                            quantized_weights=gguf_name != "model-bf16.gguf")
-    gpu_tokens, _ = greedy_with_margins(gpu_model, "cuda", "bfloat16", "bf16", prompts)
+    layouts = {getattr(m, "layout", None) for m in gpu_model.modules()}
+    assert ("il32" in layouts) == bool(layout), layouts
+    gpu_tokens = greedy_logits(gpu_model, "cuda", "bfloat16", "bf16", prompts)[0]
+    cut = GREEDY_CUT.get(gguf_name, GREEDY_CUT_QUANTIZED)
     for p, tokens in cpu_tokens.items():
-        fragile = next((i for i, m in enumerate(cpu_margins[p]) if m < 0.1), len(tokens))
+        fragile = next((i for i, m in enumerate(cpu_margins[p]) if m < cut), len(tokens))
         assert gpu_tokens[p][:fragile] == tokens[:fragile], (p, fragile)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ninfer.kernels.gemv_il import CUDA_HELPERS
 from ninfer.kernels.gemv_q8 import QuantizedActivation
 from ninfer.kernels.gguf_matmul import QuantKernelError, _tables, check_weight
 
@@ -39,35 +40,9 @@ _SOURCE = r"""
 #define WARPS __WARPS__
 #define MIN_CTAS __MIN_CTAS__
 #define SIGNED __SIGNED__
-#if OUT_KIND == 0
-typedef float out_t;
-#else
-typedef unsigned short out_t;
-#endif
-
-__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned s) {
-    unsigned r; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s)); return r;
-}
-__device__ __forceinline__ int dp4a(unsigned a, int b, int c) {
-    int r; asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r;
-}
+""" + CUDA_HELPERS + r"""
 __device__ __forceinline__ unsigned shf(unsigned lo, unsigned hi, unsigned sh) {
     unsigned r; asm("shf.r.clamp.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(sh)); return r;
-}
-__device__ __forceinline__ unsigned lds(unsigned addr) {
-    unsigned r; asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(addr)); return r;
-}
-__device__ __forceinline__ float f16_lo(unsigned v) {
-    float f; asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l;}" : "=f"(f) : "r"(v)); return f;
-}
-__device__ __forceinline__ out_t to_out(float v) {
-#if OUT_KIND == 0
-    return v;
-#elif OUT_KIND == 1
-    unsigned short r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v)); return r;
-#else
-    unsigned short r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v)); return r;
-#endif
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)

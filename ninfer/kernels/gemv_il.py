@@ -102,13 +102,9 @@ def nvrtc_available() -> bool:
     return True
 
 
-_SOURCE = r"""
-#define OUT_KIND __OUT_KIND__
-#define NCOL __NCOL__
-#define WARPS __WARPS__
-#define MIN_CTAS __MIN_CTAS__
-#define COPIES __COPIES__
-#define DECODE_FIRST __DECODE_FIRST__
+# PTX helpers shared by the NVRTC kernels (`bench/nvrtc_iq3s.py` too): `out_t` and `to_out` follow OUT_KIND
+# (0 float32, 1 bfloat16, 2 float16), which the source defines before them.
+CUDA_HELPERS = r"""
 #if OUT_KIND == 0
 typedef float out_t;
 #else
@@ -140,6 +136,16 @@ __device__ __forceinline__ out_t to_out(float v) {
 #endif
 }
 
+"""
+
+_SOURCE = r"""
+#define OUT_KIND __OUT_KIND__
+#define NCOL __NCOL__
+#define WARPS __WARPS__
+#define MIN_CTAS __MIN_CTAS__
+#define COPIES __COPIES__
+#define DECODE_FIRST __DECODE_FIRST__
+""" + CUDA_HELPERS + r"""
 struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
 
 // the words of block h of pair p of tile t (this lane's row)

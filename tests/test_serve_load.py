@@ -53,7 +53,9 @@ async def _burst(url: str, n: int, max_tokens: int) -> list[tuple[int, str]]:
 
 
 def test_overload_refuses_exactly_beyond_capacity_and_admitted_ones_complete():
-    max_tokens = 8
+    # long enough that the last admitted ones wait in the queue past a 0.3 s keep-alive even on a fast, idle
+    # machine (8 tokens a request drained the queue in under 0.3 s there)
+    max_tokens = 32
     server = start_server(ServeSettings(keepalive_s=0.3), max_concurrency=2, max_pending_requests=8)
     try:
         results = asyncio.run(_burst(server.url, 32, max_tokens))
@@ -84,13 +86,15 @@ def test_overload_refuses_exactly_beyond_capacity_and_admitted_ones_complete():
 
 @pytest.fixture(scope="module")
 def one_lane():
-    # 1 s in the queue: long enough that a loaded 2-core CI box still admits the lane-occupying stream
-    server = start_server(max_concurrency=1, max_pending_requests=4, pending_timeout_ms=1000)
+    # 1 s in the queue: long enough that a loaded 2-core CI box still admits the lane-occupying stream; room
+    # for a stream long enough to outlast two such waits on a fast, idle one (400 tokens did not, once)
+    server = start_server(max_concurrency=1, max_pending_requests=4, pending_timeout_ms=1000,
+                          max_context=4096, kv_capacity=4096)
     yield server
     server.stop()
 
 
-def _occupy_lane(url: str, max_tokens: int = 400):
+def _occupy_lane(url: str, max_tokens: int = 4000):
     """Start a long stream; returns (client, stream context, line iterator) once it is decoding.
 
     Keep all three referenced: dropping the iterator closes the connection (a disconnect)."""

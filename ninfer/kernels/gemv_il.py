@@ -82,9 +82,8 @@ def il32_wanted(format: str, out_features: int, in_features: int, device: torch.
     policy = os.environ.get("NINFER_IQ3S_IL", "")
     if format.removeprefix("gguf_") != "iq3_s" or torch.device(device).type != "cuda" or policy == "0":
         return False
-    if in_features % 256 or not nvrtc_available():
-        return False
-    return policy == "1" or (out_features >= 8192 and in_features <= 8192)
+    wanted = policy == "1" or (out_features >= 8192 and in_features <= 8192)
+    return wanted and in_features % 256 == 0 and nvrtc_available()
 
 
 @functools.cache

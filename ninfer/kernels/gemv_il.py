@@ -17,7 +17,8 @@ A CTA of `warps` warps takes a tile, warp s the pairs s, s + warps, ... (split-K
 through shared memory; the next block's words load while one is used); CTAs loop over the tiles. Rows are
 padded to 32 and blocks to an even count with zero blocks (d = 0): no padding on the 27B's matrices. H200,
 1 column (session 26): 34816×5120 44.2 → 32.9 µs, 16480×5120 22.3 → 17.2, 14336×5120 20.2 → 16.8; at 8
-columns the fragment kernels on the GGUF layout stay faster (79.6 vs 92 µs on 34816×5120).
+columns the fragment kernels on the GGUF layout stay faster (79.6 vs 92 µs on 34816×5120). Prefill (more
+than 16 columns) decodes the words to a transient bf16 matrix in one Triton pass (`dequantize_il32`).
 
 Triton 3.6 has no indexed shared-memory load, hence CUDA C (`torch.cuda._compile_kernel`, NVRTC from the
 torch wheel; the launches capture into CUDA graphs). The kernel's oracle is `gemv_il_reference` (float64);

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import kernels_only, needs_triton
 
 from ninfer.kernels import gemv_il
 from ninfer.kernels.gemv_il import (
@@ -123,16 +124,14 @@ def test_prefill_unpacks_and_dequantises():
     assert (out - want).abs().max() <= 1e-4 * want.abs().max()
 
 
+@needs_triton
 @pytest.mark.parametrize(("n", "k"), [(40, 768), (64, 512)])
 def test_the_triton_dequantisation_matches_the_reference(monkeypatch, n, k):
     """The prefill's one-pass decode of the il32 words (Triton's interpreter on the CPU) equals the GGUF rows
     dequantised by ninfer.quant."""
-    from ninfer.kernels.triton_support import HAVE_TRITON
     from ninfer.quant import dequantize
 
-    if not HAVE_TRITON:
-        pytest.skip("Triton is not installed")
-    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
+    kernels_only(monkeypatch, gemv_il, "dequantize_rows")
     raw = random_gguf_weight("iq3_s", n, k, generator=torch.Generator().manual_seed(n + k))
     out = dequantize_il32(repack_il32(raw), n, k, torch.float32)
     want = dequantize(raw.reshape(-1), "gguf_iq3_s", (n, k))

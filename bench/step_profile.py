@@ -380,7 +380,8 @@ def main() -> int:
         # the eager profile counts only its own rounds: no lookahead unless asked for
         lookahead = False if not graphs and a.decode_lookahead is None else a.decode_lookahead
         args = SimpleNamespace(synthetic=a.synthetic, wtype=a.wtype, device=a.device, dtype=a.dtype,
-                               quantized_weights=None, cuda_graphs=graphs, decode_lookahead=lookahead)
+                               quantized_weights=None, cuda_graphs=graphs, decode_lookahead=lookahead,
+                               gdn_state_fp16=False)
         lanes = max([1, *map(int, filter(None, a.lanes.split(",")))])
         # KV for every lane's prompt and the suite's n_gen + lanes tokens at once (else no round has them all)
         kv = SuiteSizes(short_prompt=a.prompt, concurrency=(lanes,)).kv_tokens()

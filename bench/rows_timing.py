@@ -98,7 +98,7 @@ def kernel(fmt: str):
 def serves(s, width: int) -> bool:
     """A rows tile serves its own width, a tensor-core tile every width from 2 to its own, a fragment tile
     of 8 columns 1-8 and one of 16 columns 9-16."""
-    if s.kernel in ("cuda", "il"):  # 1-8 columns
+    if s.kernel in ("cuda", "il", "il_mma"):  # 1-8 columns
         return width <= 8
     if s.kernel == "frag":
         return width <= s.block_m and (width > 8) == (s.block_m > 8)

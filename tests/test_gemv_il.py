@@ -113,6 +113,88 @@ def test_the_kernels_integer_recipe_gives_the_twin(n, k):
     assert np.abs(y[:, :n] - want).max() <= 1e-12 * np.abs(want).max()
 
 
+def _mma_m16n8k32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """PTX mma.m16n8k32.s8 by its fragment tables: a [..., 32 lanes, 4 words], b [32 lanes, 2 words] -> d
+    [..., 32 lanes, 4] int64. Lane 4g + t: a word i = row g + 8(i & 1), k 4t + 16(i >> 1) + byte; b word i =
+    k 4t + 16i + byte, column g; d i = row g + 8(i >> 1), column 2t + (i & 1)."""
+    def signed_bytes(x):
+        x = x.astype(np.int64) & 0xFFFFFFFF
+        return np.stack([((x >> (8 * k)) & 0xFF ^ 0x80) - 0x80 for k in range(4)], axis=-1)
+    lanes = np.arange(32)
+    g, t = lanes >> 2, lanes & 3
+    dense_a = np.zeros(a.shape[:-2] + (16, 32), dtype=np.int64)
+    dense_b = np.zeros((32, 8), dtype=np.int64)
+    for i in range(4):
+        for byte in range(4):
+            dense_a[..., g + 8 * (i & 1), 4 * t + 16 * (i >> 1) + byte] = signed_bytes(a[..., i])[..., byte]
+    for i in range(2):
+        for byte in range(4):
+            dense_b[4 * t + 16 * i + byte, g] = signed_bytes(b[:, i])[:, byte]
+    dense_d = dense_a @ dense_b
+    return np.stack([dense_d[..., g + 8 * (i >> 1), 2 * t + (i & 1)] for i in range(4)], axis=-1)
+
+
+@pytest.mark.parametrize(("n", "k", "columns"), [(40, 768, 3), (64, 512, 8)])
+def test_the_tensor_core_recipe_gives_the_twin(n, k, columns):
+    """The mma kernel (`iq3s_il_mma`) in numpy, lane by lane: rows 4g..4g + 3 of each 16-byte load, the table
+    offsets of grid words 2t, 2t + 1 packed in one word (qs bytes · 128, qh bits by sign-replicating prmts)
+    and this lane's copy, sign bytes picking from {word, negated word}, the A/B fragments through PTX's
+    m16n8k32 tables, the sums seeded with 1.5·2^23 and read back as floats: equal to the float64 twin."""
+    gen = torch.Generator().manual_seed(k + columns)
+    raw = random_gguf_weight("iq3_s", n, k, generator=gen)
+    xa = quantize_activation_reference(torch.randn(columns, k, generator=gen))
+    tiles, pairs = il32_shape(n, k)
+    w = repack_il32(raw).numpy().view(np.uint32).reshape(tiles, pairs, 55, 32).astype(np.uint64)
+    grid = _tables(torch.device("cpu"))[1].numpy().view(np.uint32).astype(np.uint64)
+    table = np.stack([grid, (~grid + 0x01010101) & 0xFFFFFFFF], axis=-1).repeat(16, axis=0)  # [i·16 + c]
+    xw = np.zeros((8, k // 4), dtype=np.int64)
+    xw[:columns] = xa.words.numpy()
+    xd = np.zeros((8, k // 32), dtype=np.float64)
+    xd[:columns] = xa.d.numpy()
+    lanes = np.arange(32)
+    gq, t = lanes >> 2, lanes & 3
+    copy = (8 * (lanes & 15)).astype(np.uint64)
+    acc = np.zeros((tiles, 32, 4, 2))
+    for kb in range(k // 256):
+        p, h = divmod(kb, 2)
+        words = w[:, p][:, :, 4 * gq[:, None] + np.arange(4)]  # [tile, word, lane, row r]
+        d = (words[:, 54] >> np.uint64(16 * h) & np.uint64(0xFFFF)).astype(np.uint16).view(np.float16)
+        for j in range(8):
+            qh = words[:, 32 + 2 * h + (j >> 2)]
+            a = np.zeros((tiles, 32, 4, 2), dtype=np.uint64)  # [tile, lane, row r, word 2t / 2t + 1]
+            for tt in range(4):
+                on = t == tt
+                qs, hq = words[:, 16 * h + 2 * j + (tt >> 1)][:, on], qh[:, on]
+                sg = words[:, 36 + 8 * h + j][:, on]
+                selq = (2 * (tt & 1)) | 0x40 | ((2 * (tt & 1) + 1) << 8) | 0x4000
+                selh = (0x8 | (j & 3)) * 0x0011 + (0xC | (j & 3)) * 0x1100
+                hbits = _prmt(hq << np.uint64(7 - 2 * tt), hq << np.uint64(6 - 2 * tt), selh)
+                pk = ((_prmt(qs, 0 * qs, selq) * 128) & 0xFFFFFFFF) | (hbits & np.uint64(0x80008000))
+                offsets = ((pk & np.uint64(0xFFFF)) | copy[on, None], (pk >> np.uint64(16)) + copy[on, None])
+                sb = _prmt(sg, 0 * sg, 0x4440 + tt)
+                for e, mul in enumerate((0x80402010, 0x08040201)):
+                    entry = table[(offsets[e] // 8).astype(np.int64)]
+                    m = _prmt((sb * np.uint64(mul)) & np.uint64(0xFFFFFFFF), 0 * sb, 0x89AB)
+                    a[..., e][:, on] = (entry[..., 0] & ~m & np.uint64(0xFFFFFFFF)) | (entry[..., 1] & m)
+            b = xw[gq[:, None], kb * 64 + 8 * j + 2 * t[:, None] + np.arange(2)]
+            sums = [_mma_m16n8k32(np.stack([a[:, :, 2 * mt, 0], a[:, :, 2 * mt + 1, 0], a[:, :, 2 * mt, 1],
+                                            a[:, :, 2 * mt + 1, 1]], axis=-1), b) for mt in range(2)]
+            for r in range(4):
+                nib = (words[:, 52 + h][:, :, r] >> np.uint64(4 * j)) & np.uint64(15)
+                dl = d[:, :, r].astype(np.float64) * (1 + 2 * nib.astype(np.float64))
+                for e in range(2):
+                    seeded = (0x4B400000 + sums[r >> 1][..., 2 * (r & 1) + e]).astype(np.uint32)
+                    value = seeded.view(np.float32).astype(np.float64) - 12582912.0
+                    acc[:, :, r, e] += value * dl * xd[2 * t + e, kb * 8 + j]
+    y = np.zeros((8, tiles * 32))
+    for e in range(2):
+        rows = np.arange(tiles)[:, None, None] * 32 + 4 * gq[None, :, None] + np.arange(4)
+        y[(2 * t + e)[None, :, None].repeat(tiles, 0).repeat(4, 2), rows] = acc[..., e]
+    want = gemv_q8_reference(raw, "iq3_s", xa, n).numpy()
+    assert np.abs(y[:columns, :n] - want).max() <= 1e-12 * np.abs(want).max()
+    assert not y[columns:].any()
+
+
 def test_prefill_unpacks_and_dequantises():
     """More than 16 columns: the weight unpacked to its GGUF rows and dequantised (runs on the CPU too)."""
     gen = torch.Generator().manual_seed(3)
@@ -167,9 +249,9 @@ def rel(a, b):
 @pytest.mark.gpu
 @pytest.mark.parametrize(("n", "k"), [(1040, 5120), (17408, 5120), (40, 768), (8224, 2048)])
 def test_gemv_il_matches_its_twin_on_gpu(n, k):
-    """1-8 columns (the signed-words-first build at 2), 12 through two calls, bf16 and fp32 outputs, padded
-    rows and blocks; 40 columns through the dequantised weight; and captured in a CUDA graph, the same bits
-    as eager."""
+    """1-8 columns (the dp4a kernel at 1 and 2, its signed-words-first build at 2; the tensor-core kernel at
+    3-8), 12 through two calls, bf16 and fp32 outputs, padded rows and blocks; 40 columns through the
+    dequantised weight; and both kernels captured in a CUDA graph, the same bits as eager."""
     from ninfer.kernels.gemv_il import gemv_il, gemv_il_reference
     from ninfer.kernels.gemv_q8 import quantize_activation
 
@@ -188,12 +270,12 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
     x = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)  # prefill: the Triton dequantisation
     dense = dequantize(raw.reshape(-1), "gguf_iq3_s", (n, k)).double()
     assert rel(il_matmul(words, x, n), x.double() @ dense.t()) < 5e-3
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    xa = quantize_activation(x)
-    eager = gemv_il(words, xa, n)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = gemv_il(words, xa, n)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
+    for width in (1, 4):
+        xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16))
+        eager = gemv_il(words, xa, n)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = gemv_il(words, xa, n)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager), width

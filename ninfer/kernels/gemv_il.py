@@ -16,13 +16,17 @@ size, so that one lane owns one row:
 A CTA of `warps` warps takes a tile, warp s the pairs s, s + warps, ... (split-K inside the CTA, summed
 through shared memory; the next block's words load while one is used); CTAs loop over the tiles. Rows are
 padded to 32 and blocks to an even count with zero blocks (d = 0): no padding on the 27B's matrices. H200,
-1 column (session 26): 34816×5120 44.2 → 32.9 µs, 16480×5120 22.3 → 17.2, 14336×5120 20.2 → 16.8; at 8
-columns the fragment kernels on the GGUF layout stay faster (79.6 vs 92 µs on 34816×5120). Prefill (more
+1 column (session 26): 34816×5120 44.2 → 32.9 µs, 16480×5120 22.3 → 17.2, 14336×5120 20.2 → 16.8.
+
+That dp4a kernel costs a dp4a and two activation loads a grid word per column (92 µs at 8 columns on
+34816×5120). From 3 columns a second kernel (`iq3s_il_mma`, `_MMA_SOURCE`) decodes each grid word once into
+int8 mma fragments and multiplies all columns (up to 8) in one tensor-core instruction: 34816×5120 at 4 / 8
+columns 61.6 / 92.4 → 55.5 / 53.3 µs, 16480×5120 29.4 / 43.8 → 27.9 / 27.0 (session 27). Prefill (more
 than 16 columns) decodes the words to a transient bf16 matrix in one Triton pass (`dequantize_il32`).
 
 Triton 3.6 has no indexed shared-memory load, hence CUDA C (`torch.cuda._compile_kernel`, NVRTC from the
-torch wheel; the launches capture into CUDA graphs). The kernel's oracle is `gemv_il_reference` (float64);
-`tests/test_gemv_il.py` checks the layout and the kernel's integer recipe on the CPU.
+torch wheel; the launches capture into CUDA graphs). The kernels' oracle is `gemv_il_reference` (float64);
+`tests/test_gemv_il.py` checks the layout and both kernels' integer recipes on the CPU.
 """
 
 from __future__ import annotations
@@ -96,7 +100,8 @@ def nvrtc_available() -> bool:
     if torch.cuda.get_device_capability()[0] < 8:
         return False
     try:
-        _compiled(1, _OUT_KINDS[torch.bfloat16], il_schedule(1, 5120))
+        for columns in (1, 4):  # the dp4a and the tensor-core kernel
+            _compiled(columns, _OUT_KINDS[torch.bfloat16], il_schedule(columns, 5120))
     except Exception:  # noqa: BLE001 - any NVRTC or driver failure means: keep the GGUF layout
         return False
     return True
@@ -289,51 +294,198 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 """
 
 
+# The same GEMV on int8 tensor cores (`mma.sync.m16n8k32.s8`), for 3-8 columns: the decode of a weight word is
+# shared by every column and the columns' products are one mma, so the cost hardly grows with the columns.
+# Lane 4g + t of a warp owns rows 4g .. 4g + 3 of the tile (one 16-byte load of a word serves all four: the
+# warp's load is the whole 128-byte line, each 16 bytes read by 4 lanes) and grid words 2t, 2t + 1 of every
+# sub-block (qs bytes 2t, 2t + 1, sign byte t; the order of k inside an mma is free as long as A and B agree).
+# Mma rows g / g + 8 of the first m16 tile are rows 4g / 4g + 1, of the second 4g + 2 / 4g + 3. The grid sits
+# in shared memory as 16 interleaved copies of {word, its bytes negated} (8 bytes an entry, lane L reads copy
+# L mod 16: a half-warp's 64-bit loads never share a bank); the sign bits pick bytes from either word. Each
+# sub-block's mma starts from the int32 bits of 1.5·2^23, so its float view minus 1.5·2^23 is the exact sum
+# (|sum| <= 32·15·127 < 2^22), then scaled by the row's d·(1 + 2·scale) and the column's activation scale.
+_MMA_SOURCE = r"""
+#define OUT_KIND __OUT_KIND__
+#define NCOL __NCOL__
+#define WARPS __WARPS__
+#define MIN_CTAS __MIN_CTAS__
+""" + CUDA_HELPERS + r"""
+#define BIAS 0x4B400000
+__device__ __forceinline__ unsigned part(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+__device__ __forceinline__ void mma_s8(int (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                       int b0, int b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned mad_hi(unsigned a, unsigned b, unsigned c) {
+    unsigned r; asm("mad.hi.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r;
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
+iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
+            const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y)
+{
+    extern __shared__ uint2 tab[];  // entry i of copy c at i * 16 + c: {grid word, its bytes negated}
+    float* red = reinterpret_cast<float*>(tab + 512 * 16);  // [WARPS][32 rows][8 columns] partial sums
+    for (int i = threadIdx.x; i < 512 * 16; i += WARPS * 32) {
+        const unsigned g = grid[i >> 4];
+        tab[i] = make_uint2(g, ~g + 0x01010101u);
+    }
+    __syncthreads();
+    const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
+    const unsigned copy = 8 * (lane & 15);  // byte offset of this lane's copy
+    const char* tb = reinterpret_cast<const char*>(tab);
+    const unsigned selq = (2 * (t & 1)) | 0x40 | ((2 * (t & 1) + 1) << 8) | 0x4000;  // [qs 2t, 0, qs 2t+1, 0]
+    const unsigned sels = 0x4440 + t;  // sign byte t alone
+    const int P = (K + 511) >> 9, K4 = K >> 2, K32 = K >> 5, nblk = K >> 8;
+    const int tiles = (N + 31) >> 5;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        float acc[4][2];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) { acc[r][0] = 0.f; acc[r][1] = 0.f; }
+        for (int kb = wid; kb < nblk; kb += WARPS) {
+            const int h = kb & 1;
+            const uint4* wb = w + (size_t)(tile * P + (kb >> 1)) * (55 * 8) + gq;  // word j at wb[8 j]
+            const uint4* wq = wb + 8 * (16 * h + (t >> 1));  // qs word 2 j + t / 2 at wq[16 j]
+            const uint4 sc = wb[8 * (52 + h)], dd = wb[8 * 54];
+            float d[4], d2[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                d[r] = h ? f16_hi(part(dd, r)) : f16_lo(part(dd, r));
+                d2[r] = 2.f * d[r];
+            }
+            unsigned hA[4], hB[4];  // qh bits of grid words 2t / 2t + 1 at the top of each sub-block's byte
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                if ((j & 3) == 0) {
+                    const uint4 qh = wb[8 * (32 + 2 * h + (j >> 2))];
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        hA[r] = part(qh, r) << (7 - 2 * t);
+                        hB[r] = part(qh, r) << (6 - 2 * t);
+                    }
+                }
+                const uint4 qs = wq[16 * j], sg = wb[8 * (36 + 8 * h + j)];
+                int2 xb = make_int2(0, 0);
+                if (gq < NCOL) xb = *reinterpret_cast<const int2*>(xw + gq * K4 + kb * 64 + 8 * j + 2 * t);
+                const unsigned selh = (0x8 | (j & 3)) * 0x0011u + (0xC | (j & 3)) * 0x1100u;
+                unsigned a[4][2];
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    // table offsets of grid words 2t, 2t + 1: (qs byte | qh bit << 8) · 128 in each half
+                    const unsigned v = prmt(part(qs, r), 0, selq) * 128u;
+                    const unsigned pk = v | (prmt(hA[r], hB[r], selh) & 0x80008000u);
+                    const uint2 ea = *reinterpret_cast<const uint2*>(tb + ((pk & 0xFFFFu) | copy));
+                    const uint2 eb = *reinterpret_cast<const uint2*>(tb + mad_hi(pk, 65536u, copy));
+                    // sign bit k of a word to the top of byte 3 - k, each byte filled with its top bit
+                    const unsigned sb = prmt(part(sg, r), 0, sels);
+                    const unsigned ma = prmt(sb * 0x80402010u, 0, 0x89AB);
+                    const unsigned mb = prmt(sb * 0x08040201u, 0, 0x89AB);
+                    a[r][0] = (ea.x & ~ma) | (ea.y & ma);
+                    a[r][1] = (eb.x & ~mb) | (eb.y & mb);
+                }
+                int c0[4] = {BIAS, BIAS, BIAS, BIAS}, c1[4] = {BIAS, BIAS, BIAS, BIAS};
+                mma_s8(c0, a[0][0], a[1][0], a[0][1], a[1][1], xb.x, xb.y);
+                mma_s8(c1, a[2][0], a[3][0], a[2][1], a[3][1], xb.x, xb.y);
+                const int sub = kb * 8 + j;
+                const float x0 = 2 * t < NCOL ? __ldg(xd + 2 * t * K32 + sub) : 0.f;
+                const float x1 = 2 * t + 1 < NCOL ? __ldg(xd + (2 * t + 1) * K32 + sub) : 0.f;
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const unsigned nib = (part(sc, r) >> (4 * j)) & 15u;
+                    const float dl = fmaf(__int_as_float(nib | 0x4B000000u) - 8388608.f, d2[r], d[r]);
+                    const int* c = r < 2 ? c0 : c1;
+                    acc[r][0] = fmaf((__int_as_float(c[2 * (r & 1)]) - 12582912.f) * dl, x0, acc[r][0]);
+                    if (NCOL > 1) {
+                        const float v = __int_as_float(c[2 * (r & 1) + 1]) - 12582912.f;
+                        acc[r][1] = fmaf(v * dl, x1, acc[r][1]);
+                    }
+                }
+            }
+        }
+        // rows 4 gq + r, columns 2t, 2t + 1: summed over the warps through shared memory
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            red[(wid * 32 + 4 * gq + r) * 8 + 2 * t] = acc[r][0];
+            red[(wid * 32 + 4 * gq + r) * 8 + 2 * t + 1] = acc[r][1];
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
+            const int m = i >> 5, row = i & 31;
+            float v = 0.f;
+#pragma unroll
+            for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
+            if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
+        }
+        __syncthreads();
+    }
+}
+"""
+
+
 @dataclass(frozen=True)
 class IlSchedule:
     """`warps` per CTA (split-K over a tile's pairs of blocks), `copies` of the grid in shared memory,
     `decode_first`: a sub-block's 8 signed grid words first, then the columns' dp4a (else grid word by grid
-    word, the columns' dp4a inside)."""
+    word, the columns' dp4a inside). `kernel` "il_mma": the tensor-core kernel (split-K by blocks, 16 copies
+    of the grid, `regs` registers a thread; `copies` and `decode_first` do not apply)."""
 
     warps: int
     copies: int = 16
     decode_first: bool = False
     kernel: str = "il"
+    regs: int = 0
 
     @property
     def name(self) -> str:
+        if self.kernel == "il_mma":
+            return f"ilmma_w{self.warps}" + (f"_r{self.regs}" if self.regs else "")
         return f"il_w{self.warps}_c{self.copies}" + ("_df" if self.decode_first else "")
 
     def smem_bytes(self, columns: int) -> int:
+        if self.kernel == "il_mma":
+            return 512 * 16 * 8 + self.warps * 32 * 8 * 4
         return 512 * self.copies * 4 + self.warps * columns * 32 * 4
 
 
 def il_schedule(columns: int, in_features: int) -> IlSchedule:
-    """A warp per pair of blocks (at most 16 warps), the signed words first at 2 columns: on the H200 the best
-    or within 3 % of it on the 27B's K = 5120 matrices at 1 and 2 columns; at 4 and 8 columns other widths
-    win on some of them by up to 12 % (session 26)."""
+    """1-2 columns: the dp4a kernel, a warp per pair of blocks (at most 16 warps), the signed words first at 2
+    columns (on the H200 the best or within 3 % of it on the 27B's K = 5120 matrices, session 26). 3-8: the
+    tensor-core kernel, 10 warps of 96 registers (the best or within 4 % of it at 3, 4 and 8 columns on the
+    27B's il32 matrices, session 27)."""
+    if columns >= 3:
+        return IlSchedule(min(10, in_features // 256), kernel="il_mma", regs=96)
     return IlSchedule(min(16, il32_shape(32, in_features)[1]), 16, columns == 2)
 
 
 # registers a thread the build allows at 1, 2, 4, 8 columns (below these the larger widths spill)
 _REGISTERS = {1: 80, 2: 96, 4: 112, 8: 128}
+_MMA_REGISTERS = 96
 
 
 def _ctas_per_sm(s: IlSchedule, columns: int, smem: int = 228 * 1024, threads: int = 2048) -> int:
     """CTAs an SM holds: by shared memory, threads, and registers at `_REGISTERS`."""
-    regs = 65536 // (32 * s.warps * _REGISTERS[1 << (columns - 1).bit_length()])
+    per_thread = s.regs or (_MMA_REGISTERS if s.kernel == "il_mma"
+                            else _REGISTERS[1 << (columns - 1).bit_length()])
+    regs = 65536 // (32 * s.warps * per_thread)
     return max(1, min(smem // (s.smem_bytes(columns) + 1024), threads // (32 * s.warps), regs))
 
 
 def kernel_source(columns: int, out_kind: int, s: IlSchedule) -> str:
-    return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
+    source = _MMA_SOURCE if s.kernel == "il_mma" else _SOURCE
+    return (source.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
             .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns)))
             .replace("__COPIES__", str(s.copies)).replace("__DECODE_FIRST__", str(int(s.decode_first))))
 
 
 @functools.cache
 def _compiled(columns: int, out_kind: int, s: IlSchedule):
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s), "iq3s_il_gemv")
+    name = "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s), name)
     kernel.set_shared_memory_config(s.smem_bytes(columns))
     return kernel
 

@@ -20,12 +20,10 @@ from ninfer.kernels.gemv_q8 import QuantizedActivation
 from ninfer.kernels.gguf_matmul import check_weight
 
 _TILES = ((32, (10, 17)), (16, (5, 6, 10, 12, 17)), (8, (5, 10, 17)))  # (copies, warps)
-# (warps, registers, copies, stages) of the tensor-core kernel
-_MMA = ((4, 128, 16, 0), (5, 128, 16, 0), (10, 96, 16, 0), (10, 128, 16, 0), (20, 96, 16, 0), (20, 96, 16, 2),
-        (10, 96, 8, 2), (10, 96, 8, 3), (16, 64, 8, 2))
+_MMA = ((4, 128), (5, 128), (10, 96), (10, 128), (20, 96))  # (warps, registers) of the tensor-core kernel
 SCHEDULES = {"cu_" + s.name: s for s in (
     [IlSchedule(w, c) for c, ws in _TILES for w in ws] + [IlSchedule(w, 16, True) for w in (5, 10, 17)]
-    + [IlSchedule(w, c, kernel="il_mma", regs=r, stages=st) for w, r, c, st in _MMA])}
+    + [IlSchedule(w, kernel="il_mma", regs=r) for w, r in _MMA])}
 
 
 def gemv_cuda_iq3s_il(raw: torch.Tensor, xa: QuantizedActivation, out_features: int, name: str

@@ -309,8 +309,6 @@ _MMA_SOURCE = r"""
 #define NCOL __NCOL__
 #define WARPS __WARPS__
 #define MIN_CTAS __MIN_CTAS__
-#define COPIES __COPIES__
-#define STAGES __STAGES__
 """ + CUDA_HELPERS + r"""
 #define BIAS 0x4B400000
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
@@ -327,80 +325,33 @@ __device__ __forceinline__ unsigned mad_hi(unsigned a, unsigned b, unsigned c) {
     unsigned r; asm("mad.hi.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r;
 }
 
-// STAGES > 0: each warp's next blocks are copied to shared memory (cp.async, 28 lines of the tile's 32 rows
-// a block: qs 0-15, signs 16-23, qh 24-25, scales 26, d 27) while it decodes the current one
-__device__ __forceinline__ void issue_block(unsigned* stage, const unsigned* __restrict__ w, size_t pair,
-                                            int h, unsigned lane) {
-    const unsigned part4 = 4 * (lane & 7), lq = lane >> 3;
-    const unsigned* src = w + pair * (55 * 32) + part4;
-    const unsigned dst = (unsigned)__cvta_generic_to_shared(stage) + 4 * part4;
-#pragma unroll
-    for (int i = 0; i < 7; ++i) {
-        const unsigned line = 4 * i + lq;
-        const unsigned jw = i < 4 ? 16 * h + line : i < 6 ? 36 + 8 * h + line - 16
-                          : lq < 2 ? 32 + 2 * h + lq : lq == 2 ? 52 + h : 54;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                     :: "r"(dst + 128 * line), "l"(src + 32 * jw));
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
             const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y)
 {
-    extern __shared__ uint2 tab[];  // entry i of copy c at i * COPIES + c: {grid word, its bytes negated}
-    float* red = reinterpret_cast<float*>(tab + 512 * COPIES);  // [WARPS][32 rows][8 columns] partial sums
-#if STAGES
-    unsigned* stages = reinterpret_cast<unsigned*>(red + WARPS * 256) + (threadIdx.x >> 5) * STAGES * 28 * 32;
-#endif
-    for (int i = threadIdx.x; i < 512 * COPIES; i += WARPS * 32) {
-        const unsigned g = grid[i / COPIES];
+    extern __shared__ uint2 tab[];  // entry i of copy c at i * 16 + c: {grid word, its bytes negated}
+    float* red = reinterpret_cast<float*>(tab + 512 * 16);  // [WARPS][32 rows][8 columns] partial sums
+    for (int i = threadIdx.x; i < 512 * 16; i += WARPS * 32) {
+        const unsigned g = grid[i >> 4];
         tab[i] = make_uint2(g, ~g + 0x01010101u);
     }
     __syncthreads();
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
-    const unsigned copy = 8 * (lane % COPIES);  // byte offset of this lane's copy
+    const unsigned copy = 8 * (lane & 15);  // byte offset of this lane's copy
     const char* tb = reinterpret_cast<const char*>(tab);
     const unsigned selq = (2 * (t & 1)) | 0x40 | ((2 * (t & 1) + 1) << 8) | 0x4000;  // [qs 2t, 0, qs 2t+1, 0]
     const unsigned sels = 0x4440 + t;  // sign byte t alone
-    const unsigned hmask = (2048u * COPIES) * 0x10001u;  // an index's qh bit (256 entries up), in each half
     const int P = (K + 511) >> 9, K4 = K >> 2, K32 = K >> 5, nblk = K >> 8;
     const int tiles = (N + 31) >> 5;
-#if STAGES
-    // this warp's blocks in order: (tile, kb) for tile = blockIdx.x, += gridDim.x; kb = wid, += WARPS
-    int it = blockIdx.x, ik = wid, issued = 0;
-    auto issue_next = [&]() {
-        if (it < tiles && ik < nblk) {
-            issue_block(stages + (issued % STAGES) * (28 * 32), reinterpret_cast<const unsigned*>(w),
-                        (size_t)it * P + (ik >> 1), ik & 1, lane);
-            ik += WARPS;
-            if (ik >= nblk) { ik = wid; it += gridDim.x; }
-        }
-        asm volatile("cp.async.commit_group;");
-        ++issued;
-    };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) issue_next();
-    int consumed = 0;
-#endif
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         float acc[4][2];
 #pragma unroll
         for (int r = 0; r < 4; ++r) { acc[r][0] = 0.f; acc[r][1] = 0.f; }
         for (int kb = wid; kb < nblk; kb += WARPS) {
             const int h = kb & 1;
-#if STAGES
-            issue_next();
-            asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1));
-            __syncwarp();
-            const uint4* st = reinterpret_cast<const uint4*>(stages + (consumed % STAGES) * (28 * 32)) + gq;
-            ++consumed;
-#define WORD(jw, line) st[8 * (line)]
-#else
             const uint4* wb = w + (size_t)(tile * P + (kb >> 1)) * (55 * 8) + gq;  // word j at wb[8 j]
-#define WORD(jw, line) wb[8 * (jw)]
-#endif
-            const uint4 sc = WORD(52 + h, 26), dd = WORD(54, 27);
+            const uint4* wq = wb + 8 * (16 * h + (t >> 1));  // qs word 2 j + t / 2 at wq[16 j]
+            const uint4 sc = wb[8 * (52 + h)], dd = wb[8 * 54];
             float d[4], d2[4];
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
@@ -411,24 +362,23 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 if ((j & 3) == 0) {
-                    const uint4 qh = WORD(32 + 2 * h + (j >> 2), 24 + (j >> 2));
+                    const uint4 qh = wb[8 * (32 + 2 * h + (j >> 2))];
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
                         hA[r] = part(qh, r) << (7 - 2 * t);
                         hB[r] = part(qh, r) << (6 - 2 * t);
                     }
                 }
-                const uint4 qs = WORD(16 * h + 2 * j + (t >> 1), 2 * j + (t >> 1));
-                const uint4 sg = WORD(36 + 8 * h + j, 16 + j);
+                const uint4 qs = wq[16 * j], sg = wb[8 * (36 + 8 * h + j)];
                 int2 xb = make_int2(0, 0);
                 if (gq < NCOL) xb = *reinterpret_cast<const int2*>(xw + gq * K4 + kb * 64 + 8 * j + 2 * t);
                 const unsigned selh = (0x8 | (j & 3)) * 0x0011u + (0xC | (j & 3)) * 0x1100u;
                 unsigned a[4][2];
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
-                    // offsets of grid words 2t, 2t + 1 in the two halves: (qs byte | qh bit << 8) · 8 COPIES
-                    const unsigned v = prmt(part(qs, r), 0, selq) * (8u * COPIES);
-                    const unsigned pk = v | (prmt(hA[r], hB[r], selh) & hmask);
+                    // table offsets of grid words 2t, 2t + 1: (qs byte | qh bit << 8) · 128 in each half
+                    const unsigned v = prmt(part(qs, r), 0, selq) * 128u;
+                    const unsigned pk = v | (prmt(hA[r], hB[r], selh) & 0x80008000u);
                     const uint2 ea = *reinterpret_cast<const uint2*>(tb + ((pk & 0xFFFFu) | copy));
                     const uint2 eb = *reinterpret_cast<const uint2*>(tb + mad_hi(pk, 65536u, copy));
                     // sign bit k of a word to the top of byte 3 - k, each byte filled with its top bit
@@ -456,10 +406,6 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
                     }
                 }
             }
-#undef WORD
-#if STAGES
-            __syncwarp();  // this stage is refilled STAGES - 1 blocks later
-#endif
         }
         // rows 4 gq + r, columns 2t, 2t + 1: summed over the warps through shared memory
 #pragma unroll
@@ -477,9 +423,6 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
         }
         __syncthreads();
     }
-#if STAGES
-    asm volatile("cp.async.wait_all;");
-#endif
 }
 """
 
@@ -488,28 +431,24 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 class IlSchedule:
     """`warps` per CTA (split-K over a tile's pairs of blocks), `copies` of the grid in shared memory,
     `decode_first`: a sub-block's 8 signed grid words first, then the columns' dp4a (else grid word by grid
-    word, the columns' dp4a inside). `kernel` "il_mma": the tensor-core kernel (split-K by blocks, `regs`
-    registers a thread, `copies` of the grid's {word, negated word} entries, `stages` blocks a warp has in
-    flight through shared memory, 0: loaded to registers; `decode_first` does not apply)."""
+    word, the columns' dp4a inside). `kernel` "il_mma": the tensor-core kernel (split-K by blocks, 16 copies
+    of the grid, `regs` registers a thread; `copies` and `decode_first` do not apply)."""
 
     warps: int
     copies: int = 16
     decode_first: bool = False
     kernel: str = "il"
     regs: int = 0
-    stages: int = 0
 
     @property
     def name(self) -> str:
         if self.kernel == "il_mma":
-            return (f"ilmma_w{self.warps}" + (f"_r{self.regs}" if self.regs else "")
-                    + (f"_c{self.copies}" if self.copies != 16 else "")
-                    + (f"_s{self.stages}" if self.stages else ""))
+            return f"ilmma_w{self.warps}" + (f"_r{self.regs}" if self.regs else "")
         return f"il_w{self.warps}_c{self.copies}" + ("_df" if self.decode_first else "")
 
     def smem_bytes(self, columns: int) -> int:
         if self.kernel == "il_mma":
-            return 512 * self.copies * 8 + self.warps * (32 * 8 * 4 + self.stages * 28 * 32 * 4)
+            return 512 * 16 * 8 + self.warps * 32 * 8 * 4
         return 512 * self.copies * 4 + self.warps * columns * 32 * 4
 
 
@@ -540,8 +479,7 @@ def kernel_source(columns: int, out_kind: int, s: IlSchedule) -> str:
     source = _MMA_SOURCE if s.kernel == "il_mma" else _SOURCE
     return (source.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
             .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns)))
-            .replace("__COPIES__", str(s.copies)).replace("__DECODE_FIRST__", str(int(s.decode_first)))
-            .replace("__STAGES__", str(s.stages)))
+            .replace("__COPIES__", str(s.copies)).replace("__DECODE_FIRST__", str(int(s.decode_first))))
 
 
 @functools.cache

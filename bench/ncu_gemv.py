@@ -7,7 +7,8 @@ off` sees only these launches).
     ncu -i $OUT/gemv.ncu-rep --page details --csv > $OUT/details.csv
 
 Each argument is format:columns:schedule (`route`: the schedule `quant_matmul` takes; `bf16:<frag schedule>`:
-the bf16 fragment GEMV of bench/frag_bf16.py, q4_k); --shape ROWSxCOLS.
+the bf16 fragment GEMV of bench/frag_bf16.py, q4_k); --shape ROWSxCOLS; --nvrtc: the CUDA C schedules too
+(`cu_il_w10_c16`, `cu_ilmma_w10_r96`, ... of bench/nvrtc_iq3s_il.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import rows_timing  # noqa: E402
 from bench.rows_timing import kernel  # noqa: E402
 from ninfer.kernels.gemv_q8 import quantize_activation  # noqa: E402
 from ninfer.kernels.gguf_matmul import random_gguf_weight  # noqa: E402
@@ -47,7 +49,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("specs", nargs="+", help="format:columns:schedule")
     p.add_argument("--shape", default="17408x5120")
+    p.add_argument("--nvrtc", action="store_true", help="also the CUDA C schedules (rows_timing --nvrtc)")
     a = p.parse_args()
+    rows_timing.NVRTC = a.nvrtc
     rows, cols = map(int, a.shape.split("x"))
     dev = torch.device("cuda")
     runs = []

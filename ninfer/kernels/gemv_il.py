@@ -458,7 +458,7 @@ def il_schedule(columns: int, in_features: int) -> IlSchedule:
     tensor-core kernel, 10 warps of 96 registers (the best or within 4 % of it at 3, 4 and 8 columns on the
     27B's il32 matrices, session 27)."""
     if columns >= 3:
-        return IlSchedule(min(10, in_features // 256), kernel="il_mma", regs=96)
+        return IlSchedule(min(10, in_features // 256), kernel="il_mma")
     return IlSchedule(min(16, il32_shape(32, in_features)[1]), 16, columns == 2)
 
 
@@ -468,7 +468,8 @@ _MMA_REGISTERS = 96
 
 
 def _ctas_per_sm(s: IlSchedule, columns: int, smem: int = 228 * 1024, threads: int = 2048) -> int:
-    """CTAs an SM holds: by shared memory, threads, and registers at `_REGISTERS`."""
+    """CTAs an SM holds: by shared memory, threads, and registers (`s.regs`, else `_MMA_REGISTERS` or
+    `_REGISTERS`)."""
     per_thread = s.regs or (_MMA_REGISTERS if s.kernel == "il_mma"
                             else _REGISTERS[1 << (columns - 1).bit_length()])
     regs = 65536 // (32 * s.warps * per_thread)

@@ -509,7 +509,7 @@ def check_il32(words: torch.Tensor, out_features: int, in_features: int) -> None
 def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
             schedule: IlSchedule | None = None) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the il32 words (CUDA) and xa the int8 activation
-    of 1-8 columns."""
+    of 1-8 columns; `schedule` (default `il_schedule`) picks the dp4a or the tensor-core kernel."""
     n, k = xa.q.shape
     check_il32(words, out_features, k)
     if not words.is_cuda:

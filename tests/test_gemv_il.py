@@ -147,10 +147,10 @@ def test_the_tensor_core_recipe_gives_the_twin(n, k, columns):
     w = repack_il32(raw).numpy().view(np.uint32).reshape(tiles, pairs, 55, 32).astype(np.uint64)
     grid = _tables(torch.device("cpu"))[1].numpy().view(np.uint32).astype(np.uint64)
     table = np.stack([grid, (~grid + 0x01010101) & 0xFFFFFFFF], axis=-1).repeat(16, axis=0)  # [i·16 + c]
-    xw = np.zeros((8, k // 4), dtype=np.int64)
-    xw[:columns] = xa.words.numpy()
-    xd = np.zeros((8, k // 32), dtype=np.float64)
-    xd[:columns] = xa.d.numpy()
+    # lanes of columns past the last read the last column (their outputs are never stored)
+    last = np.minimum(np.arange(8), columns - 1)
+    xw = xa.words.numpy().astype(np.int64)[last]
+    xd = xa.d.numpy().astype(np.float64)[last]
     lanes = np.arange(32)
     gq, t = lanes >> 2, lanes & 3
     copy = (8 * (lanes & 15)).astype(np.uint64)
@@ -192,7 +192,6 @@ def test_the_tensor_core_recipe_gives_the_twin(n, k, columns):
         y[(2 * t + e)[None, :, None].repeat(tiles, 0).repeat(4, 2), rows] = acc[..., e]
     want = gemv_q8_reference(raw, "iq3_s", xa, n).numpy()
     assert np.abs(y[:columns, :n] - want).max() <= 1e-12 * np.abs(want).max()
-    assert not y[columns:].any()
 
 
 def test_prefill_unpacks_and_dequantises():

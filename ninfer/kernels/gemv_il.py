@@ -343,6 +343,11 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
     const unsigned sels = 0x4440 + t;  // sign byte t alone
     const int P = (K + 511) >> 9, K4 = K >> 2, K32 = K >> 5, nblk = K >> 8;
     const int tiles = (N + 31) >> 5;
+    // this lane's activation: B words of column gq, scales of columns 2t, 2t + 1 (a valid column where the
+    // lane's is past NCOL: those output columns are never stored)
+    const int* xl = xw + min((int)gq, NCOL - 1) * K4 + 2 * t;
+    const float* xd0 = xd + min(2 * (int)t, NCOL - 1) * K32;
+    const float* xd1 = xd + min(2 * (int)t + 1, NCOL - 1) * K32;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         float acc[4][2];
 #pragma unroll
@@ -352,6 +357,9 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
             const uint4* wb = w + (size_t)(tile * P + (kb >> 1)) * (55 * 8) + gq;  // word j at wb[8 j]
             const uint4* wq = wb + 8 * (16 * h + (t >> 1));  // qs word 2 j + t / 2 at wq[16 j]
             const uint4 sc = wb[8 * (52 + h)], dd = wb[8 * 54];
+            const int2* xb8 = reinterpret_cast<const int2*>(xl + kb * 64);  // sub-block j at xb8[4 j]
+            const float* xdb0 = xd0 + kb * 8;
+            const float* xdb1 = xd1 + kb * 8;
             float d[4], d2[4];
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
@@ -370,8 +378,7 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
                     }
                 }
                 const uint4 qs = wq[16 * j], sg = wb[8 * (36 + 8 * h + j)];
-                int2 xb = make_int2(0, 0);
-                if (gq < NCOL) xb = *reinterpret_cast<const int2*>(xw + gq * K4 + kb * 64 + 8 * j + 2 * t);
+                const int2 xb = __ldg(xb8 + 4 * j);
                 const unsigned selh = (0x8 | (j & 3)) * 0x0011u + (0xC | (j & 3)) * 0x1100u;
                 unsigned a[4][2];
 #pragma unroll
@@ -391,9 +398,7 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
                 int c0[4] = {BIAS, BIAS, BIAS, BIAS}, c1[4] = {BIAS, BIAS, BIAS, BIAS};
                 mma_s8(c0, a[0][0], a[1][0], a[0][1], a[1][1], xb.x, xb.y);
                 mma_s8(c1, a[2][0], a[3][0], a[2][1], a[3][1], xb.x, xb.y);
-                const int sub = kb * 8 + j;
-                const float x0 = 2 * t < NCOL ? __ldg(xd + 2 * t * K32 + sub) : 0.f;
-                const float x1 = 2 * t + 1 < NCOL ? __ldg(xd + (2 * t + 1) * K32 + sub) : 0.f;
+                const float x0 = __ldg(xdb0 + j), x1 = __ldg(xdb1 + j);
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
                     const unsigned nib = (part(sc, r) >> (4 * j)) & 15u;

@@ -72,11 +72,13 @@ def _dp4a(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return sum(signed(a, k) * signed(b, k) for k in range(4))
 
 
+@pytest.mark.parametrize("negtab", [False, True])
 @pytest.mark.parametrize(("n", "k"), [(40, 768), (64, 1024)])
-def test_the_kernels_integer_recipe_gives_the_twin(n, k):
+def test_the_kernels_integer_recipe_gives_the_twin(n, k, negtab):
     """The CUDA kernel's decode written out in numpy, step for step (9-bit index by one prmt of a qs word and
-    the spread qh bits, grid word from the table, sign bytes by a multiply and a sign-replicating prmt, the
-    signed word g ^ M + (M & 0x01010101) in one dp4a): equal to the float64 twin, padding blocks included."""
+    the spread qh bits, grid word from the table, sign bytes M by a multiply and a sign-replicating prmt; the
+    signed word dp4a(g ^ M) - dp4a(M) or, from a table of {word, negated word}, the bytes picked by M):
+    equal to the float64 twin, padding blocks included."""
     gen = torch.Generator().manual_seed(k)
     raw = random_gguf_weight("iq3_s", n, k, generator=gen)
     xa = quantize_activation_reference(torch.randn(2, k, generator=gen))
@@ -104,9 +106,13 @@ def test_the_kernels_integer_recipe_gives_the_twin(n, k):
                     byte = _prmt(w[:, p, 36 + 8 * h + j], zero, 0x4440 + (kw >> 1))
                     mul = np.uint64(0x08040201 if kw & 1 else 0x80402010)
                     m8 = _prmt((byte * mul) & np.uint64(0xFFFFFFFF), zero, 0x89AB)
-                    sw = ((g ^ m8) + (m8 & np.uint64(0x01010101))) & np.uint64(0xFFFFFFFF)
                     for m in range(2):
-                        s[m] += _dp4a(sw, np.full(sw.shape, xw[m, (sb0 + j) * 8 + kw], dtype=np.int64))
+                        x = np.full(g.shape, xw[m, (sb0 + j) * 8 + kw], dtype=np.int64)
+                        if negtab:
+                            neg = (~g + np.uint64(0x01010101)) & np.uint64(0xFFFFFFFF)
+                            s[m] += _dp4a((g & ~m8) | (neg & m8), x)
+                        else:
+                            s[m] += _dp4a(g ^ m8, x) - _dp4a(m8, x)
                 for m in range(2):
                     y[m] += dl * xd[m, sb0 + j] * s[m]
     want = gemv_q8_reference(raw, "iq3_s", xa, n).numpy()
@@ -224,7 +230,7 @@ def test_which_weights_take_the_layout(monkeypatch):
     monkeypatch.delenv("NINFER_IQ3S_IL", raising=False)
     assert il32_wanted("gguf_iq3_s", 34816, 5120, "cuda")
     assert il32_wanted("iq3_s", 8192, 8192, "cuda:0")
-    assert not il32_wanted("iq3_s", 5120, 17408, "cuda")  # the 27B's down projection stays in place
+    assert il32_wanted("iq3_s", 5120, 17408, "cuda")  # the 27B's down projection
     assert not il32_wanted("iq3_s", 5120, 6144, "cuda")
     assert not il32_wanted("q4_k", 34816, 5120, "cuda")
     assert not il32_wanted("iq3_s", 34816, 5120, "cpu")

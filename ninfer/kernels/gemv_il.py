@@ -81,13 +81,13 @@ def unpack_il32(words: torch.Tensor, out_features: int, in_features: int) -> tor
 
 def il32_wanted(format: str, out_features: int, in_features: int, device: torch.device | str) -> bool:
     """Whether a resident weight takes the il32 layout: iq3_s on CUDA where NVRTC works, on matrices of at
-    least 8192 rows over at most 8192 inputs (the H200's gains, module doc; the 27B's 5120×17408 down and
-    5120×6144 output projections stay faster in place at 2-8 columns). NINFER_IQ3S_IL=0 turns it off, =1
-    takes every iq3_s matrix (the tiny fixtures' tests)."""
+    least 8192 rows or more than 8192 inputs (the H200's gains, module doc; the 27B's 5120×6144 output
+    projections stay faster in place at 1-4 columns). NINFER_IQ3S_IL=0 turns it off, =1 takes every iq3_s
+    matrix (the tiny fixtures' tests)."""
     policy = os.environ.get("NINFER_IQ3S_IL", "")
     if format.removeprefix("gguf_") != "iq3_s" or torch.device(device).type != "cuda" or policy == "0":
         return False
-    wanted = policy == "1" or (out_features >= 8192 and in_features <= 8192)
+    wanted = policy == "1" or out_features >= 8192 or in_features > 8192
     return wanted and in_features % 256 == 0 and nvrtc_available()
 
 
@@ -149,8 +149,9 @@ _SOURCE = r"""
 #define WARPS __WARPS__
 #define MIN_CTAS __MIN_CTAS__
 #define COPIES __COPIES__
-#define DECODE_FIRST __DECODE_FIRST__
+#define NEGTAB __NEGTAB__
 """ + CUDA_HELPERS + r"""
+#define ENTRY (NEGTAB ? 8 : 4)  // bytes of a table entry: {grid word, its bytes negated} or the word
 struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
 
 // the words of block h of pair p of tile t (this lane's row)
@@ -167,38 +168,14 @@ __device__ __forceinline__ void load_block(Blk& b, const unsigned* __restrict__ 
     b.dw = wp[54 * 32];
 }
 
-// acc[m] += this row's block (sub-blocks sb0 .. sb0 + 7) · column m of the activation
-__device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const int* __restrict__ xw,
-                                          const float* __restrict__ xd, int K4, int K32, unsigned tab,
-                                          float acc[NCOL]) {
+// acc[m] += this row's block (sub-blocks sb0 .. sb0 + 7) · column m of the activation (in shared memory)
+__device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const int* xs, const float* xds,
+                                          int K4, int K32, unsigned tab, float acc[NCOL]) {
     const float d = h ? f16_hi(b.dw) : f16_lo(b.dw);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const unsigned qh = ((j < 4 ? b.qh0 : b.qh1) >> (8 * (j & 3))) & 0xffu;
         const float dl = d * (float)(1 + 2 * ((b.sc >> (4 * j)) & 15u));
-#if DECODE_FIRST
-        // the sub-block's 8 signed grid words first, then each column's 8 dp4a (few registers a column)
-        unsigned sw[8];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            const unsigned hs = (((qh >> (4 * (k >> 2))) & 15u) * 0x204081u) & 0x01010101u;
-            const unsigned idx = prmt(b.qs[2 * j + (k >> 2)], hs, 0xCC40 + 0x11 * (k & 3));
-            const unsigned g = lds(tab + idx * (4 * COPIES));
-            const unsigned byte = prmt(b.sg[j], 0, 0x4440 + (k >> 1));
-            const unsigned m8 = prmt(byte * ((k & 1) ? 0x08040201u : 0x80402010u), 0, 0x89AB);
-            sw[k] = (g ^ m8) + (m8 & 0x01010101u);
-        }
-#pragma unroll
-        for (int m = 0; m < NCOL; ++m) {
-            const int4* xp = reinterpret_cast<const int4*>(xw + m * K4 + (sb0 + j) * 8);
-            const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
-            int s = dp4a(sw[0], x0.x, 0);
-            s = dp4a(sw[1], x0.y, s); s = dp4a(sw[2], x0.z, s); s = dp4a(sw[3], x0.w, s);
-            s = dp4a(sw[4], x1.x, s); s = dp4a(sw[5], x1.y, s);
-            s = dp4a(sw[6], x1.z, s); s = dp4a(sw[7], x1.w, s);
-            acc[m] += dl * __ldg(xd + m * K32 + sb0 + j) * (float)s;
-        }
-#else
         int ig[NCOL], im[NCOL];
 #pragma unroll
         for (int m = 0; m < NCOL; ++m) { ig[m] = 0; im[m] = 0; }
@@ -210,23 +187,28 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
             int4 xv[NCOL];
 #pragma unroll
             for (int m = 0; m < NCOL; ++m)
-                xv[m] = __ldg(reinterpret_cast<const int4*>(xw + m * K4 + (sb0 + j) * 8) + half);
+                xv[m] = reinterpret_cast<const int4*>(xs + m * K4 + (sb0 + j) * 8)[half];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const unsigned idx = prmt(q, hs, 0xCC40 + 0x11 * e);  // qs byte | qh bit << 8
-                const unsigned g = lds(tab + idx * (4 * COPIES));
                 // signs of grid word 4 half + e: nibble e & 1 of sign byte 2 half + e / 2; bit k moved to the
                 // top of byte 3 - k, then each byte filled with its top bit
                 const unsigned byte = prmt(b.sg[j], 0, 0x4440 + 2 * half + (e >> 1));
                 const unsigned m8 = prmt(byte * ((e & 1) ? 0x08040201u : 0x80402010u), 0, 0x89AB);
-                const unsigned gm = g ^ m8;
-#if NCOL > 2
-                const unsigned sw = gm + (m8 & 0x01010101u);  // the signed bytes
+#if NEGTAB
+                // the signed word picked byte by byte from the word and its negation: one dp4a a column
+                unsigned g, n;
+                const unsigned at = tab + idx * (8 * COPIES);
+                asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(g), "=r"(n) : "r"(at));
+                const unsigned sw = (g & ~m8) | (n & m8);
+#else
+                // g ^ m8 = -g - 1 where negative: the -1s come back through a second dp4a with m8
+                const unsigned gm = lds(tab + idx * (4 * COPIES)) ^ m8;
 #endif
 #pragma unroll
                 for (int m = 0; m < NCOL; ++m) {
                     const int xe = e == 0 ? xv[m].x : e == 1 ? xv[m].y : e == 2 ? xv[m].z : xv[m].w;
-#if NCOL > 2
+#if NEGTAB
                     ig[m] = dp4a(sw, xe, ig[m]);
 #else
                     ig[m] = dp4a(gm, xe, ig[m]);
@@ -236,8 +218,7 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
             }
         }
 #pragma unroll
-        for (int m = 0; m < NCOL; ++m) acc[m] += dl * __ldg(xd + m * K32 + sb0 + j) * (float)(ig[m] - im[m]);
-#endif
+        for (int m = 0; m < NCOL; ++m) acc[m] += dl * xds[m * K32 + sb0 + j] * (float)(ig[m] - im[m]);
     }
 }
 
@@ -246,16 +227,31 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
              const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y)
 {
     extern __shared__ unsigned smem[];
-    float* red = (float*)(smem + 512 * COPIES);  // [WARPS][NCOL][32] partial sums
+    const int P = (K + 511) >> 9, K4 = K >> 2, K32 = K >> 5, nblk = K >> 8;
+    float* red = (float*)(smem + 512 * COPIES * (ENTRY / 4));  // [WARPS][NCOL][32] partial sums
+    int* xs = reinterpret_cast<int*>(red + WARPS * NCOL * 32);  // the activation [NCOL][K4], then its scales
+    float* xds = reinterpret_cast<float*>(xs + NCOL * K4);
+#if NEGTAB
+    // entry i of copy c at i * COPIES + c, two copies a 16-byte store
+    for (int i = threadIdx.x; i < 256 * COPIES; i += WARPS * 32) {
+        const unsigned g = grid[(2 * i) / COPIES], n = ~g + 0x01010101u;
+        reinterpret_cast<uint4*>(smem)[i] = make_uint4(g, n, g, n);
+    }
+#else
     // grid word i of copy c at i * COPIES + c, four copies a 16-byte store
     for (int i = threadIdx.x; i < 128 * COPIES; i += WARPS * 32) {
         const unsigned g = grid[(4 * i) / COPIES];
         reinterpret_cast<uint4*>(smem)[i] = make_uint4(g, g, g, g);
     }
+#endif
+    // the activation, read by every warp of the CTA, from shared memory (a global load's latency stalled the
+    // sub-blocks: gpu-notes "Session 28")
+    for (int i = threadIdx.x; i < NCOL * K4 / 4; i += WARPS * 32)
+        reinterpret_cast<int4*>(xs)[i] = __ldg(reinterpret_cast<const int4*>(xw) + i);
+    for (int i = threadIdx.x; i < NCOL * K32; i += WARPS * 32) xds[i] = __ldg(xd + i);
     __syncthreads();
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    const unsigned tab = (unsigned)__cvta_generic_to_shared(smem) + 4 * (lane % COPIES);
-    const int P = (K + 511) >> 9, K4 = K >> 2, K32 = K >> 5, nblk = K >> 8;
+    const unsigned tab = (unsigned)__cvta_generic_to_shared(smem) + ENTRY * (lane % COPIES);
     const int tiles = (N + 31) >> 5;
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         float acc[NCOL];
@@ -266,9 +262,9 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
         if (wid < P) load_block(a, w, (size_t)t * P + wid, 0, lane);
         for (int p = wid; p < P; p += WARPS) {
             load_block(b, w, (size_t)t * P + p, 1, lane);  // the padding block of an odd count is zeros
-            dot_block(a, 0, 16 * p, xw, xd, K4, K32, tab, acc);
+            dot_block(a, 0, 16 * p, xs, xds, K4, K32, tab, acc);
             if (p + WARPS < P) load_block(a, w, (size_t)t * P + p + WARPS, 0, lane);
-            if (2 * p + 1 < nblk) dot_block(b, 1, 16 * p + 8, xw, xd, K4, K32, tab, acc);
+            if (2 * p + 1 < nblk) dot_block(b, 1, 16 * p + 8, xs, xds, K4, K32, tab, acc);
         }
         if (WARPS == 1) {
             const int row = t * 32 + lane;
@@ -435,13 +431,13 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 @dataclass(frozen=True)
 class IlSchedule:
     """`warps` per CTA (split-K over a tile's pairs of blocks), `copies` of the grid in shared memory,
-    `decode_first`: a sub-block's 8 signed grid words first, then the columns' dp4a (else grid word by grid
-    word, the columns' dp4a inside). `kernel` "il_mma": the tensor-core kernel (split-K by blocks, 16 copies
-    of the grid, `regs` registers a thread; `copies` and `decode_first` do not apply)."""
+    `negtab`: table entries {grid word, its bytes negated} and one dp4a a grid word and column (else the
+    word alone and two dp4a). `kernel` "il_mma": the tensor-core kernel (split-K by blocks, 16 copies of
+    {word, negated word}, `regs` registers a thread; `copies` and `negtab` do not apply)."""
 
     warps: int
     copies: int = 16
-    decode_first: bool = False
+    negtab: bool = False
     kernel: str = "il"
     regs: int = 0
 
@@ -449,22 +445,24 @@ class IlSchedule:
     def name(self) -> str:
         if self.kernel == "il_mma":
             return f"ilmma_w{self.warps}" + (f"_r{self.regs}" if self.regs else "")
-        return f"il_w{self.warps}_c{self.copies}" + ("_df" if self.decode_first else "")
+        return f"il_w{self.warps}_c{self.copies}" + ("_nt" if self.negtab else "")
 
-    def smem_bytes(self, columns: int) -> int:
+    def smem_bytes(self, columns: int, in_features: int) -> int:
+        """The tables and the split-K sums; the dp4a kernel also stages the activation (int8 and scales)."""
         if self.kernel == "il_mma":
             return 512 * 16 * 8 + self.warps * 32 * 8 * 4
-        return 512 * self.copies * 4 + self.warps * columns * 32 * 4
+        table = 512 * self.copies * (8 if self.negtab else 4)
+        return table + self.warps * columns * 32 * 4 + columns * in_features * 9 // 8
 
 
 def il_schedule(columns: int, in_features: int) -> IlSchedule:
-    """1-2 columns: the dp4a kernel, a warp per pair of blocks (at most 16 warps), the signed words first at 2
-    columns (on the H200 the best or within 3 % of it on the 27B's K = 5120 matrices, session 26). 3-8: the
-    tensor-core kernel, 10 warps of 96 registers (the best or within 4 % of it at 3, 4 and 8 columns on the
-    27B's il32 matrices, session 27)."""
+    """1-2 columns: the dp4a kernel, a warp per pair of blocks (at most 10 warps), the {word, negated word}
+    table at 2 columns (on the H200 within 3 % of the best il schedule at 1 and 2 columns on the 27B's
+    matrices, sessions 26 and 28). 3-8: the tensor-core kernel, 10 warps of 96 registers (the best or within
+    4 % of it at 3, 4 and 8 columns on the 27B's il32 matrices, session 27)."""
     if columns >= 3:
         return IlSchedule(min(10, in_features // 256), kernel="il_mma")
-    return IlSchedule(min(16, il32_shape(32, in_features)[1]), 16, columns == 2)
+    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, columns == 2)
 
 
 # registers a thread the build allows at 1, 2, 4, 8 columns (below these the larger widths spill)
@@ -472,35 +470,42 @@ _REGISTERS = {1: 80, 2: 96, 4: 112, 8: 128}
 _MMA_REGISTERS = 96
 
 
-def _ctas_per_sm(s: IlSchedule, columns: int, smem: int = 228 * 1024, threads: int = 2048) -> int:
+def _ctas_per_sm(s: IlSchedule, columns: int, in_features: int, smem: int = 228 * 1024,
+                 threads: int = 2048) -> int:
     """CTAs an SM holds: by shared memory, threads, and registers (`s.regs`, else `_MMA_REGISTERS` or
     `_REGISTERS`)."""
     per_thread = s.regs or (_MMA_REGISTERS if s.kernel == "il_mma"
                             else _REGISTERS[1 << (columns - 1).bit_length()])
     regs = 65536 // (32 * s.warps * per_thread)
-    return max(1, min(smem // (s.smem_bytes(columns) + 1024), threads // (32 * s.warps), regs))
+    return max(1, min(smem // (s.smem_bytes(columns, in_features) + 1024), threads // (32 * s.warps), regs))
 
 
 def kernel_source(columns: int, out_kind: int, s: IlSchedule) -> str:
+    """The CUDA source; its launch bounds ask for the CTAs an SM holds by registers, threads and tables."""
     source = _MMA_SOURCE if s.kernel == "il_mma" else _SOURCE
     return (source.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
-            .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns)))
-            .replace("__COPIES__", str(s.copies)).replace("__DECODE_FIRST__", str(int(s.decode_first))))
+            .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns, 0)))
+            .replace("__COPIES__", str(s.copies)).replace("__NEGTAB__", str(int(s.negtab))))
+
+
+def _smem_optin(device: torch.device) -> int:
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 48 * 1024)
 
 
 @functools.cache
 def _compiled(columns: int, out_kind: int, s: IlSchedule):
     name = "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"
     kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s), name)
-    kernel.set_shared_memory_config(s.smem_bytes(columns))
+    kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
 
 @functools.cache
-def _launch_shape(device: torch.device, s: IlSchedule, columns: int) -> int:
+def _launch_shape(device: torch.device, s: IlSchedule, columns: int, in_features: int) -> int:
     props = torch.cuda.get_device_properties(device)
     smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-    return props.multi_processor_count * _ctas_per_sm(s, columns, smem, props.max_threads_per_multi_processor)
+    return props.multi_processor_count * _ctas_per_sm(s, columns, in_features, smem,
+                                                      props.max_threads_per_multi_processor)
 
 
 def check_il32(words: torch.Tensor, out_features: int, in_features: int) -> None:
@@ -524,11 +529,16 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     if xa.dtype not in _OUT_KINDS:
         raise QuantKernelError(f"the il32 GEMV writes float32, bfloat16 or float16, not {xa.dtype}")
     s = schedule or il_schedule(n, k)
+    smem = s.smem_bytes(n, k)
+    if smem > _smem_optin(words.device):
+        raise QuantKernelError(f"the il32 GEMV of {n} columns over {k} inputs needs {smem} bytes of shared "
+                               f"memory, more than this GPU's {_smem_optin(words.device)}; take the GGUF "
+                               "layout (NINFER_IQ3S_IL=0)")
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
-    ctas = min(-(-out_features // 32), _launch_shape(words.device, s, n))
+    ctas = min(-(-out_features // 32), _launch_shape(words.device, s, n, k))
     args = [words, xa.words, xa.d, _tables(words.device)[1], y, out_features, k, y.stride(0)]
     _compiled(n, _OUT_KINDS[xa.dtype], s)(grid=(ctas, 1, 1), block=(32 * s.warps, 1, 1), args=args,
-                                           shared_mem=s.smem_bytes(n))
+                                           shared_mem=smem)
     return y
 
 

@@ -10,13 +10,13 @@ size, so that one lane owns one row:
   signs (16), scales (2), then both d in one word (`repack_il32`; `unpack_il32` inverts it);
 - word j of pair p of the rows of 32-row tile t lies at `((t·P + p)·55 + j)·32 + r`, r the row in the tile:
   a warp's load of word j is one aligned 128-byte line, all of it used;
-- the activation is the same for the warp's 32 rows (a broadcast load), the grid sits in shared memory as 16
-  copies side by side (lane L reads copy L mod 16).
+- the activation is the same for the warp's 32 rows (a broadcast load from shared memory, where each CTA
+  stages it first), the grid sits in shared memory as 16 copies side by side (lane L reads copy L mod 16).
 
 A CTA of `warps` warps takes a tile, warp s the pairs s, s + warps, ... (split-K inside the CTA, summed
 through shared memory; the next block's words load while one is used); CTAs loop over the tiles. Rows are
 padded to 32 and blocks to an even count with zero blocks (d = 0): no padding on the 27B's matrices. H200,
-1 column (session 26): 34816×5120 44.2 → 32.9 µs, 16480×5120 22.3 → 17.2, 14336×5120 20.2 → 16.8.
+1 column (sessions 26, 28): 34816×5120 44.2 → 32.6 µs, 16480×5120 22.3 → 17.4, 5120×17408 26.6 → 23.6.
 
 That dp4a kernel costs a dp4a and two activation loads a grid word per column (92 µs at 8 columns on
 34816×5120). From 3 columns a second kernel (`iq3s_il_mma`, `_MMA_SOURCE`) decodes each grid word once into
@@ -228,38 +228,43 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 {
     extern __shared__ unsigned smem[];
     const int P = (K + 511) >> 9, K4 = K >> 2, K32 = K >> 5, nblk = K >> 8;
+    const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int tiles = (N + 31) >> 5;
     float* red = (float*)(smem + 512 * COPIES * (ENTRY / 4));  // [WARPS][NCOL][32] partial sums
     int* xs = reinterpret_cast<int*>(red + WARPS * NCOL * 32);  // the activation [NCOL][K4], then its scales
     float* xds = reinterpret_cast<float*>(xs + NCOL * K4);
-#if NEGTAB
-    // entry i of copy c at i * COPIES + c, two copies a 16-byte store
-    for (int i = threadIdx.x; i < 256 * COPIES; i += WARPS * 32) {
-        const unsigned g = grid[(2 * i) / COPIES], n = ~g + 0x01010101u;
-        reinterpret_cast<uint4*>(smem)[i] = make_uint4(g, n, g, n);
+    // what the CTA needs first is asked for at once (one memory latency, not one a pass of a fill loop): its
+    // first block, the grid words of its table, the activation
+    Blk a, b;
+    if (blockIdx.x < tiles && wid < P) load_block(a, w, (size_t)blockIdx.x * P + wid, 0, lane);
+    // table entry i of copy c at i * COPIES + c, 16 bytes a store: two copies of {word, negated word} or four
+    // of the word
+    constexpr int STORES = (NEGTAB ? 256 : 128) * COPIES, FILL = (STORES + WARPS * 32 - 1) / (WARPS * 32);
+    unsigned gw[FILL];
+#pragma unroll
+    for (int r = 0; r < FILL; ++r) {
+        const int i = threadIdx.x + r * WARPS * 32;
+        gw[r] = i < STORES ? __ldg(grid + i * (NEGTAB ? 2 : 4) / COPIES) : 0u;
     }
-#else
-    // grid word i of copy c at i * COPIES + c, four copies a 16-byte store
-    for (int i = threadIdx.x; i < 128 * COPIES; i += WARPS * 32) {
-        const unsigned g = grid[(4 * i) / COPIES];
-        reinterpret_cast<uint4*>(smem)[i] = make_uint4(g, g, g, g);
-    }
-#endif
     // the activation, read by every warp of the CTA, from shared memory (a global load's latency stalled the
     // sub-blocks: gpu-notes "Session 28")
     for (int i = threadIdx.x; i < NCOL * K4 / 4; i += WARPS * 32)
         reinterpret_cast<int4*>(xs)[i] = __ldg(reinterpret_cast<const int4*>(xw) + i);
     for (int i = threadIdx.x; i < NCOL * K32; i += WARPS * 32) xds[i] = __ldg(xd + i);
+#pragma unroll
+    for (int r = 0; r < FILL; ++r) {
+        const int i = threadIdx.x + r * WARPS * 32;
+        const unsigned g = gw[r], n = NEGTAB ? ~g + 0x01010101u : g;
+        if (i < STORES) reinterpret_cast<uint4*>(smem)[i] = make_uint4(g, n, g, n);
+    }
     __syncthreads();
-    const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const unsigned tab = (unsigned)__cvta_generic_to_shared(smem) + ENTRY * (lane % COPIES);
-    const int tiles = (N + 31) >> 5;
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         float acc[NCOL];
 #pragma unroll
         for (int m = 0; m < NCOL; ++m) acc[m] = 0.f;
         // blocks in flight: the next block's words load while this one is used
-        Blk a, b;
-        if (wid < P) load_block(a, w, (size_t)t * P + wid, 0, lane);
+        if (t != blockIdx.x && wid < P) load_block(a, w, (size_t)t * P + wid, 0, lane);
         for (int p = wid; p < P; p += WARPS) {
             load_block(b, w, (size_t)t * P + p, 1, lane);  // the padding block of an odd count is zeros
             dot_block(a, 0, 16 * p, xs, xds, K4, K32, tab, acc);

@@ -493,7 +493,9 @@ def kernel_source(columns: int, out_kind: int, s: IlSchedule) -> str:
             .replace("__COPIES__", str(s.copies)).replace("__NEGTAB__", str(int(s.negtab))))
 
 
+@functools.cache
 def _smem_optin(device: torch.device) -> int:
+    """The shared memory a CTA may ask for on `device` (the H200: 227 KB)."""
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 48 * 1024)
 
 

@@ -16,12 +16,14 @@ size, so that one lane owns one row:
 A CTA of `warps` warps takes a tile, warp s the pairs s, s + warps, ... (split-K inside the CTA, summed
 through shared memory; the next block's words load while one is used); CTAs loop over the tiles. Rows are
 padded to 32 and blocks to an even count with zero blocks (d = 0): no padding on the 27B's matrices. H200,
-1 column (sessions 26, 28): 34816×5120 44.2 → 32.6 µs, 16480×5120 22.3 → 17.4, 5120×17408 26.6 → 23.6.
+1 column (GGUF route → il32, session 28 run 4): 34816×5120 44.7 → 30.9 µs, 16480×5120 22.1 → 15.8, 5120×17408
+26.4 → 22.6.
 
-That dp4a kernel costs a dp4a and two activation loads a grid word per column (92 µs at 8 columns on
-34816×5120). From 3 columns a second kernel (`iq3s_il_mma`, `_MMA_SOURCE`) decodes each grid word once into
-int8 mma fragments and multiplies all columns (up to 8) in one tensor-core instruction: 34816×5120 at 4 / 8
-columns 61.6 / 92.4 → 55.5 / 53.3 µs, 16480×5120 29.4 / 43.8 → 27.9 / 27.0 (session 27). Prefill (more
+That dp4a kernel costs a dp4a and a shared-memory activation load a grid word per column (92 µs at 8
+columns on 34816×5120, session 26). From 3 columns a second kernel (`iq3s_il_mma`, `_MMA_SOURCE`) decodes
+each grid word once into int8 mma fragments and multiplies all columns (up to 8) in one tensor-core
+instruction: 34816×5120 at 4 / 8
+columns 61.6 / 92.4 → 48.3 / 52.2 µs, 16480×5120 29.4 / 43.8 → 24.3 / 26.4 (sessions 27, 28). Prefill (more
 than 16 columns) decodes the words to a transient bf16 matrix in one Triton pass (`dequantize_il32`).
 
 Triton 3.6 has no indexed shared-memory load, hence CUDA C (`torch.cuda._compile_kernel`, NVRTC from the

@@ -33,6 +33,7 @@ torch wheel; the launches capture into CUDA graphs). The kernels' oracle is `gem
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ import torch
 
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
 from ninfer.kernels.gguf_matmul import QuantKernelError, _tables, dequantize_rows
-from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, triton_runs_on
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_enabled, tl, triton_runs_on
 
 BLOCK_BYTES = 110
 PAIR_WORDS = 55
@@ -152,6 +153,7 @@ _SOURCE = r"""
 #define MIN_CTAS __MIN_CTAS__
 #define COPIES __COPIES__
 #define NEGTAB __NEGTAB__
+#define PDL __PDL__
 """ + CUDA_HELPERS + r"""
 #define ENTRY (NEGTAB ? 8 : 4)  // bytes of a table entry: {grid word, its bytes negated} or the word
 struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
@@ -248,6 +250,10 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
         const int i = threadIdx.x + r * WARPS * 32;
         gw[r] = i < STORES ? __ldg(grid + i * (NEGTAB ? 2 : 4) / COPIES) : 0u;
     }
+#if PDL
+    // launched early (programmatic dependent launch): the activation is the previous kernel's output
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     // the activation, read by every warp of the CTA, from shared memory (a global load's latency stalled the
     // sub-blocks: gpu-notes "Session 28")
     for (int i = threadIdx.x; i < NCOL * K4 / 4; i += WARPS * 32)
@@ -273,6 +279,9 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
             if (p + WARPS < P) load_block(a, w, (size_t)t * P + p + WARPS, 0, lane);
             if (2 * p + 1 < nblk) dot_block(b, 1, 16 * p + 8, xs, xds, K4, K32, tab, acc);
         }
+#if PDL
+        if (t + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
+#endif
         if (WARPS == 1) {
             const int row = t * 32 + lane;
             if (row < N) {
@@ -312,6 +321,7 @@ _MMA_SOURCE = r"""
 #define NCOL __NCOL__
 #define WARPS __WARPS__
 #define MIN_CTAS __MIN_CTAS__
+#define PDL __PDL__
 """ + CUDA_HELPERS + r"""
 #define BIAS 0x4B400000
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
@@ -338,6 +348,9 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
         const unsigned g = grid[i >> 4];
         tab[i] = make_uint2(g, ~g + 0x01010101u);
     }
+#if PDL
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // the activation is the previous kernel's output
+#endif
     __syncthreads();
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
     const unsigned copy = 8 * (lane & 15);  // byte offset of this lane's copy
@@ -415,6 +428,9 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
                 }
             }
         }
+#if PDL
+        if (tile + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
+#endif
         // rows 4 gq + r, columns 2t, 2t + 1: summed over the warps through shared memory
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
@@ -487,12 +503,15 @@ def _ctas_per_sm(s: IlSchedule, columns: int, in_features: int, smem: int = 228 
     return max(1, min(smem // (s.smem_bytes(columns, in_features) + 1024), threads // (32 * s.warps), regs))
 
 
-def kernel_source(columns: int, out_kind: int, s: IlSchedule) -> str:
-    """The CUDA source; its launch bounds ask for the CTAs an SM holds by registers, threads and tables."""
+def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False) -> str:
+    """The CUDA source; its launch bounds ask for the CTAs an SM holds by registers, threads and tables.
+    `pdl`: launched as a programmatic dependent launch (`_launch`), it loads its weights and tables before
+    waiting for the previous kernel, and lets the next one launch after its last tile's main loop."""
     source = _MMA_SOURCE if s.kernel == "il_mma" else _SOURCE
     return (source.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
             .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns, 0)))
-            .replace("__COPIES__", str(s.copies)).replace("__NEGTAB__", str(int(s.negtab))))
+            .replace("__COPIES__", str(s.copies)).replace("__NEGTAB__", str(int(s.negtab)))
+            .replace("__PDL__", str(int(pdl))))
 
 
 @functools.cache
@@ -502,9 +521,9 @@ def _smem_optin(device: torch.device) -> int:
 
 
 @functools.cache
-def _compiled(columns: int, out_kind: int, s: IlSchedule):
+def _compiled(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False):
     name = "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s), name)
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s, pdl), name)
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -546,9 +565,42 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     ctas = min(-(-out_features // 32), _launch_shape(words.device, s, n, k))
     args = [words, xa.words, xa.d, _tables(words.device)[1], y, out_features, k, y.stride(0)]
-    _compiled(n, _OUT_KINDS[xa.dtype], s)(grid=(ctas, 1, 1), block=(32 * s.warps, 1, 1), args=args,
-                                           shared_mem=smem)
+    pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
+    _launch(_compiled(n, _OUT_KINDS[xa.dtype], s, pdl), ctas, 32 * s.warps, smem, args, pdl)
     return y
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_pad", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def _launch(kernel, ctas: int, threads: int, smem: int, args: list, pdl: bool) -> None:
+    """Launch on the current stream; with `pdl` through `cuLaunchKernelEx` with programmatic stream
+    serialization (torch's launcher has no launch attributes), so that the kernel may start while the one
+    before it finishes (the small kernels ahead of a GEMV let it: `triton_support.pdl_options`)."""
+    if not pdl:
+        kernel(grid=(ctas, 1, 1), block=(threads, 1, 1), args=args, shared_mem=smem)
+        return
+    values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    config = _LaunchConfig((ctas, 1, 1), (threads, 1, 1), smem, torch.cuda.current_stream().cuda_stream,
+                           ctypes.pointer(attr), 1)
+    libcuda = torch.cuda._utils._get_gpu_runtime_library()
+    rc = libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None)
+    if rc != 0:
+        raise QuantKernelError(f"cuLaunchKernelEx of the il32 GEMV failed with CUresult {rc}; "
+                               "NINFER_PDL=0 launches it without programmatic dependent launch")
 
 
 @jit

@@ -596,7 +596,9 @@ def _launch(kernel, ctas: int, threads: int, smem: int, args: list, pdl: bool) -
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     config = _LaunchConfig((ctas, 1, 1), (threads, 1, 1), smem, torch.cuda.current_stream().cuda_stream,
                            ctypes.pointer(attr), 1)
-    libcuda = torch.cuda._utils._get_gpu_runtime_library()
+    utils = torch.cuda._utils  # torch 2.11 names the driver library's loader differently from 2.13
+    libcuda = getattr(utils, "_get_gpu_runtime_library", None) or utils._get_cuda_library
+    libcuda = libcuda()
     rc = libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None)
     if rc != 0:
         raise QuantKernelError(f"cuLaunchKernelEx of the il32 GEMV failed with CUresult {rc}; "

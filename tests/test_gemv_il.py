@@ -231,7 +231,8 @@ def test_which_weights_take_the_layout(monkeypatch):
     assert il32_wanted("gguf_iq3_s", 34816, 5120, "cuda")
     assert il32_wanted("iq3_s", 8192, 8192, "cuda:0")
     assert il32_wanted("iq3_s", 5120, 17408, "cuda")  # the 27B's down projection
-    assert not il32_wanted("iq3_s", 5120, 6144, "cuda")
+    assert il32_wanted("iq3_s", 5120, 6144, "cuda")  # its output projections
+    assert not il32_wanted("iq3_s", 4096, 4096, "cuda")
     assert not il32_wanted("q4_k", 34816, 5120, "cuda")
     assert not il32_wanted("iq3_s", 34816, 5120, "cpu")
     monkeypatch.setenv("NINFER_IQ3S_IL", "1")
@@ -254,9 +255,10 @@ def rel(a, b):
 @pytest.mark.gpu
 @pytest.mark.parametrize(("n", "k"), [(1040, 5120), (17408, 5120), (40, 768), (8224, 2048)])
 def test_gemv_il_matches_its_twin_on_gpu(n, k):
-    """1-8 columns (the dp4a kernel at 1 and 2, its signed-words-first build at 2; the tensor-core kernel at
-    3-8), 12 through two calls, bf16 and fp32 outputs, padded rows and blocks; 40 columns through the
-    dequantised weight; and both kernels captured in a CUDA graph, the same bits as eager."""
+    """1-8 columns (the dp4a kernel at 1 and 2, with the {word, negated word} table at 2 on the two shapes of
+    ≥ 8192 rows; the tensor-core kernel at 3-8), 12 through two calls, bf16 and fp32 outputs, padded rows and
+    blocks; 40 columns through the dequantised weight; and both kernels captured in a CUDA graph,
+    the same bits as eager."""
     from ninfer.kernels.gemv_il import gemv_il, gemv_il_reference
     from ninfer.kernels.gemv_q8 import quantize_activation
 

@@ -84,13 +84,14 @@ def unpack_il32(words: torch.Tensor, out_features: int, in_features: int) -> tor
 
 def il32_wanted(format: str, out_features: int, in_features: int, device: torch.device | str) -> bool:
     """Whether a resident weight takes the il32 layout: iq3_s on CUDA where NVRTC works, on matrices of at
-    least 8192 rows or more than 8192 inputs (the H200's gains, module doc; the 27B's 5120×6144 output
-    projections stay faster in place at 1-4 columns). NINFER_IQ3S_IL=0 turns it off, =1 takes every iq3_s
-    matrix (the tiny fixtures' tests)."""
+    least 5120 rows or more than 8192 inputs (the H200's gains, module doc: with programmatic dependent
+    launch the 27B's 5120×6144 output projections gained too, 10.7 → 9.1 µs at 1 column, IQ3_S tg128 168.2 →
+    172.4; session 29). NINFER_IQ3S_IL=0 turns it off, =1 takes every iq3_s matrix (the tiny fixtures'
+    tests)."""
     policy = os.environ.get("NINFER_IQ3S_IL", "")
     if format.removeprefix("gguf_") != "iq3_s" or torch.device(device).type != "cuda" or policy == "0":
         return False
-    wanted = policy == "1" or out_features >= 8192 or in_features > 8192
+    wanted = policy == "1" or out_features >= 5120 or in_features > 8192
     return wanted and in_features % 256 == 0 and nvrtc_available()
 
 
@@ -478,14 +479,15 @@ class IlSchedule:
         return table + self.warps * columns * 32 * 4 + columns * in_features * 9 // 8
 
 
-def il_schedule(columns: int, in_features: int) -> IlSchedule:
+def il_schedule(columns: int, in_features: int, out_features: int = 8192) -> IlSchedule:
     """1-2 columns: the dp4a kernel, a warp per pair of blocks (at most 10 warps), the {word, negated word}
-    table at 2 columns (on the H200 within 3 % of the best il schedule at 1 and 2 columns on the 27B's
-    matrices, sessions 26 and 28). 3-8: the tensor-core kernel, 10 warps of 96 registers (the best or within
-    4 % of it at 3, 4 and 8 columns on the 27B's il32 matrices, session 27)."""
+    table at 2 columns on matrices of ≥ 8192 rows (on the H200 within 3 % of the best il schedule at 1 and 2
+    columns on the 27B's matrices, sessions 26 and 28; the 5120-row ones ran 1-10 % slower with it, session
+    29). 3-8: the tensor-core kernel, 10 warps of 96 registers (the best or within 4 % of it at 3, 4 and 8
+    columns on the 27B's il32 matrices, sessions 27 and 29)."""
     if columns >= 3:
         return IlSchedule(min(10, in_features // 256), kernel="il_mma")
-    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, columns == 2)
+    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, columns == 2 and out_features >= 8192)
 
 
 # registers a thread the build allows at 1, 2, 4, 8 columns (below these the larger widths spill)
@@ -556,7 +558,7 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
         raise QuantKernelError(f"the il32 GEMV takes 1-{MAX_COLUMNS} columns, got {n}")
     if xa.dtype not in _OUT_KINDS:
         raise QuantKernelError(f"the il32 GEMV writes float32, bfloat16 or float16, not {xa.dtype}")
-    s = schedule or il_schedule(n, k)
+    s = schedule or il_schedule(n, k, out_features)
     smem = s.smem_bytes(n, k)
     if smem > _smem_optin(words.device):
         raise QuantKernelError(f"the il32 GEMV of {n} columns over {k} inputs needs {smem} bytes of shared "

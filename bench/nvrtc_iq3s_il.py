@@ -9,7 +9,10 @@ H200, session 26 run 2, µs (best il schedule / the GGUF layout's route): 1 colu
 16480×5120 17.2 / 22.3, 14336×5120 16.8 / 20.2, 5120×17408 22.9 / 26.7, 5120×6144 10.7 / 10.6; 2 columns
 40.3 / 52.9, 20.9 / 27.6, 20.2 / 24.0, 29.7 / 28.0; 8 columns 88.5 / 79.6, 41.1 / 40.8, 40.7 / 36.3,
 62.2 / 48.2 (gpu-notes "Session 26"). Session 28 run 4, the routed `cu_il_w10_c16` (activation staged in
-shared memory) at 1 column: 30.9, 15.8, 22.6 (down); `cu_il_w10_c16_nt` at 2: 34.6, 18.3, 27.3.
+shared memory) at 1 column: 30.9, 15.8, 22.6 (down); `cu_il_w10_c16_nt` at 2: 34.6, 18.3, 27.3. Session 29
+run 2 (both kernels as programmatic dependent launches, which the timed graph's back-to-back calls overlap),
+1 / 2 columns (`_nt` at 2): 30.7 / 34.6, 15.4 / 17.8, 22.0 / 27.2, 14.6 / 17.1 (14336×5120), 5120×6144 9.0 /
+10.2 without `_nt` (11.2 with it; the rows route 10.7 / 11.4).
 """
 
 from __future__ import annotations

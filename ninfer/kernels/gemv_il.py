@@ -4,7 +4,8 @@ The GGUF iq3_s block is 110 bytes, so the decode GEMVs that read it in place (`g
 block) load words that straddle lines and re-read the int8 activation for every row: 30-43 % of copy on the
 H200 (gpu-notes "Session 8"). For the matrices where that costs most (many rows over a short input: the 27B's
 q|k|v, GDN input and gate|up projections) the weight is repacked once at load, losslessly and at the same
-size, so that one lane owns one row:
+size, so that one lane owns one row (since session 29 every iq3_s matrix of ≥ 5120 rows: the output
+projections too):
 
 - per row, a pair of blocks (220 bytes) becomes 55 aligned words: the qs of both blocks (32 words), qh (4),
   signs (16), scales (2), then both d in one word (`repack_il32`; `unpack_il32` inverts it);
@@ -17,7 +18,8 @@ A CTA of `warps` warps takes a tile, warp s the pairs s, s + warps, ... (split-K
 through shared memory; the next block's words load while one is used); CTAs loop over the tiles. Rows are
 padded to 32 and blocks to an even count with zero blocks (d = 0): no padding on the 27B's matrices. H200,
 1 column (GGUF route → il32, session 28 run 4): 34816×5120 44.7 → 30.9 µs, 16480×5120 22.1 → 15.8, 5120×17408
-26.4 → 22.6.
+26.4 → 22.6; 5120×6144 10.7 → 9.1 (session 29, both kernels launched as programmatic dependent launches:
+`_launch`).
 
 That dp4a kernel costs a dp4a and a shared-memory activation load a grid word per column (92 µs at 8
 columns on 34816×5120, session 26). From 3 columns a second kernel (`iq3s_il_mma`, `_MMA_SOURCE`) decodes

@@ -588,6 +588,12 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    """The CUDA driver library, as torch's NVRTC launcher loads it (torch 2.11 and 2.13 alike)."""
+    return torch.cuda._utils._get_gpu_runtime_library()
+
+
 def _launch(kernel, ctas: int, threads: int, smem: int, args: list, pdl: bool) -> None:
     """Launch on the current stream; with `pdl` through `cuLaunchKernelEx` with programmatic stream
     serialization (torch's launcher has no launch attributes), so that the kernel may start while the one
@@ -600,10 +606,7 @@ def _launch(kernel, ctas: int, threads: int, smem: int, args: list, pdl: bool) -
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     config = _LaunchConfig((ctas, 1, 1), (threads, 1, 1), smem, torch.cuda.current_stream().cuda_stream,
                            ctypes.pointer(attr), 1)
-    utils = torch.cuda._utils  # torch 2.11 names the driver library's loader differently from 2.13
-    libcuda = getattr(utils, "_get_gpu_runtime_library", None) or utils._get_cuda_library
-    libcuda = libcuda()
-    rc = libcuda.cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None)
+    rc = _driver().cuLaunchKernelEx(ctypes.byref(config), kernel.func, params, None)
     if rc != 0:
         raise QuantKernelError(f"cuLaunchKernelEx of the il32 GEMV failed with CUresult {rc}; "
                                "NINFER_PDL=0 launches it without programmatic dependent launch")

@@ -225,6 +225,17 @@ def test_the_triton_dequantisation_matches_the_reference(monkeypatch, n, k):
     assert torch.equal(out, want)
 
 
+def test_the_launch_structs_have_the_drivers_layout():
+    """`cuLaunchKernelEx`'s CUlaunchConfig and CUlaunchAttribute as CUDA 12-13's cuda.h lays them out (the
+    driver reads them by offset: a wrong one launches with garbage or fails)."""
+    import ctypes
+
+    config, attribute = gemv_il._LaunchConfig, gemv_il._LaunchAttribute
+    assert ctypes.sizeof(config) == 56
+    assert [config.stream.offset, config.attrs.offset, config.num_attrs.offset] == [32, 40, 48]
+    assert ctypes.sizeof(attribute) == 72 and attribute.value.offset == 8
+
+
 def test_which_weights_take_the_layout(monkeypatch):
     monkeypatch.setattr(gemv_il, "nvrtc_available", lambda: True)
     monkeypatch.delenv("NINFER_IQ3S_IL", raising=False)

@@ -484,7 +484,7 @@ class IlSchedule:
 def il_schedule(columns: int, in_features: int, out_features: int = 8192) -> IlSchedule:
     """1-2 columns: the dp4a kernel, a warp per pair of blocks (at most 10 warps), the {word, negated word}
     table at 2 columns on matrices of ≥ 8192 rows (on the H200 within 3 % of the best il schedule at 1 and 2
-    columns on the 27B's matrices, sessions 26 and 28; the 5120-row ones ran 1-10 % slower with it, session
+    columns on the 27B's matrices, sessions 26 and 28; the 5120-row ones up to 10 % slower with it, session
     29). 3-8: the tensor-core kernel, 10 warps of 96 registers (the best or within 4 % of it at 3, 4 and 8
     columns on the 27B's il32 matrices, sessions 27 and 29)."""
     if columns >= 3:

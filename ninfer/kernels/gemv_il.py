@@ -231,14 +231,16 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
-             const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y)
+             const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y, int ring)
 {
     extern __shared__ unsigned smem[];
     const int P = (K + 511) >> 9, K4 = K >> 2, K32 = K >> 5, nblk = K >> 8;
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int tiles = (N + 31) >> 5;
-    float* red = (float*)(smem + 512 * COPIES * (ENTRY / 4));  // [WARPS][NCOL][32] partial sums
-    int* xs = reinterpret_cast<int*>(red + WARPS * NCOL * 32);  // the activation [NCOL][K4], then its scales
+    // the warps' sums of the CTA's last `ring` tiles [ring][WARPS][NCOL][32]: summed and written every `ring`
+    // tiles (one barrier there, not two a tile)
+    float* red = (float*)(smem + 512 * COPIES * (ENTRY / 4));
+    int* xs = reinterpret_cast<int*>(red + ring * WARPS * NCOL * 32);  // the activation [NCOL][K4]
     float* xds = reinterpret_cast<float*>(xs + NCOL * K4);
     // what the CTA needs first is asked for at once (one memory latency, not one a pass of a fill loop): its
     // first block, the grid words of its table, the activation
@@ -270,6 +272,7 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
     }
     __syncthreads();
     const unsigned tab = (unsigned)__cvta_generic_to_shared(smem) + ENTRY * (lane % COPIES);
+    int k = 0;  // the tile's place in the ring
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         float acc[NCOL];
 #pragma unroll
@@ -294,16 +297,20 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
             continue;
         }
 #pragma unroll
-        for (int m = 0; m < NCOL; ++m) red[(wid * NCOL + m) * 32 + lane] = acc[m];
+        for (int m = 0; m < NCOL; ++m) red[((k * WARPS + wid) * NCOL + m) * 32 + lane] = acc[m];
+        if (++k < ring && t + gridDim.x < tiles) continue;
         __syncthreads();
-        for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
-            const int m = i >> 5, row = t * 32 + (i & 31);
+        // tiles t - (k - 1) gridDim.x .. t
+        for (int i = threadIdx.x; i < k * NCOL * 32; i += WARPS * 32) {
+            const int j = i / (NCOL * 32), m = (i >> 5) % NCOL;
+            const int row = (t - (k - 1 - j) * gridDim.x) * 32 + (i & 31);
             float v = 0.f;
 #pragma unroll
-            for (int s = 0; s < WARPS; ++s) v += red[(s * NCOL + m) * 32 + (i & 31)];
+            for (int s = 0; s < WARPS; ++s) v += red[((j * WARPS + s) * NCOL + m) * 32 + (i & 31)];
             if (row < N) y[m * stride_y + row] = to_out(v);
         }
-        __syncthreads();
+        k = 0;
+        if (t + gridDim.x < tiles) __syncthreads();
     }
 }
 """
@@ -473,12 +480,13 @@ class IlSchedule:
             return f"ilmma_w{self.warps}" + (f"_r{self.regs}" if self.regs else "")
         return f"il_w{self.warps}_c{self.copies}" + ("_nt" if self.negtab else "")
 
-    def smem_bytes(self, columns: int, in_features: int) -> int:
-        """The tables and the split-K sums; the dp4a kernel also stages the activation (int8 and scales)."""
+    def smem_bytes(self, columns: int, in_features: int, ring: int = 1) -> int:
+        """The tables and the split-K sums (the dp4a kernel's: of `ring` tiles); the dp4a kernel also stages
+        the activation (int8 and scales)."""
         if self.kernel == "il_mma":
             return 512 * 16 * 8 + self.warps * 32 * 8 * 4
         table = 512 * self.copies * (8 if self.negtab else 4)
-        return table + self.warps * columns * 32 * 4 + columns * in_features * 9 // 8
+        return table + ring * self.warps * columns * 32 * 4 + columns * in_features * 9 // 8
 
 
 def il_schedule(columns: int, in_features: int, out_features: int = 8192) -> IlSchedule:
@@ -491,6 +499,8 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192) -> IlS
         return IlSchedule(min(10, in_features // 256), kernel="il_mma")
     return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, columns == 2 and out_features >= 8192)
 
+
+_RING = 8  # the dp4a kernel's tiles summed at once, at most (the CTA's tiles on the H200: 5 for gate|up)
 
 # registers a thread the build allows at 1, 2, 4, 8 columns (below these the larger widths spill)
 _REGISTERS = {1: 80, 2: 96, 4: 112, 8: 128}
@@ -561,14 +571,18 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     if xa.dtype not in _OUT_KINDS:
         raise QuantKernelError(f"the il32 GEMV writes float32, bfloat16 or float16, not {xa.dtype}")
     s = schedule or il_schedule(n, k, out_features)
-    smem = s.smem_bytes(n, k)
+    tiles = il32_shape(out_features, k)[0]
+    ctas = min(tiles, _launch_shape(words.device, s, n, k))
+    ring = min(_RING, -(-tiles // ctas)) if s.kernel == "il" else 1
+    smem = s.smem_bytes(n, k, ring)
     if smem > _smem_optin(words.device):
         raise QuantKernelError(f"the il32 GEMV of {n} columns over {k} inputs needs {smem} bytes of shared "
                                f"memory, more than this GPU's {_smem_optin(words.device)}; take the GGUF "
                                "layout (NINFER_IQ3S_IL=0)")
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
-    ctas = min(-(-out_features // 32), _launch_shape(words.device, s, n, k))
     args = [words, xa.words, xa.d, _tables(words.device)[1], y, out_features, k, y.stride(0)]
+    if s.kernel == "il":
+        args.append(ring)
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
     _launch(_compiled(n, _OUT_KINDS[xa.dtype], s, pdl), ctas, 32 * s.warps, smem, args, pdl)
     return y

@@ -255,6 +255,25 @@ def test_which_weights_take_the_layout(monkeypatch):
     assert not il32_wanted("iq3_s", 34816, 5120, "cuda")
 
 
+def test_the_tile_ring_keeps_the_ctas_an_sm_holds():
+    """A dp4a CTA sums up to `_RING` of its tiles after one barrier, as many as its shared memory allows
+    without costing the SM a CTA (the H200: 228 KB an SM, 227 KB a CTA)."""
+    for columns in (1, 2):
+        for k in (5120, 17408):
+            s = gemv_il.il_schedule(columns, k, 34816)
+            held = gemv_il._ctas_per_sm(s, columns, k)
+            for tiles in (1, 2, 5, 40):
+                ring = gemv_il.tile_ring(s, columns, k, tiles)
+                assert 1 <= ring <= min(tiles, gemv_il._RING)
+                smem = s.smem_bytes(columns, k, ring)
+                assert smem <= 227 * 1024 and held * (smem + 1024) <= 228 * 1024, (columns, k, tiles, ring)
+                if ring < min(tiles, gemv_il._RING):  # the next ring would not fit
+                    assert held * (s.smem_bytes(columns, k, ring + 1) + 1024) > 228 * 1024
+    assert gemv_il.tile_ring(gemv_il.il_schedule(1, 5120), 1, 5120, 5) == 5  # gate|up's tiles on the H200
+    # 2 columns over 17408 inputs with the negated table: 102 KB a CTA before the sums, 2 CTAs an SM
+    assert gemv_il.tile_ring(gemv_il.il_schedule(2, 17408, 34816), 2, 17408, 8) == 4
+
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU
 
@@ -268,8 +287,9 @@ def rel(a, b):
 def test_gemv_il_matches_its_twin_on_gpu(n, k):
     """1-8 columns (the dp4a kernel at 1 and 2, with the {word, negated word} table at 2 on the two shapes of
     ≥ 8192 rows; the tensor-core kernel at 3-8), 12 through two calls, bf16 and fp32 outputs, padded rows and
-    blocks; 40 columns through the dequantised weight; and both kernels captured in a CUDA graph,
-    the same bits as eager."""
+    blocks; 40 columns through the dequantised weight; the dp4a CTA's tiles summed in a ring (17408 rows:
+    2-3 tiles a CTA) the same bits as one at a time; and both kernels captured in a CUDA graph, the same bits
+    as eager."""
     from ninfer.kernels.gemv_il import gemv_il, gemv_il_reference
     from ninfer.kernels.gemv_q8 import quantize_activation
 
@@ -288,6 +308,12 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
     x = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)  # prefill: the Triton dequantisation
     dense = dequantize(raw.reshape(-1), "gguf_iq3_s", (n, k)).double()
     assert rel(il_matmul(words, x, n), x.double() @ dense.t()) < 5e-3
+    for width in (1, 2):  # the dp4a kernel's tiles summed one at a time: the same sums in the same order
+        xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16))
+        ringed = gemv_il(words, xa, n)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("ninfer.kernels.gemv_il._RING", 1)
+            assert torch.equal(gemv_il(words, xa, n), ringed), width
     for width in (1, 4):
         xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16))
         eager = gemv_il(words, xa, n)

@@ -535,6 +535,12 @@ def _smem_optin(device: torch.device) -> int:
 
 
 @functools.cache
+def _smem_sm(device: torch.device) -> int:
+    """An SM's shared memory on `device` (the H200: 228 KB)."""
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 228 * 1024)
+
+
+@functools.cache
 def _compiled(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False):
     name = "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"
     kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s, pdl), name)
@@ -545,9 +551,20 @@ def _compiled(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False):
 @functools.cache
 def _launch_shape(device: torch.device, s: IlSchedule, columns: int, in_features: int) -> int:
     props = torch.cuda.get_device_properties(device)
-    smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-    return props.multi_processor_count * _ctas_per_sm(s, columns, in_features, smem,
+    return props.multi_processor_count * _ctas_per_sm(s, columns, in_features, _smem_sm(device),
                                                       props.max_threads_per_multi_processor)
+
+
+def tile_ring(s: IlSchedule, columns: int, in_features: int, tiles_a_cta: int, smem_sm: int = 228 * 1024,
+              smem_cta: int = 227 * 1024) -> int:
+    """Tiles a CTA of the dp4a kernel sums at once: its tiles, at most `_RING`, as many as fit in an SM's
+    shared memory (`smem_sm`, a CTA's at most `smem_cta`) beside the CTAs an SM holds with one."""
+    per_sm = _ctas_per_sm(s, columns, in_features, smem_sm)
+    ring = min(_RING, tiles_a_cta)
+    while ring > 1 and (per_sm * (s.smem_bytes(columns, in_features, ring) + 1024) > smem_sm
+                        or s.smem_bytes(columns, in_features, ring) > smem_cta):
+        ring -= 1
+    return ring
 
 
 def check_il32(words: torch.Tensor, out_features: int, in_features: int) -> None:
@@ -573,7 +590,9 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     s = schedule or il_schedule(n, k, out_features)
     tiles = il32_shape(out_features, k)[0]
     ctas = min(tiles, _launch_shape(words.device, s, n, k))
-    ring = min(_RING, -(-tiles // ctas)) if s.kernel == "il" else 1
+    ring = 1
+    if s.kernel == "il":
+        ring = tile_ring(s, n, k, -(-tiles // ctas), _smem_sm(words.device), _smem_optin(words.device))
     smem = s.smem_bytes(n, k, ring)
     if smem > _smem_optin(words.device):
         raise QuantKernelError(f"the il32 GEMV of {n} columns over {k} inputs needs {smem} bytes of shared "

@@ -79,6 +79,26 @@ def test_quantize_activation_rounds_half_to_even():
         assert qa.s[0, 0].item() == 127 + 2 - 4 + 2
 
 
+def test_the_group_size_probe_quantises_as_the_gemvs_do():
+    """bench/act_group_ppl.py's fake quantisation at 32 is the GEMVs' activation (codes times scales, bit for
+    bit); at 256 over 576 columns (a short last group) each value moves by at most half its group's step."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.act_group_ppl import fake_quantize
+
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(5)) * torch.rand(576) * 4
+    xa = quantize_activation_reference(x)
+    want = (xa.q.float().reshape(3, 18, 32) * xa.d[..., None]).reshape(3, 576)
+    assert torch.equal(fake_quantize(x, 32), want)
+    y = fake_quantize(x, 256)
+    for lo, hi in ((0, 256), (256, 512), (512, 576)):
+        step = x[:, lo:hi].abs().amax(-1, keepdim=True) / 127
+        assert ((y[:, lo:hi] - x[:, lo:hi]).abs() <= step / 2 * (1 + 1e-6)).all()
+    assert not torch.equal(y, fake_quantize(x, 32))
+
+
 def test_quantize_activation_rejects_partial_blocks():
     with pytest.raises(NinferError, match="multiple of 32"):
         quantize_activation(torch.randn(2, 48))

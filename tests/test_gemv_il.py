@@ -140,15 +140,18 @@ def _mma_m16n8k32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.stack([dense_d[..., g + 8 * (i >> 1), 2 * t + (i & 1)] for i in range(4)], axis=-1)
 
 
-@pytest.mark.parametrize(("n", "k", "columns"), [(40, 768, 3), (64, 512, 8)])
-def test_the_tensor_core_recipe_gives_the_twin(n, k, columns):
+@pytest.mark.parametrize(("n", "k", "columns", "group"),
+                         [(40, 768, 3, 32), (64, 512, 8, 32), (40, 768, 4, 256)])
+def test_the_tensor_core_recipe_gives_the_twin(n, k, columns, group):
     """The mma kernel (`iq3s_il_mma`) in numpy, lane by lane: rows 4g..4g + 3 of each 16-byte load, the table
     offsets of grid words 2t, 2t + 1 packed in one word (qs bytes · 128, qh bits by sign-replicating prmts)
     and this lane's copy, sign bytes picking from {word, negated word}, the A/B fragments through PTX's
-    m16n8k32 tables, the sums seeded with 1.5·2^23 and read back as floats: equal to the float64 twin."""
+    m16n8k32 tables, the sums seeded with 1.5·2^23 and read back as floats: equal to the float64 twin.
+    Group 256: one activation scale a block, the sub-block scales (1 + 2·nibble) weighing the integer sums,
+    one float conversion a block."""
     gen = torch.Generator().manual_seed(k + columns)
     raw = random_gguf_weight("iq3_s", n, k, generator=gen)
-    xa = quantize_activation_reference(torch.randn(columns, k, generator=gen))
+    xa = quantize_activation_reference(torch.randn(columns, k, generator=gen), group)
     tiles, pairs = il32_shape(n, k)
     w = repack_il32(raw).numpy().view(np.uint32).reshape(tiles, pairs, 55, 32).astype(np.uint64)
     grid = _tables(torch.device("cpu"))[1].numpy().view(np.uint32).astype(np.uint64)
@@ -165,6 +168,7 @@ def test_the_tensor_core_recipe_gives_the_twin(n, k, columns):
         p, h = divmod(kb, 2)
         words = w[:, p][:, :, 4 * gq[:, None] + np.arange(4)]  # [tile, word, lane, row r]
         d = (words[:, 54] >> np.uint64(16 * h) & np.uint64(0xFFFF)).astype(np.uint16).view(np.float16)
+        isum = np.zeros((tiles, 32, 4, 2), dtype=np.int64)  # group 256: the block's weighted integer sums
         for j in range(8):
             qh = words[:, 32 + 2 * h + (j >> 2)]
             a = np.zeros((tiles, 32, 4, 2), dtype=np.uint64)  # [tile, lane, row r, word 2t / 2t + 1]
@@ -187,11 +191,21 @@ def test_the_tensor_core_recipe_gives_the_twin(n, k, columns):
                                             a[:, :, 2 * mt + 1, 1]], axis=-1), b) for mt in range(2)]
             for r in range(4):
                 nib = (words[:, 52 + h][:, :, r] >> np.uint64(4 * j)) & np.uint64(15)
+                if group == 256:
+                    weight = 1 + 2 * nib.astype(np.int64)
+                    for e in range(2):
+                        isum[:, :, r, e] += sums[r >> 1][..., 2 * (r & 1) + e] * weight
+                    continue
                 dl = d[:, :, r].astype(np.float64) * (1 + 2 * nib.astype(np.float64))
                 for e in range(2):
                     seeded = (0x4B400000 + sums[r >> 1][..., 2 * (r & 1) + e]).astype(np.uint32)
                     value = seeded.view(np.float32).astype(np.float64) - 12582912.0
                     acc[:, :, r, e] += value * dl * xd[2 * t + e, kb * 8 + j]
+        if group == 256:
+            for r in range(4):
+                for e in range(2):
+                    value = isum[:, :, r, e].astype(np.float32).astype(np.float64)  # exact: |sum| < 2^24
+                    acc[:, :, r, e] += value * d[:, :, r].astype(np.float64) * xd[2 * t + e, kb]
     y = np.zeros((8, tiles * 32))
     for e in range(2):
         rows = np.arange(tiles)[:, None, None] * 32 + 4 * gq[None, :, None] + np.arange(4)
@@ -255,6 +269,28 @@ def test_which_weights_take_the_layout(monkeypatch):
     assert not il32_wanted("iq3_s", 34816, 5120, "cuda")
 
 
+def test_one_activation_scale_a_block_is_the_tensor_core_kernels_alone():
+    """Group 256 (one activation scale a block) exists for the tensor-core kernel only; the activation's
+    scales must match the schedule's group (a clear error, before any launch)."""
+    from ninfer.errors import NinferError
+
+    with pytest.raises(NinferError, match="256 on the tensor-core kernel"):
+        gemv_il.IlSchedule(10, group=256)
+    with pytest.raises(NinferError, match="groups of 64"):
+        gemv_il.IlSchedule(10, kernel="il_mma", group=64)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(2))
+    xa = quantize_activation_reference(x, 256)
+    assert xa.d.shape == (4, 2) and torch.allclose(xa.dequantize().float(), x, atol=float(xa.d.max()) / 2)
+    with pytest.raises(NinferError, match="groups of 64"):
+        quantize_activation_reference(x, 64)
+    words = repack_il32(random_gguf_weight("iq3_s", 32, 512))
+    g256 = gemv_il.IlSchedule(2, kernel="il_mma", group=256)
+    with pytest.raises(NinferError, match="one activation scale per 256 inputs, got 16 over 512"):
+        gemv_il.gemv_il(words, quantize_activation_reference(x), 32, g256)
+    with pytest.raises(NinferError, match="one activation scale per 32 inputs, got 2 over 512"):
+        gemv_il.gemv_il(words, xa, 32)
+
+
 def test_the_tile_ring_keeps_the_ctas_an_sm_holds():
     """A dp4a CTA sums up to `_RING` of its tiles after one barrier, as many as its shared memory allows
     without costing the SM a CTA (the H200: 228 KB an SM, 227 KB a CTA)."""
@@ -287,11 +323,13 @@ def rel(a, b):
 def test_gemv_il_matches_its_twin_on_gpu(n, k):
     """1-8 columns (the dp4a kernel at 1 and 2, with the {word, negated word} table at 2 on the two shapes of
     ≥ 8192 rows; the tensor-core kernel at 3-8), 12 through two calls, bf16 and fp32 outputs, padded rows and
-    blocks; 40 columns through the dequantised weight; the dp4a CTA's tiles summed in a ring (17408 rows:
-    2-3 tiles a CTA) the same bits as one at a time; and both kernels captured in a CUDA graph, the same bits
+    blocks; 40 columns through the dequantised weight; the tensor-core kernel with one activation scale a
+    block at 3, 4, 8 columns; the dp4a CTA's tiles summed in a ring (17408 rows: 2-3 tiles a CTA) the same
+    bits as one at a time; and both kernels captured in a CUDA graph, the same bits
     as eager."""
+    from ninfer.kernels import gemv_il as gemv_il_module
     from ninfer.kernels.gemv_il import gemv_il, gemv_il_reference
-    from ninfer.kernels.gemv_q8 import quantize_activation
+    from ninfer.kernels.gemv_q8 import QuantizedActivation, quantize_activation
 
     raw = random_gguf_weight("iq3_s", n, k, "cuda")
     words = repack_il32(raw)
@@ -308,6 +346,12 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
     x = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)  # prefill: the Triton dequantisation
     dense = dequantize(raw.reshape(-1), "gguf_iq3_s", (n, k)).double()
     assert rel(il_matmul(words, x, n), x.double() @ dense.t()) < 5e-3
+    for width in (3, 4, 8):  # one activation scale a block (IlSchedule.group 256)
+        xa = quantize_activation_reference(torch.randn(width, k, device="cuda"), 256)
+        xa = QuantizedActivation(xa.q, xa.d, xa.s, torch.float32)
+        s = gemv_il_module.IlSchedule(min(10, k // 256), kernel="il_mma", group=256)
+        # fp32 sums in another order, as above (7e-8 measured on the 27B's matrices, bench/il_group256.py)
+        assert rel(gemv_il(words, xa, n, s), gemv_il_reference(words, xa, n)) < 1e-4, (n, k, width)
     for width in (1, 2):  # the dp4a kernel's tiles summed one at a time: the same sums in the same order
         xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16))
         ringed = gemv_il(words, xa, n)

@@ -42,7 +42,8 @@ EMULATE_DP4A = INTERPRET  # pass as the dp4a EMULATE argument: PTX cannot run in
 @dataclass(frozen=True)
 class QuantizedActivation:
     """`x [n, K]` as int8 codes `q` (contiguous; kernels read `q.view(torch.int32)` `[n, K/4]`), fp32 scale
-    `d [n, K/32]` per 32 values, `s = d·Σq` per 32 values (for formats with mins) and the original dtype."""
+    `d [n, K/32]` per 32 values, `s = d·Σq` per 32 values (for formats with mins) and the original dtype.
+    (`quantize_activation_reference(x, 256)`: d and s per 256 values, for `gemv_il`'s group-256 kernel.)"""
 
     q: torch.Tensor
     d: torch.Tensor
@@ -64,7 +65,8 @@ class QuantizedActivation:
     def dequantize(self) -> torch.Tensor:
         """`q·d` as float64 `[n, K]` (what the q8 kernels multiply the weights with)."""
         n, k = self.q.shape
-        return (self.q.double().reshape(n, k // QBLOCK, QBLOCK) * self.d.double()[..., None]).reshape(n, k)
+        group = k // self.d.shape[-1]
+        return (self.q.double().reshape(n, k // group, group) * self.d.double()[..., None]).reshape(n, k)
 
 
 def _check_activation(x: torch.Tensor) -> None:
@@ -73,11 +75,14 @@ def _check_activation(x: torch.Tensor) -> None:
                                f"got {list(x.shape)}; use a wv_* or sub_* schedule for this weight")
 
 
-def quantize_activation_reference(x: torch.Tensor) -> QuantizedActivation:
-    """Per 32 values: `d = max|x| / 127`, `q = round-half-even(x / d)` (0 where the block is all zero)."""
+def quantize_activation_reference(x: torch.Tensor, group: int = QBLOCK) -> QuantizedActivation:
+    """Per `group` (32, or 256 for `gemv_il`'s group-256 kernel) values: `d = max|x| / 127`,
+    `q = round-half-even(x / d)` (0 where the group is all zero)."""
     _check_activation(x)
     n, k = x.shape
-    xb = x.float().reshape(n, k // QBLOCK, QBLOCK)
+    if group not in (QBLOCK, 256) or k % group:
+        raise QuantKernelError(f"int8 activation groups of {group} over {k} values: 32, or 256 dividing K")
+    xb = x.float().reshape(n, k // group, group)
     amax = xb.abs().amax(-1)
     # a tensor divisor: PyTorch's CUDA kernels multiply by the reciprocal of a Python-number divisor (not
     # correctly rounded: d one ulp off, then a code one off), the kernels divide (div_rn)

@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from ninfer.kernels.gemv_il import IlSchedule, gemv_il, il_schedule, repack_il32
-from ninfer.kernels.gemv_q8 import QuantizedActivation, quantize_activation, quantize_activation_reference
+from ninfer.kernels.gemv_q8 import QuantizedActivation, quantize_activation
 from ninfer.kernels.gguf_matmul import random_gguf_weight
 from ninfer.quant import dequantize
 
@@ -60,7 +60,7 @@ def main() -> None:
         for width in (int(w) for w in args.widths.split(",")):
             x = torch.randn(width, k, device="cuda", dtype=torch.bfloat16)
             x32 = quantize_activation(x)
-            x256 = quantize_activation_reference(x, 256)
+            x256 = quantize_activation(x, group=256)
             s32 = il_schedule(width, k, n)
             s256 = IlSchedule(s32.warps, kernel="il_mma", regs=s32.regs, group=256)
             errors = []

@@ -329,7 +329,7 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
     as eager."""
     from ninfer.kernels import gemv_il as gemv_il_module
     from ninfer.kernels.gemv_il import gemv_il, gemv_il_reference
-    from ninfer.kernels.gemv_q8 import QuantizedActivation, quantize_activation
+    from ninfer.kernels.gemv_q8 import quantize_activation
 
     raw = random_gguf_weight("iq3_s", n, k, "cuda")
     words = repack_il32(raw)
@@ -347,8 +347,9 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
     dense = dequantize(raw.reshape(-1), "gguf_iq3_s", (n, k)).double()
     assert rel(il_matmul(words, x, n), x.double() @ dense.t()) < 5e-3
     for width in (3, 4, 8):  # one activation scale a block (IlSchedule.group 256)
-        xa = quantize_activation_reference(torch.randn(width, k, device="cuda"), 256)
-        xa = QuantizedActivation(xa.q, xa.d, xa.s, torch.float32)
+        x = torch.randn(width, k, device="cuda")
+        xa, want = quantize_activation(x, group=256), quantize_activation_reference(x, 256)
+        assert torch.equal(xa.q, want.q) and torch.equal(xa.d, want.d), width
         s = gemv_il_module.IlSchedule(min(10, k // 256), kernel="il_mma", group=256)
         # fp32 sums in another order, as above (7e-8 measured on the 27B's matrices, bench/il_group256.py)
         assert rel(gemv_il(words, xa, n, s), gemv_il_reference(words, xa, n)) < 1e-4, (n, k, width)

@@ -56,17 +56,18 @@ def test_dp4a_emulation_matches_numpy():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(1, 32), (4, 608)])
-def test_quantize_activation_bit_exact(dtype, shape):
+@pytest.mark.parametrize(("shape", "group"), [((1, 32), 32), ((4, 608), 32), ((3, 768), 256)])
+def test_quantize_activation_bit_exact(dtype, shape, group):
     g = torch.Generator().manual_seed(hash((str(dtype), shape)) % 2**31)
     x = (torch.randn(shape, generator=g) * torch.rand(shape[0], 1, generator=g) * 10).to(dtype)
-    x[0, :32] = 0  # an all-zero block: d = 0, q = 0
-    got, want = quantize_activation(x), quantize_activation_reference(x)
+    x[0, :group] = 0  # an all-zero group: d = 0, q = 0
+    got, want = quantize_activation(x, group=group), quantize_activation_reference(x, group)
     assert got.q.dtype == torch.int8 and got.q.is_contiguous() and got.dtype == dtype
     assert torch.equal(got.q, want.q) and torch.equal(got.d, want.d) and torch.equal(got.s, want.s)
-    assert torch.all(got.d[0, 0] == 0) and torch.all(got.q[0, :32] == 0)
+    assert got.d.shape == (shape[0], shape[1] // group)
+    assert torch.all(got.d[0, 0] == 0) and torch.all(got.q[0, :group] == 0)
     # the quantisation error is half a step per value, plus fp32 rounding of d and x/d (measured 1.8e-6 step)
-    err = (got.dequantize() - x.double()).abs().reshape(shape[0], -1, 32)
+    err = (got.dequantize() - x.double()).abs().reshape(shape[0], -1, group)
     assert torch.all(err <= got.d.double()[..., None] * (0.5 + 1e-5))
     assert got.words.shape == (shape[0], shape[1] // 4)
 

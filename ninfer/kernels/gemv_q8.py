@@ -69,19 +69,20 @@ class QuantizedActivation:
         return (self.q.double().reshape(n, k // group, group) * self.d.double()[..., None]).reshape(n, k)
 
 
-def _check_activation(x: torch.Tensor) -> None:
+def _check_activation(x: torch.Tensor, group: int = QBLOCK) -> None:
     if x.dim() != 2 or x.shape[1] % QBLOCK:
         raise QuantKernelError(f"int8 activation quantisation needs x [n, K] with K a multiple of {QBLOCK}, "
                                f"got {list(x.shape)}; use a wv_* or sub_* schedule for this weight")
+    if group not in (QBLOCK, 256) or x.shape[1] % group:
+        raise QuantKernelError(f"int8 activation groups of {group} over {x.shape[1]} values: 32, or 256 "
+                               "dividing K")
 
 
 def quantize_activation_reference(x: torch.Tensor, group: int = QBLOCK) -> QuantizedActivation:
     """Per `group` (32, or 256 for `gemv_il`'s group-256 kernel) values: `d = max|x| / 127`,
     `q = round-half-even(x / d)` (0 where the group is all zero)."""
-    _check_activation(x)
+    _check_activation(x, group)
     n, k = x.shape
-    if group not in (QBLOCK, 256) or k % group:
-        raise QuantKernelError(f"int8 activation groups of {group} over {k} values: 32, or 256 dividing K")
     xb = x.float().reshape(n, k // group, group)
     amax = xb.abs().amax(-1)
     # a tensor divisor: PyTorch's CUDA kernels multiply by the reciprocal of a Python-number divisor (not
@@ -110,49 +111,52 @@ if HAVE_TRITON:
                                              dtype=tl.int32, is_pure=True, pack=1)
 
     @jit
-    def quantize_groups(v, row, blk, ok, K, q_ptr, d_ptr, s_ptr):
-        """Store the int8 activation of groups `blk` [G] of row `row` (`v` [G, 32] fp32, zero where not
-        `ok`): codes into q [n, K], d and d·Σq into [n, K/32] (what `quantize_activation_reference` gives;
+    def quantize_groups(v, row, blk, ok, K, q_ptr, d_ptr, s_ptr, GROUP: tl.constexpr = 32):
+        """Store the int8 activation of groups `blk` [G] of row `row` (`v` [G, GROUP] fp32, zero where not
+        `ok`): codes into q [n, K], d and d·Σq into [n, K/GROUP] (what `quantize_activation_reference` gives;
         the fused norm / SwiGLU kernels call this on their rounded outputs)."""
-        nb = K // 32
+        nb = K // GROUP
         amax = tl_max(tl.abs(v), 1)
         d = tl.math.div_rn(amax, 127.0)
         safe = tl.where(d == 0.0, 1.0, d)
         # round half to even: adding and removing 1.5·2^23 leaves the nearest integer (|v| <= 127)
         r = (tl.math.div_rn(v, safe[:, None]) + 12582912.0) - 12582912.0
         q = tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int32)
-        cols = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+        cols = blk[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         tl.store(q_ptr + row.to(tl.int64) * K + cols, q.to(tl.int8), mask=ok)
         tl.store(d_ptr + row.to(tl.int64) * nb + blk, d, mask=blk < nb)
         tl.store(s_ptr + row.to(tl.int64) * nb + blk, d * tl_sum(q, 1).to(tl.float32), mask=blk < nb)
 
     @jit
     def _quantize_activation_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_xm, BLOCKS: tl.constexpr,
-                                    PDL: tl.constexpr = 0):
+                                    GROUP: tl.constexpr = 32, PDL: tl.constexpr = 0):
         pdl_start(PDL)
         row = tl.program_id(0)
         blk = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-        ok = (blk < K // 32)[:, None]
-        cols = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+        ok = (blk < K // GROUP)[:, None]
+        cols = blk[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
-        quantize_groups(x, row, blk, ok, K, q_ptr, d_ptr, s_ptr)
+        quantize_groups(x, row, blk, ok, K, q_ptr, d_ptr, s_ptr, GROUP)
 
 
-def quantize_activation(x: torch.Tensor, blocks_per_program: int = 8) -> QuantizedActivation:
-    """`quantize_activation_reference` as one Triton kernel (bit-exact); the reference where Triton cannot
-    run on x's device."""
-    _check_activation(x)
+def quantize_activation(x: torch.Tensor, blocks_per_program: int = 8, group: int = QBLOCK
+                        ) -> QuantizedActivation:
+    """`quantize_activation_reference(x, group)` as one Triton kernel (bit-exact); the reference where
+    Triton cannot run on x's device. A program takes `blocks_per_program` groups of 32 (at least one
+    group)."""
+    _check_activation(x, group)
     if not (HAVE_TRITON and triton_runs_on(x)):
-        return quantize_activation_reference(x)
+        return quantize_activation_reference(x, group)
     if x.stride(-1) != 1:
         x = x.contiguous()
     n, k = x.shape
-    nb = k // QBLOCK
+    nb = k // group
+    blocks = max(1, blocks_per_program * QBLOCK // group)
     q = torch.empty((n, k), dtype=torch.int8, device=x.device)
     d = torch.empty((n, nb), dtype=torch.float32, device=x.device)
     s = torch.empty((n, nb), dtype=torch.float32, device=x.device)
-    grid = (n, -(-nb // blocks_per_program))
-    _quantize_activation_kernel[grid](x, q, d, s, k, x.stride(0), BLOCKS=blocks_per_program, **pdl_options(x))
+    _quantize_activation_kernel[(n, -(-nb // blocks))](x, q, d, s, k, x.stride(0), BLOCKS=blocks, GROUP=group,
+                                                       **pdl_options(x))
     return QuantizedActivation(q, d, s, x.dtype)
 
 

@@ -291,6 +291,27 @@ def test_one_activation_scale_a_block_is_the_tensor_core_kernels_alone():
         gemv_il.gemv_il(words, xa, 32)
 
 
+def test_il_matmul_takes_groups_of_256_only_when_asked_at_3_to_8_columns(monkeypatch):
+    """NINFER_IL_GROUP=256 routes 3-8 columns to the tensor-core kernel with one activation scale per 256
+    inputs; 1-2 columns (the dp4a kernel) and 9-16 (two calls) keep groups of 32, as does the default."""
+    seen = []
+
+    def fake(words, xa, out_features, schedule=None):
+        seen.append((xa.d.shape[-1], schedule.group if schedule else 32))
+        return torch.zeros(xa.q.shape[0], out_features)
+
+    monkeypatch.setattr(gemv_il, "gemv_il", fake)
+    words = torch.zeros(1, dtype=torch.int32)
+    for flag, columns, want in (("256", 4, (2, 256)), ("256", 8, (2, 256)), ("256", 2, (16, 32)),
+                                ("256", 12, (16, 32)), ("", 4, (16, 32))):
+        monkeypatch.setenv("NINFER_IL_GROUP", flag)
+        seen.clear()
+        y = gemv_il.il_matmul(words, torch.randn(columns, 512), 40)
+        assert y.shape == (columns, 40) and seen[0] == want, (flag, columns, seen)
+    with pytest.raises(gemv_il.QuantKernelError, match="dp4a il32 kernel takes one activation scale per 32"):
+        gemv_il.il_schedule(2, 512, group=256)
+
+
 def test_the_tile_ring_keeps_the_ctas_an_sm_holds():
     """A dp4a CTA sums up to `_RING` of its tiles after one barrier, as many as its shared memory allows
     without costing the SM a CTA (the H200: 228 KB an SM, 227 KB a CTA)."""

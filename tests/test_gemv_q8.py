@@ -108,7 +108,7 @@ def test_quantize_activation_rejects_partial_blocks():
 def test_memo_reuses_only_the_same_unmodified_tensor(monkeypatch):
     calls = []
     real = q8mod.quantize_activation
-    monkeypatch.setattr(q8mod, "quantize_activation", lambda x: calls.append(1) or real(x))
+    monkeypatch.setattr(q8mod, "quantize_activation", lambda x, **kw: calls.append(1) or real(x, **kw))
     q8mod._MEMO.clear()
     x = torch.randn(2, 64)
     a = quantize_activation_cached(x)
@@ -120,6 +120,18 @@ def test_memo_reuses_only_the_same_unmodified_tensor(monkeypatch):
     assert quantize_activation_cached(y) is not b and len(calls) == 3
     z = torch.randn(1, 2, 64)  # leading dims are flattened
     assert quantize_activation_cached(z).q.shape == (2, 64)
+
+
+def test_memo_keeps_one_grouping_at_a_time():
+    """A consumer asking for groups of 256 does not get a producer's groups of 32 (nor the reverse)."""
+    q8mod._MEMO.clear()
+    x = torch.randn(3, 512)
+    q8mod.remember_activation(x, quantize_activation_reference(x))  # what a fused norm leaves
+    a = quantize_activation_cached(x, 256)
+    assert a.d.shape == (3, 2) and torch.equal(a.q, quantize_activation_reference(x, 256).q)
+    assert quantize_activation_cached(x, 256) is a
+    b = quantize_activation_cached(x)
+    assert b.d.shape == (3, 16) and torch.equal(b.q, quantize_activation_reference(x).q)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -525,14 +525,17 @@ class IlSchedule:
         return table + ring * self.warps * columns * 32 * 4 + columns * in_features * 9 // 8
 
 
-def il_schedule(columns: int, in_features: int, out_features: int = 8192) -> IlSchedule:
+def il_schedule(columns: int, in_features: int, out_features: int = 8192, group: int = 32) -> IlSchedule:
     """1-2 columns: the dp4a kernel, a warp per pair of blocks (at most 10 warps), the {word, negated word}
     table at 2 columns on matrices of ≥ 8192 rows (on the H200 within 3 % of the best il schedule at 1 and 2
     columns on the 27B's matrices, sessions 26 and 28; the 5120-row ones up to 10 % slower with it, session
     29). 3-8: the tensor-core kernel, 10 warps of 96 registers (the best or within 4 % of it at 3, 4 and 8
-    columns on the 27B's il32 matrices, sessions 27 and 29)."""
+    columns on the 27B's il32 matrices, sessions 27 and 29), taking an activation of one scale per `group`
+    inputs (256: 3-8 columns only)."""
     if columns >= 3:
-        return IlSchedule(min(10, in_features // 256), kernel="il_mma")
+        return IlSchedule(min(10, in_features // 256), kernel="il_mma", group=group)
+    if group != 32:
+        raise QuantKernelError(f"the dp4a il32 kernel takes one activation scale per 32 inputs, not {group}")
     return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, columns == 2 and out_features >= 8192)
 
 
@@ -732,9 +735,13 @@ def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.
     if x2.shape[0] > 2 * MAX_COLUMNS:
         w = dequantize_il32(words, out_features, in_features, x.dtype if x.is_cuda else torch.float32)
         return (x2.to(w.dtype) @ w.t()).to(x.dtype).reshape(*x.shape[:-1], out_features)
-    xa = quantize_activation_cached(x)
-    if x2.shape[0] <= MAX_COLUMNS:
-        y = gemv_il(words, xa, out_features)
+    n = x2.shape[0]
+    # NINFER_IL_GROUP=256: 3-8 columns on the tensor-core kernel with one activation scale per 256 inputs
+    # (9-14 % faster alone; quantised here, as the fused producers write groups of 32)
+    group = 256 if 3 <= n <= MAX_COLUMNS and os.environ.get("NINFER_IL_GROUP") == "256" else 32
+    xa = quantize_activation_cached(x, group)
+    if n <= MAX_COLUMNS:
+        y = gemv_il(words, xa, out_features, il_schedule(n, in_features, out_features, group))
     else:
         y = torch.cat([gemv_il(words, xa.rows(i, i + MAX_COLUMNS), out_features)
                        for i in range(0, x2.shape[0], MAX_COLUMNS)])

@@ -176,10 +176,11 @@ class _ActivationMemo:
         version = -2 if x.is_inference() else x._version
         return version, x.is_cuda and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
-    def get(self, x: torch.Tensor) -> QuantizedActivation:
-        if self.ref is not None and self.ref() is x and self._key(x) == (self.version, self.capturing):
+    def get(self, x: torch.Tensor, group: int = QBLOCK) -> QuantizedActivation:
+        if (self.ref is not None and self.ref() is x and self._key(x) == (self.version, self.capturing)
+                and self.result.d.shape[-1] * group == x.shape[-1]):
             return self.result
-        result = quantize_activation(x.reshape(-1, x.shape[-1]))
+        result = quantize_activation(x.reshape(-1, x.shape[-1]), group=group)
         self.put(x, result)
         return result
 
@@ -217,10 +218,10 @@ def int8_next_shape(cuda: bool, rows: int, features: int) -> bool:
             and 1 <= rows <= (16 if rows_enabled() else 8))
 
 
-def quantize_activation_cached(x: torch.Tensor) -> QuantizedActivation:
-    """`quantize_activation(x [..., K])` of the rows `[n, K]`, reusing the previous result when called
-    again with the same, unmodified x (same tensor object, same `_version`)."""
-    return _MEMO.get(x)
+def quantize_activation_cached(x: torch.Tensor, group: int = QBLOCK) -> QuantizedActivation:
+    """`quantize_activation(x [..., K], group=group)` of the rows `[n, K]`, reusing the previous result when
+    called again with the same, unmodified x (same tensor object, same `_version`) and group."""
+    return _MEMO.get(x, group)
 
 
 # ---------------------------------------------------------------------------------------------------------

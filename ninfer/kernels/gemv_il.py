@@ -620,9 +620,9 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     of 1-8 columns; `schedule` (default `il_schedule`) picks the dp4a or the tensor-core kernel."""
     n, k = xa.q.shape
     check_il32(words, out_features, k)
-    group = schedule.group if schedule else 32
-    if xa.d.shape[-1] * group != k:
-        raise QuantKernelError(f"this il32 GEMV takes one activation scale per {group} inputs, got "
+    s = schedule or il_schedule(n, k, out_features)
+    if xa.d.shape[-1] * s.group != k:
+        raise QuantKernelError(f"this il32 GEMV takes one activation scale per {s.group} inputs, got "
                                f"{xa.d.shape[-1]} over {k}")
     if not words.is_cuda:
         raise QuantKernelError(f"the il32 GEMV is a CUDA kernel; the weight is on {words.device}")
@@ -630,7 +630,6 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
         raise QuantKernelError(f"the il32 GEMV takes 1-{MAX_COLUMNS} columns, got {n}")
     if xa.dtype not in _OUT_KINDS:
         raise QuantKernelError(f"the il32 GEMV writes float32, bfloat16 or float16, not {xa.dtype}")
-    s = schedule or il_schedule(n, k, out_features)
     tiles = il32_shape(out_features, k)[0]
     ctas = min(tiles, _launch_shape(words.device, s, n, k))
     ring = 1

@@ -594,12 +594,13 @@ def _launch_shape(device: torch.device, s: IlSchedule, columns: int, in_features
                                                       props.max_threads_per_multi_processor)
 
 
+@functools.cache  # gemv_il asks on every call
 def tile_ring(s: IlSchedule, columns: int, in_features: int, tiles_a_cta: int, smem_sm: int = 228 * 1024,
-              smem_cta: int = 227 * 1024) -> int:
-    """Tiles a CTA of the dp4a kernel sums at once: its tiles, at most `_RING`, as many as fit in an SM's
+              smem_cta: int = 227 * 1024, most: int = _RING) -> int:
+    """Tiles a CTA of the dp4a kernel sums at once: its tiles, at most `most`, as many as fit in an SM's
     shared memory (`smem_sm`, a CTA's at most `smem_cta`) beside the CTAs an SM holds with one."""
     per_sm = _ctas_per_sm(s, columns, in_features, smem_sm)
-    ring = min(_RING, tiles_a_cta)
+    ring = min(most, tiles_a_cta)
     while ring > 1 and (per_sm * (s.smem_bytes(columns, in_features, ring) + 1024) > smem_sm
                         or s.smem_bytes(columns, in_features, ring) > smem_cta):
         ring -= 1
@@ -634,7 +635,7 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     ctas = min(tiles, _launch_shape(words.device, s, n, k))
     ring = 1
     if s.kernel == "il":
-        ring = tile_ring(s, n, k, -(-tiles // ctas), _smem_sm(words.device), _smem_optin(words.device))
+        ring = tile_ring(s, n, k, -(-tiles // ctas), _smem_sm(words.device), _smem_optin(words.device), _RING)
     smem = s.smem_bytes(n, k, ring)
     if smem > _smem_optin(words.device):
         raise QuantKernelError(f"the il32 GEMV of {n} columns over {k} inputs needs {smem} bytes of shared "

@@ -1,12 +1,12 @@
-"""The tensor-core il32 GEMV with one activation scale per 256 inputs (`IlSchedule(group=256)`:
-the sub-block scales weigh the integer mma results, one float conversion a block) against the routed kernel
-(one scale per 32) on the 27B's iq3_s matrices at 3, 4 and 8 columns (CUDA).
+"""The il32 GEMVs with one activation scale per 256 inputs (`IlSchedule(group=256)`: the sub-block
+scales weigh the integer sums, one float conversion a block) against one scale per 32, on the 27B's iq3_s
+matrices: the dp4a kernel at 1-2 columns, the tensor-core kernel at 3-8 (CUDA).
 
 Checks each variant against the float64 product of the dequantised weights and its own dequantised int8
 activation, then times both as `bench/gpu_check.py`'s `graph_us` does (one CUDA graph over weight copies
 larger than 3× L2).
 
-    python3 bench/il_group256.py [--shapes 34816x5120,...] [--widths 3,4,8]
+    python3 bench/il_group256.py [--shapes 34816x5120,...] [--widths 1,2,3,4,8]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_check import graph_us, rel_err, weight_copies  # noqa: E402
-from ninfer.kernels.gemv_il import IlSchedule, gemv_il, il_schedule, repack_il32  # noqa: E402
+from ninfer.kernels.gemv_il import gemv_il, il_schedule, repack_il32  # noqa: E402
 from ninfer.kernels.gemv_q8 import QuantizedActivation, quantize_activation  # noqa: E402
 from ninfer.quant import dequantize  # noqa: E402
 
@@ -28,7 +28,7 @@ from ninfer.quant import dequantize  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="34816x5120,16480x5120,5120x17408,14336x5120,5120x6144")
-    p.add_argument("--widths", default="3,4,8")
+    p.add_argument("--widths", default="1,2,3,4,8")
     args = p.parse_args()
     torch.manual_seed(0)
     rows = []
@@ -43,8 +43,7 @@ def main() -> None:
             x = torch.randn(width, k, device="cuda", dtype=torch.bfloat16)
             x32 = quantize_activation(x)
             x256 = quantize_activation(x, group=256)
-            s32 = il_schedule(width, k, n)
-            s256 = IlSchedule(s32.warps, kernel="il_mma", regs=s32.regs, group=256)
+            s32, s256 = il_schedule(width, k, n, group=32), il_schedule(width, k, n, group=256)
             errors = []
             for xa, s in ((x32, s32), (x256, s256)):
                 fp32 = QuantizedActivation(xa.q, xa.d, xa.s, torch.float32)

@@ -72,16 +72,17 @@ def _dp4a(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return sum(signed(a, k) * signed(b, k) for k in range(4))
 
 
-@pytest.mark.parametrize("negtab", [False, True])
+@pytest.mark.parametrize(("negtab", "group"), [(False, 32), (True, 32), (False, 256)])
 @pytest.mark.parametrize(("n", "k"), [(40, 768), (64, 1024)])
-def test_the_kernels_integer_recipe_gives_the_twin(n, k, negtab):
+def test_the_kernels_integer_recipe_gives_the_twin(n, k, negtab, group):
     """The CUDA kernel's decode written out in numpy, step for step (9-bit index by one prmt of a qs word and
     the spread qh bits, grid word from the table, sign bytes M by a multiply and a sign-replicating prmt; the
     signed word dp4a(g ^ M) - dp4a(M) or, from a table of {word, negated word}, the bytes picked by M):
-    equal to the float64 twin, padding blocks included."""
+    equal to the float64 twin, padding blocks included. Group 256: one activation scale a block, the
+    sub-block sums weighed by 1 + 2·scale in integers, one float product a block."""
     gen = torch.Generator().manual_seed(k)
     raw = random_gguf_weight("iq3_s", n, k, generator=gen)
-    xa = quantize_activation_reference(torch.randn(2, k, generator=gen))
+    xa = quantize_activation_reference(torch.randn(2, k, generator=gen), group)
     tiles, pairs = il32_shape(n, k)
     w = repack_il32(raw).numpy().view(np.uint32).reshape(tiles, pairs, 55, 32)
     w = w.transpose(0, 3, 1, 2).reshape(tiles * 32, pairs, 55)  # [row, pair, word]
@@ -95,9 +96,10 @@ def test_the_kernels_integer_recipe_gives_the_twin(n, k, negtab):
             if sb0 >= k // 32:
                 break
             d = (w[:, p, 54] >> (16 * h) & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float64)
+            isum = np.zeros((2, tiles * 32), dtype=np.int64)
             for j in range(8):
                 qh = (w[:, p, 33 + 2 * h if j >= 4 else 32 + 2 * h] >> (8 * (j & 3))) & 0xFF
-                dl = d * (1 + 2 * ((w[:, p, 52 + h] >> (4 * j)) & 15))
+                ls = 1 + 2 * ((w[:, p, 52 + h] >> (4 * j)) & 15).astype(np.int64)
                 s = np.zeros((2, tiles * 32), dtype=np.int64)
                 for kw in range(8):  # grid word kw of the sub-block
                     hs = (((qh >> (4 * (kw >> 2))) & 15).astype(np.uint64) * 0x204081) & 0x01010101
@@ -114,7 +116,13 @@ def test_the_kernels_integer_recipe_gives_the_twin(n, k, negtab):
                         else:
                             s[m] += _dp4a(g ^ m8, x) - _dp4a(m8, x)
                 for m in range(2):
-                    y[m] += dl * xd[m, sb0 + j] * s[m]
+                    if group == 256:
+                        isum[m] += ls * s[m]
+                    else:
+                        y[m] += d * ls * xd[m, sb0 + j] * s[m]
+            if group == 256:
+                for m in range(2):
+                    y[m] += d * xd[m, sb0 // 8] * isum[m]
     want = gemv_q8_reference(raw, "iq3_s", xa, n).numpy()
     assert np.abs(y[:, :n] - want).max() <= 1e-12 * np.abs(want).max()
 
@@ -269,15 +277,14 @@ def test_which_weights_take_the_layout(monkeypatch):
     assert not il32_wanted("iq3_s", 34816, 5120, "cuda")
 
 
-def test_one_activation_scale_a_block_is_the_tensor_core_kernels_alone():
-    """Group 256 (one activation scale a block) exists for the tensor-core kernel only; the activation's
-    scales must match the schedule's group (a clear error, before any launch)."""
+def test_the_activation_groups_the_kernels_take():
+    """The il32 kernels take one activation scale per 32 or per 256 inputs; the activation's scales must
+    match the schedule's group (a clear error, before any launch)."""
     from ninfer.errors import NinferError
 
-    with pytest.raises(NinferError, match="256 on the tensor-core kernel"):
-        gemv_il.IlSchedule(10, group=256)
-    with pytest.raises(NinferError, match="groups of 64"):
+    with pytest.raises(NinferError, match="groups of 64: the il32 kernels take 32 or 256"):
         gemv_il.IlSchedule(10, kernel="il_mma", group=64)
+    assert gemv_il.il_schedule(2, 512, group=256).group == 256
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(2))
     xa = quantize_activation_reference(x, 256)
     assert xa.d.shape == (4, 2) and torch.allclose(xa.dequantize().float(), x, atol=float(xa.d.max()) / 2)
@@ -288,28 +295,27 @@ def test_one_activation_scale_a_block_is_the_tensor_core_kernels_alone():
     with pytest.raises(NinferError, match="one activation scale per 256 inputs, got 16 over 512"):
         gemv_il.gemv_il(words, quantize_activation_reference(x), 32, g256)
     with pytest.raises(NinferError, match="one activation scale per 32 inputs, got 2 over 512"):
-        gemv_il.gemv_il(words, xa, 32)
+        gemv_il.gemv_il(words, xa, 32, gemv_il.il_schedule(4, 512))
 
 
-def test_il_matmul_takes_groups_of_256_only_when_asked_at_3_to_8_columns(monkeypatch):
-    """NINFER_IL_GROUP=256 routes 3-8 columns to the tensor-core kernel with one activation scale per 256
-    inputs; 1-2 columns (the dp4a kernel) and 9-16 (two calls) keep groups of 32, as does the default."""
+def test_il_matmul_takes_groups_of_256_when_asked(monkeypatch):
+    """With NINFER_IL_GROUP=256 every width (the dp4a kernel at 1-2 columns, the tensor-core kernel at 3-8,
+    9-16 in two calls) takes one activation scale per 256 inputs; by default one per 32."""
     seen = []
 
     def fake(words, xa, out_features, schedule=None):
-        seen.append((xa.d.shape[-1], schedule.group if schedule else 32))
+        seen.append((xa.q.shape[0], xa.d.shape[-1], schedule.group, schedule.kernel))
         return torch.zeros(xa.q.shape[0], out_features)
 
     monkeypatch.setattr(gemv_il, "gemv_il", fake)
     words = torch.zeros(1, dtype=torch.int32)
-    for flag, columns, want in (("256", 4, (2, 256)), ("256", 8, (2, 256)), ("256", 2, (16, 32)),
-                                ("256", 12, (16, 32)), ("", 4, (16, 32))):
+    for flag, columns, want in (("256", 1, [(1, 2, 256, "il")]), ("256", 4, [(4, 2, 256, "il_mma")]),
+                                ("256", 12, [(8, 2, 256, "il_mma"), (4, 2, 256, "il_mma")]),
+                                ("", 2, [(2, 16, 32, "il")]), ("", 8, [(8, 16, 32, "il_mma")])):
         monkeypatch.setenv("NINFER_IL_GROUP", flag)
         seen.clear()
         y = gemv_il.il_matmul(words, torch.randn(columns, 512), 40)
-        assert y.shape == (columns, 40) and seen[0] == want, (flag, columns, seen)
-    with pytest.raises(gemv_il.QuantKernelError, match="dp4a il32 kernel takes one activation scale per 32"):
-        gemv_il.il_schedule(2, 512, group=256)
+        assert y.shape == (columns, 40) and seen == want, (flag, columns, seen)
 
 
 def test_the_tile_ring_keeps_the_ctas_an_sm_holds():
@@ -344,10 +350,9 @@ def rel(a, b):
 def test_gemv_il_matches_its_twin_on_gpu(n, k):
     """1-8 columns (the dp4a kernel at 1 and 2, with the {word, negated word} table at 2 on the two shapes of
     ≥ 8192 rows; the tensor-core kernel at 3-8), 12 through two calls, bf16 and fp32 outputs, padded rows and
-    blocks; 40 columns through the dequantised weight; the tensor-core kernel with one activation scale a
-    block at 3, 4, 8 columns; the dp4a CTA's tiles summed in a ring (17408 rows: 2-3 tiles a CTA) the same
-    bits as one at a time; and both kernels captured in a CUDA graph, the same bits
-    as eager."""
+    blocks; 40 columns through the dequantised weight; both kernels with one activation scale per 32 inputs
+    and per 256 (a block); the dp4a CTA's tiles summed in a ring (17408 rows: 2-3 tiles a CTA) the same bits
+    as one at a time; and both kernels captured in a CUDA graph, the same bits as eager."""
     from ninfer.kernels import gemv_il as gemv_il_module
     from ninfer.kernels.gemv_il import gemv_il, gemv_il_reference
     from ninfer.kernels.gemv_q8 import quantize_activation
@@ -357,7 +362,7 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
     for width in (1, 2, 3, 4, 8, 12):
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(width, k, device="cuda", dtype=dtype)
-            xa = quantize_activation(x)
+            xa = quantize_activation(x, group=gemv_il_module.il_group())  # the routed grouping
             want = gemv_il_reference(words, xa, n)
             out = il_matmul(words, x, n)
             # bf16 output rounding (2^-9) bounds the bf16 case; fp32 sums in another order: 1e-5 measured
@@ -367,11 +372,11 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
     x = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)  # prefill: the Triton dequantisation
     dense = dequantize(raw.reshape(-1), "gguf_iq3_s", (n, k)).double()
     assert rel(il_matmul(words, x, n), x.double() @ dense.t()) < 5e-3
-    for width in (3, 4, 8):  # one activation scale a block (IlSchedule.group 256)
+    for width in (1, 2, 3, 4, 8):  # one activation scale a block (IlSchedule.group 256), both kernels
         x = torch.randn(width, k, device="cuda")
         xa, want = quantize_activation(x, group=256), quantize_activation_reference(x, 256)
         assert torch.equal(xa.q, want.q) and torch.equal(xa.d, want.d), width
-        s = gemv_il_module.IlSchedule(min(10, k // 256), kernel="il_mma", group=256)
+        s = gemv_il_module.il_schedule(width, k, n, group=256)
         # fp32 sums in another order, as above (7e-8 measured on the 27B's matrices, bench/il_group256.py)
         assert rel(gemv_il(words, xa, n, s), gemv_il_reference(words, xa, n)) < 1e-4, (n, k, width)
     for width in (1, 2):  # the dp4a kernel's tiles summed one at a time: the same sums in the same order
@@ -389,3 +394,20 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, eager), width
+
+
+def test_a_linear_asks_its_producer_for_its_kernels_grouping(monkeypatch):
+    """`Linear.activation_group`: the il32 layout's grouping (256 with NINFER_IL_GROUP=256), 32 for the
+    other layouts; a merged projection asks for its largest matmul's."""
+    from types import SimpleNamespace
+
+    from ninfer.models.weights import Linear, MergedLinear
+
+    il32, gguf = SimpleNamespace(layout="il32"), SimpleNamespace(layout="gguf")
+    monkeypatch.setenv("NINFER_IL_GROUP", "256")
+    assert Linear.activation_group(il32) == 256 and Linear.activation_group(gguf) == 32
+    merged = SimpleNamespace(groups=[SimpleNamespace(out_features=96, activation_group=lambda: 32),
+                                     SimpleNamespace(out_features=16384, activation_group=lambda: 256)])
+    assert MergedLinear.activation_group(merged) == 256
+    monkeypatch.delenv("NINFER_IL_GROUP")
+    assert Linear.activation_group(il32) == 32

@@ -157,6 +157,7 @@ _SOURCE = r"""
 #define COPIES __COPIES__
 #define NEGTAB __NEGTAB__
 #define PDL __PDL__
+#define GROUP __GROUP__
 """ + CUDA_HELPERS + r"""
 #define ENTRY (NEGTAB ? 8 : 4)  // bytes of a table entry: {grid word, its bytes negated} or the word
 struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
@@ -175,14 +176,22 @@ __device__ __forceinline__ void load_block(Blk& b, const unsigned* __restrict__ 
     b.dw = wp[54 * 32];
 }
 
-// acc[m] += this row's block (sub-blocks sb0 .. sb0 + 7) · column m of the activation (in shared memory)
+// acc[m] += this row's block (sub-blocks sb0 .. sb0 + 7) · column m of the activation (in shared memory; its
+// scales xds: KG = K / GROUP a column)
 __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const int* xs, const float* xds,
-                                          int K4, int K32, unsigned tab, float acc[NCOL]) {
+                                          int K4, int KG, unsigned tab, float acc[NCOL]) {
     const float d = h ? f16_hi(b.dw) : f16_lo(b.dw);
+#if GROUP == 256
+    int isum[NCOL];  // Σ_j (1 + 2 scale_j) · dot_j of the block: one float conversion a block
+#pragma unroll
+    for (int m = 0; m < NCOL; ++m) isum[m] = 0;
+#endif
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const unsigned qh = ((j < 4 ? b.qh0 : b.qh1) >> (8 * (j & 3))) & 0xffu;
+#if GROUP != 256
         const float dl = d * (float)(1 + 2 * ((b.sc >> (4 * j)) & 15u));
+#endif
         int ig[NCOL], im[NCOL];
 #pragma unroll
         for (int m = 0; m < NCOL; ++m) { ig[m] = 0; im[m] = 0; }
@@ -224,9 +233,19 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
                 }
             }
         }
+#if GROUP == 256
+        const int ls = (int)(((b.sc >> (4 * j)) & 15u) * 2u + 1u);
 #pragma unroll
-        for (int m = 0; m < NCOL; ++m) acc[m] += dl * xds[m * K32 + sb0 + j] * (float)(ig[m] - im[m]);
+        for (int m = 0; m < NCOL; ++m) isum[m] += (ig[m] - im[m]) * ls;
+#else
+#pragma unroll
+        for (int m = 0; m < NCOL; ++m) acc[m] += dl * xds[m * KG + sb0 + j] * (float)(ig[m] - im[m]);
+#endif
     }
+#if GROUP == 256
+#pragma unroll
+    for (int m = 0; m < NCOL; ++m) acc[m] += d * xds[m * KG + (sb0 >> 3)] * (float)isum[m];
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
@@ -234,7 +253,7 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
              const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y, int ring)
 {
     extern __shared__ unsigned smem[];
-    const int P = (K + 511) >> 9, K4 = K >> 2, K32 = K >> 5, nblk = K >> 8;
+    const int P = (K + 511) >> 9, K4 = K >> 2, KG = K >> (GROUP == 256 ? 8 : 5), nblk = K >> 8;
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int tiles = (N + 31) >> 5;
     // the warps' sums of the CTA's last `ring` tiles [ring][WARPS][NCOL][32]: summed and written every `ring`
@@ -263,7 +282,7 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
     // sub-blocks: gpu-notes "Session 28")
     for (int i = threadIdx.x; i < NCOL * K4 / 4; i += WARPS * 32)
         reinterpret_cast<int4*>(xs)[i] = __ldg(reinterpret_cast<const int4*>(xw) + i);
-    for (int i = threadIdx.x; i < NCOL * K32; i += WARPS * 32) xds[i] = __ldg(xd + i);
+    for (int i = threadIdx.x; i < NCOL * KG; i += WARPS * 32) xds[i] = __ldg(xd + i);
 #pragma unroll
     for (int r = 0; r < FILL; ++r) {
         const int i = threadIdx.x + r * WARPS * 32;
@@ -281,9 +300,9 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
         if (t != blockIdx.x && wid < P) load_block(a, w, (size_t)t * P + wid, 0, lane);
         for (int p = wid; p < P; p += WARPS) {
             load_block(b, w, (size_t)t * P + p, 1, lane);  // the padding block of an odd count is zeros
-            dot_block(a, 0, 16 * p, xs, xds, K4, K32, tab, acc);
+            dot_block(a, 0, 16 * p, xs, xds, K4, KG, tab, acc);
             if (p + WARPS < P) load_block(a, w, (size_t)t * P + p + WARPS, 0, lane);
-            if (2 * p + 1 < nblk) dot_block(b, 1, 16 * p + 8, xs, xds, K4, K32, tab, acc);
+            if (2 * p + 1 < nblk) dot_block(b, 1, 16 * p + 8, xs, xds, K4, KG, tab, acc);
         }
 #if PDL
         if (t + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
@@ -495,8 +514,9 @@ class IlSchedule:
     `negtab`: table entries {grid word, its bytes negated} and one dp4a a grid word and column (else the
     word alone and two dp4a). `kernel` "il_mma": the tensor-core kernel (split-K by blocks, 16 copies of
     {word, negated word}, `regs` registers a thread; `copies` and `negtab` do not apply). `group`: the
-    activation's values per scale, 32 or (tensor-core kernel only) 256: the sub-block scales then weigh the
-    integer mma results and one float conversion a block remains (H200, 3-8 columns: 9-14 % faster)."""
+    activation's values per scale, 32 or 256: with 256 the sub-block scales (1 + 2·nibble) weigh the integer
+    sums and one float conversion a block remains (H200, the tensor-core kernel at 3-8 columns: 9-14 %
+    faster)."""
 
     warps: int
     copies: int = 16
@@ -506,15 +526,16 @@ class IlSchedule:
     group: int = 32
 
     def __post_init__(self):
-        if self.group not in (32, 256) or (self.group == 256 and self.kernel != "il_mma"):
-            raise QuantKernelError(f"activation groups of {self.group}: 32, or 256 on the tensor-core kernel")
+        if self.group not in (32, 256):
+            raise QuantKernelError(f"activation groups of {self.group}: the il32 kernels take 32 or 256")
 
     @property
     def name(self) -> str:
         if self.kernel == "il_mma":
             return (f"ilmma_w{self.warps}" + (f"_r{self.regs}" if self.regs else "")
                     + (f"_g{self.group}" if self.group != 32 else ""))
-        return f"il_w{self.warps}_c{self.copies}" + ("_nt" if self.negtab else "")
+        return (f"il_w{self.warps}_c{self.copies}" + ("_nt" if self.negtab else "")
+                + (f"_g{self.group}" if self.group != 32 else ""))
 
     def smem_bytes(self, columns: int, in_features: int, ring: int = 1) -> int:
         """The tables and the split-K sums (the dp4a kernel's: of `ring` tiles); the dp4a kernel also stages
@@ -522,7 +543,8 @@ class IlSchedule:
         if self.kernel == "il_mma":
             return 512 * 16 * 8 + self.warps * 32 * 8 * 4
         table = 512 * self.copies * (8 if self.negtab else 4)
-        return table + ring * self.warps * columns * 32 * 4 + columns * in_features * 9 // 8
+        activation = columns * (in_features + in_features // self.group * 4)  # int8 values, fp32 scales
+        return table + ring * self.warps * columns * 32 * 4 + activation
 
 
 def il_schedule(columns: int, in_features: int, out_features: int = 8192, group: int = 32) -> IlSchedule:
@@ -530,13 +552,12 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     table at 2 columns on matrices of ≥ 8192 rows (on the H200 within 3 % of the best il schedule at 1 and 2
     columns on the 27B's matrices, sessions 26 and 28; the 5120-row ones up to 10 % slower with it, session
     29). 3-8: the tensor-core kernel, 10 warps of 96 registers (the best or within 4 % of it at 3, 4 and 8
-    columns on the 27B's il32 matrices, sessions 27 and 29), taking an activation of one scale per `group`
-    inputs (256: 3-8 columns only)."""
+    columns on the 27B's il32 matrices, sessions 27 and 29). Both take an activation of one scale per
+    `group` inputs."""
     if columns >= 3:
         return IlSchedule(min(10, in_features // 256), kernel="il_mma", group=group)
-    if group != 32:
-        raise QuantKernelError(f"the dp4a il32 kernel takes one activation scale per 32 inputs, not {group}")
-    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, columns == 2 and out_features >= 8192)
+    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, columns == 2 and out_features >= 8192,
+                      group=group)
 
 
 _RING = 8  # the dp4a kernel's tiles summed at once, at most (the CTA's tiles on the H200: 5 for gate|up)
@@ -735,17 +756,22 @@ def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.
     if x2.shape[0] > 2 * MAX_COLUMNS:
         w = dequantize_il32(words, out_features, in_features, x.dtype if x.is_cuda else torch.float32)
         return (x2.to(w.dtype) @ w.t()).to(x.dtype).reshape(*x.shape[:-1], out_features)
-    n = x2.shape[0]
-    # NINFER_IL_GROUP=256: 3-8 columns on the tensor-core kernel with one activation scale per 256 inputs
-    # (9-14 % faster alone; quantised here, as the fused producers write groups of 32)
-    group = 256 if 3 <= n <= MAX_COLUMNS and os.environ.get("NINFER_IL_GROUP") == "256" else 32
-    xa = quantize_activation_cached(x, group)
-    if n <= MAX_COLUMNS:
-        y = gemv_il(words, xa, out_features, il_schedule(n, in_features, out_features, group))
-    else:
-        y = torch.cat([gemv_il(words, xa.rows(i, i + MAX_COLUMNS), out_features)
-                       for i in range(0, x2.shape[0], MAX_COLUMNS)])
+    n, group = x2.shape[0], il_group()
+    xa = quantize_activation_cached(x, group)  # the kernel that made x may have quantised it (`il_group`)
+    parts = [gemv_il(words, xa.rows(i, i + MAX_COLUMNS), out_features,
+                     il_schedule(min(MAX_COLUMNS, n - i), in_features, out_features, group))
+             for i in range(0, n, MAX_COLUMNS)]
+    y = parts[0] if len(parts) == 1 else torch.cat(parts)
     return y.reshape(*x.shape[:-1], out_features)
+
+
+def il_group() -> int:
+    """Inputs per scale of the int8 activation the il32 GEMVs take (`IlSchedule.group`): 32, or with
+    NINFER_IL_GROUP=256 one scale a block (as llama.cpp's CPU iq3_s dot product takes its q8_K activation;
+    on the H200 the dp4a kernel 2.5-6 % and the tensor-core kernel 8-11 % faster, session 31; not yet the
+    default: gpu-notes "Session 31"). The kernels that make a Linear's input write it so
+    (`Linear.activation_group`)."""
+    return 256 if os.environ.get("NINFER_IL_GROUP") == "256" else 32
 
 
 def gemv_il_reference(words: torch.Tensor, xa: QuantizedActivation, out_features: int) -> torch.Tensor:

@@ -179,6 +179,15 @@ class Linear(nn.Module):
                                                 self.raw.device):
             self.raw, self.layout = nn.Buffer(repack_il32(self.raw)), "il32"
 
+    def activation_group(self) -> int:
+        """Inputs per scale of the int8 activation this Linear's decode GEMVs read (the `kernels.ops` kernel
+        that makes x writes it so): `kernels.gemv_il.il_group()` for the il32 layout, else 32."""
+        if self.layout == "il32":
+            from ninfer.kernels.gemv_il import il_group
+
+            return il_group()
+        return 32
+
     def forward(self, x: torch.Tensor, columns_applied: bool = False, conv=None) -> torch.Tensor:
         """`columns_applied`: x already is in `input_columns` order (`ops.gated_rms_norm(gather=...)`).
         `conv`: a `kernels.gdn_decode.ConvEpilogue` of the first outputs the matmul may run (quantized)."""
@@ -267,6 +276,11 @@ class MergedLinear(nn.Module):
                 else:
                     spans.append((g, a, b))
             self.parts.append(tuple(spans))
+
+    def activation_group(self) -> int:
+        """`Linear.activation_group` of its largest matmul (a smaller one of another format may quantise x
+        again)."""
+        return max(self.groups, key=lambda g: g.out_features).activation_group()
 
     def forward(self, x: torch.Tensor, conv=None) -> list[torch.Tensor]:
         """One output per part, `[..., part width]` (views into the group outputs where possible). `conv`: a

@@ -628,8 +628,8 @@ def compile_attention(log: Log) -> bool:
              "gate_ptr": "*bf16", "q_ptr": "*i8", "d_ptr": "*fp32", "s_ptr": "*fp32", "Hq": "i32",
              "pages_per_split": "i32", "s_gate": "i32"}
     for gate in (False, True):
-        build(pa._merge_splits_kernel, merge, {"D": 256, "SPLITS": 64, "BS": 64, "GATE": gate, "QUANT": gate},
-              f"paged attention merge{' + gate' if gate else ''}")
+        const = {"D": 256, "SPLITS": 64, "BS": 64, "GATE": gate, "QUANT": gate, "GROUP": 256}
+        build(pa._merge_splits_kernel, merge, const, f"paged attention merge{' + gate' if gate else ''}")
     prefill = {"q_ptr": "*bf16", "kv_ptr": "*u8", "kv16_ptr": "*i16", "pt_ptr": "*i32", "levels_ptr": "*fp32",
                "o_ptr": "*bf16", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "L": "i32", "cached": "i32",
                "Hq": "i32", "Hkv": "i32", "pages_per_split": "i32", "scale": "fp32"}

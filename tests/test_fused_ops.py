@@ -163,27 +163,30 @@ def test_sigmoid_gate_mul_matches_reference(gen, dtype, width):
     _close(fused.sigmoid_gate_mul(attn, gate), fused.sigmoid_gate_mul_reference(attn, gate))
 
 
-@pytest.mark.parametrize(("op", "width"), [("add_rms_norm", 5120), ("add_rms_norm", 96), ("swiglu", 1056),
-                                         ("sigmoid_gate_mul", 6144)])
-def test_int8_activation_made_in_the_same_launch(gen, op, width):
+@pytest.mark.parametrize(("op", "width", "group"), [("add_rms_norm", 5120, 32), ("add_rms_norm", 96, 32),
+                                                  ("swiglu", 1056, 32), ("sigmoid_gate_mul", 6144, 32),
+                                                  ("add_rms_norm", 5120, 256), ("swiglu", 2048, 256),
+                                                  ("sigmoid_gate_mul", 6144, 256)])
+def test_int8_activation_made_in_the_same_launch(gen, op, width, group):
     """With `quantize`, the kernel also writes its output's int8 activation (bit-equal to quantising the
-    stored output) and leaves it in gemv_q8's memo for the Linear that reads the output next."""
+    stored output, `group` values a scale) and leaves it in gemv_q8's memo for the Linear that reads the
+    output next."""
     from ninfer.kernels import gemv_q8
 
     a, b = _randn(gen, 3, width, dtype=torch.bfloat16, scale=3.0), _randn(gen, 3, width, dtype=torch.bfloat16)
     if op == "add_rms_norm":
         w = _randn(gen, width)
-        out, res = fused.add_rms_norm(a, b, w, 1e-6, True, quantize=True)
+        out, res = fused.add_rms_norm(a, b, w, 1e-6, True, quantize=True, group=group)
         plain = fused.add_rms_norm(a, b, w, 1e-6, True)
         assert torch.equal(res, plain[1])
         plain = plain[0]
     else:
         kernel = getattr(fused, op)
-        out, plain = kernel(a, b, quantize=True), kernel(a, b)
+        out, plain = kernel(a, b, quantize=True, group=group), kernel(a, b)
     assert torch.equal(out, plain)  # the output itself is unchanged
     remembered = gemv_q8._MEMO.result
-    assert gemv_q8.quantize_activation_cached(out) is remembered  # no second quantisation
-    want = gemv_q8.quantize_activation_reference(out)
+    assert gemv_q8.quantize_activation_cached(out, group) is remembered  # no second quantisation
+    want = gemv_q8.quantize_activation_reference(out, group)
     assert torch.equal(remembered.q, want.q) and torch.equal(remembered.d, want.d)
     assert torch.equal(remembered.s, want.s) and remembered.dtype == torch.bfloat16
     gemv_q8._MEMO.clear()
@@ -191,33 +194,40 @@ def test_int8_activation_made_in_the_same_launch(gen, op, width):
         fused.swiglu(a[:, :40], b[:, :40], quantize=True)
 
 
+@pytest.mark.parametrize("dims", [(3, 8, 64), (2, 48, 128)])  # the 27B's: 48 value heads of 128
+@pytest.mark.parametrize("group", [32, 256])
 @pytest.mark.parametrize("order", ["none", "heads", "tiled"])
-def test_gated_rms_norm_quantises_whole_heads_for_the_output_projection(gen, order):
+def test_gated_rms_norm_quantises_whole_heads_for_the_output_projection(gen, order, group, dims):
     """The GDN output norm with `quantize`: its flat bf16 output unchanged and its int8 activation bit-equal
     to quantising that output, also when the output Linear's input order moves whole heads (a GGUF's tiled
-    value heads) — each program's head stays one run of 32-column groups."""
+    value heads) — each program's head stays one run of 32-column groups; groups of 256 over heads of 64
+    (four heads a program, found through the gather where heads move)."""
     from ninfer.kernels import gemv_q8
     from ninfer.models.weights import aligned_run
 
-    T, H, N = 3, 6, 64
+    T, H, N = dims
     core, z = _randn(gen, T, H, N), _randn(gen, T, H, N, dtype=torch.bfloat16, scale=2.0)
     w = _randn(gen, N).abs()
     heads = torch.randperm(H, generator=gen)
     gather = {"none": None, "heads": (heads[:, None] * N + torch.arange(N)).reshape(-1),
-              "tiled": tiled_input_columns(2, H, N)}[order]
+              "tiled": tiled_input_columns(H // 4, H, N)}[order]
     scatter = None if gather is None else torch.argsort(gather)
     if scatter is not None:
         assert aligned_run(scatter) % N == 0
-    out = fused.gated_rms_norm(core, z, w, 1e-6, torch.bfloat16, scatter, quantize=True)
+    out = fused.gated_rms_norm(core, z, w, 1e-6, torch.bfloat16, scatter, quantize=True, group=group,
+                               gather=gather)
     want = reference.gated_rms_norm(core.to(torch.bfloat16), z, w, 1e-6).reshape(T, -1)
     _close(out, want if gather is None else want.index_select(-1, gather))
     assert torch.equal(out, fused.gated_rms_norm(core, z, w, 1e-6, torch.bfloat16, scatter).reshape(T, -1))
-    got, ref = gemv_q8.quantize_activation_cached(out), gemv_q8.quantize_activation_reference(out)
+    got = gemv_q8.quantize_activation_cached(out, group)
+    ref = gemv_q8.quantize_activation_reference(out, group)
     assert got is gemv_q8._MEMO.result
     assert torch.equal(got.q, ref.q) and torch.equal(got.d, ref.d) and torch.equal(got.s, ref.s)
     gemv_q8._MEMO.clear()
     with pytest.raises(NinferError, match="power-of-two multiple of 32"):
         fused.gated_rms_norm(core[..., :48], z[..., :48], w[:48], 1e-6, torch.bfloat16, quantize=True)
+    with pytest.raises(NinferError, match=f"whole groups of them; got {H - 1} of {N}"):  # odd: no pairs
+        fused.gated_rms_norm(core[:, 1:], z[:, 1:], w, 1e-6, torch.bfloat16, quantize=True, group=256)
 
 
 def test_aligned_run_finds_the_runs_a_permutation_keeps_together():
@@ -357,7 +367,7 @@ def test_model_on_fused_kernels_matches_the_reference_path(tiny_bf16, monkeypatc
 
 # ---- launch count of one decode step ---------------------------------------------------------------------
 
-def _gated_norm_stand_in(o, z, w, eps, out_dtype=None, scatter=None, quantize=False):
+def _gated_norm_stand_in(o, z, w, eps, out_dtype=None, scatter=None, quantize=False, group=32, gather=None):
     gather = None if scatter is None else torch.argsort(scatter)
     return fused.gated_rms_norm_reference(o, z, w, eps, out_dtype, gather)
 
@@ -388,7 +398,7 @@ class LaunchCounter(TorchDispatchMode):
 
     def launches(self, n: int, fn):
         @functools.wraps(fn)
-        def wrapped(*args, quantize: bool = False, **kwargs):  # the fused kernel's int8 output: same launch
+        def wrapped(*args, quantize: bool = False, group: int = 32, **kwargs):  # int8 output: same launch
             self.count += n
             self.inside += 1
             try:
@@ -484,14 +494,18 @@ def compile_for_sm90() -> list[str]:
         norm = {"x_ptr": f"*{ty}", "r_ptr": f"*{ty}", "w_ptr": "*fp32", "out_ptr": f"*{ty}",
                 "res_out_ptr": f"*{ty}", **int8, **ints("N", "H", "sx0", "sx1", "sr0", "sr1", "so0", "so1"),
                 **ints("sro0", "sro1"), "eps": "fp32"}
-        for res in (True, False):
+        for res, group in ((True, 32), (True, 256), (False, 32)):  # QUANT with the residual
             flags = {"HAS_RES": res, "HAS_W": True, "ZERO_CENTRED": res, "QUANT": res, "BLOCK": 8192,
-                     "CHUNK": 1024 if res else 8192}
+                     "CHUNK": 1024 if res else 8192, "GROUP": group}
             build(fused._norm_kernel, norm, flags, 16)
-        gated = {"o_ptr": "*fp32", "z_ptr": f"*{ty}", "w_ptr": "*fp32", "out_ptr": f"*{ty}",
-                 "scatter_ptr": "*i64", **int8, **ints("N", "H", "so0", "so1", "sz0", "sz1"), "eps": "fp32"}
-        for scatter in (True, False):
-            build(fused._gated_norm_kernel, gated, {"SCATTER": scatter, "QUANT": scatter, "BLOCK": 128}, 1)
+        rows = {"o_ptr": "*fp32", "z_ptr": f"*{ty}", "w_ptr": "*fp32", "out_ptr": f"*{ty}",
+                "scatter_ptr": "*i64"}
+        rest = {**int8, **ints("N", "H", "so0", "so1", "sz0", "sz1"), "eps": "fp32"}
+        for scatter in (True, False):  # a head a program; groups of 256 over two heads of 128
+            build(fused._gated_norm_kernel, {**rows, **rest}, {"SCATTER": scatter, "QUANT": scatter,
+                                                               "BLOCK": 128, "GROUP": 32}, 1)
+            build(fused._gated_norm_heads_kernel, {**rows, "gather_ptr": "*i64", **rest},
+                  {"SCATTER": scatter, "BLOCK": 128, "HEADS": 2}, 2)
         rotary = {"x_ptr": f"*{ty}", "w_ptr": "*fp32", "out_ptr": f"*{ty}", "x2_ptr": f"*{ty}",
                   "w2_ptr": "*fp32", "out2_ptr": f"*{ty}", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                   **ints("D", "H", "H2", "R", "sx0", "sx1", "sx20", "sx21", "sc0", "ss0"), "eps": "fp32"}
@@ -500,9 +514,10 @@ def compile_for_sm90() -> list[str]:
         pair = [f"*{ty}", f"*{ty}", f"*{ty}", *int8.values(), "i32", "i32", "i32"]
         swiglu = ["g_ptr", "u_ptr", "out_ptr", *int8, "N", "sg", "su"]
         gate_mul = ["a_ptr", "g_ptr", "out_ptr", *int8, "N", "sa", "sg"]
-        for quant in (True, False):
+        for quant, group in ((True, 32), (True, 256), (False, 32)):
             for kernel, names in ((fused._swiglu_kernel, swiglu), (fused._gate_mul_kernel, gate_mul)):
-                build(kernel, dict(zip(names, pair, strict=True)), {"QUANT": quant, "BLOCK": 1024}, 4)
+                build(kernel, dict(zip(names, pair, strict=True)), {"QUANT": quant, "BLOCK": 1024,
+                                                                      "GROUP": group}, 4)
         for name, code in kv_write.WRITE_CODES.items():  # the KV pool write (kernels.kv_write)
             write = {"k_ptr": f"*{ty}", "v_ptr": f"*{ty}", "kv8_ptr": "*u8", "kv16_ptr": "*i16",
                      "kv32_ptr": "*fp32" if name == "fp32" else "*i16", "page_ptr": "*i64", "off_ptr": "*i64",
@@ -511,9 +526,9 @@ def compile_for_sm90() -> list[str]:
                   {"D": 256, "TB": kv_quant.kv_format(name, 256).token_bytes, "FMT": code}, 4)
         merge = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": f"*{ty}",
                  "gate_ptr": f"*{ty}", **int8, **ints("Hq", "pages_per_split", "s_gate")}
-        for gate in (True, False):  # paged attention's merge, with the output gate
+        for gate, group in ((True, 32), (True, 256), (False, 32)):  # paged attention's merge, the output gate
             build(paged_attention._merge_splits_kernel, merge,
-                  {"D": 256, "SPLITS": 16, "BS": 16, "GATE": gate, "QUANT": gate}, 4)
+                  {"D": 256, "SPLITS": 16, "BS": 16, "GATE": gate, "QUANT": gate, "GROUP": group}, 4)
         if ty == "bf16":  # the GDN decode conv in the rows GEMVs' epilogue
             conv = {"cw_ptr": "*fp32", "cs_ptr": "*fp32", "slot_ptr": "*i32", "co_ptr": "*fp32",
                     **ints("C", "s_cs")}

@@ -56,27 +56,28 @@ def test_kernel_matches_reference(name):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_output_gate_in_the_merge_launch(dtype, monkeypatch):
+@pytest.mark.parametrize(("dtype", "dim", "group"), [(torch.float32, 64, 32), (torch.bfloat16, 64, 32),
+                                                   (torch.float32, 256, 256)])
+def test_output_gate_in_the_merge_launch(dtype, dim, group, monkeypatch):
     """The gate applied by the merge kernel: fp32 bit for bit the attention then `fused.sigmoid_gate_mul`'s
     kernel; bf16 against the references (the interpreter's plain bf16 store truncates, so not against the
     ungated kernel); with the int8 activation asked for, exactly `quantize_activation_reference` of the gated
-    rows."""
+    rows, in groups of 32 or of a whole head (256); none where a group would span heads."""
     from ninfer.kernels import fused, gemv_q8
 
     monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
     gen = torch.Generator().manual_seed(3)
-    fmt = kv_quant.kv_format("bf16", 64)
+    fmt = kv_quant.kv_format("bf16", dim)
     lens = [70, 130]
     storage, tables = filled_pool(gen, fmt, lens, kv_heads=2)
     lane_ids, seq_lens = torch.tensor([1, 0], dtype=torch.int32), torch.tensor([130, 70], dtype=torch.int32)
-    q = torch.randn(2, 6, 64, generator=gen).to(dtype)
-    merged = torch.randn(2, 6 * 64 + 16, generator=gen).to(dtype)
+    q = torch.randn(2, 6, dim, generator=gen).to(dtype)
+    merged = torch.randn(2, 6 * dim + 16, generator=gen).to(dtype)
     gate = merged[:, 16:]  # a column view of a merged projection
     attn = paged_decode_attention(q, storage, tables, lane_ids, seq_lens, fmt, pages_per_split=1)
     want = fused.sigmoid_gate_mul(attn.reshape(2, -1), gate)
     got = paged_decode_attention(q, storage, tables, lane_ids, seq_lens, fmt, pages_per_split=1, gate=gate)
-    assert got.shape == (2, 6 * 64)
+    assert got.shape == (2, 6 * dim)
     if dtype == torch.float32:
         assert torch.equal(got, want)
     else:
@@ -86,10 +87,16 @@ def test_output_gate_in_the_merge_launch(dtype, monkeypatch):
         torch.testing.assert_close(got, want, rtol=2.0**-7, atol=0)
         assert (got != want).float().mean() <= 0.01
     monkeypatch.setattr(gemv_q8, "int8_next", lambda x: True)
-    got = paged_decode_attention(q, storage, tables, lane_ids, seq_lens, fmt, pages_per_split=1, gate=gate)
-    memo, ref = gemv_q8.quantize_activation_cached(got), gemv_q8.quantize_activation_reference(got)
+    got = paged_decode_attention(q, storage, tables, lane_ids, seq_lens, fmt, pages_per_split=1, gate=gate,
+                                 group=group)
     assert gemv_q8._MEMO.ref() is got
+    memo = gemv_q8.quantize_activation_cached(got, group)
+    ref = gemv_q8.quantize_activation_reference(got, group)
     assert torch.equal(memo.q, ref.q) and torch.equal(memo.d, ref.d) and torch.equal(memo.s, ref.s)
+    gemv_q8._MEMO.clear()
+    if dim < 256:
+        got = paged_decode_attention(q, storage, tables, lane_ids, seq_lens, fmt, gate=gate, group=256)
+        assert gemv_q8._MEMO.ref is None  # groups of 256 would span heads: the Linear quantises
     with pytest.raises(NinferError, match="output gate"):
         paged_decode_attention(q, storage, tables, lane_ids, seq_lens, fmt, gate=gate[:, :64])
 

@@ -72,12 +72,13 @@ class GraphDecodeContext:
         return self.gated_attention(kv_layer, q, k, v, None)
 
     def gated_attention(self, kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        gate: torch.Tensor | None) -> torch.Tensor:
+                        gate: torch.Tensor | None, group: int = 32) -> torch.Tensor:
         """`attention` times its output gate, `[T, Hq·D]`, the gate applied in the attention's last launch
-        (the optional hook of `models.qwen3_5.GatedAttention`); no gate: `attention`'s `[T, Hq, D]`."""
+        (the optional hook of `models.qwen3_5.GatedAttention`; `group`: the output Linear's int8 activation
+        grouping); no gate: `attention`'s `[T, Hq, D]`."""
         self._kv.write(kv_layer, (self._write_pages, self._write_offsets), k, v)
         return paged_decode_attention(q, self._kv.storage[kv_layer], self._kv.page_tables, self.inputs[_LANE],
-                                      self.inputs[_LEN], self._kv.fmt, gate=gate)
+                                      self.inputs[_LEN], self._kv.fmt, gate=gate, group=group)
 
     def gdn_mix(self, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 params, conv_done: bool = False) -> torch.Tensor:

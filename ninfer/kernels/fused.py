@@ -71,12 +71,13 @@ if HAVE_TRITON:
     from ninfer.kernels.gemv_q8 import quantize_groups
 
     @jit
-    def _quantize_row(v, row, g0, ok, N, q_ptr, d_ptr, s_ptr, BLOCK: tl.constexpr):
-        """The int8 activation (gemv_q8's format) of a program's BLOCK rounded outputs `v` of row `row`,
-        starting at group g0 (BLOCK a multiple of 32), for the Linear that reads them next."""
-        G: tl.constexpr = BLOCK // 32
-        quantize_groups(tl.reshape(tl.where(ok, v, 0.0), [G, 32]), row, g0 + tl.arange(0, G),
-                        tl.reshape(ok, [G, 32]), N, q_ptr, d_ptr, s_ptr)
+    def _quantize_row(v, row, g0, ok, N, q_ptr, d_ptr, s_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr = 32):
+        """The int8 activation (gemv_q8's format, GROUP values a scale) of a program's BLOCK rounded outputs
+        `v` of row `row`, starting at group g0 (BLOCK a multiple of GROUP), for the Linear that reads them
+        next."""
+        G: tl.constexpr = BLOCK // GROUP
+        quantize_groups(tl.reshape(tl.where(ok, v, 0.0), [G, GROUP]), row, g0 + tl.arange(0, G),
+                        tl.reshape(ok, [G, GROUP]), N, q_ptr, d_ptr, s_ptr, GROUP)
 
     @jit
     def _sigmoid(x):
@@ -110,14 +111,14 @@ if HAVE_TRITON:
     def _norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, d_ptr, s_ptr, N, H, sx0, sx1, sr0, sr1,
                      so0, so1, sro0, sro1, eps, HAS_RES: tl.constexpr, HAS_W: tl.constexpr,
                      ZERO_CENTRED: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
-                     CHUNK: tl.constexpr, PDL: tl.constexpr = 0):
+                     CHUNK: tl.constexpr, GROUP: tl.constexpr = 32, PDL: tl.constexpr = 0):
         """One row of N per program axis 0, its CHUNK columns number program_id(1); rows are (i // H, i % H)
         of a [T, H, N] strided view. Each program sums the squares of the whole row, then writes its chunk
         (so that a one-row decode step's norm runs on N / CHUNK SMs, not one). QUANT (H = 1): the output's
-        int8 activation too (q, d, s). Rows are held as [groups, 32] tiles, the int8 activation's groups,
-        so quantising needs no reshape (a layout conversion through shared memory). The norm weight (a
-        constant) is loaded before the PDL wait, its latency hidden."""
-        W: tl.constexpr = 32 if BLOCK >= 32 else BLOCK
+        int8 activation too (q, d, s; GROUP values a scale). Rows are held as [groups, GROUP] tiles, the
+        int8 activation's groups, so quantising needs no reshape (a layout conversion through shared
+        memory). The norm weight (a constant) is loaded before the PDL wait, its latency hidden."""
+        W: tl.constexpr = GROUP if BLOCK >= GROUP else BLOCK
         group = tl.program_id(1) * (CHUNK // W) + tl.arange(0, CHUNK // W)
         chunk = group[:, None] * W + tl.arange(0, W)[None, :]
         ok = chunk < N
@@ -140,8 +141,8 @@ if HAVE_TRITON:
             y = y * w
         y = _round(y, out_ptr.dtype.element_ty)
         tl.store(out_ptr + t * so0 + h * so1 + cols, y, mask=ok)
-        if QUANT:  # W = 32 (N a multiple of 32)
-            quantize_groups(tl.where(ok, y.to(tl.float32), 0.0), i, group, ok, N, q_ptr, d_ptr, s_ptr)
+        if QUANT:  # W = GROUP (N a multiple of GROUP)
+            quantize_groups(tl.where(ok, y.to(tl.float32), 0.0), i, group, ok, N, q_ptr, d_ptr, s_ptr, GROUP)
 
     @jit
     def _norm_input(x_row, r_row, cols, ok, HAS_RES: tl.constexpr, res_ty: tl.constexpr):
@@ -154,11 +155,11 @@ if HAVE_TRITON:
     @jit
     def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, scatter_ptr, q_ptr, d_ptr, s_ptr, N, H, so0, so1,
                            sz0, sz1, eps, SCATTER: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr = 0):
+                           GROUP: tl.constexpr = 32, PDL: tl.constexpr = 0):
         """`rmsnorm(o)·w·silu(z)` per row of N; rows (i // H, i % H); o first rounded to the output dtype (the
         unfused model cast the mixer's fp32 output first). Out contiguous [T, H·N]; with SCATTER, flat column
         c of row t lands in column scatter[c] (a Linear's input-column order applied on the way out). QUANT
-        (BLOCK = N, a multiple of 32, and each head's N columns landing as one aligned run): the int8
+        (BLOCK = N, a multiple of GROUP, and each head's N columns landing as one aligned run): the int8
         activation of out's rows too. The constants (norm weight, scatter) are loaded before the PDL wait."""
         i = tl.program_id(0)
         t, h = i // H, i % H
@@ -179,7 +180,39 @@ if HAVE_TRITON:
             dest = h * N + cols
             tl.store(out_ptr + i * N + cols, y, mask=ok)
         if QUANT:  # the head's run starts at its smallest destination column
-            _quantize_row(y.to(tl.float32), t, -tl_max(-dest, 0) // 32, ok, H * N, q_ptr, d_ptr, s_ptr, BLOCK)
+            _quantize_row(y.to(tl.float32), t, -tl_max(-dest, 0) // GROUP, ok, H * N, q_ptr, d_ptr, s_ptr,
+                          BLOCK, GROUP)
+
+    @jit
+    def _gated_norm_heads_kernel(o_ptr, z_ptr, w_ptr, out_ptr, scatter_ptr, gather_ptr, q_ptr, d_ptr, s_ptr,
+                                 N, H, so0, so1, sz0, sz1, eps, SCATTER: tl.constexpr,
+                                 BLOCK: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr = 0):
+        """`_gated_norm_kernel` with QUANT for int8 groups of HEADS heads (BLOCK = N): program (t, g) takes
+        the heads whose runs make up output columns g·HEADS·N .. (g + 1)·HEADS·N - 1, in their order (with
+        SCATTER found through gather, scatter's inverse: `gather[g·HEADS·N + k·N] // N`), and writes group
+        g."""
+        i = tl.program_id(0)
+        t, g = i // (H // HEADS), i % (H // HEADS)
+        cols = tl.arange(0, BLOCK)[None, :]
+        if SCATTER:
+            h = tl.load(gather_ptr + g * HEADS * N + tl.arange(0, HEADS)[:, None] * N) // N
+        else:
+            h = g * HEADS + tl.arange(0, HEADS)[:, None]
+        w = tl.load(w_ptr + cols).to(tl.float32)
+        if SCATTER:
+            dest = tl.load(scatter_ptr + h * N + cols)
+        else:
+            dest = h * N + cols
+        pdl_start(PDL)
+        o = tl.load(o_ptr + t * so0 + h * so1 + cols).to(tl.float32)
+        o = _round(o, out_ptr.dtype.element_ty).to(tl.float32)
+        z = tl.load(z_ptr + t * sz0 + h * sz1 + cols).to(tl.float32)
+        inv = tl.math.rsqrt(tl.reduce(o * o, 1, tl.standard._sum_combine)[:, None] / N + eps)
+        y = _round(o * inv * w * (z * _sigmoid(z)), out_ptr.dtype.element_ty)
+        tl.store(out_ptr + t * H * N + dest, y)
+        whole = tl.arange(0, HEADS * BLOCK) < HEADS * BLOCK  # every column: BLOCK = N
+        _quantize_row(tl.reshape(y, [HEADS * BLOCK]).to(tl.float32), t, g, whole, H * N, q_ptr, d_ptr, s_ptr,
+                      HEADS * BLOCK, HEADS * BLOCK)
 
     @jit
     def _norm_rotary_kernel(x_ptr, w_ptr, out_ptr, x2_ptr, w2_ptr, out2_ptr, cos_ptr, sin_ptr, D, H, H2, R,
@@ -224,18 +257,18 @@ if HAVE_TRITON:
 
     @jit
     def _store_row_block(out_ptr, y, t, cols, ok, N, q_ptr, d_ptr, s_ptr, QUANT: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, GROUP: tl.constexpr):
         """An elementwise kernel's fp32 results into row t of the contiguous [T, N] out (rounded to its
-        dtype), and with QUANT their int8 activation."""
+        dtype), and with QUANT their int8 activation (GROUP values a scale)."""
         y = _round(y, out_ptr.dtype.element_ty)
         tl.store(out_ptr + t * N + cols, y, mask=ok)
         if QUANT:
-            _quantize_row(y.to(tl.float32), t, tl.program_id(1) * (BLOCK // 32), ok, N, q_ptr, d_ptr, s_ptr,
-                          BLOCK)
+            _quantize_row(y.to(tl.float32), t, tl.program_id(1) * (BLOCK // GROUP), ok, N, q_ptr, d_ptr,
+                          s_ptr, BLOCK, GROUP)
 
     @jit
     def _swiglu_kernel(g_ptr, u_ptr, out_ptr, q_ptr, d_ptr, s_ptr, N, sg, su, QUANT: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+                       BLOCK: tl.constexpr, GROUP: tl.constexpr = 32, PDL: tl.constexpr = 0):
         """`silu(gate)·up` over [T, N] row views; out contiguous."""
         pdl_start(PDL)
         t = tl.program_id(0)
@@ -243,11 +276,12 @@ if HAVE_TRITON:
         ok = cols < N
         g = tl.load(g_ptr + t * sg + cols, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + t * su + cols, mask=ok, other=0.0).to(tl.float32)
-        _store_row_block(out_ptr, g * _sigmoid(g) * u, t, cols, ok, N, q_ptr, d_ptr, s_ptr, QUANT, BLOCK)
+        _store_row_block(out_ptr, g * _sigmoid(g) * u, t, cols, ok, N, q_ptr, d_ptr, s_ptr, QUANT, BLOCK,
+                         GROUP)
 
     @jit
     def _gate_mul_kernel(a_ptr, g_ptr, out_ptr, q_ptr, d_ptr, s_ptr, N, sa, sg, QUANT: tl.constexpr,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+                         BLOCK: tl.constexpr, GROUP: tl.constexpr = 32, PDL: tl.constexpr = 0):
         """`attn · sigmoid(gate)` over [T, N] row views, the sigmoid rounded to the output dtype first."""
         pdl_start(PDL)
         t = tl.program_id(0)
@@ -256,7 +290,7 @@ if HAVE_TRITON:
         a = tl.load(a_ptr + t * sa + cols, mask=ok, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + t * sg + cols, mask=ok, other=0.0).to(tl.float32)
         gate = _round(_sigmoid(g), out_ptr.dtype.element_ty).to(tl.float32)
-        _store_row_block(out_ptr, a * gate, t, cols, ok, N, q_ptr, d_ptr, s_ptr, QUANT, BLOCK)
+        _store_row_block(out_ptr, a * gate, t, cols, ok, N, q_ptr, d_ptr, s_ptr, QUANT, BLOCK, GROUP)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -284,17 +318,18 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def int8_buffers(out: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, ...]:
-    """Where a kernel writes the int8 activation of its `[T, N]` output `out` (gemv_q8's format), or
-    placeholders (any pointer) when it does not quantise."""
+def int8_buffers(out: torch.Tensor, quantize: bool, group: int = 32) -> tuple[torch.Tensor, ...]:
+    """Where a kernel writes the int8 activation of its `[T, N]` output `out` (gemv_q8's format, `group`
+    values a scale), or placeholders (any pointer) when it does not quantise."""
     if not quantize:
         return out, out, out
     T, N = out.shape
-    if N % 32:
-        raise FusedKernelError(f"int8 activation rows need a multiple of 32 columns, got {N}")
+    if N % group or group not in (32, 256):
+        raise FusedKernelError(f"int8 activation rows need a multiple of {group} columns (groups of 32 or "
+                               f"256), got {N}")
     return (torch.empty((T, N), dtype=torch.int8, device=out.device),
-            torch.empty((T, N // 32), dtype=torch.float32, device=out.device),
-            torch.empty((T, N // 32), dtype=torch.float32, device=out.device))
+            torch.empty((T, N // group), dtype=torch.float32, device=out.device),
+            torch.empty((T, N // group), dtype=torch.float32, device=out.device))
 
 
 def remember_int8(out: torch.Tensor, buffers: tuple[torch.Tensor, ...]) -> None:
@@ -306,16 +341,17 @@ def remember_int8(out: torch.Tensor, buffers: tuple[torch.Tensor, ...]) -> None:
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, zero_centred: bool,
-    quantize: bool = False,
+    quantize: bool = False, group: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(rms_norm(x + residual), x + residual)` in one launch; residual None: `(rms_norm(x), x)`. `quantize`
-    (2-D x): the normed output's int8 activation too, left for the Linear that reads it (gemv_q8's memo)."""
+    (2-D x): the normed output's int8 activation too (`group` values a scale), left for the Linear that
+    reads it (gemv_q8's memo)."""
     x3 = _rows3(x, "x")
     T, H, N = x3.shape
     if quantize and x.dim() != 2:
         raise FusedKernelError(f"the int8 activation is made for [T, N] rows, got shape {tuple(x.shape)}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    q8 = int8_buffers(out, quantize)
+    q8 = int8_buffers(out, quantize, group)
     o3 = out.view(T, H, N)
     if residual is None:
         r3 = ro3 = x3
@@ -334,7 +370,7 @@ def add_rms_norm(
             x3, r3, weight, o3, ro3, *q8, N, H, x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
             o3.stride(0), o3.stride(1), ro3.stride(0), ro3.stride(1), eps, HAS_RES=residual is not None,
             HAS_W=True, ZERO_CENTRED=zero_centred, QUANT=quantize, BLOCK=block, CHUNK=chunk,
-            **_extra(x, _row_warps(block)))
+            GROUP=group if quantize else 32, **_extra(x, _row_warps(block)))
     if quantize:
         remember_int8(out, q8)
     return out, new_residual
@@ -347,33 +383,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
 
 def gated_rms_norm(
     o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
-    scatter: torch.Tensor | None = None, quantize: bool = False,
+    scatter: torch.Tensor | None = None, quantize: bool = False, group: int = 32,
+    gather: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The GDN output norm `rmsnorm(o)·w·silu(z)` over the last dim, in `out_dtype` (default o's; o is rounded
     to it first). `scatter` (int [H·N], a permutation): output `[T, H·N]` whose column scatter[c] holds
     flat column c, i.e. `gated_rms_norm_reference(...)[:, argsort(scatter)]` in the same launch. `quantize`
     (N a power of two and a multiple of 32; with `scatter`, each head's N columns one aligned run: see
-    `models.weights.aligned_run`): output `[T, H·N]` and its int8 activation, left for the Linear that
-    reads it."""
+    `models.weights.aligned_run`): output `[T, H·N]` and its int8 activation, `group` values a scale, left
+    for the Linear that reads it. A group wider than a head (256 over heads of 128) takes its heads in one
+    program; with `scatter` they are found through `gather` (its inverse)."""
     o3, z3 = _rows3(o, "o"), _rows3(z, "z")
     if o3.shape != z3.shape:
         raise FusedKernelError(f"gated norm: o {tuple(o.shape)} and z {tuple(z.shape)} differ")
     T, H, N = o3.shape
-    if scatter is not None and (scatter.shape != (H * N,) or scatter.device != o.device):
-        raise FusedKernelError(f"gated norm: scatter must be [{H * N}] on {o.device}, got "
-                               f"{tuple(scatter.shape)} on {scatter.device}")
+    for name, perm in (("scatter", scatter), ("gather", gather)):
+        if perm is not None and (perm.shape != (H * N,) or perm.device != o.device):
+            raise FusedKernelError(f"gated norm: {name} must be [{H * N}] on {o.device}, got "
+                                   f"{tuple(perm.shape)} on {perm.device}")
     block = _block(N)
-    if quantize and (block != N or N % 32):
-        raise FusedKernelError(f"gated norm: the int8 activation needs heads of a power-of-two multiple of "
-                               f"32 columns, got {N}")
+    heads = max(1, group // N) if quantize else 1
+    if quantize and (block != N or N % 32 or H % heads):  # groups (32 or 256) then divide or tile heads
+        raise FusedKernelError(f"gated norm: the int8 activation in groups of {group} needs heads of a "
+                               f"power-of-two multiple of 32 columns, whole groups of them; got {H} of {N}")
+    if heads > 1 and scatter is not None and gather is None:
+        raise FusedKernelError(f"gated norm: groups of {group} over heads of {N} and a scatter take `gather`")
     flat = scatter is not None or quantize
     out = torch.empty((T, H * N) if flat else o.shape, dtype=out_dtype or o.dtype, device=o.device)
-    q8 = int8_buffers(out, quantize)
+    q8 = int8_buffers(out, quantize, group)
     if T * H:
         dest = o3 if scatter is None else scatter  # any pointer when not scattering
-        _gated_norm_kernel[(T * H,)](o3, z3, weight, out, dest, *q8, N, H, o3.stride(0), o3.stride(1),
-                                     z3.stride(0), z3.stride(1), eps, SCATTER=scatter is not None,
-                                     QUANT=quantize, BLOCK=block, **_extra(o, _row_warps(block)))
+        strides = (o3.stride(0), o3.stride(1), z3.stride(0), z3.stride(1))
+        if heads > 1:
+            _gated_norm_heads_kernel[(T * H // heads,)](
+                o3, z3, weight, out, dest, o3 if gather is None else gather, *q8, N, H, *strides, eps,
+                SCATTER=scatter is not None, BLOCK=block, HEADS=heads, **_extra(o, _row_warps(block * heads)))
+        else:
+            _gated_norm_kernel[(T * H,)](o3, z3, weight, out, dest, *q8, N, H, *strides, eps,
+                                         SCATTER=scatter is not None, QUANT=quantize, BLOCK=block,
+                                         GROUP=group if quantize else 32, **_extra(o, _row_warps(block)))
     if quantize:
         remember_int8(out, q8)
     return out
@@ -438,30 +486,32 @@ def _rows2(x: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def _elementwise2(kernel, a: torch.Tensor, b: torch.Tensor, op: str, names: tuple[str, str],
-                  quantize: bool) -> torch.Tensor:
+                  quantize: bool, group: int = 32) -> torch.Tensor:
     """One launch of a two-input elementwise kernel over [T, N] row views; output [T, N] in a's dtype (and
-    its int8 activation where `quantize`)."""
+    its int8 activation where `quantize`, `group` values a scale)."""
     x, y = _rows2(a, names[0]), _rows2(b, names[1])
     if x.shape != y.shape:
         raise FusedKernelError(f"{op}: {names[0]} {tuple(x.shape)} and {names[1]} {tuple(y.shape)} differ")
     T, N = x.shape
     out = torch.empty((T, N), dtype=a.dtype, device=a.device)
-    q8 = int8_buffers(out, quantize)
+    q8 = int8_buffers(out, quantize, group)
     if T * N:
         grid = (T, -(-N // ELEMENTWISE_BLOCK))
         kernel[grid](x, y, out, *q8, N, x.stride(0), y.stride(0), QUANT=quantize, BLOCK=ELEMENTWISE_BLOCK,
-                     **_extra(x, 4))
+                     GROUP=group if quantize else 32, **_extra(x, 4))
     if quantize:
         remember_int8(out, q8)
     return out
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, group: int = 32) -> torch.Tensor:
     """`silu(gate)·up` of two [T, I] row views (e.g. the halves of a merged gate|up output), gate's dtype;
-    `quantize`: its int8 activation too, left for the Linear that reads it (gemv_q8's memo)."""
-    return _elementwise2(_swiglu_kernel, gate, up, "swiglu", ("gate", "up"), quantize)
+    `quantize`: its int8 activation too (`group` values a scale), left for the Linear that reads it
+    (gemv_q8's memo)."""
+    return _elementwise2(_swiglu_kernel, gate, up, "swiglu", ("gate", "up"), quantize, group)
 
 
-def sigmoid_gate_mul(attn: torch.Tensor, gate: torch.Tensor, quantize: bool = False) -> torch.Tensor:
-    """`attn · sigmoid(gate)` of two [T, N] row views, in attn's dtype (`quantize` as in `swiglu`)."""
-    return _elementwise2(_gate_mul_kernel, attn, gate, "sigmoid_gate_mul", ("attn", "gate"), quantize)
+def sigmoid_gate_mul(attn: torch.Tensor, gate: torch.Tensor, quantize: bool = False, group: int = 32
+                     ) -> torch.Tensor:
+    """`attn · sigmoid(gate)` of two [T, N] row views, in attn's dtype (`quantize`, `group`: `swiglu`'s)."""
+    return _elementwise2(_gate_mul_kernel, attn, gate, "sigmoid_gate_mul", ("attn", "gate"), quantize, group)

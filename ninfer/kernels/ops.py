@@ -33,17 +33,22 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centred: bool) -
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, zero_centred: bool
+    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, zero_centred: bool,
+    group: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(rms_norm(residual + x), residual + x)`; with residual None `(rms_norm(x), x)` (the first layer)."""
+    """`(rms_norm(residual + x), residual + x)`; with residual None `(rms_norm(x), x)` (the first layer).
+    `group` here and below: inputs per scale of the int8 activation the next Linear takes
+    (`models.weights.Linear.activation_group`), which the fused kernels write at decode widths on CUDA."""
     if fused.runs_on(x) and x.dim() == 2 and x.stride(-1) == 1:
-        return fused.add_rms_norm(x, residual, w, eps, zero_centred, quantize=int8_next(x))
+        quantize = int8_next(x) and x.shape[1] % group == 0
+        return fused.add_rms_norm(x, residual, w, eps, zero_centred, quantize=quantize, group=group)
     return fused.add_rms_norm_reference(x, residual, w, eps, zero_centred)
 
 
 def gated_rms_norm(
     o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
     gather: torch.Tensor | None = None, scatter: torch.Tensor | None = None, scatter_run: int = 0,
+    group: int = 32,
 ) -> torch.Tensor:
     """The GDN output norm `rmsnorm(o)·w·silu(z)` (`reference.gated_rms_norm`) of o cast to `out_dtype`;
     with `gather` (and its inverse permutation `scatter`, whose `models.weights.aligned_run` is
@@ -52,10 +57,11 @@ def gated_rms_norm(
     columns stay one aligned run."""
     if fused.runs_on(o) and o.dim() in (2, 3) and o.stride(-1) == 1 and z.stride(-1) == 1:
         if gather is None or scatter is not None:
-            N = o.shape[-1]
+            H, N = math.prod(o.shape[1:-1]), o.shape[-1]
             whole_heads = N % 32 == 0 and N & (N - 1) == 0 and (scatter is None or scatter_run % N == 0)
-            quantize = whole_heads and int8_next_shape(o.is_cuda, o.shape[0], math.prod(o.shape[1:]))
-            return fused.gated_rms_norm(o, z, w, eps, out_dtype, scatter, quantize)
+            quantize = (whole_heads and H % max(1, group // N) == 0 and N * H % group == 0
+                        and int8_next_shape(o.is_cuda, o.shape[0], N * H))
+            return fused.gated_rms_norm(o, z, w, eps, out_dtype, scatter, quantize, group, gather)
     return fused.gated_rms_norm_reference(o, z, w, eps, out_dtype, gather)
 
 
@@ -71,15 +77,17 @@ def norm_rotary_pair(
             fused.norm_rotary_reference(k, wk, cos, sin, eps))
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, group: int = 32) -> torch.Tensor:
     """`silu(gate)·up`; gate and up may be the two halves of a merged gate|up output."""
     if fused.runs_on(gate) and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:
-        return fused.swiglu(gate, up, quantize=int8_next(gate))
+        quantize = int8_next(gate) and gate.shape[1] % group == 0
+        return fused.swiglu(gate, up, quantize=quantize, group=group)
     return reference.swiglu(gate, up)
 
 
-def sigmoid_gate_mul(attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def sigmoid_gate_mul(attn: torch.Tensor, gate: torch.Tensor, group: int = 32) -> torch.Tensor:
     """The attention output gate `attn · sigmoid(gate)` in attn's dtype."""
     if fused.runs_on(attn) and attn.dim() == 2 and attn.stride(-1) == 1 and gate.stride(-1) == 1:
-        return fused.sigmoid_gate_mul(attn, gate, quantize=int8_next(attn))
+        quantize = int8_next(attn) and attn.shape[1] % group == 0
+        return fused.sigmoid_gate_mul(attn, gate, quantize=quantize, group=group)
     return fused.sigmoid_gate_mul_reference(attn, gate)

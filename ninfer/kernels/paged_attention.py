@@ -175,12 +175,12 @@ def _paged_decode_kernel(
 def _merge_splits_kernel(
     acc_ptr, ml_ptr, len_ptr, out_ptr, gate_ptr, q_ptr, d_ptr, s_ptr, Hq, pages_per_split, s_gate,
     D: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, QUANT: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    GROUP: tl.constexpr = 32, PDL: tl.constexpr = 0,
 ):
     """out[b, head] from the partial softmaxes of the splits that hold pages of sequence b (the rest were not
     written): two passes over those splits, max then weighted sums. GATE: times the output gate as
     `fused.sigmoid_gate_mul` computes it (out rounded to its dtype, the sigmoid too); QUANT: the int8
-    activation of the gated rows as well (each head's D columns are whole 32-column groups)."""
+    activation of the gated rows as well (each head's D columns are whole groups of GROUP)."""
     pdl_start(PDL)
     b = tl.program_id(0)
     hq = tl.program_id(1)
@@ -212,7 +212,8 @@ def _merge_splits_kernel(
         out = _round(out, ty)
         tl.store(out_ptr + (b * Hq + hq) * D + d, out)
         if QUANT:
-            _quantize_row(out.to(tl.float32), b, hq * (D // 32), d < D, Hq * D, q_ptr, d_ptr, s_ptr, D)
+            _quantize_row(out.to(tl.float32), b, hq * (D // GROUP), d < D, Hq * D, q_ptr, d_ptr, s_ptr, D,
+                          GROUP)
     else:
         tl.store(out_ptr + (b * Hq + hq) * D + d, out.to(out_ptr.dtype.element_ty))
 
@@ -254,6 +255,7 @@ def paged_decode_attention(
     q: torch.Tensor, storage: torch.Tensor, page_tables: torch.Tensor, lane_ids: torch.Tensor,
     seq_lens: torch.Tensor, fmt: kv_quant.KvFormat, scale: float | None = None,
     pages_per_split: int | None = None, gate: torch.Tensor | None = None, max_splits: int | None = None,
+    group: int = 32,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached pages (the new token's K/V already
     written). q `[B, Hq, D]` not rotated; seq_lens include the new token. Returns `[B, Hq, D]`, q's dtype.
@@ -267,7 +269,8 @@ def paged_decode_attention(
 
     `gate` (`[B, Hq·D]`, unit stride along its rows): the attention output gate applied in the merge launch,
     `fused.sigmoid_gate_mul(out, gate)`, returned as `[B, Hq·D]` with its int8 activation left for the
-    Linear that reads it (decode widths on CUDA, as the fused kernels do)."""
+    Linear that reads it (decode widths on CUDA, as the fused kernels do; `group` values a scale, where
+    they tile a head)."""
     _check(q, storage, page_tables, lane_ids, seq_lens, fmt)
     B, Hq, D = q.shape
     if gate is not None and (gate.shape != (B, Hq * D) or gate.stride(1) != 1):
@@ -293,12 +296,12 @@ def paged_decode_attention(
         TB=fmt.token_bytes, SPLITS=splits, **pdl_options(q),
     )
     out = torch.empty(q.shape if gate is None else (B, Hq * D), dtype=q.dtype, device=q.device)
-    quantize = gate is not None and D % 32 == 0 and gemv_q8.int8_next(out)
-    q8 = fused.int8_buffers(out, quantize)
+    quantize = gate is not None and D % group == 0 and gemv_q8.int8_next(out)
+    q8 = fused.int8_buffers(out, quantize, group)
     _merge_splits_kernel[(B, Hq)](acc, ml, lens, out, out if gate is None else gate, *q8, Hq, pages_per_split,
                                   0 if gate is None else gate.stride(0), D=D, SPLITS=splits,
                                   BS=min(64, max(16, 1 << (splits - 1).bit_length())), GATE=gate is not None,
-                                  QUANT=quantize, **pdl_options(q))
+                                  QUANT=quantize, GROUP=group, **pdl_options(q))
     if quantize:
         fused.remember_int8(out, q8)
     return out

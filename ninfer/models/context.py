@@ -52,9 +52,10 @@ class BatchContext(Protocol):
         sequence's cache, then attends each row to its sequence's cached + new keys up to itself.
         Scale 1/sqrt(D). Returns [T, Hq, D] in q's dtype.
 
-        A context may also define the optional hook `gated_attention(kv_layer, q, k, v, gate [T, Hq·D])
-        -> [T, Hq·D]`: the same attention times its output gate, `fused.sigmoid_gate_mul`, in the
-        attention's own launches (the CUDA-graph decode context); models fall back to attention + gate.
+        A context may also define the optional hook `gated_attention(kv_layer, q, k, v, gate [T, Hq·D],
+        group) -> [T, Hq·D]`: the same attention times its output gate, `fused.sigmoid_gate_mul`, in the
+        attention's own launches (the CUDA-graph decode context; `group`: the output Linear's
+        `activation_group()`); models fall back to attention + gate.
         """
         ...
 

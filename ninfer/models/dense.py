@@ -136,8 +136,9 @@ class DenseLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, ctx: BatchContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As `qwen3_5.DecoderLayer`: the residual stream beside the output, each add fused into a norm."""
-        h, residual = self.input_norm.add_forward(x, residual)
-        h, residual = self.post_attention_norm.add_forward(self.attention(h, cos, sin, ctx), residual)
+        h, residual = self.input_norm.add_forward(x, residual, self.attention.query.activation_group())
+        h, residual = self.post_attention_norm.add_forward(self.attention(h, cos, sin, ctx), residual,
+                                                           self.mlp.input_group())
         return self.mlp(h), residual
 
 

@@ -22,10 +22,11 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, self.zero_centred)
 
     def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None
+        self, x: torch.Tensor, residual: torch.Tensor | None, group: int = 32
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(norm(residual + x), residual + x)` fused; residual None (first layer): `(norm(x), x)`."""
-        return ops.add_rms_norm(x, residual, self.weight, self.eps, self.zero_centred)
+        """`(norm(residual + x), residual + x)` fused; residual None (first layer): `(norm(x), x)`. `group`:
+        the next Linear's `activation_group()`."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, self.zero_centred, group)
 
 
 class SwiGLUMLP(nn.Module):
@@ -43,6 +44,10 @@ class SwiGLUMLP(nn.Module):
             self.up = Linear(source, up, dtype, device)
         self.down = Linear(source, f"{prefix}/mlp/down", dtype, device)
 
+    def input_group(self) -> int:
+        """The int8 activation grouping its first matmul reads (`Linear.activation_group`)."""
+        return (self.gate_up if self.gate_up is not None else self.gate).activation_group()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate(x), self.up(x))
-        return self.down(ops.swiglu(gate, up))
+        return self.down(ops.swiglu(gate, up, self.down.activation_group()))

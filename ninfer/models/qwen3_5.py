@@ -196,7 +196,8 @@ class GatedDeltaNet(nn.Module):
             core = self._mix(mixed, a, b, ctx)
         # the output projection's recorded input-column order is applied by the norm as it writes
         out = ops.gated_rms_norm(core, z, self.norm_weight, self.eps, x.dtype, self.output.input_columns,
-                                 self.output.input_scatter, self.output.scatter_run)
+                                 self.output.input_scatter, self.output.scatter_run,
+                                 self.output.activation_group())
         # the very tensor (not a new view of it) when flat: its int8 activation is found by identity
         flat = out if out.dim() == 2 else out.reshape(x.shape[0], -1)
         return self.output(flat, columns_applied=True)
@@ -267,10 +268,11 @@ class GatedAttention(nn.Module):
                                     eps)
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         gated = getattr(ctx, "gated_attention", None)  # optional backend hook: the gate inside the attention
+        group = self.output.activation_group()
         if gated is not None:
-            return self.output(gated(self.kv_layer, q, k, v, gate))
+            return self.output(gated(self.kv_layer, q, k, v, gate, group))
         attn = ctx.attention(self.kv_layer, q, k, v).reshape(T, -1)
-        return self.output(ops.sigmoid_gate_mul(attn, gate))
+        return self.output(ops.sigmoid_gate_mul(attn, gate, group))
 
 
 class DecoderLayer(nn.Module):
@@ -293,12 +295,14 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, ctx: BatchContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (or the embeddings, with residual None)."""
-        h, residual = self.input_norm.add_forward(x, residual)
-        if isinstance(self.mixer, GatedAttention):
-            h = self.mixer(h, cos, sin, ctx)
+        mixer = self.mixer
+        first = mixer.in_proj if mixer.in_proj is not None else mixer.query  # the matmul the norm feeds
+        h, residual = self.input_norm.add_forward(x, residual, first.activation_group())
+        if isinstance(mixer, GatedAttention):
+            h = mixer(h, cos, sin, ctx)
         else:
-            h = self.mixer(h, ctx)
-        h, residual = self.post_attention_norm.add_forward(h, residual)
+            h = mixer(h, ctx)
+        h, residual = self.post_attention_norm.add_forward(h, residual, self.mlp.input_group())
         return self.mlp(h), residual
 
 

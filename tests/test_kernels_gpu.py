@@ -192,21 +192,38 @@ def test_decode_routes_on_the_27b_matrices_on_gpu(fmt, merged):
         del w
 
 
-def test_producers_leave_the_int8_activation_for_the_next_linear():
-    """On CUDA at decode widths the fused norm / SwiGLU / gate kernels quantise their output in the same
-    launch (ops → gemv_q8.int8_next); the Linear reading it finds exactly quantize_activation_reference's."""
+@pytest.mark.parametrize("group", [32, 256])
+def test_producers_leave_the_int8_activation_for_the_next_linear(group):
+    """On CUDA at decode widths (1, 4, 16 rows) the fused norm / SwiGLU / gate kernels and the GDN gated norm
+    (the 27B's 48 heads of 128, in order or tiled for the output projection: groups of 256 take two heads a
+    program) quantise their output in the same launch (ops → gemv_q8.int8_next), in groups of `group`; the
+    Linear reading it finds exactly quantize_activation_reference's, and nothing beside the buffers is
+    written (session 31: a gated-norm variant wrote past them)."""
+    from ninfer.convert.recipes.qwen3_5 import tiled_input_columns
     from ninfer.kernels import gemv_q8, ops
 
     def rand(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
 
-    x, r, w = rand(2, 5120), rand(2, 5120), torch.randn(5120, device="cuda")
-    for make in (lambda: ops.add_rms_norm(x, r, w, 1e-6, True)[0], lambda: ops.swiglu(rand(2, 17408),
-                 rand(2, 17408)), lambda: ops.sigmoid_gate_mul(x, r)):
-        out = make()
-        got, want = gemv_q8._MEMO.result, gemv_q8.quantize_activation_reference(out)
-        assert gemv_q8._MEMO.ref() is out and gemv_q8.quantize_activation_cached(out) is got
+    def check(op, *args):
+        canary = torch.full((1 << 18,), 7, dtype=torch.int32, device="cuda")
+        out = op(*args)
+        out = out[0] if isinstance(out, tuple) else out
+        got, want = gemv_q8._MEMO.result, gemv_q8.quantize_activation_reference(out, group)
+        assert gemv_q8._MEMO.ref() is out and gemv_q8.quantize_activation_cached(out, group) is got
         assert torch.equal(got.q, want.q) and torch.equal(got.d, want.d) and torch.equal(got.s, want.s)
+        assert bool((canary == 7).all()), (op.__name__, group)
+
+    tiled = tiled_input_columns(16, 48, 128).cuda()
+    for rows in (1, 4, 16):
+        w = torch.randn(5120, device="cuda")
+        check(ops.add_rms_norm, rand(rows, 5120), rand(rows, 5120), w, 1e-6, True, group)
+        check(ops.swiglu, rand(rows, 17408), rand(rows, 17408), group)
+        check(ops.sigmoid_gate_mul, rand(rows, 6144), rand(rows, 6144), group)
+        core, z, w = torch.randn(rows, 48, 128, device="cuda"), rand(rows, 48, 128), torch.rand(128).cuda()
+        for gather in (None, tiled):
+            scatter = None if gather is None else torch.argsort(gather)
+            check(ops.gated_rms_norm, core, z, w, 1e-6, torch.bfloat16, gather, scatter, 128, group)
     assert not gemv_q8.int8_next(rand(17, 5120))  # prefill widths: the GEMM quantises (or dequantises) itself
 
 

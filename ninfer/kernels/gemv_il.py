@@ -515,8 +515,8 @@ class IlSchedule:
     word alone and two dp4a). `kernel` "il_mma": the tensor-core kernel (split-K by blocks, 16 copies of
     {word, negated word}, `regs` registers a thread; `copies` and `negtab` do not apply). `group`: the
     activation's values per scale, 32 or 256: with 256 the sub-block scales (1 + 2·nibble) weigh the integer
-    sums and one float conversion a block remains (H200, the tensor-core kernel at 3-8 columns: 9-14 %
-    faster)."""
+    sums and one float conversion a block remains (H200: the dp4a kernel 2.5-6 %, the tensor-core kernel
+    8-14 % faster)."""
 
     warps: int
     copies: int = 16
@@ -768,7 +768,7 @@ def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.
 def il_group() -> int:
     """Inputs per scale of the int8 activation the il32 GEMVs take (`IlSchedule.group`): 32, or with
     NINFER_IL_GROUP=256 one scale a block (as llama.cpp's CPU iq3_s dot product takes its q8_K activation;
-    on the H200 the dp4a kernel 2.5-6 % and the tensor-core kernel 8-11 % faster, session 31; not yet the
+    on the H200 the dp4a kernel 2.5-6 % and the tensor-core kernel 8-14 % faster, sessions 30-31; not yet the
     default: gpu-notes "Session 31"). The kernels that make a Linear's input write it so
     (`Linear.activation_group`)."""
     return 256 if os.environ.get("NINFER_IL_GROUP") == "256" else 32

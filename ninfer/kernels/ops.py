@@ -59,8 +59,8 @@ def gated_rms_norm(
         if gather is None or scatter is not None:
             H, N = math.prod(o.shape[1:-1]), o.shape[-1]
             whole_heads = N % 32 == 0 and N & (N - 1) == 0 and (scatter is None or scatter_run % N == 0)
-            quantize = (whole_heads and H % max(1, group // N) == 0 and N * H % group == 0
-                        and int8_next_shape(o.is_cuda, o.shape[0], N * H))
+            whole_groups = H % max(1, group // N) == 0  # a group wider than a head takes whole heads
+            quantize = whole_heads and whole_groups and int8_next_shape(o.is_cuda, o.shape[0], N * H)
             return fused.gated_rms_norm(o, z, w, eps, out_dtype, scatter, quantize, group, gather)
     return fused.gated_rms_norm_reference(o, z, w, eps, out_dtype, gather)
 

@@ -758,10 +758,12 @@ def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.
         return (x2.to(w.dtype) @ w.t()).to(x.dtype).reshape(*x.shape[:-1], out_features)
     n, group = x2.shape[0], il_group()
     xa = quantize_activation_cached(x, group)  # the kernel that made x may have quantised it (`il_group`)
-    parts = [gemv_il(words, xa.rows(i, i + MAX_COLUMNS), out_features,
-                     il_schedule(min(MAX_COLUMNS, n - i), in_features, out_features, group))
-             for i in range(0, n, MAX_COLUMNS)]
-    y = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if n <= MAX_COLUMNS:
+        y = gemv_il(words, xa, out_features, il_schedule(n, in_features, out_features, group))
+    else:
+        y = torch.cat([gemv_il(words, xa.rows(i, i + MAX_COLUMNS), out_features,
+                               il_schedule(min(MAX_COLUMNS, n - i), in_features, out_features, group))
+                       for i in range(0, n, MAX_COLUMNS)])
     return y.reshape(*x.shape[:-1], out_features)
 
 

@@ -86,7 +86,7 @@ def test_output_gate_in_the_merge_launch(dtype, dim, group, monkeypatch):
         # measured: equal; the softmax's fp32 order may move a rounding boundary, by one ulp
         torch.testing.assert_close(got, want, rtol=2.0**-7, atol=0)
         assert (got != want).float().mean() <= 0.01
-    monkeypatch.setattr(gemv_q8, "int8_next", lambda x: True)
+    monkeypatch.setattr(gemv_q8, "int8_next", lambda x, group=32: True)
     got = paged_decode_attention(q, storage, tables, lane_ids, seq_lens, fmt, pages_per_split=1, gate=gate,
                                  group=group)
     assert gemv_q8._MEMO.ref() is got

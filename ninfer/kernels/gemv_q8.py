@@ -203,18 +203,18 @@ def remember_activation(x: torch.Tensor, result: QuantizedActivation) -> None:
     _MEMO.put(x, result)
 
 
-def int8_next(x: torch.Tensor) -> bool:
-    """Whether a quantized Linear fed x would quantise it to int8 (CUDA, decode widths of the int8 routes:
-    1-8 columns, 1-16 where the tensor-core GEMM may take it): the kernel producing x then does it in the
-    same launch."""
-    return x.dim() == 2 and int8_next_shape(x.is_cuda, *x.shape)
+def int8_next(x: torch.Tensor, group: int = QBLOCK) -> bool:
+    """Whether a quantized Linear fed x would quantise it to int8 in groups of `group` (CUDA, decode widths
+    of the int8 routes: 1-8 columns, 1-16 where the tensor-core GEMM may take it; whole groups): the kernel
+    producing x then does it in the same launch."""
+    return x.dim() == 2 and int8_next_shape(x.is_cuda, *x.shape, group)
 
 
-def int8_next_shape(cuda: bool, rows: int, features: int) -> bool:
+def int8_next_shape(cuda: bool, rows: int, features: int, group: int = QBLOCK) -> bool:
     """`int8_next` of a `[rows, features]` tensor (on CUDA or not) that is not made yet."""
     from ninfer.kernels.gguf_matmul import q8_enabled, rows_enabled
 
-    return (cuda and features % QBLOCK == 0 and q8_enabled()
+    return (cuda and features % group == 0 and q8_enabled()
             and 1 <= rows <= (16 if rows_enabled() else 8))
 
 

@@ -40,8 +40,8 @@ def add_rms_norm(
     `group` here and below: inputs per scale of the int8 activation the next Linear takes
     (`models.weights.Linear.activation_group`), which the fused kernels write at decode widths on CUDA."""
     if fused.runs_on(x) and x.dim() == 2 and x.stride(-1) == 1:
-        quantize = int8_next(x) and x.shape[1] % group == 0
-        return fused.add_rms_norm(x, residual, w, eps, zero_centred, quantize=quantize, group=group)
+        return fused.add_rms_norm(x, residual, w, eps, zero_centred, quantize=int8_next(x, group),
+                                  group=group)
     return fused.add_rms_norm_reference(x, residual, w, eps, zero_centred)
 
 
@@ -60,7 +60,7 @@ def gated_rms_norm(
             H, N = math.prod(o.shape[1:-1]), o.shape[-1]
             whole_heads = N % 32 == 0 and N & (N - 1) == 0 and (scatter is None or scatter_run % N == 0)
             whole_groups = H % max(1, group // N) == 0  # a group wider than a head takes whole heads
-            quantize = whole_heads and whole_groups and int8_next_shape(o.is_cuda, o.shape[0], N * H)
+            quantize = whole_heads and whole_groups and int8_next_shape(o.is_cuda, o.shape[0], N * H, group)
             return fused.gated_rms_norm(o, z, w, eps, out_dtype, scatter, quantize, group, gather)
     return fused.gated_rms_norm_reference(o, z, w, eps, out_dtype, gather)
 
@@ -80,14 +80,12 @@ def norm_rotary_pair(
 def swiglu(gate: torch.Tensor, up: torch.Tensor, group: int = 32) -> torch.Tensor:
     """`silu(gate)·up`; gate and up may be the two halves of a merged gate|up output."""
     if fused.runs_on(gate) and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:
-        quantize = int8_next(gate) and gate.shape[1] % group == 0
-        return fused.swiglu(gate, up, quantize=quantize, group=group)
+        return fused.swiglu(gate, up, quantize=int8_next(gate, group), group=group)
     return reference.swiglu(gate, up)
 
 
 def sigmoid_gate_mul(attn: torch.Tensor, gate: torch.Tensor, group: int = 32) -> torch.Tensor:
     """The attention output gate `attn · sigmoid(gate)` in attn's dtype."""
     if fused.runs_on(attn) and attn.dim() == 2 and attn.stride(-1) == 1 and gate.stride(-1) == 1:
-        quantize = int8_next(attn) and attn.shape[1] % group == 0
-        return fused.sigmoid_gate_mul(attn, gate, quantize=quantize, group=group)
+        return fused.sigmoid_gate_mul(attn, gate, quantize=int8_next(attn, group), group=group)
     return fused.sigmoid_gate_mul_reference(attn, gate)

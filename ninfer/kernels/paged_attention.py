@@ -296,7 +296,7 @@ def paged_decode_attention(
         TB=fmt.token_bytes, SPLITS=splits, **pdl_options(q),
     )
     out = torch.empty(q.shape if gate is None else (B, Hq * D), dtype=q.dtype, device=q.device)
-    quantize = gate is not None and D % group == 0 and gemv_q8.int8_next(out)
+    quantize = gate is not None and D % group == 0 and gemv_q8.int8_next(out, group)
     q8 = fused.int8_buffers(out, quantize, group)
     _merge_splits_kernel[(B, Hq)](acc, ml, lens, out, out if gate is None else gate, *q8, Hq, pages_per_split,
                                   0 if gate is None else gate.stride(0), D=D, SPLITS=splits,

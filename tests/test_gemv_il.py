@@ -298,9 +298,9 @@ def test_the_activation_groups_the_kernels_take():
         gemv_il.gemv_il(words, xa, 32, gemv_il.il_schedule(4, 512))
 
 
-def test_il_matmul_takes_groups_of_256_when_asked(monkeypatch):
-    """With NINFER_IL_GROUP=256 every width (the dp4a kernel at 1-2 columns, the tensor-core kernel at 3-8,
-    9-16 in two calls) takes one activation scale per 256 inputs; by default one per 32."""
+def test_il_matmul_takes_groups_of_256_unless_told_32(monkeypatch):
+    """By default every width (the dp4a kernel at 1-2 columns, the tensor-core kernel at 3-8, 9-16 in two
+    calls) takes one activation scale per 256 inputs; with NINFER_IL_GROUP=32 one per 32."""
     seen = []
 
     def fake(words, xa, out_features, schedule=None):
@@ -309,10 +309,13 @@ def test_il_matmul_takes_groups_of_256_when_asked(monkeypatch):
 
     monkeypatch.setattr(gemv_il, "gemv_il", fake)
     words = torch.zeros(1, dtype=torch.int32)
-    for flag, columns, want in (("256", 1, [(1, 2, 256, "il")]), ("256", 4, [(4, 2, 256, "il_mma")]),
-                                ("256", 12, [(8, 2, 256, "il_mma"), (4, 2, 256, "il_mma")]),
-                                ("", 2, [(2, 16, 32, "il")]), ("", 8, [(8, 16, 32, "il_mma")])):
-        monkeypatch.setenv("NINFER_IL_GROUP", flag)
+    for flag, columns, want in ((None, 1, [(1, 2, 256, "il")]), ("256", 4, [(4, 2, 256, "il_mma")]),
+                                (None, 12, [(8, 2, 256, "il_mma"), (4, 2, 256, "il_mma")]),
+                                ("32", 2, [(2, 16, 32, "il")]), ("32", 8, [(8, 16, 32, "il_mma")])):
+        if flag is None:
+            monkeypatch.delenv("NINFER_IL_GROUP", raising=False)
+        else:
+            monkeypatch.setenv("NINFER_IL_GROUP", flag)
         seen.clear()
         y = gemv_il.il_matmul(words, torch.randn(columns, 512), 40)
         assert y.shape == (columns, 40) and seen == want, (flag, columns, seen)
@@ -397,17 +400,17 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
 
 
 def test_a_linear_asks_its_producer_for_its_kernels_grouping(monkeypatch):
-    """`Linear.activation_group`: the il32 layout's grouping (256 with NINFER_IL_GROUP=256), 32 for the
+    """`Linear.activation_group`: the il32 layout's grouping (256, 32 with NINFER_IL_GROUP=32), 32 for the
     other layouts; a merged projection asks for its largest matmul's."""
     from types import SimpleNamespace
 
     from ninfer.models.weights import Linear, MergedLinear
 
     il32, gguf = SimpleNamespace(layout="il32"), SimpleNamespace(layout="gguf")
-    monkeypatch.setenv("NINFER_IL_GROUP", "256")
+    monkeypatch.delenv("NINFER_IL_GROUP", raising=False)
     assert Linear.activation_group(il32) == 256 and Linear.activation_group(gguf) == 32
     merged = SimpleNamespace(groups=[SimpleNamespace(out_features=96, activation_group=lambda: 32),
                                      SimpleNamespace(out_features=16384, activation_group=lambda: 256)])
     assert MergedLinear.activation_group(merged) == 256
-    monkeypatch.delenv("NINFER_IL_GROUP")
+    monkeypatch.setenv("NINFER_IL_GROUP", "32")
     assert Linear.activation_group(il32) == 32

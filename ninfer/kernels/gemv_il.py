@@ -768,12 +768,12 @@ def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.
 
 
 def il_group() -> int:
-    """Inputs per scale of the int8 activation the il32 GEMVs take (`IlSchedule.group`): 32, or with
-    NINFER_IL_GROUP=256 one scale a block (as llama.cpp's CPU iq3_s dot product takes its q8_K activation;
-    on the H200 the dp4a kernel 2.5-6 % and the tensor-core kernel 8-14 % faster, sessions 30-31; not yet the
-    default: gpu-notes "Session 31"). The kernels that make a Linear's input write it so
+    """Inputs per scale of the int8 activation the il32 GEMVs take (`IlSchedule.group`): one scale a block of
+    256, as llama.cpp's CPU iq3_s dot product takes its q8_K activation (on the H200 the dp4a kernel 2.5-6 %
+    and the tensor-core kernel 8-14 % faster than with 32; gpu-notes "Session 31", "Session 32");
+    NINFER_IL_GROUP=32 for one scale per 32. The kernels that make a Linear's input write it so
     (`Linear.activation_group`)."""
-    return 256 if os.environ.get("NINFER_IL_GROUP") == "256" else 32
+    return 32 if os.environ.get("NINFER_IL_GROUP") == "32" else 256
 
 
 def gemv_il_reference(words: torch.Tensor, xa: QuantizedActivation, out_features: int) -> torch.Tensor:

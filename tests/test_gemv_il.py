@@ -3,6 +3,8 @@ recipe and the prefill path on the CPU; the CUDA kernel against its float64 twin
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -321,6 +323,22 @@ def test_il_matmul_takes_groups_of_256_unless_told_32(monkeypatch):
         assert y.shape == (columns, 40) and seen == want, (flag, columns, seen)
 
 
+def test_only_few_long_tiles_are_split():
+    """`mma_splits`: a tile's blocks go to several CTAs only where the tiles are fewer than the CTA slots and
+    each warp keeps two blocks or more a piece (the 27B's down projection: 160 tiles of 68 blocks, 264 slots
+    on an H200 -> 3 pieces); only the tensor-core kernel splits."""
+    from ninfer.errors import NinferError
+
+    assert gemv_il.mma_splits(160, 68, 10, 264) == 3  # down
+    assert gemv_il.mma_splits(160, 24, 10, 264) == 1  # the output projections
+    assert gemv_il.mma_splits(1088, 20, 10, 264) == 1  # gate|up
+    assert gemv_il.mma_splits(40, 400, 10, 264) == 4
+    assert gemv_il.il_schedule(4, 17408, 5120).splits == 3 and gemv_il.il_schedule(2, 17408, 5120).splits == 1
+    assert gemv_il.il_schedule(8, 5120, 34816).splits == 1
+    with pytest.raises(NinferError, match="split-K over CTAs is the tensor-core"):
+        gemv_il.IlSchedule(10, splits=2)
+
+
 def test_the_tile_ring_keeps_the_ctas_an_sm_holds():
     """A dp4a CTA sums up to `_RING` of its tiles after one barrier, as many as its shared memory allows
     without costing the SM a CTA (the H200: 228 KB an SM, 227 KB a CTA)."""
@@ -355,7 +373,8 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
     ≥ 8192 rows; the tensor-core kernel at 3-8), 12 through two calls, bf16 and fp32 outputs, padded rows and
     blocks; 40 columns through the dequantised weight; both kernels with one activation scale per 32 inputs
     and per 256 (a block); the dp4a CTA's tiles summed in a ring (17408 rows: 2-3 tiles a CTA) the same bits
-    as one at a time; and both kernels captured in a CUDA graph, the same bits as eager."""
+    as one at a time; the tensor-core kernel's tiles split into 2-4 pieces across CTAs, the same bits on a
+    second call; and both kernels captured in a CUDA graph, the same bits as eager."""
     from ninfer.kernels import gemv_il as gemv_il_module
     from ninfer.kernels.gemv_il import gemv_il, gemv_il_reference
     from ninfer.kernels.gemv_q8 import quantize_activation
@@ -382,18 +401,27 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
         s = gemv_il_module.il_schedule(width, k, n, group=256)
         # fp32 sums in another order, as above (7e-8 measured on the 27B's matrices, bench/il_group256.py)
         assert rel(gemv_il(words, xa, n, s), gemv_il_reference(words, xa, n)) < 1e-4, (n, k, width)
+    for width in (3, 4, 8):  # the tensor-core kernel's tiles split across CTAs: the pieces' sums in order
+        xa = quantize_activation(torch.randn(width, k, device="cuda"), group=256)
+        want = gemv_il_reference(words, xa, n)
+        for splits in (2, 3, 4):
+            s = dataclasses.replace(gemv_il_module.il_schedule(width, k, n, group=256), splits=splits)
+            once = gemv_il(words, xa, n, s)
+            assert rel(once, want) < 1e-4, (n, k, width, splits)
+            assert torch.equal(gemv_il(words, xa, n, s), once), (n, k, width, splits)  # counts left zero
     for width in (1, 2):  # the dp4a kernel's tiles summed one at a time: the same sums in the same order
         xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16))
         ringed = gemv_il(words, xa, n)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr("ninfer.kernels.gemv_il._RING", 1)
             assert torch.equal(gemv_il(words, xa, n), ringed), width
-    for width in (1, 4):
+    for width, splits in ((1, 1), (4, 1), (4, 3)):
         xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16))
-        eager = gemv_il(words, xa, n)
+        s = dataclasses.replace(gemv_il_module.il_schedule(width, k, n), splits=splits)
+        eager = gemv_il(words, xa, n, s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = gemv_il(words, xa, n)
+            captured = gemv_il(words, xa, n, s)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, eager), width

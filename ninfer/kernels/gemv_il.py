@@ -38,11 +38,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
+from ninfer.kernels.gemv_rows import split_workspace
 from ninfer.kernels.gguf_matmul import QuantKernelError, _tables, dequantize_rows
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_enabled, tl, triton_runs_on
 
@@ -370,10 +371,17 @@ __device__ __forceinline__ unsigned mad_hi(unsigned a, unsigned b, unsigned c) {
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
-            const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y)
+            const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y,
+            int splits, float* __restrict__ part_sums, int* __restrict__ counts)
 {
+    // split-K (`splits` > 1): item i is piece i % splits of tile i / splits, a run of its blocks; each
+    // piece leaves its sums in its slot of part_sums [splits][NCOL][tiles * 32], and the last piece to finish
+    // (a count per tile, left zero again) adds the slots in piece order: the same bits whichever is last
+
     extern __shared__ uint2 tab[];  // entry i of copy c at i * 16 + c: {grid word, its bytes negated}
     float* red = reinterpret_cast<float*>(tab + 512 * 16);  // [WARPS][32 rows][8 columns] partial sums
+    int* last_piece = reinterpret_cast<int*>(red + WARPS * 32 * 8);  // (no static shared memory: the
+                                                                     // dynamic size is the opt-in limit)
     for (int i = threadIdx.x; i < 512 * 16; i += WARPS * 32) {
         const unsigned g = grid[i >> 4];
         tab[i] = make_uint2(g, ~g + 0x01010101u);
@@ -395,11 +403,14 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
     // the activation's scales: one per 32 inputs, or (GROUP 256) one per block
     const float* xd0 = xd + min(2 * (int)t, NCOL - 1) * (GROUP == 256 ? nblk : K32);
     const float* xd1 = xd + min(2 * (int)t + 1, NCOL - 1) * (GROUP == 256 ? nblk : K32);
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int items = tiles * splits;
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+        const int tile = item / splits, piece = item - tile * splits;
         float acc[4][2];
 #pragma unroll
         for (int r = 0; r < 4; ++r) { acc[r][0] = 0.f; acc[r][1] = 0.f; }
-        for (int kb = wid; kb < nblk; kb += WARPS) {
+        const int kb_end = (piece + 1) * nblk / splits;
+        for (int kb = piece * nblk / splits + wid; kb < kb_end; kb += WARPS) {
             const int h = kb & 1;
             const uint4* wb = w + (size_t)(tile * P + (kb >> 1)) * (55 * 8) + gq;  // word j at wb[8 j]
             const uint4* wq = wb + 8 * (16 * h + (t >> 1));  // qs word 2 j + t / 2 at wq[16 j]
@@ -486,7 +497,7 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 #endif
         }
 #if PDL
-        if (tile + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
+        if (item + gridDim.x >= items) asm volatile("griddepcontrol.launch_dependents;");
 #endif
         // rows 4 gq + r, columns 2t, 2t + 1: summed over the warps through shared memory
 #pragma unroll
@@ -495,12 +506,34 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
             red[(wid * 32 + 4 * gq + r) * 8 + 2 * t + 1] = acc[r][1];
         }
         __syncthreads();
+        const int slot = tiles * 32 * NCOL;  // floats a part's slot
         for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
             const int m = i >> 5, row = i & 31;
             float v = 0.f;
 #pragma unroll
             for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
-            if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
+            if (splits == 1) {
+                if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
+            } else {
+                part_sums[piece * slot + m * tiles * 32 + tile * 32 + row] = v;
+            }
+        }
+        if (splits > 1) {
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) *last_piece = atomicAdd(counts + tile, 1) == splits - 1;
+            __syncthreads();
+            if (*last_piece) {
+                __threadfence();
+                for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
+                    const int m = i >> 5, row = i & 31;
+                    const float* at = part_sums + m * tiles * 32 + tile * 32 + row;
+                    float v = __ldcg(at);
+                    for (int p = 1; p < splits; ++p) v += __ldcg(at + p * slot);
+                    if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
+                }
+                if (threadIdx.x == 0) counts[tile] = 0;
+            }
         }
         __syncthreads();
     }
@@ -524,16 +557,20 @@ class IlSchedule:
     kernel: str = "il"
     regs: int = 0
     group: int = 32
+    splits: int = 1
 
     def __post_init__(self):
         if self.group not in (32, 256):
             raise QuantKernelError(f"activation groups of {self.group}: the il32 kernels take 32 or 256")
+        if self.splits != 1 and self.kernel != "il_mma":
+            raise QuantKernelError("split-K over CTAs is the tensor-core il32 kernel's (IlSchedule.splits)")
 
     @property
     def name(self) -> str:
         if self.kernel == "il_mma":
             return (f"ilmma_w{self.warps}" + (f"_r{self.regs}" if self.regs else "")
-                    + (f"_g{self.group}" if self.group != 32 else ""))
+                    + (f"_g{self.group}" if self.group != 32 else "")
+                    + (f"_s{self.splits}" if self.splits > 1 else ""))
         return (f"il_w{self.warps}_c{self.copies}" + ("_nt" if self.negtab else "")
                 + (f"_g{self.group}" if self.group != 32 else ""))
 
@@ -541,7 +578,7 @@ class IlSchedule:
         """The tables and the split-K sums (the dp4a kernel's: of `ring` tiles); the dp4a kernel also stages
         the activation (int8 and scales)."""
         if self.kernel == "il_mma":
-            return 512 * 16 * 8 + self.warps * 32 * 8 * 4
+            return 512 * 16 * 8 + self.warps * 32 * 8 * 4 + 16
         table = 512 * self.copies * (8 if self.negtab else 4)
         activation = columns * (in_features + in_features // self.group * 4)  # int8 values, fp32 scales
         return table + ring * self.warps * columns * 32 * 4 + activation
@@ -555,9 +592,32 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     columns on the 27B's il32 matrices, sessions 27 and 29). Both take an activation of one scale per
     `group` inputs."""
     if columns >= 3:
-        return IlSchedule(min(10, in_features // 256), kernel="il_mma", group=group)
+        s = IlSchedule(min(10, in_features // 256), kernel="il_mma", group=group)
+        choice = os.environ.get("NINFER_IL_SPLITS", "auto")
+        splits = mma_splits(il32_shape(out_features, in_features)[0], in_features // 256, s.warps,
+                            _sm_count() * _ctas_per_sm(s, columns, 0)) if choice == "auto" else int(choice)
+        return replace(s, splits=splits)
     return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, columns == 2 and out_features >= 8192,
                       group=group)
+
+
+def mma_splits(tiles: int, blocks: int, warps: int, slots: int, most: int = 4) -> int:
+    """Pieces a tile's `blocks` are split into across CTAs for the tensor-core kernel: only where its tiles
+    are fewer than the CTA `slots` (SMs × CTAs an SM holds), as many as leave each of the CTA's `warps` two
+    blocks or more a piece. H200, session 32 (`bench/il_splits.py`): the 27B's down projection (160 tiles of
+    68 blocks) in 3 pieces 29.9 → 27.4 µs at 4 columns, 31.1 → 29.0 at 8 (4 pieces: 30.2 / 31.9); the
+    output projections (24 blocks) in 2-4 pieces and the larger matrices in any are slower (gate|up 43.2 →
+    56.3 in 2)."""
+    if tiles >= slots:
+        return 1
+    return max(1, min(most, blocks // (2 * warps)))
+
+
+@functools.cache
+def _sm_count() -> int:
+    """SMs of the current CUDA device (132 on an H200; also where no GPU is, for the schedule's choice)."""
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
+        if torch.cuda.is_available() else 132
 
 
 _RING = 8  # the dp4a kernel's tiles summed at once, at most (the CTA's tiles on the H200: 5 for gate|up)
@@ -666,8 +726,16 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     args = [words, xa.words, xa.d, _tables(words.device)[1], y, out_features, k, y.stride(0)]
     if s.kernel == "il":
         args.append(ring)
+    else:
+        work = split_workspace(words.device, s.splits * n * tiles * 32, tiles) if s.splits > 1 else None
+        if work is None:  # one part a tile (also while a graph is captured and the workspace is too small)
+            args += [1, y, y]
+        else:
+            args += [s.splits, *work]
+            ctas = min(tiles * s.splits, _launch_shape(words.device, s, n, k))
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
-    _launch(_compiled(n, _OUT_KINDS[xa.dtype], s, pdl), ctas, 32 * s.warps, smem, args, pdl)
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], replace(s, splits=1), pdl)  # one build for every split count
+    _launch(kernel, ctas, 32 * s.warps, smem, args, pdl)
     return y
 
 

@@ -6,9 +6,9 @@ two tokens) and one round of `--lanes` requests. The first call that changed the
 error, is named with its argument shapes. Captured CUDA graphs are not checked inside (no syncs there).
 
 Session 31 found this way that a gated-norm variant wrote int8 codes over the page tables (a later
-`kv_write` then faulted on a garbage page id).
+`kv_write` then faulted on a garbage page id); session 32 ran the fixed code through it clean (109,887 calls).
 
-    NINFER_IL_GROUP=256 python3 bench/kernel_watch.py [--lanes 8] [--wtype iq3_s]
+    python3 bench/kernel_watch.py [--lanes 8] [--wtype iq3_s]   # NINFER_IL_GROUP=32: the per-32 producers
 """
 
 from __future__ import annotations

@@ -377,7 +377,6 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
     // split-K (`splits` > 1): item i is piece i % splits of tile i / splits, a run of its blocks; each
     // piece leaves its sums in its slot of part_sums [splits][NCOL][tiles * 32], and the last piece to finish
     // (a count per tile, left zero again) adds the slots in piece order: the same bits whichever is last
-
     extern __shared__ uint2 tab[];  // entry i of copy c at i * 16 + c: {grid word, its bytes negated}
     float* red = reinterpret_cast<float*>(tab + 512 * 16);  // [WARPS][32 rows][8 columns] partial sums
     int* last_piece = reinterpret_cast<int*>(red + WARPS * 32 * 8);  // (no static shared memory: the
@@ -506,7 +505,7 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
             red[(wid * 32 + 4 * gq + r) * 8 + 2 * t + 1] = acc[r][1];
         }
         __syncthreads();
-        const int slot = tiles * 32 * NCOL;  // floats a part's slot
+        const int slot = tiles * 32 * NCOL;  // floats a piece's slot
         for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
             const int m = i >> 5, row = i & 31;
             float v = 0.f;
@@ -589,8 +588,9 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     table at 2 columns on matrices of ≥ 8192 rows (on the H200 within 3 % of the best il schedule at 1 and 2
     columns on the 27B's matrices, sessions 26 and 28; the 5120-row ones up to 10 % slower with it, session
     29). 3-8: the tensor-core kernel, 10 warps of 96 registers (the best or within 4 % of it at 3, 4 and 8
-    columns on the 27B's il32 matrices, sessions 27 and 29). Both take an activation of one scale per
-    `group` inputs."""
+    columns on the 27B's il32 matrices, sessions 27 and 29), a tile's blocks in `mma_splits` pieces across
+    CTAs (NINFER_IL_SPLITS: a count instead, for A/B). Both take an activation of one scale per `group`
+    inputs."""
     if columns >= 3:
         s = IlSchedule(min(10, in_features // 256), kernel="il_mma", group=group)
         choice = os.environ.get("NINFER_IL_SPLITS", "auto")
@@ -728,7 +728,7 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
         args.append(ring)
     else:
         work = split_workspace(words.device, s.splits * n * tiles * 32, tiles) if s.splits > 1 else None
-        if work is None:  # one part a tile (also while a graph is captured and the workspace is too small)
+        if work is None:  # one piece a tile (also while a graph is captured and the workspace is too small)
             args += [1, y, y]
         else:
             args += [s.splits, *work]

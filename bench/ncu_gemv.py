@@ -6,7 +6,8 @@ off` sees only these launches).
         python3 bench/ncu_gemv.py q4_k:1:rows_n4_m1_b4_w2_ef q4_k:4:mma_n32_m8_w2_s8_pl iq3_s:4:route
     ncu -i $OUT/gemv.ncu-rep --page details --csv > $OUT/details.csv
 
-Each argument is format:columns:schedule (`route`: the schedule `quant_matmul` takes; `bf16:<frag schedule>`:
+Each argument is format:columns:schedule (`route`: the schedule `quant_matmul` takes; `il_route` (iq3_s): the
+il32 GEMV with the schedule and activation grouping the engine takes; `bf16:<frag schedule>`:
 the bf16 fragment GEMV of bench/frag_bf16.py, q4_k); --shape ROWSxCOLS; --nvrtc: the CUDA C schedules too
 (`cu_il_w10_c16`, `cu_ilmma_w10_r96`, ... of bench/nvrtc_iq3s_il.py).
 """
@@ -36,6 +37,19 @@ def launcher(spec: str, rows: int, cols: int, dev: torch.device):
 
         x = torch.randn(width, cols, device=dev, dtype=torch.bfloat16)
         return f"{fmt} {width} col {name}", lambda raw: gemv_frag_bf16(raw, fmt, x, rows, name[5:])
+    if name == "il_route":  # the il32 GEMV as the engine routes it (`il_schedule`, `il_group`'s activation)
+        from ninfer.kernels.gemv_il import gemv_il, il_group, il_schedule, repack_il32
+
+        group = il_group()
+        s = il_schedule(width, cols, rows, group)
+        xa = quantize_activation(torch.randn(width, cols, device=dev, dtype=torch.bfloat16), group=group)
+
+        def call(raw):
+            if not hasattr(raw, "il32"):
+                raw.il32 = repack_il32(raw)
+            return gemv_il(raw.il32, xa, rows, s)
+
+        return f"{fmt} {width} col {s.name}", call
     schedules, gemv, route = kernel(fmt)
     if name == "route":
         name = route(fmt, rows, cols, width).name

@@ -249,6 +249,18 @@ def test_the_triton_dequantisation_matches_the_reference(monkeypatch, n, k):
     assert torch.equal(out, want)
 
 
+def test_the_kernels_keep_all_shared_memory_dynamic():
+    """Both CUDA sources declare only their dynamic shared buffer: `_compiled` asks the driver for the whole
+    opt-in size for it, which a static `__shared__` variable beside it makes an invalid argument (session 32
+    run 3: every il32 launch failed on a 4-byte flag)."""
+    import re
+
+    for s in (gemv_il.il_schedule(1, 5120), gemv_il.il_schedule(8, 17408, 5120)):
+        source = gemv_il.kernel_source(8 if s.kernel == "il_mma" else 1, 1, s, pdl=True)
+        declared = re.findall(r"(?:extern\s+)?__shared__", source)
+        assert declared == ["extern __shared__"], (s.name, declared)
+
+
 def test_the_launch_structs_have_the_drivers_layout():
     """`cuLaunchKernelEx`'s CUlaunchConfig and CUlaunchAttribute as CUDA 12-13's cuda.h lays them out (the
     driver reads them by offset: a wrong one launches with garbage or fails)."""

@@ -25,6 +25,15 @@ from ninfer.kernels.gemv_q8 import QuantizedActivation, quantize_activation  # n
 from ninfer.quant import dequantize  # noqa: E402
 
 
+def il32_copies(shape: str) -> tuple[int, int, list[torch.Tensor], torch.Tensor]:
+    """(rows, columns, il32 copies of one random iq3_s weight totalling > 3× L2, its dequantised float64
+    matrix) for a ROWSxCOLS shape on the GPU."""
+    n, k = (int(v) for v in shape.split("x"))
+    raws = weight_copies("iq3_s", n, k, torch.device("cuda"), at_least=3)
+    dense = dequantize(raws[0].reshape(-1), "gguf_iq3_s", (n, k)).double()
+    return n, k, [repack_il32(raw) for raw in raws], dense
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="34816x5120,16480x5120,5120x17408,14336x5120,5120x6144")
@@ -33,12 +42,8 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
     for shape in args.shapes.split(","):
-        n, k = (int(v) for v in shape.split("x"))
-        raws = weight_copies("iq3_s", n, k, torch.device("cuda"), at_least=3)
-        dense = dequantize(raws[0].reshape(-1), "gguf_iq3_s", (n, k)).double()
-        copies = [repack_il32(raw) for raw in raws]
+        n, k, copies, dense = il32_copies(shape)
         words = copies[0]
-        del raws
         for width in (int(w) for w in args.widths.split(",")):
             x = torch.randn(width, k, device="cuda", dtype=torch.bfloat16)
             x32 = quantize_activation(x)

@@ -17,10 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_check import graph_us, rel_err, weight_copies  # noqa: E402
-from ninfer.kernels.gemv_il import gemv_il, il_group, il_schedule, repack_il32  # noqa: E402
+from bench.gpu_check import graph_us, rel_err  # noqa: E402
+from bench.il_group256 import il32_copies  # noqa: E402
+from ninfer.kernels.gemv_il import gemv_il, il_group, il_schedule  # noqa: E402
 from ninfer.kernels.gemv_q8 import QuantizedActivation, quantize_activation  # noqa: E402
-from ninfer.quant import dequantize  # noqa: E402
 
 
 def main() -> None:
@@ -33,12 +33,8 @@ def main() -> None:
     group, counts = il_group(), [int(v) for v in args.splits.split(",")]
     rows, worst = [], 0.0
     for shape in args.shapes.split(","):
-        n, k = (int(v) for v in shape.split("x"))
-        raws = weight_copies("iq3_s", n, k, torch.device("cuda"), at_least=3)
-        dense = dequantize(raws[0].reshape(-1), "gguf_iq3_s", (n, k)).double()
-        copies = [repack_il32(raw) for raw in raws]
+        n, k, copies, dense = il32_copies(shape)
         words = copies[0]
-        del raws
         for width in (int(w) for w in args.widths.split(",")):
             xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16), group=group)
             fp32 = QuantizedActivation(xa.q, xa.d, xa.s, torch.float32)

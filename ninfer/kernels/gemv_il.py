@@ -591,12 +591,16 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     columns on the 27B's il32 matrices, sessions 27 and 29), a tile's blocks in `mma_splits` pieces across
     CTAs (NINFER_IL_SPLITS: a count instead, for A/B). Both take an activation of one scale per `group`
     inputs."""
+    return _il_schedule(columns, in_features, out_features, group, os.environ.get("NINFER_IL_SPLITS", "auto"))
+
+
+@functools.cache  # every il_matmul asks
+def _il_schedule(columns: int, in_features: int, out_features: int, group: int, splits: str) -> IlSchedule:
     if columns >= 3:
         s = IlSchedule(min(10, in_features // 256), kernel="il_mma", group=group)
-        choice = os.environ.get("NINFER_IL_SPLITS", "auto")
-        splits = mma_splits(il32_shape(out_features, in_features)[0], in_features // 256, s.warps,
-                            _sm_count() * _ctas_per_sm(s, columns, 0)) if choice == "auto" else int(choice)
-        return replace(s, splits=splits)
+        pieces = mma_splits(il32_shape(out_features, in_features)[0], in_features // 256, s.warps,
+                            _sm_count() * _ctas_per_sm(s, columns, 0)) if splits == "auto" else int(splits)
+        return replace(s, splits=pieces)
     return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, columns == 2 and out_features >= 8192,
                       group=group)
 
@@ -734,7 +738,8 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
             args += [s.splits, *work]
             ctas = min(tiles * s.splits, _launch_shape(words.device, s, n, k))
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
-    kernel = _compiled(n, _OUT_KINDS[xa.dtype], replace(s, splits=1), pdl)  # one build for every split count
+    # one build for every split count
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], s if s.splits == 1 else replace(s, splits=1), pdl)
     _launch(kernel, ctas, 32 * s.warps, smem, args, pdl)
     return y
 

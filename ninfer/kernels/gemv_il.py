@@ -599,7 +599,7 @@ def _il_schedule(columns: int, in_features: int, out_features: int, group: int, 
     if columns >= 3:
         s = IlSchedule(min(10, in_features // 256), kernel="il_mma", group=group)
         pieces = mma_splits(il32_shape(out_features, in_features)[0], in_features // 256, s.warps,
-                            _sm_count() * _ctas_per_sm(s, columns, 0)) if splits == "auto" else int(splits)
+                            _cta_slots(s, columns)) if splits == "auto" else int(splits)
         return replace(s, splits=pieces)
     return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, columns == 2 and out_features >= 8192,
                       group=group)
@@ -617,11 +617,12 @@ def mma_splits(tiles: int, blocks: int, warps: int, slots: int, most: int = 4) -
     return max(1, min(most, blocks // (2 * warps)))
 
 
-@functools.cache
-def _sm_count() -> int:
-    """SMs of the current CUDA device (132 on an H200; also where no GPU is, for the schedule's choice)."""
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
-        if torch.cuda.is_available() else 132
+def _cta_slots(s: IlSchedule, columns: int) -> int:
+    """CTAs of schedule s the current CUDA device holds at once (`_launch_shape`); an H200's 264 (132 SMs ×
+    2) where no GPU is."""
+    if torch.cuda.is_available():
+        return _launch_shape(torch.device("cuda", torch.cuda.current_device()), s, columns, 0)
+    return 132 * _ctas_per_sm(s, columns, 0)
 
 
 _RING = 8  # the dp4a kernel's tiles summed at once, at most (the CTA's tiles on the H200: 5 for gate|up)

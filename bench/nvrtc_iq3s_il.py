@@ -26,7 +26,7 @@ from ninfer.kernels.gguf_matmul import check_weight
 _TILES = ((32, (10, 17)), (16, (5, 6, 10, 12, 17)), (8, (5, 10, 17)))  # (copies, warps)
 _MMA = ((4, 128), (5, 128), (10, 96), (10, 128), (20, 96))  # (warps, registers) of the tensor-core kernel
 SCHEDULES = {"cu_" + s.name: s for s in (
-    [IlSchedule(w, c, nt) for c, ws in _TILES for w in ws for nt in (False, True)]
+    [IlSchedule(w, c) for c, ws in _TILES for w in ws]
     + [IlSchedule(w, kernel="il_mma", regs=r) for w, r in _MMA])}
 
 

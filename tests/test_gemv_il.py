@@ -74,13 +74,13 @@ def _dp4a(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return sum(signed(a, k) * signed(b, k) for k in range(4))
 
 
-@pytest.mark.parametrize(("negtab", "group"), [(False, 32), (True, 32), (False, 256)])
+@pytest.mark.parametrize("group", [32, 256])
 @pytest.mark.parametrize(("n", "k"), [(40, 768), (64, 1024)])
-def test_the_kernels_integer_recipe_gives_the_twin(n, k, negtab, group):
+def test_the_kernels_integer_recipe_gives_the_twin(n, k, group):
     """The CUDA kernel's decode written out in numpy, step for step (9-bit index by one prmt of a qs word and
-    the spread qh bits, grid word from the table, sign bytes M by a multiply and a sign-replicating prmt; the
-    signed word dp4a(g ^ M) - dp4a(M) or, from a table of {word, negated word}, the bytes picked by M):
-    equal to the float64 twin, padding blocks included. Group 256: one activation scale a block, the
+    the spread qh bits, grid word g from the table, sign bytes M by a multiply and a sign-replicating prmt;
+    the signed word g ^ (M & 0xFEFEFEFE), as the grid's magnitudes are odd; one dp4a a column): equal to the
+    float64 twin, padding blocks included. Group 256: one activation scale a block, the
     sub-block sums weighed by 1 + 2·scale in integers, one float product a block."""
     gen = torch.Generator().manual_seed(k)
     raw = random_gguf_weight("iq3_s", n, k, generator=gen)
@@ -112,11 +112,7 @@ def test_the_kernels_integer_recipe_gives_the_twin(n, k, negtab, group):
                     m8 = _prmt((byte * mul) & np.uint64(0xFFFFFFFF), zero, 0x89AB)
                     for m in range(2):
                         x = np.full(g.shape, xw[m, (sb0 + j) * 8 + kw], dtype=np.int64)
-                        if negtab:
-                            neg = (~g + np.uint64(0x01010101)) & np.uint64(0xFFFFFFFF)
-                            s[m] += _dp4a((g & ~m8) | (neg & m8), x)
-                        else:
-                            s[m] += _dp4a(g ^ m8, x) - _dp4a(m8, x)
+                        s[m] += _dp4a(g ^ (m8 & np.uint64(0xFEFEFEFE)), x)
                 for m in range(2):
                     if group == 256:
                         isum[m] += ls * s[m]
@@ -155,24 +151,24 @@ def _mma_m16n8k32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def test_the_tensor_core_recipe_gives_the_twin(n, k, columns, group):
     """The mma kernel (`iq3s_il_mma`) in numpy, lane by lane: rows 4g..4g + 3 of each 16-byte load, the table
     offsets of grid words 2t, 2t + 1 packed in one word (qs bytes · 128, qh bits by sign-replicating prmts)
-    and this lane's copy, sign bytes picking from {word, negated word}, the A/B fragments through PTX's
-    m16n8k32 tables, the sums seeded with 1.5·2^23 and read back as floats: equal to the float64 twin.
-    Group 256: one activation scale a block, the sub-block scales (1 + 2·nibble) weighing the integer sums,
-    one float conversion a block."""
+    and this lane's copy (32 copies of the grid), the sign bytes' masks & 0xFE xor the word, the A/B
+    fragments through PTX's m16n8k32 tables, the sums seeded with 1.5·2^23 and read back as floats: equal
+    to the float64 twin. Group 256: one activation scale a block, the sub-block scales (1 + 2·nibble)
+    weighing the integer sums, one float conversion a block."""
     gen = torch.Generator().manual_seed(k + columns)
     raw = random_gguf_weight("iq3_s", n, k, generator=gen)
     xa = quantize_activation_reference(torch.randn(columns, k, generator=gen), group)
     tiles, pairs = il32_shape(n, k)
     w = repack_il32(raw).numpy().view(np.uint32).reshape(tiles, pairs, 55, 32).astype(np.uint64)
     grid = _tables(torch.device("cpu"))[1].numpy().view(np.uint32).astype(np.uint64)
-    table = np.stack([grid, (~grid + 0x01010101) & 0xFFFFFFFF], axis=-1).repeat(16, axis=0)  # [i·16 + c]
+    table = grid.repeat(32)  # word i of copy c at i·32 + c
     # lanes of columns past the last read the last column (their outputs are never stored)
     last = np.minimum(np.arange(8), columns - 1)
     xw = xa.words.numpy().astype(np.int64)[last]
     xd = xa.d.numpy().astype(np.float64)[last]
     lanes = np.arange(32)
     gq, t = lanes >> 2, lanes & 3
-    copy = (8 * (lanes & 15)).astype(np.uint64)
+    copy = (4 * lanes).astype(np.uint64)
     acc = np.zeros((tiles, 32, 4, 2))
     for kb in range(k // 256):
         p, h = divmod(kb, 2)
@@ -193,9 +189,9 @@ def test_the_tensor_core_recipe_gives_the_twin(n, k, columns, group):
                 offsets = ((pk & np.uint64(0xFFFF)) | copy[on, None], (pk >> np.uint64(16)) + copy[on, None])
                 sb = _prmt(sg, 0 * sg, 0x4440 + tt)
                 for e, mul in enumerate((0x80402010, 0x08040201)):
-                    entry = table[(offsets[e] // 8).astype(np.int64)]
+                    entry = table[(offsets[e] // 4).astype(np.int64)]
                     m = _prmt((sb * np.uint64(mul)) & np.uint64(0xFFFFFFFF), 0 * sb, 0x89AB)
-                    a[..., e][:, on] = (entry[..., 0] & ~m & np.uint64(0xFFFFFFFF)) | (entry[..., 1] & m)
+                    a[..., e][:, on] = entry ^ (m & np.uint64(0xFEFEFEFE))
             b = xw[gq[:, None], kb * 64 + 8 * j + 2 * t[:, None] + np.arange(2)]
             sums = [_mma_m16n8k32(np.stack([a[:, :, 2 * mt, 0], a[:, :, 2 * mt + 1, 0], a[:, :, 2 * mt, 1],
                                             a[:, :, 2 * mt + 1, 1]], axis=-1), b) for mt in range(2)]
@@ -352,9 +348,9 @@ def test_only_few_long_tiles_are_split():
 
 
 def test_the_tile_ring_keeps_the_ctas_an_sm_holds():
-    """A dp4a CTA sums up to `_RING` of its tiles after one barrier, as many as its shared memory allows
-    without costing the SM a CTA (the H200: 228 KB an SM, 227 KB a CTA)."""
-    for columns in (1, 2):
+    """A CTA of either kernel sums up to `_RING` of its tiles after one barrier, as many as its shared memory
+    allows without costing the SM a CTA (the H200: 228 KB an SM, 227 KB a CTA)."""
+    for columns in (1, 2, 4, 8):
         for k in (5120, 17408):
             s = gemv_il.il_schedule(columns, k, 34816)
             held = gemv_il._ctas_per_sm(s, columns, k)
@@ -366,8 +362,9 @@ def test_the_tile_ring_keeps_the_ctas_an_sm_holds():
                 if ring < min(tiles, gemv_il._RING):  # the next ring would not fit
                     assert held * (s.smem_bytes(columns, k, ring + 1) + 1024) > 228 * 1024
     assert gemv_il.tile_ring(gemv_il.il_schedule(1, 5120), 1, 5120, 5) == 5  # gate|up's tiles on the H200
-    # 2 columns over 17408 inputs with the negated table: 102 KB a CTA before the sums, 2 CTAs an SM
-    assert gemv_il.tile_ring(gemv_il.il_schedule(2, 17408, 34816), 2, 17408, 8) == 4
+    assert gemv_il.tile_ring(gemv_il.il_schedule(2, 17408, 34816), 2, 17408, 8) == 8  # 35 KB before the sums
+    # the tensor-core kernel: 64 KB of tables and 10 KB of sums a tile, 2 CTAs an SM -> 4 of gate|up's 5 tiles
+    assert gemv_il.tile_ring(gemv_il.il_schedule(4, 5120, 34816), 4, 5120, 5) == 4
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -381,12 +378,12 @@ def rel(a, b):
 @pytest.mark.gpu
 @pytest.mark.parametrize(("n", "k"), [(1040, 5120), (17408, 5120), (40, 768), (8224, 2048)])
 def test_gemv_il_matches_its_twin_on_gpu(n, k):
-    """1-8 columns (the dp4a kernel at 1 and 2, with the {word, negated word} table at 2 on the two shapes of
-    ≥ 8192 rows; the tensor-core kernel at 3-8), 12 through two calls, bf16 and fp32 outputs, padded rows and
-    blocks; 40 columns through the dequantised weight; both kernels with one activation scale per 32 inputs
-    and per 256 (a block); the dp4a CTA's tiles summed in a ring (17408 rows: 2-3 tiles a CTA) the same bits
-    as one at a time; the tensor-core kernel's tiles split into 2-4 pieces across CTAs, the same bits on a
-    second call; and both kernels captured in a CUDA graph, the same bits as eager."""
+    """1-8 columns (the dp4a kernel at 1 and 2, the tensor-core kernel at 3-8), 12 through two calls, bf16 and
+    fp32 outputs, padded rows and blocks; 40 columns through the dequantised weight; both kernels with one
+    activation scale per 32 inputs and per 256 (a block); a CTA's tiles summed in a ring (17408 rows: 2-3
+    tiles a CTA) the same bits as one at a time, in both kernels; the tensor-core kernel's tiles split into
+    2-4 pieces across CTAs, the same bits on a second call; and both kernels captured in a CUDA graph, the
+    same bits as eager."""
     from ninfer.kernels import gemv_il as gemv_il_module
     from ninfer.kernels.gemv_il import gemv_il, gemv_il_reference
     from ninfer.kernels.gemv_q8 import quantize_activation
@@ -421,11 +418,12 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
             once = gemv_il(words, xa, n, s)
             assert rel(once, want) < 1e-4, (n, k, width, splits)
             assert torch.equal(gemv_il(words, xa, n, s), once), (n, k, width, splits)  # counts left zero
-    for width in (1, 2):  # the dp4a kernel's tiles summed one at a time: the same sums in the same order
+    for width in (1, 2, 4):  # the tiles summed one at a time: the same sums in the same order
         xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16))
         ringed = gemv_il(words, xa, n)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr("ninfer.kernels.gemv_il._RING", 1)
+            mp.setattr("ninfer.kernels.gemv_il._MMA_RING", 1)
             assert torch.equal(gemv_il(words, xa, n), ringed), width
     for width, splits in ((1, 1), (4, 1), (4, 3)):
         xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16))

@@ -156,11 +156,9 @@ _SOURCE = r"""
 #define WARPS __WARPS__
 #define MIN_CTAS __MIN_CTAS__
 #define COPIES __COPIES__
-#define NEGTAB __NEGTAB__
 #define PDL __PDL__
 #define GROUP __GROUP__
 """ + CUDA_HELPERS + r"""
-#define ENTRY (NEGTAB ? 8 : 4)  // bytes of a table entry: {grid word, its bytes negated} or the word
 struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
 
 // the words of block h of pair p of tile t (this lane's row)
@@ -193,9 +191,9 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
 #if GROUP != 256
         const float dl = d * (float)(1 + 2 * ((b.sc >> (4 * j)) & 15u));
 #endif
-        int ig[NCOL], im[NCOL];
+        int ig[NCOL];
 #pragma unroll
-        for (int m = 0; m < NCOL; ++m) { ig[m] = 0; im[m] = 0; }
+        for (int m = 0; m < NCOL; ++m) ig[m] = 0;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             // qh bits of grid words 4 half .. 4 half + 3, one per byte
@@ -212,35 +210,22 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
                 // top of byte 3 - k, then each byte filled with its top bit
                 const unsigned byte = prmt(b.sg[j], 0, 0x4440 + 2 * half + (e >> 1));
                 const unsigned m8 = prmt(byte * ((e & 1) ? 0x08040201u : 0x80402010u), 0, 0x89AB);
-#if NEGTAB
-                // the signed word picked byte by byte from the word and its negation: one dp4a a column
-                unsigned g, n;
-                const unsigned at = tab + idx * (8 * COPIES);
-                asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(g), "=r"(n) : "r"(at));
-                const unsigned sw = (g & ~m8) | (n & m8);
-#else
-                // g ^ m8 = -g - 1 where negative: the -1s come back through a second dp4a with m8
-                const unsigned gm = lds(tab + idx * (4 * COPIES)) ^ m8;
-#endif
+                // the grid's magnitudes are odd, so g ^ 0xFE is -g in a byte: the signed word in one LOP3
+                const unsigned sw = lds(tab + idx * (4 * COPIES)) ^ (m8 & 0xFEFEFEFEu);
 #pragma unroll
                 for (int m = 0; m < NCOL; ++m) {
                     const int xe = e == 0 ? xv[m].x : e == 1 ? xv[m].y : e == 2 ? xv[m].z : xv[m].w;
-#if NEGTAB
                     ig[m] = dp4a(sw, xe, ig[m]);
-#else
-                    ig[m] = dp4a(gm, xe, ig[m]);
-                    im[m] = dp4a(m8, xe, im[m]);
-#endif
                 }
             }
         }
 #if GROUP == 256
         const int ls = (int)(((b.sc >> (4 * j)) & 15u) * 2u + 1u);
 #pragma unroll
-        for (int m = 0; m < NCOL; ++m) isum[m] += (ig[m] - im[m]) * ls;
+        for (int m = 0; m < NCOL; ++m) isum[m] += ig[m] * ls;
 #else
 #pragma unroll
-        for (int m = 0; m < NCOL; ++m) acc[m] += dl * xds[m * KG + sb0 + j] * (float)(ig[m] - im[m]);
+        for (int m = 0; m < NCOL; ++m) acc[m] += dl * xds[m * KG + sb0 + j] * (float)ig[m];
 #endif
     }
 #if GROUP == 256
@@ -259,21 +244,20 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
     const int tiles = (N + 31) >> 5;
     // the warps' sums of the CTA's last `ring` tiles [ring][WARPS][NCOL][32]: summed and written every `ring`
     // tiles (one barrier there, not two a tile)
-    float* red = (float*)(smem + 512 * COPIES * (ENTRY / 4));
+    float* red = (float*)(smem + 512 * COPIES);
     int* xs = reinterpret_cast<int*>(red + ring * WARPS * NCOL * 32);  // the activation [NCOL][K4]
     float* xds = reinterpret_cast<float*>(xs + NCOL * K4);
     // what the CTA needs first is asked for at once (one memory latency, not one a pass of a fill loop): its
     // first block, the grid words of its table, the activation
     Blk a, b;
     if (blockIdx.x < tiles && wid < P) load_block(a, w, (size_t)blockIdx.x * P + wid, 0, lane);
-    // table entry i of copy c at i * COPIES + c, 16 bytes a store: two copies of {word, negated word} or four
-    // of the word
-    constexpr int STORES = (NEGTAB ? 256 : 128) * COPIES, FILL = (STORES + WARPS * 32 - 1) / (WARPS * 32);
+    // table entry i of copy c at i * COPIES + c, 16 bytes (four copies of the word) a store
+    constexpr int STORES = 128 * COPIES, FILL = (STORES + WARPS * 32 - 1) / (WARPS * 32);
     unsigned gw[FILL];
 #pragma unroll
     for (int r = 0; r < FILL; ++r) {
         const int i = threadIdx.x + r * WARPS * 32;
-        gw[r] = i < STORES ? __ldg(grid + i * (NEGTAB ? 2 : 4) / COPIES) : 0u;
+        gw[r] = i < STORES ? __ldg(grid + i * 4 / COPIES) : 0u;
     }
 #if PDL
     // launched early (programmatic dependent launch): the activation is the previous kernel's output
@@ -287,11 +271,10 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 #pragma unroll
     for (int r = 0; r < FILL; ++r) {
         const int i = threadIdx.x + r * WARPS * 32;
-        const unsigned g = gw[r], n = NEGTAB ? ~g + 0x01010101u : g;
-        if (i < STORES) reinterpret_cast<uint4*>(smem)[i] = make_uint4(g, n, g, n);
+        if (i < STORES) reinterpret_cast<uint4*>(smem)[i] = make_uint4(gw[r], gw[r], gw[r], gw[r]);
     }
     __syncthreads();
-    const unsigned tab = (unsigned)__cvta_generic_to_shared(smem) + ENTRY * (lane % COPIES);
+    const unsigned tab = (unsigned)__cvta_generic_to_shared(smem) + 4 * (lane % COPIES);
     int k = 0;  // the tile's place in the ring
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         float acc[NCOL];
@@ -342,8 +325,9 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 # warp's load is the whole 128-byte line, each 16 bytes read by 4 lanes) and grid words 2t, 2t + 1 of every
 # sub-block (qs bytes 2t, 2t + 1, sign byte t; the order of k inside an mma is free as long as A and B agree).
 # Mma rows g / g + 8 of the first m16 tile are rows 4g / 4g + 1, of the second 4g + 2 / 4g + 3. The grid sits
-# in shared memory as 16 interleaved copies of {word, its bytes negated} (8 bytes an entry, lane L reads copy
-# L mod 16: a half-warp's 64-bit loads never share a bank); the sign bits pick bytes from either word. Each
+# in shared memory as 32 interleaved copies (lane L reads copy L: a warp's loads never share a bank); the
+# grid's magnitudes are odd, so a byte xor 0xFE negates it and the sign bits give the signed word in one LOP3
+# (both kernels). Each
 # sub-block's mma starts from the int32 bits of 1.5·2^23, so its float view minus 1.5·2^23 is the exact sum
 # (|sum| <= 32·15·127 < 2^22), then scaled by the row's d·(1 + 2·scale) and the column's activation scale.
 _MMA_SOURCE = r"""
@@ -372,25 +356,27 @@ __device__ __forceinline__ unsigned mad_hi(unsigned a, unsigned b, unsigned c) {
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
             const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y,
-            int splits, float* __restrict__ part_sums, int* __restrict__ counts)
+            int splits, float* __restrict__ part_sums, int* __restrict__ counts, int ring)
 {
     // split-K (`splits` > 1): item i is piece i % splits of tile i / splits, a run of its blocks; each
     // piece leaves its sums in its slot of part_sums [splits][NCOL][tiles * 32], and the last piece to finish
     // (a count per tile, left zero again) adds the slots in piece order: the same bits whichever is last
-    extern __shared__ uint2 tab[];  // entry i of copy c at i * 16 + c: {grid word, its bytes negated}
-    float* red = reinterpret_cast<float*>(tab + 512 * 16);  // [WARPS][32 rows][8 columns] partial sums
-    int* last_piece = reinterpret_cast<int*>(red + WARPS * 32 * 8);  // (no static shared memory: the
+    extern __shared__ uint4 tab[];  // grid word i of copy c at word i * 32 + c, four copies a store
+    // the warps' partial sums of the CTA's last `ring` items [ring][WARPS][32 rows][8 columns], summed and
+    // written after one barrier (`ring` > 1 only unsplit)
+    float* red = reinterpret_cast<float*>(tab + 512 * 8);
+    int* last_piece = reinterpret_cast<int*>(red + ring * WARPS * 32 * 8);  // (no static shared memory: the
                                                                      // dynamic size is the opt-in limit)
-    for (int i = threadIdx.x; i < 512 * 16; i += WARPS * 32) {
-        const unsigned g = grid[i >> 4];
-        tab[i] = make_uint2(g, ~g + 0x01010101u);
+    for (int i = threadIdx.x; i < 512 * 8; i += WARPS * 32) {
+        const unsigned g = grid[i >> 3];
+        tab[i] = make_uint4(g, g, g, g);
     }
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the activation is the previous kernel's output
 #endif
     __syncthreads();
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
-    const unsigned copy = 8 * (lane & 15);  // byte offset of this lane's copy
+    const unsigned copy = 4 * lane;  // byte offset of this lane's copy
     const char* tb = reinterpret_cast<const char*>(tab);
     const unsigned selq = (2 * (t & 1)) | 0x40 | ((2 * (t & 1) + 1) << 8) | 0x4000;  // [qs 2t, 0, qs 2t+1, 0]
     const unsigned sels = 0x4440 + t;  // sign byte t alone
@@ -403,6 +389,7 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
     const float* xd0 = xd + min(2 * (int)t, NCOL - 1) * (GROUP == 256 ? nblk : K32);
     const float* xd1 = xd + min(2 * (int)t + 1, NCOL - 1) * (GROUP == 256 ? nblk : K32);
     const int items = tiles * splits;
+    int k = 0;  // the item's place in the ring
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
         const int tile = item / splits, piece = item - tile * splits;
         float acc[4][2];
@@ -446,14 +433,14 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
                     // table offsets of grid words 2t, 2t + 1: (qs byte | qh bit << 8) · 128 in each half
                     const unsigned v = prmt(part(qs, r), 0, selq) * 128u;
                     const unsigned pk = v | (prmt(hA[r], hB[r], selh) & 0x80008000u);
-                    const uint2 ea = *reinterpret_cast<const uint2*>(tb + ((pk & 0xFFFFu) | copy));
-                    const uint2 eb = *reinterpret_cast<const uint2*>(tb + mad_hi(pk, 65536u, copy));
+                    const unsigned ea = *reinterpret_cast<const unsigned*>(tb + ((pk & 0xFFFFu) | copy));
+                    const unsigned eb = *reinterpret_cast<const unsigned*>(tb + mad_hi(pk, 65536u, copy));
                     // sign bit k of a word to the top of byte 3 - k, each byte filled with its top bit
                     const unsigned sb = prmt(part(sg, r), 0, sels);
                     const unsigned ma = prmt(sb * 0x80402010u, 0, 0x89AB);
                     const unsigned mb = prmt(sb * 0x08040201u, 0, 0x89AB);
-                    a[r][0] = (ea.x & ~ma) | (ea.y & ma);
-                    a[r][1] = (eb.x & ~mb) | (eb.y & mb);
+                    a[r][0] = ea ^ (ma & 0xFEFEFEFEu);
+                    a[r][1] = eb ^ (mb & 0xFEFEFEFEu);
                 }
 #if GROUP == 256
                 // one activation scale a block: the sub-block scales weigh the integer dots, one float
@@ -499,20 +486,23 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
         if (item + gridDim.x >= items) asm volatile("griddepcontrol.launch_dependents;");
 #endif
         // rows 4 gq + r, columns 2t, 2t + 1: summed over the warps through shared memory
+        float* rk = red + (k * WARPS + wid) * (32 * 8);
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            red[(wid * 32 + 4 * gq + r) * 8 + 2 * t] = acc[r][0];
-            red[(wid * 32 + 4 * gq + r) * 8 + 2 * t + 1] = acc[r][1];
+            rk[(4 * gq + r) * 8 + 2 * t] = acc[r][0];
+            rk[(4 * gq + r) * 8 + 2 * t + 1] = acc[r][1];
         }
+        if (++k < ring && item + gridDim.x < items) continue;
         __syncthreads();
         const int slot = tiles * 32 * NCOL;  // floats a piece's slot
-        for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
-            const int m = i >> 5, row = i & 31;
+        for (int i = threadIdx.x; i < k * 32 * NCOL; i += WARPS * 32) {
+            const int j = i / (32 * NCOL), m = (i >> 5) % NCOL, row = i & 31;
+            const int at = (tile - (k - 1 - j) * (int)gridDim.x) * 32 + row;  // of the ring's item j
             float v = 0.f;
 #pragma unroll
-            for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
+            for (int s = 0; s < WARPS; ++s) v += red[((j * WARPS + s) * 32 + row) * 8 + m];
             if (splits == 1) {
-                if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
+                if (at < N) y[m * stride_y + at] = to_out(v);
             } else {
                 part_sums[piece * slot + m * tiles * 32 + tile * 32 + row] = v;
             }
@@ -534,6 +524,7 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
                 if (threadIdx.x == 0) counts[tile] = 0;
             }
         }
+        k = 0;
         __syncthreads();
     }
 }
@@ -542,17 +533,15 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 
 @dataclass(frozen=True)
 class IlSchedule:
-    """`warps` per CTA (split-K over a tile's pairs of blocks), `copies` of the grid in shared memory,
-    `negtab`: table entries {grid word, its bytes negated} and one dp4a a grid word and column (else the
-    word alone and two dp4a). `kernel` "il_mma": the tensor-core kernel (split-K by blocks, 16 copies of
-    {word, negated word}, `regs` registers a thread; `copies` and `negtab` do not apply). `group`: the
+    """`warps` per CTA (split-K over a tile's pairs of blocks), `copies` of the grid in shared memory.
+    `kernel` "il_mma": the tensor-core kernel (split-K by blocks, 32 copies of the grid, `regs` registers a
+    thread; `copies` does not apply). `group`: the
     activation's values per scale, 32 or 256: with 256 the sub-block scales (1 + 2·nibble) weigh the integer
     sums and one float conversion a block remains (H200: the dp4a kernel 2.5-6 %, the tensor-core kernel
     8-14 % faster)."""
 
     warps: int
     copies: int = 16
-    negtab: bool = False
     kernel: str = "il"
     regs: int = 0
     group: int = 32
@@ -570,24 +559,22 @@ class IlSchedule:
             return (f"ilmma_w{self.warps}" + (f"_r{self.regs}" if self.regs else "")
                     + (f"_g{self.group}" if self.group != 32 else "")
                     + (f"_s{self.splits}" if self.splits > 1 else ""))
-        return (f"il_w{self.warps}_c{self.copies}" + ("_nt" if self.negtab else "")
-                + (f"_g{self.group}" if self.group != 32 else ""))
+        return f"il_w{self.warps}_c{self.copies}" + (f"_g{self.group}" if self.group != 32 else "")
 
     def smem_bytes(self, columns: int, in_features: int, ring: int = 1) -> int:
         """The tables and the split-K sums (the dp4a kernel's: of `ring` tiles); the dp4a kernel also stages
         the activation (int8 and scales)."""
         if self.kernel == "il_mma":
-            return 512 * 16 * 8 + self.warps * 32 * 8 * 4 + 16
-        table = 512 * self.copies * (8 if self.negtab else 4)
+            return 512 * 32 * 4 + ring * self.warps * 32 * 8 * 4 + 16
+        table = 512 * self.copies * 4
         activation = columns * (in_features + in_features // self.group * 4)  # int8 values, fp32 scales
         return table + ring * self.warps * columns * 32 * 4 + activation
 
 
 def il_schedule(columns: int, in_features: int, out_features: int = 8192, group: int = 32) -> IlSchedule:
-    """1-2 columns: the dp4a kernel, a warp per pair of blocks (at most 10 warps), the {word, negated word}
-    table at 2 columns on matrices of ≥ 8192 rows (on the H200 within 3 % of the best il schedule at 1 and 2
-    columns on the 27B's matrices, sessions 26 and 28; the 5120-row ones up to 10 % slower with it, session
-    29). 3-8: the tensor-core kernel, 10 warps of 96 registers (the best or within 4 % of it at 3, 4 and 8
+    """1-2 columns: the dp4a kernel, a warp per pair of blocks (at most 10 warps), 16 copies of the grid (on
+    the H200 within 3 % of the best il schedule at 1 and 2 columns on the 27B's matrices, sessions 26 and
+    28). 3-8: the tensor-core kernel, 10 warps of 96 registers (the best or within 4 % of it at 3, 4 and 8
     columns on the 27B's il32 matrices, sessions 27 and 29), a tile's blocks in `mma_splits` pieces across
     CTAs (NINFER_IL_SPLITS: a count instead, for A/B). Both take an activation of one scale per `group`
     inputs."""
@@ -601,8 +588,7 @@ def _il_schedule(columns: int, in_features: int, out_features: int, group: int, 
         pieces = mma_splits(il32_shape(out_features, in_features)[0], in_features // 256, s.warps,
                             _cta_slots(s, columns)) if splits == "auto" else int(splits)
         return replace(s, splits=pieces)
-    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, columns == 2 and out_features >= 8192,
-                      group=group)
+    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, group=group)
 
 
 def mma_splits(tiles: int, blocks: int, warps: int, slots: int, most: int = 4) -> int:
@@ -626,6 +612,9 @@ def _cta_slots(s: IlSchedule, columns: int) -> int:
 
 
 _RING = 8  # the dp4a kernel's tiles summed at once, at most (the CTA's tiles on the H200: 5 for gate|up)
+# the tensor-core kernel's: on the H200 a ring of 2 is the best or within 0.1 µs of it on the 27B's matrices
+# at 3, 4 and 8 columns; 3-5 lose on gate|up (8 columns: 44.0 µs unringed, 43.1 in 2, 46.2 in 4; session 33)
+_MMA_RING = 2
 
 # registers a thread the build allows at 1, 2, 4, 8 columns (below these the larger widths spill)
 _REGISTERS = {1: 80, 2: 96, 4: 112, 8: 128}
@@ -649,7 +638,7 @@ def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False)
     source = _MMA_SOURCE if s.kernel == "il_mma" else _SOURCE
     return (source.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
             .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns, 0)))
-            .replace("__COPIES__", str(s.copies)).replace("__NEGTAB__", str(int(s.negtab)))
+            .replace("__COPIES__", str(s.copies))
             .replace("__PDL__", str(int(pdl))).replace("__GROUP__", str(s.group)))
 
 
@@ -683,8 +672,8 @@ def _launch_shape(device: torch.device, s: IlSchedule, columns: int, in_features
 @functools.cache  # gemv_il asks on every call
 def tile_ring(s: IlSchedule, columns: int, in_features: int, tiles_a_cta: int, smem_sm: int = 228 * 1024,
               smem_cta: int = 227 * 1024, most: int = _RING) -> int:
-    """Tiles a CTA of the dp4a kernel sums at once: its tiles, at most `most`, as many as fit in an SM's
-    shared memory (`smem_sm`, a CTA's at most `smem_cta`) beside the CTAs an SM holds with one."""
+    """Tiles a CTA sums at once: its tiles, at most `most`, as many as fit in an SM's shared memory
+    (`smem_sm`, a CTA's at most `smem_cta`) beside the CTAs an SM holds with one."""
     per_sm = _ctas_per_sm(s, columns, in_features, smem_sm)
     ring = min(most, tiles_a_cta)
     while ring > 1 and (per_sm * (s.smem_bytes(columns, in_features, ring) + 1024) > smem_sm
@@ -720,8 +709,9 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     tiles = il32_shape(out_features, k)[0]
     ctas = min(tiles, _launch_shape(words.device, s, n, k))
     ring = 1
-    if s.kernel == "il":
-        ring = tile_ring(s, n, k, -(-tiles // ctas), _smem_sm(words.device), _smem_optin(words.device), _RING)
+    if s.splits == 1:
+        ring = tile_ring(s, n, k, -(-tiles // ctas), _smem_sm(words.device), _smem_optin(words.device),
+                         _RING if s.kernel == "il" else _MMA_RING)
     smem = s.smem_bytes(n, k, ring)
     if smem > _smem_optin(words.device):
         raise QuantKernelError(f"the il32 GEMV of {n} columns over {k} inputs needs {smem} bytes of shared "
@@ -729,15 +719,14 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
                                "layout (NINFER_IQ3S_IL=0)")
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     args = [words, xa.words, xa.d, _tables(words.device)[1], y, out_features, k, y.stride(0)]
-    if s.kernel == "il":
-        args.append(ring)
-    else:
+    if s.kernel == "il_mma":
         work = split_workspace(words.device, s.splits * n * tiles * 32, tiles) if s.splits > 1 else None
         if work is None:  # one piece a tile (also while a graph is captured and the workspace is too small)
             args += [1, y, y]
         else:
             args += [s.splits, *work]
             ctas = min(tiles * s.splits, _launch_shape(words.device, s, n, k))
+    args.append(ring)
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
     # one build for every split count
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], s if s.splits == 1 else replace(s, splits=1), pdl)

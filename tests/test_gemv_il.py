@@ -150,8 +150,8 @@ def _mma_m16n8k32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
                          [(40, 768, 3, 32), (64, 512, 8, 32), (40, 768, 4, 256)])
 def test_the_tensor_core_recipe_gives_the_twin(n, k, columns, group):
     """The mma kernel (`iq3s_il_mma`) in numpy, lane by lane: rows 4g..4g + 3 of each 16-byte load, the table
-    offsets of grid words 2t, 2t + 1 packed in one word (qs bytes · 128, qh bits by sign-replicating prmts)
-    and this lane's copy (32 copies of the grid), the sign bytes' masks & 0xFE xor the word, the A/B
+    offsets of grid words 2t, 2t + 1 (a prmt of the qs word and the qh bits spread a byte each, · 128) and
+    this lane's copy (32 copies of the grid), the sign bytes' masks & 0xFE xor the word, the A/B
     fragments through PTX's m16n8k32 tables, the sums seeded with 1.5·2^23 and read back as floats: equal
     to the float64 twin. Group 256: one activation scale a block, the sub-block scales (1 + 2·nibble)
     weighing the integer sums, one float conversion a block."""
@@ -182,11 +182,11 @@ def test_the_tensor_core_recipe_gives_the_twin(n, k, columns, group):
                 on = t == tt
                 qs, hq = words[:, 16 * h + 2 * j + (tt >> 1)][:, on], qh[:, on]
                 sg = words[:, 36 + 8 * h + j][:, on]
-                selq = (2 * (tt & 1)) | 0x40 | ((2 * (tt & 1) + 1) << 8) | 0x4000
-                selh = (0x8 | (j & 3)) * 0x0011 + (0xC | (j & 3)) * 0x1100
-                hbits = _prmt(hq << np.uint64(7 - 2 * tt), hq << np.uint64(6 - 2 * tt), selh)
-                pk = ((_prmt(qs, 0 * qs, selq) * 128) & 0xFFFFFFFF) | (hbits & np.uint64(0x80008000))
-                offsets = ((pk & np.uint64(0xFFFF)) | copy[on, None], (pk >> np.uint64(16)) + copy[on, None])
+                selj = (4 + (j & 3)) * 0x10 + (0xC + (j & 3)) * 0x1100
+                bits = hq >> np.uint64(2 * tt)
+                qhb = (bits & np.uint64(0x01010101), (bits >> np.uint64(1)) & np.uint64(0x01010101))
+                offsets = [_prmt(qs, qhb[e], (2 * (tt & 1) + e) | selj) * 128 + copy[on, None]
+                           for e in range(2)]
                 sb = _prmt(sg, 0 * sg, 0x4440 + tt)
                 for e, mul in enumerate((0x80402010, 0x08040201)):
                     entry = table[(offsets[e] // 4).astype(np.int64)]

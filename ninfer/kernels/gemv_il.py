@@ -349,8 +349,8 @@ __device__ __forceinline__ void mma_s8(int (&c)[4], unsigned a0, unsigned a1, un
         : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ unsigned mad_hi(unsigned a, unsigned b, unsigned c) {
-    unsigned r; asm("mad.hi.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r;
+__device__ __forceinline__ unsigned mul_hi(unsigned a, unsigned b) {
+    unsigned r; asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r;
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
@@ -376,9 +376,8 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 #endif
     __syncthreads();
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
-    const unsigned copy = 4 * lane;  // byte offset of this lane's copy
-    const char* tb = reinterpret_cast<const char*>(tab);
-    const unsigned selq = (2 * (t & 1)) | 0x40 | ((2 * (t & 1) + 1) << 8) | 0x4000;  // [qs 2t, 0, qs 2t+1, 0]
+    const char* tb = reinterpret_cast<const char*>(tab) + 4 * lane;  // this lane's copy
+    const unsigned selq = 2 * (t & 1);  // qs byte 2t of the lane's word (2t + 1 the next)
     const unsigned sels = 0x4440 + t;  // sign byte t alone
     const int P = (K + 511) >> 9, K4 = K >> 2, K32 = K >> 5, nblk = K >> 8;
     const int tiles = (N + 31) >> 5;
@@ -413,28 +412,32 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 #if GROUP == 256
             int isum[4][2] = {{0, 0}, {0, 0}, {0, 0}, {0, 0}};  // Σ_j (1 + 2 scale_j) · dot_j of the block
 #endif
-            unsigned hA[4], hB[4];  // qh bits of grid words 2t / 2t + 1 at the top of each sub-block's byte
+            // qh bits of grid words 2t / 2t + 1 of four sub-blocks, a byte each (0 or 1), by row: the table
+            // index is one prmt of them and the qs word (ALU work is this kernel's limit: session 33)
+            unsigned qa[4], qb[4];
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 if ((j & 3) == 0) {
                     const uint4 qh = wb[8 * (32 + 2 * h + (j >> 2))];
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
-                        hA[r] = part(qh, r) << (7 - 2 * t);
-                        hB[r] = part(qh, r) << (6 - 2 * t);
+                        const unsigned bits = part(qh, r) >> (2 * t);
+                        qa[r] = bits & 0x01010101u;
+                        qb[r] = (bits >> 1) & 0x01010101u;
                     }
                 }
                 const uint4 qs = wq[16 * j], sg = wb[8 * (36 + 8 * h + j)];
                 const int2 xb = __ldg(xb8 + 4 * j);
-                const unsigned selh = (0x8 | (j & 3)) * 0x0011u + (0xC | (j & 3)) * 0x1100u;
+                // [qs byte 2t or 2t + 1, qh bit, 0, 0] (the top bytes sign-replicate a 0 or 1 byte)
+                const unsigned selj = (4 + (j & 3)) * 0x10u + (0xC + (j & 3)) * 0x1100u;
+                const unsigned sel_a = selq | selj, sel_b = (selq + 1) | selj;
                 unsigned a[4][2];
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
-                    // table offsets of grid words 2t, 2t + 1: (qs byte | qh bit << 8) · 128 in each half
-                    const unsigned v = prmt(part(qs, r), 0, selq) * 128u;
-                    const unsigned pk = v | (prmt(hA[r], hB[r], selh) & 0x80008000u);
-                    const unsigned ea = *reinterpret_cast<const unsigned*>(tb + ((pk & 0xFFFFu) | copy));
-                    const unsigned eb = *reinterpret_cast<const unsigned*>(tb + mad_hi(pk, 65536u, copy));
+                    // table offsets of grid words 2t, 2t + 1: (qs byte | qh bit << 8) · 128 + the lane's copy
+                    const unsigned ia = prmt(part(qs, r), qa[r], sel_a), ib = prmt(part(qs, r), qb[r], sel_b);
+                    const unsigned ea = *reinterpret_cast<const unsigned*>(tb + ia * 128u);
+                    const unsigned eb = *reinterpret_cast<const unsigned*>(tb + ib * 128u);
                     // sign bit k of a word to the top of byte 3 - k, each byte filled with its top bit
                     const unsigned sb = prmt(part(sg, r), 0, sels);
                     const unsigned ma = prmt(sb * 0x80402010u, 0, 0x89AB);
@@ -450,7 +453,10 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
                 mma_s8(c1, a[2][0], a[3][0], a[2][1], a[3][1], xb.x, xb.y);
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
-                    const int ls = (int)(((part(sc, r) >> (4 * j)) & 15u) * 2u + 1u);
+                    // 1 + 2·scale_j by multiplies (the FMA pipe; the ALU pipe is this kernel's limit):
+                    // nibble j to the top by a low multiply, down by a high one
+                    const unsigned nib = mul_hi(part(sc, r) << (28 - 4 * j), 16u);
+                    const int ls = (int)(nib * 2u + 1u);
                     const int* c = r < 2 ? c0 : c1;
                     isum[r][0] += c[2 * (r & 1)] * ls;
                     if (NCOL > 1) isum[r][1] += c[2 * (r & 1) + 1] * ls;

@@ -12,7 +12,8 @@ H200, session 26 run 2, µs (best il schedule / the GGUF layout's route): 1 colu
 shared memory) at 1 column: 30.9, 15.8, 22.6 (down); `cu_il_w10_c16_nt` at 2: 34.6, 18.3, 27.3. Session 29
 run 2 (both kernels as programmatic dependent launches, which the timed graph's back-to-back calls overlap),
 1 / 2 columns (`_nt` at 2): 30.7 / 34.6, 15.4 / 17.8, 22.0 / 27.2, 14.6 / 17.1 (14336×5120), 5120×6144 9.0 /
-10.2 without `_nt` (11.2 with it; the rows route 10.7 / 11.4).
+10.2 without `_nt` (11.2 with it; the rows route 10.7 / 11.4). Since session 33 both kernels sign a grid word
+by xor 0xFE from the plain table, and the `_nt` ({word, negated word}) schedules are gone.
 """
 
 from __future__ import annotations

@@ -24,8 +24,9 @@ padded to 32 and blocks to an even count with zero blocks (d = 0): no padding on
 That dp4a kernel costs a dp4a and a shared-memory activation load a grid word per column (92 µs at 8
 columns on 34816×5120, session 26). From 3 columns a second kernel (`iq3s_il_mma`, `_MMA_SOURCE`) decodes
 each grid word once into int8 mma fragments and multiplies all columns (up to 8) in one tensor-core
-instruction: 34816×5120 at 4 / 8
-columns 61.6 / 92.4 → 48.3 / 52.2 µs, 16480×5120 29.4 / 43.8 → 24.3 / 26.4 (sessions 27, 28). Prefill (more
+instruction: 34816×5120 at 4 / 8 columns 61.6 / 92.4 → 48.3 / 52.2 µs, 16480×5120 29.4 / 43.8 → 24.3 / 26.4
+(sessions 27, 28); 37.5 / 39.8 and 18.4 / 19.5 since session 33 (the activation per 256, the sign by xor 0xFE,
+fewer ALU ops: that pipe is its limit). Prefill (more
 than 16 columns) decodes the words to a transient bf16 matrix in one Triton pass (`dequantize_il32`).
 
 Triton 3.6 has no indexed shared-memory load, hence CUDA C (`torch.cuda._compile_kernel`, NVRTC from the
@@ -618,7 +619,7 @@ def _cta_slots(s: IlSchedule, columns: int) -> int:
 
 
 _RING = 8  # the dp4a kernel's tiles summed at once, at most (the CTA's tiles on the H200: 5 for gate|up)
-# the tensor-core kernel's: on the H200 a ring of 2 is the best or within 0.1 µs of it on the 27B's matrices
+# the tensor-core kernel's: on the H200 a ring of 2 is the best or within 0.2 µs of it on the 27B's matrices
 # at 3, 4 and 8 columns; 3-5 lose on gate|up (8 columns: 44.0 µs unringed, 43.1 in 2, 46.2 in 4; session 33)
 _MMA_RING = 2
 

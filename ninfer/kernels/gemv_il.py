@@ -542,10 +542,9 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 class IlSchedule:
     """`warps` per CTA (split-K over a tile's pairs of blocks), `copies` of the grid in shared memory.
     `kernel` "il_mma": the tensor-core kernel (split-K by blocks, 32 copies of the grid, `regs` registers a
-    thread; `copies` does not apply). `group`: the
-    activation's values per scale, 32 or 256: with 256 the sub-block scales (1 + 2·nibble) weigh the integer
-    sums and one float conversion a block remains (H200: the dp4a kernel 2.5-6 %, the tensor-core kernel
-    8-14 % faster)."""
+    thread; `copies` does not apply). `group`: the activation's values per scale, 32 or 256: with 256 the
+    sub-block scales (1 + 2·nibble) weigh the integer sums and one float conversion a block remains (H200:
+    the dp4a kernel 2.5-6 %, the tensor-core kernel 8-14 % faster)."""
 
     warps: int
     copies: int = 16

@@ -116,10 +116,14 @@ def test_twin_vs_unquantised_matmul(fmt):
     assert 1e-4 < err < INT8_TOL  # int8 rounding is visible but small
 
 
-def test_iq3_s_grid_magnitudes_are_nonzero_bytes():
-    # the signed word (g ^ m) + (m & 0x01010101) carries into the next byte only for a zero magnitude
-    grid = iq_grid("iq3_s")
-    assert grid.min() >= 1 and grid.max() <= 127
+def test_iq3_s_grid_magnitudes_are_odd_bytes():
+    """Every iq3_s kernel signs a grid word by g ^ (mask & 0xFEFEFEFE): an odd byte below 128 xor 0xFE is
+    its int8 negation (and an even one would not be)."""
+    grid = iq_grid("iq3_s").to(torch.int64)
+    assert grid.min() >= 1 and grid.max() <= 127 and bool((grid % 2 == 1).all())
+    negated = (grid ^ 0xFE) - 256  # the xor's byte read as int8 (its top bit is set)
+    assert torch.equal(negated, -grid)
+    assert (2 ^ 0xFE) - 256 == -4  # not -2: the premise matters
 
 
 def test_errors():

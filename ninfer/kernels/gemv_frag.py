@@ -560,9 +560,9 @@ if HAVE_TRITON:
     def _signed_grid(g, nib, EMULATE: tl.constexpr):
         """Grid word g (4 magnitude bytes, each 1..15) with byte k negated where bit k of nib (low 4 bits) is
         set: nib · 0x10204080 puts bit k at the top of byte k (the 4 shifted copies never overlap), a
-        sign-replicating `prmt` makes the byte mask m, and −g = (g ^ 0xFF) + 1 per byte without carries."""
+        sign-replicating `prmt` makes the byte mask m, and −g = g ^ 0xFE per byte (odd magnitudes)."""
         m = prmt((nib & 0xF) * 0x10204080, nib * 0, 0xBA98 + nib * 0, EMULATE)
-        return (g ^ m) + (m & 0x01010101)
+        return g ^ (m & -0x01010102)  # 0xFEFEFEFE as int32
 
     @jit
     def _grid(grid16_ptr, idx):

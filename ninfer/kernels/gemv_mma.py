@@ -203,10 +203,9 @@ if HAVE_TRITON:
     @jit
     def _iq3s_signed(words, bits):
         """Grid words of 4 magnitudes with their 4 sign bits applied: the bits spread to a byte mask M
-        (× 0x00204081 puts bit i at bit 8i, × 0xFF fills the byte), then (w ^ M) + (M & 0x01010101) negates
-        the marked bytes (odd magnitudes: no carry between bytes)."""
-        mask = ((bits * 0x00204081) & 0x01010101) * 0xFF
-        return (words ^ mask) + (mask & 0x01010101)
+        (× 0x00204081 puts bit i at bit 8i, × 0xFE fills the byte but bit 0), then w ^ M negates the marked
+        bytes (the magnitudes are odd, and an odd byte xor 0xFE is its negation)."""
+        return words ^ (((bits * 0x00204081) & 0x01010101) * 0xFE)
 
     @jit
     def _iq3s_codes(rb, rb16, g: tl.constexpr, grid_ptr, BLOCK_N: tl.constexpr):

@@ -2,9 +2,9 @@
 32-value sub-block are rebuilt as packed signed int8x4 words and multiplied with the activation words by
 `dp4a`; the weight and activation scales are applied once per sub-block.
 
-iq3_s: a 9-bit index (qs byte + one qh bit) picks a grid word of 4 magnitudes (1..15); the 4 sign bits become
-a byte mask m (0xFF where negative) and the signed word is `(g ^ m) + (m & 0x01010101)` (no carries between
-bytes: every magnitude is non-zero). iq4_xs: a byte of qs holds a low and a high nibble; one `prmt` per
+iq3_s: a 9-bit index (qs byte + one qh bit) picks a grid word of 4 magnitudes (1, 3, .., 15); the 4 sign bits
+become a byte mask m (0xFE where negative) and the signed word is `g ^ m` (an odd byte xor 0xFE is its
+negation). iq4_xs: a byte of qs holds a low and a high nibble; one `prmt` per
 8-byte half of the 16-level table maps 4 nibbles to levels and a third `prmt` picks per byte by the
 nibble's top bit. The activation words are interleaved the same way (code l beside code l + 16).
 
@@ -240,7 +240,7 @@ if HAVE_TRITON:
     def _iq3_s_dot(g, t, xv, isum, EMULATE: tl.constexpr):
         """isum + dp4a(grid word g with the 4 sign bits t, activation word xv)."""
         neg = ((t & 0xF) * 0x204081) & 0x01010101  # sign bit j -> bit 8j
-        wq = (g ^ (neg * 255)) + neg  # -m = ~m + 1 per byte; no carries: magnitudes are 1..15
+        wq = g ^ (neg * 254)  # the magnitudes are odd (1..15): m ^ 0xFE = -m in a byte
         return dp4a(tl.broadcast_to(wq[None, :, :], isum.shape), tl.broadcast_to(xv, isum.shape), isum,
                     EMULATE)
 

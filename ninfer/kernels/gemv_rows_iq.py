@@ -14,10 +14,12 @@ loop (NB is even, so a step moves by a multiple of 4 bytes). The grid index of w
 word and the spread qh bits (its top bytes zero by sign-replicating a byte below 0x80); the grid word is a
 2-byte load of the packed 1 KB grid (`iq3s_grid16`) through L1. Signs: the byte of 8 sign bits times
 0x80402010 (low nibble) or 0x08040201 (high nibble) puts sign bit k at the top bit of byte 3 − k, and a
-sign-replicating `prmt` makes the byte mask M; Σ σ·g·x = dp4a(g ^ M, x) − dp4a(M, x) (g ^ M is −g − 1 where
-M is −1). Schedules "_sg" instead look up a 32 KB signed grid (every grid word under all 16 sign patterns),
-indexed by the same `prmt` with the sign nibble beside the qh bit: fewer instructions, a 16× larger table in
-L1 (lost on the H200: 47.9 vs 37.3 µs at 1 column in session 3, 39.6 vs 27.1 in session 7).
+sign-replicating `prmt` makes the byte mask M; σ·g = g ^ (M & 0xFEFEFEFE), one dp4a a word and column (the
+magnitudes are odd, and an odd byte xor 0xFE is its negation; session 33, where it had been two dp4a at 1–2
+columns, dp4a(g ^ M, x) − dp4a(M, x)). Schedules "_sg" instead look up a 32 KB signed grid (every grid
+word under all 16 sign patterns), indexed by the same `prmt` with the sign nibble beside the qh bit: fewer
+instructions, a 16× larger table in L1 (lost on the H200: 47.9 vs 37.3 µs at 1 column in session 3, 39.6 vs
+27.1 in session 7).
 
 iq4_xs blocks are 136 bytes (always 8-byte aligned): int64 loads, the levels by three `prmt`s per 4 codes as
 in `gemv_q8_iq.py`. The kernels' oracle is `gemv_q8_reference` (dequantised weight × dequantised int8
@@ -138,12 +140,11 @@ if HAVE_TRITON:
                                              dtype=tl.int32, is_pure=True, pack=1)
 
     @jit
-    def _iq3_s_half(qw, hw, sg, x, grid_ptr, e, zero, H: tl.constexpr, SIGN_WORDS: tl.constexpr,
-                    EMULATE: tl.constexpr):
-        """(Σ dp4a(g ^ M, x), Σ dp4a(M, x)) over grid words 4H..4H+3 of each thread's sub-block: qw holds
-        their 4 qs bytes, hw their 4 qh bits (one per byte), sg the sub-block's 32 sign bits, x `[..., 4]`
-        the activation words. SIGN_WORDS (several columns): (Σ dp4a(σ·g, x), 0) with the signed word
-        (g ^ M) + (M & 0x01010101) made once for every column."""
+    def _iq3_s_half(qw, hw, sg, x, grid_ptr, e, zero, H: tl.constexpr, EMULATE: tl.constexpr):
+        """Σ dp4a(σ·g, x) over grid words 4H..4H+3 of each thread's sub-block: qw holds their 4 qs bytes, hw
+        their 4 qh bits (one per byte), sg the sub-block's 32 sign bits, x `[..., 4]` the activation words;
+        the signed word σ·g = g ^ (M & 0xFEFEFEFE), M the sign bytes' mask (the grid's magnitudes are odd, and
+        an odd byte xor 0xFE is its negation), made once for every column."""
         # grid index: qs byte e, qh byte e, then two zero bytes (the sign of hw's byte 0, which is 0 or 1)
         idx = prmt(qw[:, :, :, :, None] + zero, hw[:, :, :, :, None] + zero, 0xCC40 + 0x11 * e, EMULATE)
         g = iq3s_grid_word(grid_ptr, idx)
@@ -151,18 +152,11 @@ if HAVE_TRITON:
         byte = prmt(sg[:, :, :, :, None] + zero, zero, 0x4440 + 2 * H + e // 2, EMULATE)
         spread = byte * tl.where(e % 2 == 0, -0x7FBFDFF0, 0x08040201)  # 0x80402010 as int32
         m = prmt(spread, zero, 0x89AB + zero, EMULATE)  # byte k: sign bit k of the word as 0x00 / 0xFF
-        gm = g ^ m
-        acc_m = _pick(zero, e, 0)
-        if SIGN_WORDS:  # no carries between bytes: −g = (g ^ 0xFF) + 1 and every magnitude is 1..15
-            gm += m & 0x01010101
-        acc_g = dp4a(_pick(gm, e, 0), _pick(x, e, 0), _pick(zero, e, 0), EMULATE)
-        if not SIGN_WORDS:
-            acc_m = dp4a(_pick(m, e, 0), _pick(x, e, 0), acc_m, EMULATE)
+        gm = g ^ (m & -0x01010102)  # 0xFEFEFEFE as int32
+        acc = dp4a(_pick(gm, e, 0), _pick(x, e, 0), _pick(zero, e, 0), EMULATE)
         for i in tl.static_range(1, 4):
-            acc_g = dp4a(_pick(gm, e, i), _pick(x, e, i), acc_g, EMULATE)
-            if not SIGN_WORDS:
-                acc_m = dp4a(_pick(m, e, i), _pick(x, e, i), acc_m, EMULATE)
-        return acc_g, acc_m
+            acc = dp4a(_pick(gm, e, i), _pick(x, e, i), acc, EMULATE)
+        return acc
 
     @jit
     def _iq3_s_half_signed(qw, tw, x, grid_ptr, e, zero, EMULATE: tl.constexpr):
@@ -260,9 +254,8 @@ if HAVE_TRITON:
                 isum += _iq3_s_half_signed(q1, _sign_nibbles(sg, h1, 0x4342, EMULATE), x1, grid_ptr, e, zero,
                                            EMULATE)
             else:
-                acc_g, acc_m = _iq3_s_half(q0, h0, sg, x0, grid_ptr, e, zero, 0, BLOCK_M > 2, EMULATE)
-                g1, m1 = _iq3_s_half(q1, h1, sg, x1, grid_ptr, e, zero, 1, BLOCK_M > 2, EMULATE)
-                isum = (acc_g + g1) - (acc_m + m1)
+                isum = _iq3_s_half(q0, h0, sg, x0, grid_ptr, e, zero, 0, EMULATE)
+                isum += _iq3_s_half(q1, h1, sg, x1, grid_ptr, e, zero, 1, EMULATE)
             if PADDED:
                 sc = (_pick(hb, e, 2) >> (4 * cc)) & 0xF
                 dw = _f16_lo(_pick(hb, e, 3)) * (1 + 2 * sc).to(tl.float32)

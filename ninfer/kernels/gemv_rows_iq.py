@@ -14,12 +14,11 @@ loop (NB is even, so a step moves by a multiple of 4 bytes). The grid index of w
 word and the spread qh bits (its top bytes zero by sign-replicating a byte below 0x80); the grid word is a
 2-byte load of the packed 1 KB grid (`iq3s_grid16`) through L1. Signs: the byte of 8 sign bits times
 0x80402010 (low nibble) or 0x08040201 (high nibble) puts sign bit k at the top bit of byte 3 − k, and a
-sign-replicating `prmt` makes the byte mask M; σ·g = g ^ (M & 0xFEFEFEFE), one dp4a a word and column (the
-magnitudes are odd, and an odd byte xor 0xFE is its negation; session 33, where it had been two dp4a at 1–2
-columns, dp4a(g ^ M, x) − dp4a(M, x)). Schedules "_sg" instead look up a 32 KB signed grid (every grid
-word under all 16 sign patterns), indexed by the same `prmt` with the sign nibble beside the qh bit: fewer
-instructions, a 16× larger table in L1 (lost on the H200: 47.9 vs 37.3 µs at 1 column in session 3, 39.6 vs
-27.1 in session 7).
+sign-replicating `prmt` makes the byte mask M; σ·g = g ^ (M & 0xFEFEFEFE) (the magnitudes are odd, and an
+odd byte xor 0xFE is its negation), one dp4a a word and column. Schedules "_sg" instead look up a 32 KB signed
+grid (every grid word under all 16 sign patterns), indexed by the same `prmt` with the sign nibble beside the
+qh bit: fewer instructions, a 16× larger table in L1 (lost on the H200: 47.9 vs 37.3 µs at 1 column in
+session 3, 39.6 vs 27.1 in session 7).
 
 iq4_xs blocks are 136 bytes (always 8-byte aligned): int64 loads, the levels by three `prmt`s per 4 codes as
 in `gemv_q8_iq.py`. The kernels' oracle is `gemv_q8_reference` (dequantised weight × dequantised int8

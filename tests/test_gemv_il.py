@@ -348,8 +348,9 @@ def test_only_few_long_tiles_are_split():
 
 
 def test_the_tile_ring_keeps_the_ctas_an_sm_holds():
-    """A CTA of either kernel sums up to `_RING` of its tiles after one barrier, as many as its shared memory
-    allows without costing the SM a CTA (the H200: 228 KB an SM, 227 KB a CTA)."""
+    """A CTA of either kernel sums up to `most` of its tiles after one barrier (`_RING`; the launch caps the
+    tensor-core kernel's at `_MMA_RING`), as many as its shared memory allows without costing the SM a CTA
+    (the H200: 228 KB an SM, 227 KB a CTA)."""
     for columns in (1, 2, 4, 8):
         for k in (5120, 17408):
             s = gemv_il.il_schedule(columns, k, 34816)

@@ -5,6 +5,9 @@ at the 27B's 248320×5120, far beyond the L2), each schedule's output checked ag
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site:$PWD python3 bench/head_timing.py [--rows 248320 --cols 5120 --widths 1,2,3,4,8]
+
+--q6il: also the tensor-core kernel on the repacked head (`gemv_q6il`, the route since session 34; its
+activation per 256), checked against float64 on the first 4096 rows.
 """
 
 from __future__ import annotations
@@ -45,16 +48,38 @@ def time_width(weights: list[torch.Tensor], m: int, rows: int, cols: int) -> dic
     return times
 
 
+def time_q6il(weights: list[torch.Tensor], m: int, rows: int, cols: int) -> float:
+    """µs a call of `gemv_q6il` at `m` columns on the repacked copies, the first 4096 rows checked against
+    the float64 product of their dequantised rows and the per-256 activation."""
+    from ninfer.kernels.gemv_q6il import gemv_q6il, repack_q6il
+    from ninfer.quant import dequantize
+
+    if not hasattr(weights[0], "q6il"):
+        for w in weights:
+            w.q6il = repack_q6il(w)
+    xa = quantize_activation(torch.randn(m, cols, device="cuda", dtype=torch.bfloat16), group=256)
+    part = min(rows, 4096)
+    dense = dequantize(weights[0][:part].reshape(-1), "gguf_q6_k", (part, cols)).double()
+    want = xa.dequantize().double() @ dense.t()
+    out = gemv_q6il(weights[0].q6il, xa, rows)[:, :part].double()
+    err = float((out - want).norm() / want.norm())
+    assert err < 5e-3, f"q6il at {m} columns: {err:.2e} from float64"  # the bf16 output's rounding
+    return graph_us([lambda w=w: gemv_q6il(w.q6il, xa, rows) for w in weights])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=248320)
     p.add_argument("--cols", type=int, default=5120)
     p.add_argument("--widths", default="1,2,3,4")
+    p.add_argument("--q6il", action="store_true", help="also the tensor-core kernel (gemv_q6il)")
     a = p.parse_args()
     weights = [random_gguf_weight("q6_k", a.rows, a.cols, "cuda") for _ in range(2)]
     size = weights[0].numel()
     for m in map(int, a.widths.split(",")):
         times = time_width(weights, m, a.rows, a.cols)
+        if a.q6il:
+            times["q6il (tensor cores, repacked)"] = time_q6il(weights, m, a.rows, a.cols)
         print(f"q6_k {a.rows}×{a.cols} ({size / 1e9:.3f} GB) at {m} column(s), µs a call:", flush=True)
         for name, us in sorted(times.items(), key=lambda kv: kv[1]):
             print(f"  {name:28s} {us:8.1f}  {size / us / 1e6:5.2f} TB/s", flush=True)

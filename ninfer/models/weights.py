@@ -139,9 +139,9 @@ class Linear(nn.Module):
     Dense mode (default, the CPU reference): W dequantised once to the compute dtype (`weight`).
     Quantized mode (`quantized=True`, GGUF block formats only): the raw blocks (`raw`, uint8
     [out, row_bytes]) move to `device` as stored and every call runs `kernels.gguf_matmul.quant_matmul`
-    (Triton on CUDA; its reference elsewhere); on CUDA the large iq3_s matrices are repacked once, lane per
-    row, at the same size (`layout` "il32", `kernels.gemv_il.il_matmul`). Other formats stay dense in either
-    mode.
+    (Triton on CUDA; its reference elsewhere); on CUDA the large iq3_s matrices and the q6_k output heads are
+    repacked once, lane per row, at the same size (`layout` "il32", `kernels.gemv_il.il_matmul`; "q6il",
+    `kernels.gemv_q6il.q6il_matmul`). Other formats stay dense in either mode.
     """
 
     def __init__(
@@ -170,23 +170,30 @@ class Linear(nn.Module):
         self._take_layout()
 
     def _take_layout(self) -> None:
-        """`layout` "il32" for the iq3_s matrices `kernels.gemv_il.il32_wanted` picks (the same bytes repacked
-        once, lane per row), else "gguf" (the rows as stored)."""
+        """`layout` "il32" for the iq3_s matrices `kernels.gemv_il.il32_wanted` picks, "q6il" for the q6_k
+        ones `kernels.gemv_q6il.q6il_wanted` picks (the same bytes repacked once, lane per row), else "gguf"
+        (the rows as stored)."""
         from ninfer.kernels.gemv_il import il32_wanted, repack_il32
+        from ninfer.kernels.gemv_q6il import q6il_wanted, repack_q6il
 
         self.layout = "gguf"
-        if self.raw is not None and il32_wanted(self.format, self.out_features, self.in_features,
-                                                self.raw.device):
+        if self.raw is None:
+            return
+        shape = (self.format, self.out_features, self.in_features, self.raw.device)
+        if il32_wanted(*shape):
             self.raw, self.layout = nn.Buffer(repack_il32(self.raw)), "il32"
+        elif q6il_wanted(*shape):
+            self.raw, self.layout = nn.Buffer(repack_q6il(self.raw)), "q6il"
 
     def activation_group(self) -> int:
         """Inputs per scale of the int8 activation this Linear's decode GEMVs read (the `kernels.ops` kernel
-        that makes x writes it so): `kernels.gemv_il.il_group()` for the il32 layout, else 32."""
+        that makes x writes it so): `kernels.gemv_il.il_group()` for the il32 layout, 256 for q6il, else
+        32."""
         if self.layout == "il32":
             from ninfer.kernels.gemv_il import il_group
 
             return il_group()
-        return 32
+        return 256 if self.layout == "q6il" else 32
 
     def forward(self, x: torch.Tensor, columns_applied: bool = False, conv=None) -> torch.Tensor:
         """`columns_applied`: x already is in `input_columns` order (`ops.gated_rms_norm(gather=...)`).
@@ -200,6 +207,10 @@ class Linear(nn.Module):
             from ninfer.kernels.gemv_il import il_matmul
 
             y = il_matmul(self.raw, x, self.out_features)
+        elif self.layout == "q6il":
+            from ninfer.kernels.gemv_q6il import q6il_matmul
+
+            y = q6il_matmul(self.raw, x, self.out_features)
         else:
             from ninfer.kernels.gguf_matmul import quant_matmul
 

@@ -45,7 +45,6 @@ MAX_COLUMNS = 8
 WARPS = 10
 HEAD_ROWS = 32768  # q6il_wanted: the output heads (248,320 rows at the 27B)
 PREFILL_ROWS = 8192  # q6il_matmul: rows unpacked at a time for a prefill matmul (34 MB at 5120 inputs)
-_REGISTERS = 96  # as the iq3_s tensor-core kernel: two CTAs of 10 warps an SM
 
 
 def q6il_shape(out_features: int, in_features: int) -> tuple[int, int]:

@@ -696,6 +696,21 @@ def check_il32(words: torch.Tensor, out_features: int, in_features: int) -> None
                                f"{words.dtype} {list(words.shape)}")
 
 
+def check_call(kind: str, words: torch.Tensor, xa: QuantizedActivation, group: int) -> None:
+    """What every lane-per-row GEMV (il32, q6il) asks of a call before its launch: the activation's grouping,
+    the weight on CUDA, 1-8 columns, an output dtype the kernels write."""
+    n, k = xa.q.shape
+    if xa.d.shape[-1] * group != k:
+        raise QuantKernelError(f"the {kind} GEMV takes one activation scale per {group} inputs, got "
+                               f"{xa.d.shape[-1]} over {k} (quantize_activation(x, group={group}))")
+    if not words.is_cuda:
+        raise QuantKernelError(f"the {kind} GEMV is a CUDA kernel; the weight is on {words.device}")
+    if not 1 <= n <= MAX_COLUMNS:
+        raise QuantKernelError(f"the {kind} GEMV takes 1-{MAX_COLUMNS} columns, got {n}")
+    if xa.dtype not in _OUT_KINDS:
+        raise QuantKernelError(f"the {kind} GEMV writes float32, bfloat16 or float16, not {xa.dtype}")
+
+
 def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
             schedule: IlSchedule | None = None) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the il32 words (CUDA) and xa the int8 activation
@@ -703,15 +718,7 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     n, k = xa.q.shape
     check_il32(words, out_features, k)
     s = schedule or il_schedule(n, k, out_features)
-    if xa.d.shape[-1] * s.group != k:
-        raise QuantKernelError(f"this il32 GEMV takes one activation scale per {s.group} inputs, got "
-                               f"{xa.d.shape[-1]} over {k}")
-    if not words.is_cuda:
-        raise QuantKernelError(f"the il32 GEMV is a CUDA kernel; the weight is on {words.device}")
-    if not 1 <= n <= MAX_COLUMNS:
-        raise QuantKernelError(f"the il32 GEMV takes 1-{MAX_COLUMNS} columns, got {n}")
-    if xa.dtype not in _OUT_KINDS:
-        raise QuantKernelError(f"the il32 GEMV writes float32, bfloat16 or float16, not {xa.dtype}")
+    check_call("il32", words, xa, s.group)
     tiles = il32_shape(out_features, k)[0]
     ctas = min(tiles, _launch_shape(words.device, s, n, k))
     ring = 1

@@ -34,7 +34,7 @@ import os
 
 import torch
 
-from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, _launch, _smem_optin, nvrtc_available
+from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, _launch, _smem_optin, check_call, nvrtc_available
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
 from ninfer.kernels.gguf_matmul import QuantKernelError, quant_matmul
 from ninfer.kernels.triton_support import pdl_enabled
@@ -231,15 +231,7 @@ def gemv_q6il(words: torch.Tensor, xa: QuantizedActivation, out_features: int) -
     1-8 columns with one scale per 256 inputs."""
     n, k = xa.q.shape
     check_q6il(words, out_features, k)
-    if xa.d.shape[-1] * 256 != k:
-        raise QuantKernelError(f"the q6il GEMV takes one activation scale per 256 inputs, got "
-                               f"{xa.d.shape[-1]} over {k} (quantize_activation(x, group=256))")
-    if not words.is_cuda:
-        raise QuantKernelError(f"the q6il GEMV is a CUDA kernel; the weight is on {words.device}")
-    if not 1 <= n <= MAX_COLUMNS:
-        raise QuantKernelError(f"the q6il GEMV takes 1-{MAX_COLUMNS} columns, got {n}")
-    if xa.dtype not in _OUT_KINDS:
-        raise QuantKernelError(f"the q6il GEMV writes float32, bfloat16 or float16, not {xa.dtype}")
+    check_call("q6il", words, xa, 256)
     tiles = q6il_shape(out_features, k)[0]
     props = torch.cuda.get_device_properties(words.device)
     ctas = min(tiles, 2 * props.multi_processor_count)

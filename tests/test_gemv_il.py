@@ -438,6 +438,26 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
         assert torch.equal(captured, eager), width
 
 
+
+@pytest.mark.gpu
+def test_split_il32_calls_leave_the_adding_kernels_workspace_zero():
+    """The split tensor-core il32 kernel stores its pieces' sums in slots it leaves behind; the split-K
+    kernels that add into a zeroed workspace (here gemv_frag on the 27B's q4_k gate|up) must not find them
+    there (they did, through one shared workspace: 0.54 relative error at 8 columns)."""
+    from ninfer.kernels import gemv_il as gemv_il_module
+    from ninfer.kernels.gemv_frag import gemv_frag
+    from ninfer.kernels.gemv_q8 import quantize_activation
+
+    n, k = 17408, 5120
+    words = repack_il32(random_gguf_weight("iq3_s", n, k, "cuda"))
+    raw = random_gguf_weight("q4_k", 34816, k, "cuda")
+    s = dataclasses.replace(gemv_il_module.il_schedule(8, k, n, group=256), splits=4)
+    for _ in range(2):
+        gemv_il_module.gemv_il(words, quantize_activation(torch.randn(8, k, device="cuda"), group=256), n, s)
+        xa = quantize_activation(torch.randn(8, k, device="cuda", dtype=torch.bfloat16))
+        out = gemv_frag(raw, "q4_k", xa, 34816, "frag_w2_r1_m8_s4")  # the routed 8-column schedule
+        assert rel(out, gemv_q8_reference(raw, "q4_k", xa, 34816)) < 5e-3  # bf16 output rounding
+
 def test_a_linear_asks_its_producer_for_its_kernels_grouping(monkeypatch):
     """`Linear.activation_group`: the il32 layout's grouping (256, 32 with NINFER_IL_GROUP=32), 32 for the
     other layouts; a merged projection asks for its largest matmul's."""

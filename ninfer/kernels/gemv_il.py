@@ -733,7 +733,8 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     args = [words, xa.words, xa.d, _tables(words.device)[1], y, out_features, k, y.stride(0)]
     if s.kernel == "il_mma":
-        work = split_workspace(words.device, s.splits * n * tiles * 32, tiles) if s.splits > 1 else None
+        work = (split_workspace(words.device, s.splits * n * tiles * 32, tiles, slots=True)
+                if s.splits > 1 else None)
         if work is None:  # one piece a tile (also while a graph is captured and the workspace is too small)
             args += [1, y, y]
         else:

@@ -454,19 +454,23 @@ if HAVE_TRITON:
                     SPLIT_K, FIXUP)
 
 
-# device -> (fp32 sums, int32 tile counters): zero between calls (the last program of each tile clears its
-# part); replaced by a bigger one when a call needs more, the old one kept alive for the CUDA graphs that
-# captured it (never freed: 8 MB and 256 KB at first)
-_WORKSPACES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+# (device, slots) -> (fp32 sums, int32 tile counters). The adding kernels' sums (slots False: gemv_rows,
+# gemv_frag) are zero between calls, the last program of each tile clearing its part; the slot kernels
+# (gemv_il, gemv_q4il) store each piece's sums in a slot of their own and leave them, so they get their own
+# workspace. The counters are zero between calls in both. A workspace is replaced by a bigger one when a call
+# needs more, the old one kept alive for the CUDA graphs that captured it (never freed: 8 MB and 256 KB at
+# first)
+_WORKSPACES: dict[tuple[torch.device, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 _CAPTURED_WORKSPACES: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
-def split_workspace(device: torch.device, floats: int, counters: int
+def split_workspace(device: torch.device, floats: int, counters: int, slots: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The zeroed split-K workspace of a device with room for `floats` sums and `counters` tiles; None while a
-    CUDA graph is being captured and the present one is too small (an allocation there would belong to the
-    graph's pool; the caller falls back to a zero-filled output and a conversion)."""
-    ws = _WORKSPACES.get(device)
+    """The split-K workspace of a device with room for `floats` sums and `counters` tiles, its sums zeroed
+    unless `slots` (a kernel that stores its pieces' sums rather than adding them); None while a CUDA graph
+    is being captured and the present one is too small (an allocation there would belong to the graph's
+    pool; the caller falls back to a zero-filled output and a conversion)."""
+    ws = _WORKSPACES.get((device, slots))
     if ws is not None and ws[0].numel() >= floats and ws[1].numel() >= counters:
         return ws
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -475,8 +479,8 @@ def split_workspace(device: torch.device, floats: int, counters: int
         _CAPTURED_WORKSPACES.append(ws)
     sums = max(floats, 1 << 21, ws[0].numel() if ws else 0)
     tiles = max(counters, 1 << 16, ws[1].numel() if ws else 0)
-    _WORKSPACES[device] = ws = (torch.zeros(sums, dtype=torch.float32, device=device),
-                                torch.zeros(tiles, dtype=torch.int32, device=device))
+    _WORKSPACES[device, slots] = ws = (torch.zeros(sums, dtype=torch.float32, device=device),
+                                       torch.zeros(tiles, dtype=torch.int32, device=device))
     return ws
 
 

@@ -375,14 +375,16 @@ GREEDY_CUT_QUANTIZED = 0.55
 
 
 @pytest.mark.parametrize("gguf_name", ["model-bf16.gguf", "model-q8_0.gguf", "model-iq3_s.gguf",
-                                       "model-iq3_s.gguf:il32", "model-q4_k_m.gguf:q6il"])
+                                       "model-iq3_s.gguf:il32", "model-q4_k_m.gguf:q6il",
+                                       "model-q4_k_m.gguf:q4il"])
 def test_fixture_greedy_gpu_matches_cpu(tiny_dir, tmp_path, monkeypatch, gguf_name):
     """The fixture model on the GPU (bf16 compute; the q8_0 and iq3_s files through the quantized kernels, the
     iq3_s GDN input projection running the decode conv in its epilogue; ":il32": every iq3_s matrix on the
     lane-per-row layout, NINFER_IQ3S_IL=1; ":q6il": every q6_k matrix (the head, one attention and two MLP
-    layers of the q4_k_m file) on its lane-per-row layout, NINFER_Q6K_IL=1) gives the CPU reference engine's
-    greedy tokens (fp32, dense weights) up to the first step whose CPU top-1/top-2 margin is under twice the
-    measured drift (issue 5: >= 16 identical tokens on the bf16 file)."""
+    layers of the q4_k_m file) on its lane-per-row layout, NINFER_Q6K_IL=1; ":q4il": every q4_k matrix on
+    its own, NINFER_Q4K_IL=1) gives the CPU reference engine's greedy tokens (fp32, dense weights) up to the
+    first step whose CPU top-1/top-2 margin is under twice the measured drift (issue 5: >= 16 identical
+    tokens on the bf16 file)."""
     from conftest import convert_tiny, reference_prompts
     from test_engine_invariants import greedy_logits, greedy_with_margins
 
@@ -390,8 +392,8 @@ def test_fixture_greedy_gpu_matches_cpu(tiny_dir, tmp_path, monkeypatch, gguf_na
     from ninfer.models import load_model
 
     gguf_name, _, layout = gguf_name.partition(":")
-    monkeypatch.setenv("NINFER_IQ3S_IL", "1" if layout == "il32" else "0")
-    monkeypatch.setenv("NINFER_Q6K_IL", "1" if layout == "q6il" else "0")
+    for name, env in (("il32", "NINFER_IQ3S_IL"), ("q6il", "NINFER_Q6K_IL"), ("q4il", "NINFER_Q4K_IL")):
+        monkeypatch.setenv(env, "1" if layout == name else "0")
     art = open_artifact(convert_tiny(tmp_path / "tiny.ninfer", gguf_name))
     prompts = reference_prompts()
     cpu_tokens, cpu_margins = greedy_with_margins(load_model(art, load_mtp=False), "cpu", "float32", "fp32",
@@ -399,7 +401,7 @@ def test_fixture_greedy_gpu_matches_cpu(tiny_dir, tmp_path, monkeypatch, gguf_na
     gpu_model = load_model(art, dtype=torch.bfloat16, device="cuda", load_mtp=False,
                            quantized_weights=gguf_name != "model-bf16.gguf")
     layouts = {getattr(m, "layout", None) for m in gpu_model.modules()}
-    assert layouts & {"il32", "q6il"} == ({layout} if layout else set()), layouts
+    assert layouts & {"il32", "q6il", "q4il"} == ({layout} if layout else set()), layouts
     gpu_tokens = greedy_logits(gpu_model, "cuda", "bfloat16", "bf16", prompts)[0]
     cut = GREEDY_CUT.get(gguf_name, GREEDY_CUT_QUANTIZED)
     for p, tokens in cpu_tokens.items():

@@ -34,63 +34,36 @@ import os
 
 import torch
 
-from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, _launch, _smem_optin, check_call, nvrtc_available
-from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
-from ninfer.kernels.gguf_matmul import QuantKernelError, quant_matmul
+from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, _launch, _smem_optin, check_call
+from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference
+from ninfer.kernels.lane_layout import LaneLayout, builds
 from ninfer.kernels.triton_support import pdl_enabled
 
-BLOCK_BYTES = 210
-PAIR_WORDS = 105
+LAYOUT = LaneLayout("q6_k", 210, body=((0, 208),), tail=(208, 210))  # ql, qh, scales; then d
+PAIR_WORDS = LAYOUT.words  # 105
 MAX_COLUMNS = 8
 WARPS = 10
 HEAD_ROWS = 32768  # q6il_wanted: the output heads (248,320 rows at the 27B)
-PREFILL_ROWS = 8192  # q6il_matmul: rows unpacked at a time for a prefill matmul (34 MB at 5120 inputs)
 
 
 def q6il_shape(out_features: int, in_features: int) -> tuple[int, int]:
     """(32-row tiles, block pairs) of the layout."""
-    return -(-out_features // 32), -(-(in_features // 256) // 2)
+    return LAYOUT.shape(out_features, in_features)
 
 
 def repack_q6il(raw: torch.Tensor, chunk_rows: int = 8192) -> torch.Tensor:
     """q6_k rows `raw` (uint8 `[N, nblk·210]`) as the int32 words of the layout (module doc),
-    `[tiles · pairs · 105 · 32]`, on raw's device; `chunk_rows` rows at a time (a tile's words are
-    contiguous), so the transient copies stay small beside the output (the 27B's head: 1.04 GB)."""
-    n, row_bytes = raw.shape
-    nblk = row_bytes // BLOCK_BYTES
-    tiles, pairs = q6il_shape(n, nblk * 256)
-    per_tile = pairs * PAIR_WORDS * 32
-    words = torch.empty(tiles * per_tile, dtype=torch.int32, device=raw.device)
-    step = max(1, chunk_rows // 32)
-    for t0 in range(0, tiles, step):
-        t1 = min(tiles, t0 + step)
-        blocks = torch.zeros(((t1 - t0) * 32, 2 * pairs, BLOCK_BYTES), dtype=torch.uint8, device=raw.device)
-        part = raw[32 * t0 : 32 * t1]
-        blocks[: part.shape[0], :nblk] = part.reshape(part.shape[0], nblk, BLOCK_BYTES)
-        both = blocks.view(-1, pairs, 2, BLOCK_BYTES)
-        body = both[..., :208].reshape(-1, pairs, 416)  # ql, qh, scales of block 0, then of block 1
-        d = both[..., 208:].reshape(-1, pairs, 4)
-        w = torch.cat([body, d], dim=-1).view(torch.int32).view(-1, 32, pairs, PAIR_WORDS)  # tile row pair j
-        words[t0 * per_tile : t1 * per_tile] = w.permute(0, 2, 3, 1).reshape(-1)
-    return words
+    `[tiles · pairs · 105 · 32]`, on raw's device (`LaneLayout.repack`)."""
+    return LAYOUT.repack(raw, chunk_rows)
 
 
 def unpack_q6il(words: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """The GGUF rows `[out_features, in_features/256 · 210]` back from `repack_q6il`'s words."""
-    tiles, pairs = q6il_shape(out_features, in_features)
-    w = words.view(tiles, pairs, PAIR_WORDS, 32).permute(0, 3, 1, 2).contiguous()
-    b = w.view(torch.uint8).view(tiles * 32, pairs, 4 * PAIR_WORDS)
-    body, d = b[..., :416].reshape(tiles * 32, pairs, 2, 208), b[..., 416:].reshape(tiles * 32, pairs, 2, 2)
-    whole = torch.cat([body, d], dim=-1).reshape(tiles * 32, 2 * pairs * BLOCK_BYTES)
-    return whole[:out_features, : in_features // 256 * BLOCK_BYTES].contiguous()
+    return LAYOUT.unpack(words, out_features, in_features)
 
 
 def check_q6il(words: torch.Tensor, out_features: int, in_features: int) -> None:
-    tiles, pairs = q6il_shape(out_features, in_features)
-    if in_features % 256 or words.dtype != torch.int32 or words.numel() != tiles * pairs * PAIR_WORDS * 32:
-        raise QuantKernelError(f"a q6il q6_k weight of {out_features}×{in_features} is int32 "
-                               f"[{tiles * pairs * PAIR_WORDS * 32}] (repack_q6il of the GGUF rows), got "
-                               f"{words.dtype} [{words.numel()}]")
+    LAYOUT.check(words, out_features, in_features, "q6il")
 
 
 _SOURCE = r"""
@@ -256,35 +229,13 @@ def q6il_wanted(format: str, out_features: int, in_features: int, device: torch.
 
 @functools.cache
 def _compiles() -> bool:
-    if not nvrtc_available():
-        return False
-    try:
-        _compiled(1, _OUT_KINDS[torch.bfloat16], False)
-    except Exception:  # noqa: BLE001 - any NVRTC or driver failure means: keep the GGUF layout
-        return False
-    return True
+    return builds(lambda: _compiled(1, _OUT_KINDS[torch.bfloat16], False))
 
 
 def q6il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
-    """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the q6il words: the GEMV on up to 8 columns at a time
-    through 16; beyond (prefill), `PREFILL_ROWS` rows at a time unpacked to GGUF rows for `quant_matmul`."""
-    in_features = x.shape[-1]
-    x2 = x.reshape(-1, in_features)
-    n = x2.shape[0]
-    if n > 2 * MAX_COLUMNS:
-        tiles, pairs = q6il_shape(out_features, in_features)
-        per_tile, step = pairs * PAIR_WORDS * 32, PREFILL_ROWS // 32
-        y = torch.empty((n, out_features), dtype=x.dtype, device=x.device)
-        for t0 in range(0, tiles, step):
-            t1 = min(tiles, t0 + step)
-            rows = min(out_features, 32 * t1) - 32 * t0
-            raw = unpack_q6il(words[t0 * per_tile : t1 * per_tile], rows, in_features)
-            y[:, 32 * t0 : 32 * t0 + rows] = quant_matmul(raw, "q6_k", x2, rows)
-        return y.reshape(*x.shape[:-1], out_features)
-    xa = quantize_activation_cached(x, 256)
-    y = torch.cat([gemv_q6il(words, xa.rows(i, i + MAX_COLUMNS), out_features)
-                   for i in range(0, n, MAX_COLUMNS)])
-    return y.reshape(*x.shape[:-1], out_features)
+    """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the q6il words (`LaneLayout.matmul`: the GEMV through 16
+    columns, unpacked chunks for `quant_matmul` beyond)."""
+    return LAYOUT.matmul(words, x, out_features, gemv_q6il)
 
 
 def gemv_q6il_reference(words: torch.Tensor, xa: QuantizedActivation, out_features: int) -> torch.Tensor:

@@ -7,9 +7,11 @@ A quantized GPU backend replaces `Linear.forward` (it has `stored`, the raw GGUF
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -133,15 +135,42 @@ def aligned_run(scatter: torch.Tensor) -> int:
     return run
 
 
+@dataclass(frozen=True)
+class RepackedLayout:
+    """A lane-per-row layout a quantized Linear may take on load: which weights (`wanted(format, out, in,
+    device)`), the repack of their GGUF rows, the matmul on the words, the activation grouping it reads."""
+
+    wanted: Callable[[str, int, int, torch.device], bool]
+    repack: Callable[[torch.Tensor], torch.Tensor]
+    matmul: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    group: Callable[[], int]
+
+
+@functools.cache
+def lane_layouts() -> dict[str, RepackedLayout]:
+    """The layouts by name, in the order they are tried: "il32" (iq3_s, `kernels.gemv_il`), "q6il" (the q6_k
+    heads, `kernels.gemv_q6il`), "q4il" (q4_k matrices of ≥ 8192 rows, `kernels.gemv_q4il`)."""
+    from ninfer.kernels import gemv_il, gemv_q4il, gemv_q6il
+
+    return {
+        "il32": RepackedLayout(gemv_il.il32_wanted, gemv_il.repack_il32, gemv_il.il_matmul, gemv_il.il_group),
+        "q6il": RepackedLayout(gemv_q6il.q6il_wanted, gemv_q6il.repack_q6il, gemv_q6il.q6il_matmul,
+                               lambda: 256),
+        "q4il": RepackedLayout(gemv_q4il.q4il_wanted, gemv_q4il.repack_q4il, gemv_q4il.q4il_matmul,
+                               lambda: 256),
+    }
+
+
 class Linear(nn.Module):
     """`y = x[..., input_columns] @ Wᵀ (+ b)`; W [out, in] from the artifact.
 
     Dense mode (default, the CPU reference): W dequantised once to the compute dtype (`weight`).
     Quantized mode (`quantized=True`, GGUF block formats only): the raw blocks (`raw`, uint8
     [out, row_bytes]) move to `device` as stored and every call runs `kernels.gguf_matmul.quant_matmul`
-    (Triton on CUDA; its reference elsewhere); on CUDA the large iq3_s matrices and the q6_k output heads are
-    repacked once, lane per row, at the same size (`layout` "il32", `kernels.gemv_il.il_matmul`; "q6il",
-    `kernels.gemv_q6il.q6il_matmul`). Other formats stay dense in either mode.
+    (Triton on CUDA; its reference elsewhere); on CUDA the large iq3_s matrices, the q6_k output heads and
+    the q4_k matrices of ≥ 8192 rows are repacked once, lane per row, at the same size (`layout`,
+    `lane_layouts`).
+    Other formats stay dense in either mode.
     """
 
     def __init__(
@@ -170,47 +199,32 @@ class Linear(nn.Module):
         self._take_layout()
 
     def _take_layout(self) -> None:
-        """`layout` "il32" for the iq3_s matrices `kernels.gemv_il.il32_wanted` picks, "q6il" for the q6_k
-        ones `kernels.gemv_q6il.q6il_wanted` picks (the same bytes repacked once, lane per row), else "gguf"
-        (the rows as stored)."""
-        from ninfer.kernels.gemv_il import il32_wanted, repack_il32
-        from ninfer.kernels.gemv_q6il import q6il_wanted, repack_q6il
-
+        """`layout`: the first of `lane_layouts()` whose policy picks this weight (the same bytes repacked
+        once, lane per row), else "gguf" (the rows as stored)."""
         self.layout = "gguf"
         if self.raw is None:
             return
-        shape = (self.format, self.out_features, self.in_features, self.raw.device)
-        if il32_wanted(*shape):
-            self.raw, self.layout = nn.Buffer(repack_il32(self.raw)), "il32"
-        elif q6il_wanted(*shape):
-            self.raw, self.layout = nn.Buffer(repack_q6il(self.raw)), "q6il"
+        for name, layout in lane_layouts().items():
+            if layout.wanted(self.format, self.out_features, self.in_features, self.raw.device):
+                self.raw, self.layout = nn.Buffer(layout.repack(self.raw)), name
+                return
 
     def activation_group(self) -> int:
         """Inputs per scale of the int8 activation this Linear's decode GEMVs read (the `kernels.ops` kernel
-        that makes x writes it so): `kernels.gemv_il.il_group()` for the il32 layout, 256 for q6il, else
-        32."""
-        if self.layout == "il32":
-            from ninfer.kernels.gemv_il import il_group
-
-            return il_group()
-        return 256 if self.layout == "q6il" else 32
+        that makes x writes it so): its lane layout's, else 32."""
+        return lane_layouts()[self.layout].group() if self.layout != "gguf" else 32
 
     def forward(self, x: torch.Tensor, columns_applied: bool = False, conv=None) -> torch.Tensor:
         """`columns_applied`: x already is in `input_columns` order (`ops.gated_rms_norm(gather=...)`).
-        `conv`: a `kernels.gdn_decode.ConvEpilogue` of the first outputs the matmul may run (quantized)."""
+        `conv`: a `kernels.gdn_decode.ConvEpilogue` of the first outputs the matmul may run (quantized; not on
+        a lane layout: conv.applied stays False, the caller runs it)."""
         if self.input_columns is not None and not columns_applied:
             x = x.index_select(-1, self.input_columns)
         x = x.to(self.dtype)
         if self.raw is None:
             return F.linear(x, self.weight, self.bias)
-        if self.layout == "il32":  # no conv epilogue here: conv.applied stays False, the caller runs it
-            from ninfer.kernels.gemv_il import il_matmul
-
-            y = il_matmul(self.raw, x, self.out_features)
-        elif self.layout == "q6il":
-            from ninfer.kernels.gemv_q6il import q6il_matmul
-
-            y = q6il_matmul(self.raw, x, self.out_features)
+        if self.layout != "gguf":
+            y = lane_layouts()[self.layout].matmul(self.raw, x, self.out_features)
         else:
             from ninfer.kernels.gguf_matmul import quant_matmul
 

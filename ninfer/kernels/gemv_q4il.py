@@ -1,0 +1,334 @@
+"""q4_k decode GEMV on int8 tensor cores over a lane-per-row repack ("q4il"), CUDA C compiled by NVRTC, routed
+for the q4_k matrices of ≥ 8192 rows (`q4il_wanted`); prefill decodes the words to bf16 in one Triton pass
+(`dequantize_q4il`).
+
+Why: the GGUF routes' 2–8-column q4_k GEMVs ran at 35–60 % of DRAM bandwidth (rows and fragment kernels) where
+one column reaches ~85 %. Here each weight is decoded once into an mma fragment and every column is an operand
+of the same instruction: on an H200 the 27B's gate|up takes 29.0 / 30.8 / 35.1 µs at 1 / 4 / 8 columns where
+the GGUF routes take 29.2 / 45.7 / 56.6 (bench/q4il_timing.py, session 35 run 6).
+
+Layout (`LAYOUT`, `lane_layout.LaneLayout`): per row and pair of 144-byte blocks, 72 words — block 0's qs (32
+words) and scales (3), block 1's, then each block's d | dmin << 16; 32 rows interleaved. Lane 4g + t of a warp
+owns rows 4g..4g + 3 (one 16-byte load of a word serves all four).
+
+A 64-input pair of sub-blocks i of a block (qs bytes 32i..32i + 31: sub-block 2i in the low nibbles, 2i + 1 in
+the high ones): lane t takes qs words 8i + 2t and 8i + 2t + 1 (inputs 8t..8t + 7 of either sub-block) as the
+k slots 4t..4t + 3 and 16 + 4t..16 + 4t + 3 of an `mma.m16n8k32.u8.s8` (the activation words at the same
+inputs as its B operand: a permutation of k that A and B share), the low nibbles `& 0x0F0F0F0F`, the high ones
+`& 0xF0F0F0F0` (16 × the value: no shift); per row and column the integer sums 16·Σ sc·dot of the low and Σ
+sc·dot of the high sub-blocks, sc the 6-bit scale by a prmt. The min term Σ_j m_j·Σx_j takes four dp4a: each
+CTA stages the activation's per-32 sums split as 64·hi + lo (both int8) in shared memory, and the packed
+6-bit mins are dp4a operands as they are. One float expression a block: `xd·(d/16·isum − dmin·msum)`
+(activation per 256). A CTA takes whole tiles; its warps share a tile's blocks and add their sums through
+shared memory. Cutting tiles across CTAs (a fixed split, or stream-K runs over the last rounds' tiles) was
+slower at every 27B shape (session 35): each cut piece waits on an atomic and its fixup's reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, _launch, _smem_optin, check_call
+from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference
+from ninfer.kernels.gguf_matmul import dequantize_rows
+from ninfer.kernels.lane_layout import LaneLayout, builds
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_enabled, tl, triton_runs_on
+
+LAYOUT = LaneLayout("q4_k", 144, body=((16, 144), (4, 16)), tail=(0, 4))  # qs, scales; then d, dmin
+PAIR_WORDS = LAYOUT.words  # 72
+# (warps a CTA, CTAs an SM): the launch bounds, each at most 128 registers a thread; `q4il_shape` picks one
+SHAPES = ((8, 2), (5, 3), (4, 4))
+MIN_ROWS = 8192  # q4il_wanted: the matrices whose tiles fill an H200's CTA slots (264 at 8 warps × 2)
+
+
+def repack_q4il(raw: torch.Tensor, chunk_rows: int = 8192) -> torch.Tensor:
+    """q4_k rows `raw` (uint8 `[N, nblk·144]`) as the layout's int32 words `[tiles · pairs · 72 · 32]`."""
+    return LAYOUT.repack(raw, chunk_rows)
+
+
+def unpack_q4il(words: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The GGUF rows `[out_features, in_features/256 · 144]` back from `repack_q4il`'s words."""
+    return LAYOUT.unpack(words, out_features, in_features)
+
+
+_SOURCE = r"""
+#define OUT_KIND __OUT_KIND__
+#define NCOL __NCOL__
+#define WARPS __WARPS__
+#define CTAS __CTAS__
+#define PDL __PDL__
+""" + CUDA_HELPERS + r"""
+__device__ __forceinline__ unsigned part(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+__device__ __forceinline__ int field(const int4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+// c += a (16 rows × 32 unsigned bytes) · b (32 signed bytes × 8 columns), int32
+__device__ __forceinline__ void mma_u8s8(int (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                         int b0, int b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, CTAS)
+q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
+           out_t* __restrict__ y, int N, int K, int stride_y)
+{
+    // CTA c takes tiles c, c + gridDim.x, ..., its warps a tile's blocks wid, wid + WARPS, ...
+    extern __shared__ int4 xs[];  // per block and column: bytes {hi j0..3, hi j4..7, lo j0..3, lo j4..7}
+    const int K4 = K >> 2, nblk = K >> 8, P = (nblk + 1) >> 1, tiles = (N + 31) >> 5;
+    float* red = reinterpret_cast<float*>(xs + nblk * 8);  // [WARPS][32 rows][8 columns] partial sums
+#if PDL
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // the activation is the previous kernel's output
+#endif
+    // the activation's sum over each 32 inputs, s = 64 hi + lo (hi in -64..63, lo in 0..63: int8 both); four
+    // items a thread at a time, their loads first (a K = 17408 activation of 8 columns is 4352 items)
+    signed char* xsb = reinterpret_cast<signed char*>(xs);
+    const int total = (K >> 5) * NCOL;
+    for (int i0 = threadIdx.x; i0 < total; i0 += 4 * WARPS * 32) {
+        int4 u[4], v[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {  // past the end: the last item again (the same bytes stored twice)
+            const int i = min(i0 + q * WARPS * 32, total - 1);
+            const int4* src = reinterpret_cast<const int4*>(xw + (i % NCOL) * K4 + (i / NCOL) * 8);
+            u[q] = src[0];
+            v[q] = src[1];
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int i = min(i0 + q * WARPS * 32, total - 1), sb = i / NCOL;
+            int s = dp4a(0x01010101u, u[q].x, 0);
+            s = dp4a(0x01010101u, u[q].y, s);
+            s = dp4a(0x01010101u, u[q].z, s);
+            s = dp4a(0x01010101u, u[q].w, s);
+            s = dp4a(0x01010101u, v[q].x, s);
+            s = dp4a(0x01010101u, v[q].y, s);
+            s = dp4a(0x01010101u, v[q].z, s);
+            s = dp4a(0x01010101u, v[q].w, s);
+            signed char* o = xsb + ((sb >> 3) * 8 + i % NCOL) * 16 + (sb & 7);
+            o[0] = (signed char)(s >> 6);
+            o[8] = (signed char)(s & 63);
+        }
+    }
+    __syncthreads();
+    const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
+    const int* xl = xw + min((int)gq, NCOL - 1) * K4 + 2 * t;  // B words of inputs 8t.. of a 32: xl[i / 4]
+    const int c0 = min(2 * (int)t, NCOL - 1), c1 = min(2 * (int)t + 1, NCOL - 1);
+    const float* xd0 = xd + c0 * nblk;
+    const float* xd1 = xd + c1 * nblk;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        float acc[4][2];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) { acc[r][0] = 0.f; acc[r][1] = 0.f; }
+        for (int kb = wid; kb < nblk; kb += WARPS) {
+            const int h = kb & 1;
+            const uint4* wb = w + (size_t)(tile * P + (kb >> 1)) * (72 * 8) + gq;  // word j at wb[8 j]
+            const uint4* blk = wb + 8 * 35 * h;
+            const uint4 s0 = blk[8 * 32], s1 = blk[8 * 33], s2 = blk[8 * 34];
+            const uint4 dd = wb[8 * (70 + h)];  // with the block's other loads: one DRAM round trip a block
+            const float x0 = __ldg(xd0 + kb), x1 = __ldg(xd1 + kb);
+            // 6-bit scales of sub-blocks 0..3 / 4..7, a byte each
+            unsigned sl[4], sh[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                sl[r] = part(s0, r) & 0x3F3F3F3Fu;
+                sh[r] = (part(s2, r) & 0x0F0F0F0Fu) | ((part(s0, r) >> 2) & 0x30303030u);
+            }
+            // 16 Σ sc·dot of the low-nibble sub-blocks, Σ sc·(16 dot) of the high ones
+            int ilo[4][2] = {{0, 0}, {0, 0}, {0, 0}, {0, 0}}, ihi[4][2] = {{0, 0}, {0, 0}, {0, 0}, {0, 0}};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const uint4 qa = blk[8 * (8 * i + 2 * t)], qb = blk[8 * (8 * i + 2 * t + 1)];
+                const int2 xlo = __ldg(reinterpret_cast<const int2*>(xl + kb * 64 + 16 * i));
+                const int2 xhi = __ldg(reinterpret_cast<const int2*>(xl + kb * 64 + 16 * i + 8));
+                int cl0[4] = {0, 0, 0, 0}, cl1[4] = {0, 0, 0, 0};
+                int ch0[4] = {0, 0, 0, 0}, ch1[4] = {0, 0, 0, 0};
+                // rows 4g, 4g + 1 as mma rows g, g + 8; rows 4g + 2, 4g + 3 in the second mma
+                mma_u8s8(cl0, part(qa, 0) & 0x0F0F0F0Fu, part(qa, 1) & 0x0F0F0F0Fu, part(qb, 0) & 0x0F0F0F0Fu,
+                         part(qb, 1) & 0x0F0F0F0Fu, xlo.x, xlo.y);
+                mma_u8s8(cl1, part(qa, 2) & 0x0F0F0F0Fu, part(qa, 3) & 0x0F0F0F0Fu, part(qb, 2) & 0x0F0F0F0Fu,
+                         part(qb, 3) & 0x0F0F0F0Fu, xlo.x, xlo.y);
+                mma_u8s8(ch0, part(qa, 0) & 0xF0F0F0F0u, part(qa, 1) & 0xF0F0F0F0u, part(qb, 0) & 0xF0F0F0F0u,
+                         part(qb, 1) & 0xF0F0F0F0u, xhi.x, xhi.y);
+                mma_u8s8(ch1, part(qa, 2) & 0xF0F0F0F0u, part(qa, 3) & 0xF0F0F0F0u, part(qb, 2) & 0xF0F0F0F0u,
+                         part(qb, 3) & 0xF0F0F0F0u, xhi.x, xhi.y);
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    // the scales of sub-blocks 2i (low nibbles) and 2i + 1: bytes 2i & 3, 2i + 1 & 3
+                    const unsigned word = i < 2 ? sl[r] : sh[r];
+                    const int ls = (int)prmt(word, 0, 0x4440u + ((2 * i) & 3));
+                    const int hs = (int)prmt(word, 0, 0x4440u + ((2 * i + 1) & 3));
+                    const int* cl = r < 2 ? cl0 : cl1;
+                    const int* ch = r < 2 ? ch0 : ch1;
+                    ilo[r][0] += cl[2 * (r & 1)] * ls;
+                    ihi[r][0] += ch[2 * (r & 1)] * hs;
+                    if (NCOL > 1) {
+                        ilo[r][1] += cl[2 * (r & 1) + 1] * ls;
+                        ihi[r][1] += ch[2 * (r & 1) + 1] * hs;
+                    }
+                }
+            }
+            const int4 xs0 = xs[kb * 8 + c0], xs1 = xs[kb * 8 + c1];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                // 6-bit mins of sub-blocks 0..3 / 4..7, a byte each: Σ m_j·(64 hi_j + lo_j) by four dp4a
+                const unsigned ml = part(s1, r) & 0x3F3F3F3Fu;
+                const unsigned mh = ((part(s2, r) >> 4) & 0x0F0F0F0Fu) | ((part(s1, r) >> 2) & 0x30303030u);
+                const float d = f16_lo(part(dd, r)) * 0.0625f, dmin = f16_hi(part(dd, r));
+#pragma unroll
+                for (int e = 0; e < (NCOL > 1 ? 2 : 1); ++e) {
+                    const int4& v = e ? xs1 : xs0;
+                    const int msum = 64 * dp4a(mh, field(v, 1), dp4a(ml, field(v, 0), 0))
+                                     + dp4a(mh, field(v, 3), dp4a(ml, field(v, 2), 0));
+                    const float isum = (float)(16 * ilo[r][e] + ihi[r][e]);
+                    acc[r][e] = fmaf(fmaf(d, isum, -dmin * (float)msum), e ? x1 : x0, acc[r][e]);
+                }
+            }
+        }
+#if PDL
+        if (tile + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
+#endif
+        // rows 4 gq + r, columns 2t, 2t + 1: summed over the warps through shared memory
+        float* rw = red + wid * (32 * 8);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            rw[(4 * gq + r) * 8 + 2 * t] = acc[r][0];
+            rw[(4 * gq + r) * 8 + 2 * t + 1] = acc[r][1];
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
+            const int m = i >> 5, row = i & 31;
+            float v = 0.f;
+#pragma unroll
+            for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
+            if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
+        }
+        __syncthreads();
+    }
+}
+"""
+
+
+def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0]) -> str:
+    warps, ctas = shape
+    return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
+            .replace("__WARPS__", str(warps)).replace("__CTAS__", str(ctas))
+            .replace("__PDL__", str(int(pdl))))
+
+
+def smem_bytes(in_features: int, warps: int) -> int:
+    """The activation's split per-32 sums of 8 columns and the warps' partial sums."""
+    return in_features // 256 * 8 * 16 + warps * 32 * 8 * 4
+
+
+def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
+    """The (warps, CTAs an SM) of `SHAPES` whose grid leaves the least of its last round of tiles idle, the
+    most CTAs on a tie. H200 (132 SMs, bench/q4il_timing.py, session 35 run 6, µs at 1 / 4 columns): the
+    27B's gate|up (1088 tiles: 4.12 rounds of 264 CTAs, 2.75 of 396) 31.8 / 33.5 at 8 × 2, 29.0 / 30.8 at
+    5 × 3; its GDN input (515 tiles: 0.98 rounds of 528) 16.1 / 17.3 at 8 × 2, 15.1 / 16.9 at 4 × 4."""
+    def key(shape: tuple[int, int]) -> tuple[float, int]:
+        slots = shape[1] * sms
+        return tiles / (-(-tiles // slots) * slots), shape[1]
+
+    return max(SHAPES, key=key)
+
+
+@functools.cache
+def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int]):
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape), "q4k_il_mma")
+    kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
+    return kernel
+
+
+def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
+              shape: tuple[int, int] | None = None) -> torch.Tensor:
+    """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the q4il words (CUDA) and xa the int8 activation of
+    1-8 columns with one scale per 256 inputs; `shape` (warps, CTAs an SM) defaults to `q4il_shape`'s."""
+    n, k = xa.q.shape
+    LAYOUT.check(words, out_features, k, "q4il")
+    check_call("q4il", words, xa, 256)
+    tiles = LAYOUT.shape(out_features, k)[0]
+    sms = torch.cuda.get_device_properties(words.device).multi_processor_count
+    shape = shape or q4il_shape(tiles, sms)
+    y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
+    pdl = pdl_enabled()
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape)
+    _launch(kernel, min(tiles, shape[1] * sms), 32 * shape[0], smem_bytes(k, shape[0]),
+            [words, xa.words, xa.d, y, out_features, k, y.stride(0)], pdl)
+    return y
+
+
+def q4il_wanted(format: str, out_features: int, in_features: int, device: torch.device | str) -> bool:
+    """Whether a resident weight takes the q4il layout: the q4_k matrices of ≥ `MIN_ROWS` rows on CUDA where
+    the kernel compiles (NINFER_Q4K_IL=0: none, =1: every q4_k matrix). On fewer rows the tiles leave CTA
+    slots idle and the GGUF routes win at one column (the 27B's 5120-row projections: 18.4 against 18.0 µs,
+    8.2 against 7.6)."""
+    if format.removeprefix("gguf_") != "q4_k" or torch.device(device).type != "cuda" or in_features % 256:
+        return False
+    wanted = os.environ.get("NINFER_Q4K_IL")
+    if wanted == "0" or (wanted != "1" and out_features < MIN_ROWS):
+        return False
+    return _compiles()
+
+
+@functools.cache
+def _compiles() -> bool:
+    return builds(lambda: _compiled(1, _OUT_KINDS[torch.bfloat16], False, SHAPES[0]))
+
+
+@jit
+def _dequant_q4il_kernel(w_ptr, out_ptr, N, K, P):
+    """One 256-weight block of a 32-row tile: program (tile, block) writes out[32 rows, 256 columns]."""
+    t = tl.program_id(0)
+    blk = tl.program_id(1)
+    h = blk % 2
+    r = tl.arange(0, 32)[:, None]
+    kb = tl.arange(0, 256)[None, :]
+    s = kb // 32  # sub-block: the low nibbles of qs bytes 32·(s // 2).. when s is even, else the high ones
+    q = 32 * (s // 2) + kb % 32
+    base = w_ptr + (t * P + blk // 2).to(tl.int64) * (72 * 32) + r  # word j of the pair at base[32 j]
+    nib = ((tl.load(base + (35 * h + q // 4) * 32) >> (8 * (q % 4) + 4 * (s % 2))) & 15).to(tl.float32)
+    j = s % 4  # the 12 scale bytes: a = byte j, b = byte j + 4, c = byte j + 8
+    a = (tl.load(base + (35 * h + 32) * 32) >> (8 * j)) & 255
+    b = (tl.load(base + (35 * h + 33) * 32) >> (8 * j)) & 255
+    c = (tl.load(base + (35 * h + 34) * 32) >> (8 * j)) & 255
+    sc = tl.where(s < 4, a & 63, (c & 15) | ((a >> 6) << 4)).to(tl.float32)
+    mn = tl.where(s < 4, b & 63, (c >> 4) | ((b >> 6) << 4)).to(tl.float32)
+    dd = tl.load(base + (70 + h) * 32)
+    d = (dd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((dd >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    v = (d * sc) * nib - dmin * mn
+    row = t * 32 + r
+    col = blk * 256 + kb
+    tl.store(out_ptr + row.to(tl.int64) * K + col, v.to(out_ptr.dtype.element_ty), mask=(row < N) & (col < K))
+
+
+def dequantize_q4il(words: torch.Tensor, out_features: int, in_features: int,
+                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The dense `[out_features, in_features]` weight in `dtype` from the q4il words (a transient buffer for
+    prefill matmuls): one Triton pass where Triton runs, else unpacked and dequantised by the reference."""
+    LAYOUT.check(words, out_features, in_features, "q4il")
+    if not (HAVE_TRITON and triton_runs_on(words)):
+        return dequantize_rows(unpack_q4il(words, out_features, in_features), "q4_k", out_features,
+                               in_features, dtype)
+    out = torch.empty((out_features, in_features), dtype=dtype, device=words.device)
+    tiles, pairs = LAYOUT.shape(out_features, in_features)
+    _dequant_q4il_kernel[(tiles, in_features // 256)](words, out, out_features, in_features, pairs)
+    return out
+
+
+def q4il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the q4il words (`LaneLayout.matmul`; prefill over
+    `dequantize_q4il`'s rows)."""
+    return LAYOUT.matmul(words, x, out_features, gemv_q4il, dequantize_q4il)
+
+
+def gemv_q4il_reference(words: torch.Tensor, xa: QuantizedActivation, out_features: int) -> torch.Tensor:
+    """The oracle: the unpacked GGUF rows dequantised, times the dequantised int8 activation, float64."""
+    return gemv_q8_reference(unpack_q4il(words, out_features, xa.q.shape[1]), "q4_k", xa, out_features)

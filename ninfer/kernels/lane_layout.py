@@ -1,0 +1,131 @@
+"""Lane-per-row repacks of the k-quant blocks for the tensor-core decode GEMVs (`gemv_q6il`, `gemv_q4il`).
+
+Per row, a pair of blocks becomes `words` aligned 32-bit words — chosen byte ranges of block 0 then block 1
+(`body`), then each block's `tail` (its d, dmin) — and the rows of 32-row tile t are interleaved: word j of
+pair p of row r lies at `((t·P + p)·words + j)·32 + r`. A tile's words are contiguous, so the repack, the
+unpacking and a prefill matmul run a run of tiles at a time. Rows are padded to 32 and blocks to an even
+count with zero blocks (d = 0: they add nothing). The repack is a byte permutation of each pair: lossless,
+the same size on whole tiles and pairs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ninfer.kernels.gemv_q8 import QuantizedActivation, quantize_activation_cached
+from ninfer.kernels.gguf_matmul import QuantKernelError, quant_matmul
+
+MAX_COLUMNS = 8  # the GEMVs' columns a call
+PREFILL_ROWS = 8192  # rows unpacked at a time for a prefill matmul (34 MB of q6_k rows at 5120 inputs)
+
+
+def builds(build: Callable[[], object]) -> bool:
+    """Whether a lane kernel compiles here (`build`: its NVRTC compile; the il32 kernels' NVRTC check first):
+    any failure keeps the GGUF layout."""
+    from ninfer.kernels.gemv_il import nvrtc_available
+
+    if not nvrtc_available():
+        return False
+    try:
+        build()
+    except Exception:  # noqa: BLE001 - any NVRTC or driver failure means: keep the GGUF layout
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class LaneLayout:
+    format: str
+    block_bytes: int
+    body: tuple[tuple[int, int], ...]  # byte ranges of a block, block 0's then block 1's
+    tail: tuple[int, int]  # each block's bytes after both bodies
+
+    @property
+    def words(self) -> int:
+        """Words a row and pair of blocks."""
+        used = sum(b - a for a, b in self.body) + self.tail[1] - self.tail[0]
+        assert used == self.block_bytes and used % 2 == 0
+        return used // 2
+
+    def shape(self, out_features: int, in_features: int) -> tuple[int, int]:
+        """(32-row tiles, block pairs)."""
+        return -(-out_features // 32), -(-(in_features // 256) // 2)
+
+    @functools.cached_property
+    def _order(self) -> torch.Tensor:
+        """The pair's bytes in word order: indices into block 0's bytes followed by block 1's."""
+        b = self.block_bytes
+        ranges = [(h * b + a, h * b + e) for h in (0, 1) for a, e in self.body]
+        ranges += [(h * b + self.tail[0], h * b + self.tail[1]) for h in (0, 1)]
+        return torch.cat([torch.arange(a, e) for a, e in ranges])
+
+    def repack(self, raw: torch.Tensor, chunk_rows: int = PREFILL_ROWS) -> torch.Tensor:
+        """GGUF rows `raw` (uint8 `[N, nblk·block_bytes]`) as int32 words `[tiles · pairs · words · 32]` on
+        raw's device, `chunk_rows` rows at a time (the transient copies stay small beside the output)."""
+        n, row_bytes = raw.shape
+        nblk = row_bytes // self.block_bytes
+        tiles, pairs = self.shape(n, nblk * 256)
+        per_tile, order = pairs * self.words * 32, self._order.to(raw.device)
+        out = torch.empty(tiles * per_tile, dtype=torch.int32, device=raw.device)
+        step = max(1, chunk_rows // 32)
+        for t0 in range(0, tiles, step):
+            t1 = min(tiles, t0 + step)
+            part = raw[32 * t0 : 32 * t1]
+            blocks = torch.zeros(((t1 - t0) * 32, 2 * pairs, self.block_bytes), dtype=torch.uint8,
+                                 device=raw.device)
+            blocks[: part.shape[0], :nblk] = part.reshape(part.shape[0], nblk, self.block_bytes)
+            w = blocks.view(-1, pairs, 2 * self.block_bytes).index_select(-1, order).view(torch.int32)
+            w = w.view(-1, 32, pairs, self.words)  # tile, row, pair, word
+            out[t0 * per_tile : t1 * per_tile] = w.permute(0, 2, 3, 1).reshape(-1)
+        return out
+
+    def unpack(self, words: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+        """The GGUF rows `[out_features, in_features/256 · block_bytes]` back from `repack`'s words."""
+        tiles, pairs = self.shape(out_features, in_features)
+        w = words.view(tiles, pairs, self.words, 32).permute(0, 3, 1, 2).contiguous()
+        pair_bytes = w.view(torch.uint8).view(tiles * 32, pairs, 4 * self.words)
+        inverse = torch.argsort(self._order).to(words.device)
+        whole = pair_bytes.index_select(-1, inverse).reshape(tiles * 32, 2 * pairs * self.block_bytes)
+        return whole[:out_features, : in_features // 256 * self.block_bytes].contiguous()
+
+    def check(self, words: torch.Tensor, out_features: int, in_features: int, name: str) -> None:
+        tiles, pairs = self.shape(out_features, in_features)
+        size = tiles * pairs * self.words * 32
+        if in_features % 256 or words.dtype != torch.int32 or words.numel() != size:
+            raise QuantKernelError(f"a {name} {self.format} weight of {out_features}×{in_features} is int32 "
+                                   f"[{size}] (repack_{name} of its GGUF rows), got {words.dtype} "
+                                   f"[{words.numel()}]")
+
+    def matmul(self, words: torch.Tensor, x: torch.Tensor, out_features: int,
+               gemv: Callable[[torch.Tensor, QuantizedActivation, int], torch.Tensor],
+               dequantize: Callable[[torch.Tensor, int, int, torch.dtype], torch.Tensor] | None = None
+               ) -> torch.Tensor:
+        """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype: `gemv` (the activation per 256) on up to 8 columns at a
+        time through 16; beyond (prefill), `PREFILL_ROWS` rows at a time dequantised by `dequantize` (words,
+        rows, K, dtype) for a dense matmul, or unpacked for `quant_matmul` without one."""
+        in_features = x.shape[-1]
+        x2 = x.reshape(-1, in_features)
+        n = x2.shape[0]
+        if n > 2 * MAX_COLUMNS:
+            tiles, pairs = self.shape(out_features, in_features)
+            per_tile, step = pairs * self.words * 32, PREFILL_ROWS // 32
+            dtype = x.dtype if x.is_cuda else torch.float32
+            y = torch.empty((n, out_features), dtype=x.dtype, device=x.device)
+            for t0 in range(0, tiles, step):
+                t1 = min(tiles, t0 + step)
+                rows = min(out_features, 32 * t1) - 32 * t0
+                part = words[t0 * per_tile : t1 * per_tile]
+                if dequantize is None:
+                    out = quant_matmul(self.unpack(part, rows, in_features), self.format, x2, rows)
+                else:
+                    out = x2.to(dtype) @ dequantize(part, rows, in_features, dtype).t()
+                y[:, 32 * t0 : 32 * t0 + rows] = out
+            return y.reshape(*x.shape[:-1], out_features)
+        xa = quantize_activation_cached(x, 256)
+        y = torch.cat([gemv(words, xa.rows(i, i + MAX_COLUMNS), out_features)
+                       for i in range(0, n, MAX_COLUMNS)])
+        return y.reshape(*x.shape[:-1], out_features)

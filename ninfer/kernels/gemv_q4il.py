@@ -34,7 +34,7 @@ import torch
 from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, _launch, _smem_optin, check_call
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference
 from ninfer.kernels.gguf_matmul import dequantize_rows
-from ninfer.kernels.lane_layout import LaneLayout, builds
+from ninfer.kernels.lane_layout import TILE_STORE, LaneLayout, builds
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_enabled, tl, triton_runs_on
 
 LAYOUT = LaneLayout("q4_k", 144, body=((16, 144), (4, 16)), tail=(0, 4))  # qs, scales; then d, dmin
@@ -60,7 +60,7 @@ _SOURCE = r"""
 #define WARPS __WARPS__
 #define CTAS __CTAS__
 #define PDL __PDL__
-""" + CUDA_HELPERS + r"""
+""" + CUDA_HELPERS + TILE_STORE + r"""
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -194,22 +194,7 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #if PDL
         if (tile + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
 #endif
-        // rows 4 gq + r, columns 2t, 2t + 1: summed over the warps through shared memory
-        float* rw = red + wid * (32 * 8);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            rw[(4 * gq + r) * 8 + 2 * t] = acc[r][0];
-            rw[(4 * gq + r) * 8 + 2 * t + 1] = acc[r][1];
-        }
-        __syncthreads();
-        for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
-            const int m = i >> 5, row = i & 31;
-            float v = 0.f;
-#pragma unroll
-            for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
-            if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
-        }
-        __syncthreads();
+        store_tile(red, acc, wid, gq, t, tile, N, y, stride_y);
     }
 }
 """

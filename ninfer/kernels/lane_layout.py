@@ -23,6 +23,31 @@ MAX_COLUMNS = 8  # the GEMVs' columns a call
 PREFILL_ROWS = 8192  # rows unpacked at a time for a prefill matmul (34 MB of q6_k rows at 5120 inputs)
 
 
+# CUDA C shared by the lane-layout kernels (after `gemv_il.CUDA_HELPERS`, with WARPS and NCOL defined): a
+# 32-row tile's sums, lane 4g + t holding rows 4g..4g + 3 of columns 2t, 2t + 1 (`acc[r][e]`) for its warp's
+# share of the tile's blocks, summed over the warps through shared memory `red` [WARPS][32 rows][8 columns]
+# and stored to y's rows below N.
+TILE_STORE = r"""
+__device__ __forceinline__ void store_tile(float* red, const float (&acc)[4][2], unsigned wid, unsigned gq,
+                                           unsigned t, int tile, int N, out_t* __restrict__ y, int stride_y) {
+    float* rw = red + wid * (32 * 8);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        rw[(4 * gq + r) * 8 + 2 * t] = acc[r][0];
+        rw[(4 * gq + r) * 8 + 2 * t + 1] = acc[r][1];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
+        const int m = i >> 5, row = i & 31;
+        float v = 0.f;
+#pragma unroll
+        for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
+        if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
+    }
+    __syncthreads();
+}
+"""
+
 def builds(build: Callable[[], object]) -> bool:
     """Whether a lane kernel compiles here (`build`: its NVRTC compile; the il32 kernels' NVRTC check first):
     any failure keeps the GGUF layout."""

@@ -5,7 +5,7 @@ for the q4_k matrices of ≥ 8192 rows (`q4il_wanted`); prefill decodes the word
 Why: the GGUF routes' 2–8-column q4_k GEMVs ran at 35–60 % of DRAM bandwidth (rows and fragment kernels) where
 one column reaches ~85 %. Here each weight is decoded once into an mma fragment and every column is an operand
 of the same instruction: on an H200 the 27B's gate|up takes 29.0 / 30.8 / 35.1 µs at 1 / 4 / 8 columns where
-the GGUF routes take 29.2 / 45.7 / 56.6 (bench/q4il_timing.py, session 35 run 6).
+the GGUF routes take 29.2 / 45.7 / 56.6 (bench/q4il_timing.py, session 35 run 5).
 
 Layout (`LAYOUT`, `lane_layout.LaneLayout`): per row and pair of 144-byte blocks, 72 words — block 0's qs (32
 words) and scales (3), block 1's, then each block's d | dmin << 16; 32 rows interleaved. Lane 4g + t of a warp
@@ -214,7 +214,7 @@ def smem_bytes(in_features: int, warps: int) -> int:
 
 def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
     """The (warps, CTAs an SM) of `SHAPES` whose grid leaves the least of its last round of tiles idle, the
-    most CTAs on a tie. H200 (132 SMs, bench/q4il_timing.py, session 35 run 6, µs at 1 / 4 columns): the
+    most CTAs on a tie. H200 (132 SMs, bench/q4il_timing.py, session 35 run 5, µs at 1 / 4 columns): the
     27B's gate|up (1088 tiles: 4.12 rounds of 264 CTAs, 2.75 of 396) 31.8 / 33.5 at 8 × 2, 29.0 / 30.8 at
     5 × 3; its GDN input (515 tiles: 0.98 rounds of 528) 16.1 / 17.3 at 8 × 2, 15.1 / 16.9 at 4 × 4."""
     def key(shape: tuple[int, int]) -> tuple[float, int]:

@@ -251,13 +251,14 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
 
 def q4il_wanted(format: str, out_features: int, in_features: int, device: torch.device | str) -> bool:
     """Whether a resident weight takes the q4il layout: the q4_k matrices of ≥ `MIN_ROWS` rows on CUDA where
-    the kernel compiles (NINFER_Q4K_IL=0: none, =1: every q4_k matrix). On fewer rows the tiles leave CTA
-    slots idle and the GGUF routes win at one column (the 27B's 5120-row projections: 18.4 against 18.0 µs,
-    8.2 against 7.6)."""
+    the kernel compiles (NINFER_Q4K_IL=0: none, =N: those of ≥ N rows, so 1 takes every q4_k matrix). On
+    fewer rows the tiles leave CTA slots idle and the GGUF routes win at one column (the 27B's 5120-row
+    projections: 18.4 against 18.0 µs, 8.2 against 7.6)."""
     if format.removeprefix("gguf_") != "q4_k" or torch.device(device).type != "cuda" or in_features % 256:
         return False
-    wanted = os.environ.get("NINFER_Q4K_IL")
-    if wanted == "0" or (wanted != "1" and out_features < MIN_ROWS):
+    wanted = os.environ.get("NINFER_Q4K_IL", "")
+    min_rows = int(wanted) if wanted.isdigit() else MIN_ROWS
+    if min_rows == 0 or out_features < min_rows:
         return False
     return _compiles()
 

@@ -44,6 +44,36 @@ def _seed_per_test(request):
     torch.manual_seed(zlib.crc32(f"{request.node.nodeid}{salt}".encode()))
 
 
+def word_bytes(x, signed: bool):
+    """The 4 bytes of uint32 words (numpy), lowest first, as int64 `[..., 4]`, signed or not."""
+    import numpy as np
+
+    x = x.astype(np.int64) & 0xFFFFFFFF
+    out = np.stack([(x >> (8 * i)) & 0xFF for i in range(4)], axis=-1)
+    return (out ^ 0x80) - 0x80 if signed else out
+
+
+def ptx_mma_m16n8k32(a, b, a_signed: bool):
+    """PTX mma.m16n8k32 (s8 or u8 A, s8 B) in numpy by its fragment tables: a `[..., 32 lanes, 4 words]`, b
+    `[32 lanes, 2 words]` -> d `[..., 32 lanes, 4]` int64. Lane 4g + t: a word i = row g + 8(i & 1), k 4t +
+    16(i >> 1) + byte; b word i = k 4t + 16i + byte, column g; d i = row g + 8(i >> 1), column
+    2t + (i & 1)."""
+    import numpy as np
+
+    lanes = np.arange(32)
+    g, t = lanes >> 2, lanes & 3
+    dense_a = np.zeros(a.shape[:-2] + (16, 32), dtype=np.int64)
+    dense_b = np.zeros((32, 8), dtype=np.int64)
+    for i in range(4):
+        a_bytes = word_bytes(a[..., i], a_signed)
+        for byte in range(4):
+            dense_a[..., g + 8 * (i & 1), 4 * t + 16 * (i >> 1) + byte] = a_bytes[..., byte]
+    for i in range(2):
+        for byte in range(4):
+            dense_b[4 * t + 16 * i + byte, g] = word_bytes(b[:, i], True)[:, byte]
+    dense_d = dense_a @ dense_b
+    return np.stack([dense_d[..., g + 8 * (i >> 1), 2 * t + (i & 1)] for i in range(4)], axis=-1)
+
 def gemv_case(fmt: str, rows: int, cols: int, width: int, seed: int):
     """Random valid GGUF rows of `fmt` and an activation `[width, cols]` with per-row spread, seeded."""
     import torch

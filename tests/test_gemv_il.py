@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import kernels_only, needs_triton
+from conftest import kernels_only, needs_triton, ptx_mma_m16n8k32
 
 from ninfer.kernels import gemv_il
 from ninfer.kernels.gemv_il import (
@@ -125,27 +125,6 @@ def test_the_kernels_integer_recipe_gives_the_twin(n, k, group):
     assert np.abs(y[:, :n] - want).max() <= 1e-12 * np.abs(want).max()
 
 
-def _mma_m16n8k32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """PTX mma.m16n8k32.s8 by its fragment tables: a [..., 32 lanes, 4 words], b [32 lanes, 2 words] -> d
-    [..., 32 lanes, 4] int64. Lane 4g + t: a word i = row g + 8(i & 1), k 4t + 16(i >> 1) + byte; b word i =
-    k 4t + 16i + byte, column g; d i = row g + 8(i >> 1), column 2t + (i & 1)."""
-    def signed_bytes(x):
-        x = x.astype(np.int64) & 0xFFFFFFFF
-        return np.stack([((x >> (8 * k)) & 0xFF ^ 0x80) - 0x80 for k in range(4)], axis=-1)
-    lanes = np.arange(32)
-    g, t = lanes >> 2, lanes & 3
-    dense_a = np.zeros(a.shape[:-2] + (16, 32), dtype=np.int64)
-    dense_b = np.zeros((32, 8), dtype=np.int64)
-    for i in range(4):
-        for byte in range(4):
-            dense_a[..., g + 8 * (i & 1), 4 * t + 16 * (i >> 1) + byte] = signed_bytes(a[..., i])[..., byte]
-    for i in range(2):
-        for byte in range(4):
-            dense_b[4 * t + 16 * i + byte, g] = signed_bytes(b[:, i])[:, byte]
-    dense_d = dense_a @ dense_b
-    return np.stack([dense_d[..., g + 8 * (i >> 1), 2 * t + (i & 1)] for i in range(4)], axis=-1)
-
-
 @pytest.mark.parametrize(("n", "k", "columns", "group"),
                          [(40, 768, 3, 32), (64, 512, 8, 32), (40, 768, 4, 256)])
 def test_the_tensor_core_recipe_gives_the_twin(n, k, columns, group):
@@ -193,8 +172,9 @@ def test_the_tensor_core_recipe_gives_the_twin(n, k, columns, group):
                     m = _prmt((sb * np.uint64(mul)) & np.uint64(0xFFFFFFFF), 0 * sb, 0x89AB)
                     a[..., e][:, on] = entry ^ (m & np.uint64(0xFEFEFEFE))
             b = xw[gq[:, None], kb * 64 + 8 * j + 2 * t[:, None] + np.arange(2)]
-            sums = [_mma_m16n8k32(np.stack([a[:, :, 2 * mt, 0], a[:, :, 2 * mt + 1, 0], a[:, :, 2 * mt, 1],
-                                            a[:, :, 2 * mt + 1, 1]], axis=-1), b) for mt in range(2)]
+            sums = [ptx_mma_m16n8k32(np.stack([a[:, :, 2 * mt, 0], a[:, :, 2 * mt + 1, 0], a[:, :, 2 * mt, 1],
+                                               a[:, :, 2 * mt + 1, 1]], axis=-1), b, a_signed=True)
+                    for mt in range(2)]
             for r in range(4):
                 nib = (words[:, 52 + h][:, :, r] >> np.uint64(4 * j)) & np.uint64(15)
                 if group == 256:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import kernels_only, needs_triton
+from conftest import kernels_only, needs_triton, ptx_mma_m16n8k32, word_bytes
 
 from ninfer.kernels import lane_layout
 from ninfer.kernels.gemv_q4il import (
@@ -42,35 +42,9 @@ def test_repack_is_a_lossless_same_size_permutation(n, k):
     assert torch.equal(w[0, 0, 70, 3:4].view(torch.uint8), row3[0, :4])
 
 
-def _bytes(x: np.ndarray, signed: bool) -> np.ndarray:
-    """The 4 bytes of uint32 words, lowest first, as int64 `[..., 4]`."""
-    x = x.astype(np.int64) & 0xFFFFFFFF
-    out = np.stack([(x >> (8 * i)) & 0xFF for i in range(4)], axis=-1)
-    return (out ^ 0x80) - 0x80 if signed else out
-
-
 def _dp4a(a: np.ndarray, b: np.ndarray, c) -> np.ndarray:
     """PTX dp4a.s32.s32."""
-    return (_bytes(a, True) * _bytes(b, True)).sum(-1) + c
-
-
-def _mma_m16n8k32_u8s8(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """PTX mma.m16n8k32.u8.s8 by its fragment tables: a `[..., 32 lanes, 4 words]` (unsigned bytes), b
-    `[32 lanes, 2 words]` (signed) -> d `[..., 32 lanes, 4]` int64. Lane 4g + t: a word i = row g + 8(i & 1),
-    k 4t + 16(i >> 1) + byte; b word i = k 4t + 16i + byte, column g; d i = row g + 8(i >> 1), column
-    2t + (i & 1)."""
-    lanes = np.arange(32)
-    g, t = lanes >> 2, lanes & 3
-    dense_a = np.zeros(a.shape[:-2] + (16, 32), dtype=np.int64)
-    dense_b = np.zeros((32, 8), dtype=np.int64)
-    for i in range(4):
-        for byte in range(4):
-            dense_a[..., g + 8 * (i & 1), 4 * t + 16 * (i >> 1) + byte] = _bytes(a[..., i], False)[..., byte]
-    for i in range(2):
-        for byte in range(4):
-            dense_b[4 * t + 16 * i + byte, g] = _bytes(b[:, i], True)[:, byte]
-    dense_d = dense_a @ dense_b
-    return np.stack([dense_d[..., g + 8 * (i >> 1), 2 * t + (i & 1)] for i in range(4)], axis=-1)
+    return (word_bytes(a, True) * word_bytes(b, True)).sum(-1) + c
 
 
 def _f16(words: np.ndarray, shift: int) -> np.ndarray:
@@ -123,10 +97,10 @@ def test_the_kernels_integer_recipe_gives_the_twin(n, k, columns):
                 m = np.uint64(mask)
                 a = [np.stack([qa[..., 2 * mt] & m, qa[..., 2 * mt + 1] & m, qb[..., 2 * mt] & m,
                                qb[..., 2 * mt + 1] & m], axis=-1) for mt in range(2)]
-                c = [_mma_m16n8k32_u8s8(a[mt], b) for mt in range(2)]
+                c = [ptx_mma_m16n8k32(a[mt], b, a_signed=False) for mt in range(2)]
                 for r in range(4):
                     word = (sl if i < 2 else sh)[..., r]
-                    scale = _bytes(word, False)[..., (2 * i + nib) & 3]  # prmt 0x4440 + byte
+                    scale = word_bytes(word, False)[..., (2 * i + nib) & 3]  # prmt 0x4440 + byte
                     for e in range(2):
                         acc_i[:, :, r, e] += c[r >> 1][..., 2 * (r & 1) + e] * scale
         dd = words[:, 70 + h]

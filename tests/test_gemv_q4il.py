@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import kernels_only, needs_triton, ptx_mma_m16n8k32, word_bytes
 
-from ninfer.kernels import lane_layout
+from ninfer.kernels import gemv_q4il, lane_layout
 from ninfer.kernels.gemv_q4il import (
     LAYOUT,
     PAIR_WORDS,
@@ -135,8 +135,6 @@ def test_shape_rule():
 def test_q4k_matrices_of_many_rows_take_the_layout(monkeypatch):
     """q4_k matrices of ≥ 8192 rows on CUDA where the kernel compiles; NINFER_Q4K_IL=0 none, =N those of
     ≥ N rows (1: every one)."""
-    from ninfer.kernels import gemv_q4il
-
     monkeypatch.setattr(gemv_q4il, "_compiles", lambda: True)
     monkeypatch.delenv("NINFER_Q4K_IL", raising=False)
     assert gemv_q4il.q4il_wanted("gguf_q4_k", 34816, 5120, "cuda")
@@ -166,12 +164,30 @@ def test_q4il_matmul_prefill_runs_by_chunks(monkeypatch):
                           rtol=1e-5, atol=1e-5)
 
 
+def test_a_decode_call_returns_the_gemvs_own_output():
+    """Up to 8 columns a call is one GEMV and nothing after it: a copy of its output is a graph node that cost
+    ~2 µs a GEMV in the decode graph and broke the launch overlap with the next kernel (gpu-notes "Session
+    36"); 9-16 columns are two GEMVs, side by side in column order."""
+    made = []
+
+    def gemv(words, xa, out_features):
+        seed = torch.Generator().manual_seed(len(made))
+        made.append(torch.randn(xa.q.shape[0], out_features, generator=seed))
+        return made[-1]
+
+    words, k = torch.zeros(1, dtype=torch.int32), 512
+    for columns in (1, 8):
+        y = gemv_q4il.LAYOUT.matmul(words, torch.randn(1, columns, k), 40, gemv)
+        assert y.shape == (1, columns, 40) and y.data_ptr() == made[-1].data_ptr()
+    y = gemv_q4il.LAYOUT.matmul(words, torch.randn(11, k), 40, gemv)
+    assert [m.shape[0] for m in made[-2:]] == [8, 3] and torch.equal(y, torch.cat(made[-2:]))
+
+
 @needs_triton
 @pytest.mark.parametrize(("n", "k"), [(40, 768), (64, 512)])
 def test_the_triton_dequantisation_matches_the_reference(monkeypatch, n, k):
     """The prefill's one-pass decode of the q4il words (Triton's interpreter on the CPU) equals the GGUF rows
     dequantised by ninfer.quant; the prefill matmul takes it."""
-    from ninfer.kernels import gemv_q4il
     from ninfer.quant import dequantize
 
     kernels_only(monkeypatch, gemv_q4il, "dequantize_rows")

@@ -151,6 +151,9 @@ class LaneLayout:
                 y[:, 32 * t0 : 32 * t0 + rows] = out
             return y.reshape(*x.shape[:-1], out_features)
         xa = quantize_activation_cached(x, 256)
-        y = torch.cat([gemv(words, xa.rows(i, i + MAX_COLUMNS), out_features)
-                       for i in range(0, n, MAX_COLUMNS)])
+        if n <= MAX_COLUMNS:  # the GEMV's own output: a copy would be a graph node between it and its reader
+            y = gemv(words, xa, out_features)
+        else:
+            y = torch.cat([gemv(words, xa.rows(i, i + MAX_COLUMNS), out_features)
+                           for i in range(0, n, MAX_COLUMNS)])
         return y.reshape(*x.shape[:-1], out_features)

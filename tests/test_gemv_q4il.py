@@ -133,21 +133,21 @@ def test_shape_rule():
 
 
 def test_q4k_matrices_of_many_rows_take_the_layout(monkeypatch):
-    """q4_k matrices of ≥ 8192 rows on CUDA where the kernel compiles; NINFER_Q4K_IL=0 none, =N those of
+    """q4_k matrices of ≥ 5120 rows on CUDA where the kernel compiles; NINFER_Q4K_IL=0 none, =N those of
     ≥ N rows (1: every one)."""
     monkeypatch.setattr(gemv_q4il, "_compiles", lambda: True)
     monkeypatch.delenv("NINFER_Q4K_IL", raising=False)
     assert gemv_q4il.q4il_wanted("gguf_q4_k", 34816, 5120, "cuda")
-    assert gemv_q4il.q4il_wanted("q4_k", 8192, 5120, "cuda:0")
-    assert not gemv_q4il.q4il_wanted("q4_k", 5120, 17408, "cuda")
+    assert gemv_q4il.q4il_wanted("q4_k", 5120, 17408, "cuda:0")
+    assert not gemv_q4il.q4il_wanted("q4_k", 4096, 12288, "cuda")
     assert not gemv_q4il.q4il_wanted("q6_k", 34816, 5120, "cuda")
     assert not gemv_q4il.q4il_wanted("q4_k", 34816, 5120, "cpu")
     assert not gemv_q4il.q4il_wanted("q4_k", 34816, 5000, "cuda")
     monkeypatch.setenv("NINFER_Q4K_IL", "1")
     assert gemv_q4il.q4il_wanted("q4_k", 40, 256, "cuda:0")
-    monkeypatch.setenv("NINFER_Q4K_IL", "5120")  # a row threshold
-    assert gemv_q4il.q4il_wanted("q4_k", 5120, 6144, "cuda")
-    assert not gemv_q4il.q4il_wanted("q4_k", 4096, 5120, "cuda")
+    monkeypatch.setenv("NINFER_Q4K_IL", "8192")  # a row threshold
+    assert gemv_q4il.q4il_wanted("q4_k", 8192, 5120, "cuda")
+    assert not gemv_q4il.q4il_wanted("q4_k", 5120, 6144, "cuda")
     monkeypatch.setenv("NINFER_Q4K_IL", "0")
     assert not gemv_q4il.q4il_wanted("gguf_q4_k", 34816, 5120, "cuda")
     monkeypatch.delenv("NINFER_Q4K_IL")

@@ -1,5 +1,5 @@
 """q4_k decode GEMV on int8 tensor cores over a lane-per-row repack ("q4il"), CUDA C compiled by NVRTC, routed
-for the q4_k matrices of ≥ 8192 rows (`q4il_wanted`); prefill decodes the words to bf16 in one Triton pass
+for the q4_k matrices of ≥ 5120 rows (`q4il_wanted`); prefill decodes the words to bf16 in one Triton pass
 (`dequantize_q4il`).
 
 Why: the GGUF routes' 2–8-column q4_k GEMVs ran at 35–60 % of DRAM bandwidth (rows and fragment kernels) where
@@ -41,7 +41,9 @@ LAYOUT = LaneLayout("q4_k", 144, body=((16, 144), (4, 16)), tail=(0, 4))  # qs, 
 PAIR_WORDS = LAYOUT.words  # 72
 # (warps a CTA, CTAs an SM): the launch bounds, each at most 128 registers a thread; `q4il_shape` picks one
 SHAPES = ((8, 2), (5, 3), (4, 4))
-MIN_ROWS = 8192  # q4il_wanted: the matrices whose tiles fill an H200's CTA slots (264 at 8 warps × 2)
+# q4il_wanted: every q4_k matrix of the 27B (its 5120-row projections' 160 tiles fill 0.6 of the H200's CTA
+# slots at 8 warps × 2; the suite's 1-column step is even with them on the GGUF routes, session 36)
+MIN_ROWS = 5120
 
 
 def repack_q4il(raw: torch.Tensor, chunk_rows: int = 8192) -> torch.Tensor:
@@ -251,9 +253,10 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
 
 def q4il_wanted(format: str, out_features: int, in_features: int, device: torch.device | str) -> bool:
     """Whether a resident weight takes the q4il layout: the q4_k matrices of ≥ `MIN_ROWS` rows on CUDA where
-    the kernel compiles (NINFER_Q4K_IL=0: none, =N: those of ≥ N rows, so 1 takes every q4_k matrix). On
-    fewer rows the tiles leave CTA slots idle and the GGUF routes win at one column (the 27B's 5120-row
-    projections: 18.4 against 18.0 µs, 8.2 against 7.6)."""
+    the kernel compiles (NINFER_Q4K_IL=0: none, =N: those of ≥ N rows, so 1 takes every q4_k matrix). The
+    27B's 5120-row projections lose 0.4-0.6 µs a call alone at one column (18.4 against 18.0 µs, 8.2 against
+    7.6) and win 10-25 % at 2-4 columns: the suite's 1-column step is even, the 4-column one 0.3 ms faster
+    (gpu-notes "Session 36"); fewer rows leave more CTA slots idle."""
     if format.removeprefix("gguf_") != "q4_k" or torch.device(device).type != "cuda" or in_features % 256:
         return False
     wanted = os.environ.get("NINFER_Q4K_IL", "")

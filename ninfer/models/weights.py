@@ -149,7 +149,7 @@ class RepackedLayout:
 @functools.cache
 def lane_layouts() -> dict[str, RepackedLayout]:
     """The layouts by name, in the order they are tried: "il32" (iq3_s, `kernels.gemv_il`), "q6il" (the q6_k
-    heads, `kernels.gemv_q6il`), "q4il" (q4_k matrices of ≥ 8192 rows, `kernels.gemv_q4il`)."""
+    heads, `kernels.gemv_q6il`), "q4il" (q4_k matrices of ≥ 5120 rows, `kernels.gemv_q4il`)."""
     from ninfer.kernels import gemv_il, gemv_q4il, gemv_q6il
 
     return {
@@ -168,7 +168,7 @@ class Linear(nn.Module):
     Quantized mode (`quantized=True`, GGUF block formats only): the raw blocks (`raw`, uint8
     [out, row_bytes]) move to `device` as stored and every call runs `kernels.gguf_matmul.quant_matmul`
     (Triton on CUDA; its reference elsewhere); on CUDA the large iq3_s matrices, the q6_k output heads and
-    the q4_k matrices of ≥ 8192 rows are repacked once, lane per row, at the same size (`layout`,
+    the q4_k matrices of ≥ 5120 rows are repacked once, lane per row, at the same size (`layout`,
     `lane_layouts`).
     Other formats stay dense in either mode.
     """

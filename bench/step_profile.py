@@ -1,9 +1,10 @@
 """Where a decode step's time goes: the synthetic model's decode steps (eager, no CUDA graph, so every kernel
 is its own launch) under torch.profiler, GPU time per step grouped by kernel name, beside the step's wall
-time (and with --graphs its time through CUDA graphs).
+time (and with --graphs its time through CUDA graphs; with --timeline the kernels inside the graphed steps).
 
     python3 bench/step_profile.py --wtype q4_k --out $OUT   # GPU machine (wheels installed as gpu_bench.sh)
     python3 bench/step_profile.py --synthetic tiny --device cpu --dtype float32 --steps 2   # CPU smoke run
+    python3 bench/step_profile.py --wtype q4_k --timeline --columns 4   # the graphed step's kernels
     python3 bench/step_profile.py --wtype q4_k --sweep NINFER_PDL_LATE=0,NINFER_PDL_LATE=1 --lanes 1,8
         # launch settings A/B/B/A: graph replays (CUDA events) and the suite's aggregate decode
     python3 bench/step_profile.py --wtype q4_k --sweep lookahead=0,lookahead=1 --lanes 1,8
@@ -367,8 +368,9 @@ def main() -> int:
                    help="with --sweep --lanes: the suite's aggregate decode too (--no-rate: the replays "
                         "only; on the lanes' own slots they are within 0.1 ms of the suite's round)")
     p.add_argument("--timeline", action="store_true",
-                   help="profile the CUDA-graph rounds through the engine (lookahead as configured) and list "
-                        "the device's idle gaps between kernels (with --graphs, the eager profile follows)")
+                   help="profile the CUDA-graph rounds through the engine (lookahead as configured): the "
+                        "kernels inside the graphs by name and the device's idle gaps between them (with "
+                        "--graphs, the eager profile follows)")
     p.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's decode lookahead (default: the engine's, on CUDA yes); the suite's "
                         "aggregate decode of --lanes and the step wall time see it, graph replays do not")
@@ -395,21 +397,24 @@ def main() -> int:
               flush=True)
         if graphs and a.timeline:
             rows["timeline"] = idle_gaps(prof, a.steps)
-            prof = None
         if graphs and a.sweep and engine.runner.graphs is not None:
             rows["sweep_ms"] = env_sweep(engine, a, a.sweep.split(","))
         if prof is not None:
             table = grouped(prof, a.steps)
             total = sum(r[1] for r in table)
             rows["kernels"] = [dict(name=k, us=us, launches=n) for k, us, n in table]
-            print(f"\nGPU time per eager step {total / 1e3:.2f} ms, {sum(r[2] for r in table):.0f} launches")
+            # graphed: the kernels inside the replays, so a copy or memset node between two kernels shows
+            # (session 36 found one after every lane-layout GEMV this way); busy time includes PDL waits
+            print(f"\nGPU time per {'graphed' if graphs else 'eager'} step {total / 1e3:.2f} ms, "
+                  f"{sum(r[2] for r in table):.0f} launches")
             print("| kernel | µs / step | % | launches / step |\n|---|---|---|---|")
             for k, us, n in table[:30]:
                 print(f"| {k} | {us:.0f} | {100 * us / total:.1f} | {n:.0f} |")
             ops = sorted((ev for ev in prof.key_averages() if ev.key.startswith("aten::")),
                          key=lambda ev: -getattr(ev, "device_time_total", 0))
-            print("\n| PyTorch op | GPU µs / step | calls / step |\n|---|---|---|")
-            for ev in ops[:12]:
+            if not graphs:  # a replay runs no PyTorch ops
+                print("\n| PyTorch op | GPU µs / step | calls / step |\n|---|---|---|")
+            for ev in ops[:12] if not graphs else ():
                 us = getattr(ev, "device_time_total", 0) / a.steps
                 print(f"| {ev.key} | {us:.0f} | {ev.count / a.steps:.0f} |")
         del engine

@@ -410,11 +410,11 @@ def main() -> int:
             print("| kernel | µs / step | % | launches / step |\n|---|---|---|---|")
             for k, us, n in table[:30]:
                 print(f"| {k} | {us:.0f} | {100 * us / total:.1f} | {n:.0f} |")
+        if prof is not None and not graphs:  # a replay runs no PyTorch ops
             ops = sorted((ev for ev in prof.key_averages() if ev.key.startswith("aten::")),
                          key=lambda ev: -getattr(ev, "device_time_total", 0))
-            if not graphs:  # a replay runs no PyTorch ops
-                print("\n| PyTorch op | GPU µs / step | calls / step |\n|---|---|---|")
-            for ev in ops[:12] if not graphs else ():
+            print("\n| PyTorch op | GPU µs / step | calls / step |\n|---|---|---|")
+            for ev in ops[:12]:
                 us = getattr(ev, "device_time_total", 0) / a.steps
                 print(f"| {ev.key} | {us:.0f} | {ev.count / a.steps:.0f} |")
         del engine

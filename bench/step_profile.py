@@ -266,8 +266,9 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     rows_tables = {id(t): (t, dict(t)) for t in (gemv_rows._EXACT, gemv_rows_iq._EXACT)}
     norm_chunk = fused.NORM_CHUNK
     attn = paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS
-    gdn = (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
-           gdn_decode.CONV_BLOCK_C)
+    gdn_tiles = ("RECURRENT_BLOCK_V_ONE_LANE", "RECURRENT_BLOCK_V", "RECURRENT_WARPS_ONE_LANE",
+                 "RECURRENT_WARPS", "CONV_BLOCK_C")
+    gdn = {name: getattr(gdn_decode, name) for name in gdn_tiles}
     out: dict[str, list[float]] = {}
     routes = gemv_frag.MEASURED_ROUTES
     for setting in settings + settings[::-1]:
@@ -277,8 +278,8 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
             table.clear()
             table.update(saved)
         paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
-        (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
-         gdn_decode.CONV_BLOCK_C) = gdn
+        for name, value in gdn.items():
+            setattr(gdn_decode, name, value)
         fused.NORM_CHUNK = norm_chunk
         undo = []
         for assignment in setting.split("+"):
@@ -298,10 +299,11 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
             elif name == "attn":  # decode attention's runs: RUN pages at least, SPLITS programs at most
                 run, splits = map(int, value.split(":"))
                 paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = run, splits
-            elif name == "gdn":  # value columns (any lanes), warps per GDN recurrence program; conv channels
+            elif name == "gdn":  # value columns, warps per GDN recurrence program (any lanes); conv channels
                 columns, warps, channels = map(int, value.split(":"))
                 gdn_decode.RECURRENT_BLOCK_V_ONE_LANE = gdn_decode.RECURRENT_BLOCK_V = columns
-                gdn_decode.RECURRENT_WARPS, gdn_decode.CONV_BLOCK_C = warps, channels
+                gdn_decode.RECURRENT_WARPS_ONE_LANE = gdn_decode.RECURRENT_WARPS = warps
+                gdn_decode.CONV_BLOCK_C = channels
             elif name == "norm":  # columns a program of the decode add + RMSNorm (fused.NORM_CHUNK)
                 fused.NORM_CHUNK = int(value)
             elif name == "lookahead":
@@ -338,8 +340,8 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     routes.update(current)
     fused.NORM_CHUNK = norm_chunk
     paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
-    (gdn_decode.RECURRENT_BLOCK_V_ONE_LANE, gdn_decode.RECURRENT_BLOCK_V, gdn_decode.RECURRENT_WARPS,
-     gdn_decode.CONV_BLOCK_C) = gdn
+    for name, value in gdn.items():
+        setattr(gdn_decode, name, value)
     return {k: min(t) for k, t in out.items()}
 
 

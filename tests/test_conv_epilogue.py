@@ -24,8 +24,8 @@ def _conv_after(y: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, slot
     slots = slots.clone()
     out = torch.empty((y.shape[0], 1, C), dtype=torch.float32)
     gdn._conv_kernel[(y.shape[0], -(-C // 64))](
-        y[:, None, :C], weight, slots, slot_ids, out, out, 1, C, y.stride(0), y.stride(0), slots.stride(0),
-        slots.stride(1), BLOCK_C=64, STORE_ALL=False)
+        y[:, None, :C], weight, slots, slot_ids, out, out, C, y.stride(0), y.stride(0), slots.stride(0),
+        slots.stride(1), T=1, TP=1, BLOCK_C=64, STORE_ALL=False)
     return out[:, 0], slots
 
 

@@ -313,8 +313,8 @@ def test_gdn_conv_in_the_projection_on_gpu(fmt):
         ids = torch.tensor([3, 1][:lanes], device="cuda", dtype=torch.int32)
         plain = quant_matmul(raw, fmt, x, rows)
         want_slots, want = slots.clone(), torch.empty(lanes, 1, channels, device="cuda")
-        _conv_kernel[(lanes, channels // 256)](plain[:, None], weight, want_slots, ids, want, want, 1,
-                                               channels, plain.stride(0), plain.stride(0), 3 * channels, 3,
+        _conv_kernel[(lanes, channels // 256)](plain[:, None], weight, want_slots, ids, want, want, channels,
+                                               plain.stride(0), plain.stride(0), 3 * channels, 3, T=1, TP=1,
                                                BLOCK_C=256, STORE_ALL=False)
         conv = ConvEpilogue.of(weight, slots, ids)
         y = quant_matmul(raw, fmt, x, rows, conv=conv)

@@ -31,9 +31,12 @@ from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_sta
 # Decode tiles (read at each call; `bench/step_profile.py --sweep gdn=BLOCK_V:WARPS:BLOCK_C` times others in
 # the captured 27B step): value columns per recurrence program (Dv / BLOCK_V programs per lane and value
 # head) for one lane and for several (H200 session 19: 16 columns made the one-lane step 0.025 ms faster and
-# the eight-lane round 0.07 ms slower), that program's warps, channels per conv program.
+# the eight-lane round 0.07 ms slower), that program's warps (one lane, session 37: one warp, whose reductions
+# over Dk stay inside it, made the 4-position step 0.1 ms faster), channels per conv program at one position
+# (T positions: a T-th as many, at least 32).
 RECURRENT_BLOCK_V_ONE_LANE = 16
 RECURRENT_BLOCK_V = 32
+RECURRENT_WARPS_ONE_LANE = 1
 RECURRENT_WARPS = 4
 CONV_BLOCK_C = 256
 
@@ -155,50 +158,98 @@ def conv_epilogue_store(y_ptr, out, mo, no, M, N, stride_ym, co_ptr, C, cp, s0, 
 
 
 @jit
+def _conv_tap(xb, cs, t, d: tl.constexpr, s_xt, live):
+    """The conv input d positions before position t (2-D: positions × channels), fp32: the lane's new input
+    t - d, or column 3 + t - d of its conv slot where t - d < 0."""
+    src = t - d
+    new = tl.load(xb + src * s_xt, mask=live & (src >= 0), other=0.0).to(tl.float32)
+    old = tl.load(cs + 3 + src, mask=live & (src < 0), other=0.0).to(tl.float32)
+    return tl.where(src >= 0, new, old)
+
+
+@jit
+def _conv_last(xb, cp, T: tl.constexpr, j: tl.constexpr, s_xt, ok):
+    """Column j of the slot after all T positions: input T - 3 + j, or the slot's column T + j."""
+    if T - 3 + j >= 0:
+        return tl.load(xb + (T - 3 + j) * s_xt, mask=ok, other=0.0).to(tl.float32)
+    return tl.load(cp + T + j, mask=ok, other=0.0).to(tl.float32)
+
+
+@jit
 def _conv_kernel(
     x_ptr, w_ptr, conv_ptr, slot_ptr, y_ptr, conv_all_ptr,
-    T, C, s_xb, s_xt, s_cs, s_cc,
-    BLOCK_C: tl.constexpr, STORE_ALL: tl.constexpr, PDL: tl.constexpr = 0,
+    C, s_xb, s_xt, s_cs, s_cc,
+    T: tl.constexpr, TP: tl.constexpr, BLOCK_C: tl.constexpr, STORE_ALL: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
+    """All T positions at once (TP: T rounded up to a power of two): every tap of every position is one
+    load issued before any is used, where a loop over the positions waited on one load after another."""
     pdl_start(PDL)
     lane = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = offs < C
     slot = tl.load(slot_ptr + lane).to(tl.int64)
     cp = conv_ptr + slot * s_cs + offs * s_cc
-    s0 = tl.load(cp, mask=ok, other=0.0).to(tl.float32)
-    s1 = tl.load(cp + 1, mask=ok, other=0.0).to(tl.float32)
-    s2 = tl.load(cp + 2, mask=ok, other=0.0).to(tl.float32)
-    w0 = tl.load(w_ptr + offs * 4, mask=ok, other=0.0).to(tl.float32)
-    w1 = tl.load(w_ptr + offs * 4 + 1, mask=ok, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + offs * 4 + 2, mask=ok, other=0.0).to(tl.float32)
-    w3 = tl.load(w_ptr + offs * 4 + 3, mask=ok, other=0.0).to(tl.float32)
-    for t in range(T):
-        x = tl.load(x_ptr + lane * s_xb + t * s_xt + offs, mask=ok, other=0.0).to(tl.float32)
-        acc = w0 * s0 + w1 * s1 + w2 * s2 + w3 * x
-        y = acc / (1.0 + tl.exp(-acc))
-        tl.store(y_ptr + (lane * T + t) * C + offs, y, mask=ok)
-        s0 = s1
-        s1 = s2
-        s2 = x
-        if STORE_ALL:
-            ap = conv_all_ptr + ((lane * T + t) * C + offs) * 3
-            tl.store(ap, s0.to(conv_all_ptr.dtype.element_ty), mask=ok)
-            tl.store(ap + 1, s1.to(conv_all_ptr.dtype.element_ty), mask=ok)
-            tl.store(ap + 2, s2.to(conv_all_ptr.dtype.element_ty), mask=ok)
-    tl.store(cp, s0.to(conv_ptr.dtype.element_ty), mask=ok)
-    tl.store(cp + 1, s1.to(conv_ptr.dtype.element_ty), mask=ok)
-    tl.store(cp + 2, s2.to(conv_ptr.dtype.element_ty), mask=ok)
+    t = tl.arange(0, TP)[:, None]
+    live = (t < T) & ok[None, :]
+    xb = x_ptr + lane * s_xb + offs
+    cs = cp[None, :]
+    x0 = _conv_tap(xb[None, :], cs, t, 3, s_xt, live)  # the oldest tap
+    x1 = _conv_tap(xb[None, :], cs, t, 2, s_xt, live)
+    x2 = _conv_tap(xb[None, :], cs, t, 1, s_xt, live)
+    x3 = _conv_tap(xb[None, :], cs, t, 0, s_xt, live)
+    w = w_ptr + offs[None, :] * 4
+    w0 = tl.load(w, mask=ok[None, :], other=0.0).to(tl.float32)
+    w1 = tl.load(w + 1, mask=ok[None, :], other=0.0).to(tl.float32)
+    w2 = tl.load(w + 2, mask=ok[None, :], other=0.0).to(tl.float32)
+    w3 = tl.load(w + 3, mask=ok[None, :], other=0.0).to(tl.float32)
+    acc = w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
+    tl.store(y_ptr + (lane * T + t) * C + offs[None, :], acc / (1.0 + tl.exp(-acc)), mask=live)
+    if STORE_ALL:  # the slot after position t: its last three inputs
+        ap = conv_all_ptr + ((lane * T + t) * C + offs[None, :]) * 3
+        tl.store(ap, x1.to(conv_all_ptr.dtype.element_ty), mask=live)
+        tl.store(ap + 1, x2.to(conv_all_ptr.dtype.element_ty), mask=live)
+        tl.store(ap + 2, x3.to(conv_all_ptr.dtype.element_ty), mask=live)
+    # the slot moves on to the last three inputs; a thread may overwrite what another read above
+    n0 = _conv_last(xb, cp, T, 0, s_xt, ok)
+    n1 = _conv_last(xb, cp, T, 1, s_xt, ok)
+    n2 = _conv_last(xb, cp, T, 2, s_xt, ok)
+    tl.debug_barrier()
+    tl.store(cp, n0.to(conv_ptr.dtype.element_ty), mask=ok)
+    tl.store(cp + 1, n1.to(conv_ptr.dtype.element_ty), mask=ok)
+    tl.store(cp + 2, n2.to(conv_ptr.dtype.element_ty), mask=ok)
+
+
+@jit
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@jit
+def _position(y_ptr, a_ptr, b_ptr, lane, t: tl.constexpr, T: tl.constexpr, C, kh, h, offs_k, offs_v, s_ab,
+              s_at, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+    """Position t's inputs of one value head: q, k L2-normalised (q also by 1/√DK), v, the decay factor
+    exp(g) and beta."""
+    row = y_ptr + (lane * T + t) * C
+    q = tl.load(row + kh * DK + offs_k)
+    k = tl.load(row + HK * DK + kh * DK + offs_k)
+    v = tl.load(row + 2 * HK * DK + h * DV + offs_v)
+    av = tl.load(a_ptr + lane * s_ab + t * s_at + h).to(tl.float32)
+    bv = tl.load(b_ptr + lane * s_ab + t * s_at + h).to(tl.float32)
+    return q, k, v, av, bv
 
 
 @jit
 def _recurrent_kernel(
     y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr, all_ptr,
-    T, C, Hv, s_ab, s_at, s_ss, s_sh,
-    HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, STORE_ALL: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    C, Hv, s_ab, s_at, s_ss, s_sh,
+    T: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+    STORE_ALL: tl.constexpr, PDL: tl.constexpr = 0,
 ):
-    pdl_start(PDL)
+    """The state and the head's constants load before the programmatic-launch wait (the kernel ahead, the
+    conv or the projection that ran it, writes neither; every kernel before that one has finished). The
+    positions are unrolled, the next one's inputs loading while one is used, and a position's Sᵀk and Sᵀq
+    are one reduction of the decayed state: o = Sᵀq after the update is decay·Sᵀq + δ·(k·q)."""
     lane = tl.program_id(0)
     h = tl.program_id(1)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -209,24 +260,27 @@ def _recurrent_kernel(
     S = tl.load(sp).to(tl.float32)
     neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
-    for t in range(T):
-        row = y_ptr + (lane * T + t) * C
-        q = tl.load(row + kh * DK + offs_k)
-        k = tl.load(row + HK * DK + kh * DK + offs_k)
-        v = tl.load(row + 2 * HK * DK + h * DV + offs_v)
+    pdl_start(PDL)
+    q, k, v, av, bv = _position(y_ptr, a_ptr, b_ptr, lane, 0, T, C, kh, h, offs_k, offs_v, s_ab, s_at, HK, DK,
+                                DV)
+    for t in tl.static_range(T):
+        if t + 1 < T:
+            qn, kn, vn, an, bn = _position(y_ptr, a_ptr, b_ptr, lane, t + 1, T, C, kh, h, offs_k, offs_v,
+                                           s_ab, s_at, HK, DK, DV)
         q = q * (1.0 / tl.sqrt(tl_sum(q * q, axis=0) + 1e-6)) * (1.0 / tl.sqrt(DK * 1.0))
         k = k * (1.0 / tl.sqrt(tl_sum(k * k, axis=0) + 1e-6))
-        av = tl.load(a_ptr + lane * s_ab + t * s_at + h).to(tl.float32) + dtb
-        softplus = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(av)))
-        beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + lane * s_ab + t * s_at + h).to(tl.float32)))
-        S = S * tl.exp(neg_a * softplus)
-        delta = (v - tl_sum(S * k[:, None], axis=0)) * beta
-        S = S + k[:, None] * delta[None, :]
-        o = tl_sum(S * q[:, None], axis=0)
-        tl.store(o_ptr + ((lane * T + t) * Hv + h) * DV + offs_v, o)
+        av = av + dtb
+        decay = tl.exp(neg_a * tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(av))))
+        beta = 1.0 / (1.0 + tl.exp(-bv))
+        sk, sq = tl.reduce((S * k[:, None], S * q[:, None]), 0, _add_pairs)
+        delta = (v - decay * sk) * beta
+        tl.store(o_ptr + ((lane * T + t) * Hv + h) * DV + offs_v, decay * sq + delta * tl_sum(k * q, axis=0))
+        S = S * decay + k[:, None] * delta[None, :]
         if STORE_ALL:
             ap = all_ptr + (((lane * T + t) * Hv + h) * DK + offs_k[:, None]) * DV + offs_v[None, :]
             tl.store(ap, S.to(all_ptr.dtype.element_ty))
+        if t + 1 < T:
+            q, k, v, av, bv = qn, kn, vn, an, bn
     tl.store(sp, S.to(state_ptr.dtype.element_ty))
 
 
@@ -284,17 +338,19 @@ def gdn_decode(
         y = mixed_qkv.float().contiguous()
     else:
         y = torch.empty((B, T, C), dtype=torch.float32, device=dev)
-        block_c = CONV_BLOCK_C
+        tp = 1 << (T - 1).bit_length()
+        block_c = max(32, CONV_BLOCK_C // tp)  # channels × positions a program as at one position
         _conv_kernel[(B, -(-C // block_c))](
             mixed_qkv, conv_weight.contiguous(), conv_slots, slot_ids, y, convs if convs is not None else y,
-            T, C, mixed_qkv.stride(0), mixed_qkv.stride(1), conv_slots.stride(0), conv_slots.stride(1),
-            BLOCK_C=block_c, STORE_ALL=return_all_states, **pdl_options(mixed_qkv),
+            C, mixed_qkv.stride(0), mixed_qkv.stride(1), conv_slots.stride(0), conv_slots.stride(1),
+            T=T, TP=tp, BLOCK_C=block_c, STORE_ALL=return_all_states, **pdl_options(mixed_qkv),
         )
-    block_v = min(RECURRENT_BLOCK_V_ONE_LANE if B == 1 else RECURRENT_BLOCK_V, Dv)
-    warps = {} if dev.type == "cpu" else {"num_warps": RECURRENT_WARPS}
+    one = B == 1
+    block_v = min(RECURRENT_BLOCK_V_ONE_LANE if one else RECURRENT_BLOCK_V, Dv)
+    warps = {} if dev.type == "cpu" else {"num_warps": RECURRENT_WARPS_ONE_LANE if one else RECURRENT_WARPS}
     _recurrent_kernel[(B, Hv, -(-Dv // block_v))](
         y, a, b, a_log, dt_bias, state_slots, slot_ids, out, states if states is not None else out,
-        T, C, Hv, a.stride(0), a.stride(1), state_slots.stride(0), state_slots.stride(1),
+        C, Hv, a.stride(0), a.stride(1), state_slots.stride(0), state_slots.stride(1), T=T,
         HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states, **pdl_options(y),
         **warps,
     )

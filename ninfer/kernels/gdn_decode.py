@@ -1,13 +1,15 @@
 """Fused Gated DeltaNet decode: conv1d + SiLU, then the gated delta recurrence, on state slots in place.
 
-Decode (and the T ≤ 16 positions of a speculative verification) runs two small launches per layer:
+Decode (and the T ≤ 16 positions of a speculative verification; T a compile-time constant, one build each)
+runs two small launches per layer:
 1. `_conv_kernel`: per lane and channel, the depthwise causal conv (kernel 4) over the T new inputs,
-   continuing from the lane's conv state slot, SiLU; updates the conv slot in place.
+   continuing from the lane's conv state slot, SiLU (all positions in one tile); updates the conv slot in
+   place.
 2. `_recurrent_kernel`: per lane, value head and slice of the value dim, q/k L2-normalised, the decay
    `g = -exp(A_log)·softplus(a + dt_bias)` and `beta = sigmoid(b)`, then per position
-   `S ← exp(g)·S; S ← S + k ⊗ beta·(v − Sᵀk); o = Sᵀq`, the state held in registers between positions
-   and written back once (fp32 or fp16 slots). Optionally every position's state is written too, so a
-   verifier can commit the accepted prefix.
+   `S ← exp(g)·S; S ← S + k ⊗ beta·(v − Sᵀk); o = Sᵀq` (positions unrolled), the state held in registers
+   between positions and written back once (fp32 or fp16 slots). Optionally every position's state is
+   written too, so a verifier can commit the accepted prefix.
 At one position a lane the conv can instead run in the epilogue of the GEMV that makes its input (the
 merged input projection's rows kernels: `ConvEpilogue`, `conv_epilogue_store`), one launch and one round
 trip through memory fewer a layer; `gdn_decode(conv_done=True)` then runs only the recurrence.
@@ -228,8 +230,7 @@ def _add_pairs(a0, b0, a1, b1):
 @jit
 def _position(y_ptr, a_ptr, b_ptr, lane, t: tl.constexpr, T: tl.constexpr, C, kh, h, offs_k, offs_v, s_ab,
               s_at, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
-    """Position t's inputs of one value head: q, k L2-normalised (q also by 1/√DK), v, the decay factor
-    exp(g) and beta."""
+    """Position t's inputs of one value head as stored: q, k, v (the conv's fp32 outputs), a and b (fp32)."""
     row = y_ptr + (lane * T + t) * C
     q = tl.load(row + kh * DK + offs_k)
     k = tl.load(row + HK * DK + kh * DK + offs_k)
@@ -339,7 +340,7 @@ def gdn_decode(
     else:
         y = torch.empty((B, T, C), dtype=torch.float32, device=dev)
         tp = 1 << (T - 1).bit_length()
-        block_c = max(32, CONV_BLOCK_C // tp)  # channels × positions a program as at one position
+        block_c = max(32, CONV_BLOCK_C // tp)  # a program's tile: CONV_BLOCK_C values, as at one position
         _conv_kernel[(B, -(-C // block_c))](
             mixed_qkv, conv_weight.contiguous(), conv_slots, slot_ids, y, convs if convs is not None else y,
             C, mixed_qkv.stride(0), mixed_qkv.stride(1), conv_slots.stride(0), conv_slots.stride(1),

@@ -5,6 +5,7 @@ time (and with --graphs its time through CUDA graphs; with --timeline the kernel
     python3 bench/step_profile.py --wtype q4_k --out $OUT   # GPU machine (wheels installed as gpu_bench.sh)
     python3 bench/step_profile.py --synthetic tiny --device cpu --dtype float32 --steps 2   # CPU smoke run
     python3 bench/step_profile.py --wtype q4_k --timeline --columns 4   # the graphed step's kernels
+    python3 bench/step_profile.py --wtype iq3_s --timeline --columns 4 --steps 4 --trace 60   # one by one
     python3 bench/step_profile.py --wtype q4_k --sweep NINFER_PDL_LATE=0,NINFER_PDL_LATE=1 --lanes 1,8
         # launch settings A/B/B/A: graph replays (CUDA events) and the suite's aggregate decode
     python3 bench/step_profile.py --wtype q4_k --sweep lookahead=0,lookahead=1 --lanes 1,8
@@ -100,13 +101,16 @@ def grouped(prof, steps: int) -> list[tuple[str, float, float]]:
     return sorted(((k, v[0], v[1]) for k, v in groups.items()), key=lambda r: -r[1])
 
 
-def idle_gaps(prof, steps: int, top: int = 12) -> dict:
+def idle_gaps(prof, steps: int, top: int = 12, trace: int = 0) -> dict:
     """The device's idle time between kernels / copies over the profiled rounds: per round the span, busy and
-    idle µs, and the largest idle totals by the (kernel before, kernel after) pair."""
+    idle µs, and the largest idle totals by the (kernel before, kernel after) pair; `trace` > 0: the first
+    `trace` kernels of the last round one by one (`kernel_trace`)."""
     spans = sorted((ev.time_range.start, ev.time_range.end, re.split(r"[<(]", ev.name)[0].strip()[:48])
                    for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
     if not spans:
         return {}
+    if trace:
+        kernel_trace(spans[-(len(spans) // steps):][:trace])
     pairs: dict[tuple[str, str], list[float]] = {}
     busy, idle, end, before = 0.0, 0.0, spans[0][0], spans[0][2]
     for start, stop, name in spans:
@@ -128,6 +132,19 @@ def idle_gaps(prof, steps: int, top: int = 12) -> dict:
         print(f"| {a} | {b} | {us / steps:.1f} | {n / steps:.1f} |")
     return dict(span_us=span / steps, busy_us=busy / steps, idle_us=idle / steps,
                 gaps=[dict(after=a, before=b, us=us / steps, count=n / steps) for (a, b), (us, n) in worst])
+
+
+def kernel_trace(spans: list[tuple[float, float, str]]) -> None:
+    """Kernels (start, end µs, name) in order of their start: when each started and ended against the one
+    before — a programmatic dependent launch starts before its predecessor ends (its CTAs resident, waiting),
+    so "start" shows when a kernel's CTAs found room and "end − previous end" what it added to the chain."""
+    print("\n| # | kernel | start µs | end µs | start − previous end | end − previous end |\n"
+          "|---|---|---|---|---|---|")
+    t0, previous = spans[0][0], spans[0][0]
+    for i, (start, stop, name) in enumerate(spans):
+        print(f"| {i} | {name} | {start - t0:.1f} | {stop - t0:.1f} | {start - previous:.1f} | "
+              f"{stop - previous:.1f} |")
+        previous = stop
 
 
 def replay_ms(engine, columns: int, replays: int = 40, lanes: int = 1, context: int = 0) -> float:
@@ -373,6 +390,9 @@ def main() -> int:
                    help="profile the CUDA-graph rounds through the engine (lookahead as configured): the "
                         "kernels inside the graphs by name and the device's idle gaps between them (with "
                         "--graphs, the eager profile follows)")
+    p.add_argument("--trace", type=int, default=0,
+                   help="with --timeline: the first N kernels of the last profiled round, each one's start "
+                        "and end against the previous kernel's end (where a launched-early kernel waited)")
     p.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's decode lookahead (default: the engine's, on CUDA yes); the suite's "
                         "aggregate decode of --lanes and the step wall time see it, graph replays do not")
@@ -398,7 +418,7 @@ def main() -> int:
         print(f"{name}: decode step {ms:.2f} ms ({'CUDA graphs' if graphs else 'eager'}, {profiled} lanes)",
               flush=True)
         if graphs and a.timeline:
-            rows["timeline"] = idle_gaps(prof, a.steps)
+            rows["timeline"] = idle_gaps(prof, a.steps, trace=a.trace)
         if graphs and a.sweep and engine.runner.graphs is not None:
             rows["sweep_ms"] = env_sweep(engine, a, a.sweep.split(","))
         if prof is not None:

@@ -56,17 +56,21 @@ class GraphDecodeContext:
         # rows only (lanes and lengths are tensors): the GDN hook means no model reads them
         self.spans = [SequenceSpan(i, 1, 0, -1) for i in range(inputs.shape[1])]
         self._write_pages = self._write_offsets = self._lane_slots = None
+        self._lanes = self._lens = None
 
     @property
     def batch(self) -> int:
         return self.inputs.shape[1] // self.positions
 
     def begin(self) -> None:
-        """Per forward, on the device: page id and in-page row of every new token; each lane's GDN slot."""
+        """Per forward, on the device: page id and in-page row of every new token; each lane's GDN slot; the
+        rows' lanes and lengths as the attention kernels take them (int32: converted once, not in every
+        attention layer)."""
         lanes, pos = self.inputs[_LANE], self.inputs[_POS]
         self._write_pages = self._kv.page_tables[lanes, pos // PAGE_TOKENS].long()
         self._write_offsets = pos % PAGE_TOKENS
         self._lane_slots = self.inputs[_SLOT][:: self.positions].contiguous()
+        self._lanes, self._lens = lanes.to(torch.int32), self.inputs[_LEN].to(torch.int32)
 
     def attention(self, kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.gated_attention(kv_layer, q, k, v, None)
@@ -77,8 +81,8 @@ class GraphDecodeContext:
         (the optional hook of `models.qwen3_5.GatedAttention`; `group`: the output Linear's int8 activation
         grouping); no gate: `attention`'s `[T, Hq, D]`."""
         self._kv.write(kv_layer, (self._write_pages, self._write_offsets), k, v)
-        return paged_decode_attention(q, self._kv.storage[kv_layer], self._kv.page_tables, self.inputs[_LANE],
-                                      self.inputs[_LEN], self._kv.fmt, gate=gate, group=group)
+        return paged_decode_attention(q, self._kv.storage[kv_layer], self._kv.page_tables, self._lanes,
+                                      self._lens, self._kv.fmt, gate=gate, group=group)
 
     def gdn_mix(self, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 params, conv_done: bool = False) -> torch.Tensor:

@@ -328,6 +328,7 @@ def test_only_few_long_tiles_are_split():
     assert (short.warps, short.regs, short.splits) == (6, 112, 2)
     assert gemv_il._ctas_per_sm(short, 4, 6144) == 3 and gemv_il.tile_ring(short, 4, 6144, 1) == 1
     assert gemv_il.il_schedule(4, 5120, 34816).warps == gemv_il.il_schedule(4, 17408, 5120).warps == 10
+    assert gemv_il.il_schedule(8, 6144, 5120).warps == 10
     with pytest.raises(NinferError, match="split-K over CTAs is the tensor-core"):
         gemv_il.IlSchedule(10, splits=2)
 

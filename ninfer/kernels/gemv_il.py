@@ -583,8 +583,8 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     28). 3-8: the tensor-core kernel, 10 warps of 96 registers (the best or within 4 % of it at 3, 4 and 8
     columns on the 27B's il32 matrices, sessions 27 and 29; session 38 again against 6-12 warps of 80-128
     registers and block loads hoisted or double-buffered), over few short rows (`_MMA_SHORT`) 6 warps of 112
-    registers, three CTAs an SM (the 27B's output projections, 5120×6144: 11.8 → 11.0 µs at 4 columns,
-    session 38), a tile's blocks in `mma_splits` pieces across CTAs (NINFER_IL_SPLITS: a count instead, for
+    registers, three CTAs an SM, at 3-4 columns (the 27B's output projections, 5120×6144: 11.8 → 11.0 µs
+    at 4 columns, session 38), a tile's blocks in `mma_splits` pieces across CTAs (NINFER_IL_SPLITS: a count instead, for
     A/B). Both take an activation of one scale per `group` inputs."""
     return _il_schedule(columns, in_features, out_features, group, os.environ.get("NINFER_IL_SPLITS", "auto"))
 
@@ -593,7 +593,7 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
 def _il_schedule(columns: int, in_features: int, out_features: int, group: int, splits: str) -> IlSchedule:
     if columns >= 3:
         blocks = in_features // 256
-        short = blocks <= _MMA_SHORT[0] and out_features <= _MMA_SHORT[1]
+        short = columns <= _MMA_SHORT[0] and blocks <= _MMA_SHORT[1] and out_features <= _MMA_SHORT[2]
         s = (IlSchedule(min(6, blocks), kernel="il_mma", regs=112, group=group) if short
              else IlSchedule(min(10, blocks), kernel="il_mma", group=group))
         pieces = mma_splits(il32_shape(out_features, in_features)[0], in_features // 256, s.warps,
@@ -602,8 +602,9 @@ def _il_schedule(columns: int, in_features: int, out_features: int, group: int, 
     return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, group=group)
 
 
-# blocks a row and rows at most for the tensor-core kernel's schedule of few short rows (il_schedule)
-_MMA_SHORT = 24, 8192
+# columns, blocks a row and rows at most for the tensor-core kernel's schedule of few short rows (il_schedule;
+# at 8 columns, one round of 8 lanes, the captured IQ3_S round lost 0.05 ms with it: session 38)
+_MMA_SHORT = 4, 24, 8192
 
 
 def mma_splits(tiles: int, blocks: int, warps: int, slots: int, most: int = 4) -> int:

@@ -1,0 +1,104 @@
+"""sm_90 SASS of the NVRTC kernels (il32 iq3_s dp4a / tensor-core, q4il, q6il) without a GPU: the CUDA C
+source as the engine builds it, NVRTC from the `nvidia-cuda-nvrtc-cu12` wheel (a CPU torch has none), then
+the ptxas and cuobjdump that Triton bundles. Prints the registers and spills, the block loop's opcode mix,
+and where in the loop its global loads and mmas sit: session 38 found this way that ptxas places a block's
+loads next to their uses whatever the source's order (in the PTX they are all at the top), so a block's
+words "loaded at once" cost instructions and no memory round trips (timed: 5-9 % slower).
+
+    pip download -q --no-deps nvidia-cuda-nvrtc-cu12 -d /tmp/nvrtc
+    python -m zipfile -e /tmp/nvrtc/nvidia_cuda_nvrtc_cu12-*.whl /tmp/nvrtc/x
+    NVRTC_LIB=/tmp/nvrtc/x/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 \\
+        python bench/sass_nvrtc.py il_mma --columns 4 --warps 10 [--regs 96] [--dump]
+
+NVRTC here is CUDA 12's and the device's torch brings 13's: the builds are close, not identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.sass_tools import loop_body, opcode_mix  # noqa: E402
+from ninfer.kernels import gemv_il, gemv_q4il, gemv_q6il  # noqa: E402
+
+KERNELS = ("il", "il_mma", "q4il", "q6il")
+
+
+def nvrtc_ptx(source: str, name: str, arch: str = "compute_90") -> str:
+    """PTX of a CUDA C source by NVRTC (`NVRTC_LIB`: the library's path)."""
+    lib = ctypes.CDLL(os.environ.get("NVRTC_LIB", "libnvrtc.so.12"))
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None):
+        raise SystemExit("nvrtcCreateProgram failed")
+    options = [f"--gpu-architecture={arch}".encode(), b"-default-device", b"--std=c++17"]
+    failed = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
+    size = ctypes.c_size_t()
+    if failed:
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        raise SystemExit(log.value.decode())
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    return ptx.value.decode()
+
+
+def sm90_sass(ptx: str) -> tuple[str, str]:
+    """(ptxas's resource lines, the SASS) of PTX built for sm_90 by Triton's bundled tools."""
+    import triton
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "k.ptx").write_text(ptx)
+        built = subprocess.run([str(tools / "ptxas"), "-arch=sm_90", "-v", "-o", f"{tmp}/k.cubin",
+                                f"{tmp}/k.ptx"], capture_output=True, text=True, check=True)
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f"{tmp}/k.cubin"], capture_output=True,
+                              text=True, check=True).stdout
+    return built.stderr, sass
+
+
+def source_of(kernel: str, columns: int, warps: int, regs: int, group: int) -> tuple[str, str]:
+    """(the CUDA C the engine builds, its entry name), programmatic launch on, bf16 output."""
+    if kernel in ("il", "il_mma"):
+        s = (gemv_il.IlSchedule(warps, kernel="il_mma", regs=regs, group=group) if kernel == "il_mma"
+             else gemv_il.IlSchedule(warps, 16, group=group))
+        return (gemv_il.kernel_source(columns, 1, s, True),
+                "iq3s_il_mma" if kernel == "il_mma" else "iq3s_il_gemv")
+    if kernel == "q4il":
+        return gemv_q4il.kernel_source(columns, 1, True), "q4k_il_mma"
+    return gemv_q6il.kernel_source(columns, 1, True), "q6k_il_mma"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("kernel", choices=KERNELS)
+    p.add_argument("--columns", type=int, default=4)
+    p.add_argument("--warps", type=int, default=10, help="il32 kernels: warps a CTA")
+    p.add_argument("--regs", type=int, default=0, help="il_mma: registers a thread (0: the engine's)")
+    p.add_argument("--group", type=int, default=256, help="il32 kernels: activation values a scale")
+    p.add_argument("--dump", action="store_true", help="print the block loop's instructions")
+    a = p.parse_args()
+    source, name = source_of(a.kernel, a.columns, a.warps, a.regs, a.group)
+    resources, sass = sm90_sass(nvrtc_ptx(source, name))
+    print("\n".join(line for line in resources.splitlines() if "registers" in line or "spill" in line))
+    body = loop_body(sass)
+    print(f"block loop: {len(body)} instructions")
+    print(", ".join(f"{op} {n}" for op, n in opcode_mix(body).most_common(16)))
+    opcodes = [re.sub(r"^@!?U?P\S+ ", "", ins).split()[0] for ins in body]
+    for op in ("LDG", "IMMA", "LDS"):
+        print(f"{op} at", [i for i, code in enumerate(opcodes) if code.startswith(op)])
+    if a.dump:
+        print("\n".join(body))
+
+
+if __name__ == "__main__":
+    main()

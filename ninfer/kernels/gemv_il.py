@@ -581,11 +581,11 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     """1-2 columns: the dp4a kernel, a warp per pair of blocks (at most 10 warps), 16 copies of the grid (on
     the H200 within 3 % of the best il schedule at 1 and 2 columns on the 27B's matrices, sessions 26 and
     28). 3-8: the tensor-core kernel, 10 warps of 96 registers (the best or within 4 % of it at 3, 4 and 8
-    columns on the 27B's il32 matrices, sessions 27 and 29; session 38 again against 6-12 warps of 80-128
-    registers and block loads hoisted or double-buffered), over few short rows (`_MMA_SHORT`) 6 warps of 112
-    registers, three CTAs an SM, at 3-4 columns (the 27B's output projections, 5120×6144: 11.8 → 11.0 µs
-    at 4 columns, session 38), a tile's blocks in `mma_splits` pieces across CTAs (NINFER_IL_SPLITS: a count instead, for
-    A/B). Both take an activation of one scale per `group` inputs."""
+    columns on the 27B's il32 matrices, sessions 27 and 29; session 38 again against 6-12 warps of 80-255
+    registers and block loads hoisted or double-buffered), at 3-4 columns over few short rows (`_MMA_SHORT`)
+    6 warps of 112 registers, three CTAs an SM (the 27B's output projections, 5120×6144: 11.8 → 11.0 µs at
+    4 columns, session 38); a tile's blocks in `mma_splits` pieces across CTAs (NINFER_IL_SPLITS: a count
+    instead, for A/B). Both take an activation of one scale per `group` inputs."""
     return _il_schedule(columns, in_features, out_features, group, os.environ.get("NINFER_IL_SPLITS", "auto"))
 
 
@@ -596,7 +596,7 @@ def _il_schedule(columns: int, in_features: int, out_features: int, group: int, 
         short = columns <= _MMA_SHORT[0] and blocks <= _MMA_SHORT[1] and out_features <= _MMA_SHORT[2]
         s = (IlSchedule(min(6, blocks), kernel="il_mma", regs=112, group=group) if short
              else IlSchedule(min(10, blocks), kernel="il_mma", group=group))
-        pieces = mma_splits(il32_shape(out_features, in_features)[0], in_features // 256, s.warps,
+        pieces = mma_splits(il32_shape(out_features, in_features)[0], blocks, s.warps,
                             _cta_slots(s, columns)) if splits == "auto" else int(splits)
         return replace(s, splits=pieces)
     return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, group=group)

@@ -19,9 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_check import graph_us, rel_err  # noqa: E402
-from bench.il_group256 import il32_copies  # noqa: E402
+from bench.il_group256 import il32_activation, il32_copies  # noqa: E402
 from ninfer.kernels import gemv_il as now  # noqa: E402
-from ninfer.kernels.gemv_q8 import QuantizedActivation, quantize_activation  # noqa: E402
+from ninfer.kernels.gemv_q8 import QuantizedActivation  # noqa: E402
 
 
 def load(path: Path):
@@ -58,9 +58,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         n, k, copies, dense = il32_copies(shape)
         for width in (int(w) for w in args.widths.split(",")):
-            xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16), group=group)
-            fp32 = QuantizedActivation(xa.q, xa.d, xa.s, torch.float32)
-            want = xa.dequantize() @ dense.t()
+            xa, fp32, want = il32_activation(width, dense, group)
             s_other, s_now = other.il_schedule(width, k, n, group), now.il_schedule(width, k, n, group)
             errors = [rel_err(m.gemv_il(copies[0], fp32, n, s), want)
                       for m, s in ((other, s_other), (now, s_now))]

@@ -34,6 +34,16 @@ def il32_copies(shape: str) -> tuple[int, int, list[torch.Tensor], torch.Tensor]
     return n, k, [repack_il32(raw) for raw in raws], dense
 
 
+def il32_activation(width: int, dense: torch.Tensor, group: int
+                    ) -> tuple[QuantizedActivation, QuantizedActivation, torch.Tensor]:
+    """(a random int8 activation of `width` columns for the float64 weight `dense`, the same writing fp32, its
+    exact product with `dense`) for the il32 benches."""
+    xa = quantize_activation(torch.randn(width, dense.shape[1], device=dense.device, dtype=torch.bfloat16),
+                             group=group)
+    fp32 = QuantizedActivation(xa.q, xa.d, xa.s, torch.float32)
+    return xa, fp32, fp32.dequantize() @ dense.t()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="34816x5120,16480x5120,5120x17408,14336x5120,5120x6144")

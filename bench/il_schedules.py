@@ -25,9 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_check import graph_us, rel_err  # noqa: E402
-from bench.il_group256 import il32_copies  # noqa: E402
+from bench.il_group256 import il32_activation, il32_copies  # noqa: E402
 from ninfer.kernels import gemv_il  # noqa: E402
-from ninfer.kernels.gemv_q8 import QuantizedActivation, quantize_activation  # noqa: E402
 
 
 def schedule(spec: str, width: int, n: int, k: int, group: int) -> gemv_il.IlSchedule:
@@ -51,9 +50,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         n, k, copies, dense = il32_copies(shape)
         for width in (int(w) for w in args.widths.split(",")):
-            xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16), group=group)
-            fp32 = QuantizedActivation(xa.q, xa.d, xa.s, torch.float32)
-            want = fp32.dequantize() @ dense.t()
+            xa, fp32, want = il32_activation(width, dense, group)
             cases = {"routed": gemv_il.il_schedule(width, k, n, group)}
             cases |= {spec: schedule(spec, width, n, k, group) for spec in specs}
             for s in cases.values():

@@ -18,9 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_check import graph_us, rel_err  # noqa: E402
-from bench.il_group256 import il32_copies  # noqa: E402
+from bench.il_group256 import il32_activation, il32_copies  # noqa: E402
 from ninfer.kernels.gemv_il import gemv_il, il_group, il_schedule  # noqa: E402
-from ninfer.kernels.gemv_q8 import QuantizedActivation, quantize_activation  # noqa: E402
 
 
 def main() -> None:
@@ -36,9 +35,7 @@ def main() -> None:
         n, k, copies, dense = il32_copies(shape)
         words = copies[0]
         for width in (int(w) for w in args.widths.split(",")):
-            xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16), group=group)
-            fp32 = QuantizedActivation(xa.q, xa.d, xa.s, torch.float32)
-            want = xa.dequantize() @ dense.t()
+            xa, fp32, want = il32_activation(width, dense, group)
             routed = il_schedule(width, k, n, group)
             times = {}
             for splits in counts:

@@ -162,10 +162,12 @@ _SOURCE = r"""
 """ + CUDA_HELPERS + r"""
 struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
 
-// the words of block h of pair p of tile t (this lane's row)
-__device__ __forceinline__ void load_block(Blk& b, const unsigned* __restrict__ w, size_t pair, int h,
+// the words of block kb of the tile whose pairs start at `first` (this lane's row): half kb % 2 of pair
+// kb / 2
+__device__ __forceinline__ void load_block(Blk& b, const unsigned* __restrict__ w, size_t first, int kb,
                                            unsigned lane) {
-    const unsigned* wp = w + pair * (55 * 32) + lane;
+    const int h = kb & 1;
+    const unsigned* wp = w + (first + (kb >> 1)) * (55 * 32) + lane;
 #pragma unroll
     for (int i = 0; i < 16; ++i) b.qs[i] = wp[(16 * h + i) * 32];
 #pragma unroll
@@ -175,6 +177,16 @@ __device__ __forceinline__ void load_block(Blk& b, const unsigned* __restrict__ 
     b.sc = wp[(52 + h) * 32];
     b.dw = wp[54 * 32];
 }
+
+// block h of pair p of tile t (P pairs a tile): at one column counted in blocks from the tile's first pair,
+// at two from the pair. The same words; ptxas builds the two differently (H200 graphed IQ3_S rounds, session
+// 39: one lane 5.46 → 5.36 ms counted from the tile, two lanes 5.82 → 5.90 ms so): each width its faster.
+// (`first`: the tile's first pair, t · P)
+#if NCOL == 1
+#define LOAD_PAIR(b, t, first, p, h) load_block(b, w, first, 2 * (p) + (h), lane)
+#else
+#define LOAD_PAIR(b, t, first, p, h) load_block(b, w, (size_t)(t) * P + (p), h, lane)
+#endif
 
 // acc[m] += this row's block (sub-blocks sb0 .. sb0 + 7) · column m of the activation (in shared memory; its
 // scales xds: KG = K / GROUP a column)
@@ -251,7 +263,7 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
     // what the CTA needs first is asked for at once (one memory latency, not one a pass of a fill loop): its
     // first block, the grid words of its table, the activation
     Blk a, b;
-    if (blockIdx.x < tiles && wid < P) load_block(a, w, (size_t)blockIdx.x * P + wid, 0, lane);
+    if (blockIdx.x < tiles && wid < P) LOAD_PAIR(a, blockIdx.x, (size_t)blockIdx.x * P, wid, 0);
     // table entry i of copy c at i * COPIES + c, 16 bytes (four copies of the word) a store
     constexpr int STORES = 128 * COPIES, FILL = (STORES + WARPS * 32 - 1) / (WARPS * 32);
     unsigned gw[FILL];
@@ -282,11 +294,12 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 #pragma unroll
         for (int m = 0; m < NCOL; ++m) acc[m] = 0.f;
         // blocks in flight: the next block's words load while this one is used
-        if (t != blockIdx.x && wid < P) load_block(a, w, (size_t)t * P + wid, 0, lane);
+        const size_t first = (size_t)t * P;
+        if (t != blockIdx.x && wid < P) LOAD_PAIR(a, t, first, wid, 0);
         for (int p = wid; p < P; p += WARPS) {
-            load_block(b, w, (size_t)t * P + p, 1, lane);  // the padding block of an odd count is zeros
+            LOAD_PAIR(b, t, first, p, 1);  // the padding block of an odd count is zeros
             dot_block(a, 0, 16 * p, xs, xds, K4, KG, tab, acc);
-            if (p + WARPS < P) load_block(a, w, (size_t)t * P + p + WARPS, 0, lane);
+            if (p + WARPS < P) LOAD_PAIR(a, t, first, p + WARPS, 0);
             if (2 * p + 1 < nblk) dot_block(b, 1, 16 * p + 8, xs, xds, K4, KG, tab, acc);
         }
 #if PDL

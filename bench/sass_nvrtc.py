@@ -9,6 +9,7 @@ words "loaded at once" cost instructions and no memory round trips (timed: 5-9 %
     python -m zipfile -e /tmp/nvrtc/nvidia_cuda_nvrtc_cu12-*.whl /tmp/nvrtc/x
     NVRTC_LIB=/tmp/nvrtc/x/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 \\
         python bench/sass_nvrtc.py il_mma --columns 4 --warps 10 [--regs 96] [--dump]
+    python bench/sass_nvrtc.py il --columns 2 --against /tmp/prev.py   # the same build as another gemv_il.py?
 
 NVRTC here is CUDA 12's and the device's torch brings 13's: the builds are close, not identical.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import os
 import re
 import subprocess
@@ -66,16 +68,36 @@ def sm90_sass(ptx: str) -> tuple[str, str]:
     return built.stderr, sass
 
 
-def source_of(kernel: str, columns: int, warps: int, regs: int, group: int) -> tuple[str, str]:
-    """(the CUDA C the engine builds, its entry name), programmatic launch on, bf16 output."""
+def source_of(kernel: str, columns: int, warps: int, regs: int, group: int, il=gemv_il) -> tuple[str, str]:
+    """(the CUDA C the engine builds, its entry name), programmatic launch on, bf16 output; `il`: the
+    gemv_il module the il32 kernels come from."""
     if kernel in ("il", "il_mma"):
-        s = (gemv_il.IlSchedule(warps, kernel="il_mma", regs=regs, group=group) if kernel == "il_mma"
-             else gemv_il.IlSchedule(warps, 16, group=group))
-        return (gemv_il.kernel_source(columns, 1, s, True),
+        s = (il.IlSchedule(warps, kernel="il_mma", regs=regs, group=group) if kernel == "il_mma"
+             else il.IlSchedule(warps, 16, group=group))
+        return (il.kernel_source(columns, 1, s, True),
                 "iq3s_il_mma" if kernel == "il_mma" else "iq3s_il_gemv")
     if kernel == "q4il":
         return gemv_q4il.kernel_source(columns, 1, True), "q4k_il_mma"
     return gemv_q6il.kernel_source(columns, 1, True), "q6k_il_mma"
+
+
+def instructions(sass: str) -> list[str]:
+    """The SASS's instructions without their addresses and encodings (two builds compare equal as text)."""
+    return [re.sub(r"/\*[0-9a-f]+\*/", "", line).split(";")[0].strip() for line in sass.splitlines()
+            if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+
+
+def same_build(path: Path, kernel: str, a, sass: str) -> None:
+    """Whether another version of `ninfer/kernels/gemv_il.py` (a file) builds this kernel to the same SASS
+    (session 39: a source rewrite that keeps the 2-column build and changes the 1-column one)."""
+    spec = importlib.util.spec_from_file_location("gemv_il_other", path)
+    other = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = other  # its dataclasses look themselves up there
+    spec.loader.exec_module(other)
+    resources, theirs = sm90_sass(nvrtc_ptx(*source_of(kernel, a.columns, a.warps, a.regs, a.group, other)))
+    print(f"{path}:", "; ".join(line.split(":", 1)[-1].strip() for line in resources.splitlines()
+                                 if "registers" in line or "spill" in line))
+    print("the same SASS" if instructions(theirs) == instructions(sass) else "a different SASS")
 
 
 def main() -> None:
@@ -86,6 +108,7 @@ def main() -> None:
     p.add_argument("--regs", type=int, default=0, help="il_mma: registers a thread (0: the engine's)")
     p.add_argument("--group", type=int, default=256, help="il32 kernels: activation values a scale")
     p.add_argument("--dump", action="store_true", help="print the block loop's instructions")
+    p.add_argument("--against", type=Path, help="il32 kernels: another gemv_il.py, built and compared")
     a = p.parse_args()
     source, name = source_of(a.kernel, a.columns, a.warps, a.regs, a.group)
     resources, sass = sm90_sass(nvrtc_ptx(source, name))
@@ -98,6 +121,8 @@ def main() -> None:
         print(f"{op} at", [i for i, code in enumerate(opcodes) if code.startswith(op)])
     if a.dump:
         print("\n".join(body))
+    if a.against and a.kernel in ("il", "il_mma"):
+        same_build(a.against, a.kernel, a, sass)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import importlib.util
 import os
 import re
 import subprocess
@@ -90,10 +89,9 @@ def instructions(sass: str) -> list[str]:
 def same_build(path: Path, kernel: str, a, sass: str) -> None:
     """Whether another version of `ninfer/kernels/gemv_il.py` (a file) builds this kernel to the same SASS
     (session 39: a source rewrite that keeps the 2-column build and changes the 1-column one)."""
-    spec = importlib.util.spec_from_file_location("gemv_il_other", path)
-    other = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = other  # its dataclasses look themselves up there
-    spec.loader.exec_module(other)
+    from bench.il_ab import load
+
+    other = load(path)
     resources, theirs = sm90_sass(nvrtc_ptx(*source_of(kernel, a.columns, a.warps, a.regs, a.group, other)))
     print(f"{path}:", "; ".join(line.split(":", 1)[-1].strip() for line in resources.splitlines()
                                  if "registers" in line or "spill" in line))

@@ -1,8 +1,9 @@
 """The il32 GEMVs of this tree against another version of `ninfer/kernels/gemv_il.py` (a file: e.g.
 `git show REV:ninfer/kernels/gemv_il.py > /tmp/prev.py`) on the 27B's iq3_s matrices, each routed as its own
-version routes it: both checked against the float64 product of the dequantised weight, then timed as
-`bench/gpu_check.py`'s `graph_us` does (one CUDA graph over weight copies larger than 3× L2) in the order
-A B B A, with this tree's kernels also timed without their tile ring (`_RING`, `_MMA_RING` = 1).
+version routes it and on its own repack of the same GGUF copies (the layout may differ): both checked against
+the float64 product of the dequantised weight, then timed as `bench/gpu_check.py`'s `graph_us` does (one CUDA
+graph over weight copies larger than 3× L2) in the order A B B A, with this tree's kernels also timed without
+their tile ring (`_RING`, `_MMA_RING` = 1).
 
     python3 bench/il_ab.py /tmp/prev.py [--shapes 34816x5120,...] [--widths 1,2,4,8]
 """
@@ -19,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_check import graph_us, rel_err  # noqa: E402
-from bench.il_group256 import il32_activation, il32_copies  # noqa: E402
+from bench.il_group256 import il32_activation, iq3s_copies  # noqa: E402
 from ninfer.kernels import gemv_il as now  # noqa: E402
 from ninfer.kernels.gemv_q8 import QuantizedActivation  # noqa: E402
 
@@ -56,16 +57,19 @@ def main() -> None:
     torch.manual_seed(0)
     group, rows, worst = now.il_group(), [], 0.0
     for shape in args.shapes.split(","):
-        n, k, copies, dense = il32_copies(shape)
+        n, k, raws, dense = iq3s_copies(shape)
+        # each version's own repack (the layout may differ between them)
+        copies = {m: [m.repack_il32(raw) for raw in raws] for m in (other, now)}
+        del raws
         for width in (int(w) for w in args.widths.split(",")):
             xa, fp32, want = il32_activation(width, dense, group)
             s_other, s_now = other.il_schedule(width, k, n, group), now.il_schedule(width, k, n, group)
-            errors = [rel_err(m.gemv_il(copies[0], fp32, n, s), want)
+            errors = [rel_err(m.gemv_il(copies[m][0], fp32, n, s), want)
                       for m, s in ((other, s_other), (now, s_now))]
             worst = max(worst, *errors)
-            case = (copies, xa, n)
-            a1, b1, r1 = timed(other, s_other, *case), timed(now, s_now, *case), timed(now, s_now, *case, 1)
-            r2, b2, a2 = timed(now, s_now, *case, 1), timed(now, s_now, *case), timed(other, s_other, *case)
+            a, b = (copies[other], xa, n), (copies[now], xa, n)
+            a1, b1, r1 = timed(other, s_other, *a), timed(now, s_now, *b), timed(now, s_now, *b, 1)
+            r2, b2, a2 = timed(now, s_now, *b, 1), timed(now, s_now, *b), timed(other, s_other, *a)
             rows.append((shape, width, (a1 + a2) / 2, (b1 + b2) / 2, (r1 + r2) / 2))
             print(f"{shape} w{width}: other {a1:.1f} / {a2:.1f}, now {b1:.1f} / {b2:.1f}, now without its "
                   f"ring {r1:.1f} / {r2:.1f} µs (errors {errors[0]:.1e} / {errors[1]:.1e})", flush=True)

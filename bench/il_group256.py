@@ -25,12 +25,17 @@ from ninfer.kernels.gemv_q8 import QuantizedActivation, quantize_activation  # n
 from ninfer.quant import dequantize  # noqa: E402
 
 
-def il32_copies(shape: str) -> tuple[int, int, list[torch.Tensor], torch.Tensor]:
-    """(rows, columns, il32 copies of one random iq3_s weight totalling > 3× L2, its dequantised float64
+def iq3s_copies(shape: str) -> tuple[int, int, list[torch.Tensor], torch.Tensor]:
+    """(rows, columns, GGUF copies of one random iq3_s weight totalling > 3× L2, its dequantised float64
     matrix) for a ROWSxCOLS shape on the GPU."""
     n, k = (int(v) for v in shape.split("x"))
     raws = weight_copies("iq3_s", n, k, torch.device("cuda"), at_least=3)
-    dense = dequantize(raws[0].reshape(-1), "gguf_iq3_s", (n, k)).double()
+    return n, k, raws, dequantize(raws[0].reshape(-1), "gguf_iq3_s", (n, k)).double()
+
+
+def il32_copies(shape: str) -> tuple[int, int, list[torch.Tensor], torch.Tensor]:
+    """`iq3s_copies` repacked to il32."""
+    n, k, raws, dense = iq3s_copies(shape)
     return n, k, [repack_il32(raw) for raw in raws], dense
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,8 +34,7 @@ def schedule(spec: str, width: int, n: int, k: int, group: int) -> gemv_il.IlSch
     if width < 3:
         return gemv_il.IlSchedule(int(warps), 16, group=group)
     s = gemv_il.IlSchedule(int(warps), kernel="il_mma", regs=int(regs or 0), group=group)
-    slots = gemv_il._cta_slots(s, width)
-    return replace(s, splits=gemv_il.mma_splits(gemv_il.il32_shape(n, k)[0], k // 256, s.warps, slots))
+    return gemv_il.with_mma_splits(s, width, k, n)
 
 
 def main() -> None:

@@ -609,10 +609,16 @@ def _il_schedule(columns: int, in_features: int, out_features: int, group: int, 
         short = columns <= _MMA_SHORT[0] and blocks <= _MMA_SHORT[1] and out_features <= _MMA_SHORT[2]
         s = (IlSchedule(min(6, blocks), kernel="il_mma", regs=112, group=group) if short
              else IlSchedule(min(10, blocks), kernel="il_mma", group=group))
-        pieces = mma_splits(il32_shape(out_features, in_features)[0], blocks, s.warps,
-                            _cta_slots(s, columns)) if splits == "auto" else int(splits)
-        return replace(s, splits=pieces)
+        return with_mma_splits(s, columns, in_features, out_features) if splits == "auto" else replace(
+            s, splits=int(splits))
     return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, group=group)
+
+
+def with_mma_splits(s: IlSchedule, columns: int, in_features: int, out_features: int) -> IlSchedule:
+    """Tensor-core schedule s with the tile splits `mma_splits` gives it on this device's CTA slots."""
+    pieces = mma_splits(il32_shape(out_features, in_features)[0], in_features // 256, s.warps,
+                        _cta_slots(s, columns))
+    return replace(s, splits=pieces)
 
 
 # columns, blocks a row and rows at most for the tensor-core kernel's schedule of few short rows (il_schedule;

@@ -160,21 +160,23 @@ def conv_epilogue_store(y_ptr, out, mo, no, M, N, stride_ym, co_ptr, C, cp, s0, 
 
 
 @jit
-def _conv_tap(xb, cs, t, d: tl.constexpr, s_xt, live):
+def _conv_tap(xb, s0, s1, s2, t, d: tl.constexpr, s_xt, live):
     """The conv input d positions before position t (2-D: positions × channels), fp32: the lane's new input
-    t - d, or column 3 + t - d of its conv slot where t - d < 0."""
+    t - d, or column 3 + t - d of its conv slot (s0, s1, s2, loaded already) where t - d < 0."""
     src = t - d
     new = tl.load(xb + src * s_xt, mask=live & (src >= 0), other=0.0).to(tl.float32)
-    old = tl.load(cs + 3 + src, mask=live & (src < 0), other=0.0).to(tl.float32)
+    old = tl.where(src == -3, s0[None, :], tl.where(src == -2, s1[None, :], s2[None, :]))
     return tl.where(src >= 0, new, old)
 
 
 @jit
-def _conv_last(xb, cp, T: tl.constexpr, j: tl.constexpr, s_xt, ok):
+def _conv_last(xb, s1, s2, T: tl.constexpr, j: tl.constexpr, s_xt, ok):
     """Column j of the slot after all T positions: input T - 3 + j, or the slot's column T + j."""
     if T - 3 + j >= 0:
         return tl.load(xb + (T - 3 + j) * s_xt, mask=ok, other=0.0).to(tl.float32)
-    return tl.load(cp + T + j, mask=ok, other=0.0).to(tl.float32)
+    if T + j == 1:
+        return s1
+    return s2
 
 
 @jit
@@ -185,26 +187,30 @@ def _conv_kernel(
     PDL: tl.constexpr = 0,
 ):
     """All T positions at once (TP: T rounded up to a power of two): every tap of every position is one
-    load issued before any is used, where a loop over the positions waited on one load after another."""
-    pdl_start(PDL)
+    load issued before any is used, where a loop over the positions waited on one load after another. The
+    lane's slot and the weights load before the programmatic-launch wait: the projection ahead writes
+    neither (this layer's conv wrote the slot a round ago), so only the new inputs wait."""
     lane = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = offs < C
     slot = tl.load(slot_ptr + lane).to(tl.int64)
     cp = conv_ptr + slot * s_cs + offs * s_cc
+    s0 = tl.load(cp, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(cp + 1, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(cp + 2, mask=ok, other=0.0).to(tl.float32)
+    w = w_ptr + offs * 4
+    w0 = tl.load(w, mask=ok, other=0.0).to(tl.float32)[None, :]
+    w1 = tl.load(w + 1, mask=ok, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w + 2, mask=ok, other=0.0).to(tl.float32)[None, :]
+    w3 = tl.load(w + 3, mask=ok, other=0.0).to(tl.float32)[None, :]
+    pdl_start(PDL)
     t = tl.arange(0, TP)[:, None]
     live = (t < T) & ok[None, :]
     xb = x_ptr + lane * s_xb + offs
-    cs = cp[None, :]
-    x0 = _conv_tap(xb[None, :], cs, t, 3, s_xt, live)  # the oldest tap
-    x1 = _conv_tap(xb[None, :], cs, t, 2, s_xt, live)
-    x2 = _conv_tap(xb[None, :], cs, t, 1, s_xt, live)
-    x3 = _conv_tap(xb[None, :], cs, t, 0, s_xt, live)
-    w = w_ptr + offs[None, :] * 4
-    w0 = tl.load(w, mask=ok[None, :], other=0.0).to(tl.float32)
-    w1 = tl.load(w + 1, mask=ok[None, :], other=0.0).to(tl.float32)
-    w2 = tl.load(w + 2, mask=ok[None, :], other=0.0).to(tl.float32)
-    w3 = tl.load(w + 3, mask=ok[None, :], other=0.0).to(tl.float32)
+    x0 = _conv_tap(xb[None, :], s0, s1, s2, t, 3, s_xt, live)  # the oldest tap
+    x1 = _conv_tap(xb[None, :], s0, s1, s2, t, 2, s_xt, live)
+    x2 = _conv_tap(xb[None, :], s0, s1, s2, t, 1, s_xt, live)
+    x3 = _conv_tap(xb[None, :], s0, s1, s2, t, 0, s_xt, live)
     acc = w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
     tl.store(y_ptr + (lane * T + t) * C + offs[None, :], acc / (1.0 + tl.exp(-acc)), mask=live)
     if STORE_ALL:  # the slot after position t: its last three inputs
@@ -213,9 +219,9 @@ def _conv_kernel(
         tl.store(ap + 1, x2.to(conv_all_ptr.dtype.element_ty), mask=live)
         tl.store(ap + 2, x3.to(conv_all_ptr.dtype.element_ty), mask=live)
     # the slot moves on to the last three inputs; a thread may overwrite what another read above
-    n0 = _conv_last(xb, cp, T, 0, s_xt, ok)
-    n1 = _conv_last(xb, cp, T, 1, s_xt, ok)
-    n2 = _conv_last(xb, cp, T, 2, s_xt, ok)
+    n0 = _conv_last(xb, s1, s2, T, 0, s_xt, ok)
+    n1 = _conv_last(xb, s1, s2, T, 1, s_xt, ok)
+    n2 = _conv_last(xb, s1, s2, T, 2, s_xt, ok)
     tl.debug_barrier()
     tl.store(cp, n0.to(conv_ptr.dtype.element_ty), mask=ok)
     tl.store(cp + 1, n1.to(conv_ptr.dtype.element_ty), mask=ok)

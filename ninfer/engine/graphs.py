@@ -164,7 +164,9 @@ class DecodeGraphs:
     def run_spans(self, lanes: list[int], token_ids: list[list[int]], starts: list[int],
                   device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits fp32 `[B·T, vocab]` (lane-major) of B items of T tokens each (lane, tokens from start);
-        `device_ids` (`[B·T]` on the pools' device): the tokens themselves, `token_ids` then only give T."""
+        `device_ids` (`[B·T]` on the pools' device): the tokens themselves, `token_ids` then only give T.
+        Captured: a view of the graph's static output, valid until that graph's next replay (every caller
+        reads it first: argmax queued on the stream, or copied to the host), no copy of the logits a round."""
         B, T = len(lanes), len(token_ids[0])
         n = self.padded_size(B)
         rows = [[t for ids in token_ids for t in ids], [p for s in starts for p in range(s, s + T)],
@@ -178,7 +180,7 @@ class DecodeGraphs:
             if entry.graph is None:
                 return self._forward(entry.ctx)[: B * T]
             entry.graph.replay()
-            return entry.logits[: B * T].clone()  # the static output is overwritten by the next replay
+            return entry.logits[: B * T]
 
     def _stage(self, inputs: torch.Tensor, rows: list[list[int]]) -> None:
         """One host-to-device copy of a round's inputs into a graph's static `[5, n]` block (padding rows

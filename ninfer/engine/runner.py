@@ -45,7 +45,8 @@ class ModelRunner:
     def run(self, rnd: Round, all_rows: bool = False, device_ids: torch.Tensor | None = None
             ) -> torch.Tensor | None:
         """Forward every item of the round; returns fp32 logits [n_sampled, vocab] in item order
-        (with `all_rows`, logits of every row of the batch: perplexity). `device_ids`: the items' tokens in
+        (with `all_rows`, logits of every row of the batch: perplexity), valid until the next round runs
+        (a decode graph's static output). `device_ids`: the items' tokens in
         row order, already on the device (a decode round launched before the tokens that feed it reached the
         host); the items' `token_ids` then only give their lengths."""
         self.install(rnd)

@@ -99,3 +99,50 @@ def test_wrong_geometry_is_a_user_error():
     layer = make_layer(gen, 1, 1, 2, 4, 16, 16, slots=2)
     with pytest.raises(NinferError, match="key heads"):
         gdn_decode(**layer, slot_ids=torch.tensor([0], dtype=torch.int32), num_key_heads=3)
+
+
+@needs_triton
+@pytest.mark.parametrize(("L", "Hk", "Hv", "D"),
+                         [(1, 2, 4, 32), (2, 1, 2, 16), (5, 2, 4, 32), (70, 2, 6, 16)])
+def test_prefill_qkv_kernel_matches_its_reference(monkeypatch, L, Hk, Hv, D):
+    """`gdn_prefill.prefill_qkv` (interpreter): the conv's taps from the chunk and from the slot (chunks
+    shorter than the three cached inputs among them), SiLU, q / k L2-normalised (q scaled), v as is,
+    position blocks cut at PREP_BLOCK_T; the slot moved on to the chunk's last inputs."""
+    import ninfer.kernels.gdn_prefill as prefill
+
+    reference = kernels_only(monkeypatch, prefill, "prefill_qkv_reference")
+    gen = torch.Generator().manual_seed(L * 100 + D)
+    C = (2 * Hk + Hv) * D
+    x = torch.randn(L, C, generator=gen)
+    w = torch.randn(C, 4, generator=gen) * 0.5
+    slot = torch.randn(C, 3, generator=gen)
+    mine_slot, ref_slot = slot.clone(), slot.clone()
+    got = prefill.prefill_qkv(x, w, mine_slot, Hk, D, Hv, D)
+    want = reference(x, w, ref_slot, Hk, D, Hv, D)
+    for g, r, name in zip(got, want, "qkv", strict=True):
+        assert g.shape == r.shape and g.dtype == r.dtype, name
+        assert rel(g, r) < 1e-6, (name, rel(g, r))  # fp32 both ways: 1e-7 measured
+    assert torch.equal(mine_slot, ref_slot)
+    assert not torch.equal(mine_slot, slot)
+
+
+@pytest.mark.gpu
+def test_prefill_qkv_kernel_on_gpu():
+    """The 27B's head geometry (16 key heads, 48 value heads of 128) at chunk lengths across the position
+    blocks, bf16 as the engine runs it: outputs within one bf16 rounding of the PyTorch ops, the same slot."""
+    import ninfer.kernels.gdn_prefill as prefill
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    Hk, Hv, D = 16, 48, 128
+    C = (2 * Hk + Hv) * D
+    w = torch.randn(C, 4, generator=gen, device="cuda") * 0.5
+    for L in (17, 512, 2048):
+        x = torch.randn(L, C, generator=gen, device="cuda").to(torch.bfloat16)
+        slot = torch.randn(C, 3, generator=gen, device="cuda")
+        mine_slot, ref_slot = slot.clone(), slot.clone()
+        got = prefill.prefill_qkv(x, w, mine_slot, Hk, D, Hv, D)
+        want = prefill.prefill_qkv_reference(x, w, ref_slot, Hk, D, Hv, D)
+        for g, r, name in zip(got, want, "qkv", strict=True):
+            assert g.dtype == r.dtype == torch.bfloat16 and g.shape == r.shape
+            assert rel(g, r) < 2e-3, (L, name, rel(g, r))  # fp32 sums in another order, then bf16 (2^-9)
+        assert torch.equal(mine_slot, ref_slot), L

@@ -3,7 +3,8 @@
 One-token spans (decode) of a forward go through `kernels.gdn_decode` in one call, the lanes' slot ids as a
 tensor, conv and recurrent slots updated in place (fp32 or fp16 state); spans of 2..SHORT_SPAN tokens (the
 verification shape) through the same kernel with T positions. Longer spans (prefill chunks) run the
-causal conv with `F.conv1d` over [cached conv inputs ; chunk] and the chunked rule `kernels.gdn_prefill`
+causal conv over [cached conv inputs ; chunk] (`gdn_prefill.prefill_qkv`: one Triton launch with the SiLU
+and the q / k normalisation, F.conv1d and PyTorch ops elsewhere) and the chunked rule `kernels.gdn_prefill`
 (fla-core on CUDA, `reference.gdn_chunked` elsewhere), continuing from and writing back the span's slots.
 Same numbers as the model's reference `GatedDeltaNet._mix` within fp32 rounding.
 """
@@ -17,8 +18,7 @@ import torch.nn.functional as F
 
 from ninfer.engine.state_pool import GdnStatePool
 from ninfer.kernels.gdn_decode import ConvEpilogue, gdn_decode
-from ninfer.kernels.gdn_prefill import gdn_prefill
-from ninfer.kernels.reference import l2_norm
+from ninfer.kernels.gdn_prefill import gdn_prefill, prefill_qkv
 from ninfer.models.context import SequenceSpan
 
 # Spans up to this many tokens (speculative verification) take the recurrent decode kernel (T positions in
@@ -80,23 +80,14 @@ def decode_conv(states: GdnStatePool, gdn_layer: int, params, slot_ids: torch.Te
 def span_mix(states: GdnStatePool, gdn_layer: int, slot: int, mixed_qkv: torch.Tensor, a: torch.Tensor,
              b: torch.Tensor, params) -> torch.Tensor:
     """One sequence's chunk: mixed_qkv [L, C], a/b [L, Hv] -> o [L, Hv, Dv] fp32; slot updated in place."""
-    L = mixed_qkv.shape[0]
     conv_slot = states.conv[gdn_layer][slot]  # [C, K-1], oldest input first
-    width = conv_slot.shape[1]
-    full = torch.cat([conv_slot.float(), mixed_qkv.float().t()], dim=1)  # [C, K-1+L]
-    y = F.conv1d(full[None], params.conv_weight.float()[:, None, :], groups=full.shape[0])[0]
-    conv_slot.copy_(full[:, full.shape[1] - width:])
-    y = F.silu(y.t())  # [L, C]
-    Hk, Dk, Hv, Dv = params.num_key_heads, params.key_dim, params.num_value_heads, params.value_dim
-    q, k, v = y.split([Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-    q = l2_norm(q.reshape(L, Hk, Dk)) * Dk ** -0.5
-    k = l2_norm(k.reshape(L, Hk, Dk))
+    # fla wants q, k, v in one dtype: the model's (fp32 on the CPU reference, bf16 on the GPU)
+    q, k, v = prefill_qkv(mixed_qkv, params.conv_weight, conv_slot, params.num_key_heads, params.key_dim,
+                          params.num_value_heads, params.value_dim)
     g = -params.a_log.float().exp() * F.softplus(a.float() + params.dt_bias.float())
     beta = torch.sigmoid(b.float())
-    # fla wants q, k, v in one dtype: the model's (fp32 on the CPU reference, bf16 on the GPU)
-    dt = mixed_qkv.dtype
     recurrent = states.recurrent[gdn_layer][slot]
-    o, final = gdn_prefill(q.to(dt), k.to(dt), v.reshape(L, Hv, Dv).to(dt), g, beta, recurrent.float())
+    o, final = gdn_prefill(q, k, v, g, beta, recurrent.float())
     recurrent.copy_(final)
     return o.float()
 

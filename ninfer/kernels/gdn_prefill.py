@@ -108,9 +108,8 @@ def prefill_qkv(
     Hk, D, Hv = num_key_heads, key_dim, num_value_heads
     width = conv_slot.shape[1]
     if not (HAVE_TRITON and triton_runs_on(mixed_qkv) and D == value_dim and D & (D - 1) == 0
-            and width == 3 and tuple(conv_weight.shape) == (C, 4) and mixed_qkv.stride(1) == 1
-            and conv_slot.stride(1) == 1
-            and C == (2 * Hk + Hv) * D):
+            and width == 3 and tuple(conv_weight.shape) == (C, 4) and C == (2 * Hk + Hv) * D
+            and mixed_qkv.stride(1) == 1 and conv_slot.stride(1) == 1):
         return prefill_qkv_reference(mixed_qkv, conv_weight, conv_slot, Hk, D, Hv, value_dim)
     dt = mixed_qkv.dtype
     q = torch.empty((L, Hk, D), dtype=dt, device=mixed_qkv.device)

@@ -97,3 +97,21 @@ def test_27b_on_meta_holds_its_stored_bytes_and_the_anchor_sizes():
     assert device_bytes == stored and is_27b(model)  # the geometry the suite's tok/s targets are for
     embedding = 248320 * 5120 // 256 * 144  # q4_k table
     assert round((stored - embedding) / 1e9, 2) == 14.75
+
+
+def test_prefill_profile_runs_on_cpu(tmp_path):
+    """bench/prefill_profile.py's CPU smoke run: a warm prefill per length timed bare and profiled, the host's
+    profile printed, the rows written (the GPU tables need CUDA)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, str(root / "bench" / "prefill_profile.py"), "--synthetic", "tiny",
+                          "--device", "cpu", "--dtype", "float32", "--tokens", "24,40", "--cprofile",
+                          "--top", "4", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "prefill of 40 tokens" in run.stdout and "cumulative" in run.stdout
+    rows = json.loads((tmp_path / "prefill_profile.json").read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [24, 40] and all(r["bare_ms"] > 0 for r in rows)

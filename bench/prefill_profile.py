@@ -1,0 +1,100 @@
+"""Where a warm prefill goes: one request of each prompt length (after two warm-ups of that length) timed
+bare, then under torch.profiler (GPU time by kernel group, the device's busy and idle time, the largest
+idle gaps and the kernels around them) and, with --cprofile, under cProfile (the host's time by function).
+A short prompt's prefill is host time on the H200 (gpu-notes "Session 42": 512 tokens of the 27B take
+144-216 ms of wall time for 74-83 ms of GPU time, ~2,000 launches); a 2048-token chunk is the GPU's.
+
+    python3 bench/prefill_profile.py --wtype iq3_s --tokens 512,2048 [--cprofile] --out $OUT   # GPU machine
+    python3 bench/prefill_profile.py --synthetic tiny --device cpu --dtype float32 --tokens 48   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from step_profile import grouped, idle_gaps, sync  # noqa: E402
+
+from ninfer.cli.bench import make_engine  # noqa: E402
+from ninfer.cli.bench_suite import _submit, drive  # noqa: E402
+
+
+def prefill(engine, n: int, seed: int, device: str) -> float:
+    """One request of n prompt tokens and one generated token, driven to its end; its wall ms."""
+    sync()
+    t0 = time.perf_counter()
+    drive(engine, [_submit(engine, "prefill", n, 1, seed)], device)
+    sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--synthetic", default="27b")
+    p.add_argument("--wtype", default="iq3_s")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tokens", default="512,2048", help="prompt lengths, comma-separated (one chunk each up "
+                   "to --chunk)")
+    p.add_argument("--chunk", type=int, default=2048, help="the engine's prefill chunk")
+    p.add_argument("--cprofile", action="store_true", help="also the host's time by function (cProfile)")
+    p.add_argument("--top", type=int, default=18, help="rows of each table")
+    p.add_argument("--out", type=Path, help="a folder for prefill_profile.json")
+    a = p.parse_args()
+    lengths = [int(n) for n in a.tokens.split(",")]
+    args = SimpleNamespace(synthetic=a.synthetic, wtype=a.wtype, device=a.device, dtype=a.dtype,
+                           quantized_weights=None, cuda_graphs=None, decode_lookahead=None,
+                           gdn_state_fp16=False)
+    engine, name = make_engine(args, "bf16", max(lengths) + 64, a.chunk)
+    on_gpu = a.device.startswith("cuda")
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_gpu:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    rows = []
+    for n in lengths:
+        for seed in (1, 2):  # compile and autotune this length's shapes
+            prefill(engine, n, seed, a.device)
+        bare = prefill(engine, n, 3, a.device)
+        with torch.profiler.profile(activities=activities) as prof:
+            profiled = prefill(engine, n, 4, a.device)
+        print(f"\n== {name}: prefill of {n} tokens: {bare:.1f} ms bare ({n / bare * 1e3:,.0f} tok/s), "
+              f"{profiled:.1f} ms profiled", flush=True)
+        row = dict(tokens=n, bare_ms=bare, profiled_ms=profiled)
+        if on_gpu:
+            table = grouped(prof, 1)
+            row["gpu_busy_ms"] = sum(r[1] for r in table) / 1e3
+            row["kernels"] = [dict(name=k, us=us, launches=c) for k, us, c in table]
+            print(f"GPU time {row['gpu_busy_ms']:.1f} ms, {sum(r[2] for r in table):.0f} launches\n"
+                  "| kernel | ms | launches |\n|---|---|---|")
+            for k, us, c in table[: a.top]:
+                print(f"| {k[:80]} | {us / 1e3:.2f} | {c:.0f} |")
+            row["timeline"] = idle_gaps(prof, 1, top=a.top // 3)
+        if a.cprofile:
+            host = cProfile.Profile()
+            host.enable()
+            prefill(engine, n, 5, a.device)
+            host.disable()
+            text = io.StringIO()
+            pstats.Stats(host, stream=text).sort_stats("cumulative").print_stats(a.top)
+            print(text.getvalue())
+        rows.append(row)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "prefill_profile.json").write_text(json.dumps(dict(model=name, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -234,6 +234,21 @@ def check_gdn(log: Log, dev: torch.device, quick: bool) -> bool:
             log(f"check gdn_decode {name}: rel errs {', '.join(f'{e:.1e}' for e in errs)} "
                 f"{'ok' if passed else 'FAIL'}")
             log.record(kind="check", op="gdn_decode", case=name, rel_errs=errs, ok=passed)
+    # the prefill's conv + SiLU + q / k norm in one launch (`prefill_qkv`) against its PyTorch ops
+    for L, Hk, Hv, D in [(5, 1, 2, 16), (40, 2, 2, 32)] if quick else [(17, 2, 6, 128), (2048, 16, 48, 128)]:
+        C = (2 * Hk + Hv) * D
+        x = torch.randn(L, C, device=dev).to(torch.float32 if quick else torch.bfloat16)
+        w = torch.randn(C, 4, device=dev) * 0.5
+        slot = torch.randn(C, 3, device=dev)
+        mine, ref = slot.clone(), slot.clone()
+        got = prefill.prefill_qkv(x, w, mine, Hk, D, Hv, D)
+        want = prefill.prefill_qkv_reference(x, w, ref, Hk, D, Hv, D)
+        errs = [rel_err(a, b) for a, b in zip(got, want, strict=True)] + [rel_err(mine, ref)]
+        passed = max(errs) < (1e-6 if quick else 2e-3)  # bf16 outputs: one rounding (2^-9) apart at most
+        ok &= passed
+        log(f"check prefill_qkv L{L} Hk{Hk} Hv{Hv} D{D}: rel errs {', '.join(f'{e:.1e}' for e in errs)} "
+            f"{'ok' if passed else 'FAIL'}")
+        log.record(kind="check", op="prefill_qkv", case=f"L{L} Hk{Hk} Hv{Hv} D{D}", rel_errs=errs, ok=passed)
     if not quick and prefill.fla_available():
         T, Hk, Hv, D = 300, 2, 6, 128
         q = torch.nn.functional.normalize(torch.randn(T, Hk, D, device=dev), dim=-1) * D ** -0.5

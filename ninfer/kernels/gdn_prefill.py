@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.kernels import reference
+from ninfer.kernels.gdn_decode import _conv_tap
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, tl_sum, triton_runs_on
 
 PREP_BLOCK_T = 32  # positions a `_prep_kernel` program takes (one head's channels each)
@@ -79,12 +80,15 @@ def _prep_kernel(x_ptr, w_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, L, s_xl, s_sc, q_s
     d = tl.arange(0, D)
     c = head * D + d
     live = (t < L)[:, None]
+    sp = slot_ptr + c * s_sc
+    s0 = tl.load(sp).to(tl.float32)
+    s1 = tl.load(sp + 1).to(tl.float32)
+    s2 = tl.load(sp + 2).to(tl.float32)
     acc = tl.zeros([BLOCK_T, D], dtype=tl.float32)
-    for j in tl.static_range(4):  # tap j reads input t - 3 + j: the chunk's, or the slot's column t + j
-        src = (t - 3 + j)[:, None]
-        new = tl.load(x_ptr + src * s_xl + c[None, :], mask=live & (src >= 0), other=0.0).to(tl.float32)
-        old = tl.load(slot_ptr + c[None, :] * s_sc + src + 3, mask=live & (src < 0), other=0.0).to(tl.float32)
-        acc += tl.load(w_ptr + c * 4 + j).to(tl.float32)[None, :] * (new + old)
+    xb = x_ptr + c[None, :]
+    for j in tl.static_range(4):  # tap j: input t - 3 + j, from the chunk or the slot (the decode conv's)
+        acc += tl.load(w_ptr + c * 4 + j).to(tl.float32)[None, :] * _conv_tap(xb, s0, s1, s2, t[:, None],
+                                                                              3 - j, s_xl, live)
     y = acc / (1.0 + tl.exp(-acc))
     h = (head + 0 * d)[None, :]  # (tensor compares: the interpreter rejects a scalar bool in a mask)
     is_q = h < HK

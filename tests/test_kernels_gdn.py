@@ -146,3 +146,37 @@ def test_prefill_qkv_kernel_on_gpu():
             assert g.dtype == r.dtype == torch.bfloat16 and g.shape == r.shape
             assert rel(g, r) < 2e-3, (L, name, rel(g, r))  # fp32 sums in another order, then bf16 (2^-9)
         assert torch.equal(mine_slot, ref_slot), L
+
+
+@needs_triton
+@pytest.mark.parametrize(("L", "Hv"), [(3, 4), (70, 6)])
+def test_prefill_gates_kernel_matches_its_reference(monkeypatch, L, Hv):
+    """`gdn_prefill.prefill_gates` (interpreter): the decay (softplus past its threshold among the inputs) and
+    β from column views of one projection, position blocks cut at PREP_BLOCK_T."""
+    import ninfer.kernels.gdn_prefill as prefill
+
+    reference = kernels_only(monkeypatch, prefill, "prefill_gates_reference")
+    gen = torch.Generator().manual_seed(L + Hv)
+    ab = torch.randn(L, 2 * Hv + 3, generator=gen) * 8  # some a + dt_bias past 20
+    a, b = ab[:, 1:1 + Hv], ab[:, 1 + Hv:1 + 2 * Hv]
+    a_log, dt_bias = torch.randn(Hv, generator=gen), torch.randn(Hv, generator=gen) * 8
+    got, want = prefill.prefill_gates(a, b, a_log, dt_bias), reference(a, b, a_log, dt_bias)
+    for g, r in zip(got, want, strict=True):
+        assert g.shape == r.shape == (L, Hv) and g.dtype == torch.float32
+        assert rel(g, r) < 1e-6, rel(g, r)
+
+
+@pytest.mark.gpu
+def test_prefill_gates_kernel_on_gpu():
+    """The 27B's 48 value heads over a 2048-token chunk, a and b bf16 column views of one projection."""
+    import ninfer.kernels.gdn_prefill as prefill
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    ab = (torch.randn(2048, 100, generator=gen, device="cuda") * 8).to(torch.bfloat16)
+    a, b = ab[:, :48], ab[:, 48:96]
+    a_log = torch.randn(48, generator=gen, device="cuda")
+    dt_bias = torch.randn(48, generator=gen, device="cuda") * 8
+    got = prefill.prefill_gates(a, b, a_log, dt_bias)
+    want = prefill.prefill_gates_reference(a, b, a_log, dt_bias)
+    for g, r in zip(got, want, strict=True):
+        assert rel(g, r) < 1e-6, rel(g, r)  # fp32 both ways (exp, log against softplus's log1p)

@@ -14,11 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ninfer.engine.state_pool import GdnStatePool
 from ninfer.kernels.gdn_decode import ConvEpilogue, gdn_decode
-from ninfer.kernels.gdn_prefill import gdn_prefill, prefill_qkv
+from ninfer.kernels.gdn_prefill import gdn_prefill, prefill_gates, prefill_qkv
 from ninfer.models.context import SequenceSpan
 
 # Spans up to this many tokens (speculative verification) take the recurrent decode kernel (T positions in
@@ -84,8 +83,7 @@ def span_mix(states: GdnStatePool, gdn_layer: int, slot: int, mixed_qkv: torch.T
     # fla wants q, k, v in one dtype: the model's (fp32 on the CPU reference, bf16 on the GPU)
     q, k, v = prefill_qkv(mixed_qkv, params.conv_weight, conv_slot, params.num_key_heads, params.key_dim,
                           params.num_value_heads, params.value_dim)
-    g = -params.a_log.float().exp() * F.softplus(a.float() + params.dt_bias.float())
-    beta = torch.sigmoid(b.float())
+    g, beta = prefill_gates(a, b, params.a_log, params.dt_bias)
     recurrent = states.recurrent[gdn_layer][slot]
     o, final = gdn_prefill(q, k, v, g, beta, recurrent.float())
     recurrent.copy_(final)

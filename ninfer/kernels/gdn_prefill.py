@@ -127,3 +127,41 @@ def prefill_qkv(
     conv_slot.copy_(torch.cat([conv_slot, mixed_qkv[max(0, L - width):].t().to(conv_slot.dtype)],
                               dim=1)[:, -width:])
     return q, k, v
+
+
+def prefill_gates_reference(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chunk's decay and write strength, fp32 `[L, Hv]`: g = −exp(a_log)·softplus(a + dt_bias),
+    β = sigmoid(b)."""
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b.float())
+
+
+@jit
+def _gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, L, HV, s_al, s_bl,
+                  HVP: tl.constexpr, BLOCK_T: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    h = tl.arange(0, HVP)[None, :]
+    ok = (t < L) & (h < HV)
+    av = tl.load(a_ptr + t * s_al + h, mask=ok, other=0.0).to(tl.float32)
+    av = av + tl.load(dtb_ptr + h, mask=h < HV, other=0.0).to(tl.float32)
+    softplus = tl.where(av > 20.0, av, tl.log(1.0 + tl.exp(av)))
+    g = -tl.exp(tl.load(alog_ptr + h, mask=h < HV, other=0.0).to(tl.float32)) * softplus
+    bv = tl.load(b_ptr + t * s_bl + h, mask=ok, other=0.0).to(tl.float32)
+    tl.store(g_ptr + t * HV + h, g, mask=ok)
+    tl.store(beta_ptr + t * HV + h, 1.0 / (1.0 + tl.exp(-bv)), mask=ok)
+
+
+def prefill_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prefill_gates_reference` in one Triton launch where Triton runs (~8 PyTorch ops); a and b may be
+    column views of one projection (any row stride, unit column stride)."""
+    L, Hv = a.shape
+    if not (HAVE_TRITON and triton_runs_on(a) and a.stride(1) == 1 and b.stride(1) == 1
+            and a_log.is_contiguous() and dt_bias.is_contiguous()):
+        return prefill_gates_reference(a, b, a_log, dt_bias)
+    g = torch.empty((L, Hv), dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    _gates_kernel[(-(-L // PREP_BLOCK_T),)](a, b, a_log, dt_bias, g, beta, L, Hv, a.stride(0), b.stride(0),
+                                            HVP=max(16, 1 << (Hv - 1).bit_length()), BLOCK_T=PREP_BLOCK_T)
+    return g, beta

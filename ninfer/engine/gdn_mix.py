@@ -4,8 +4,9 @@ One-token spans (decode) of a forward go through `kernels.gdn_decode` in one cal
 tensor, conv and recurrent slots updated in place (fp32 or fp16 state); spans of 2..SHORT_SPAN tokens (the
 verification shape) through the same kernel with T positions. Longer spans (prefill chunks) run the
 causal conv over [cached conv inputs ; chunk] (`gdn_prefill.prefill_qkv`: one Triton launch with the SiLU
-and the q / k normalisation, F.conv1d and PyTorch ops elsewhere) and the chunked rule `kernels.gdn_prefill`
-(fla-core on CUDA, `reference.gdn_chunked` elsewhere), continuing from and writing back the span's slots.
+and the q / k normalisation, F.conv1d and PyTorch ops elsewhere), g and β (`gdn_prefill.prefill_gates`) and
+the chunked rule `kernels.gdn_prefill` (fla-core on CUDA, `reference.gdn_chunked` elsewhere), continuing
+from and writing back the span's slots.
 Same numbers as the model's reference `GatedDeltaNet._mix` within fp32 rounding.
 """
 

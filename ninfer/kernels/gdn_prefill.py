@@ -1,6 +1,6 @@
 """Gated DeltaNet prefill: the chunk's q, k, v from its projection (`prefill_qkv`: causal conv + SiLU,
-q/k L2-normalised, one Triton launch on CUDA) and the chunked rule (`gdn_prefill`: fla-core's Triton kernels
-on CUDA, `reference.gdn_chunked` elsewhere).
+q/k L2-normalised, one Triton launch on CUDA), its decay g and write strength β (`prefill_gates`, one launch)
+and the chunked rule (`gdn_prefill`: fla-core's Triton kernels on CUDA, `reference.gdn_chunked` elsewhere).
 
 `gdn_prefill` has the contract of `reference.gdn_chunked`: q, k `[T, Hk, Dk]` (L2-normalised, q already
 scaled by 1/sqrt(Dk)), v `[T, Hv, Dv]` (value heads grouped by key head), g, beta `[T, Hv]`, state

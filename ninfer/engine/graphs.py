@@ -230,6 +230,7 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        torch.cuda.empty_cache()  # as torch.cuda.graph does on entry: the growth measured is then the pool's
         before = torch.cuda.memory_reserved(self.kv.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):

@@ -18,14 +18,13 @@ import pstats
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_profile import grouped, idle_gaps, sync  # noqa: E402
+from step_profile import add_model_arguments, engine_args, grouped, idle_gaps, sync  # noqa: E402
 
 from ninfer.cli.bench import make_engine  # noqa: E402
 from ninfer.cli.bench_suite import _submit, drive  # noqa: E402
@@ -42,10 +41,7 @@ def prefill(engine, n: int, seed: int, device: str) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--synthetic", default="27b")
-    p.add_argument("--wtype", default="iq3_s")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16")
+    add_model_arguments(p, "iq3_s")
     p.add_argument("--tokens", default="512,2048", help="prompt lengths, comma-separated (one chunk each up "
                    "to --chunk)")
     p.add_argument("--chunk", type=int, default=2048, help="the engine's prefill chunk")
@@ -54,10 +50,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="a folder for prefill_profile.json")
     a = p.parse_args()
     lengths = [int(n) for n in a.tokens.split(",")]
-    args = SimpleNamespace(synthetic=a.synthetic, wtype=a.wtype, device=a.device, dtype=a.dtype,
-                           quantized_weights=None, cuda_graphs=None, decode_lookahead=None,
-                           gdn_state_fp16=False)
-    engine, name = make_engine(args, "bf16", max(lengths) + 64, a.chunk)
+    engine, name = make_engine(engine_args(a), "bf16", max(lengths) + 64, a.chunk)
     on_gpu = a.device.startswith("cuda")
     activities = [torch.profiler.ProfilerActivity.CPU]
     if on_gpu:

@@ -362,12 +362,25 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     return {k: min(t) for k, t in out.items()}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_arguments(p: argparse.ArgumentParser, wtype: str) -> None:
+    """The synthetic model a profile loads: --synthetic, --wtype, --device, --dtype."""
     p.add_argument("--synthetic", default="27b")
-    p.add_argument("--wtype", default="q4_k")
+    p.add_argument("--wtype", default=wtype)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
+
+
+def engine_args(a: argparse.Namespace, cuda_graphs: bool | None = None,
+                decode_lookahead: bool | None = None) -> SimpleNamespace:
+    """`ninfer.cli.bench.make_engine`'s arguments for the model of `add_model_arguments`."""
+    return SimpleNamespace(synthetic=a.synthetic, wtype=a.wtype, device=a.device, dtype=a.dtype,
+                           quantized_weights=None, cuda_graphs=cuda_graphs, decode_lookahead=decode_lookahead,
+                           gdn_state_fp16=False)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(p, "q4_k")
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--graphs", action="store_true", help="also time CUDA-graph steps")
@@ -403,9 +416,7 @@ def main() -> int:
     for graphs in modes:
         # the eager profile counts only its own rounds: no lookahead unless asked for
         lookahead = False if not graphs and a.decode_lookahead is None else a.decode_lookahead
-        args = SimpleNamespace(synthetic=a.synthetic, wtype=a.wtype, device=a.device, dtype=a.dtype,
-                               quantized_weights=None, cuda_graphs=graphs, decode_lookahead=lookahead,
-                               gdn_state_fp16=False)
+        args = engine_args(a, graphs, lookahead)
         lanes = max([1, *map(int, filter(None, a.lanes.split(",")))])
         # KV for every lane's prompt and the suite's n_gen + lanes tokens at once (else no round has them all)
         kv = SuiteSizes(short_prompt=a.prompt, concurrency=(lanes,)).kv_tokens()

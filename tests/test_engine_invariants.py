@@ -230,6 +230,21 @@ def test_engine_config_errors():
         make_engine(kv_dtype="q4")
 
 
+def test_prefill_chunk_defaults_by_device_and_flags_keep_theirs():
+    from ninfer.cli.run import build_parser as run_parser
+    from ninfer.cli.serve import build_parser, engine_config
+
+    assert EngineConfig().prefill_chunk == 512
+    assert EngineConfig(device="cuda").prefill_chunk == 1024  # the spec's GPU default
+    assert EngineConfig(device="cuda:1", prefill_chunk=48).prefill_chunk == 48
+    def served(*flags):
+        return engine_config(build_parser().parse_args(["m.ninfer", *flags])).prefill_chunk
+
+    assert (served("--device", "cuda"), served("--device", "cpu"), served("--prefill-chunk", "300")) == (
+        1024, 512, 300)
+    assert run_parser().parse_args(["m.ninfer", "--prompt", "hi"]).prefill_chunk is None  # EngineConfig's
+
+
 def test_memory_ledger_and_auto_capacity():
     engine = make_engine(kv_capacity="auto", kv_dtype="rk8v4", max_context=300, max_concurrency=2,
                          gpu_memory_limit_mib=2048, kv_headroom_mib=64)

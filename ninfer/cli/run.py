@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine")
     e.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16", help="KV cache dtype (default bf16)")
     e.add_argument("--max-context", type=int, help="context limit (default: prompt + --max-new)")
-    e.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk in tokens (default 512)")
+    e.add_argument("--prefill-chunk", type=int,
+                   help="prefill chunk in tokens (default 1024 on a GPU, 512 on the CPU)")
     e.add_argument("--gdn-state-fp16", action="store_true", help="keep GDN recurrent state in fp16")
     e.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     e.add_argument("--dtype", default="float32", help="compute dtype: float32 or bfloat16 (default float32)")

@@ -252,7 +252,27 @@ def run_suite(run: SuiteRun, stored_bytes: int | None) -> SuiteReport:
     peak = torch.cuda.max_memory_allocated(run.device) if run.device.startswith("cuda") else None
     run.report.add(Row("torch peak allocated", None if peak is None else peak / GIB, "GiB",
                        note="since the copy check: weights, KV, state, activations" if peak else "CUDA only"))
+    plan_rows(run)
     return run.report
+
+
+def plan_rows(run: SuiteRun) -> None:
+    """The memory plan against what the run held: the workspace and graph pool measured at start, the
+    graphs as captured, and the allocator's peak reserved against the plan's sum (CUDA only)."""
+    if not run.device.startswith("cuda"):
+        return
+    led = run.engine.memory_ledger()
+    graphs = max(led.graphs_bytes, led.graphs_planned_bytes)
+    planned = led.weights_bytes + led.kv_bytes + led.gdn_bytes + led.workspace_bytes + graphs
+    run.report.add(Row("workspace (widest round)", led.workspace_bytes / MIB, "MiB",
+                       note=f"a {run.engine.config.prefill_chunk}-token chunk beside "
+                            f"{run.engine.config.max_concurrency - 1} decode rows, measured at start"))
+    run.report.add(Row("decode graphs' pool", led.graphs_bytes / MIB, "MiB",
+                       note=f"{led.graphs_planned_bytes / MIB:,.0f} MiB planned"))
+    peak = torch.cuda.max_memory_reserved(run.device)
+    run.report.add(Row("peak reserved / planned", peak / planned, "x", "<= 1", peak <= planned,
+                       f"{_size(peak)} reserved at most since the copy check; planned: weights, KV, GDN "
+                       f"state, workspace, graphs {_size(planned)}"))
 
 
 def phase_short(run: SuiteRun, limit: float | None) -> float:

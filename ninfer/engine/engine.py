@@ -31,6 +31,7 @@ from ninfer.engine.runner import ModelRunner
 from ninfer.engine.sampler import SamplerState, sample_token, stop_reason
 from ninfer.engine.scheduler import Round, Scheduler, SchedulerLimits, Sequence, WorkItem
 from ninfer.engine.state_pool import GdnStatePool
+from ninfer.engine.workspace import cpu_workspace, measure_workspace
 from ninfer.errors import EngineConfigError, RequestError
 from ninfer.kernels.kv_quant import KV_DTYPES
 from ninfer.models.cache_spec import CacheSpec
@@ -198,21 +199,27 @@ class Engine:
         # + 1: the scratch slot that pads CUDA-graph decode batches
         slots = config.max_concurrency + 1
         gdn_bytes = GdnStatePool.bytes_per_slot(self.spec, config.gdn_state_fp16) * slots
+        graphs = config.cuda_graphs and config.device.startswith("cuda")
+        workspace = (measure_workspace(
+            model, self.spec, kv_dtype=config.kv_dtype, gdn_state_fp16=config.gdn_state_fp16,
+            lanes=config.max_concurrency, prefill_chunk=min(config.prefill_chunk, config.max_context),
+            graphs=graphs, device=torch.device(config.device)) if config.device.startswith("cuda")
+            else cpu_workspace())
         capacity = plan_kv_capacity(
             config.kv_capacity, spec=self.spec, kv_dtype=config.kv_dtype, device=config.device,
-            budget_bytes=budget, weights_bytes=weights, gdn_bytes=gdn_bytes,
+            budget_bytes=budget, weights_bytes=weights, gdn_bytes=gdn_bytes, workspace_bytes=workspace.total,
             headroom_mib=config.kv_headroom_mib,
             max_context=config.max_context, max_concurrency=config.max_concurrency)
         self.kv = KvPool(self.spec, config.kv_dtype, capacity, config.max_concurrency, config.max_context,
                          config.device)
         self.states = GdnStatePool(self.spec, config.max_concurrency, config.gdn_state_fp16, config.device)
-        self.runner = ModelRunner(model, self.kv, self.states, config.device,
-                                  decode_graphs=config.cuda_graphs and config.device.startswith("cuda"))
+        self.runner = ModelRunner(model, self.kv, self.states, config.device, decode_graphs=graphs)
         timeout = config.pending_timeout_ms / 1000 if config.pending_timeout_ms else None
         limits = SchedulerLimits(config.max_concurrency, config.max_context, config.max_pending_requests,
                                  timeout, config.prefill_chunk)
         self.scheduler = Scheduler(limits, self.kv.allocator)
-        self._ledger = build_ledger(config.device, budget, weights, self.kv, self.states, config.kv_dtype)
+        self._ledger = build_ledger(config.device, budget, weights, self.kv, self.states, config.kv_dtype,
+                                    workspace)
         self._samplers: dict[int, SamplerState] = {}
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -272,7 +279,9 @@ class Engine:
             }
 
     def memory_ledger(self) -> MemoryLedger:
-        return self._ledger
+        """Where the device memory went; the decode graphs' pool as captured so far."""
+        graphs = self.runner.graphs
+        return replace(self._ledger, graphs_bytes=graphs.graph_bytes) if graphs is not None else self._ledger
 
     @property
     def tokenizer(self):

@@ -1,8 +1,10 @@
 """The memory plan: the device budget, `--kv-capacity auto`, and the ledger of where memory went.
 
-On CUDA the budget is the GPU's memory (or `--gpu-memory-limit-mib`). On CPU it is the machine's RAM (or the
-same flag, as a RAM budget); there `auto` is also capped at max_concurrency x max_context tokens, since a
-CPU pool larger than every lane can use is only wasted RAM.
+On CUDA the budget is the GPU's memory (or `--gpu-memory-limit-mib`); the workspace, the decode graphs' pool
+and the memory held outside this process's allocator are measured at start (`engine.workspace`). On CPU the
+budget is the machine's RAM (or the same flag, as a RAM budget) and the workspace a stand-in; there `auto` is
+also capped at max_concurrency x max_context tokens, since a CPU pool larger than every lane can use is only
+wasted RAM.
 """
 
 from __future__ import annotations
@@ -75,11 +77,15 @@ class MemoryLedger:
     kv_bytes: int
     gdn_slots: int
     gdn_bytes: int
-    workspace_bytes: int
+    workspace_bytes: int  # activations of the widest round (measured on CUDA)
+    graphs_planned_bytes: int = 0  # set aside for the decode graphs' pool
+    graphs_bytes: int = 0  # the decode graphs' pool as captured so far
+    other_bytes: int = 0  # held outside this process's allocator: the CUDA context, other processes
 
     @property
     def free_bytes(self) -> int:
-        return self.budget_bytes - self.weights_bytes - self.kv_bytes - self.gdn_bytes - self.workspace_bytes
+        return (self.budget_bytes - self.weights_bytes - self.kv_bytes - self.gdn_bytes - self.workspace_bytes
+                - max(self.graphs_bytes, self.graphs_planned_bytes) - self.other_bytes)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "free_bytes": self.free_bytes}
@@ -91,6 +97,8 @@ class MemoryLedger:
                 f"KV {self.kv_tokens:,} tokens ({self.kv_dtype}) {_fmt(self.kv_bytes)} · "
                 f"GDN {self.gdn_slots} slots {_fmt(self.gdn_bytes)} · "
                 f"workspace {_fmt(self.workspace_bytes)} · "
+                f"graphs {_fmt(self.graphs_bytes)} of {_fmt(self.graphs_planned_bytes)} planned · "
+                f"other {_fmt(self.other_bytes)} · "
                 f"free {_fmt(self.free_bytes)}")
 
 
@@ -101,12 +109,13 @@ def _fmt(n: int) -> str:
 
 
 def plan_kv_capacity(requested: int | str, *, spec: CacheSpec, kv_dtype: str, device: str, budget_bytes: int,
-                     weights_bytes: int, gdn_bytes: int, headroom_mib: int, max_context: int,
-                     max_concurrency: int) -> int:
-    """Tokens of KV pool to allocate (a multiple of the page size), checked against max_context."""
+                     weights_bytes: int, gdn_bytes: int, workspace_bytes: int, headroom_mib: int,
+                     max_context: int, max_concurrency: int) -> int:
+    """Tokens of KV pool to allocate (a multiple of the page size), checked against max_context;
+    `workspace_bytes`: everything else serving needs (`Workspace.total`)."""
     per_token = max(KvPool.bytes_per_token(spec, kv_dtype), 1)
     if requested == "auto":
-        free = budget_bytes - weights_bytes - gdn_bytes - CPU_WORKSPACE_BYTES - headroom_mib * MIB
+        free = budget_bytes - weights_bytes - gdn_bytes - workspace_bytes - headroom_mib * MIB
         tokens = max(free, 0) // per_token // PAGE_TOKENS * PAGE_TOKENS
         if not device.startswith("cuda"):
             cap = -(-max_context * max_concurrency // PAGE_TOKENS) * PAGE_TOKENS
@@ -114,7 +123,8 @@ def plan_kv_capacity(requested: int | str, *, spec: CacheSpec, kv_dtype: str, de
         if tokens < max_context:
             raise EngineConfigError(
                 f"--kv-capacity auto: only {tokens:,} tokens of {kv_dtype} KV fit after weights "
-                f"({weights_bytes / GIB:.2f} GiB) and {headroom_mib} MiB headroom, fewer than --max-context "
+                f"({weights_bytes / GIB:.2f} GiB), {workspace_bytes / MIB:,.0f} MiB of workspace and "
+                f"{headroom_mib} MiB headroom, fewer than --max-context "
                 f"{max_context:,}; lower --max-context, pick a smaller --kv-dtype, or raise "
                 "--gpu-memory-limit-mib")
         return tokens
@@ -126,6 +136,8 @@ def plan_kv_capacity(requested: int | str, *, spec: CacheSpec, kv_dtype: str, de
 
 
 def build_ledger(device: str, budget_bytes: int, weights_bytes: int, kv: KvPool, states: GdnStatePool,
-                 kv_dtype: str) -> MemoryLedger:
+                 kv_dtype: str, workspace) -> MemoryLedger:
+    """`workspace`: an `engine.workspace.Workspace`."""
     return MemoryLedger(device, budget_bytes, weights_bytes, kv.capacity_tokens, kv_dtype, kv.total_bytes,
-                        states.slots, states.total_bytes, CPU_WORKSPACE_BYTES)
+                        states.slots, states.total_bytes, workspace.activations, workspace.graphs, 0,
+                        workspace.other)

@@ -1,0 +1,108 @@
+"""What serving needs beyond weights, KV pages and GDN slots: measured on CUDA at start (`measure_workspace`).
+
+Before the KV pool is sized, two rounds run eagerly over throwaway pages and state slots: the widest the
+scheduler makes (a prefill chunk of `prefill_chunk` tokens beside `max_concurrency - 1` decode rows) and
+one of `max_concurrency` decode rows. The first one's growth of the allocator's reserved memory is the
+activation workspace; the second's, plus the logits each smaller decode graph keeps, plans the decode
+graphs' memory pool (a captured round holds what the eager one allocated, the intermediates shared across
+captures of one pool). The device memory that neither this process's allocator nor anything else here
+holds — the CUDA context, other processes — is counted too: `--kv-capacity auto` leaves all of it, and
+`--kv-headroom-mib` on top. The rounds double as the warm-up: the kernels a first request would compile
+are compiled here. On the CPU nothing is measured (`CPU_WORKSPACE_BYTES` stands in).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ninfer.engine.graphs import capture_sizes
+from ninfer.engine.kv_pool import PAGE_TOKENS, KvPool, pages_for
+from ninfer.engine.memory import CPU_WORKSPACE_BYTES
+from ninfer.engine.runner import ModelRunner
+from ninfer.engine.scheduler import Round, WorkItem
+from ninfer.engine.state_pool import GdnStatePool
+from ninfer.models.cache_spec import CacheSpec
+
+# a private memory pool's first segments beyond its live bytes: PyTorch's caching allocator carves
+# allocations of <= 1 MiB from 2 MiB segments and those of 1-10 MiB from 20 MiB ones, per pool
+POOL_SEGMENTS = (2 + 20) << 20
+
+
+@dataclass(frozen=True)
+class Workspace:
+    activations: int  # the widest round's growth of reserved memory
+    graphs: int  # planned for the decode graphs' pool (0 without graphs)
+    other: int  # device memory held outside this process's allocator (CUDA context, other processes)
+
+    @property
+    def total(self) -> int:
+        return self.activations + self.graphs + self.other
+
+
+class Meter(Protocol):
+    def begin(self) -> None: ...
+
+    def grown(self) -> int: ...
+
+    def other(self) -> int: ...
+
+
+class CudaMeter:
+    """Growth of the caching allocator's reserved memory from `begin` (its cache emptied) to its peak."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._reserved = 0
+
+    def begin(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._reserved = torch.cuda.memory_reserved(self.device)
+
+    def grown(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return max(0, torch.cuda.max_memory_reserved(self.device) - self._reserved)
+
+    def other(self) -> int:
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        return max(0, total - free - torch.cuda.memory_reserved(self.device))
+
+
+def cpu_workspace() -> Workspace:
+    return Workspace(CPU_WORKSPACE_BYTES, 0, 0)
+
+
+def measure_workspace(model, spec: CacheSpec, *, kv_dtype: str, gdn_state_fp16: bool, lanes: int,
+                      prefill_chunk: int, graphs: bool, device: torch.device,
+                      meter: Meter | None = None) -> Workspace:
+    """Run the widest round and a round of `lanes` decode rows over throwaway pools on `device`; their
+    growth of reserved memory (`meter`, CUDA's by default) is the workspace. Token ids are 1..; no pool of
+    the engine's is touched."""
+    meter = meter or CudaMeter(device)
+    first = pages_for(prefill_chunk + 1)  # lane 0 decodes after its chunk; the others hold 2 tokens
+    kv = KvPool(spec, kv_dtype, (first + lanes - 1) * PAGE_TOKENS, lanes, first * PAGE_TOKENS, device)
+    states = GdnStatePool(spec, lanes, gdn_state_fp16, device)
+    runner = ModelRunner(model, kv, states, device)
+    admitted = [(lane, kv.reserve(1 if lane else first)) for lane in range(lanes)]
+    vocab = int(getattr(model, "vocab_size", 2))
+    chunk = tuple(1 + i % (vocab - 1) for i in range(prefill_chunk))
+    widest = [WorkItem(None, 0, chunk, 0, True)] + [WorkItem(None, lane, (1,), 0, True)
+                                                      for lane in range(1, lanes)]
+    meter.begin()
+    runner.run(Round(widest, admitted, []))
+    activations = meter.grown()
+    planned = 0
+    if graphs:
+        decode = [WorkItem(None, lane, (2,), 1 if lane else prefill_chunk, True) for lane in range(lanes)]
+        meter.begin()
+        runner.run(Round(decode, [], []))
+        # every other graph's fp32 logits and the largest one's padding rows stay in the pool too, and the
+        # pool, private, starts its own segments
+        planned = meter.grown() + (sum(capture_sizes(lanes)) - lanes) * vocab * 4 + POOL_SEGMENTS
+    del runner, kv, states
+    return Workspace(activations, planned, meter.other())

@@ -1,0 +1,128 @@
+"""The workspace measured at start (engine.workspace) and what the memory plan and ledger make of it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from test_engine_fake_model import FakeHybridModel
+
+from ninfer.engine.engine import Engine, EngineConfig
+from ninfer.engine.kv_pool import KvPool
+from ninfer.engine.memory import GIB, MIB, MemoryLedger, plan_kv_capacity
+from ninfer.engine.workspace import POOL_SEGMENTS, measure_workspace
+
+
+class ScriptedMeter:
+    """Growths handed out in order, one a round; records the rounds' row counts as the model saw them."""
+
+    def __init__(self, growths: list[int], other: int):
+        self.growths, self.other_bytes, self.begun = list(growths), other, 0
+
+    def begin(self) -> None:
+        self.begun += 1
+
+    def grown(self) -> int:
+        return self.growths.pop(0)
+
+    def other(self) -> int:
+        return self.other_bytes
+
+
+class RowCounter(FakeHybridModel):
+    def __init__(self):
+        super().__init__()
+        self.rounds: list[tuple[int, list[int]]] = []
+
+    def forward(self, input_ids, positions, ctx):
+        self.rounds.append((len(input_ids), positions.tolist()))
+        return super().forward(input_ids, positions, ctx)
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_measure_runs_the_widest_round_then_a_decode_round(graphs):
+    model = RowCounter()
+    meter = ScriptedMeter([7 * MIB, 3 * MIB], other=5 * MIB)
+    ws = measure_workspace(model, model.cache_spec, kv_dtype="bf16", gdn_state_fp16=False, lanes=3,
+                           prefill_chunk=130, graphs=graphs, device=torch.device("cpu"), meter=meter)
+    widest = model.rounds[0]
+    assert widest[0] == 130 + 2 and widest[1] == list(range(130)) + [0, 0]  # the chunk beside 2 decode rows
+    assert ws.activations == 7 * MIB and ws.other == 5 * MIB
+    if graphs:
+        assert model.rounds[1] == (3, [130, 1, 1])  # every lane decodes after its first round
+        # graphs of 1, 2 and 4 rows: 4 rows of logits beyond the 3 measured, the pool's own segments
+        assert ws.graphs == 3 * MIB + 4 * 97 * 4 + POOL_SEGMENTS
+        assert meter.begun == 2
+    else:
+        assert len(model.rounds) == 1 and ws.graphs == 0 and meter.begun == 1
+    assert ws.total == ws.activations + ws.graphs + ws.other
+
+
+def test_auto_capacity_leaves_the_workspace():
+    spec = FakeHybridModel().cache_spec
+    per_token = KvPool.bytes_per_token(spec, "bf16")
+    kwargs = dict(spec=spec, kv_dtype="bf16", device="cuda", budget_bytes=GIB, weights_bytes=100 * MIB,
+                  gdn_bytes=MIB, headroom_mib=64, max_context=256, max_concurrency=1)
+    lean = plan_kv_capacity("auto", workspace_bytes=0, **kwargs)
+    wide = plan_kv_capacity("auto", workspace_bytes=300 * MIB, **kwargs)
+    assert lean == (GIB - 165 * MIB) // per_token // 64 * 64
+    assert lean - wide == pytest.approx(300 * MIB / per_token, abs=64)
+    with pytest.raises(Exception, match="MiB of workspace"):
+        plan_kv_capacity("auto", workspace_bytes=GIB, **kwargs)
+
+
+def test_ledger_counts_graphs_planned_or_captured_and_other():
+    led = MemoryLedger("cuda:0", 10 * GIB, 4 * GIB, 1024, "bf16", GIB, 2, 64 * MIB, 512 * MIB,
+                       graphs_planned_bytes=200 * MIB, other_bytes=500 * MIB)
+    assert led.free_bytes == 10 * GIB - 5 * GIB - 1276 * MIB
+    grown = replace(led, graphs_bytes=260 * MIB)
+    assert grown.free_bytes == led.free_bytes - 60 * MIB  # captured past the plan: the larger counts
+    assert "graphs 0 MiB of 200 MiB planned" in led.line() and "other 500 MiB" in led.line()
+
+
+def test_cpu_engine_keeps_the_stand_in():
+    engine = Engine.from_model(FakeHybridModel(), EngineConfig(max_context=128, kv_capacity=128))
+    led = engine.memory_ledger()
+    assert (led.workspace_bytes, led.graphs_planned_bytes, led.graphs_bytes, led.other_bytes) == (
+        256 * MIB, 0, 0, 0)
+
+
+@pytest.mark.gpu
+def test_auto_kv_leaves_room_for_the_widest_round_and_the_graphs():
+    """On the H200, the allocator capped at the plan's budget (less what others hold): the synthetic 9B
+    (iq3_s blocks) with `--kv-capacity auto` and 16 MiB headroom runs a 1024-token chunk beside 7 decoding
+    lanes, then rounds of 8, 4, 2, 1 lanes through captured graphs, without running out; the graphs' pool
+    stays within its plan."""
+    from test_engine_invariants import drive
+
+    from ninfer.engine.api import GenerationRequest, SamplingParams
+    from ninfer.engine.synthetic import synthetic_model
+
+    model = synthetic_model("9b", torch.bfloat16, device="cuda", wtype="iq3_s", quantized_weights=True)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    limit = total - free + 1536 * MIB  # everything held now, and 1.5 GiB for KV, workspace and graphs
+    config = EngineConfig(max_concurrency=8, max_context=4096, kv_capacity="auto", device="cuda",
+                          gpu_memory_limit_mib=limit // MIB, kv_headroom_mib=16)
+    engine = Engine.from_model(model, config)
+    start = engine.memory_ledger()
+    print(start.line())
+    assert start.kv_tokens >= 4096 and start.workspace_bytes > 0 and start.graphs_planned_bytes > 0
+    torch.cuda.set_per_process_memory_fraction((start.budget_bytes - start.other_bytes) / total)
+    try:
+        # one prefill chunk a round: d0..d6 (one chunk each) decode beside the long prompt's two chunks, then
+        # all eight decode, then fewer and fewer
+        def request(name, ids, n):
+            return engine.submit(GenerationRequest(name, ids, SamplingParams(max_tokens=n, temperature=0,
+                                                                             ignore_eos=True)))
+
+        handles = [request(f"d{i}", tuple(range(5 + i, 40 + i)), 30 - 3 * i) for i in range(7)]
+        handles.append(request("long", tuple(range(100, 2148)), 16))
+        out = drive(engine, handles)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert all(finish == "length" for _, finish in out.values())
+    end = engine.memory_ledger()
+    print(end.line(), f"peak reserved {torch.cuda.max_memory_reserved() / MIB:,.0f} MiB")
+    assert 0 < end.graphs_bytes <= end.graphs_planned_bytes

@@ -12,6 +12,7 @@ from ninfer.engine.engine import Engine, EngineConfig
 from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.memory import GIB, MIB, MemoryLedger, plan_kv_capacity
 from ninfer.engine.workspace import POOL_SEGMENTS, measure_workspace
+from ninfer.errors import EngineConfigError
 
 
 class ScriptedMeter:
@@ -59,6 +60,19 @@ def test_measure_runs_the_widest_round_then_a_decode_round(graphs):
     assert ws.total == ws.activations + ws.graphs + ws.other
 
 
+def test_a_widest_round_out_of_memory_names_the_flags():
+    class Starved(FakeHybridModel):
+        def forward(self, input_ids, positions, ctx):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 356.00 MiB")
+
+    model = Starved()
+    with pytest.raises(EngineConfigError, match=r"1024-token prefill chunk beside 7 decode rows .*356\.00 MiB"
+                       r".*--prefill-chunk or --max-concurrency"):
+        measure_workspace(model, model.cache_spec, kv_dtype="bf16", gdn_state_fp16=False, lanes=8,
+                          prefill_chunk=1024, graphs=True, device=torch.device("cpu"),
+                          meter=ScriptedMeter([], 0))
+
+
 def test_auto_capacity_leaves_the_workspace():
     spec = FakeHybridModel().cache_spec
     per_token = KvPool.bytes_per_token(spec, "bf16")
@@ -68,7 +82,7 @@ def test_auto_capacity_leaves_the_workspace():
     wide = plan_kv_capacity("auto", workspace_bytes=300 * MIB, **kwargs)
     assert lean == (GIB - 165 * MIB) // per_token // 64 * 64
     assert lean - wide == pytest.approx(300 * MIB / per_token, abs=64)
-    with pytest.raises(Exception, match="MiB of workspace"):
+    with pytest.raises(EngineConfigError, match="MiB of workspace"):
         plan_kv_capacity("auto", workspace_bytes=GIB, **kwargs)
 
 

@@ -56,7 +56,7 @@ class EngineConfig:
     gdn_state_fp16: bool = False
     max_pending_requests: int = 16
     pending_timeout_ms: int | None = None  # None or 0: wait forever
-    prefill_chunk: int | None = None  # None: PREFILL_CHUNK's value for the device (resolved on construction)
+    prefill_chunk: int | None = None  # None: default_prefill_chunk(device), resolved on construction
     device: str = "cpu"
     dtype: str = "float32"
     gpu_memory_limit_mib: int | None = None

@@ -24,6 +24,7 @@ from ninfer.engine.memory import CPU_WORKSPACE_BYTES
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import Round, WorkItem
 from ninfer.engine.state_pool import GdnStatePool
+from ninfer.errors import EngineConfigError
 from ninfer.models.cache_spec import CacheSpec
 
 # a private memory pool's first segments beyond its live bytes: PyTorch's caching allocator carves
@@ -93,16 +94,23 @@ def measure_workspace(model, spec: CacheSpec, *, kv_dtype: str, gdn_state_fp16: 
     chunk = tuple(1 + i % (vocab - 1) for i in range(prefill_chunk))
     widest = [WorkItem(None, 0, chunk, 0, True)] + [WorkItem(None, lane, (1,), 0, True)
                                                       for lane in range(1, lanes)]
-    meter.begin()
-    runner.run(Round(widest, admitted, []))
-    activations = meter.grown()
-    planned = 0
-    if graphs:
-        decode = [WorkItem(None, lane, (2,), 1 if lane else prefill_chunk, True) for lane in range(lanes)]
+    try:
         meter.begin()
-        runner.run(Round(decode, [], []))
-        # every other graph's fp32 logits and the largest one's padding rows stay in the pool too, and the
-        # pool, private, starts its own segments
-        planned = meter.grown() + (sum(capture_sizes(lanes)) - lanes) * vocab * 4 + POOL_SEGMENTS
-    del runner, kv, states
+        runner.run(Round(widest, admitted, []))
+        activations = meter.grown()
+        planned = 0
+        if graphs:
+            decode = [WorkItem(None, lane, (2,), 1 if lane else prefill_chunk, True) for lane in range(lanes)]
+            meter.begin()
+            runner.run(Round(decode, [], []))
+            # every other graph's fp32 logits and the largest one's padding rows stay in the pool too, and
+            # the pool, private, starts its own segments
+            planned = meter.grown() + (sum(capture_sizes(lanes)) - lanes) * vocab * 4 + POOL_SEGMENTS
+    except torch.OutOfMemoryError as exc:
+        raise EngineConfigError(
+            f"a round of a {prefill_chunk}-token prefill chunk beside {lanes - 1} decode rows does not fit "
+            f"in {device} memory after the weights ({str(exc).splitlines()[0]}); lower --prefill-chunk or "
+            "--max-concurrency, or free the GPU") from None
+    finally:
+        del runner, kv, states
     return Workspace(activations, planned, meter.other())

@@ -156,6 +156,23 @@ def test_capture_sizes():
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 24]
 
 
+def test_prepare_builds_every_size_once_and_rounds_reuse_them(tiny):
+    """What the engine calls at start: a one-token graph for every batch size (here eager: no capture on the
+    CPU); a round of 3 lanes then takes the 4-row graph, nothing new is built, and prepare again adds none."""
+    kv = KvPool(tiny.cache_spec, "fp32", 8 * 64, MAX_LANES, 256)
+    states = GdnStatePool(tiny.cache_spec, MAX_LANES)
+    graphs = DecodeGraphs(tiny, kv, states, capture=False)
+    graphs.prepare()
+    built = dict(graphs._graphs)
+    assert sorted(built) == [(1, 1), (2, 1), (4, 1), (8, 1)]
+    for lane in range(3):
+        kv.assign(lane, kv.reserve(1))
+    logits = graphs.run([0, 1, 2], tokens(3, 7), [0, 0, 0])
+    assert logits.shape[0] == 3 and graphs._graphs == built
+    graphs.prepare()
+    assert all(graphs._graphs[k] is built[k] for k in built)
+
+
 def prefill_lanes(model, pools: Pools, lengths: dict[int, int]) -> dict[int, int]:
     for lane, n in lengths.items():
         run_forward(model, pools, [(lane, tokens(n, 100 + lane), 0)])

@@ -122,7 +122,8 @@ def test_auto_kv_leaves_room_for_the_widest_round_and_the_graphs():
     engine = Engine.from_model(model, config)
     start = engine.memory_ledger()
     print(start.line())
-    assert start.kv_tokens >= 4096 and start.workspace_bytes > 0 and start.graphs_planned_bytes > 0
+    assert start.kv_tokens >= 4096 and start.workspace_bytes > 0
+    assert 0 < start.graphs_bytes <= start.graphs_planned_bytes  # every size captured at start
     torch.cuda.set_per_process_memory_fraction((start.budget_bytes - start.other_bytes) / total)
     try:
         # one prefill chunk a round: d0..d6 (one chunk each) decode beside the long prompt's two chunks, then

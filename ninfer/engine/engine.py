@@ -214,6 +214,8 @@ class Engine:
                          config.device)
         self.states = GdnStatePool(self.spec, config.max_concurrency, config.gdn_state_fp16, config.device)
         self.runner = ModelRunner(model, self.kv, self.states, config.device, decode_graphs=graphs)
+        if self.runner.graphs is not None:
+            self.runner.graphs.prepare()
         timeout = config.pending_timeout_ms / 1000 if config.pending_timeout_ms else None
         limits = SchedulerLimits(config.max_concurrency, config.max_context, config.max_pending_requests,
                                  timeout, config.prefill_chunk)

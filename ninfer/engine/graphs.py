@@ -6,7 +6,8 @@ speculative decoding, logits of every position) replays the graph of (the smalle
 `GdnStatePool.scratch_slot`) whose rows are dropped. Everything a round changes (token ids, positions, lanes,
 lengths, GDN slots) lives in static device tensors filled by one host-to-device copy before `replay()`; the
 captured region never reads a tensor on the host. The same `GraphDecodeContext` runs eagerly where nothing is
-captured (CPU), which is how the CPU tests check it against `PagedBatchContext`.
+captured (CPU), which is how the CPU tests check it against `PagedBatchContext`. The engine captures every
+size's one-token graph at start (`prepare`); verification shapes on first use.
 """
 
 from __future__ import annotations
@@ -149,6 +150,14 @@ class DecodeGraphs:
         """Streams, events and graphs of the pools' GPU (which need not be the current device)."""
         on_gpu = self.kv.device.type == "cuda"
         return torch.cuda.device(self.kv.device) if on_gpu else contextlib.nullcontext()
+
+    def prepare(self) -> None:
+        """Build (on CUDA: capture) the one-token graph of every batch size now, as the engine does at start,
+        so no decode round waits on a capture and the memory ledger shows the graphs' pool from the start."""
+        with self._on_device():
+            for n in self.sizes:
+                if (n, 1) not in self._graphs:
+                    self._build(n)
 
     def padded_size(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)

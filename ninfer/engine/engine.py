@@ -199,12 +199,14 @@ class Engine:
         # + 1: the scratch slot that pads CUDA-graph decode batches
         slots = config.max_concurrency + 1
         gdn_bytes = GdnStatePool.bytes_per_slot(self.spec, config.gdn_state_fp16) * slots
-        graphs = config.cuda_graphs and config.device.startswith("cuda")
-        workspace = (measure_workspace(
-            model, self.spec, kv_dtype=config.kv_dtype, gdn_state_fp16=config.gdn_state_fp16,
-            lanes=config.max_concurrency, prefill_chunk=min(config.prefill_chunk, config.max_context),
-            graphs=graphs, device=torch.device(config.device)) if config.device.startswith("cuda")
-            else cpu_workspace())
+        on_gpu = config.device.startswith("cuda")
+        graphs = config.cuda_graphs and on_gpu
+        workspace = cpu_workspace()
+        if on_gpu:
+            workspace = measure_workspace(
+                model, self.spec, kv_dtype=config.kv_dtype, gdn_state_fp16=config.gdn_state_fp16,
+                lanes=config.max_concurrency, prefill_chunk=min(config.prefill_chunk, config.max_context),
+                graphs=graphs, device=torch.device(config.device))
         capacity = plan_kv_capacity(
             config.kv_capacity, spec=self.spec, kv_dtype=config.kv_dtype, device=config.device,
             budget_bytes=budget, weights_bytes=weights, gdn_bytes=gdn_bytes, workspace_bytes=workspace.total,

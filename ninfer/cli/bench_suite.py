@@ -262,8 +262,7 @@ def plan_rows(run: SuiteRun) -> None:
     if not run.device.startswith("cuda"):
         return
     led = run.engine.memory_ledger()
-    graphs = max(led.graphs_bytes, led.graphs_planned_bytes)
-    planned = led.weights_bytes + led.kv_bytes + led.gdn_bytes + led.workspace_bytes + graphs
+    planned = led.held_bytes
     run.report.add(Row("workspace (widest round)", led.workspace_bytes / MIB, "MiB",
                        note=f"a {run.engine.config.prefill_chunk}-token chunk beside "
                             f"{run.engine.config.max_concurrency - 1} decode rows, measured at start"))

@@ -21,7 +21,6 @@ from ninfer.models.cache_spec import CacheSpec
 
 MIB = 1 << 20
 GIB = 1 << 30
-CPU_WORKSPACE_BYTES = 256 * MIB  # stand-in for activations, logits and allocator slack on CPU
 
 
 def device_budget_bytes(device: str, limit_mib: int | None) -> int:
@@ -83,9 +82,14 @@ class MemoryLedger:
     other_bytes: int = 0  # held outside this process's allocator: the CUDA context, other processes
 
     @property
+    def held_bytes(self) -> int:
+        """What this process plans to hold: weights, KV, GDN slots, workspace, graphs (captured or plan)."""
+        return (self.weights_bytes + self.kv_bytes + self.gdn_bytes + self.workspace_bytes
+                + max(self.graphs_bytes, self.graphs_planned_bytes))
+
+    @property
     def free_bytes(self) -> int:
-        return (self.budget_bytes - self.weights_bytes - self.kv_bytes - self.gdn_bytes - self.workspace_bytes
-                - max(self.graphs_bytes, self.graphs_planned_bytes) - self.other_bytes)
+        return self.budget_bytes - self.held_bytes - self.other_bytes
 
     def as_dict(self) -> dict:
         return {**asdict(self), "free_bytes": self.free_bytes}

@@ -20,13 +20,13 @@ import torch
 
 from ninfer.engine.graphs import capture_sizes
 from ninfer.engine.kv_pool import PAGE_TOKENS, KvPool, pages_for
-from ninfer.engine.memory import CPU_WORKSPACE_BYTES
 from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import Round, WorkItem
 from ninfer.engine.state_pool import GdnStatePool
 from ninfer.errors import EngineConfigError
 from ninfer.models.cache_spec import CacheSpec
 
+CPU_WORKSPACE_BYTES = 256 << 20  # stand-in for activations, logits and allocator slack on CPU
 # a private memory pool's first segments beyond its live bytes: PyTorch's caching allocator carves
 # allocations of <= 1 MiB from 2 MiB segments and those of 1-10 MiB from 20 MiB ones, per pool
 POOL_SEGMENTS = (2 + 20) << 20

@@ -1,0 +1,161 @@
+"""The NVRTC kernels' CUDA C, run on the CPU (tests/cuda_cpu.py): the il32 dp4a and tensor-core iq3_s GEMVs,
+the q4il and q6il GEMVs, on tiny shapes with padded rows and blocks, CTAs looping over several tiles, rings
+and split tiles, against the float64 oracle over the GGUF rows (`gemv_q8_reference`). The numpy twins in
+test_gemv_il.py / test_gemv_q4il.py / test_gemv_q6il.py check each recipe; these run the very source the GPU
+builds (with PDL off)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from cuda_cpu import HostKernel
+
+from ninfer.kernels import gemv_il, gemv_q4il, gemv_q6il
+from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation_reference
+from ninfer.kernels.gguf_matmul import _tables, random_gguf_weight
+
+OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1}
+# fp32 sums in the kernels' order against float64: 1.1e-7 the largest measured on these shapes
+FP32_BOUND = 1e-6
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def activation(columns: int, k: int, group: int):
+    x = torch.randn(columns, k) * (0.5 + torch.rand(columns, 1))
+    return quantize_activation_reference(x, group)
+
+
+def run_il(source_of, words, xa, n, s: gemv_il.IlSchedule, ctas: int, ring: int, dtype=torch.float32):
+    """One launch of il32 schedule s (its source from `source_of(source)`); the output, and the tensor-core
+    kernel's per-tile counts after it."""
+    columns, k = xa.q.shape
+    source = source_of(gemv_il.kernel_source(columns, OUT_KINDS[dtype], dataclasses.replace(s, splits=1)))
+    tiles = gemv_il.il32_shape(n, k)[0]
+    y = torch.full((columns, n), float("nan"), dtype=dtype)
+    args = [words, xa.words, xa.d, _tables("cpu")[1], y, n, k, y.stride(0)]
+    counts = torch.zeros(tiles, dtype=torch.int32)
+    if s.kernel == "il_mma":
+        part = torch.full((s.splits * columns * tiles * 32,), float("nan"))
+        args += [s.splits, part, counts]
+        name = "iq3s_il_mma"
+    else:
+        name = "iq3s_il_gemv"
+    HostKernel(source, name)((ctas,), (32 * s.warps,), args + [ring], s.smem_bytes(columns, k, ring))
+    return y, counts
+
+
+def same(source: str) -> str:
+    return source
+
+
+@pytest.mark.parametrize("group", [32, 256])
+@pytest.mark.parametrize("columns", [1, 2])
+@pytest.mark.parametrize(("n", "k"), [(40, 768), (160, 1024)])
+def test_the_dp4a_il32_kernel(n, k, columns, group):
+    """Rows padded to a tile and an odd block count (40 × 768); five tiles over two CTAs, summed in a ring
+    of 2 and one at a time to the same bits; the bf16 build writes the fp32 sums rounded."""
+    words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
+    xa = activation(columns, k, group)
+    s = gemv_il.il_schedule(columns, k, n, group)
+    assert s.kernel == "il"
+    want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
+    y, _ = run_il(same, words, xa, n, s, 2, 2)
+    assert rel(y, want) < FP32_BOUND
+    assert torch.equal(run_il(same, words, xa, n, s, 2, 1)[0], y)
+    assert torch.equal(run_il(same, words, xa, n, s, 2, 2, torch.bfloat16)[0], y.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("group", [32, 256])
+@pytest.mark.parametrize("columns", [3, 4, 8])
+def test_the_tensor_core_il32_kernel(columns, group):
+    """Whole tiles (a ring of 2 and one at a time: the same bits) and tiles split into 2 and 3 pieces across
+    CTAs, the last piece adding the slots and leaving the counts zero; the short-row schedule (6 warps)."""
+    n, k = 72, 1536
+    words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
+    xa = activation(columns, k, group)
+    want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
+    s = gemv_il.il_schedule(columns, k, n, group)
+    assert s.kernel == "il_mma"
+    y, _ = run_il(same, words, xa, n, dataclasses.replace(s, splits=1), 2, 2)
+    assert rel(y, want) < FP32_BOUND
+    assert torch.equal(run_il(same, words, xa, n, dataclasses.replace(s, splits=1), 2, 1)[0], y)
+    for splits in (2, 3):
+        ys, counts = run_il(same, words, xa, n, dataclasses.replace(s, splits=splits), 2, 1)
+        assert rel(ys, want) < FP32_BOUND, splits
+        assert not counts.any(), splits
+    short = dataclasses.replace(s, warps=6, regs=112, splits=1)
+    assert rel(run_il(same, words, xa, n, short, 3, 2)[0], want) < FP32_BOUND
+    assert torch.equal(run_il(same, words, xa, n, s, 2, 2, torch.bfloat16)[0], y.to(torch.bfloat16))
+
+
+def run_lane(name: str, source_of, words, xa, n: int, warps: int, smem: int, source: str,
+             dtype=torch.float32):
+    columns = xa.q.shape[0]
+    y = torch.full((columns, n), float("nan"), dtype=dtype)
+    HostKernel(source_of(source), name)((2,), (32 * warps,), [words, xa.words, xa.d, y, n, xa.q.shape[1],
+                                                             y.stride(0)], smem)
+    return y
+
+
+def q4il_case(columns: int, n: int = 72, k: int = 1536, source_of=same, dtype=torch.float32):
+    raw = random_gguf_weight("q4_k", n, k)
+    xa = activation(columns, k, 256)
+    warps, ctas = gemv_q4il.SHAPES[1]
+    y = run_lane("q4k_il_mma", source_of, gemv_q4il.repack_q4il(raw), xa, n, warps,
+                 gemv_q4il.smem_bytes(k, warps), gemv_q4il.kernel_source(columns, OUT_KINDS[dtype], False,
+                                                                         (warps, ctas)), dtype)
+    return y, gemv_q8_reference(raw, "q4_k", xa, n)
+
+
+def q6il_case(columns: int, n: int = 72, k: int = 1536, source_of=same, dtype=torch.float32):
+    raw = random_gguf_weight("q6_k", n, k)
+    xa = activation(columns, k, 256)
+    y = run_lane("q6k_il_mma", source_of, gemv_q6il.repack_q6il(raw), xa, n, gemv_q6il.WARPS,
+                 gemv_q6il.smem_bytes(k), gemv_q6il.kernel_source(columns, OUT_KINDS[dtype]), dtype)
+    return y, gemv_q8_reference(raw, "q6_k", xa, n)
+
+
+@pytest.mark.parametrize("case", [q4il_case, q6il_case])
+@pytest.mark.parametrize("columns", [1, 3, 8])
+def test_the_q4il_and_q6il_kernels(case, columns):
+    y, want = case(columns)
+    assert rel(y, want) < FP32_BOUND
+    padded, want_padded = case(columns, 40, 768)  # rows padded to a tile, an odd block count
+    assert rel(padded, want_padded) < FP32_BOUND
+
+
+# plausible slips, each in one kernel's source: the test above must see every one
+MUTATIONS = {
+    "dp4a: a sign mask's byte": ("il", "0x4440 + 2 * half + (e >> 1)", "0x4440 + 2 * half"),
+    "dp4a: the second block's d": ("il", "h ? f16_hi(b.dw) : f16_lo(b.dw)", "f16_lo(b.dw)"),
+    "mma: the lane's sign byte": ("il_mma", "sels = 0x4440 + t", "sels = 0x4440"),
+    "mma: a split's last piece": ("il_mma_split", "splits - 1;", "splits;"),
+    "q4il: the min term's sign": ("q4il", "-dmin * (float)msum", "dmin * (float)msum"),
+    "q6il: the scale unsigned": ("q6il", "0x8880u | (unsigned)", "0x0000u | (unsigned)"),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_a_slip_in_a_kernel_fails(name):
+    kind, old, new = MUTATIONS[name]
+
+    def mutate(source: str) -> str:
+        assert old in source, name
+        return source.replace(old, new)
+
+    if kind in ("il", "il_mma", "il_mma_split"):
+        n, k, columns = 72, 1536, 1 if kind == "il" else 4
+        words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
+        xa = activation(columns, k, 256)
+        s = gemv_il.il_schedule(columns, k, n, 256)
+        s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1)
+        y = run_il(mutate, words, xa, n, s, 2, 1)[0]
+        want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
+    else:
+        y, want = (q4il_case if kind == "q4il" else q6il_case)(4, source_of=mutate)
+    assert not rel(y, want) < FP32_BOUND  # (NaN: an output never written)

@@ -7,8 +7,9 @@ CTA's threads (a thread that returns stops counting, as on the GPU; a barrier th
 process: a deadlock), the load intrinsics as plain loads, `atomicAdd` and `__threadfence` as host atomics.
 The source's inline-PTX helpers (`prmt`, `dp4a`, the mma instructions, the conversions) are swapped, by name,
 for C++ written from the PTX ISA's definitions (`EMULATED`); the mma ones exchange their fragments through
-the warp (a barrier of its 32 threads), by the fragment tables of the PTX ISA (the same as `conftest`'s numpy
-`ptx_mma_m16n8k32`). A helper with inline PTX that has no emulation fails the build, by name.
+the warp (a barrier of its 32 threads; so do the shuffles), by the fragment tables of the PTX ISA (the same
+as `conftest`'s numpy `ptx_mma_m16n8k32`). A helper with inline PTX that has no emulation fails the build,
+by name.
 
 CTAs run one after another (no kernel here waits on another CTA), so what this checks is a kernel's
 arithmetic, indexing, shared-memory use and barriers on tiny shapes — not its speed, nor what PDL orders
@@ -82,10 +83,11 @@ struct EmuBarrier {
     }
 };
 
-struct EmuWarp {  // the fragments of a warp-wide instruction, exchanged through this
+struct EmuWarp {  // the operands of a warp-wide instruction, exchanged through this
     EmuBarrier bar;
     unsigned a[32][4];
     int b[32][2];
+    unsigned word[32];
 };
 
 static thread_local dim3_ threadIdx, blockIdx;
@@ -96,6 +98,17 @@ static thread_local EmuWarp* emu_warp;
 
 inline void __syncthreads() { emu_cta->wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp->bar.wait(); }
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int mask) {
+    static_assert(sizeof(T) == 4, "4-byte shuffles");
+    const unsigned lane = threadIdx.x & 31u;
+    EmuWarp& w = *emu_warp;
+    std::memcpy(&w.word[lane], &v, 4);
+    w.bar.wait();
+    T r;
+    std::memcpy(&r, &w.word[lane ^ (unsigned)mask], 4);
+    w.bar.wait();
+    return r;
+}
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 template <class T> inline T __ldg(const T* p) { return *p; }
 template <class T> inline T __ldcg(const T* p) {
@@ -245,6 +258,23 @@ def _body_end(source: str, start: int) -> int:
         i += 1
 
 
+def _preprocess(lines: str, source: str) -> str:
+    """`lines` with their `#if NAME` / `#else` / `#endif` blocks decided by the source's `#define NAME n`."""
+    defines = dict(re.findall(r"^#define (\w+) (-?\d+)\s*$", source, flags=re.M))
+    kept, stack = [], []
+    for line in lines.splitlines():
+        directive = line.strip().split()
+        if directive[:1] == ["#if"]:
+            stack.append(int(defines[directive[1]]) != 0)
+        elif directive[:1] == ["#else"]:
+            stack[-1] = not stack[-1]
+        elif directive[:1] == ["#endif"]:
+            stack.pop()
+        elif all(stack):
+            kept.append(line)
+    return "\n".join(kept)
+
+
 def host_source(source: str, kernel: str) -> str:
     """The kernel source made host C++: PTX helpers swapped, `extern __shared__` arrays pointed at the
     CTA's shared memory, and an `emu_launch` entry that runs the grid."""
@@ -264,7 +294,7 @@ def host_source(source: str, kernel: str) -> str:
     text = _SHARED.sub(lambda m: f"{m.group(1)}* {m.group(2)} = reinterpret_cast<{m.group(1)}*>(emu_smem);",
                        text)
     sig = next(m for m in _KERNEL.finditer(text) if m.group(1) == kernel)
-    params = [p.strip() for p in sig.group(2).split(",")]
+    params = [p.strip() for p in _preprocess(sig.group(2), text).split(",") if p.strip()]
     types = [re.sub(r"\s*\b\w+$", "", p).replace("__restrict__", "").strip() for p in params]
     call = ", ".join(f"*reinterpret_cast<{ty}*>(args[{i}])" for i, ty in enumerate(types))
     return PRELUDE + text + f"""
@@ -304,7 +334,7 @@ def _cache_dir() -> Path:
 
 class HostKernel:
     """A kernel source built for the host; called like torch's NVRTC kernels (`grid`, `block`, `args`,
-    `shared_mem`), on CPU tensors and Python ints / floats (int32 / float32 parameters)."""
+    `shared_mem`), on CPU tensors and Python ints / floats (int / double parameters)."""
 
     def __init__(self, source: str, kernel: str):
         text = host_source(source, kernel)
@@ -338,8 +368,8 @@ class HostKernel:
                 if a.device.type != "cpu" or not a.is_contiguous():
                     raise ValueError("cuda_cpu: kernel arguments are contiguous CPU tensors")
                 values.append(ctypes.c_void_p(a.data_ptr()))
-            elif isinstance(a, float):
-                values.append(ctypes.c_float(a))
+            elif isinstance(a, float):  # a double, as torch's NVRTC launcher passes it
+                values.append(ctypes.c_double(a))
             else:
                 values.append(ctypes.c_int(a))
         ptrs = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p)

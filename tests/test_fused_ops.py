@@ -365,6 +365,34 @@ def test_model_on_fused_kernels_matches_the_reference_path(tiny_bf16, monkeypatc
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_norms_left_to_the_gemv_give_the_same_logits(tiny_bf16, monkeypatch):
+    """A decoder layer's norms left waiting for the Linear that reads them (`deferred_norm`, here on the CPU,
+    where no GEMV runs them: every Linear settles them first) give the same decode logits, bit for bit, as
+    norms run in place."""
+    from ninfer.kernels import deferred_norm
+
+    with single_thread():
+        model = load_model(tiny_bf16, dtype=torch.bfloat16)
+        ids = [5, 17, 300, 42, 7, 99]
+
+        def run():
+            seq = Sequence(SequenceCache(model.cache_spec), ids + [11, 12, 13])
+            return torch.stack([model.compute_logits(step(model, [seq], [len(ids)]))[-1]]
+                               + [model.compute_logits(step(model, [seq], [1]))[-1] for _ in range(3)])
+
+        want = run()
+        deferred = []
+        defer = deferred_norm.defer
+        monkeypatch.setattr(deferred_norm, "deferrable", lambda x, r, group: (
+            r is not None and x.dim() == 2 and x.shape[0] == 1 and x.shape[1] % 256 == 0))
+        monkeypatch.setattr(deferred_norm, "defer", lambda *a: deferred.append(1) or defer(*a))
+        got = run()
+    assert torch.equal(got, want)
+    layers = len(model.layers)
+    assert len(deferred) == 3 * (2 * layers - 1)  # a one-row step's norms but the first (no residual yet)
+    assert deferred_norm._waiting is None
+
+
 # ---- launch count of one decode step ---------------------------------------------------------------------
 
 def _gated_norm_stand_in(o, z, w, eps, out_dtype=None, scatter=None, quantize=False, group=32, gather=None):

@@ -426,6 +426,50 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("n", "k"), [(16480, 5120), (34816, 5120), (14336, 5120), (72, 768)])
+def test_the_norm_in_the_gemvs_prologue_on_gpu(n, k):
+    """`gemv_il_norm` (the add + RMSNorm made by each CTA of the dp4a kernel) against the norm kernel then the
+    plain GEMV, on the 27B's norm-fed matrices: the residual the same bits, the normed row and codes within an
+    ulp / a code (the sum of squares in another order), the GEMV within the bf16 rounding; in a CUDA graph
+    with programmatic dependent launch after a kernel that writes its input, the same bits as eager."""
+    from ninfer.kernels import fused
+    from ninfer.kernels.deferred_norm import NormOutputs
+    from ninfer.kernels.gemv_il import gemv_il_norm, norm_gemv_wanted
+    from ninfer.kernels.gemv_q8 import quantize_activation_cached
+
+    words = repack_il32(random_gguf_weight("iq3_s", n, k, "cuda"))
+    x = (torch.randn(1, k, device="cuda") * 3).to(torch.bfloat16)
+    r = (torch.randn(1, k, device="cuda") * 10).to(torch.bfloat16)
+    w = torch.randn(k, device="cuda") * 0.3
+    assert norm_gemv_wanted(words, x, n)
+
+    def fresh():
+        scales = (torch.empty((1, k // 256), device="cuda") for _ in range(2))
+        return NormOutputs(torch.empty_like(x), torch.empty_like(r),
+                           torch.empty((1, k), dtype=torch.int8, device="cuda"), *scales)
+
+    for zero_centred in (True, False):
+        out, res = fused.add_rms_norm(x, r, w, 1e-6, zero_centred, quantize=True, group=256)
+        xa = quantize_activation_cached(out, 256)
+        plain = il_matmul(words, out, n)
+        o = fresh()
+        y = gemv_il_norm(words, x, r, w, 1e-6, zero_centred, n, o)
+        assert torch.equal(o.residual, res)
+        assert (o.out.float() - out.float()).abs().le(out.float().abs() * 2.0**-8).all()
+        assert (o.q.int() - xa.q.int()).abs().max() <= 1
+        torch.testing.assert_close(o.d, xa.d, rtol=2.0**-8, atol=0)
+        assert rel(y, plain) < 2.0**-8, (n, k, zero_centred)
+        g, xg = fresh(), torch.empty_like(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            xg.copy_(x * 1)  # a kernel ahead that writes the norm's input
+            yg = gemv_il_norm(words, xg, r, w, 1e-6, zero_centred, n, g)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(yg, y) and torch.equal(g.out, o.out) and torch.equal(g.q, o.q), (n, k)
+
+
+@pytest.mark.gpu
 def test_split_il32_calls_leave_the_adding_kernels_workspace_zero():
     """The split tensor-core il32 kernel stores its pieces' sums in slots it leaves behind; the split-K
     kernels that add into a zeroed workspace (here gemv_frag on the 27B's q4_k gate|up) must not find them

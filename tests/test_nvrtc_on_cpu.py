@@ -129,6 +129,47 @@ def test_the_q4il_and_q6il_kernels(case, columns):
     assert rel(padded, want_padded) < FP32_BOUND
 
 
+def norm_case(k: int, zero_centred: bool, n: int = 96, source_of=same):
+    """The dp4a kernel with the add + RMSNorm in its prologue (`gemv_il_norm`'s launch) on a bf16 row, and
+    what the norm kernel and the plain GEMV give: (y, outputs, reference norm and residual, int8 activation,
+    the plain kernel's y on it)."""
+    from ninfer.kernels import fused
+    from ninfer.kernels.deferred_norm import NormOutputs
+
+    words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
+    x, r = (torch.randn(1, k) * 3).to(torch.bfloat16), (torch.randn(1, k) * 10).to(torch.bfloat16)
+    w, eps = torch.randn(k) * 0.3, 1e-6
+    out, res = fused.add_rms_norm_reference(x, r, w, eps, zero_centred)
+    xa = quantize_activation_reference(out, 256)
+    s = gemv_il.il_schedule(1, k, n, 256)
+    rows = (torch.full((1, k), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+    scales = (torch.full((1, k // 256), float("nan")) for _ in range(2))
+    o = NormOutputs(*rows, torch.zeros(1, k, dtype=torch.int8), *scales)
+    y = torch.full((1, n), float("nan"), dtype=torch.bfloat16)
+    source = source_of(gemv_il.kernel_source(1, 1, s, norm=2 if zero_centred else 1))
+    HostKernel(source, "iq3s_il_gemv")((2,), (32 * s.warps,), [
+        words, o.q.view(torch.int32), o.d, _tables("cpu")[1], y, n, k, y.stride(0), 2, x, r, w, eps, o.out,
+        o.residual, o.q, o.d, o.s], s.smem_bytes(1, k, 2))
+    plain = run_il(same, words, xa, n, s, 2, 2, torch.bfloat16)[0]
+    return y, o, (out, res), xa, plain, gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
+
+
+@pytest.mark.parametrize("zero_centred", [True, False])
+@pytest.mark.parametrize("k", [768, 2560])
+def test_the_dp4a_kernel_with_the_norm_in_its_prologue(k, zero_centred):
+    """Each CTA's norm and int8 codes are the norm kernel's (its sum of squares in another order: measured
+    equal on these rows; one bf16 ulp / one code allowed), so the GEMV is the plain one's on the norm
+    kernel's activation; CTA 0 writes the residual, the normed row, codes, scales and d·Σq."""
+    y, o, (out, res), xa, plain, want = norm_case(k, zero_centred)
+    assert torch.equal(o.residual, res)
+    assert (o.out.float() - out.float()).abs().le(out.float().abs() * 2.0**-8).all()
+    assert (o.q.int() - xa.q.int()).abs().max() <= 1 and (o.q != xa.q).float().mean() <= 0.01
+    torch.testing.assert_close(o.d, xa.d, rtol=2.0**-8, atol=0)
+    torch.testing.assert_close(o.s, xa.s, rtol=0.01, atol=0)
+    assert rel(y, plain) < 2.0**-8
+    assert rel(y, want) < 5e-3  # bf16 output rounding
+
+
 # plausible slips, each in one kernel's source: the test above must see every one
 MUTATIONS = {
     "dp4a: a sign mask's byte": ("il", "0x4440 + 2 * half + (e >> 1)", "0x4440 + 2 * half"),
@@ -137,6 +178,11 @@ MUTATIONS = {
     "mma: a split's last piece": ("il_mma_split", "splits - 1;", "splits;"),
     "q4il: the min term's sign": ("q4il", "-dmin * (float)msum", "dmin * (float)msum"),
     "q6il: the scale unsigned": ("q6il", "0x8880u | (unsigned)", "0x0000u | (unsigned)"),
+    "norm: the weight not zero-centred": ("norm", "NORM == 2 ? 1.f + wv[i] : wv[i]", "wv[i]"),
+    "norm: a lane's group max": ("norm", "amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o))",
+                                 "amax = fmaxf(amax, 0.f)"),
+    "norm: the squares of one warp": ("norm", "for (int s = 0; s < WARPS; ++s) total += partial[s];",
+                                      "total = WARPS * partial[0];"),
 }
 
 
@@ -156,6 +202,10 @@ def test_a_slip_in_a_kernel_fails(name):
         s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1)
         y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
+    elif kind == "norm":
+        y, *_, want = norm_case(2560, True, source_of=mutate)
+        assert not rel(y, want) < 5e-3
+        return
     else:
         y, want = (q4il_case if kind == "q4il" else q6il_case)(4, source_of=mutate)
     assert not rel(y, want) < FP32_BOUND  # (NaN: an output never written)

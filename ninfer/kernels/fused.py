@@ -341,17 +341,18 @@ def remember_int8(out: torch.Tensor, buffers: tuple[torch.Tensor, ...]) -> None:
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, zero_centred: bool,
-    quantize: bool = False, group: int = 32,
+    quantize: bool = False, group: int = 32, into: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(rms_norm(x + residual), x + residual)` in one launch; residual None: `(rms_norm(x), x)`. `quantize`
     (2-D x): the normed output's int8 activation too (`group` values a scale), left for the Linear that
-    reads it (gemv_q8's memo)."""
+    reads it (gemv_q8's memo). `into`: the buffers to write, `(out, new residual, q, d, s)` (a norm left to
+    a GEMV and run after all: `deferred_norm`), else new ones."""
     x3 = _rows3(x, "x")
     T, H, N = x3.shape
     if quantize and x.dim() != 2:
         raise FusedKernelError(f"the int8 activation is made for [T, N] rows, got shape {tuple(x.shape)}")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    q8 = int8_buffers(out, quantize, group)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if into is None else into[0]
+    q8 = int8_buffers(out, quantize, group) if into is None else into[2:]
     o3 = out.view(T, H, N)
     if residual is None:
         r3 = ro3 = x3
@@ -360,7 +361,8 @@ def add_rms_norm(
         if residual.shape != x.shape:
             raise FusedKernelError(f"residual shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
         r3 = _rows3(residual, "residual")
-        new_residual = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
+        new_residual = (torch.empty(x.shape, dtype=residual.dtype, device=x.device) if into is None
+                        else into[1])
         ro3 = new_residual.view(T, H, N)
     if T * H:
         block = _block(N)

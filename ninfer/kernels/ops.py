@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from ninfer.kernels import fused, reference
+from ninfer.kernels import deferred_norm, fused, reference
 from ninfer.kernels.gemv_q8 import int8_next, int8_next_shape
 from ninfer.kernels.reference import (  # noqa: F401  (re-exported: no fused form, PyTorch on every device)
     apply_rotary,
@@ -34,11 +34,16 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centred: bool) -
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, zero_centred: bool,
-    group: int = 32,
+    group: int = 32, defer: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(rms_norm(residual + x), residual + x)`; with residual None `(rms_norm(x), x)` (the first layer).
     `group` here and below: inputs per scale of the int8 activation the next Linear takes
-    (`models.weights.Linear.activation_group`), which the fused kernels write at decode widths on CUDA."""
+    (`models.weights.Linear.activation_group`), which the fused kernels write at decode widths on CUDA.
+    `defer`: the caller's next call is the Linear that reads the output, which may run the norm itself
+    (`deferred_norm`)."""
+    deferred_norm.settle()  # x or the residual may be a waiting norm's output
+    if defer and deferred_norm.deferrable(x, residual, group):
+        return deferred_norm.defer(x, residual, w, eps, zero_centred)
     if fused.runs_on(x) and x.dim() == 2 and x.stride(-1) == 1:
         return fused.add_rms_norm(x, residual, w, eps, zero_centred, quantize=int8_next(x, group),
                                   group=group)

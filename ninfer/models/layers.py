@@ -22,11 +22,11 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, self.zero_centred)
 
     def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, group: int = 32
+        self, x: torch.Tensor, residual: torch.Tensor | None, group: int = 32, defer: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(norm(residual + x), residual + x)` fused; residual None (first layer): `(norm(x), x)`. `group`:
-        the next Linear's `activation_group()`."""
-        return ops.add_rms_norm(x, residual, self.weight, self.eps, self.zero_centred, group)
+        the next Linear's `activation_group()`; `defer`: that Linear is the next call (`ops.add_rms_norm`)."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, self.zero_centred, group, defer)
 
 
 class SwiGLUMLP(nn.Module):

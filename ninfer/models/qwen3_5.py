@@ -297,12 +297,12 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's MLP output (or the embeddings, with residual None)."""
         mixer = self.mixer
         first = mixer.in_proj if mixer.in_proj is not None else mixer.query  # the matmul the norm feeds
-        h, residual = self.input_norm.add_forward(x, residual, first.activation_group())
+        h, residual = self.input_norm.add_forward(x, residual, first.activation_group(), defer=True)
         if isinstance(mixer, GatedAttention):
             h = mixer(h, cos, sin, ctx)
         else:
             h = mixer(h, ctx)
-        h, residual = self.post_attention_norm.add_forward(h, residual, self.mlp.input_group())
+        h, residual = self.post_attention_norm.add_forward(h, residual, self.mlp.input_group(), defer=True)
         return self.mlp(h), residual
 
 

@@ -4,7 +4,8 @@ builds on a GPU, compiled by the host's C++ compiler with every CUDA thread an O
 What the emulation gives a kernel (`PRELUDE`): `threadIdx` / `blockIdx` / `gridDim` / `blockDim`, dynamic
 shared memory a CTA (filled with 0xA5 bytes: a read before a write shows), `__syncthreads` as a barrier of the
 CTA's threads (a thread that returns stops counting, as on the GPU; a barrier that waits 60 s aborts the
-process: a deadlock), the load intrinsics as plain loads, `atomicAdd` and `__threadfence` as host atomics.
+process: a deadlock), the load intrinsics as plain loads (`__ldg` of shared memory aborts), `atomicAdd` and
+`__threadfence` as host atomics.
 The source's inline-PTX helpers (`prmt`, `dp4a`, the mma instructions, the conversions) are swapped, by name,
 for C++ written from the PTX ISA's definitions (`EMULATED`); the mma ones exchange their fragments through
 the warp (a barrier of its 32 threads; so do the shuffles), by the fragment tables of the PTX ISA (the same
@@ -93,6 +94,7 @@ struct EmuWarp {  // the operands of a warp-wide instruction, exchanged through 
 static thread_local dim3_ threadIdx, blockIdx;
 static dim3_ gridDim, blockDim;
 static thread_local char* emu_smem;
+static thread_local char* emu_smem_end;
 static thread_local EmuBarrier* emu_cta;
 static thread_local EmuWarp* emu_warp;
 
@@ -110,7 +112,13 @@ template <class T> inline T __shfl_xor_sync(unsigned, T v, int mask) {
     return r;
 }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-template <class T> inline T __ldg(const T* p) { return *p; }
+template <class T> inline T __ldg(const T* p) {  // ld.global.nc: never shared memory
+    if ((const char*)p >= emu_smem && (const char*)p < emu_smem_end) {
+        std::fprintf(stderr, "cuda_cpu: __ldg of a shared-memory address\n");
+        std::abort();
+    }
+    return *p;
+}
 template <class T> inline T __ldcg(const T* p) {
     std::atomic_thread_fence(std::memory_order_seq_cst);
     return *(const volatile T*)p;
@@ -314,6 +322,7 @@ extern "C" void emu_launch(unsigned grid, unsigned block, unsigned long smem_byt
                 threadIdx = {{x, 0, 0}};
                 blockIdx = {{cta, 0, 0}};
                 emu_smem = smem.data();
+                emu_smem_end = smem.data() + smem.size();
                 emu_cta = &bar;
                 emu_warp = &warps[x / 32];
                 {kernel}({call});

@@ -376,13 +376,14 @@ GREEDY_CUT_QUANTIZED = 0.55
 
 @pytest.mark.parametrize("gguf_name", ["model-bf16.gguf", "model-q8_0.gguf", "model-iq3_s.gguf",
                                        "model-iq3_s.gguf:il32", "model-iq3_s.gguf:il32+norm",
-                                       "model-q4_k_m.gguf:q6il", "model-q4_k_m.gguf:q4il"])
+                                       "model-q4_k_m.gguf:q6il", "model-q4_k_m.gguf:q4il",
+                                       "model-q4_k_m.gguf:q4il+norm"])
 def test_fixture_greedy_gpu_matches_cpu(tiny_dir, tmp_path, monkeypatch, gguf_name):
     """The fixture model on the GPU (bf16 compute; the q8_0 and iq3_s files through the quantized kernels, the
     iq3_s GDN input projection running the decode conv in its epilogue; ":il32": every iq3_s matrix on the
     lane-per-row layout, NINFER_IQ3S_IL=1; ":q6il": every q6_k matrix (the head, one attention and two MLP
     layers of the q4_k_m file) on its lane-per-row layout, NINFER_Q6K_IL=1; ":q4il": every q4_k matrix on
-    its own, NINFER_Q4K_IL=1; ":il32+norm": and the decoder layers' norms run in the il32 GEMVs' prologues,
+    its own, NINFER_Q4K_IL=1; "+norm": and the decoder layers' norms run in those GEMVs' prologues,
     NINFER_NORM_GEMV=1) gives the CPU reference engine's greedy tokens (fp32, dense weights) up to the
     first step whose CPU top-1/top-2 margin is under twice the measured drift (issue 5: >= 16 identical
     tokens on the bf16 file)."""

@@ -129,38 +129,52 @@ def test_the_q4il_and_q6il_kernels(case, columns):
     assert rel(padded, want_padded) < FP32_BOUND
 
 
-def norm_case(k: int, zero_centred: bool, n: int = 96, source_of=same):
-    """The dp4a kernel with the add + RMSNorm in its prologue (`gemv_il_norm`'s launch) on a bf16 row, and
-    what the norm kernel and the plain GEMV give: (y, outputs, reference norm and residual, int8 activation,
-    the plain kernel's y on it)."""
+def norm_case(kind: str, k: int, zero_centred: bool, n: int = 96, source_of=same):
+    """A GEMV with the add + RMSNorm in its prologue (kind "il": `gemv_il_norm`'s launch, "q4il":
+    `gemv_q4il_norm`'s) on a bf16 row, and what the norm kernel and the plain GEMV give: (y, outputs,
+    reference norm and residual, int8 activation, the plain kernel's y on it, the oracle's)."""
     from ninfer.kernels import fused
     from ninfer.kernels.deferred_norm import NormOutputs
 
-    words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
+    raw = random_gguf_weight("iq3_s" if kind == "il" else "q4_k", n, k)
     x, r = (torch.randn(1, k) * 3).to(torch.bfloat16), (torch.randn(1, k) * 10).to(torch.bfloat16)
     w, eps = torch.randn(k) * 0.3, 1e-6
     out, res = fused.add_rms_norm_reference(x, r, w, eps, zero_centred)
     xa = quantize_activation_reference(out, 256)
-    s = gemv_il.il_schedule(1, k, n, 256)
     rows = (torch.full((1, k), float("nan"), dtype=torch.bfloat16) for _ in range(2))
     scales = (torch.full((1, k // 256), float("nan")) for _ in range(2))
     o = NormOutputs(*rows, torch.zeros(1, k, dtype=torch.int8), *scales)
     y = torch.full((1, n), float("nan"), dtype=torch.bfloat16)
-    source = source_of(gemv_il.kernel_source(1, 1, s, norm=2 if zero_centred else 1))
-    HostKernel(source, "iq3s_il_gemv")((2,), (32 * s.warps,), [
-        words, o.q.view(torch.int32), o.d, _tables("cpu")[1], y, n, k, y.stride(0), 2, x, r, w, eps, o.out,
-        o.residual, o.q, o.d, o.s], s.smem_bytes(1, k, 2))
-    plain = run_il(same, words, xa, n, s, 2, 2, torch.bfloat16)[0]
-    return y, o, (out, res), xa, plain, gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
+    norm = [x, r, w, eps, o.out, o.residual, o.q, o.d, o.s]
+    # the plain build's activation arguments, unread by a NORM build: garbage, so that reading them shows
+    unread = torch.randint(-2**31, 2**31 - 1, (1, k // 4), dtype=torch.int32), torch.full((1, k // 256), 1e30)
+    if kind == "il":
+        words = gemv_il.repack_il32(raw)
+        s = gemv_il.il_schedule(1, k, n, 256)
+        source = source_of(gemv_il.kernel_source(1, 1, s, norm=2 if zero_centred else 1))
+        HostKernel(source, "iq3s_il_gemv")((2,), (32 * s.warps,), [
+            words, *unread, _tables("cpu")[1], y, n, k, y.stride(0), 2, *norm],
+            s.smem_bytes(1, k, 2))
+        plain = run_il(same, words, xa, n, s, 2, 2, torch.bfloat16)[0]
+    else:
+        words, (warps, ctas) = gemv_q4il.repack_q4il(raw), gemv_q4il.SHAPES[1]
+        source = source_of(gemv_q4il.kernel_source(1, 1, False, (warps, ctas), 2 if zero_centred else 1))
+        HostKernel(source, "q4k_il_mma")((2,), (32 * warps,), [
+            words, *unread, y, n, k, y.stride(0), *norm],
+            gemv_q4il.smem_bytes(k, warps, True))
+        plain = run_lane("q4k_il_mma", same, words, xa, n, warps, gemv_q4il.smem_bytes(k, warps),
+                         gemv_q4il.kernel_source(1, 1, False, (warps, ctas)), torch.bfloat16)
+    return y, o, (out, res), xa, plain, gemv_q8_reference(raw, "iq3_s" if kind == "il" else "q4_k", xa, n)
 
 
 @pytest.mark.parametrize("zero_centred", [True, False])
-@pytest.mark.parametrize("k", [768, 2560])
-def test_the_dp4a_kernel_with_the_norm_in_its_prologue(k, zero_centred):
-    """Each CTA's norm and int8 codes are the norm kernel's (its sum of squares in another order: measured
-    equal on these rows; one bf16 ulp / one code allowed), so the GEMV is the plain one's on the norm
-    kernel's activation; CTA 0 writes the residual, the normed row, codes, scales and d·Σq."""
-    y, o, (out, res), xa, plain, want = norm_case(k, zero_centred)
+@pytest.mark.parametrize(("kind", "k"), [("il", 768), ("il", 2560), ("q4il", 768), ("q4il", 2560)])
+def test_the_norm_in_a_gemvs_prologue(kind, k, zero_centred):
+    """The dp4a il32 and q4il kernels' NORM builds: each CTA's norm and int8 codes are the norm kernel's
+    (its sum of squares in another order: measured equal on these rows; one bf16 ulp / one code allowed),
+    so the GEMV is the plain one's on the norm kernel's activation; CTA 0 writes the residual, the normed
+    row, codes, scales and d·Σq."""
+    y, o, (out, res), xa, plain, want = norm_case(kind, k, zero_centred)
     assert torch.equal(o.residual, res)
     assert (o.out.float() - out.float()).abs().le(out.float().abs() * 2.0**-8).all()
     assert (o.q.int() - xa.q.int()).abs().max() <= 1 and (o.q != xa.q).float().mean() <= 0.01
@@ -179,6 +193,7 @@ MUTATIONS = {
     "q4il: the min term's sign": ("q4il", "-dmin * (float)msum", "dmin * (float)msum"),
     "q6il: the scale unsigned": ("q6il", "0x8880u | (unsigned)", "0x0000u | (unsigned)"),
     "norm: the weight not zero-centred": ("norm", "NORM == 2 ? 1.f + wv[i] : wv[i]", "wv[i]"),
+    "q4il norm: the made codes unread": ("q4il_norm", "const int* xa = codes;", "const int* xa = xw;"),
     "norm: a lane's group max": ("norm", "amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o))",
                                  "amax = fmaxf(amax, 0.f)"),
     "norm: the squares of one warp": ("norm", "for (int s = 0; s < WARPS; ++s) total += partial[s];",
@@ -202,8 +217,8 @@ def test_a_slip_in_a_kernel_fails(name):
         s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1)
         y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
-    elif kind == "norm":
-        y, *_, want = norm_case(2560, True, source_of=mutate)
+    elif kind in ("norm", "q4il_norm"):
+        y, *_, want = norm_case("il" if kind == "norm" else "q4il", 2560, True, source_of=mutate)
         assert not rel(y, want) < 5e-3
         return
     else:

@@ -2,15 +2,16 @@
 
 At one decode row on CUDA a decoder layer's two norms each run as a kernel of their own
 (`fused.add_rms_norm`, ~2.9 µs "end − previous end" in the H200's graphed IQ3_S step, 128 of them a 27B
-step) that writes the int8 activation the next GEMV then stages in its shared memory. `defer` instead hands
-back the norm's output buffers unwritten and keeps the norm waiting; the il32 dp4a GEMV that reads them
-(`gemv_il.gemv_il_norm`) makes its activation itself in its prologue (every CTA sums the row's squares and
-quantises it) and its first CTA fills the buffers, so one launch does both. Any other reader runs the norm
-first (`settle`: the norm kernel into the same buffers): the numbers are the same whichever way it runs.
+step) that writes the int8 activation the next GEMV then reads. `defer` instead hands back the norm's output
+buffers unwritten and keeps the norm waiting; the il32 dp4a or q4il GEMV that reads them
+(`gemv_il.gemv_il_norm`, `gemv_q4il.gemv_q4il_norm`) makes its activation itself in its prologue (every CTA
+sums the row's squares and quantises it into its shared memory) and its first CTA fills the buffers, so one
+launch does both. Any other reader runs the norm first (`settle`: the norm kernel into the same buffers):
+the numbers are the same whichever way it runs.
 
 One norm waits at a time: a decoder layer's norm and the matmul that reads it are adjacent calls
 (`models.qwen3_5.DecoderLayer`), and every other entry point settles first (`ops.add_rms_norm`, the
-Linears but the il32 one).
+Linears but the il32 and q4il ones, whose matmuls take the norm or settle it).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def enabled() -> bool:
 
 
 def deferrable(x: torch.Tensor, residual: torch.Tensor | None, group: int) -> bool:
-    """One contiguous bf16 row and its residual on CUDA, read next by a Linear of `group` = 256 (il32)."""
+    """One contiguous bf16 row and its residual on CUDA, read next by a Linear of `group` = 256 (il32,
+    q4il)."""
     return (enabled() and residual is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
             and x.dtype == residual.dtype == torch.bfloat16 and residual.shape == x.shape
             and x.is_contiguous() and residual.is_contiguous() and group == GROUP and x.shape[1] % GROUP == 0)

@@ -152,6 +152,88 @@ __device__ __forceinline__ out_t to_out(float v) {
 
 """
 
+# The prologue of the dp4a il32 and q4il kernels' NORM builds (`gemv_il_norm`, `gemv_q4il_norm`): WARPS,
+# OUT_KIND 1 (bf16) and NORM defined by the source.
+NORM_STAGE = r"""
+#if NORM
+// NORM (1 column, groups of 256, bf16): the activation is made here, not read: the add + RMSNorm of the
+// previous sublayer's output hx and the residual hr (bf16 [K]; the norm weight nw fp32, 1 + nw when NORM ==
+// 2) and its int8 codes, one scale a 256-group, as `fused.add_rms_norm` and `quantize_groups` make them (the
+// sum of squares in another order: inv within an ulp), into xs (K / 4 words) and xds (K / 256) in shared
+// memory; `partial` holds WARPS floats. CTA 0 also stores what the norm kernel would (the new residual hres,
+// the normed hout, codes, scales and d·Σq) for any other reader.
+__device__ __forceinline__ float bf16_value(unsigned v, int i) {  // bf16 i (0 / 1) of a word, as fp32
+    return __uint_as_float(i ? v & 0xffff0000u : v << 16);
+}
+__device__ __forceinline__ float bf16_part(const uint4& v, int i) {  // bf16 i (0 .. 7) of 16 bytes
+    return bf16_value(i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w, i & 1);
+}
+__device__ __forceinline__ void norm_stage(const uint4* __restrict__ hx, const uint4* __restrict__ hr,
+                                           const float4* __restrict__ nw, float eps, int K, int* xs,
+                                           float* xds, float* partial, uint4* __restrict__ hout,
+                                           uint4* __restrict__ hres, int2* __restrict__ qout,
+                                           float* __restrict__ dout, float* __restrict__ sout) {
+    const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    const int groups = K >> 8;
+    float ss = 0.f;
+    for (int g = wid; g < groups; g += WARPS) {  // lane: inputs 8 lane .. 8 lane + 7 of a group
+        const uint4 xv = hx[32 * g + lane], rv = hr[32 * g + lane];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float s = bf16_value(to_out(bf16_part(xv, i) + bf16_part(rv, i)), 0);
+            ss = fmaf(s, s, ss);
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) partial[wid] = ss;
+    __syncthreads();
+    float total = 0.f;
+    for (int s = 0; s < WARPS; ++s) total += partial[s];
+    const float inv = rsqrtf(total / (float)K + eps);
+    for (int g = wid; g < groups; g += WARPS) {
+        const uint4 xv = hx[32 * g + lane], rv = hr[32 * g + lane];
+        const float4 w0 = nw[64 * g + 2 * lane], w1 = nw[64 * g + 2 * lane + 1];
+        const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+        unsigned sb[4], ob[4];
+        float v[8], amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const unsigned s = to_out(bf16_part(xv, i) + bf16_part(rv, i));
+            const unsigned o = to_out(bf16_value(s, 0) * inv * (NORM == 2 ? 1.f + wv[i] : wv[i]));
+            sb[i >> 1] = (i & 1) ? sb[i >> 1] | (s << 16) : s;
+            ob[i >> 1] = (i & 1) ? ob[i >> 1] | (o << 16) : o;
+            v[i] = bf16_value(o, 0);
+            amax = fmaxf(amax, fabsf(v[i]));
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        const float d = amax / 127.f, safe = d == 0.f ? 1.f : d;
+        int qw[2] = {0, 0}, qsum = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int q = (int)fminf(fmaxf(rintf(v[i] / safe), -127.f), 127.f);
+            qsum += q;
+            qw[i >> 2] |= (q & 255) << (8 * (i & 3));
+        }
+        reinterpret_cast<int2*>(xs)[32 * g + lane] = make_int2(qw[0], qw[1]);
+        if (lane == 0) xds[g] = d;
+        if (blockIdx.x == 0) {
+            hres[32 * g + lane] = make_uint4(sb[0], sb[1], sb[2], sb[3]);
+            hout[32 * g + lane] = make_uint4(ob[0], ob[1], ob[2], ob[3]);
+            qout[32 * g + lane] = make_int2(qw[0], qw[1]);
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) qsum += __shfl_xor_sync(0xffffffffu, qsum, o);
+            if (lane == 0) {
+                dout[g] = d;
+                sout[g] = d * (float)qsum;
+            }
+        }
+    }
+}
+#endif
+"""
+
 _SOURCE = r"""
 #define OUT_KIND __OUT_KIND__
 #define NCOL __NCOL__
@@ -249,83 +331,7 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
 #endif
 }
 
-#if NORM
-// NORM (1 column, GROUP 256, bf16): the activation is made here, not read: the add + RMSNorm of the
-// previous sublayer's output hx and the residual hr (bf16 [K]; the norm weight nw fp32, 1 + nw when NORM ==
-// 2) and its int8 codes, one scale a 256-group, as `fused.add_rms_norm` and `quantize_groups` make them (the
-// sum of squares in another order: inv within an ulp). CTA 0 also stores what the norm kernel would (the new
-// residual hres, the normed hout, codes, scales and d·Σq) for any other reader.
-__device__ __forceinline__ float bf16_value(unsigned v, int i) {  // bf16 i (0 / 1) of a word, as fp32
-    return __uint_as_float(i ? v & 0xffff0000u : v << 16);
-}
-__device__ __forceinline__ float bf16_part(const uint4& v, int i) {  // bf16 i (0 .. 7) of 16 bytes
-    return bf16_value(i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w, i & 1);
-}
-__device__ __forceinline__ void norm_stage(const uint4* __restrict__ hx, const uint4* __restrict__ hr,
-                                           const float4* __restrict__ nw, float eps, int K, int* xs,
-                                           float* xds, float* partial, uint4* __restrict__ hout,
-                                           uint4* __restrict__ hres, int2* __restrict__ qout,
-                                           float* __restrict__ dout, float* __restrict__ sout) {
-    const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    const int groups = K >> 8;
-    float ss = 0.f;
-    for (int g = wid; g < groups; g += WARPS) {  // lane: inputs 8 lane .. 8 lane + 7 of a group
-        const uint4 xv = hx[32 * g + lane], rv = hr[32 * g + lane];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const float s = bf16_value(to_out(bf16_part(xv, i) + bf16_part(rv, i)), 0);
-            ss = fmaf(s, s, ss);
-        }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) partial[wid] = ss;
-    __syncthreads();
-    float total = 0.f;
-    for (int s = 0; s < WARPS; ++s) total += partial[s];
-    const float inv = rsqrtf(total / (float)K + eps);
-    for (int g = wid; g < groups; g += WARPS) {
-        const uint4 xv = hx[32 * g + lane], rv = hr[32 * g + lane];
-        const float4 w0 = nw[64 * g + 2 * lane], w1 = nw[64 * g + 2 * lane + 1];
-        const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-        unsigned sb[4], ob[4];
-        float v[8], amax = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const unsigned s = to_out(bf16_part(xv, i) + bf16_part(rv, i));
-            const unsigned o = to_out(bf16_value(s, 0) * inv * (NORM == 2 ? 1.f + wv[i] : wv[i]));
-            sb[i >> 1] = (i & 1) ? sb[i >> 1] | (s << 16) : s;
-            ob[i >> 1] = (i & 1) ? ob[i >> 1] | (o << 16) : o;
-            v[i] = bf16_value(o, 0);
-            amax = fmaxf(amax, fabsf(v[i]));
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        const float d = amax / 127.f, safe = d == 0.f ? 1.f : d;
-        int qw[2] = {0, 0}, qsum = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int q = (int)fminf(fmaxf(rintf(v[i] / safe), -127.f), 127.f);
-            qsum += q;
-            qw[i >> 2] |= (q & 255) << (8 * (i & 3));
-        }
-        reinterpret_cast<int2*>(xs)[32 * g + lane] = make_int2(qw[0], qw[1]);
-        if (lane == 0) xds[g] = d;
-        if (blockIdx.x == 0) {
-            hres[32 * g + lane] = make_uint4(sb[0], sb[1], sb[2], sb[3]);
-            hout[32 * g + lane] = make_uint4(ob[0], ob[1], ob[2], ob[3]);
-            qout[32 * g + lane] = make_int2(qw[0], qw[1]);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) qsum += __shfl_xor_sync(0xffffffffu, qsum, o);
-            if (lane == 0) {
-                dout[g] = d;
-                sout[g] = d * (float)qsum;
-            }
-        }
-    }
-}
-#endif
-
+""" + NORM_STAGE + r"""
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
              const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y, int ring

@@ -31,9 +31,10 @@ import os
 
 import torch
 
-from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, _launch, _smem_optin, check_call
+from ninfer.kernels import deferred_norm
+from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, NORM_STAGE, _launch, _smem_optin, check_call
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference
-from ninfer.kernels.gguf_matmul import dequantize_rows
+from ninfer.kernels.gguf_matmul import QuantKernelError, dequantize_rows
 from ninfer.kernels.lane_layout import TILE_STORE, LaneLayout, builds
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_enabled, tl, triton_runs_on
 
@@ -62,7 +63,8 @@ _SOURCE = r"""
 #define WARPS __WARPS__
 #define CTAS __CTAS__
 #define PDL __PDL__
-""" + CUDA_HELPERS + TILE_STORE + r"""
+#define NORM __NORM__
+""" + CUDA_HELPERS + TILE_STORE + NORM_STAGE + r"""
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -80,7 +82,13 @@ __device__ __forceinline__ void mma_u8s8(int (&c)[4], unsigned a0, unsigned a1, 
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, CTAS)
 q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
-           out_t* __restrict__ y, int N, int K, int stride_y)
+           out_t* __restrict__ y, int N, int K, int stride_y
+#if NORM
+           , const uint4* __restrict__ hx, const uint4* __restrict__ hr, const float4* __restrict__ nw,
+           double eps, uint4* __restrict__ hout, uint4* __restrict__ hres, int2* __restrict__ qout,
+           float* __restrict__ dout, float* __restrict__ sout
+#endif
+           )
 {
     // CTA c takes tiles c, c + gridDim.x, ..., its warps a tile's blocks wid, wid + WARPS, ...
     extern __shared__ int4 xs[];  // per block and column: bytes {hi j0..3, hi j4..7, lo j0..3, lo j4..7}
@@ -88,6 +96,20 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
     float* red = reinterpret_cast<float*>(xs + nblk * 8);  // [WARPS][32 rows][8 columns] partial sums
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the activation is the previous kernel's output
+#endif
+#if NORM
+    // the activation made here (norm_stage), its codes and scales in shared memory after the warps' sums
+    int* codes = reinterpret_cast<int*>(red + WARPS * 32 * 8);
+    float* scales = reinterpret_cast<float*>(codes + K4);
+    norm_stage(hx, hr, nw, (float)eps, K, codes, scales, red, hout, hres, qout, dout, sout);
+    __syncthreads();
+    const int* xa = codes;
+    const float* xda = scales;
+#define LDX(p) (*(p))
+#else
+    const int* xa = xw;
+    const float* xda = xd;
+#define LDX(p) __ldg(p)
 #endif
     // the activation's sum over each 32 inputs, s = 64 hi + lo (hi in -64..63, lo in 0..63: int8 both); four
     // items a thread at a time, their loads first (a K = 17408 activation of 8 columns is 4352 items)
@@ -98,7 +120,7 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #pragma unroll
         for (int q = 0; q < 4; ++q) {  // past the end: the last item again (the same bytes stored twice)
             const int i = min(i0 + q * WARPS * 32, total - 1);
-            const int4* src = reinterpret_cast<const int4*>(xw + (i % NCOL) * K4 + (i / NCOL) * 8);
+            const int4* src = reinterpret_cast<const int4*>(xa + (i % NCOL) * K4 + (i / NCOL) * 8);
             u[q] = src[0];
             v[q] = src[1];
         }
@@ -120,10 +142,10 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
     }
     __syncthreads();
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
-    const int* xl = xw + min((int)gq, NCOL - 1) * K4 + 2 * t;  // B words of inputs 8t.. of a 32: xl[i / 4]
+    const int* xl = xa + min((int)gq, NCOL - 1) * K4 + 2 * t;  // B words of inputs 8t.. of a 32: xl[i / 4]
     const int c0 = min(2 * (int)t, NCOL - 1), c1 = min(2 * (int)t + 1, NCOL - 1);
-    const float* xd0 = xd + c0 * nblk;
-    const float* xd1 = xd + c1 * nblk;
+    const float* xd0 = xda + c0 * nblk;
+    const float* xd1 = xda + c1 * nblk;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         float acc[4][2];
 #pragma unroll
@@ -134,7 +156,7 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
             const uint4* blk = wb + 8 * 35 * h;
             const uint4 s0 = blk[8 * 32], s1 = blk[8 * 33], s2 = blk[8 * 34];
             const uint4 dd = wb[8 * (70 + h)];  // with the block's other loads: one DRAM round trip a block
-            const float x0 = __ldg(xd0 + kb), x1 = __ldg(xd1 + kb);
+            const float x0 = LDX(xd0 + kb), x1 = LDX(xd1 + kb);
             // 6-bit scales of sub-blocks 0..3 / 4..7, a byte each
             unsigned sl[4], sh[4];
 #pragma unroll
@@ -147,8 +169,8 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const uint4 qa = blk[8 * (8 * i + 2 * t)], qb = blk[8 * (8 * i + 2 * t + 1)];
-                const int2 xlo = __ldg(reinterpret_cast<const int2*>(xl + kb * 64 + 16 * i));
-                const int2 xhi = __ldg(reinterpret_cast<const int2*>(xl + kb * 64 + 16 * i + 8));
+                const int2 xlo = LDX(reinterpret_cast<const int2*>(xl + kb * 64 + 16 * i));
+                const int2 xhi = LDX(reinterpret_cast<const int2*>(xl + kb * 64 + 16 * i + 8));
                 int cl0[4] = {0, 0, 0, 0}, cl1[4] = {0, 0, 0, 0};
                 int ch0[4] = {0, 0, 0, 0}, ch1[4] = {0, 0, 0, 0};
                 // rows 4g, 4g + 1 as mma rows g, g + 8; rows 4g + 2, 4g + 3 in the second mma
@@ -202,16 +224,24 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 """
 
 
-def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0]) -> str:
+def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
+                  norm: int = 0) -> str:
+    """`norm` (1 column, bf16): 1 / 2 the add + RMSNorm that makes the activation run in the prologue (2: a
+    zero-centred weight; `gemv_q4il_norm`)."""
+    if norm and (columns != 1 or out_kind != _OUT_KINDS[torch.bfloat16]):
+        raise QuantKernelError("the q4il norm prologue is the 1-column bf16 build's")
     warps, ctas = shape
     return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
+            .replace("__NORM__", str(norm))
             .replace("__WARPS__", str(warps)).replace("__CTAS__", str(ctas))
             .replace("__PDL__", str(int(pdl))))
 
 
-def smem_bytes(in_features: int, warps: int) -> int:
-    """The activation's split per-32 sums of 8 columns and the warps' partial sums."""
-    return in_features // 256 * 8 * 16 + warps * 32 * 8 * 4
+def smem_bytes(in_features: int, warps: int, norm: bool = False) -> int:
+    """The activation's split per-32 sums of 8 columns and the warps' partial sums; a NORM build's codes and
+    scales too."""
+    made = in_features + in_features // 256 * 4 if norm else 0
+    return in_features // 256 * 8 * 16 + warps * 32 * 8 * 4 + made
 
 
 def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
@@ -227,8 +257,8 @@ def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int]):
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape), "q4k_il_mma")
+def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], norm: int = 0):
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, norm), "q4k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -248,6 +278,37 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape)
     _launch(kernel, min(tiles, shape[1] * sms), 32 * shape[0], smem_bytes(k, shape[0]),
             [words, xa.words, xa.d, y, out_features, k, y.stride(0)], pdl)
+    return y
+
+
+def norm_gemv_wanted(x: torch.Tensor) -> bool:
+    """Whether `gemv_q4il_norm` takes x: one bf16 row on CUDA, K a multiple of 256, the build compiles."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1
+            and x.shape[1] % 256 == 0 and _norm_builds())
+
+
+@functools.cache
+def _norm_builds() -> bool:
+    return builds(lambda: _compiled(1, _OUT_KINDS[torch.bfloat16], False, SHAPES[0], 2))
+
+
+def gemv_q4il_norm(words: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                   eps: float, zero_centred: bool, out_features: int, outputs: deferred_norm.NormOutputs
+                   ) -> torch.Tensor:
+    """The q4il GEMV of `norm(x + residual)` for one bf16 row in one launch (`deferred_norm`): each CTA makes
+    the activation in its prologue (`gemv_il.NORM_STAGE`, into shared memory, where the plain build reads
+    the codes from global memory) and the first CTA writes the norm kernel's outputs."""
+    k = x.shape[1]
+    LAYOUT.check(words, out_features, k, "q4il")
+    tiles = LAYOUT.shape(out_features, k)[0]
+    sms = torch.cuda.get_device_properties(words.device).multi_processor_count
+    shape = q4il_shape(tiles, sms)
+    y = torch.empty((1, out_features), dtype=torch.bfloat16, device=words.device)
+    pdl = pdl_enabled()
+    kernel = _compiled(1, _OUT_KINDS[torch.bfloat16], pdl, shape, 2 if zero_centred else 1)
+    _launch(kernel, min(tiles, shape[1] * sms), 32 * shape[0], smem_bytes(k, shape[0], True),
+            [words, outputs.q.view(torch.int32), outputs.d, y, out_features, k, y.stride(0), x, residual,
+             weight, float(eps), outputs.out, outputs.residual, outputs.q, outputs.d, outputs.s], pdl)
     return y
 
 
@@ -314,7 +375,13 @@ def dequantize_q4il(words: torch.Tensor, out_features: int, in_features: int,
 
 def q4il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
     """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the q4il words (`LaneLayout.matmul`; prefill over
-    `dequantize_q4il`'s rows)."""
+    `dequantize_q4il`'s rows); x a norm's output left to this GEMV (`deferred_norm`): the norm in its
+    prologue."""
+    pending = deferred_norm.take(x) if norm_gemv_wanted(x) else None
+    if pending is not None:
+        return gemv_q4il_norm(words, pending.x, pending.residual, pending.weight, pending.eps,
+                              pending.zero_centred, out_features, pending.outputs)
+    deferred_norm.settle()
     return LAYOUT.matmul(words, x, out_features, gemv_q4il, dequantize_q4il)
 
 

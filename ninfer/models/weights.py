@@ -219,10 +219,10 @@ class Linear(nn.Module):
         """`columns_applied`: x already is in `input_columns` order (`ops.gated_rms_norm(gather=...)`).
         `conv`: a `kernels.gdn_decode.ConvEpilogue` of the first outputs the matmul may run (quantized; not on
         a lane layout: conv.applied stays False, the caller runs it). x may be a norm's output left to the
-        il32 GEMV (`kernels.deferred_norm`); every other route has the norm run first."""
-        if self.layout != "il32" or x.dtype != self.dtype or (self.input_columns is not None
-                                                               and not columns_applied):
-            deferred_norm.settle()
+        il32 or q4il GEMV (`kernels.deferred_norm`); every other route has the norm run first."""
+        if self.layout not in ("il32", "q4il") or x.dtype != self.dtype or (self.input_columns is not None
+                                                                            and not columns_applied):
+            deferred_norm.settle()  # (the il32 and q4il matmuls take a waiting norm or settle it)
         if self.input_columns is not None and not columns_applied:
             x = x.index_select(-1, self.input_columns)
         x = x.to(self.dtype)

@@ -365,11 +365,11 @@ def test_model_on_fused_kernels_matches_the_reference_path(tiny_bf16, monkeypatc
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_norms_left_to_the_gemv_give_the_same_logits(tiny_bf16, monkeypatch):
-    """A decoder layer's norms left waiting for the Linear that reads them (`deferred_norm`, here on the CPU,
-    where no GEMV runs them: every Linear settles them first) give the same decode logits, bit for bit, as
-    norms run in place."""
-    from ninfer.kernels import deferred_norm
+def test_ops_left_to_the_gemv_give_the_same_logits(tiny_bf16, monkeypatch):
+    """A decoder layer's norms and its MLP's SwiGLU left waiting for the Linear that reads them (`deferred`,
+    here on the CPU, where no GEMV runs them: every Linear settles them first) give the same decode logits,
+    bit for bit, as ops run in place."""
+    from ninfer.kernels import deferred
 
     with single_thread():
         model = load_model(tiny_bf16, dtype=torch.bfloat16)
@@ -381,16 +381,20 @@ def test_norms_left_to_the_gemv_give_the_same_logits(tiny_bf16, monkeypatch):
                                + [model.compute_logits(step(model, [seq], [1]))[-1] for _ in range(3)])
 
         want = run()
-        deferred = []
-        defer = deferred_norm.defer
-        monkeypatch.setattr(deferred_norm, "deferrable", lambda x, r, group: (
-            r is not None and x.dim() == 2 and x.shape[0] == 1 and x.shape[1] % 256 == 0))
-        monkeypatch.setattr(deferred_norm, "defer", lambda *a: deferred.append(1) or defer(*a))
+        waited = []
+        wait = deferred._wait
+        one_row = lambda t: t.dim() == 2 and t.shape[0] == 1 and t.shape[1] % 256 == 0  # noqa: E731
+        monkeypatch.setattr(deferred, "norm_deferrable", lambda x, r, group: r is not None and one_row(x))
+        monkeypatch.setattr(deferred, "swiglu_deferrable", lambda g, u, group: one_row(g))
+        monkeypatch.setattr(deferred, "_wait",
+                            lambda prologue, *a: waited.append(prologue) or wait(prologue, *a))
         got = run()
     assert torch.equal(got, want)
     layers = len(model.layers)
-    assert len(deferred) == 3 * (2 * layers - 1)  # a one-row step's norms but the first (no residual yet)
-    assert deferred_norm._waiting is None
+    # a one-row step's norms but the first (no residual yet), and every SwiGLU
+    assert waited.count(deferred.NORM_ZERO_CENTRED) == 3 * (2 * layers - 1)
+    assert waited.count(deferred.SWIGLU) == 3 * layers
+    assert deferred._waiting is None
 
 
 # ---- launch count of one decode step ---------------------------------------------------------------------

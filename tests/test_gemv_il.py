@@ -427,54 +427,61 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["il32", "q4il"])
-@pytest.mark.parametrize(("n", "k"), [(16480, 5120), (34816, 5120), (14336, 5120), (72, 768)])
-def test_the_norm_in_the_gemvs_prologue_on_gpu(kind, n, k):
-    """`gemv_il_norm` / `gemv_q4il_norm` (the add + RMSNorm made by each CTA of the dp4a il32 / the q4il
-    kernel) against the norm kernel then the plain GEMV, on the 27B's norm-fed matrices: the residual the
-    same bits, the normed row and codes within an ulp / a code (the sum of squares in another order), the
-    GEMV within the bf16 rounding; in a CUDA graph with programmatic dependent launch after a kernel that
-    writes its input, the same bits as eager."""
-    from ninfer.kernels import fused, gemv_q4il
-    from ninfer.kernels.deferred_norm import NormOutputs
-    from ninfer.kernels.gemv_il import gemv_il_norm, norm_gemv_wanted
+@pytest.mark.parametrize(("n", "k"), [(16480, 5120), (34816, 5120), (5120, 17408), (72, 768)])
+def test_a_deferred_op_in_the_gemvs_prologue_on_gpu(kind, n, k):
+    """`gemv_il_prologue` / `gemv_q4il_prologue` (the add + RMSNorm or the SwiGLU made by each CTA of the
+    dp4a il32 / the q4il kernel) against the op's own kernel then the plain GEMV, on the 27B's matrices fed
+    by them: the norm's residual the same bits, the row and codes within an ulp / a code, the GEMV within
+    the bf16 rounding; in a CUDA graph with programmatic dependent launch after a kernel that writes its
+    input, the same bits as eager."""
+    from ninfer.kernels import deferred, fused, gemv_q4il
+    from ninfer.kernels.gemv_il import gemv_il_prologue, prologue_wanted
     from ninfer.kernels.gemv_q8 import quantize_activation_cached
 
     raw = random_gguf_weight("iq3_s" if kind == "il32" else "q4_k", n, k, "cuda")
-    x = (torch.randn(1, k, device="cuda") * 3).to(torch.bfloat16)
-    r = (torch.randn(1, k, device="cuda") * 10).to(torch.bfloat16)
+    a = (torch.randn(1, k, device="cuda") * 3).to(torch.bfloat16)
+    b = (torch.randn(1, k, device="cuda") * 10).to(torch.bfloat16)
     w = torch.randn(k, device="cuda") * 0.3
     if kind == "il32":
-        words, matmul, fused_gemv = repack_il32(raw), il_matmul, gemv_il_norm
-        assert norm_gemv_wanted(words, x, n)
+        words, matmul, fused_gemv = repack_il32(raw), il_matmul, gemv_il_prologue
+        assert prologue_wanted(words, a, n)
     else:
         words, matmul = gemv_q4il.repack_q4il(raw), gemv_q4il.q4il_matmul
-        fused_gemv = gemv_q4il.gemv_q4il_norm
-        assert gemv_q4il.norm_gemv_wanted(x)
+        fused_gemv = gemv_q4il.gemv_q4il_prologue
+        assert gemv_q4il.prologue_wanted(a)
 
-    def fresh():
+    def pending(prologue, a):
         scales = (torch.empty((1, k // 256), device="cuda") for _ in range(2))
-        return NormOutputs(torch.empty_like(x), torch.empty_like(r),
-                           torch.empty((1, k), dtype=torch.int8, device="cuda"), *scales)
+        residual = None if prologue == deferred.SWIGLU else torch.empty_like(b)
+        codes = torch.empty((1, k), dtype=torch.int8, device="cuda")
+        o = deferred.Outputs(torch.empty_like(a), residual, codes, *scales)
+        return deferred.Pending(prologue, a, b, None if prologue == deferred.SWIGLU else w, 1e-6, o)
 
-    for zero_centred in (True, False):
-        out, res = fused.add_rms_norm(x, r, w, 1e-6, zero_centred, quantize=True, group=256)
+    for prologue in (deferred.NORM, deferred.NORM_ZERO_CENTRED, deferred.SWIGLU):
+        if prologue == deferred.SWIGLU:
+            out, res = fused.swiglu(a, b, quantize=True, group=256), None
+        else:
+            zero_centred = prologue == deferred.NORM_ZERO_CENTRED
+            out, res = fused.add_rms_norm(a, b, w, 1e-6, zero_centred, quantize=True, group=256)
         xa = quantize_activation_cached(out, 256)
         plain = matmul(words, out, n)
-        o = fresh()
-        y = fused_gemv(words, x, r, w, 1e-6, zero_centred, n, o)
-        assert torch.equal(o.residual, res)
+        p = pending(prologue, a)
+        y, o = fused_gemv(words, p, n), p.outputs
+        if res is not None:
+            assert torch.equal(o.residual, res)
         assert (o.out.float() - out.float()).abs().le(out.float().abs() * 2.0**-8).all()
         assert (o.q.int() - xa.q.int()).abs().max() <= 1
         torch.testing.assert_close(o.d, xa.d, rtol=2.0**-8, atol=0)
-        assert rel(y, plain) < 2.0**-8, (n, k, zero_centred)
-        g, xg = fresh(), torch.empty_like(x)
+        assert rel(y, plain) < 2.0**-8, (n, k, prologue)
+        ag = torch.empty_like(a)
+        g = pending(prologue, ag)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            xg.copy_(x * 1)  # a kernel ahead that writes the norm's input
-            yg = fused_gemv(words, xg, r, w, 1e-6, zero_centred, n, g)
+            ag.copy_(a * 1)  # a kernel ahead that writes the op's input
+            yg = fused_gemv(words, g, n)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(yg, y) and torch.equal(g.out, o.out) and torch.equal(g.q, o.q), (n, k)
+        assert torch.equal(yg, y) and torch.equal(g.outputs.out, o.out) and torch.equal(g.outputs.q, o.q)
 
 
 @pytest.mark.gpu

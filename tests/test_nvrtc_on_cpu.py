@@ -129,53 +129,55 @@ def test_the_q4il_and_q6il_kernels(case, columns):
     assert rel(padded, want_padded) < FP32_BOUND
 
 
-def norm_case(kind: str, k: int, zero_centred: bool, n: int = 96, source_of=same):
-    """A GEMV with the add + RMSNorm in its prologue (kind "il": `gemv_il_norm`'s launch, "q4il":
-    `gemv_q4il_norm`'s) on a bf16 row, and what the norm kernel and the plain GEMV give: (y, outputs,
-    reference norm and residual, int8 activation, the plain kernel's y on it, the oracle's)."""
-    from ninfer.kernels import fused
-    from ninfer.kernels.deferred_norm import NormOutputs
+def prologue_case(kind: str, prologue: int, k: int, n: int = 96, source_of=same):
+    """A GEMV (kind "il": `gemv_il_prologue`'s launch, "q4il": `gemv_q4il_prologue`'s) with a deferred op in
+    its prologue (`deferred.NORM`, `NORM_ZERO_CENTRED`, `SWIGLU`) on a bf16 row, and what the op's own
+    kernel and the plain GEMV give: (y, outputs, the op's reference row and residual, its int8 activation,
+    the plain kernel's y on it, the oracle's)."""
+    from ninfer.kernels import deferred, fused, reference
 
     raw = random_gguf_weight("iq3_s" if kind == "il" else "q4_k", n, k)
-    x, r = (torch.randn(1, k) * 3).to(torch.bfloat16), (torch.randn(1, k) * 10).to(torch.bfloat16)
+    a, b = (torch.randn(1, k) * 3).to(torch.bfloat16), (torch.randn(1, k) * 10).to(torch.bfloat16)
     w, eps = torch.randn(k) * 0.3, 1e-6
-    out, res = fused.add_rms_norm_reference(x, r, w, eps, zero_centred)
+    if prologue == deferred.SWIGLU:
+        out, res = reference.swiglu(a, b), None
+    else:
+        out, res = fused.add_rms_norm_reference(a, b, w, eps, prologue == deferred.NORM_ZERO_CENTRED)
     xa = quantize_activation_reference(out, 256)
     rows = (torch.full((1, k), float("nan"), dtype=torch.bfloat16) for _ in range(2))
     scales = (torch.full((1, k // 256), float("nan")) for _ in range(2))
-    o = NormOutputs(*rows, torch.zeros(1, k, dtype=torch.int8), *scales)
+    o = deferred.Outputs(*rows, torch.zeros(1, k, dtype=torch.int8), *scales)
+    args = deferred.Pending(prologue, a, b, None if prologue == deferred.SWIGLU else w, eps, o).launch_args()
     y = torch.full((1, n), float("nan"), dtype=torch.bfloat16)
-    norm = [x, r, w, eps, o.out, o.residual, o.q, o.d, o.s]
-    # the plain build's activation arguments, unread by a NORM build: garbage, so that reading them shows
+    # the plain build's activation arguments, unread by a prologue build: garbage, so that reading them shows
     unread = torch.randint(-2**31, 2**31 - 1, (1, k // 4), dtype=torch.int32), torch.full((1, k // 256), 1e30)
     if kind == "il":
         words = gemv_il.repack_il32(raw)
         s = gemv_il.il_schedule(1, k, n, 256)
-        source = source_of(gemv_il.kernel_source(1, 1, s, norm=2 if zero_centred else 1))
+        source = source_of(gemv_il.kernel_source(1, 1, s, prologue=prologue))
         HostKernel(source, "iq3s_il_gemv")((2,), (32 * s.warps,), [
-            words, *unread, _tables("cpu")[1], y, n, k, y.stride(0), 2, *norm],
-            s.smem_bytes(1, k, 2))
+            words, *unread, _tables("cpu")[1], y, n, k, y.stride(0), 2, *args], s.smem_bytes(1, k, 2))
         plain = run_il(same, words, xa, n, s, 2, 2, torch.bfloat16)[0]
     else:
         words, (warps, ctas) = gemv_q4il.repack_q4il(raw), gemv_q4il.SHAPES[1]
-        source = source_of(gemv_q4il.kernel_source(1, 1, False, (warps, ctas), 2 if zero_centred else 1))
-        HostKernel(source, "q4k_il_mma")((2,), (32 * warps,), [
-            words, *unread, y, n, k, y.stride(0), *norm],
-            gemv_q4il.smem_bytes(k, warps, True))
+        source = source_of(gemv_q4il.kernel_source(1, 1, False, (warps, ctas), prologue))
+        HostKernel(source, "q4k_il_mma")((2,), (32 * warps,), [words, *unread, y, n, k, y.stride(0), *args],
+                                         gemv_q4il.smem_bytes(k, warps, True))
         plain = run_lane("q4k_il_mma", same, words, xa, n, warps, gemv_q4il.smem_bytes(k, warps),
                          gemv_q4il.kernel_source(1, 1, False, (warps, ctas)), torch.bfloat16)
     return y, o, (out, res), xa, plain, gemv_q8_reference(raw, "iq3_s" if kind == "il" else "q4_k", xa, n)
 
 
-@pytest.mark.parametrize("zero_centred", [True, False])
+@pytest.mark.parametrize("prologue", [1, 2, 3])  # deferred.NORM, NORM_ZERO_CENTRED, SWIGLU
 @pytest.mark.parametrize(("kind", "k"), [("il", 768), ("il", 2560), ("q4il", 768), ("q4il", 2560)])
-def test_the_norm_in_a_gemvs_prologue(kind, k, zero_centred):
-    """The dp4a il32 and q4il kernels' NORM builds: each CTA's norm and int8 codes are the norm kernel's
-    (its sum of squares in another order: measured equal on these rows; one bf16 ulp / one code allowed),
-    so the GEMV is the plain one's on the norm kernel's activation; CTA 0 writes the residual, the normed
-    row, codes, scales and d·Σq."""
-    y, o, (out, res), xa, plain, want = norm_case(kind, k, zero_centred)
-    assert torch.equal(o.residual, res)
+def test_a_deferred_op_in_a_gemvs_prologue(kind, k, prologue):
+    """The dp4a il32 and q4il kernels' prologue builds: each CTA's row and int8 codes are the op's own
+    kernel's (the norm's sum of squares in another order, SwiGLU's exp the host's: measured equal on these
+    rows; one bf16 ulp / one code allowed), so the GEMV is the plain one's on that kernel's activation; CTA
+    0 writes the row, codes, scales and d·Σq (and the norm's residual)."""
+    y, o, (out, res), xa, plain, want = prologue_case(kind, prologue, k)
+    if res is not None:
+        assert torch.equal(o.residual, res)
     assert (o.out.float() - out.float()).abs().le(out.float().abs() * 2.0**-8).all()
     assert (o.q.int() - xa.q.int()).abs().max() <= 1 and (o.q != xa.q).float().mean() <= 0.01
     torch.testing.assert_close(o.d, xa.d, rtol=2.0**-8, atol=0)
@@ -192,8 +194,9 @@ MUTATIONS = {
     "mma: a split's last piece": ("il_mma_split", "splits - 1;", "splits;"),
     "q4il: the min term's sign": ("q4il", "-dmin * (float)msum", "dmin * (float)msum"),
     "q6il: the scale unsigned": ("q6il", "0x8880u | (unsigned)", "0x0000u | (unsigned)"),
-    "norm: the weight not zero-centred": ("norm", "NORM == 2 ? 1.f + wv[i] : wv[i]", "wv[i]"),
+    "norm: the weight not zero-centred": ("norm", "PROLOGUE == 2 ? 1.f + wv[i] : wv[i]", "wv[i]"),
     "q4il norm: the made codes unread": ("q4il_norm", "const int* xa = codes;", "const int* xa = xw;"),
+    "swiglu: silu of up": ("swiglu", "bf16_part(gv, i);\n", "bf16_part(uv, i);\n"),
     "norm: a lane's group max": ("norm", "amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o))",
                                  "amax = fmaxf(amax, 0.f)"),
     "norm: the squares of one warp": ("norm", "for (int s = 0; s < WARPS; ++s) total += partial[s];",
@@ -217,8 +220,9 @@ def test_a_slip_in_a_kernel_fails(name):
         s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1)
         y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
-    elif kind in ("norm", "q4il_norm"):
-        y, *_, want = norm_case("il" if kind == "norm" else "q4il", 2560, True, source_of=mutate)
+    elif kind in ("norm", "q4il_norm", "swiglu"):
+        prologue = 3 if kind == "swiglu" else 2
+        y, *_, want = prologue_case("q4il" if kind == "q4il_norm" else "il", prologue, 2560, source_of=mutate)
         assert not rel(y, want) < 5e-3
         return
     else:

@@ -346,7 +346,7 @@ def add_rms_norm(
     """`(rms_norm(x + residual), x + residual)` in one launch; residual None: `(rms_norm(x), x)`. `quantize`
     (2-D x): the normed output's int8 activation too (`group` values a scale), left for the Linear that
     reads it (gemv_q8's memo). `into`: the buffers to write, `(out, new residual, q, d, s)` (a norm left to
-    a GEMV and run after all: `deferred_norm`), else new ones."""
+    a GEMV and run after all: `deferred`), else new ones."""
     x3 = _rows3(x, "x")
     T, H, N = x3.shape
     if quantize and x.dim() != 2:
@@ -488,15 +488,17 @@ def _rows2(x: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def _elementwise2(kernel, a: torch.Tensor, b: torch.Tensor, op: str, names: tuple[str, str],
-                  quantize: bool, group: int = 32) -> torch.Tensor:
+                  quantize: bool, group: int = 32, into: tuple[torch.Tensor, ...] | None = None
+                  ) -> torch.Tensor:
     """One launch of a two-input elementwise kernel over [T, N] row views; output [T, N] in a's dtype (and
-    its int8 activation where `quantize`, `group` values a scale)."""
+    its int8 activation where `quantize`, `group` values a scale); `into`: the buffers to write, `(out, q, d,
+    s)`, else new ones."""
     x, y = _rows2(a, names[0]), _rows2(b, names[1])
     if x.shape != y.shape:
         raise FusedKernelError(f"{op}: {names[0]} {tuple(x.shape)} and {names[1]} {tuple(y.shape)} differ")
     T, N = x.shape
-    out = torch.empty((T, N), dtype=a.dtype, device=a.device)
-    q8 = int8_buffers(out, quantize, group)
+    out = torch.empty((T, N), dtype=a.dtype, device=a.device) if into is None else into[0]
+    q8 = int8_buffers(out, quantize, group) if into is None else into[1:]
     if T * N:
         grid = (T, -(-N // ELEMENTWISE_BLOCK))
         kernel[grid](x, y, out, *q8, N, x.stride(0), y.stride(0), QUANT=quantize, BLOCK=ELEMENTWISE_BLOCK,
@@ -506,11 +508,12 @@ def _elementwise2(kernel, a: torch.Tensor, b: torch.Tensor, op: str, names: tupl
     return out
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, group: int = 32) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, group: int = 32,
+           into: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """`silu(gate)·up` of two [T, I] row views (e.g. the halves of a merged gate|up output), gate's dtype;
     `quantize`: its int8 activation too (`group` values a scale), left for the Linear that reads it
-    (gemv_q8's memo)."""
-    return _elementwise2(_swiglu_kernel, gate, up, "swiglu", ("gate", "up"), quantize, group)
+    (gemv_q8's memo); `into`: the buffers to write (`_elementwise2`)."""
+    return _elementwise2(_swiglu_kernel, gate, up, "swiglu", ("gate", "up"), quantize, group, into)
 
 
 def sigmoid_gate_mul(attn: torch.Tensor, gate: torch.Tensor, quantize: bool = False, group: int = 32

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ninfer.kernels import deferred_norm
+from ninfer.kernels import deferred
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
 from ninfer.kernels.gemv_rows import split_workspace
 from ninfer.kernels.gguf_matmul import QuantKernelError, _tables, dequantize_rows
@@ -152,32 +152,90 @@ __device__ __forceinline__ out_t to_out(float v) {
 
 """
 
-# The prologue of the dp4a il32 and q4il kernels' NORM builds (`gemv_il_norm`, `gemv_q4il_norm`): WARPS,
-# OUT_KIND 1 (bf16) and NORM defined by the source.
-NORM_STAGE = r"""
-#if NORM
-// NORM (1 column, groups of 256, bf16): the activation is made here, not read: the add + RMSNorm of the
-// previous sublayer's output hx and the residual hr (bf16 [K]; the norm weight nw fp32, 1 + nw when NORM ==
-// 2) and its int8 codes, one scale a 256-group, as `fused.add_rms_norm` and `quantize_groups` make them (the
-// sum of squares in another order: inv within an ulp), into xs (K / 4 words) and xds (K / 256) in shared
-// memory; `partial` holds WARPS floats. CTA 0 also stores what the norm kernel would (the new residual hres,
-// the normed hout, codes, scales and d·Σq) for any other reader.
+# The prologues of the dp4a il32 and q4il kernels' PROLOGUE builds (`gemv_il_prologue`, `gemv_q4il_prologue`:
+# one bf16 row whose op `kernels.deferred` left to the GEMV): WARPS, OUT_KIND 1 (bf16) and PROLOGUE (1, 2 the
+# add + RMSNorm, 2 with a zero-centred weight; 3 SwiGLU) defined by the source.
+PROLOGUE_STAGE = r"""
+#if PROLOGUE
+// The activation made here, not read: the op's bf16 outputs (as its own kernel rounds them) and their int8
+// codes, one scale a 256-group, as `quantize_groups` makes them, into xs (K / 4 words) and xds (K / 256) in
+// shared memory. CTA 0 also stores what the op's kernel would (the row hout, codes, scales and d·Σq; the
+// norm's new residual hres) for any other reader. A lane takes inputs 8 lane .. 8 lane + 7 of a group.
 __device__ __forceinline__ float bf16_value(unsigned v, int i) {  // bf16 i (0 / 1) of a word, as fp32
     return __uint_as_float(i ? v & 0xffff0000u : v << 16);
 }
 __device__ __forceinline__ float bf16_part(const uint4& v, int i) {  // bf16 i (0 .. 7) of 16 bytes
     return bf16_value(i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w, i & 1);
 }
-__device__ __forceinline__ void norm_stage(const uint4* __restrict__ hx, const uint4* __restrict__ hr,
-                                           const float4* __restrict__ nw, float eps, int K, int* xs,
-                                           float* xds, float* partial, uint4* __restrict__ hout,
-                                           uint4* __restrict__ hres, int2* __restrict__ qout,
-                                           float* __restrict__ dout, float* __restrict__ sout) {
+// group g of the row, this lane's 8 bf16 values ob (v: as fp32): codes and scale into shared memory; CTA 0's
+// copies to global memory
+__device__ __forceinline__ void quantize_group(int g, const float (&v)[8], const unsigned (&ob)[4], int* xs,
+                                               float* xds, uint4* __restrict__ hout, int2* __restrict__ qout,
+                                               float* __restrict__ dout, float* __restrict__ sout) {
+    const unsigned lane = threadIdx.x & 31;
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.f, safe = d == 0.f ? 1.f : d;
+    int qw[2] = {0, 0}, qsum = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int q = (int)fminf(fmaxf(rintf(v[i] / safe), -127.f), 127.f);
+        qsum += q;
+        qw[i >> 2] |= (q & 255) << (8 * (i & 3));
+    }
+    reinterpret_cast<int2*>(xs)[32 * g + lane] = make_int2(qw[0], qw[1]);
+    if (lane == 0) xds[g] = d;
+    if (blockIdx.x == 0) {
+        hout[32 * g + lane] = make_uint4(ob[0], ob[1], ob[2], ob[3]);
+        qout[32 * g + lane] = make_int2(qw[0], qw[1]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) qsum += __shfl_xor_sync(0xffffffffu, qsum, o);
+        if (lane == 0) {
+            dout[g] = d;
+            sout[g] = d * (float)qsum;
+        }
+    }
+}
+#if PROLOGUE == 3
+// SwiGLU: silu(ha)·hb of the gate and up halves (bf16 [K]), as `fused._swiglu_kernel` (its exp the host's
+// libm / CUDA's expf: a bf16 ulp apart at most where Triton's differs)
+__device__ __forceinline__ void make_activation(const uint4* __restrict__ ha, const uint4* __restrict__ hb,
+                                                const float4* __restrict__, float, int K, int* xs, float* xds,
+                                                float*, uint4* __restrict__ hout, uint4* __restrict__,
+                                                int2* __restrict__ qout, float* __restrict__ dout,
+                                                float* __restrict__ sout) {
+    const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    for (int g = wid; g < (K >> 8); g += WARPS) {
+        const uint4 gv = ha[32 * g + lane], uv = hb[32 * g + lane];
+        unsigned ob[4];
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float x = bf16_part(gv, i);
+            const unsigned o = to_out(x * (1.f / (1.f + expf(-x))) * bf16_part(uv, i));
+            ob[i >> 1] = (i & 1) ? ob[i >> 1] | (o << 16) : o;
+            v[i] = bf16_value(o, 0);
+        }
+        quantize_group(g, v, ob, xs, xds, hout, qout, dout, sout);
+    }
+}
+#else
+// the add + RMSNorm of the previous sublayer's output ha and the residual hb (bf16 [K]; the weight nw fp32,
+// 1 + nw when PROLOGUE == 2), as `fused.add_rms_norm` (the sum of squares in another order: inv within an
+// ulp); `partial` holds WARPS floats
+__device__ __forceinline__ void make_activation(const uint4* __restrict__ ha, const uint4* __restrict__ hb,
+                                                const float4* __restrict__ nw, float eps, int K, int* xs,
+                                                float* xds, float* partial, uint4* __restrict__ hout,
+                                                uint4* __restrict__ hres, int2* __restrict__ qout,
+                                                float* __restrict__ dout, float* __restrict__ sout) {
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int groups = K >> 8;
     float ss = 0.f;
-    for (int g = wid; g < groups; g += WARPS) {  // lane: inputs 8 lane .. 8 lane + 7 of a group
-        const uint4 xv = hx[32 * g + lane], rv = hr[32 * g + lane];
+    for (int g = wid; g < groups; g += WARPS) {
+        const uint4 xv = ha[32 * g + lane], rv = hb[32 * g + lane];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const float s = bf16_value(to_out(bf16_part(xv, i) + bf16_part(rv, i)), 0);
@@ -192,45 +250,24 @@ __device__ __forceinline__ void norm_stage(const uint4* __restrict__ hx, const u
     for (int s = 0; s < WARPS; ++s) total += partial[s];
     const float inv = rsqrtf(total / (float)K + eps);
     for (int g = wid; g < groups; g += WARPS) {
-        const uint4 xv = hx[32 * g + lane], rv = hr[32 * g + lane];
+        const uint4 xv = ha[32 * g + lane], rv = hb[32 * g + lane];
         const float4 w0 = nw[64 * g + 2 * lane], w1 = nw[64 * g + 2 * lane + 1];
         const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
         unsigned sb[4], ob[4];
-        float v[8], amax = 0.f;
+        float v[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const unsigned s = to_out(bf16_part(xv, i) + bf16_part(rv, i));
-            const unsigned o = to_out(bf16_value(s, 0) * inv * (NORM == 2 ? 1.f + wv[i] : wv[i]));
+            const unsigned o = to_out(bf16_value(s, 0) * inv * (PROLOGUE == 2 ? 1.f + wv[i] : wv[i]));
             sb[i >> 1] = (i & 1) ? sb[i >> 1] | (s << 16) : s;
             ob[i >> 1] = (i & 1) ? ob[i >> 1] | (o << 16) : o;
             v[i] = bf16_value(o, 0);
-            amax = fmaxf(amax, fabsf(v[i]));
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        const float d = amax / 127.f, safe = d == 0.f ? 1.f : d;
-        int qw[2] = {0, 0}, qsum = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int q = (int)fminf(fmaxf(rintf(v[i] / safe), -127.f), 127.f);
-            qsum += q;
-            qw[i >> 2] |= (q & 255) << (8 * (i & 3));
-        }
-        reinterpret_cast<int2*>(xs)[32 * g + lane] = make_int2(qw[0], qw[1]);
-        if (lane == 0) xds[g] = d;
-        if (blockIdx.x == 0) {
-            hres[32 * g + lane] = make_uint4(sb[0], sb[1], sb[2], sb[3]);
-            hout[32 * g + lane] = make_uint4(ob[0], ob[1], ob[2], ob[3]);
-            qout[32 * g + lane] = make_int2(qw[0], qw[1]);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) qsum += __shfl_xor_sync(0xffffffffu, qsum, o);
-            if (lane == 0) {
-                dout[g] = d;
-                sout[g] = d * (float)qsum;
-            }
-        }
+        if (blockIdx.x == 0) hres[32 * g + lane] = make_uint4(sb[0], sb[1], sb[2], sb[3]);
+        quantize_group(g, v, ob, xs, xds, hout, qout, dout, sout);
     }
 }
+#endif
 #endif
 """
 
@@ -242,7 +279,7 @@ _SOURCE = r"""
 #define COPIES __COPIES__
 #define PDL __PDL__
 #define GROUP __GROUP__
-#define NORM __NORM__
+#define PROLOGUE __PROLOGUE__
 """ + CUDA_HELPERS + r"""
 struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
 
@@ -331,12 +368,12 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
 #endif
 }
 
-""" + NORM_STAGE + r"""
+""" + PROLOGUE_STAGE + r"""
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
              const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y, int ring
-#if NORM
-             , const uint4* __restrict__ hx, const uint4* __restrict__ hr, const float4* __restrict__ nw,
+#if PROLOGUE
+             , const uint4* __restrict__ ha, const uint4* __restrict__ hb, const float4* __restrict__ nw,
              double eps, uint4* __restrict__ hout, uint4* __restrict__ hres, int2* __restrict__ qout,
              float* __restrict__ dout, float* __restrict__ sout
 #endif
@@ -369,8 +406,8 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 #endif
     // the activation, read by every warp of the CTA, from shared memory (a global load's latency stalled the
     // sub-blocks: gpu-notes "Session 28")
-#if NORM
-    norm_stage(hx, hr, nw, (float)eps, K, xs, xds, red, hout, hres, qout, dout, sout);
+#if PROLOGUE
+    make_activation(ha, hb, nw, (float)eps, K, xs, xds, red, hout, hres, qout, dout, sout);
 #else
     for (int i = threadIdx.x; i < NCOL * K4 / 4; i += WARPS * 32)
         reinterpret_cast<int4*>(xs)[i] = __ldg(reinterpret_cast<const int4*>(xw) + i);
@@ -761,18 +798,19 @@ def _ctas_per_sm(s: IlSchedule, columns: int, in_features: int, smem: int = 228 
     return max(1, min(smem // (s.smem_bytes(columns, in_features) + 1024), threads // (32 * s.warps), regs))
 
 
-def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, norm: int = 0) -> str:
+def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, prologue: int = 0) -> str:
     """The CUDA source; its launch bounds ask for the CTAs an SM holds by registers, threads and tables.
     `pdl`: launched as a programmatic dependent launch (`_launch`), it loads its weights and tables before
-    waiting for the previous kernel, and lets the next one launch after its last tile's main loop. `norm`
-    (the dp4a kernel at 1 column, groups of 256, bf16): 1 / 2 the add + RMSNorm (2: zero-centred weight)
-    that makes its activation run in its prologue (`gemv_il_norm`)."""
+    waiting for the previous kernel, and lets the next one launch after its last tile's main loop.
+    `prologue` (the dp4a kernel at 1 column, groups of 256, bf16): the op that makes its activation runs in
+    its prologue (`deferred.NORM`, `NORM_ZERO_CENTRED`, `SWIGLU`; `gemv_il_prologue`)."""
     source = _MMA_SOURCE if s.kernel == "il_mma" else _SOURCE
     bf16 = _OUT_KINDS[torch.bfloat16]
-    if norm and (s.kernel != "il" or columns != 1 or s.group != 256 or out_kind != bf16):
-        raise QuantKernelError("the norm prologue is the dp4a il32 kernel's at 1 column, groups of 256, bf16")
+    if prologue and (s.kernel != "il" or columns != 1 or s.group != 256 or out_kind != bf16):
+        raise QuantKernelError("the prologue builds are the dp4a il32 kernel's at 1 column, groups of 256, "
+                               "bf16")
     return (source.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
-            .replace("__NORM__", str(norm))
+            .replace("__PROLOGUE__", str(prologue))
             .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns, 0)))
             .replace("__COPIES__", str(s.copies))
             .replace("__PDL__", str(int(pdl))).replace("__GROUP__", str(s.group)))
@@ -791,9 +829,9 @@ def _smem_sm(device: torch.device) -> int:
 
 
 @functools.cache
-def _compiled(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, norm: int = 0):
+def _compiled(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, prologue: int = 0):
     name = "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s, pdl, norm), name)
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s, pdl, prologue), name)
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -878,48 +916,43 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     return y
 
 
-def norm_gemv_wanted(words: torch.Tensor, x: torch.Tensor, out_features: int) -> bool:
-    """Whether `gemv_il_norm` takes this call: one bf16 row on CUDA whose il32 schedule is the dp4a kernel
-    with groups of 256 (the 27B's GDN input, q|gate|k|v and gate|up at one lane)."""
+def prologue_wanted(words: torch.Tensor, x: torch.Tensor, out_features: int) -> bool:
+    """Whether `gemv_il_prologue` takes a call on x: one bf16 row on CUDA whose il32 schedule is the dp4a
+    kernel with groups of 256 (at one lane the 27B's GDN input, q|gate|k|v, gate|up and down)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1):
         return False
     s = il_schedule(1, x.shape[1], out_features, il_group())
-    return s.kernel == "il" and s.group == 256 and x.shape[1] % 256 == 0 and _norm_builds(s)
+    return s.kernel == "il" and s.group == 256 and x.shape[1] % 256 == 0 and _prologue_builds(s)
 
 
 @functools.cache
-def _norm_builds(s: IlSchedule) -> bool:
-    """The norm prologue's build compiles here (else the norms keep their own kernel)."""
+def _prologue_builds(s: IlSchedule) -> bool:
+    """The prologue builds compile here (else the ops keep their own kernels)."""
     try:
-        _compiled(1, _OUT_KINDS[torch.bfloat16], s, False, 2)
-    except Exception:  # noqa: BLE001 - any NVRTC or driver failure: the plain GEMV after the norm kernel
+        for prologue in (deferred.NORM_ZERO_CENTRED, deferred.SWIGLU):
+            _compiled(1, _OUT_KINDS[torch.bfloat16], s, False, prologue)
+    except Exception:  # noqa: BLE001 - any NVRTC or driver failure: the plain GEMV after the op's kernel
         return False
     return True
 
 
-def gemv_il_norm(words: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float, zero_centred: bool, out_features: int, outputs: deferred_norm.NormOutputs
-                 ) -> torch.Tensor:
-    """`il_matmul(words, norm(x + residual))` for one bf16 row in one launch: the dp4a il32 kernel makes its
-    activation in its prologue (`kernel_source(norm=...)`: each CTA sums the squares and quantises the row
-    itself) where `fused.add_rms_norm` ran as a kernel of its own before it; `outputs` get what that kernel
-    writes (by the first CTA). `norm_gemv_wanted` says when it applies (`deferred_norm`)."""
-    k = x.shape[1]
+def gemv_il_prologue(words: torch.Tensor, pending: deferred.Pending, out_features: int) -> torch.Tensor:
+    """The dp4a il32 GEMV of a waiting op's output (`deferred`: an add + RMSNorm or a SwiGLU of one bf16 row)
+    in one launch: each CTA makes the activation in its prologue (`PROLOGUE_STAGE`) where the op ran as a
+    kernel of its own before; its first CTA writes what that kernel would (`pending.outputs`).
+    `prologue_wanted` says when it applies."""
+    k = pending.a.shape[1]
     check_il32(words, out_features, k)
-    for t in (x, residual, outputs.out, outputs.residual):
-        if t.dtype != torch.bfloat16 or t.shape != (1, k) or not t.is_contiguous():
-            raise QuantKernelError(f"the norm GEMV takes contiguous bf16 rows [1, {k}], got {t.dtype} "
-                                   f"{list(t.shape)}")
     s = il_schedule(1, k, out_features, 256)
     tiles = il32_shape(out_features, k)[0]
     ctas = min(tiles, _launch_shape(words.device, s, 1, k))
     ring = tile_ring(s, 1, k, -(-tiles // ctas), _smem_sm(words.device), _smem_optin(words.device), _RING)
     y = torch.empty((1, out_features), dtype=torch.bfloat16, device=words.device)
-    args = [words, outputs.q.view(torch.int32), outputs.d, _tables(words.device)[1], y, out_features, k,
-            y.stride(0), ring, x, residual, weight, float(eps), outputs.out, outputs.residual, outputs.q,
-            outputs.d, outputs.s]
+    o = pending.outputs  # (the plain build's activation arguments, unread)
+    args = [words, o.q.view(torch.int32), o.d, _tables(words.device)[1], y, out_features, k, y.stride(0),
+            ring, *pending.launch_args()]
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"
-    kernel = _compiled(1, _OUT_KINDS[torch.bfloat16], s, pdl, 2 if zero_centred else 1)
+    kernel = _compiled(1, _OUT_KINDS[torch.bfloat16], s, pdl, pending.prologue)
     _launch(kernel, ctas, 32 * s.warps, s.smem_bytes(1, k, ring), args, pdl)
     return y
 
@@ -1004,13 +1037,12 @@ def dequantize_il32(words: torch.Tensor, out_features: int, in_features: int,
 
 def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
     """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the il32 words: the GEMV on up to 8 columns at a
-    time through 16, a matmul over the dequantised weight beyond (prefill); x a norm's output left to this
-    GEMV (`deferred_norm`): the norm in its prologue."""
-    pending = deferred_norm.take(x) if norm_gemv_wanted(words, x, out_features) else None
-    if pending is not None:  # x is a norm's output still to be made: the GEMV makes it
-        return gemv_il_norm(words, pending.x, pending.residual, pending.weight, pending.eps,
-                            pending.zero_centred, out_features, pending.outputs)
-    deferred_norm.settle()
+    time through 16, a matmul over the dequantised weight beyond (prefill); x an op's output left to this
+    GEMV (`deferred`): the op in its prologue."""
+    pending = deferred.take(x) if prologue_wanted(words, x, out_features) else None
+    if pending is not None:  # x is an op's output still to be made: the GEMV makes it
+        return gemv_il_prologue(words, pending, out_features)
+    deferred.settle()
     in_features = x.shape[-1]
     x2 = x.reshape(-1, in_features)
     if x2.shape[0] > 2 * MAX_COLUMNS:

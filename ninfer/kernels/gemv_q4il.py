@@ -31,8 +31,8 @@ import os
 
 import torch
 
-from ninfer.kernels import deferred_norm
-from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, NORM_STAGE, _launch, _smem_optin, check_call
+from ninfer.kernels import deferred
+from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, PROLOGUE_STAGE, _launch, _smem_optin, check_call
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference
 from ninfer.kernels.gguf_matmul import QuantKernelError, dequantize_rows
 from ninfer.kernels.lane_layout import TILE_STORE, LaneLayout, builds
@@ -63,8 +63,8 @@ _SOURCE = r"""
 #define WARPS __WARPS__
 #define CTAS __CTAS__
 #define PDL __PDL__
-#define NORM __NORM__
-""" + CUDA_HELPERS + TILE_STORE + NORM_STAGE + r"""
+#define PROLOGUE __PROLOGUE__
+""" + CUDA_HELPERS + TILE_STORE + PROLOGUE_STAGE + r"""
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -83,8 +83,8 @@ __device__ __forceinline__ void mma_u8s8(int (&c)[4], unsigned a0, unsigned a1, 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, CTAS)
 q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
            out_t* __restrict__ y, int N, int K, int stride_y
-#if NORM
-           , const uint4* __restrict__ hx, const uint4* __restrict__ hr, const float4* __restrict__ nw,
+#if PROLOGUE
+           , const uint4* __restrict__ ha, const uint4* __restrict__ hb, const float4* __restrict__ nw,
            double eps, uint4* __restrict__ hout, uint4* __restrict__ hres, int2* __restrict__ qout,
            float* __restrict__ dout, float* __restrict__ sout
 #endif
@@ -97,11 +97,11 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the activation is the previous kernel's output
 #endif
-#if NORM
-    // the activation made here (norm_stage), its codes and scales in shared memory after the warps' sums
+#if PROLOGUE
+    // the activation made here (make_activation), its codes and scales in shared memory after the warps' sums
     int* codes = reinterpret_cast<int*>(red + WARPS * 32 * 8);
     float* scales = reinterpret_cast<float*>(codes + K4);
-    norm_stage(hx, hr, nw, (float)eps, K, codes, scales, red, hout, hres, qout, dout, sout);
+    make_activation(ha, hb, nw, (float)eps, K, codes, scales, red, hout, hres, qout, dout, sout);
     __syncthreads();
     const int* xa = codes;
     const float* xda = scales;
@@ -225,22 +225,22 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 
 
 def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
-                  norm: int = 0) -> str:
-    """`norm` (1 column, bf16): 1 / 2 the add + RMSNorm that makes the activation run in the prologue (2: a
-    zero-centred weight; `gemv_q4il_norm`)."""
-    if norm and (columns != 1 or out_kind != _OUT_KINDS[torch.bfloat16]):
-        raise QuantKernelError("the q4il norm prologue is the 1-column bf16 build's")
+                  prologue: int = 0) -> str:
+    """`prologue` (1 column, bf16): the op that makes the activation runs in the prologue (`deferred.NORM`,
+    `NORM_ZERO_CENTRED`, `SWIGLU`; `gemv_q4il_prologue`)."""
+    if prologue and (columns != 1 or out_kind != _OUT_KINDS[torch.bfloat16]):
+        raise QuantKernelError("the q4il prologue builds are the 1-column bf16 build's")
     warps, ctas = shape
     return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
-            .replace("__NORM__", str(norm))
+            .replace("__PROLOGUE__", str(prologue))
             .replace("__WARPS__", str(warps)).replace("__CTAS__", str(ctas))
             .replace("__PDL__", str(int(pdl))))
 
 
-def smem_bytes(in_features: int, warps: int, norm: bool = False) -> int:
-    """The activation's split per-32 sums of 8 columns and the warps' partial sums; a NORM build's codes and
-    scales too."""
-    made = in_features + in_features // 256 * 4 if norm else 0
+def smem_bytes(in_features: int, warps: int, prologue: bool = False) -> int:
+    """The activation's split per-32 sums of 8 columns and the warps' partial sums; a prologue build's codes
+    and scales too."""
+    made = in_features + in_features // 256 * 4 if prologue else 0
     return in_features // 256 * 8 * 16 + warps * 32 * 8 * 4 + made
 
 
@@ -257,8 +257,8 @@ def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], norm: int = 0):
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, norm), "q4k_il_mma")
+def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], prologue: int = 0):
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, prologue), "q4k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -281,34 +281,34 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     return y
 
 
-def norm_gemv_wanted(x: torch.Tensor) -> bool:
-    """Whether `gemv_q4il_norm` takes x: one bf16 row on CUDA, K a multiple of 256, the build compiles."""
+def prologue_wanted(x: torch.Tensor) -> bool:
+    """Whether `gemv_q4il_prologue` takes a call on x: one bf16 row on CUDA, K a multiple of 256, the builds
+    compile."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1
-            and x.shape[1] % 256 == 0 and _norm_builds())
+            and x.shape[1] % 256 == 0 and _prologue_builds())
 
 
 @functools.cache
-def _norm_builds() -> bool:
-    return builds(lambda: _compiled(1, _OUT_KINDS[torch.bfloat16], False, SHAPES[0], 2))
+def _prologue_builds() -> bool:
+    return builds(lambda: [_compiled(1, _OUT_KINDS[torch.bfloat16], False, SHAPES[0], p)
+                           for p in (deferred.NORM_ZERO_CENTRED, deferred.SWIGLU)])
 
 
-def gemv_q4il_norm(words: torch.Tensor, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                   eps: float, zero_centred: bool, out_features: int, outputs: deferred_norm.NormOutputs
-                   ) -> torch.Tensor:
-    """The q4il GEMV of `norm(x + residual)` for one bf16 row in one launch (`deferred_norm`): each CTA makes
-    the activation in its prologue (`gemv_il.NORM_STAGE`, into shared memory, where the plain build reads
-    the codes from global memory) and the first CTA writes the norm kernel's outputs."""
-    k = x.shape[1]
+def gemv_q4il_prologue(words: torch.Tensor, pending: deferred.Pending, out_features: int) -> torch.Tensor:
+    """The q4il GEMV of a waiting op's output (`deferred`) in one launch: each CTA makes the activation in its
+    prologue (`gemv_il.PROLOGUE_STAGE`, into shared memory, where the plain build reads the codes from global
+    memory) and the first CTA writes the op's kernel's outputs."""
+    k = pending.a.shape[1]
     LAYOUT.check(words, out_features, k, "q4il")
     tiles = LAYOUT.shape(out_features, k)[0]
     sms = torch.cuda.get_device_properties(words.device).multi_processor_count
     shape = q4il_shape(tiles, sms)
     y = torch.empty((1, out_features), dtype=torch.bfloat16, device=words.device)
     pdl = pdl_enabled()
-    kernel = _compiled(1, _OUT_KINDS[torch.bfloat16], pdl, shape, 2 if zero_centred else 1)
+    kernel = _compiled(1, _OUT_KINDS[torch.bfloat16], pdl, shape, pending.prologue)
+    o = pending.outputs  # (the plain build's activation arguments, unread)
     _launch(kernel, min(tiles, shape[1] * sms), 32 * shape[0], smem_bytes(k, shape[0], True),
-            [words, outputs.q.view(torch.int32), outputs.d, y, out_features, k, y.stride(0), x, residual,
-             weight, float(eps), outputs.out, outputs.residual, outputs.q, outputs.d, outputs.s], pdl)
+            [words, o.q.view(torch.int32), o.d, y, out_features, k, y.stride(0), *pending.launch_args()], pdl)
     return y
 
 
@@ -375,13 +375,11 @@ def dequantize_q4il(words: torch.Tensor, out_features: int, in_features: int,
 
 def q4il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
     """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the q4il words (`LaneLayout.matmul`; prefill over
-    `dequantize_q4il`'s rows); x a norm's output left to this GEMV (`deferred_norm`): the norm in its
-    prologue."""
-    pending = deferred_norm.take(x) if norm_gemv_wanted(x) else None
+    `dequantize_q4il`'s rows); x an op's output left to this GEMV (`deferred`): the op in its prologue."""
+    pending = deferred.take(x) if prologue_wanted(x) else None
     if pending is not None:
-        return gemv_q4il_norm(words, pending.x, pending.residual, pending.weight, pending.eps,
-                              pending.zero_centred, out_features, pending.outputs)
-    deferred_norm.settle()
+        return gemv_q4il_prologue(words, pending, out_features)
+    deferred.settle()
     return LAYOUT.matmul(words, x, out_features, gemv_q4il, dequantize_q4il)
 
 

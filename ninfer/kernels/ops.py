@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from ninfer.kernels import deferred_norm, fused, reference
+from ninfer.kernels import deferred, fused, reference
 from ninfer.kernels.gemv_q8 import int8_next, int8_next_shape
 from ninfer.kernels.reference import (  # noqa: F401  (re-exported: no fused form, PyTorch on every device)
     apply_rotary,
@@ -40,10 +40,10 @@ def add_rms_norm(
     `group` here and below: inputs per scale of the int8 activation the next Linear takes
     (`models.weights.Linear.activation_group`), which the fused kernels write at decode widths on CUDA.
     `defer`: the caller's next call is the Linear that reads the output, which may run the norm itself
-    (`deferred_norm`)."""
-    deferred_norm.settle()  # x or the residual may be a waiting norm's output
-    if defer and deferred_norm.deferrable(x, residual, group):
-        return deferred_norm.defer(x, residual, w, eps, zero_centred)
+    (`deferred`)."""
+    deferred.settle()  # x or the residual may be a waiting op's output
+    if defer and deferred.norm_deferrable(x, residual, group):
+        return deferred.defer_norm(x, residual, w, eps, zero_centred)
     if fused.runs_on(x) and x.dim() == 2 and x.stride(-1) == 1:
         return fused.add_rms_norm(x, residual, w, eps, zero_centred, quantize=int8_next(x, group),
                                   group=group)
@@ -82,8 +82,12 @@ def norm_rotary_pair(
             fused.norm_rotary_reference(k, wk, cos, sin, eps))
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """`silu(gate)·up`; gate and up may be the two halves of a merged gate|up output."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, group: int = 32, defer: bool = False) -> torch.Tensor:
+    """`silu(gate)·up`; gate and up may be the two halves of a merged gate|up output. `defer`: the caller's
+    next call is the Linear that reads the output, which may run it itself (`deferred`)."""
+    deferred.settle()
+    if defer and deferred.swiglu_deferrable(gate, up, group):
+        return deferred.defer_swiglu(gate, up)
     if fused.runs_on(gate) and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:
         return fused.swiglu(gate, up, quantize=int8_next(gate, group), group=group)
     return reference.swiglu(gate, up)

@@ -50,4 +50,4 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate(x), self.up(x))
-        return self.down(ops.swiglu(gate, up, self.down.activation_group()))
+        return self.down(ops.swiglu(gate, up, self.down.activation_group(), defer=True))

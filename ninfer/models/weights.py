@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.errors import ArtifactError
-from ninfer.kernels import deferred_norm
+from ninfer.kernels import deferred
 from ninfer.kernels.gguf_matmul import KERNEL_FORMATS
 
 # Set by `load_model(..., quantized_weights=True)` while it builds a model: Linears keep GGUF blocks.
@@ -218,11 +218,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, columns_applied: bool = False, conv=None) -> torch.Tensor:
         """`columns_applied`: x already is in `input_columns` order (`ops.gated_rms_norm(gather=...)`).
         `conv`: a `kernels.gdn_decode.ConvEpilogue` of the first outputs the matmul may run (quantized; not on
-        a lane layout: conv.applied stays False, the caller runs it). x may be a norm's output left to the
-        il32 or q4il GEMV (`kernels.deferred_norm`); every other route has the norm run first."""
+        a lane layout: conv.applied stays False, the caller runs it). x may be a norm's or SwiGLU's output
+        left to the il32 or q4il GEMV (`kernels.deferred`); every other route has the op run first."""
         if self.layout not in ("il32", "q4il") or x.dtype != self.dtype or (self.input_columns is not None
                                                                             and not columns_applied):
-            deferred_norm.settle()  # (the il32 and q4il matmuls take a waiting norm or settle it)
+            deferred.settle()  # (the il32 and q4il matmuls take a waiting op or settle it)
         if self.input_columns is not None and not columns_applied:
             x = x.index_select(-1, self.input_columns)
         x = x.to(self.dtype)

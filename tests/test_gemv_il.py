@@ -293,7 +293,7 @@ def test_il_matmul_takes_groups_of_256_unless_told_32(monkeypatch):
     calls) takes one activation scale per 256 inputs; with NINFER_IL_GROUP=32 one per 32."""
     seen = []
 
-    def fake(words, xa, out_features, schedule=None):
+    def fake(words, xa, out_features, schedule=None, conv=None):
         seen.append((xa.q.shape[0], xa.d.shape[-1], schedule.group, schedule.kernel))
         return torch.zeros(xa.q.shape[0], out_features)
 
@@ -482,6 +482,36 @@ def test_a_deferred_op_in_the_gemvs_prologue_on_gpu(kind, n, k):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(yg, y) and torch.equal(g.outputs.out, o.out) and torch.equal(g.outputs.q, o.q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["il32", "q4il"])
+def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, monkeypatch):
+    """NINFER_LANE_CONV=1: the 27B's GDN input projection at one column runs the decode conv of its first
+    10240 outputs in its epilogue (`lane_conv`): the output the same bits as without, the conv's output and
+    the lane's slot as `conv_epilogue_store`'s arithmetic on them, the other slots untouched."""
+    from ninfer.kernels import gemv_q4il
+    from ninfer.kernels.gdn_decode import ConvEpilogue
+
+    n, k, c, slot = 16480, 5120, 10240, 2
+    raw = random_gguf_weight("iq3_s" if kind == "il32" else "q4_k", n, k, "cuda")
+    words, matmul = ((repack_il32(raw), il_matmul) if kind == "il32"
+                     else (gemv_q4il.repack_q4il(raw), gemv_q4il.q4il_matmul))
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    conv = ConvEpilogue.of(torch.randn(c, 4, device="cuda"), torch.randn(4, c, 3, device="cuda"),
+                           torch.tensor([slot], device="cuda"))
+    before = conv.slots.clone()
+    plain = matmul(words, x, n, conv=conv)
+    assert not conv.applied  # NINFER_LANE_CONV unset
+    monkeypatch.setenv("NINFER_LANE_CONV", "1")
+    y = matmul(words, x, n, conv=conv)
+    assert conv.applied and torch.equal(y, plain)
+    window = torch.cat([before[slot], y[0, :c].float()[:, None]], dim=1)
+    acc = (conv.weight * window).sum(1)
+    torch.testing.assert_close(conv.out[0], acc * torch.sigmoid(acc), rtol=1e-5, atol=1e-5)
+    assert torch.equal(conv.slots[slot], window[:, 1:])
+    assert torch.equal(conv.slots[:slot], before[:slot])
+    assert torch.equal(conv.slots[slot + 1:], before[slot + 1:])
 
 
 @pytest.mark.gpu

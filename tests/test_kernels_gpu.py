@@ -384,9 +384,10 @@ def test_fixture_greedy_gpu_matches_cpu(tiny_dir, tmp_path, monkeypatch, gguf_na
     lane-per-row layout, NINFER_IQ3S_IL=1; ":q6il": every q6_k matrix (the head, one attention and two MLP
     layers of the q4_k_m file) on its lane-per-row layout, NINFER_Q6K_IL=1; ":q4il": every q4_k matrix on
     its own, NINFER_Q4K_IL=1; "+prologue": and the decoder layers' norms and SwiGLUs run in those GEMVs'
-    prologues, NINFER_NORM_GEMV=1 and NINFER_SWIGLU_GEMV=1) gives the CPU reference engine's greedy tokens
-    (fp32, dense weights) up to the first step whose CPU top-1/top-2 margin is under twice the measured
-    drift (issue 5: >= 16 identical tokens on the bf16 file)."""
+    prologues and the GDN conv in their epilogue, NINFER_NORM_GEMV, NINFER_SWIGLU_GEMV, NINFER_LANE_CONV=1)
+    gives the CPU reference engine's greedy tokens (fp32, dense weights) up to the first step whose CPU
+    top-1/top-2 margin is under twice the measured drift (issue 5: >= 16 identical tokens on the bf16
+    file)."""
     from conftest import convert_tiny, reference_prompts
     from test_engine_invariants import greedy_logits, greedy_with_margins
 
@@ -395,7 +396,7 @@ def test_fixture_greedy_gpu_matches_cpu(tiny_dir, tmp_path, monkeypatch, gguf_na
 
     gguf_name, _, layout = gguf_name.partition(":")
     layout, prologues = layout.removesuffix("+prologue"), layout.endswith("+prologue")
-    for env in ("NINFER_NORM_GEMV", "NINFER_SWIGLU_GEMV"):
+    for env in ("NINFER_NORM_GEMV", "NINFER_SWIGLU_GEMV", "NINFER_LANE_CONV"):
         monkeypatch.setenv(env, "1" if prologues else "0")
     for name, env in (("il32", "NINFER_IQ3S_IL"), ("q6il", "NINFER_Q6K_IL"), ("q4il", "NINFER_Q4K_IL")):
         monkeypatch.setenv(env, "1" if layout == name else "0")

@@ -186,6 +186,62 @@ def test_a_deferred_op_in_a_gemvs_prologue(kind, k, prologue):
     assert rel(y, want) < 5e-3  # bf16 output rounding
 
 
+def conv_case(kind: str, prologue: int, source_of=same):
+    """The one-column dp4a il32 / q4il GEMV (with a deferred op's prologue or not) running the GDN decode conv
+    of its first outputs in its epilogue (`CONV_STAGE`): (y, conv out, the slots after, the slots before,
+    the conv weight, the lane's slot)."""
+    from ninfer.kernels import deferred
+    from ninfer.kernels.gdn_decode import ConvEpilogue
+
+    n, k, c, slot = 96, 768, 72, 2  # channels across a tile's end; int64 slot ids, as the decode graphs'
+    raw = random_gguf_weight("iq3_s" if kind == "il" else "q4_k", n, k)
+    conv = ConvEpilogue.of(torch.randn(c, 4), torch.randn(4, c, 3), torch.tensor([slot]))
+    before = conv.slots.clone()
+    conv.out.fill_(float("nan"))
+    y = torch.full((1, n), float("nan"), dtype=torch.bfloat16)
+    if prologue:
+        a, b = (torch.randn(1, k) * 3).to(torch.bfloat16), (torch.randn(1, k) * 10).to(torch.bfloat16)
+        rows, scales = (torch.empty(1, k, dtype=torch.bfloat16) for _ in range(2)), (
+            torch.empty(1, k // 256) for _ in range(2))
+        o = deferred.Outputs(*rows, torch.zeros(1, k, dtype=torch.int8), *scales)
+        made = deferred.Pending(prologue, a, b, torch.randn(k), 1e-6, o).launch_args()
+        xa = None
+    else:
+        xa, made = activation(1, k, 256), []
+    q8 = [xa.words, xa.d] if xa is not None else [torch.zeros(1, k // 4, dtype=torch.int32), torch.ones(1, 3)]
+    tail = made + list(conv.launch_args())
+    if kind == "il":
+        s = gemv_il.il_schedule(1, k, n, 256)
+        source = source_of(gemv_il.kernel_source(1, 1, s, prologue=prologue, conv=True))
+        HostKernel(source, "iq3s_il_gemv")((2,), (32 * s.warps,), [
+            gemv_il.repack_il32(raw), *q8, _tables("cpu")[1], y, n, k, y.stride(0), 2, *tail],
+            s.smem_bytes(1, k, 2))
+    else:
+        warps, ctas = gemv_q4il.SHAPES[1]
+        source = source_of(gemv_q4il.kernel_source(1, 1, False, (warps, ctas), prologue, True))
+        HostKernel(source, "q4k_il_mma")((2,), (32 * warps,), [
+            gemv_q4il.repack_q4il(raw), *q8, y, n, k, y.stride(0), *tail],
+            gemv_q4il.smem_bytes(k, warps, bool(prologue)))
+    return y, conv.out, conv.slots, before, conv.weight, slot
+
+
+@pytest.mark.parametrize("prologue", [0, 2])
+@pytest.mark.parametrize("kind", ["il", "q4il"])
+def test_the_gdn_conv_in_a_gemvs_epilogue(kind, prologue):
+    """The conv of the first C outputs as stored (bf16), `gdn_decode.conv_epilogue_store`'s arithmetic: silu
+    of the weights against the lane's slot and the new input, the slot moved on by that input; the other
+    slots untouched; the GEMV's own output written as without it."""
+    y, out, slots, before, w, slot = conv_case(kind, prologue)
+    c = w.shape[0]
+    x = y[0, :c].float()
+    window = torch.cat([before[slot], x[:, None]], dim=1)  # [C, 4], oldest input first
+    acc = (w * window).sum(1)
+    torch.testing.assert_close(out[0], acc * torch.sigmoid(acc), rtol=1e-5, atol=1e-6)
+    assert torch.equal(slots[slot], window[:, 1:])
+    assert torch.equal(slots[:slot], before[:slot]) and torch.equal(slots[slot + 1:], before[slot + 1:])
+    assert not y.isnan().any()
+
+
 # plausible slips, each in one kernel's source: the test above must see every one
 MUTATIONS = {
     "dp4a: a sign mask's byte": ("il", "0x4440 + 2 * half + (e >> 1)", "0x4440 + 2 * half"),
@@ -197,6 +253,7 @@ MUTATIONS = {
     "norm: the weight not zero-centred": ("norm", "PROLOGUE == 2 ? 1.f + wv[i] : wv[i]", "wv[i]"),
     "q4il norm: the made codes unread": ("q4il_norm", "const int* xa = codes;", "const int* xa = xw;"),
     "swiglu: silu of up": ("swiglu", "bf16_part(gv, i);\n", "bf16_part(uv, i);\n"),
+    "conv: the slot not moved on": ("conv", "cp[0] = s1;", "cp[0] = s0;"),
     "norm: a lane's group max": ("norm", "amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o))",
                                  "amax = fmaxf(amax, 0.f)"),
     "norm: the squares of one warp": ("norm", "for (int s = 0; s < WARPS; ++s) total += partial[s];",
@@ -220,6 +277,10 @@ def test_a_slip_in_a_kernel_fails(name):
         s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1)
         y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
+    elif kind == "conv":
+        y, out, slots, before, w, slot = conv_case("il", 0, source_of=mutate)
+        assert not torch.equal(slots[slot, :, 0], before[slot, :, 1])
+        return
     elif kind in ("norm", "q4il_norm", "swiglu"):
         prologue = 3 if kind == "swiglu" else 2
         y, *_, want = prologue_case("q4il" if kind == "q4il_norm" else "il", prologue, 2560, source_of=mutate)

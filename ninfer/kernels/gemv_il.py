@@ -152,6 +152,26 @@ __device__ __forceinline__ out_t to_out(float v) {
 
 """
 
+# The epilogue of the dp4a il32 and q4il kernels' CONV builds (one bf16 column: `lane_conv`): the GDN decode
+# conv of the first `c` outputs, the arithmetic of `gdn_decode.conv_epilogue_store` on each output as stored.
+CONV_STAGE = r"""
+#if CONV
+// slot_ids: int32 or int64 (little-endian: the low word of id 0 is the id)
+struct ConvArgs { const float4* w; float* slots; const int* slot_ids; float* out; int c; int s_cs; };
+__device__ __forceinline__ void conv_store(const ConvArgs& cv, int row, out_t y) {
+    if (row >= cv.c) return;
+    float* cp = cv.slots + (size_t)cv.slot_ids[0] * cv.s_cs + row * 3;  // the lane's slot: oldest input first
+    const float4 w = cv.w[row];
+    const float x = __uint_as_float((unsigned)y << 16), s0 = cp[0], s1 = cp[1], s2 = cp[2];
+    const float acc = w.x * s0 + w.y * s1 + w.z * s2 + w.w * x;
+    cv.out[row] = acc / (1.f + expf(-acc));
+    cp[0] = s1;
+    cp[1] = s2;
+    cp[2] = x;
+}
+#endif
+"""
+
 # The prologues of the dp4a il32 and q4il kernels' PROLOGUE builds (`gemv_il_prologue`, `gemv_q4il_prologue`:
 # one bf16 row whose op `kernels.deferred` left to the GEMV): WARPS, OUT_KIND 1 (bf16) and PROLOGUE (1, 2 the
 # add + RMSNorm, 2 with a zero-centred weight; 3 SwiGLU) defined by the source.
@@ -280,7 +300,8 @@ _SOURCE = r"""
 #define PDL __PDL__
 #define GROUP __GROUP__
 #define PROLOGUE __PROLOGUE__
-""" + CUDA_HELPERS + r"""
+#define CONV __CONV__
+""" + CUDA_HELPERS + CONV_STAGE + r"""
 struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
 
 // the words of block kb of the tile whose pairs start at `first` (this lane's row): half kb % 2 of pair
@@ -377,8 +398,15 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
              double eps, uint4* __restrict__ hout, uint4* __restrict__ hres, int2* __restrict__ qout,
              float* __restrict__ dout, float* __restrict__ sout
 #endif
+#if CONV
+             , const float4* __restrict__ cw, float* __restrict__ cs, const int* __restrict__ cslot,
+             float* __restrict__ co, int conv_c, int s_cs
+#endif
              )
 {
+#if CONV
+    const ConvArgs cv = {cw, cs, cslot, co, conv_c, s_cs};
+#endif
     extern __shared__ unsigned smem[];
     const int P = (K + 511) >> 9, K4 = K >> 2, KG = K >> (GROUP == 256 ? 8 : 5), nblk = K >> 8;
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -442,6 +470,9 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
             if (row < N) {
 #pragma unroll
                 for (int m = 0; m < NCOL; ++m) y[m * stride_y + row] = to_out(acc[m]);
+#if CONV
+                conv_store(cv, row, to_out(acc[0]));
+#endif
             }
             continue;
         }
@@ -457,6 +488,9 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 #pragma unroll
             for (int s = 0; s < WARPS; ++s) v += red[((j * WARPS + s) * NCOL + m) * 32 + (i & 31)];
             if (row < N) y[m * stride_y + row] = to_out(v);
+#if CONV
+            if (row < N) conv_store(cv, row, to_out(v));
+#endif
         }
         k = 0;
         if (t + gridDim.x < tiles) __syncthreads();
@@ -798,19 +832,21 @@ def _ctas_per_sm(s: IlSchedule, columns: int, in_features: int, smem: int = 228 
     return max(1, min(smem // (s.smem_bytes(columns, in_features) + 1024), threads // (32 * s.warps), regs))
 
 
-def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, prologue: int = 0) -> str:
+def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, prologue: int = 0,
+                  conv: bool = False) -> str:
     """The CUDA source; its launch bounds ask for the CTAs an SM holds by registers, threads and tables.
     `pdl`: launched as a programmatic dependent launch (`_launch`), it loads its weights and tables before
     waiting for the previous kernel, and lets the next one launch after its last tile's main loop.
     `prologue` (the dp4a kernel at 1 column, groups of 256, bf16): the op that makes its activation runs in
-    its prologue (`deferred.NORM`, `NORM_ZERO_CENTRED`, `SWIGLU`; `gemv_il_prologue`)."""
+    its prologue (`deferred.NORM`, `NORM_ZERO_CENTRED`, `SWIGLU`; `gemv_il_prologue`); `conv` (the same
+    builds): the GDN decode conv in its epilogue (`CONV_STAGE`, `lane_conv`)."""
     source = _MMA_SOURCE if s.kernel == "il_mma" else _SOURCE
     bf16 = _OUT_KINDS[torch.bfloat16]
-    if prologue and (s.kernel != "il" or columns != 1 or s.group != 256 or out_kind != bf16):
-        raise QuantKernelError("the prologue builds are the dp4a il32 kernel's at 1 column, groups of 256, "
-                               "bf16")
+    if (prologue or conv) and (s.kernel != "il" or columns != 1 or s.group != 256 or out_kind != bf16):
+        raise QuantKernelError("the prologue and conv builds are the dp4a il32 kernel's at 1 column, groups "
+                               "of 256, bf16")
     return (source.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
-            .replace("__PROLOGUE__", str(prologue))
+            .replace("__PROLOGUE__", str(prologue)).replace("__CONV__", str(int(conv)))
             .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns, 0)))
             .replace("__COPIES__", str(s.copies))
             .replace("__PDL__", str(int(pdl))).replace("__GROUP__", str(s.group)))
@@ -829,9 +865,10 @@ def _smem_sm(device: torch.device) -> int:
 
 
 @functools.cache
-def _compiled(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, prologue: int = 0):
+def _compiled(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, prologue: int = 0,
+              conv: bool = False):
     name = "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s, pdl, prologue), name)
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s, pdl, prologue, conv), name)
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -879,10 +916,34 @@ def check_call(kind: str, words: torch.Tensor, xa: QuantizedActivation, group: i
         raise QuantKernelError(f"the {kind} GEMV writes float32, bfloat16 or float16, not {xa.dtype}")
 
 
+def lane_conv(conv, columns: int, out_features: int, dtype: torch.dtype):
+    """`conv` (a `gdn_decode.ConvEpilogue`) where the dp4a il32 or the q4il GEMV is to run it in its epilogue
+    (NINFER_LANE_CONV=1 until timed; one bf16 column, fp32 slots `[S, C, 3]` and weights `[C, 4]`
+    contiguous), else None: the layer runs its conv kernel."""
+    if (conv is None or os.environ.get("NINFER_LANE_CONV") != "1" or columns != 1 or dtype != torch.bfloat16
+            or conv.slot_ids.shape[0] != 1 or conv.channels > out_features):
+        return None
+    slots, weight = conv.slots, conv.weight
+    # (the kernels read the one lane's slot id as the low word of slot_ids[0]: int32 or int64 alike)
+    ok = (slots.dtype == weight.dtype == torch.float32 and slots.stride()[1:] == (3, 1)
+          and weight.is_contiguous() and conv.slot_ids.dtype in (torch.int32, torch.int64)
+          and conv.out.is_contiguous())
+    return conv if ok else None
+
+
+def conv_arguments(conv) -> list:
+    """A CONV build's last arguments (`CONV_STAGE`), the conv marked as run; none without one."""
+    if conv is None:
+        return []
+    conv.applied = True
+    return list(conv.launch_args())
+
+
 def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
-            schedule: IlSchedule | None = None) -> torch.Tensor:
+            schedule: IlSchedule | None = None, conv=None) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the il32 words (CUDA) and xa the int8 activation
-    of 1-8 columns; `schedule` (default `il_schedule`) picks the dp4a or the tensor-core kernel."""
+    of 1-8 columns; `schedule` (default `il_schedule`) picks the dp4a or the tensor-core kernel; `conv`: a
+    GDN decode conv for its epilogue (`lane_conv`'s)."""
     n, k = xa.q.shape
     check_il32(words, out_features, k)
     s = schedule or il_schedule(n, k, out_features)
@@ -908,10 +969,11 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
         else:
             args += [s.splits, *work]
             ctas = min(tiles * s.splits, _launch_shape(words.device, s, n, k))
-    args.append(ring)
+    args += [ring, *conv_arguments(conv)]
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
     # one build for every split count
-    kernel = _compiled(n, _OUT_KINDS[xa.dtype], s if s.splits == 1 else replace(s, splits=1), pdl)
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], s if s.splits == 1 else replace(s, splits=1), pdl, 0,
+                       conv is not None)
     _launch(kernel, ctas, 32 * s.warps, smem, args, pdl)
     return y
 
@@ -936,11 +998,12 @@ def _prologue_builds(s: IlSchedule) -> bool:
     return True
 
 
-def gemv_il_prologue(words: torch.Tensor, pending: deferred.Pending, out_features: int) -> torch.Tensor:
+def gemv_il_prologue(words: torch.Tensor, pending: deferred.Pending, out_features: int, conv=None
+                     ) -> torch.Tensor:
     """The dp4a il32 GEMV of a waiting op's output (`deferred`: an add + RMSNorm or a SwiGLU of one bf16 row)
     in one launch: each CTA makes the activation in its prologue (`PROLOGUE_STAGE`) where the op ran as a
     kernel of its own before; its first CTA writes what that kernel would (`pending.outputs`).
-    `prologue_wanted` says when it applies."""
+    `prologue_wanted` says when it applies; `conv`: `gemv_il`'s."""
     k = pending.a.shape[1]
     check_il32(words, out_features, k)
     s = il_schedule(1, k, out_features, 256)
@@ -950,9 +1013,9 @@ def gemv_il_prologue(words: torch.Tensor, pending: deferred.Pending, out_feature
     y = torch.empty((1, out_features), dtype=torch.bfloat16, device=words.device)
     o = pending.outputs  # (the plain build's activation arguments, unread)
     args = [words, o.q.view(torch.int32), o.d, _tables(words.device)[1], y, out_features, k, y.stride(0),
-            ring, *pending.launch_args()]
+            ring, *pending.launch_args(), *conv_arguments(conv)]
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"
-    kernel = _compiled(1, _OUT_KINDS[torch.bfloat16], s, pdl, pending.prologue)
+    kernel = _compiled(1, _OUT_KINDS[torch.bfloat16], s, pdl, pending.prologue, conv is not None)
     _launch(kernel, ctas, 32 * s.warps, s.smem_bytes(1, k, ring), args, pdl)
     return y
 
@@ -1035,13 +1098,15 @@ def dequantize_il32(words: torch.Tensor, out_features: int, in_features: int,
     return out
 
 
-def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
+def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int, conv=None) -> torch.Tensor:
     """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the il32 words: the GEMV on up to 8 columns at a
     time through 16, a matmul over the dequantised weight beyond (prefill); x an op's output left to this
-    GEMV (`deferred`): the op in its prologue."""
+    GEMV (`deferred`): the op in its prologue; `conv`: a GDN decode conv the one-column GEMV may run in its
+    epilogue (`lane_conv`; `conv.applied` says whether it did)."""
+    conv = lane_conv(conv, x.reshape(-1, x.shape[-1]).shape[0], out_features, x.dtype)
     pending = deferred.take(x) if prologue_wanted(words, x, out_features) else None
     if pending is not None:  # x is an op's output still to be made: the GEMV makes it
-        return gemv_il_prologue(words, pending, out_features)
+        return gemv_il_prologue(words, pending, out_features, conv)
     deferred.settle()
     in_features = x.shape[-1]
     x2 = x.reshape(-1, in_features)
@@ -1051,7 +1116,8 @@ def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.
     n, group = x2.shape[0], il_group()
     xa = quantize_activation_cached(x, group)  # the kernel that made x may have quantised it (`il_group`)
     if n <= MAX_COLUMNS:
-        y = gemv_il(words, xa, out_features, il_schedule(n, in_features, out_features, group))
+        s = il_schedule(n, in_features, out_features, group)
+        y = gemv_il(words, xa, out_features, s, conv=conv if s.kernel == "il" and group == 256 else None)
     else:
         y = torch.cat([gemv_il(words, xa.rows(i, i + MAX_COLUMNS), out_features,
                                il_schedule(min(MAX_COLUMNS, n - i), in_features, out_features, group))

@@ -32,8 +32,18 @@ import os
 import torch
 
 from ninfer.kernels import deferred
-from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, PROLOGUE_STAGE, _launch, _smem_optin, check_call
-from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference
+from ninfer.kernels.gemv_il import (
+    _OUT_KINDS,
+    CONV_STAGE,
+    CUDA_HELPERS,
+    PROLOGUE_STAGE,
+    _launch,
+    _smem_optin,
+    check_call,
+    conv_arguments,
+    lane_conv,
+)
+from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
 from ninfer.kernels.gguf_matmul import QuantKernelError, dequantize_rows
 from ninfer.kernels.lane_layout import TILE_STORE, LaneLayout, builds
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_enabled, tl, triton_runs_on
@@ -64,7 +74,8 @@ _SOURCE = r"""
 #define CTAS __CTAS__
 #define PDL __PDL__
 #define PROLOGUE __PROLOGUE__
-""" + CUDA_HELPERS + TILE_STORE + PROLOGUE_STAGE + r"""
+#define CONV __CONV__
+""" + CUDA_HELPERS + CONV_STAGE + TILE_STORE + PROLOGUE_STAGE + r"""
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -88,8 +99,15 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
            double eps, uint4* __restrict__ hout, uint4* __restrict__ hres, int2* __restrict__ qout,
            float* __restrict__ dout, float* __restrict__ sout
 #endif
+#if CONV
+           , const float4* __restrict__ cw, float* __restrict__ cs, const int* __restrict__ cslot,
+           float* __restrict__ co, int conv_c, int s_cs
+#endif
            )
 {
+#if CONV
+    const ConvArgs cv = {cw, cs, cslot, co, conv_c, s_cs};
+#endif
     // CTA c takes tiles c, c + gridDim.x, ..., its warps a tile's blocks wid, wid + WARPS, ...
     extern __shared__ int4 xs[];  // per block and column: bytes {hi j0..3, hi j4..7, lo j0..3, lo j4..7}
     const int K4 = K >> 2, nblk = K >> 8, P = (nblk + 1) >> 1, tiles = (N + 31) >> 5;
@@ -218,21 +236,26 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #if PDL
         if (tile + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
 #endif
-        store_tile(red, acc, wid, gq, t, tile, N, y, stride_y);
+        store_tile(red, acc, wid, gq, t, tile, N, y, stride_y
+#if CONV
+                   , cv
+#endif
+                   );
     }
 }
 """
 
 
 def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
-                  prologue: int = 0) -> str:
+                  prologue: int = 0, conv: bool = False) -> str:
     """`prologue` (1 column, bf16): the op that makes the activation runs in the prologue (`deferred.NORM`,
-    `NORM_ZERO_CENTRED`, `SWIGLU`; `gemv_q4il_prologue`)."""
-    if prologue and (columns != 1 or out_kind != _OUT_KINDS[torch.bfloat16]):
-        raise QuantKernelError("the q4il prologue builds are the 1-column bf16 build's")
+    `NORM_ZERO_CENTRED`, `SWIGLU`; `gemv_q4il_prologue`); `conv` (the same builds): the GDN decode conv in
+    the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`)."""
+    if (prologue or conv) and (columns != 1 or out_kind != _OUT_KINDS[torch.bfloat16]):
+        raise QuantKernelError("the q4il prologue and conv builds are the 1-column bf16 build's")
     warps, ctas = shape
     return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
-            .replace("__PROLOGUE__", str(prologue))
+            .replace("__PROLOGUE__", str(prologue)).replace("__CONV__", str(int(conv)))
             .replace("__WARPS__", str(warps)).replace("__CTAS__", str(ctas))
             .replace("__PDL__", str(int(pdl))))
 
@@ -257,16 +280,19 @@ def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], prologue: int = 0):
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, prologue), "q4k_il_mma")
+def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], prologue: int = 0,
+              conv: bool = False):
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, prologue, conv),
+                                        "q4k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
 
 def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
-              shape: tuple[int, int] | None = None) -> torch.Tensor:
+              shape: tuple[int, int] | None = None, conv=None) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the q4il words (CUDA) and xa the int8 activation of
-    1-8 columns with one scale per 256 inputs; `shape` (warps, CTAs an SM) defaults to `q4il_shape`'s."""
+    1-8 columns with one scale per 256 inputs; `shape` (warps, CTAs an SM) defaults to `q4il_shape`'s;
+    `conv`: a GDN decode conv for its epilogue (`gemv_il.lane_conv`'s)."""
     n, k = xa.q.shape
     LAYOUT.check(words, out_features, k, "q4il")
     check_call("q4il", words, xa, 256)
@@ -275,9 +301,9 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     shape = shape or q4il_shape(tiles, sms)
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
-    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape)
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, 0, conv is not None)
     _launch(kernel, min(tiles, shape[1] * sms), 32 * shape[0], smem_bytes(k, shape[0]),
-            [words, xa.words, xa.d, y, out_features, k, y.stride(0)], pdl)
+            [words, xa.words, xa.d, y, out_features, k, y.stride(0), *conv_arguments(conv)], pdl)
     return y
 
 
@@ -294,10 +320,11 @@ def _prologue_builds() -> bool:
                            for p in (deferred.NORM_ZERO_CENTRED, deferred.SWIGLU)])
 
 
-def gemv_q4il_prologue(words: torch.Tensor, pending: deferred.Pending, out_features: int) -> torch.Tensor:
+def gemv_q4il_prologue(words: torch.Tensor, pending: deferred.Pending, out_features: int, conv=None
+                       ) -> torch.Tensor:
     """The q4il GEMV of a waiting op's output (`deferred`) in one launch: each CTA makes the activation in its
     prologue (`gemv_il.PROLOGUE_STAGE`, into shared memory, where the plain build reads the codes from global
-    memory) and the first CTA writes the op's kernel's outputs."""
+    memory) and the first CTA writes the op's kernel's outputs; `conv`: `gemv_q4il`'s."""
     k = pending.a.shape[1]
     LAYOUT.check(words, out_features, k, "q4il")
     tiles = LAYOUT.shape(out_features, k)[0]
@@ -305,10 +332,11 @@ def gemv_q4il_prologue(words: torch.Tensor, pending: deferred.Pending, out_featu
     shape = q4il_shape(tiles, sms)
     y = torch.empty((1, out_features), dtype=torch.bfloat16, device=words.device)
     pdl = pdl_enabled()
-    kernel = _compiled(1, _OUT_KINDS[torch.bfloat16], pdl, shape, pending.prologue)
+    kernel = _compiled(1, _OUT_KINDS[torch.bfloat16], pdl, shape, pending.prologue, conv is not None)
     o = pending.outputs  # (the plain build's activation arguments, unread)
     _launch(kernel, min(tiles, shape[1] * sms), 32 * shape[0], smem_bytes(k, shape[0], True),
-            [words, o.q.view(torch.int32), o.d, y, out_features, k, y.stride(0), *pending.launch_args()], pdl)
+            [words, o.q.view(torch.int32), o.d, y, out_features, k, y.stride(0), *pending.launch_args(),
+             *conv_arguments(conv)], pdl)
     return y
 
 
@@ -373,13 +401,18 @@ def dequantize_q4il(words: torch.Tensor, out_features: int, in_features: int,
     return out
 
 
-def q4il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor:
+def q4il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int, conv=None) -> torch.Tensor:
     """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the q4il words (`LaneLayout.matmul`; prefill over
-    `dequantize_q4il`'s rows); x an op's output left to this GEMV (`deferred`): the op in its prologue."""
+    `dequantize_q4il`'s rows); x an op's output left to this GEMV (`deferred`): the op in its prologue;
+    `conv`: `gemv_il.il_matmul`'s."""
+    conv = lane_conv(conv, x.reshape(-1, x.shape[-1]).shape[0], out_features, x.dtype)
     pending = deferred.take(x) if prologue_wanted(x) else None
     if pending is not None:
-        return gemv_q4il_prologue(words, pending, out_features)
+        return gemv_q4il_prologue(words, pending, out_features, conv)
     deferred.settle()
+    if conv is not None:  # one column
+        y = gemv_q4il(words, quantize_activation_cached(x, 256), out_features, conv=conv)
+        return y.reshape(*x.shape[:-1], out_features)
     return LAYOUT.matmul(words, x, out_features, gemv_q4il, dequantize_q4il)
 
 

@@ -29,7 +29,11 @@ PREFILL_ROWS = 8192  # rows unpacked at a time for a prefill matmul (34 MB of q6
 # and stored to y's rows below N.
 TILE_STORE = r"""
 __device__ __forceinline__ void store_tile(float* red, const float (&acc)[4][2], unsigned wid, unsigned gq,
-                                           unsigned t, int tile, int N, out_t* __restrict__ y, int stride_y) {
+                                           unsigned t, int tile, int N, out_t* __restrict__ y, int stride_y
+#if defined(CONV) && CONV
+                                           , const ConvArgs& cv
+#endif
+                                           ) {
     float* rw = red + wid * (32 * 8);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -43,6 +47,9 @@ __device__ __forceinline__ void store_tile(float* red, const float (&acc)[4][2],
 #pragma unroll
         for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
         if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
+#if defined(CONV) && CONV
+        if (tile * 32 + row < N) conv_store(cv, tile * 32 + row, to_out(v));  // (CONV builds: one column)
+#endif
     }
     __syncthreads();
 }

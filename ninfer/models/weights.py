@@ -139,12 +139,14 @@ def aligned_run(scatter: torch.Tensor) -> int:
 @dataclass(frozen=True)
 class RepackedLayout:
     """A lane-per-row layout a quantized Linear may take on load: which weights (`wanted(format, out, in,
-    device)`), the repack of their GGUF rows, the matmul on the words, the activation grouping it reads."""
+    device)`), the repack of their GGUF rows, the matmul on the words, the activation grouping it reads;
+    `fuses`: its matmul takes a GDN decode conv (`conv=`) and an op `kernels.deferred` left to it."""
 
     wanted: Callable[[str, int, int, torch.device], bool]
     repack: Callable[[torch.Tensor], torch.Tensor]
-    matmul: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    matmul: Callable[..., torch.Tensor]
     group: Callable[[], int]
+    fuses: bool = False
 
 
 @functools.cache
@@ -154,11 +156,12 @@ def lane_layouts() -> dict[str, RepackedLayout]:
     from ninfer.kernels import gemv_il, gemv_q4il, gemv_q6il
 
     return {
-        "il32": RepackedLayout(gemv_il.il32_wanted, gemv_il.repack_il32, gemv_il.il_matmul, gemv_il.il_group),
+        "il32": RepackedLayout(gemv_il.il32_wanted, gemv_il.repack_il32, gemv_il.il_matmul, gemv_il.il_group,
+                               fuses=True),
         "q6il": RepackedLayout(gemv_q6il.q6il_wanted, gemv_q6il.repack_q6il, gemv_q6il.q6il_matmul,
                                lambda: 256),
         "q4il": RepackedLayout(gemv_q4il.q4il_wanted, gemv_q4il.repack_q4il, gemv_q4il.q4il_matmul,
-                               lambda: 256),
+                               lambda: 256, fuses=True),
     }
 
 
@@ -217,19 +220,22 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, columns_applied: bool = False, conv=None) -> torch.Tensor:
         """`columns_applied`: x already is in `input_columns` order (`ops.gated_rms_norm(gather=...)`).
-        `conv`: a `kernels.gdn_decode.ConvEpilogue` of the first outputs the matmul may run (quantized; not on
-        a lane layout: conv.applied stays False, the caller runs it). x may be a norm's or SwiGLU's output
-        left to the il32 or q4il GEMV (`kernels.deferred`); every other route has the op run first."""
-        if self.layout not in ("il32", "q4il") or x.dtype != self.dtype or (self.input_columns is not None
-                                                                            and not columns_applied):
+        `conv`: a `kernels.gdn_decode.ConvEpilogue` of the first outputs the matmul may run (quantized: the
+        rows kernels', and the il32 / q4il ones' under NINFER_LANE_CONV=1; `conv.applied` says whether it
+        did, else the caller runs it). x may be a norm's or SwiGLU's output left to the il32 or q4il GEMV
+        (`kernels.deferred`); every other route has the op run first."""
+        lane = lane_layouts()[self.layout] if self.layout != "gguf" else None
+        gathers = self.input_columns is not None and not columns_applied
+        if lane is None or not lane.fuses or x.dtype != self.dtype or gathers:
             deferred.settle()  # (the il32 and q4il matmuls take a waiting op or settle it)
-        if self.input_columns is not None and not columns_applied:
+        if gathers:
             x = x.index_select(-1, self.input_columns)
         x = x.to(self.dtype)
         if self.raw is None:
             return F.linear(x, self.weight, self.bias)
-        if self.layout != "gguf":
-            y = lane_layouts()[self.layout].matmul(self.raw, x, self.out_features)
+        if lane is not None:
+            y = lane.matmul(self.raw, x, self.out_features, conv=conv) if lane.fuses else lane.matmul(
+                self.raw, x, self.out_features)
         else:
             from ninfer.kernels.gguf_matmul import quant_matmul
 

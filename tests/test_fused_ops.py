@@ -366,9 +366,9 @@ def test_model_on_fused_kernels_matches_the_reference_path(tiny_bf16, monkeypatc
 
 
 def test_ops_left_to_the_gemv_give_the_same_logits(tiny_bf16, monkeypatch):
-    """A decoder layer's norms and its MLP's SwiGLU left waiting for the Linear that reads them (`deferred`,
-    here on the CPU, where no GEMV runs them: every Linear settles them first) give the same decode logits,
-    bit for bit, as ops run in place."""
+    """A decoder layer's norms, its MLP's SwiGLU and the GDN output norm left waiting for the Linear that
+    reads them (`deferred`, here on the CPU, where no GEMV runs them: every Linear settles them first) give
+    the same decode logits, bit for bit, as ops run in place."""
     from ninfer.kernels import deferred
 
     with single_thread():
@@ -386,6 +386,9 @@ def test_ops_left_to_the_gemv_give_the_same_logits(tiny_bf16, monkeypatch):
         one_row = lambda t: t.dim() == 2 and t.shape[0] == 1 and t.shape[1] % 256 == 0  # noqa: E731
         monkeypatch.setattr(deferred, "norm_deferrable", lambda x, r, group: r is not None and one_row(x))
         monkeypatch.setattr(deferred, "swiglu_deferrable", lambda g, u, group: one_row(g))
+        monkeypatch.setattr(deferred, "gated_norm_deferrable", lambda o, z, dtype, run, group: (
+            o.dim() == 3 and o.shape[0] == 1 and o.shape[2] == 128 and o.shape[1] % 2 == 0
+            and run % 128 == 0))
         monkeypatch.setattr(deferred, "_wait",
                             lambda prologue, *a: waited.append(prologue) or wait(prologue, *a))
         got = run()
@@ -394,6 +397,8 @@ def test_ops_left_to_the_gemv_give_the_same_logits(tiny_bf16, monkeypatch):
     # a one-row step's norms but the first (no residual yet), and every SwiGLU
     assert waited.count(deferred.NORM_ZERO_CENTRED) == 3 * (2 * layers - 1)
     assert waited.count(deferred.SWIGLU) == 3 * layers
+    gdn_layers = sum(layer.mixer.__class__.__name__ == "GatedDeltaNet" for layer in model.layers)
+    assert gdn_layers and waited.count(deferred.GATED_NORM) == 3 * gdn_layers
     assert deferred._waiting is None
 
 

@@ -427,13 +427,13 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["il32", "q4il"])
-@pytest.mark.parametrize(("n", "k"), [(16480, 5120), (34816, 5120), (5120, 17408), (72, 768)])
+@pytest.mark.parametrize(("n", "k"), [(16480, 5120), (34816, 5120), (5120, 17408), (5120, 6144), (72, 768)])
 def test_a_deferred_op_in_the_gemvs_prologue_on_gpu(kind, n, k):
-    """`gemv_il_prologue` / `gemv_q4il_prologue` (the add + RMSNorm or the SwiGLU made by each CTA of the
-    dp4a il32 / the q4il kernel) against the op's own kernel then the plain GEMV, on the 27B's matrices fed
-    by them: the norm's residual the same bits, the row and codes within an ulp / a code, the GEMV within
-    the bf16 rounding; in a CUDA graph with programmatic dependent launch after a kernel that writes its
-    input, the same bits as eager."""
+    """`gemv_il_prologue` / `gemv_q4il_prologue` (the add + RMSNorm, the SwiGLU or the GDN gated norm made by
+    each CTA of the dp4a il32 / the q4il kernel) against the op's own kernel then the plain GEMV, on the
+    27B's matrices fed by them: the norm's residual the same bits, the row and codes within an ulp / a code,
+    the GEMV within the bf16 rounding; in a CUDA graph with programmatic dependent launch after a kernel
+    that writes its input, the same bits as eager."""
     from ninfer.kernels import deferred, fused, gemv_q4il
     from ninfer.kernels.gemv_il import gemv_il_prologue, prologue_wanted
     from ninfer.kernels.gemv_q8 import quantize_activation_cached
@@ -450,22 +450,34 @@ def test_a_deferred_op_in_the_gemvs_prologue_on_gpu(kind, n, k):
         fused_gemv = gemv_q4il.gemv_q4il_prologue
         assert gemv_q4il.prologue_wanted(a)
 
+    core = torch.randn(1, k // 128, 128, device="cuda") * 2  # the gated norm's o; its heads in another order
+    order = torch.randperm(k // 128, device="cuda")
+    gather = (order[:, None] * 128 + torch.arange(128, device="cuda")).reshape(-1)
+    head_w = torch.randn(128, device="cuda") * 0.3
+
     def pending(prologue, a):
         scales = (torch.empty((1, k // 256), device="cuda") for _ in range(2))
-        residual = None if prologue == deferred.SWIGLU else torch.empty_like(b)
+        residual = None if prologue in (deferred.SWIGLU, deferred.GATED_NORM) else torch.empty_like(b)
         codes = torch.empty((1, k), dtype=torch.int8, device="cuda")
-        o = deferred.Outputs(torch.empty_like(a), residual, codes, *scales)
+        o = deferred.Outputs(torch.empty_like(b), residual, codes, *scales)
+        if prologue == deferred.GATED_NORM:
+            return deferred.Pending(prologue, a, b, head_w, 1e-6, o, gather, torch.argsort(gather))
         return deferred.Pending(prologue, a, b, None if prologue == deferred.SWIGLU else w, 1e-6, o)
 
-    for prologue in (deferred.NORM, deferred.NORM_ZERO_CENTRED, deferred.SWIGLU):
+    for prologue in (deferred.NORM, deferred.NORM_ZERO_CENTRED, deferred.SWIGLU, deferred.GATED_NORM):
+        first = core if prologue == deferred.GATED_NORM else a
         if prologue == deferred.SWIGLU:
             out, res = fused.swiglu(a, b, quantize=True, group=256), None
+        elif prologue == deferred.GATED_NORM:
+            out = fused.gated_rms_norm(core, b.view(core.shape), head_w, 1e-6, torch.bfloat16,
+                                       torch.argsort(gather), quantize=True, group=256, gather=gather)
+            res = None
         else:
             zero_centred = prologue == deferred.NORM_ZERO_CENTRED
             out, res = fused.add_rms_norm(a, b, w, 1e-6, zero_centred, quantize=True, group=256)
         xa = quantize_activation_cached(out, 256)
         plain = matmul(words, out, n)
-        p = pending(prologue, a)
+        p = pending(prologue, first)
         y, o = fused_gemv(words, p, n), p.outputs
         if res is not None:
             assert torch.equal(o.residual, res)
@@ -473,11 +485,11 @@ def test_a_deferred_op_in_the_gemvs_prologue_on_gpu(kind, n, k):
         assert (o.q.int() - xa.q.int()).abs().max() <= 1
         torch.testing.assert_close(o.d, xa.d, rtol=2.0**-8, atol=0)
         assert rel(y, plain) < 2.0**-8, (n, k, prologue)
-        ag = torch.empty_like(a)
+        ag = torch.empty_like(first)
         g = pending(prologue, ag)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            ag.copy_(a * 1)  # a kernel ahead that writes the op's input
+            ag.copy_(first * 1)  # a kernel ahead that writes the op's input
             yg = fused_gemv(words, g, n)
         graph.replay()
         torch.cuda.synchronize()

@@ -383,8 +383,9 @@ def test_fixture_greedy_gpu_matches_cpu(tiny_dir, tmp_path, monkeypatch, gguf_na
     iq3_s GDN input projection running the decode conv in its epilogue; ":il32": every iq3_s matrix on the
     lane-per-row layout, NINFER_IQ3S_IL=1; ":q6il": every q6_k matrix (the head, one attention and two MLP
     layers of the q4_k_m file) on its lane-per-row layout, NINFER_Q6K_IL=1; ":q4il": every q4_k matrix on
-    its own, NINFER_Q4K_IL=1; "+prologue": and the decoder layers' norms and SwiGLUs run in those GEMVs'
-    prologues and the GDN conv in their epilogue, NINFER_NORM_GEMV, NINFER_SWIGLU_GEMV, NINFER_LANE_CONV=1)
+    its own, NINFER_Q4K_IL=1; "+prologue": and the decoder layers' norms, SwiGLUs and GDN output norms run
+    in those GEMVs' prologues and the GDN conv in their epilogue: NINFER_NORM_GEMV, NINFER_SWIGLU_GEMV,
+    NINFER_GATED_NORM_GEMV, NINFER_LANE_CONV = 1)
     gives the CPU reference engine's greedy tokens (fp32, dense weights) up to the first step whose CPU
     top-1/top-2 margin is under twice the measured drift (issue 5: >= 16 identical tokens on the bf16
     file)."""
@@ -396,7 +397,7 @@ def test_fixture_greedy_gpu_matches_cpu(tiny_dir, tmp_path, monkeypatch, gguf_na
 
     gguf_name, _, layout = gguf_name.partition(":")
     layout, prologues = layout.removesuffix("+prologue"), layout.endswith("+prologue")
-    for env in ("NINFER_NORM_GEMV", "NINFER_SWIGLU_GEMV", "NINFER_LANE_CONV"):
+    for env in ("NINFER_NORM_GEMV", "NINFER_SWIGLU_GEMV", "NINFER_GATED_NORM_GEMV", "NINFER_LANE_CONV"):
         monkeypatch.setenv(env, "1" if prologues else "0")
     for name, env in (("il32", "NINFER_IQ3S_IL"), ("q6il", "NINFER_Q6K_IL"), ("q4il", "NINFER_Q4K_IL")):
         monkeypatch.setenv(env, "1" if layout == name else "0")

@@ -138,16 +138,24 @@ def prologue_case(kind: str, prologue: int, k: int, n: int = 96, source_of=same)
 
     raw = random_gguf_weight("iq3_s" if kind == "il" else "q4_k", n, k)
     a, b = (torch.randn(1, k) * 3).to(torch.bfloat16), (torch.randn(1, k) * 10).to(torch.bfloat16)
-    w, eps = torch.randn(k) * 0.3, 1e-6
+    w, eps, gather = torch.randn(k) * 0.3, 1e-6, None
     if prologue == deferred.SWIGLU:
         out, res = reference.swiglu(a, b), None
+    elif prologue == deferred.GATED_NORM:  # o fp32 heads of 128, z, the Linear's columns: heads reordered
+        heads = k // 128
+        a, w = torch.randn(1, heads, 128) * 2, torch.randn(128) * 0.3
+        order = torch.randperm(heads)
+        gather = (order[:, None] * 128 + torch.arange(128)).reshape(-1)
+        out = fused.gated_rms_norm_reference(a, b.view(1, heads, 128), w, eps, torch.bfloat16, gather)
+        res = None
     else:
         out, res = fused.add_rms_norm_reference(a, b, w, eps, prologue == deferred.NORM_ZERO_CENTRED)
     xa = quantize_activation_reference(out, 256)
     rows = (torch.full((1, k), float("nan"), dtype=torch.bfloat16) for _ in range(2))
     scales = (torch.full((1, k // 256), float("nan")) for _ in range(2))
     o = deferred.Outputs(*rows, torch.zeros(1, k, dtype=torch.int8), *scales)
-    args = deferred.Pending(prologue, a, b, None if prologue == deferred.SWIGLU else w, eps, o).launch_args()
+    args = deferred.Pending(prologue, a, b, None if prologue == deferred.SWIGLU else w, eps, o,
+                            gather).launch_args()
     y = torch.full((1, n), float("nan"), dtype=torch.bfloat16)
     # the plain build's activation arguments, unread by a prologue build: garbage, so that reading them shows
     unread = torch.randint(-2**31, 2**31 - 1, (1, k // 4), dtype=torch.int32), torch.full((1, k // 256), 1e30)
@@ -168,13 +176,14 @@ def prologue_case(kind: str, prologue: int, k: int, n: int = 96, source_of=same)
     return y, o, (out, res), xa, plain, gemv_q8_reference(raw, "iq3_s" if kind == "il" else "q4_k", xa, n)
 
 
-@pytest.mark.parametrize("prologue", [1, 2, 3])  # deferred.NORM, NORM_ZERO_CENTRED, SWIGLU
+@pytest.mark.parametrize("prologue", [1, 2, 3, 4])  # deferred.NORM, NORM_ZERO_CENTRED, SWIGLU, GATED_NORM
 @pytest.mark.parametrize(("kind", "k"), [("il", 768), ("il", 2560), ("q4il", 768), ("q4il", 2560)])
 def test_a_deferred_op_in_a_gemvs_prologue(kind, k, prologue):
     """The dp4a il32 and q4il kernels' prologue builds: each CTA's row and int8 codes are the op's own
-    kernel's (the norm's sum of squares in another order, SwiGLU's exp the host's: measured equal on these
-    rows; one bf16 ulp / one code allowed), so the GEMV is the plain one's on that kernel's activation; CTA
-    0 writes the row, codes, scales and d·Σq (and the norm's residual)."""
+    kernel's (the norms' sums of squares in another order, the exp the host's: measured equal on these rows;
+    one bf16 ulp / one code allowed; the gated norm's heads in a shuffled column order), so the GEMV is the
+    plain one's on that kernel's activation; CTA 0 writes the row, codes, scales and d·Σq (and the norm's
+    residual)."""
     y, o, (out, res), xa, plain, want = prologue_case(kind, prologue, k)
     if res is not None:
         assert torch.equal(o.residual, res)
@@ -254,6 +263,8 @@ MUTATIONS = {
     "q4il norm: the made codes unread": ("q4il_norm", "const int* xa = codes;", "const int* xa = xw;"),
     "swiglu: silu of up": ("swiglu", "bf16_part(gv, i);\n", "bf16_part(uv, i);\n"),
     "conv: the slot not moved on": ("conv", "cp[0] = s1;", "cp[0] = s0;"),
+    "gated norm: the run's head unread": ("gated", "(int)(gather[256 * g + 128 * (lane >> 4)] >> 7)",
+                                          "2 * g + (int)(lane >> 4)"),
     "norm: a lane's group max": ("norm", "amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o))",
                                  "amax = fmaxf(amax, 0.f)"),
     "norm: the squares of one warp": ("norm", "for (int s = 0; s < WARPS; ++s) total += partial[s];",
@@ -281,8 +292,8 @@ def test_a_slip_in_a_kernel_fails(name):
         y, out, slots, before, w, slot = conv_case("il", 0, source_of=mutate)
         assert not torch.equal(slots[slot, :, 0], before[slot, :, 1])
         return
-    elif kind in ("norm", "q4il_norm", "swiglu"):
-        prologue = 3 if kind == "swiglu" else 2
+    elif kind in ("norm", "q4il_norm", "swiglu", "gated"):
+        prologue = {"swiglu": 3, "gated": 4}.get(kind, 2)
         y, *_, want = prologue_case("q4il" if kind == "q4il_norm" else "il", prologue, 2560, source_of=mutate)
         assert not rel(y, want) < 5e-3
         return

@@ -1,22 +1,26 @@
 """Elementwise producers left to the GEMV that reads their output (opt-in until timed on the H200:
-NINFER_NORM_GEMV=1 for the decoder layers' add + RMSNorm, NINFER_SWIGLU_GEMV=1 for the MLP's SwiGLU).
+NINFER_NORM_GEMV=1 for the decoder layers' add + RMSNorm, NINFER_SWIGLU_GEMV=1 for the MLP's SwiGLU,
+NINFER_GATED_NORM_GEMV=1 for the GDN output norm).
 
 At one decode row on CUDA each of these runs as a kernel of its own (`fused.add_rms_norm`, ~2.9 µs "end −
-previous end" in the H200's graphed IQ3_S step, 128 of them a 27B step; `fused.swiglu`, ~1.5 µs, 64) that
-writes the int8 activation the next GEMV then reads. `defer_norm` / `defer_swiglu` instead hand back the
-output buffers unwritten and keep the op waiting; the il32 dp4a or q4il GEMV that reads them
-(`gemv_il.gemv_il_prologue`, `gemv_q4il.gemv_q4il_prologue`) makes its activation itself in its prologue
-(every CTA computes the row and quantises it into its shared memory: `gemv_il.PROLOGUE_STAGE`) and its first
-CTA fills the buffers, so one launch does both. Any other reader runs the op first (`settle`: its kernel
-into the same buffers): the numbers are the same whichever way it runs.
+previous end" in the H200's graphed IQ3_S step, 128 of them a 27B step; `fused.swiglu`, ~1.5 µs, 64;
+`fused.gated_rms_norm`, ~1.9 µs, 48) that writes the int8 activation the next GEMV then reads. `defer_norm`,
+`defer_swiglu`, `defer_gated_norm` instead hand back the output buffers unwritten and keep the op waiting;
+the il32 dp4a or q4il GEMV that reads them (`gemv_il.gemv_il_prologue`, `gemv_q4il.gemv_q4il_prologue`)
+makes its activation itself in its prologue (every CTA computes the row and quantises it into its shared
+memory: `gemv_il.PROLOGUE_STAGE`) and its first CTA fills the buffers, so one launch does both. Any other
+reader runs the op first (`settle`: its kernel into the same buffers): the numbers are the same whichever
+way it runs.
 
 One op waits at a time: each is followed at once by the matmul that reads it (`models.qwen3_5.DecoderLayer`,
-`models.layers.SwiGLUMLP`), and every other entry point settles first (`ops.add_rms_norm`, `ops.swiglu`, the
-Linears but the il32 and q4il ones, whose matmuls take the op or settle it).
+`GatedDeltaNet`, `models.layers.SwiGLUMLP`), and every other entry point settles first (`ops.add_rms_norm`,
+`ops.swiglu`, `ops.gated_rms_norm`, the Linears but the il32 and q4il ones, whose matmuls take the op or
+settle it).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -27,7 +31,8 @@ from ninfer.kernels.gemv_q8 import QuantizedActivation, remember_activation
 
 GROUP = 256  # the il32 and q4il GEMVs' activation grouping
 # the kernels' PROLOGUE: what a GEMV's prologue makes
-NORM, NORM_ZERO_CENTRED, SWIGLU = 1, 2, 3
+NORM, NORM_ZERO_CENTRED, SWIGLU, GATED_NORM = 1, 2, 3, 4
+HEAD = 128  # the gated norm's head width the prologue takes (two heads a group of 256)
 
 
 @dataclass(frozen=True)
@@ -45,8 +50,10 @@ class Outputs:
 
 @dataclass(frozen=True)
 class Pending:
-    """An op waiting for its GEMV: `prologue` (NORM, NORM_ZERO_CENTRED, SWIGLU), its inputs `a`, `b` (x and
-    the residual, or gate and up), the norm's weight and eps."""
+    """An op waiting for its GEMV: `prologue` (NORM, NORM_ZERO_CENTRED, SWIGLU, GATED_NORM), its inputs `a`,
+    `b` (x and the residual, gate and up, or the GDN core output o `[1, H, 128]` fp32 and z), the norm's
+    weight and eps; the gated norm's column `gather` (int64, identity when the Linear records none) and
+    `scatter` (its inverse, None for the identity)."""
 
     prologue: int
     a: torch.Tensor
@@ -54,19 +61,27 @@ class Pending:
     weight: torch.Tensor | None
     eps: float
     outputs: Outputs
+    gather: torch.Tensor | None = None
+    scatter: torch.Tensor | None = None
 
     def launch_args(self) -> list:
-        """The prologue's kernel arguments (a, b, the norm weight, eps, out, residual, q, d, s; SwiGLU's
+        """The prologue's kernel arguments (a, b, the weight, eps, out, the residual or the gather, q, d, s;
         unused ones any valid pointer)."""
         o = self.outputs
+        res = self.gather if self.prologue == GATED_NORM else o.residual
         return [self.a, self.b, self.a if self.weight is None else self.weight, float(self.eps), o.out,
-                o.out if o.residual is None else o.residual, o.q, o.d, o.s]
+                o.out if res is None else res, o.q, o.d, o.s]
 
     def run(self) -> None:
         """The op's own kernel into the outputs."""
         o = self.outputs
         if self.prologue == SWIGLU:
             fused.swiglu(self.a, self.b, quantize=True, group=GROUP, into=(o.out, o.q, o.d, o.s))
+        elif self.prologue == GATED_NORM:
+            gather = None if self.scatter is None else self.gather
+            fused.gated_rms_norm(self.a, self.b.view(self.a.shape), self.weight, self.eps, o.out.dtype,
+                                 self.scatter, quantize=True, group=GROUP, gather=gather,
+                                 into=(o.out, o.q, o.d, o.s))
         else:
             fused.add_rms_norm(self.a, self.b, self.weight, self.eps, self.prologue == NORM_ZERO_CENTRED,
                                quantize=True, group=GROUP, into=(o.out, o.residual, o.q, o.d, o.s))
@@ -93,16 +108,27 @@ def swiglu_deferrable(gate: torch.Tensor, up: torch.Tensor, group: int) -> bool:
             and gate.shape[-1] % GROUP == 0 and _row(gate) and _row(up))
 
 
+def gated_norm_deferrable(o: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype, scatter_run: int,
+                          group: int) -> bool:
+    """NINFER_GATED_NORM_GEMV=1, o one contiguous fp32 row of an even number of heads of 128 on CUDA, z its
+    bf16 row, a bf16 output read next by a Linear of `group` = 256 whose input columns (if any) keep each
+    head one aligned run (`scatter_run`)."""
+    return (os.environ.get("NINFER_GATED_NORM_GEMV") == "1" and group == GROUP and out_dtype == torch.bfloat16
+            and o.is_cuda and o.dim() == 3 and o.shape[0] == 1 and o.shape[2] == HEAD and o.shape[1] % 2 == 0
+            and o.dtype == torch.float32 and o.is_contiguous() and _row(z) and z.shape[1] == o.shape[1] * HEAD
+            and scatter_run % HEAD == 0)
+
+
 def _wait(prologue: int, a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor | None, eps: float,
-          residual: bool) -> Outputs:
+          residual: bool, gather: torch.Tensor | None = None, scatter: torch.Tensor | None = None) -> Outputs:
     global _waiting
     settle()
-    k = a.shape[1]
-    scales = (torch.empty((1, k // GROUP), dtype=torch.float32, device=a.device) for _ in range(2))
-    outputs = Outputs(torch.empty((1, k), dtype=a.dtype, device=a.device),
+    k = b.shape[1]
+    scales = (torch.empty((1, k // GROUP), dtype=torch.float32, device=b.device) for _ in range(2))
+    outputs = Outputs(torch.empty((1, k), dtype=b.dtype, device=b.device),
                       torch.empty_like(b) if residual else None,
-                      torch.empty((1, k), dtype=torch.int8, device=a.device), *scales)
-    _waiting = Pending(prologue, a, b, weight, eps, outputs)
+                      torch.empty((1, k), dtype=torch.int8, device=b.device), *scales)
+    _waiting = Pending(prologue, a, b, weight, eps, outputs, gather, scatter)
     return outputs
 
 
@@ -117,6 +143,21 @@ def defer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, ep
 def defer_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`silu(gate)·up` as a buffer still to be written (`defer_norm`'s way)."""
     return _wait(SWIGLU, gate, up, None, 0.0, False).out
+
+
+def defer_gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                     gather: torch.Tensor | None, scatter: torch.Tensor | None) -> torch.Tensor:
+    """`gated_rms_norm(o, z, ...)`'s flat bf16 output `[1, H·128]` (in the Linear's input order: `gather`,
+    `scatter` its recorded columns and their inverse) as a buffer still to be written (`defer_norm`'s way)."""
+    k = z.shape[1]
+    if gather is None:
+        gather = _identity(k, z.device)
+    return _wait(GATED_NORM, o, z, weight, eps, False, gather, scatter).out
+
+
+@functools.cache
+def _identity(k: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(k, device=device)
 
 
 def take(x: torch.Tensor) -> Pending | None:

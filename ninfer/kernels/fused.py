@@ -386,7 +386,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
 def gated_rms_norm(
     o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
     scatter: torch.Tensor | None = None, quantize: bool = False, group: int = 32,
-    gather: torch.Tensor | None = None,
+    gather: torch.Tensor | None = None, into: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """The GDN output norm `rmsnorm(o)·w·silu(z)` over the last dim, in `out_dtype` (default o's; o is rounded
     to it first). `scatter` (int [H·N], a permutation): output `[T, H·N]` whose column scatter[c] holds
@@ -394,7 +394,8 @@ def gated_rms_norm(
     (N a power of two and a multiple of 32; with `scatter`, each head's N columns one aligned run: see
     `models.weights.aligned_run`): output `[T, H·N]` and its int8 activation, `group` values a scale, left
     for the Linear that reads it. A group wider than a head (256 over heads of 128) takes its heads in one
-    program; with `scatter` they are found through `gather` (its inverse)."""
+    program; with `scatter` they are found through `gather` (its inverse). `into`: the buffers to write,
+    `(out, q, d, s)` (flat; a norm left to a GEMV and run after all: `deferred`), else new ones."""
     o3, z3 = _rows3(o, "o"), _rows3(z, "z")
     if o3.shape != z3.shape:
         raise FusedKernelError(f"gated norm: o {tuple(o.shape)} and z {tuple(z.shape)} differ")
@@ -411,8 +412,9 @@ def gated_rms_norm(
     if heads > 1 and scatter is not None and gather is None:
         raise FusedKernelError(f"gated norm: groups of {group} over heads of {N} and a scatter take `gather`")
     flat = scatter is not None or quantize
-    out = torch.empty((T, H * N) if flat else o.shape, dtype=out_dtype or o.dtype, device=o.device)
-    q8 = int8_buffers(out, quantize, group)
+    out = (torch.empty((T, H * N) if flat else o.shape, dtype=out_dtype or o.dtype, device=o.device)
+           if into is None else into[0])
+    q8 = int8_buffers(out, quantize, group) if into is None else into[1:]
     if T * H:
         dest = o3 if scatter is None else scatter  # any pointer when not scattering
         strides = (o3.stride(0), o3.stride(1), z3.stride(0), z3.stride(1))

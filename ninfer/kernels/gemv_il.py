@@ -174,7 +174,9 @@ __device__ __forceinline__ void conv_store(const ConvArgs& cv, int row, out_t y)
 
 # The prologues of the dp4a il32 and q4il kernels' PROLOGUE builds (`gemv_il_prologue`, `gemv_q4il_prologue`:
 # one bf16 row whose op `kernels.deferred` left to the GEMV): WARPS, OUT_KIND 1 (bf16) and PROLOGUE (1, 2 the
-# add + RMSNorm, 2 with a zero-centred weight; 3 SwiGLU) defined by the source.
+# add + RMSNorm, 2 with a zero-centred weight; 3 SwiGLU; 4 the GDN gated norm) defined by the source. The
+# inputs' roles (`deferred.Pending.launch_args`): ha, hb the op's two inputs, nw its weight, hres the norm's
+# new residual or the gated norm's gather.
 PROLOGUE_STAGE = r"""
 #if PROLOGUE
 // The activation made here, not read: the op's bf16 outputs (as its own kernel rounds them) and their int8
@@ -219,17 +221,69 @@ __device__ __forceinline__ void quantize_group(int g, const float (&v)[8], const
         }
     }
 }
-#if PROLOGUE == 3
+#if PROLOGUE == 4
+// The GDN output norm rmsnorm(o)·w·silu(z) per head of 128 (o fp32 [K / 128, 128], first rounded to bf16;
+// z bf16 [K]; w fp32 [128]) as `fused._gated_norm_heads_kernel`, its output columns in the Linear's input
+// order: output run r (128 columns) is head gather[128 r] / 128 (`hres`: the int64 gather, scatter's
+// inverse, each head one aligned run). A warp's inverse rms a head first (`partial`: K / 128 floats), then
+// groups of two runs.
+__device__ __forceinline__ void make_activation(const void* __restrict__ ha, const void* __restrict__ hb,
+                                                const float4* __restrict__ nw, float eps, int K, int* xs,
+                                                float* xds, float* partial, uint4* __restrict__ hout,
+                                                void* __restrict__ hres, int2* __restrict__ qout,
+                                                float* __restrict__ dout, float* __restrict__ sout) {
+    const float4* o = static_cast<const float4*>(ha);
+    const uint4* z = static_cast<const uint4*>(hb);
+    const long long* gather = static_cast<const long long*>(hres);
+    const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    for (int h = wid; h < (K >> 7); h += WARPS) {
+        const float4 v = o[32 * h + lane];
+        const float r[4] = {v.x, v.y, v.z, v.w};
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float x = bf16_value(to_out(r[i]), 0);
+            ss = fmaf(x, x, ss);
+        }
+#pragma unroll
+        for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+        if (lane == 0) partial[h] = rsqrtf(ss / 128.f + eps);
+    }
+    __syncthreads();
+    const int d = 8 * (lane & 15);  // this lane's 8 columns of its head
+    const float4 w0 = nw[d >> 2], w1 = nw[(d >> 2) + 1];
+    const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+    for (int g = wid; g < (K >> 8); g += WARPS) {
+        const int h = (int)(gather[256 * g + 128 * (lane >> 4)] >> 7);
+        const float4 o0 = o[32 * h + (d >> 2)], o1 = o[32 * h + (d >> 2) + 1];
+        const float ov[8] = {o0.x, o0.y, o0.z, o0.w, o1.x, o1.y, o1.z, o1.w};
+        const uint4 zv = z[16 * h + (d >> 3)];
+        const float inv = partial[h];
+        unsigned ob[4];
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const float oi = bf16_value(to_out(ov[i]), 0), zi = bf16_part(zv, i);
+            const unsigned y = to_out(oi * inv * wv[i] * (zi * (1.f / (1.f + expf(-zi)))));
+            ob[i >> 1] = (i & 1) ? ob[i >> 1] | (y << 16) : y;
+            v[i] = bf16_value(y, 0);
+        }
+        quantize_group(g, v, ob, xs, xds, hout, qout, dout, sout);
+    }
+}
+#elif PROLOGUE == 3
 // SwiGLU: silu(ha)·hb of the gate and up halves (bf16 [K]), as `fused._swiglu_kernel` (its exp the host's
 // libm / CUDA's expf: a bf16 ulp apart at most where Triton's differs)
-__device__ __forceinline__ void make_activation(const uint4* __restrict__ ha, const uint4* __restrict__ hb,
+__device__ __forceinline__ void make_activation(const void* __restrict__ ha, const void* __restrict__ hb,
                                                 const float4* __restrict__, float, int K, int* xs, float* xds,
-                                                float*, uint4* __restrict__ hout, uint4* __restrict__,
+                                                float*, uint4* __restrict__ hout, void* __restrict__,
                                                 int2* __restrict__ qout, float* __restrict__ dout,
                                                 float* __restrict__ sout) {
+    const uint4* gate = static_cast<const uint4*>(ha);
+    const uint4* up = static_cast<const uint4*>(hb);
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     for (int g = wid; g < (K >> 8); g += WARPS) {
-        const uint4 gv = ha[32 * g + lane], uv = hb[32 * g + lane];
+        const uint4 gv = gate[32 * g + lane], uv = up[32 * g + lane];
         unsigned ob[4];
         float v[8];
 #pragma unroll
@@ -246,16 +300,19 @@ __device__ __forceinline__ void make_activation(const uint4* __restrict__ ha, co
 // the add + RMSNorm of the previous sublayer's output ha and the residual hb (bf16 [K]; the weight nw fp32,
 // 1 + nw when PROLOGUE == 2), as `fused.add_rms_norm` (the sum of squares in another order: inv within an
 // ulp); `partial` holds WARPS floats
-__device__ __forceinline__ void make_activation(const uint4* __restrict__ ha, const uint4* __restrict__ hb,
+__device__ __forceinline__ void make_activation(const void* __restrict__ ha, const void* __restrict__ hb,
                                                 const float4* __restrict__ nw, float eps, int K, int* xs,
                                                 float* xds, float* partial, uint4* __restrict__ hout,
-                                                uint4* __restrict__ hres, int2* __restrict__ qout,
+                                                void* __restrict__ res, int2* __restrict__ qout,
                                                 float* __restrict__ dout, float* __restrict__ sout) {
+    const uint4* x = static_cast<const uint4*>(ha);
+    const uint4* r = static_cast<const uint4*>(hb);
+    uint4* hres = static_cast<uint4*>(res);
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int groups = K >> 8;
     float ss = 0.f;
     for (int g = wid; g < groups; g += WARPS) {
-        const uint4 xv = ha[32 * g + lane], rv = hb[32 * g + lane];
+        const uint4 xv = x[32 * g + lane], rv = r[32 * g + lane];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             const float s = bf16_value(to_out(bf16_part(xv, i) + bf16_part(rv, i)), 0);
@@ -270,7 +327,7 @@ __device__ __forceinline__ void make_activation(const uint4* __restrict__ ha, co
     for (int s = 0; s < WARPS; ++s) total += partial[s];
     const float inv = rsqrtf(total / (float)K + eps);
     for (int g = wid; g < groups; g += WARPS) {
-        const uint4 xv = ha[32 * g + lane], rv = hb[32 * g + lane];
+        const uint4 xv = x[32 * g + lane], rv = r[32 * g + lane];
         const float4 w0 = nw[64 * g + 2 * lane], w1 = nw[64 * g + 2 * lane + 1];
         const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
         unsigned sb[4], ob[4];
@@ -394,8 +451,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
              const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y, int ring
 #if PROLOGUE
-             , const uint4* __restrict__ ha, const uint4* __restrict__ hb, const float4* __restrict__ nw,
-             double eps, uint4* __restrict__ hout, uint4* __restrict__ hres, int2* __restrict__ qout,
+             , const void* __restrict__ ha, const void* __restrict__ hb, const float4* __restrict__ nw,
+             double eps, uint4* __restrict__ hout, void* __restrict__ hres, int2* __restrict__ qout,
              float* __restrict__ dout, float* __restrict__ sout
 #endif
 #if CONV
@@ -991,7 +1048,7 @@ def prologue_wanted(words: torch.Tensor, x: torch.Tensor, out_features: int) -> 
 def _prologue_builds(s: IlSchedule) -> bool:
     """The prologue builds compile here (else the ops keep their own kernels)."""
     try:
-        for prologue in (deferred.NORM_ZERO_CENTRED, deferred.SWIGLU):
+        for prologue in (deferred.NORM_ZERO_CENTRED, deferred.SWIGLU, deferred.GATED_NORM):
             _compiled(1, _OUT_KINDS[torch.bfloat16], s, False, prologue)
     except Exception:  # noqa: BLE001 - any NVRTC or driver failure: the plain GEMV after the op's kernel
         return False

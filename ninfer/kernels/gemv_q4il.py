@@ -95,8 +95,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, CTAS)
 q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
            out_t* __restrict__ y, int N, int K, int stride_y
 #if PROLOGUE
-           , const uint4* __restrict__ ha, const uint4* __restrict__ hb, const float4* __restrict__ nw,
-           double eps, uint4* __restrict__ hout, uint4* __restrict__ hres, int2* __restrict__ qout,
+           , const void* __restrict__ ha, const void* __restrict__ hb, const float4* __restrict__ nw,
+           double eps, uint4* __restrict__ hout, void* __restrict__ hres, int2* __restrict__ qout,
            float* __restrict__ dout, float* __restrict__ sout
 #endif
 #if CONV
@@ -317,7 +317,7 @@ def prologue_wanted(x: torch.Tensor) -> bool:
 @functools.cache
 def _prologue_builds() -> bool:
     return builds(lambda: [_compiled(1, _OUT_KINDS[torch.bfloat16], False, SHAPES[0], p)
-                           for p in (deferred.NORM_ZERO_CENTRED, deferred.SWIGLU)])
+                           for p in (deferred.NORM_ZERO_CENTRED, deferred.SWIGLU, deferred.GATED_NORM)])
 
 
 def gemv_q4il_prologue(words: torch.Tensor, pending: deferred.Pending, out_features: int, conv=None

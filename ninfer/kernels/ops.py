@@ -53,13 +53,20 @@ def add_rms_norm(
 def gated_rms_norm(
     o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
     gather: torch.Tensor | None = None, scatter: torch.Tensor | None = None, scatter_run: int = 0,
-    group: int = 32,
+    group: int = 32, defer: bool = False,
 ) -> torch.Tensor:
     """The GDN output norm `rmsnorm(o)·w·silu(z)` (`reference.gated_rms_norm`) of o cast to `out_dtype`;
     with `gather` (and its inverse permutation `scatter`, whose `models.weights.aligned_run` is
     `scatter_run`) the flattened output's columns `gather`, ready for a Linear with those recorded input
     columns. At decode widths on CUDA the kernel quantises its output for that Linear too, where each head's
-    columns stay one aligned run."""
+    columns stay one aligned run. `defer`: the caller's next call is that Linear, which may run the norm
+    itself (`deferred`; the flat output)."""
+    deferred.settle()
+    if defer and z.dim() == 3 and z.shape[0] == 1:
+        z_row = z.reshape(1, -1)
+        run = scatter_run or z_row.shape[1]
+        if deferred.gated_norm_deferrable(o, z_row, out_dtype or o.dtype, run, group):
+            return deferred.defer_gated_norm(o, z_row, w, eps, gather, scatter)
     if fused.runs_on(o) and o.dim() in (2, 3) and o.stride(-1) == 1 and z.stride(-1) == 1:
         if gather is None or scatter is not None:
             H, N = math.prod(o.shape[1:-1]), o.shape[-1]

@@ -197,7 +197,7 @@ class GatedDeltaNet(nn.Module):
         # the output projection's recorded input-column order is applied by the norm as it writes
         out = ops.gated_rms_norm(core, z, self.norm_weight, self.eps, x.dtype, self.output.input_columns,
                                  self.output.input_scatter, self.output.scatter_run,
-                                 self.output.activation_group())
+                                 self.output.activation_group(), defer=True)
         # the very tensor (not a new view of it) when flat: its int8 activation is found by identity
         flat = out if out.dim() == 2 else out.reshape(x.shape[0], -1)
         return self.output(flat, columns_applied=True)

@@ -1,8 +1,9 @@
 """The NVRTC kernels' CUDA C, run on the CPU (tests/cuda_cpu.py): the il32 dp4a and tensor-core iq3_s GEMVs,
 the q4il and q6il GEMVs, on tiny shapes with padded rows and blocks, CTAs looping over several tiles, rings
-and split tiles, against the float64 oracle over the GGUF rows (`gemv_q8_reference`). The numpy twins in
-test_gemv_il.py / test_gemv_q4il.py / test_gemv_q6il.py check each recipe; these run the very source the GPU
-builds (with PDL off)."""
+and split tiles, against the float64 oracle over the GGUF rows (`gemv_q8_reference`); the one-column builds
+with a deferred op in their prologue (`kernels.deferred`) or the GDN conv in their epilogue against the ops'
+own kernels; slips in the sources caught. The numpy twins in test_gemv_il.py / test_gemv_q4il.py /
+test_gemv_q6il.py check each recipe; these run the very source the GPU builds (with PDL off)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import torch
 from cuda_cpu import HostKernel
 
 from ninfer.kernels import gemv_il, gemv_q4il, gemv_q6il
+from ninfer.kernels.gemv_il import _OUT_KINDS as OUT_KINDS
 from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation_reference
 from ninfer.kernels.gguf_matmul import _tables, random_gguf_weight
 
-OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1}
 # fp32 sums in the kernels' order against float64: 1.1e-7 the largest measured on these shapes
 FP32_BOUND = 1e-6
 
@@ -131,9 +132,9 @@ def test_the_q4il_and_q6il_kernels(case, columns):
 
 def prologue_case(kind: str, prologue: int, k: int, n: int = 96, source_of=same):
     """A GEMV (kind "il": `gemv_il_prologue`'s launch, "q4il": `gemv_q4il_prologue`'s) with a deferred op in
-    its prologue (`deferred.NORM`, `NORM_ZERO_CENTRED`, `SWIGLU`) on a bf16 row, and what the op's own
-    kernel and the plain GEMV give: (y, outputs, the op's reference row and residual, its int8 activation,
-    the plain kernel's y on it, the oracle's)."""
+    its prologue (`deferred.NORM`, `NORM_ZERO_CENTRED`, `SWIGLU`, `GATED_NORM`) on a bf16 row, and what the
+    op's own kernel and the plain GEMV give: (y, outputs, the op's reference row and residual, its int8
+    activation, the plain kernel's y on it, the oracle's)."""
     from ninfer.kernels import deferred, fused, reference
 
     raw = random_gguf_weight("iq3_s" if kind == "il" else "q4_k", n, k)

@@ -973,12 +973,12 @@ def check_call(kind: str, words: torch.Tensor, xa: QuantizedActivation, group: i
         raise QuantKernelError(f"the {kind} GEMV writes float32, bfloat16 or float16, not {xa.dtype}")
 
 
-def lane_conv(conv, columns: int, out_features: int, dtype: torch.dtype):
-    """`conv` (a `gdn_decode.ConvEpilogue`) where the dp4a il32 or the q4il GEMV is to run it in its epilogue
-    (NINFER_LANE_CONV=1 until timed; one bf16 column, fp32 slots `[S, C, 3]` and weights `[C, 4]`
+def lane_conv(conv, x: torch.Tensor, out_features: int):
+    """`conv` (a `gdn_decode.ConvEpilogue`) where the dp4a il32 or the q4il GEMV of x is to run it in its
+    epilogue (NINFER_LANE_CONV=1 until timed; x one bf16 row, fp32 slots `[S, C, 3]` and weights `[C, 4]`
     contiguous), else None: the layer runs its conv kernel."""
-    if (conv is None or os.environ.get("NINFER_LANE_CONV") != "1" or columns != 1 or dtype != torch.bfloat16
-            or conv.slot_ids.shape[0] != 1 or conv.channels > out_features):
+    if (conv is None or os.environ.get("NINFER_LANE_CONV") != "1" or x.numel() != x.shape[-1]
+            or x.dtype != torch.bfloat16 or conv.slot_ids.shape[0] != 1 or conv.channels > out_features):
         return None
     slots, weight = conv.slots, conv.weight
     # (the kernels read the one lane's slot id as the low word of slot_ids[0]: int32 or int64 alike)
@@ -1160,7 +1160,7 @@ def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int, conv=None
     time through 16, a matmul over the dequantised weight beyond (prefill); x an op's output left to this
     GEMV (`deferred`): the op in its prologue; `conv`: a GDN decode conv the one-column GEMV may run in its
     epilogue (`lane_conv`; `conv.applied` says whether it did)."""
-    conv = lane_conv(conv, x.reshape(-1, x.shape[-1]).shape[0], out_features, x.dtype)
+    conv = lane_conv(conv, x, out_features)
     pending = deferred.take(x) if prologue_wanted(words, x, out_features) else None
     if pending is not None:  # x is an op's output still to be made: the GEMV makes it
         return gemv_il_prologue(words, pending, out_features, conv)

@@ -405,7 +405,7 @@ def q4il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int, conv=No
     """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the q4il words (`LaneLayout.matmul`; prefill over
     `dequantize_q4il`'s rows); x an op's output left to this GEMV (`deferred`): the op in its prologue;
     `conv`: `gemv_il.il_matmul`'s."""
-    conv = lane_conv(conv, x.reshape(-1, x.shape[-1]).shape[0], out_features, x.dtype)
+    conv = lane_conv(conv, x, out_features)
     pending = deferred.take(x) if prologue_wanted(x) else None
     if pending is not None:
         return gemv_q4il_prologue(words, pending, out_features, conv)

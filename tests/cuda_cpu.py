@@ -266,21 +266,21 @@ def _body_end(source: str, start: int) -> int:
         i += 1
 
 
-def _preprocess(lines: str, source: str) -> str:
-    """`lines` with their `#if NAME` / `#else` / `#endif` blocks decided by the source's `#define NAME n`."""
-    defines = dict(re.findall(r"^#define (\w+) (-?\d+)\s*$", source, flags=re.M))
-    kept, stack = [], []
-    for line in lines.splitlines():
-        directive = line.strip().split()
-        if directive[:1] == ["#if"]:
-            stack.append(int(defines[directive[1]]) != 0)
-        elif directive[:1] == ["#else"]:
-            stack[-1] = not stack[-1]
-        elif directive[:1] == ["#endif"]:
-            stack.pop()
-        elif all(stack):
-            kept.append(line)
-    return "\n".join(kept)
+def _cxx() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def _preprocessed(text: str) -> str:
+    """The source through the C preprocessor (its macros and `#if`s as the build sees them)."""
+    try:
+        run = subprocess.run([_cxx(), "-E", "-P", "-x", "c++", "-"], input=text, capture_output=True,
+                             text=True)
+    except FileNotFoundError as e:
+        raise RuntimeError(f"cuda_cpu: no C++ compiler {_cxx()!r} (set CXX): the NVRTC kernels' CPU tests "
+                           "build their source with one") from e
+    if run.returncode:
+        raise RuntimeError(f"cuda_cpu: preprocessing failed:\n{run.stderr[-4000:]}")
+    return run.stdout
 
 
 def host_source(source: str, kernel: str) -> str:
@@ -297,12 +297,13 @@ def host_source(source: str, kernel: str) -> str:
         out += [source[at:m.start()], EMULATED[name]]
         at = end
     text = "".join(out) + source[at:]
-    if re.search(r"\basm\b", re.sub(r"#if PDL.*?#endif", "", text, flags=re.S)):
-        raise NotImplementedError("cuda_cpu: inline PTX outside a helper (and outside `#if PDL`)")
+    built = _preprocessed(text)  # (the build's own text keeps its macros: the emulated helpers use them)
+    if re.search(r"\basm\b", built):
+        raise NotImplementedError("cuda_cpu: inline PTX outside the helpers (PDL 0 leaves none)")
     text = _SHARED.sub(lambda m: f"{m.group(1)}* {m.group(2)} = reinterpret_cast<{m.group(1)}*>(emu_smem);",
                        text)
-    sig = next(m for m in _KERNEL.finditer(text) if m.group(1) == kernel)
-    params = [p.strip() for p in _preprocess(sig.group(2), text).split(",") if p.strip()]
+    sig = next(m for m in _KERNEL.finditer(built) if m.group(1) == kernel)
+    params = [p.strip() for p in sig.group(2).split(",") if p.strip()]
     types = [re.sub(r"\s*\b\w+$", "", p).replace("__restrict__", "").strip() for p in params]
     call = ", ".join(f"*reinterpret_cast<{ty}*>(args[{i}])" for i, ty in enumerate(types))
     return PRELUDE + text + f"""
@@ -353,13 +354,9 @@ class HostKernel:
             cpp = lib.with_suffix(f".{os.getpid()}.cpp")
             cpp.write_text(text)
             tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-            cmd = [os.environ.get("CXX", "g++"), "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread",
-                   "-fno-strict-aliasing", "-w", str(cpp), "-o", str(tmp)]
-            try:
-                run = subprocess.run(cmd, capture_output=True, text=True)
-            except FileNotFoundError as e:
-                raise RuntimeError(f"cuda_cpu: no C++ compiler {cmd[0]!r} (set CXX): the NVRTC kernels' CPU "
-                                   "tests build their source with one") from e
+            cmd = [_cxx(), "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-w",
+                   str(cpp), "-o", str(tmp)]
+            run = subprocess.run(cmd, capture_output=True, text=True)
             cpp.unlink()
             if run.returncode:
                 raise RuntimeError(f"cuda_cpu: building {kernel} failed:\n{run.stderr[-4000:]}")

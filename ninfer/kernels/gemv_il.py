@@ -156,6 +156,10 @@ __device__ __forceinline__ out_t to_out(float v) {
 # conv of the first `c` outputs, the arithmetic of `gdn_decode.conv_epilogue_store` on each output as stored.
 CONV_STAGE = r"""
 #if CONV
+// the kernels' last parameters (`conv_arguments`): weights [C, 4], slots, slot ids, the conv's output, C, the
+// slots' stride
+#define CONV_PARAMS , const float4* __restrict__ cw, float* __restrict__ cs, const int* __restrict__ cslot, \
+    float* __restrict__ co, int conv_c, int s_cs
 // slot_ids: int32 or int64 (little-endian: the low word of id 0 is the id)
 struct ConvArgs { const float4* w; float* slots; const int* slot_ids; float* out; int c; int s_cs; };
 __device__ __forceinline__ void conv_store(const ConvArgs& cv, int row, out_t y) {
@@ -169,6 +173,8 @@ __device__ __forceinline__ void conv_store(const ConvArgs& cv, int row, out_t y)
     cp[1] = s2;
     cp[2] = x;
 }
+#else
+#define CONV_PARAMS
 #endif
 """
 
@@ -179,6 +185,15 @@ __device__ __forceinline__ void conv_store(const ConvArgs& cv, int row, out_t y)
 # new residual or the gated norm's gather.
 PROLOGUE_STAGE = r"""
 #if PROLOGUE
+// the kernels' parameters after their own (`deferred.Pending.launch_args`)
+#define PROLOGUE_PARAMS , const void* __restrict__ ha, const void* __restrict__ hb, \
+    const float4* __restrict__ nw, double eps, uint4* __restrict__ hout, void* __restrict__ hres, \
+    int2* __restrict__ qout, float* __restrict__ dout, float* __restrict__ sout
+// make_activation's: those (eps as a float), K, the CTA's codes and scales, WARPS floats of scratch
+#define ACTIVATION_PARAMS const void* __restrict__ ha, const void* __restrict__ hb, \
+    const float4* __restrict__ nw, float eps, int K, int* xs, float* xds, float* partial, \
+    uint4* __restrict__ hout, void* __restrict__ hres, int2* __restrict__ qout, float* __restrict__ dout, \
+    float* __restrict__ sout
 // The activation made here, not read: the op's bf16 outputs (as its own kernel rounds them) and their int8
 // codes, one scale a 256-group, as `quantize_groups` makes them, into xs (K / 4 words) and xds (K / 256) in
 // shared memory. CTA 0 also stores what the op's kernel would (the row hout, codes, scales and d·Σq; the
@@ -227,11 +242,7 @@ __device__ __forceinline__ void quantize_group(int g, const float (&v)[8], const
 // order: output run r (128 columns) is head gather[128 r] / 128 (`hres`: the int64 gather, scatter's
 // inverse, each head one aligned run). A warp's inverse rms a head first (`partial`: K / 128 floats), then
 // groups of two runs.
-__device__ __forceinline__ void make_activation(const void* __restrict__ ha, const void* __restrict__ hb,
-                                                const float4* __restrict__ nw, float eps, int K, int* xs,
-                                                float* xds, float* partial, uint4* __restrict__ hout,
-                                                void* __restrict__ hres, int2* __restrict__ qout,
-                                                float* __restrict__ dout, float* __restrict__ sout) {
+__device__ __forceinline__ void make_activation(ACTIVATION_PARAMS) {
     const float4* o = static_cast<const float4*>(ha);
     const uint4* z = static_cast<const uint4*>(hb);
     const long long* gather = static_cast<const long long*>(hres);
@@ -274,11 +285,7 @@ __device__ __forceinline__ void make_activation(const void* __restrict__ ha, con
 #elif PROLOGUE == 3
 // SwiGLU: silu(ha)·hb of the gate and up halves (bf16 [K]), as `fused._swiglu_kernel` (its exp the host's
 // libm / CUDA's expf: a bf16 ulp apart at most where Triton's differs)
-__device__ __forceinline__ void make_activation(const void* __restrict__ ha, const void* __restrict__ hb,
-                                                const float4* __restrict__, float, int K, int* xs, float* xds,
-                                                float*, uint4* __restrict__ hout, void* __restrict__,
-                                                int2* __restrict__ qout, float* __restrict__ dout,
-                                                float* __restrict__ sout) {
+__device__ __forceinline__ void make_activation(ACTIVATION_PARAMS) {
     const uint4* gate = static_cast<const uint4*>(ha);
     const uint4* up = static_cast<const uint4*>(hb);
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -300,14 +307,10 @@ __device__ __forceinline__ void make_activation(const void* __restrict__ ha, con
 // the add + RMSNorm of the previous sublayer's output ha and the residual hb (bf16 [K]; the weight nw fp32,
 // 1 + nw when PROLOGUE == 2), as `fused.add_rms_norm` (the sum of squares in another order: inv within an
 // ulp); `partial` holds WARPS floats
-__device__ __forceinline__ void make_activation(const void* __restrict__ ha, const void* __restrict__ hb,
-                                                const float4* __restrict__ nw, float eps, int K, int* xs,
-                                                float* xds, float* partial, uint4* __restrict__ hout,
-                                                void* __restrict__ res, int2* __restrict__ qout,
-                                                float* __restrict__ dout, float* __restrict__ sout) {
+__device__ __forceinline__ void make_activation(ACTIVATION_PARAMS) {
     const uint4* x = static_cast<const uint4*>(ha);
     const uint4* r = static_cast<const uint4*>(hb);
-    uint4* hres = static_cast<uint4*>(res);
+    uint4* res = static_cast<uint4*>(hres);
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     const int groups = K >> 8;
     float ss = 0.f;
@@ -340,11 +343,13 @@ __device__ __forceinline__ void make_activation(const void* __restrict__ ha, con
             ob[i >> 1] = (i & 1) ? ob[i >> 1] | (o << 16) : o;
             v[i] = bf16_value(o, 0);
         }
-        if (blockIdx.x == 0) hres[32 * g + lane] = make_uint4(sb[0], sb[1], sb[2], sb[3]);
+        if (blockIdx.x == 0) res[32 * g + lane] = make_uint4(sb[0], sb[1], sb[2], sb[3]);
         quantize_group(g, v, ob, xs, xds, hout, qout, dout, sout);
     }
 }
 #endif
+#else
+#define PROLOGUE_PARAMS
 #endif
 """
 
@@ -450,16 +455,7 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
              const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y, int ring
-#if PROLOGUE
-             , const void* __restrict__ ha, const void* __restrict__ hb, const float4* __restrict__ nw,
-             double eps, uint4* __restrict__ hout, void* __restrict__ hres, int2* __restrict__ qout,
-             float* __restrict__ dout, float* __restrict__ sout
-#endif
-#if CONV
-             , const float4* __restrict__ cw, float* __restrict__ cs, const int* __restrict__ cslot,
-             float* __restrict__ co, int conv_c, int s_cs
-#endif
-             )
+             PROLOGUE_PARAMS CONV_PARAMS)
 {
 #if CONV
     const ConvArgs cv = {cw, cs, cslot, co, conv_c, s_cs};

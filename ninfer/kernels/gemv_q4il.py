@@ -93,17 +93,7 @@ __device__ __forceinline__ void mma_u8s8(int (&c)[4], unsigned a0, unsigned a1, 
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, CTAS)
 q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
-           out_t* __restrict__ y, int N, int K, int stride_y
-#if PROLOGUE
-           , const void* __restrict__ ha, const void* __restrict__ hb, const float4* __restrict__ nw,
-           double eps, uint4* __restrict__ hout, void* __restrict__ hres, int2* __restrict__ qout,
-           float* __restrict__ dout, float* __restrict__ sout
-#endif
-#if CONV
-           , const float4* __restrict__ cw, float* __restrict__ cs, const int* __restrict__ cslot,
-           float* __restrict__ co, int conv_c, int s_cs
-#endif
-           )
+           out_t* __restrict__ y, int N, int K, int stride_y PROLOGUE_PARAMS CONV_PARAMS)
 {
 #if CONV
     const ConvArgs cv = {cw, cs, cslot, co, conv_c, s_cs};

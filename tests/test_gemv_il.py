@@ -481,7 +481,8 @@ def test_a_deferred_op_in_the_gemvs_prologue_on_gpu(kind, n, k):
         y, o = fused_gemv(words, p, n), p.outputs
         if res is not None:
             assert torch.equal(o.residual, res)
-        assert (o.out.float() - out.float()).abs().le(out.float().abs() * 2.0**-8).all()
+        # an ulp of bf16 (2^-7 relative at most): the sums of squares in another order, the GPU's exp
+        assert (o.out.float() - out.float()).abs().le(out.float().abs() * 2.0**-7).all()
         assert (o.q.int() - xa.q.int()).abs().max() <= 1
         torch.testing.assert_close(o.d, xa.d, rtol=2.0**-8, atol=0)
         assert rel(y, plain) < 2.0**-8, (n, k, prologue)

@@ -1057,7 +1057,7 @@ def gemv_il_prologue(words: torch.Tensor, pending: deferred.Pending, out_feature
     in one launch: each CTA makes the activation in its prologue (`PROLOGUE_STAGE`) where the op ran as a
     kernel of its own before; its first CTA writes what that kernel would (`pending.outputs`).
     `prologue_wanted` says when it applies; `conv`: `gemv_il`'s."""
-    k = pending.a.shape[1]
+    k = pending.outputs.out.shape[1]
     check_il32(words, out_features, k)
     s = il_schedule(1, k, out_features, 256)
     tiles = il32_shape(out_features, k)[0]

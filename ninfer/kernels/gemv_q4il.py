@@ -315,7 +315,7 @@ def gemv_q4il_prologue(words: torch.Tensor, pending: deferred.Pending, out_featu
     """The q4il GEMV of a waiting op's output (`deferred`) in one launch: each CTA makes the activation in its
     prologue (`gemv_il.PROLOGUE_STAGE`, into shared memory, where the plain build reads the codes from global
     memory) and the first CTA writes the op's kernel's outputs; `conv`: `gemv_q4il`'s."""
-    k = pending.a.shape[1]
+    k = pending.outputs.out.shape[1]
     LAYOUT.check(words, out_features, k, "q4il")
     tiles = LAYOUT.shape(out_features, k)[0]
     sms = torch.cuda.get_device_properties(words.device).multi_processor_count

@@ -301,3 +301,65 @@ def test_a_slip_in_a_kernel_fails(name):
     else:
         y, want = (q4il_case if kind == "q4il" else q6il_case)(4, source_of=mutate)
     assert not rel(y, want) < FP32_BOUND  # (NaN: an output never written)
+
+
+@pytest.fixture
+def launches_on_the_cpu(monkeypatch):
+    """The wrappers' own launches (`gemv_il_prologue`, `gemv_q4il_prologue`, `gemv_il`'s conv) on the CPU:
+    their NVRTC builds through cuda_cpu, two CTAs, the H200's shared memory, no PDL."""
+    import types
+
+    def compiled(source_of, name):
+        return lambda *a: HostKernel(source_of(*a), name)
+
+    monkeypatch.setattr(gemv_il, "_compiled", compiled(
+        lambda columns, kind, s, pdl=False, prologue=0, conv=False: gemv_il.kernel_source(
+            columns, kind, s, False, prologue, conv), "iq3s_il_gemv"))
+    monkeypatch.setattr(gemv_q4il, "_compiled", compiled(
+        lambda columns, kind, pdl, shape, prologue=0, conv=False: gemv_q4il.kernel_source(
+            columns, kind, False, shape, prologue, conv), "q4k_il_mma"))
+    launch = lambda kernel, ctas, threads, smem, args, pdl: kernel((ctas,), (threads,), args, smem)  # noqa: E731
+    for module in (gemv_il, gemv_q4il):
+        monkeypatch.setattr(module, "_launch", launch)
+        monkeypatch.setattr(module, "pdl_enabled", lambda: False)
+    monkeypatch.setattr(gemv_il, "_launch_shape", lambda device, s, n, k: 2)
+    monkeypatch.setattr(gemv_il, "_smem_sm", lambda device: 228 * 1024)
+    monkeypatch.setattr(gemv_il, "_smem_optin", lambda device: 227 * 1024)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        multi_processor_count=1))
+
+
+@pytest.mark.parametrize("kind", ["il", "q4il"])
+def test_the_prologue_wrappers_launch_what_the_kernels_take(launches_on_the_cpu, kind):
+    """`gemv_il_prologue` / `gemv_q4il_prologue` as the engine calls them (K from the output row, the
+    pending op's arguments after the GEMV's, the conv's last), each prologue against its op's kernel then
+    the plain GEMV, on a 768-input row (the gated norm's o `[1, 6, 128]`)."""
+    from ninfer.kernels import deferred, fused, reference
+    from ninfer.kernels.gdn_decode import ConvEpilogue
+
+    n, k = 96, 768
+    raw = random_gguf_weight("iq3_s" if kind == "il" else "q4_k", n, k)
+    words = gemv_il.repack_il32(raw) if kind == "il" else gemv_q4il.repack_q4il(raw)
+    gemv = gemv_il.gemv_il_prologue if kind == "il" else gemv_q4il.gemv_q4il_prologue
+    a, b = (torch.randn(1, k) * 3).to(torch.bfloat16), (torch.randn(1, k) * 10).to(torch.bfloat16)
+    w, core = torch.randn(k) * 0.3, torch.randn(1, k // 128, 128)
+    gather = (torch.randperm(k // 128)[:, None] * 128 + torch.arange(128)).reshape(-1)
+    for prologue in (deferred.NORM_ZERO_CENTRED, deferred.SWIGLU, deferred.GATED_NORM):
+        gated = prologue == deferred.GATED_NORM
+        if prologue == deferred.SWIGLU:
+            out = reference.swiglu(a, b)
+        elif gated:
+            out = fused.gated_rms_norm_reference(core, b.view(core.shape), w[:128], 1e-6, torch.bfloat16,
+                                                 gather)
+        else:
+            out = fused.add_rms_norm_reference(a, b, w, 1e-6, True)[0]
+        xa = quantize_activation_reference(out, 256)
+        want = gemv_q8_reference(raw, "iq3_s" if kind == "il" else "q4_k", xa, n)
+        rows = (torch.empty(1, k, dtype=torch.bfloat16) for _ in range(2))
+        o = deferred.Outputs(*rows, torch.zeros(1, k, dtype=torch.int8), torch.empty(1, 3), torch.empty(1, 3))
+        pending = deferred.Pending(prologue, core if gated else a, b, w[:128] if gated else w, 1e-6, o,
+                                   gather if gated else None)
+        conv = ConvEpilogue.of(torch.randn(40, 4), torch.randn(2, 40, 3), torch.tensor([1]))
+        y = gemv(words, pending, n, conv)
+        assert conv.applied and not conv.out.isnan().any()
+        assert rel(y, want) < 5e-3, prologue  # bf16 output rounding

@@ -500,9 +500,9 @@ def test_a_deferred_op_in_the_gemvs_prologue_on_gpu(kind, n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["il32", "q4il"])
 def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, monkeypatch):
-    """NINFER_LANE_CONV=1: the 27B's GDN input projection at one column runs the decode conv of its first
-    10240 outputs in its epilogue (`lane_conv`): the output the same bits as without, the conv's output and
-    the lane's slot as `conv_epilogue_store`'s arithmetic on them, the other slots untouched."""
+    """The 27B's GDN input projection at one column runs the decode conv of its first 10240 outputs in its
+    epilogue (`lane_conv`; NINFER_LANE_CONV=0 turns it off): the output the same bits as without, the conv's
+    output and the lane's slot as `conv_epilogue_store`'s arithmetic on them, the other slots untouched."""
     from ninfer.kernels import gemv_q4il
     from ninfer.kernels.gdn_decode import ConvEpilogue
 
@@ -514,9 +514,10 @@ def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, monkeypatch):
     conv = ConvEpilogue.of(torch.randn(c, 4, device="cuda"), torch.randn(4, c, 3, device="cuda"),
                            torch.tensor([slot], device="cuda"))
     before = conv.slots.clone()
+    monkeypatch.setenv("NINFER_LANE_CONV", "0")
     plain = matmul(words, x, n, conv=conv)
-    assert not conv.applied  # NINFER_LANE_CONV unset
-    monkeypatch.setenv("NINFER_LANE_CONV", "1")
+    assert not conv.applied
+    monkeypatch.delenv("NINFER_LANE_CONV")
     y = matmul(words, x, n, conv=conv)
     assert conv.applied and torch.equal(y, plain)
     window = torch.cat([before[slot], y[0, :c].float()[:, None]], dim=1)

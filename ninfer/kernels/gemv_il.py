@@ -971,9 +971,10 @@ def check_call(kind: str, words: torch.Tensor, xa: QuantizedActivation, group: i
 
 def lane_conv(conv, x: torch.Tensor, out_features: int):
     """`conv` (a `gdn_decode.ConvEpilogue`) where the dp4a il32 or the q4il GEMV of x is to run it in its
-    epilogue (NINFER_LANE_CONV=1 until timed; x one bf16 row, fp32 slots `[S, C, 3]` and weights `[C, 4]`
-    contiguous), else None: the layer runs its conv kernel."""
-    if (conv is None or os.environ.get("NINFER_LANE_CONV") != "1" or x.numel() != x.shape[-1]
+    epilogue (x one bf16 row, fp32 slots `[S, C, 3]` and weights `[C, 4]` contiguous; the graphed 1-lane
+    round −0.045 ms IQ3_S, −0.058 Q4_K on the H200: gpu-notes "Session 46"), else None: the layer runs its
+    conv kernel. NINFER_LANE_CONV=0 turns it off."""
+    if (conv is None or os.environ.get("NINFER_LANE_CONV") == "0" or x.numel() != x.shape[-1]
             or x.dtype != torch.bfloat16 or conv.slot_ids.shape[0] != 1 or conv.channels > out_features):
         return None
     slots, weight = conv.slots, conv.weight

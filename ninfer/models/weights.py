@@ -221,7 +221,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, columns_applied: bool = False, conv=None) -> torch.Tensor:
         """`columns_applied`: x already is in `input_columns` order (`ops.gated_rms_norm(gather=...)`).
         `conv`: a `kernels.gdn_decode.ConvEpilogue` of the first outputs the matmul may run (quantized: the
-        rows kernels', and the il32 / q4il ones' under NINFER_LANE_CONV=1; `conv.applied` says whether it
+        rows kernels' and the il32 / q4il ones' (`gemv_il.lane_conv`); `conv.applied` says whether it
         did, else the caller runs it). x may be a norm's or SwiGLU's output left to the il32 or q4il GEMV
         (`kernels.deferred`); every other route has the op run first."""
         lane = lane_layouts()[self.layout] if self.layout != "gguf" else None

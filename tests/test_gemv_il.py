@@ -212,6 +212,34 @@ def test_prefill_unpacks_and_dequantises():
 
 
 @needs_triton
+def test_prefill_makes_the_dense_weight_a_piece_at_a_time(monkeypatch, triton_on_cpu_env):
+    """A prefill matmul's dense weight is made `PREFILL_ROWS` rows at a time (a whole 27B gate|up in bf16 is
+    340 MiB, a block the allocator's cache may not find room for beside a full KV pool): 100 rows in pieces
+    of 64 and 36 (the second tile partial), il32 words and GGUF rows alike (Triton's dequantisation, on the
+    CPU through its interpreter), the product the reference's."""
+    from ninfer.kernels import gguf_matmul
+    from ninfer.kernels.gguf_matmul import quant_matmul
+
+    monkeypatch.setattr(gguf_matmul, "PREFILL_ROWS", 64)
+    made = []
+    for module, name in ((gemv_il, "dequantize_il32"), (gguf_matmul, "dequantize_rows")):
+        real = getattr(module, name)
+        def dense(*args, real=real):
+            made.append(real(*args))
+            return made[-1]
+
+        monkeypatch.setattr(module, name, dense)
+    gen = torch.Generator().manual_seed(4)
+    n, k = 100, 512
+    raw = random_gguf_weight("iq3_s", n, k, generator=gen)
+    x = torch.randn(20, k, generator=gen)
+    want = quant_matmul_reference(raw, "iq3_s", x, n)
+    for out in (il_matmul(repack_il32(raw), x, n), quant_matmul(raw, "iq3_s", x, n, schedule="dequant_mm")):
+        assert (out - want).abs().max() <= 1e-4 * want.abs().max()
+    assert [w.shape for w in made] == [(64, k), (36, k)] * 2
+
+
+@needs_triton
 @pytest.mark.parametrize(("n", "k"), [(40, 768), (64, 512)])
 def test_the_triton_dequantisation_matches_the_reference(monkeypatch, n, k):
     """The prefill's one-pass decode of the il32 words (Triton's interpreter on the CPU) equals the GGUF rows

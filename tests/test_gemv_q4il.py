@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import kernels_only, needs_triton, ptx_mma_m16n8k32, word_bytes
 
-from ninfer.kernels import gemv_q4il, lane_layout
+from ninfer.kernels import gemv_q4il, gguf_matmul
 from ninfer.kernels.gemv_q4il import (
     LAYOUT,
     PAIR_WORDS,
@@ -156,7 +156,7 @@ def test_q4k_matrices_of_many_rows_take_the_layout(monkeypatch):
 
 
 def test_q4il_matmul_prefill_runs_by_chunks(monkeypatch):
-    monkeypatch.setattr(lane_layout, "PREFILL_ROWS", 64)
+    monkeypatch.setattr(gguf_matmul, "PREFILL_ROWS", 64)
     n, k = 100, 768
     raw = random_gguf_weight("q4_k", n, k, generator=torch.Generator().manual_seed(5))
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(6))

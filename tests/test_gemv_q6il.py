@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ninfer.kernels import gemv_q6il as q6il
-from ninfer.kernels import lane_layout
+from ninfer.kernels import gguf_matmul
 from ninfer.kernels.gemv_q6il import (
     PAIR_WORDS,
     gemv_q6il_reference,
@@ -176,7 +176,7 @@ def test_q6il_matmul_on_gpu_at_every_width():
 def test_q6il_matmul_prefill_runs_by_chunks(monkeypatch):
     """More than 16 columns: `PREFILL_ROWS` rows at a time unpacked for `quant_matmul` (here 64 of 100 rows:
     two chunks, the second partial), the same product as the whole GGUF weight's."""
-    monkeypatch.setattr(lane_layout, "PREFILL_ROWS", 64)
+    monkeypatch.setattr(gguf_matmul, "PREFILL_ROWS", 64)
     n, k = 100, 768
     raw = random_gguf_weight("q6_k", n, k, generator=torch.Generator().manual_seed(5))
     x = torch.randn(2, 10, k, generator=torch.Generator().manual_seed(6))

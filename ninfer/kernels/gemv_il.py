@@ -46,7 +46,8 @@ import torch
 from ninfer.kernels import deferred
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
 from ninfer.kernels.gemv_rows import split_workspace
-from ninfer.kernels.gguf_matmul import QuantKernelError, _tables, dequantize_rows
+from ninfer.kernels.gguf_matmul import QuantKernelError, _tables, dequantize_rows, matmul_by_rows
+from ninfer.kernels.lane_layout import tile_rows
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_enabled, tl, triton_runs_on
 
 BLOCK_BYTES = 110
@@ -1165,8 +1166,12 @@ def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int, conv=None
     in_features = x.shape[-1]
     x2 = x.reshape(-1, in_features)
     if x2.shape[0] > 2 * MAX_COLUMNS:
-        w = dequantize_il32(words, out_features, in_features, x.dtype if x.is_cuda else torch.float32)
-        return (x2.to(w.dtype) @ w.t()).to(x.dtype).reshape(*x.shape[:-1], out_features)
+        per_tile = il32_shape(out_features, in_features)[1] * PAIR_WORDS * 32
+        dtype = x.dtype if x.is_cuda else torch.float32
+        xd = x2.to(dtype)
+        y = matmul_by_rows(x2, out_features, lambda r0, r1: xd @ dequantize_il32(
+            tile_rows(words, per_tile, r0, r1), r1 - r0, in_features, dtype).t())
+        return y.reshape(*x.shape[:-1], out_features)
     n, group = x2.shape[0], il_group()
     xa = quantize_activation_cached(x, group)  # the kernel that made x may have quantised it (`il_group`)
     if n <= MAX_COLUMNS:

@@ -27,6 +27,7 @@ FORMAT_CODES = {"q4_0": 0, "q4_1": 1, "q5_0": 2, "q8_0": 3, "q4_k": 4, "q5_k": 5
 KERNEL_FORMATS = tuple(FORMAT_CODES)
 FMA_FORMATS = ("q4_k", "iq3_s")  # formats the 1–4 column FMA kernel decodes
 WV_FORMATS = ("q4_k", "iq3_s", "q6_k", "q5_k", "q8_0")  # formats the word-vector GEMV kernel decodes
+PREFILL_ROWS = 8192  # weight rows made dense at a time for a prefill matmul (80 MiB of bf16 at 5120 inputs)
 
 
 class QuantKernelError(NinferError):
@@ -953,8 +954,11 @@ def quant_matmul(
             y = gemv_q8(raw, format, xa, out_features, s)
         return y.reshape(*x.shape[:-1], out_features)
     if s.kernel == "dequant_mm":
-        w = dequantize_rows(raw, format, out_features, in_features, x.dtype if x.is_cuda else torch.float32)
-        return (x2.to(w.dtype) @ w.t()).to(x.dtype).reshape(*x.shape[:-1], out_features)
+        dtype = x.dtype if x.is_cuda else torch.float32
+        xd = x2.to(dtype)
+        y = matmul_by_rows(x2, out_features, lambda r0, r1: xd @ dequantize_rows(
+            raw[r0:r1], format, r1 - r0, in_features, dtype).t())
+        return y.reshape(*x.shape[:-1], out_features)
     fmt = FORMATS[format]
     y = (torch.zeros if s.split_k > 1 else torch.empty)(
         (M, out_features), dtype=torch.float32 if s.split_k > 1 else x.dtype, device=x.device)
@@ -1022,6 +1026,19 @@ def dequantize_rows(raw: torch.Tensor, format: str, out_features: int, in_featur
         raw, out, grid_u8, levels, out_features, in_features, raw.shape[1],
         FMT=FORMAT_CODES[format], QK=fmt.block_elems, BB=fmt.block_bytes, BLOCK_N=block_n, BLOCK_K=block_k)
     return out
+
+
+def matmul_by_rows(x2: torch.Tensor, out_features: int, product, rows: int | None = None) -> torch.Tensor:
+    """`x2 [n, K] @ Wᵀ -> [n, out_features]` in x2's dtype, `rows` (`PREFILL_ROWS`) of W's rows at a time:
+    `product(r0, r1)` gives `x2 @ W[r0:r1]ᵀ` (a prefill matmul through a transient dense piece of W). One
+    piece at a time bounds the transient: a whole 34816×5120 matrix in bf16 is 340 MiB, and a block that
+    size in the allocator's cache may find no room once the KV pool has taken the rest (fragmentation)."""
+    rows = rows or PREFILL_ROWS
+    y = torch.empty((x2.shape[0], out_features), dtype=x2.dtype, device=x2.device)
+    for r0 in range(0, out_features, rows):
+        r1 = min(out_features, r0 + rows)
+        y[:, r0:r1] = product(r0, r1)
+    return y
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.kernels.gemv_q8 import QuantizedActivation, quantize_activation_cached
-from ninfer.kernels.gguf_matmul import QuantKernelError, quant_matmul
+from ninfer.kernels.gguf_matmul import PREFILL_ROWS, QuantKernelError, matmul_by_rows, quant_matmul
 
 MAX_COLUMNS = 8  # the GEMVs' columns a call
-PREFILL_ROWS = 8192  # rows unpacked at a time for a prefill matmul (34 MB of q6_k rows at 5120 inputs)
 
 
 # CUDA C shared by the lane-layout kernels (after `gemv_il.CUDA_HELPERS`, with WARPS and NCOL defined): a
@@ -67,6 +66,11 @@ def builds(build: Callable[[], object]) -> bool:
     except Exception:  # noqa: BLE001 - any NVRTC or driver failure means: keep the GGUF layout
         return False
     return True
+
+
+def tile_rows(words: torch.Tensor, per_tile: int, r0: int, r1: int) -> torch.Tensor:
+    """The words of rows r0..r1 (r0 a multiple of 32) of a layout of 32-row tiles, `per_tile` words each."""
+    return words[r0 // 32 * per_tile : -(-r1 // 32) * per_tile]
 
 
 @dataclass(frozen=True)
@@ -143,20 +147,17 @@ class LaneLayout:
         x2 = x.reshape(-1, in_features)
         n = x2.shape[0]
         if n > 2 * MAX_COLUMNS:
-            tiles, pairs = self.shape(out_features, in_features)
-            per_tile, step = pairs * self.words * 32, PREFILL_ROWS // 32
+            per_tile = self.shape(out_features, in_features)[1] * self.words * 32
             dtype = x.dtype if x.is_cuda else torch.float32
-            y = torch.empty((n, out_features), dtype=x.dtype, device=x.device)
-            for t0 in range(0, tiles, step):
-                t1 = min(tiles, t0 + step)
-                rows = min(out_features, 32 * t1) - 32 * t0
-                part = words[t0 * per_tile : t1 * per_tile]
+            xd = x2.to(dtype)
+
+            def product(r0: int, r1: int) -> torch.Tensor:
+                part = tile_rows(words, per_tile, r0, r1)
                 if dequantize is None:
-                    out = quant_matmul(self.unpack(part, rows, in_features), self.format, x2, rows)
-                else:
-                    out = x2.to(dtype) @ dequantize(part, rows, in_features, dtype).t()
-                y[:, 32 * t0 : 32 * t0 + rows] = out
-            return y.reshape(*x.shape[:-1], out_features)
+                    return quant_matmul(self.unpack(part, r1 - r0, in_features), self.format, x2, r1 - r0)
+                return xd @ dequantize(part, r1 - r0, in_features, dtype).t()
+
+            return matmul_by_rows(x2, out_features, product).reshape(*x.shape[:-1], out_features)
         xa = quantize_activation_cached(x, 256)
         if n <= MAX_COLUMNS:  # the GEMV's own output: a copy would be a graph node between it and its reader
             y = gemv(words, xa, out_features)

@@ -365,43 +365,6 @@ def test_model_on_fused_kernels_matches_the_reference_path(tiny_bf16, monkeypatc
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_ops_left_to_the_gemv_give_the_same_logits(tiny_bf16, monkeypatch):
-    """A decoder layer's norms, its MLP's SwiGLU and the GDN output norm left waiting for the Linear that
-    reads them (`deferred`, here on the CPU, where no GEMV runs them: every Linear settles them first) give
-    the same decode logits, bit for bit, as ops run in place."""
-    from ninfer.kernels import deferred
-
-    with single_thread():
-        model = load_model(tiny_bf16, dtype=torch.bfloat16)
-        ids = [5, 17, 300, 42, 7, 99]
-
-        def run():
-            seq = Sequence(SequenceCache(model.cache_spec), ids + [11, 12, 13])
-            return torch.stack([model.compute_logits(step(model, [seq], [len(ids)]))[-1]]
-                               + [model.compute_logits(step(model, [seq], [1]))[-1] for _ in range(3)])
-
-        want = run()
-        waited = []
-        wait = deferred._wait
-        one_row = lambda t: t.dim() == 2 and t.shape[0] == 1 and t.shape[1] % 256 == 0  # noqa: E731
-        monkeypatch.setattr(deferred, "norm_deferrable", lambda x, r, group: r is not None and one_row(x))
-        monkeypatch.setattr(deferred, "swiglu_deferrable", lambda g, u, group: one_row(g))
-        monkeypatch.setattr(deferred, "gated_norm_deferrable", lambda o, z, dtype, run, group: (
-            o.dim() == 3 and o.shape[0] == 1 and o.shape[2] == 128 and o.shape[1] % 2 == 0
-            and run % 128 == 0))
-        monkeypatch.setattr(deferred, "_wait",
-                            lambda prologue, *a: waited.append(prologue) or wait(prologue, *a))
-        got = run()
-    assert torch.equal(got, want)
-    layers = len(model.layers)
-    # a one-row step's norms but the first (no residual yet), and every SwiGLU
-    assert waited.count(deferred.NORM_ZERO_CENTRED) == 3 * (2 * layers - 1)
-    assert waited.count(deferred.SWIGLU) == 3 * layers
-    gdn_layers = sum(layer.mixer.__class__.__name__ == "GatedDeltaNet" for layer in model.layers)
-    assert gdn_layers and waited.count(deferred.GATED_NORM) == 3 * gdn_layers
-    assert deferred._waiting is None
-
-
 # ---- launch count of one decode step ---------------------------------------------------------------------
 
 def _gated_norm_stand_in(o, z, w, eps, out_dtype=None, scatter=None, quantize=False, group=32, gather=None):

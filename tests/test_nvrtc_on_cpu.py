@@ -1,8 +1,8 @@
 """The NVRTC kernels' CUDA C, run on the CPU (tests/cuda_cpu.py): the il32 dp4a and tensor-core iq3_s GEMVs,
 the q4il and q6il GEMVs, on tiny shapes with padded rows and blocks, CTAs looping over several tiles, rings
 and split tiles, against the float64 oracle over the GGUF rows (`gemv_q8_reference`); the one-column builds
-with a deferred op in their prologue (`kernels.deferred`) or the GDN conv in their epilogue against the ops'
-own kernels; slips in the sources caught. The numpy twins in test_gemv_il.py / test_gemv_q4il.py /
+with the GDN conv in their epilogue against its arithmetic, also as the wrappers launch them; slips in the
+sources caught. The numpy twins in test_gemv_il.py / test_gemv_q4il.py /
 test_gemv_q6il.py check each recipe; these run the very source the GPU builds (with PDL off)."""
 
 from __future__ import annotations
@@ -130,77 +130,9 @@ def test_the_q4il_and_q6il_kernels(case, columns):
     assert rel(padded, want_padded) < FP32_BOUND
 
 
-def prologue_case(kind: str, prologue: int, k: int, n: int = 96, source_of=same):
-    """A GEMV (kind "il": `gemv_il_prologue`'s launch, "q4il": `gemv_q4il_prologue`'s) with a deferred op in
-    its prologue (`deferred.NORM`, `NORM_ZERO_CENTRED`, `SWIGLU`, `GATED_NORM`) on a bf16 row, and what the
-    op's own kernel and the plain GEMV give: (y, outputs, the op's reference row and residual, its int8
-    activation, the plain kernel's y on it, the oracle's)."""
-    from ninfer.kernels import deferred, fused, reference
-
-    raw = random_gguf_weight("iq3_s" if kind == "il" else "q4_k", n, k)
-    a, b = (torch.randn(1, k) * 3).to(torch.bfloat16), (torch.randn(1, k) * 10).to(torch.bfloat16)
-    w, eps, gather = torch.randn(k) * 0.3, 1e-6, None
-    if prologue == deferred.SWIGLU:
-        out, res = reference.swiglu(a, b), None
-    elif prologue == deferred.GATED_NORM:  # o fp32 heads of 128, z, the Linear's columns: heads reordered
-        heads = k // 128
-        a, w = torch.randn(1, heads, 128) * 2, torch.randn(128) * 0.3
-        order = torch.randperm(heads)
-        gather = (order[:, None] * 128 + torch.arange(128)).reshape(-1)
-        out = fused.gated_rms_norm_reference(a, b.view(1, heads, 128), w, eps, torch.bfloat16, gather)
-        res = None
-    else:
-        out, res = fused.add_rms_norm_reference(a, b, w, eps, prologue == deferred.NORM_ZERO_CENTRED)
-    xa = quantize_activation_reference(out, 256)
-    rows = (torch.full((1, k), float("nan"), dtype=torch.bfloat16) for _ in range(2))
-    scales = (torch.full((1, k // 256), float("nan")) for _ in range(2))
-    o = deferred.Outputs(*rows, torch.zeros(1, k, dtype=torch.int8), *scales)
-    args = deferred.Pending(prologue, a, b, None if prologue == deferred.SWIGLU else w, eps, o,
-                            gather).launch_args()
-    y = torch.full((1, n), float("nan"), dtype=torch.bfloat16)
-    # the plain build's activation arguments, unread by a prologue build: garbage, so that reading them shows
-    unread = torch.randint(-2**31, 2**31 - 1, (1, k // 4), dtype=torch.int32), torch.full((1, k // 256), 1e30)
-    if kind == "il":
-        words = gemv_il.repack_il32(raw)
-        s = gemv_il.il_schedule(1, k, n, 256)
-        source = source_of(gemv_il.kernel_source(1, 1, s, prologue=prologue))
-        HostKernel(source, "iq3s_il_gemv")((2,), (32 * s.warps,), [
-            words, *unread, _tables("cpu")[1], y, n, k, y.stride(0), 2, *args], s.smem_bytes(1, k, 2))
-        plain = run_il(same, words, xa, n, s, 2, 2, torch.bfloat16)[0]
-    else:
-        words, (warps, ctas) = gemv_q4il.repack_q4il(raw), gemv_q4il.SHAPES[1]
-        source = source_of(gemv_q4il.kernel_source(1, 1, False, (warps, ctas), prologue))
-        HostKernel(source, "q4k_il_mma")((2,), (32 * warps,), [words, *unread, y, n, k, y.stride(0), *args],
-                                         gemv_q4il.smem_bytes(k, warps, True))
-        plain = run_lane("q4k_il_mma", same, words, xa, n, warps, gemv_q4il.smem_bytes(k, warps),
-                         gemv_q4il.kernel_source(1, 1, False, (warps, ctas)), torch.bfloat16)
-    return y, o, (out, res), xa, plain, gemv_q8_reference(raw, "iq3_s" if kind == "il" else "q4_k", xa, n)
-
-
-@pytest.mark.parametrize("prologue", [1, 2, 3, 4])  # deferred.NORM, NORM_ZERO_CENTRED, SWIGLU, GATED_NORM
-@pytest.mark.parametrize(("kind", "k"), [("il", 768), ("il", 2560), ("q4il", 768), ("q4il", 2560)])
-def test_a_deferred_op_in_a_gemvs_prologue(kind, k, prologue):
-    """The dp4a il32 and q4il kernels' prologue builds: each CTA's row and int8 codes are the op's own
-    kernel's (the norms' sums of squares in another order, the exp the host's: measured equal on these rows;
-    one bf16 ulp / one code allowed; the gated norm's heads in a shuffled column order), so the GEMV is the
-    plain one's on that kernel's activation; CTA 0 writes the row, codes, scales and d·Σq (and the norm's
-    residual)."""
-    y, o, (out, res), xa, plain, want = prologue_case(kind, prologue, k)
-    if res is not None:
-        assert torch.equal(o.residual, res)
-    assert (o.out.float() - out.float()).abs().le(out.float().abs() * 2.0**-8).all()
-    assert (o.q.int() - xa.q.int()).abs().max() <= 1 and (o.q != xa.q).float().mean() <= 0.01
-    torch.testing.assert_close(o.d, xa.d, rtol=2.0**-8, atol=0)
-    torch.testing.assert_close(o.s, xa.s, rtol=0.01, atol=0)
-    assert rel(y, plain) < 2.0**-8
-    assert rel(y, want) < 5e-3  # bf16 output rounding
-
-
-def conv_case(kind: str, prologue: int, source_of=same):
-    """The one-column dp4a il32 / q4il GEMV (with a deferred op's prologue or not) running the GDN decode conv
-    of its first outputs in its epilogue (`CONV_STAGE`): (y, conv out, the slots after, the slots before,
-    the conv weight, the lane's slot)."""
-    from ninfer.kernels import deferred
+def conv_case(kind: str, source_of=same):
+    """The one-column dp4a il32 / q4il GEMV running the GDN decode conv of its first outputs in its epilogue
+    (`CONV_STAGE`): (y, conv out, the slots after, the slots before, the conv weight, the lane's slot)."""
     from ninfer.kernels.gdn_decode import ConvEpilogue
 
     n, k, c, slot = 96, 768, 72, 2  # channels across a tile's end; int64 slot ids, as the decode graphs'
@@ -209,39 +141,28 @@ def conv_case(kind: str, prologue: int, source_of=same):
     before = conv.slots.clone()
     conv.out.fill_(float("nan"))
     y = torch.full((1, n), float("nan"), dtype=torch.bfloat16)
-    if prologue:
-        a, b = (torch.randn(1, k) * 3).to(torch.bfloat16), (torch.randn(1, k) * 10).to(torch.bfloat16)
-        rows, scales = (torch.empty(1, k, dtype=torch.bfloat16) for _ in range(2)), (
-            torch.empty(1, k // 256) for _ in range(2))
-        o = deferred.Outputs(*rows, torch.zeros(1, k, dtype=torch.int8), *scales)
-        made = deferred.Pending(prologue, a, b, torch.randn(k), 1e-6, o).launch_args()
-        xa = None
-    else:
-        xa, made = activation(1, k, 256), []
-    q8 = [xa.words, xa.d] if xa is not None else [torch.zeros(1, k // 4, dtype=torch.int32), torch.ones(1, 3)]
-    tail = made + list(conv.launch_args())
+    xa = activation(1, k, 256)
     if kind == "il":
         s = gemv_il.il_schedule(1, k, n, 256)
-        source = source_of(gemv_il.kernel_source(1, 1, s, prologue=prologue, conv=True))
+        source = source_of(gemv_il.kernel_source(1, 1, s, conv=True))
         HostKernel(source, "iq3s_il_gemv")((2,), (32 * s.warps,), [
-            gemv_il.repack_il32(raw), *q8, _tables("cpu")[1], y, n, k, y.stride(0), 2, *tail],
-            s.smem_bytes(1, k, 2))
+            gemv_il.repack_il32(raw), xa.words, xa.d, _tables("cpu")[1], y, n, k, y.stride(0), 2,
+            *conv.launch_args()], s.smem_bytes(1, k, 2))
     else:
         warps, ctas = gemv_q4il.SHAPES[1]
-        source = source_of(gemv_q4il.kernel_source(1, 1, False, (warps, ctas), prologue, True))
+        source = source_of(gemv_q4il.kernel_source(1, 1, False, (warps, ctas), True))
         HostKernel(source, "q4k_il_mma")((2,), (32 * warps,), [
-            gemv_q4il.repack_q4il(raw), *q8, y, n, k, y.stride(0), *tail],
-            gemv_q4il.smem_bytes(k, warps, bool(prologue)))
+            gemv_q4il.repack_q4il(raw), xa.words, xa.d, y, n, k, y.stride(0), *conv.launch_args()],
+            gemv_q4il.smem_bytes(k, warps))
     return y, conv.out, conv.slots, before, conv.weight, slot
 
 
-@pytest.mark.parametrize("prologue", [0, 2])
 @pytest.mark.parametrize("kind", ["il", "q4il"])
-def test_the_gdn_conv_in_a_gemvs_epilogue(kind, prologue):
+def test_the_gdn_conv_in_a_gemvs_epilogue(kind):
     """The conv of the first C outputs as stored (bf16), `gdn_decode.conv_epilogue_store`'s arithmetic: silu
     of the weights against the lane's slot and the new input, the slot moved on by that input; the other
     slots untouched; the GEMV's own output written as without it."""
-    y, out, slots, before, w, slot = conv_case(kind, prologue)
+    y, out, slots, before, w, slot = conv_case(kind)
     c = w.shape[0]
     x = y[0, :c].float()
     window = torch.cat([before[slot], x[:, None]], dim=1)  # [C, 4], oldest input first
@@ -260,16 +181,7 @@ MUTATIONS = {
     "mma: a split's last piece": ("il_mma_split", "splits - 1;", "splits;"),
     "q4il: the min term's sign": ("q4il", "-dmin * (float)msum", "dmin * (float)msum"),
     "q6il: the scale unsigned": ("q6il", "0x8880u | (unsigned)", "0x0000u | (unsigned)"),
-    "norm: the weight not zero-centred": ("norm", "PROLOGUE == 2 ? 1.f + wv[i] : wv[i]", "wv[i]"),
-    "q4il norm: the made codes unread": ("q4il_norm", "const int* xa = codes;", "const int* xa = xw;"),
-    "swiglu: silu of up": ("swiglu", "bf16_part(gv, i);\n", "bf16_part(uv, i);\n"),
     "conv: the slot not moved on": ("conv", "cp[0] = s1;", "cp[0] = s0;"),
-    "gated norm: the run's head unread": ("gated", "(int)(gather[256 * g + 128 * (lane >> 4)] >> 7)",
-                                          "2 * g + (int)(lane >> 4)"),
-    "norm: a lane's group max": ("norm", "amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o))",
-                                 "amax = fmaxf(amax, 0.f)"),
-    "norm: the squares of one warp": ("norm", "for (int s = 0; s < WARPS; ++s) total += partial[s];",
-                                      "total = WARPS * partial[0];"),
 }
 
 
@@ -290,13 +202,8 @@ def test_a_slip_in_a_kernel_fails(name):
         y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
     elif kind == "conv":
-        y, out, slots, before, w, slot = conv_case("il", 0, source_of=mutate)
+        y, out, slots, before, w, slot = conv_case("il", source_of=mutate)
         assert not torch.equal(slots[slot, :, 0], before[slot, :, 1])
-        return
-    elif kind in ("norm", "q4il_norm", "swiglu", "gated"):
-        prologue = {"swiglu": 3, "gated": 4}.get(kind, 2)
-        y, *_, want = prologue_case("q4il" if kind == "q4il_norm" else "il", prologue, 2560, source_of=mutate)
-        assert not rel(y, want) < 5e-3
         return
     else:
         y, want = (q4il_case if kind == "q4il" else q6il_case)(4, source_of=mutate)
@@ -305,23 +212,24 @@ def test_a_slip_in_a_kernel_fails(name):
 
 @pytest.fixture
 def launches_on_the_cpu(monkeypatch):
-    """The wrappers' own launches (`gemv_il_prologue`, `gemv_q4il_prologue`, `gemv_il`'s conv) on the CPU:
-    their NVRTC builds through cuda_cpu, two CTAs, the H200's shared memory, no PDL."""
+    """The wrappers' own launches (`gemv_il`, `gemv_q4il`) on the CPU: their NVRTC builds through cuda_cpu,
+    two CTAs, the H200's shared memory, no PDL, the CUDA-only check of a call left out."""
     import types
 
     def compiled(source_of, name):
         return lambda *a: HostKernel(source_of(*a), name)
 
     monkeypatch.setattr(gemv_il, "_compiled", compiled(
-        lambda columns, kind, s, pdl=False, prologue=0, conv=False: gemv_il.kernel_source(
-            columns, kind, s, False, prologue, conv), "iq3s_il_gemv"))
+        lambda columns, kind, s, pdl=False, conv=False: gemv_il.kernel_source(
+            columns, kind, s, False, conv), "iq3s_il_gemv"))
     monkeypatch.setattr(gemv_q4il, "_compiled", compiled(
-        lambda columns, kind, pdl, shape, prologue=0, conv=False: gemv_q4il.kernel_source(
-            columns, kind, False, shape, prologue, conv), "q4k_il_mma"))
+        lambda columns, kind, pdl, shape, conv=False: gemv_q4il.kernel_source(
+            columns, kind, False, shape, conv), "q4k_il_mma"))
     launch = lambda kernel, ctas, threads, smem, args, pdl: kernel((ctas,), (threads,), args, smem)  # noqa: E731
     for module in (gemv_il, gemv_q4il):
         monkeypatch.setattr(module, "_launch", launch)
         monkeypatch.setattr(module, "pdl_enabled", lambda: False)
+        monkeypatch.setattr(module, "check_call", lambda kind, words, xa, group: None)
     monkeypatch.setattr(gemv_il, "_launch_shape", lambda device, s, n, k: 2)
     monkeypatch.setattr(gemv_il, "_smem_sm", lambda device: 228 * 1024)
     monkeypatch.setattr(gemv_il, "_smem_optin", lambda device: 227 * 1024)
@@ -330,36 +238,27 @@ def launches_on_the_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["il", "q4il"])
-def test_the_prologue_wrappers_launch_what_the_kernels_take(launches_on_the_cpu, kind):
-    """`gemv_il_prologue` / `gemv_q4il_prologue` as the engine calls them (K from the output row, the
-    pending op's arguments after the GEMV's, the conv's last), each prologue against its op's kernel then
-    the plain GEMV, on a 768-input row (the gated norm's o `[1, 6, 128]`)."""
-    from ninfer.kernels import deferred, fused, reference
+def test_the_conv_wrappers_launch_what_the_kernels_take(launches_on_the_cpu, monkeypatch, kind):
+    """`il_matmul` / `q4il_matmul` with a GDN decode conv as the engine calls them (`lane_conv`, the GEMV's
+    arguments then the conv's last) on a bf16 row: the output the same bits as with NINFER_LANE_CONV=0 and
+    within bf16 rounding of the oracle, the lane's slot moved on by it."""
     from ninfer.kernels.gdn_decode import ConvEpilogue
 
-    n, k = 96, 768
-    raw = random_gguf_weight("iq3_s" if kind == "il" else "q4_k", n, k)
+    n, k, c, slot = 96, 768, 40, 1
+    fmt = "iq3_s" if kind == "il" else "q4_k"
+    raw = random_gguf_weight(fmt, n, k)
     words = gemv_il.repack_il32(raw) if kind == "il" else gemv_q4il.repack_q4il(raw)
-    gemv = gemv_il.gemv_il_prologue if kind == "il" else gemv_q4il.gemv_q4il_prologue
-    a, b = (torch.randn(1, k) * 3).to(torch.bfloat16), (torch.randn(1, k) * 10).to(torch.bfloat16)
-    w, core = torch.randn(k) * 0.3, torch.randn(1, k // 128, 128)
-    gather = (torch.randperm(k // 128)[:, None] * 128 + torch.arange(128)).reshape(-1)
-    for prologue in (deferred.NORM_ZERO_CENTRED, deferred.SWIGLU, deferred.GATED_NORM):
-        gated = prologue == deferred.GATED_NORM
-        if prologue == deferred.SWIGLU:
-            out = reference.swiglu(a, b)
-        elif gated:
-            out = fused.gated_rms_norm_reference(core, b.view(core.shape), w[:128], 1e-6, torch.bfloat16,
-                                                 gather)
-        else:
-            out = fused.add_rms_norm_reference(a, b, w, 1e-6, True)[0]
-        xa = quantize_activation_reference(out, 256)
-        want = gemv_q8_reference(raw, "iq3_s" if kind == "il" else "q4_k", xa, n)
-        rows = (torch.empty(1, k, dtype=torch.bfloat16) for _ in range(2))
-        o = deferred.Outputs(*rows, torch.zeros(1, k, dtype=torch.int8), torch.empty(1, 3), torch.empty(1, 3))
-        pending = deferred.Pending(prologue, core if gated else a, b, w[:128] if gated else w, 1e-6, o,
-                                   gather if gated else None)
-        conv = ConvEpilogue.of(torch.randn(40, 4), torch.randn(2, 40, 3), torch.tensor([1]))
-        y = gemv(words, pending, n, conv)
-        assert conv.applied and not conv.out.isnan().any()
-        assert rel(y, want) < 5e-3, prologue  # bf16 output rounding
+    matmul = gemv_il.il_matmul if kind == "il" else gemv_q4il.q4il_matmul
+    x = torch.randn(1, k).to(torch.bfloat16)
+    conv = ConvEpilogue.of(torch.randn(c, 4), torch.randn(2, c, 3), torch.tensor([slot]))
+    before = conv.slots.clone()
+    monkeypatch.setenv("NINFER_LANE_CONV", "0")
+    plain = matmul(words, x, n, conv=conv)
+    assert not conv.applied
+    monkeypatch.delenv("NINFER_LANE_CONV")
+    y = matmul(words, x, n, conv=conv)
+    assert conv.applied and torch.equal(y, plain)
+    want = gemv_q8_reference(raw, fmt, quantize_activation_reference(x, 256), n)
+    assert rel(y, want) < 5e-3  # bf16 output rounding
+    window = torch.cat([before[slot], y[0, :c].float()[:, None]], dim=1)
+    assert torch.equal(conv.slots[slot], window[:, 1:]) and not conv.out.isnan().any()

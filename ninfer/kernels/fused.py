@@ -341,18 +341,17 @@ def remember_int8(out: torch.Tensor, buffers: tuple[torch.Tensor, ...]) -> None:
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, zero_centred: bool,
-    quantize: bool = False, group: int = 32, into: tuple[torch.Tensor, ...] | None = None,
+    quantize: bool = False, group: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(rms_norm(x + residual), x + residual)` in one launch; residual None: `(rms_norm(x), x)`. `quantize`
     (2-D x): the normed output's int8 activation too (`group` values a scale), left for the Linear that
-    reads it (gemv_q8's memo). `into`: the buffers to write, `(out, new residual, q, d, s)` (a norm left to
-    a GEMV and run after all: `deferred`), else new ones."""
+    reads it (gemv_q8's memo)."""
     x3 = _rows3(x, "x")
     T, H, N = x3.shape
     if quantize and x.dim() != 2:
         raise FusedKernelError(f"the int8 activation is made for [T, N] rows, got shape {tuple(x.shape)}")
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if into is None else into[0]
-    q8 = int8_buffers(out, quantize, group) if into is None else into[2:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    q8 = int8_buffers(out, quantize, group)
     o3 = out.view(T, H, N)
     if residual is None:
         r3 = ro3 = x3
@@ -361,8 +360,7 @@ def add_rms_norm(
         if residual.shape != x.shape:
             raise FusedKernelError(f"residual shape {tuple(residual.shape)} differs from x {tuple(x.shape)}")
         r3 = _rows3(residual, "residual")
-        new_residual = (torch.empty(x.shape, dtype=residual.dtype, device=x.device) if into is None
-                        else into[1])
+        new_residual = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
         ro3 = new_residual.view(T, H, N)
     if T * H:
         block = _block(N)
@@ -386,7 +384,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
 def gated_rms_norm(
     o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
     scatter: torch.Tensor | None = None, quantize: bool = False, group: int = 32,
-    gather: torch.Tensor | None = None, into: tuple[torch.Tensor, ...] | None = None,
+    gather: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The GDN output norm `rmsnorm(o)·w·silu(z)` over the last dim, in `out_dtype` (default o's; o is rounded
     to it first). `scatter` (int [H·N], a permutation): output `[T, H·N]` whose column scatter[c] holds
@@ -394,8 +392,7 @@ def gated_rms_norm(
     (N a power of two and a multiple of 32; with `scatter`, each head's N columns one aligned run: see
     `models.weights.aligned_run`): output `[T, H·N]` and its int8 activation, `group` values a scale, left
     for the Linear that reads it. A group wider than a head (256 over heads of 128) takes its heads in one
-    program; with `scatter` they are found through `gather` (its inverse). `into`: the buffers to write,
-    `(out, q, d, s)` (flat; a norm left to a GEMV and run after all: `deferred`), else new ones."""
+    program; with `scatter` they are found through `gather` (its inverse)."""
     o3, z3 = _rows3(o, "o"), _rows3(z, "z")
     if o3.shape != z3.shape:
         raise FusedKernelError(f"gated norm: o {tuple(o.shape)} and z {tuple(z.shape)} differ")
@@ -412,9 +409,8 @@ def gated_rms_norm(
     if heads > 1 and scatter is not None and gather is None:
         raise FusedKernelError(f"gated norm: groups of {group} over heads of {N} and a scatter take `gather`")
     flat = scatter is not None or quantize
-    out = (torch.empty((T, H * N) if flat else o.shape, dtype=out_dtype or o.dtype, device=o.device)
-           if into is None else into[0])
-    q8 = int8_buffers(out, quantize, group) if into is None else into[1:]
+    out = torch.empty((T, H * N) if flat else o.shape, dtype=out_dtype or o.dtype, device=o.device)
+    q8 = int8_buffers(out, quantize, group)
     if T * H:
         dest = o3 if scatter is None else scatter  # any pointer when not scattering
         strides = (o3.stride(0), o3.stride(1), z3.stride(0), z3.stride(1))
@@ -490,17 +486,15 @@ def _rows2(x: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def _elementwise2(kernel, a: torch.Tensor, b: torch.Tensor, op: str, names: tuple[str, str],
-                  quantize: bool, group: int = 32, into: tuple[torch.Tensor, ...] | None = None
-                  ) -> torch.Tensor:
+                  quantize: bool, group: int = 32) -> torch.Tensor:
     """One launch of a two-input elementwise kernel over [T, N] row views; output [T, N] in a's dtype (and
-    its int8 activation where `quantize`, `group` values a scale); `into`: the buffers to write, `(out, q, d,
-    s)`, else new ones."""
+    its int8 activation where `quantize`, `group` values a scale)."""
     x, y = _rows2(a, names[0]), _rows2(b, names[1])
     if x.shape != y.shape:
         raise FusedKernelError(f"{op}: {names[0]} {tuple(x.shape)} and {names[1]} {tuple(y.shape)} differ")
     T, N = x.shape
-    out = torch.empty((T, N), dtype=a.dtype, device=a.device) if into is None else into[0]
-    q8 = int8_buffers(out, quantize, group) if into is None else into[1:]
+    out = torch.empty((T, N), dtype=a.dtype, device=a.device)
+    q8 = int8_buffers(out, quantize, group)
     if T * N:
         grid = (T, -(-N // ELEMENTWISE_BLOCK))
         kernel[grid](x, y, out, *q8, N, x.stride(0), y.stride(0), QUANT=quantize, BLOCK=ELEMENTWISE_BLOCK,
@@ -510,12 +504,11 @@ def _elementwise2(kernel, a: torch.Tensor, b: torch.Tensor, op: str, names: tupl
     return out
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, group: int = 32,
-           into: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, group: int = 32) -> torch.Tensor:
     """`silu(gate)·up` of two [T, I] row views (e.g. the halves of a merged gate|up output), gate's dtype;
     `quantize`: its int8 activation too (`group` values a scale), left for the Linear that reads it
-    (gemv_q8's memo); `into`: the buffers to write (`_elementwise2`)."""
-    return _elementwise2(_swiglu_kernel, gate, up, "swiglu", ("gate", "up"), quantize, group, into)
+    (gemv_q8's memo)."""
+    return _elementwise2(_swiglu_kernel, gate, up, "swiglu", ("gate", "up"), quantize, group)
 
 
 def sigmoid_gate_mul(attn: torch.Tensor, gate: torch.Tensor, quantize: bool = False, group: int = 32

@@ -43,7 +43,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ninfer.kernels import deferred
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
 from ninfer.kernels.gemv_rows import split_workspace
 from ninfer.kernels.gguf_matmul import QuantKernelError, _tables, dequantize_rows, matmul_by_rows
@@ -179,181 +178,6 @@ __device__ __forceinline__ void conv_store(const ConvArgs& cv, int row, out_t y)
 #endif
 """
 
-# The prologues of the dp4a il32 and q4il kernels' PROLOGUE builds (`gemv_il_prologue`, `gemv_q4il_prologue`:
-# one bf16 row whose op `kernels.deferred` left to the GEMV): WARPS, OUT_KIND 1 (bf16) and PROLOGUE (1, 2 the
-# add + RMSNorm, 2 with a zero-centred weight; 3 SwiGLU; 4 the GDN gated norm) defined by the source. The
-# inputs' roles (`deferred.Pending.launch_args`): ha, hb the op's two inputs, nw its weight, hres the norm's
-# new residual or the gated norm's gather.
-PROLOGUE_STAGE = r"""
-#if PROLOGUE
-// the kernels' parameters after their own (`deferred.Pending.launch_args`)
-#define PROLOGUE_PARAMS , const void* __restrict__ ha, const void* __restrict__ hb, \
-    const float4* __restrict__ nw, double eps, uint4* __restrict__ hout, void* __restrict__ hres, \
-    int2* __restrict__ qout, float* __restrict__ dout, float* __restrict__ sout
-// make_activation's: those (eps as a float), K, the CTA's codes and scales, WARPS floats of scratch
-#define ACTIVATION_PARAMS const void* __restrict__ ha, const void* __restrict__ hb, \
-    const float4* __restrict__ nw, float eps, int K, int* xs, float* xds, float* partial, \
-    uint4* __restrict__ hout, void* __restrict__ hres, int2* __restrict__ qout, float* __restrict__ dout, \
-    float* __restrict__ sout
-// The activation made here, not read: the op's bf16 outputs (as its own kernel rounds them) and their int8
-// codes, one scale a 256-group, as `quantize_groups` makes them, into xs (K / 4 words) and xds (K / 256) in
-// shared memory. CTA 0 also stores what the op's kernel would (the row hout, codes, scales and d·Σq; the
-// norm's new residual hres) for any other reader. A lane takes inputs 8 lane .. 8 lane + 7 of a group.
-__device__ __forceinline__ float bf16_value(unsigned v, int i) {  // bf16 i (0 / 1) of a word, as fp32
-    return __uint_as_float(i ? v & 0xffff0000u : v << 16);
-}
-__device__ __forceinline__ float bf16_part(const uint4& v, int i) {  // bf16 i (0 .. 7) of 16 bytes
-    return bf16_value(i < 2 ? v.x : i < 4 ? v.y : i < 6 ? v.z : v.w, i & 1);
-}
-// group g of the row, this lane's 8 bf16 values ob (v: as fp32): codes and scale into shared memory; CTA 0's
-// copies to global memory
-__device__ __forceinline__ void quantize_group(int g, const float (&v)[8], const unsigned (&ob)[4], int* xs,
-                                               float* xds, uint4* __restrict__ hout, int2* __restrict__ qout,
-                                               float* __restrict__ dout, float* __restrict__ sout) {
-    const unsigned lane = threadIdx.x & 31;
-    float amax = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 127.f, safe = d == 0.f ? 1.f : d;
-    int qw[2] = {0, 0}, qsum = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const int q = (int)fminf(fmaxf(rintf(v[i] / safe), -127.f), 127.f);
-        qsum += q;
-        qw[i >> 2] |= (q & 255) << (8 * (i & 3));
-    }
-    reinterpret_cast<int2*>(xs)[32 * g + lane] = make_int2(qw[0], qw[1]);
-    if (lane == 0) xds[g] = d;
-    if (blockIdx.x == 0) {
-        hout[32 * g + lane] = make_uint4(ob[0], ob[1], ob[2], ob[3]);
-        qout[32 * g + lane] = make_int2(qw[0], qw[1]);
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) qsum += __shfl_xor_sync(0xffffffffu, qsum, o);
-        if (lane == 0) {
-            dout[g] = d;
-            sout[g] = d * (float)qsum;
-        }
-    }
-}
-#if PROLOGUE == 4
-// The GDN output norm rmsnorm(o)·w·silu(z) per head of 128 (o fp32 [K / 128, 128], first rounded to bf16;
-// z bf16 [K]; w fp32 [128]) as `fused._gated_norm_heads_kernel`, its output columns in the Linear's input
-// order: output run r (128 columns) is head gather[128 r] / 128 (`hres`: the int64 gather, scatter's
-// inverse, each head one aligned run). A warp's inverse rms a head first (`partial`: K / 128 floats), then
-// groups of two runs.
-__device__ __forceinline__ void make_activation(ACTIVATION_PARAMS) {
-    const float4* o = static_cast<const float4*>(ha);
-    const uint4* z = static_cast<const uint4*>(hb);
-    const long long* gather = static_cast<const long long*>(hres);
-    const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    for (int h = wid; h < (K >> 7); h += WARPS) {
-        const float4 v = o[32 * h + lane];
-        const float r[4] = {v.x, v.y, v.z, v.w};
-        float ss = 0.f;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float x = bf16_value(to_out(r[i]), 0);
-            ss = fmaf(x, x, ss);
-        }
-#pragma unroll
-        for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-        if (lane == 0) partial[h] = rsqrtf(ss / 128.f + eps);
-    }
-    __syncthreads();
-    const int d = 8 * (lane & 15);  // this lane's 8 columns of its head
-    const float4 w0 = nw[d >> 2], w1 = nw[(d >> 2) + 1];
-    const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-    for (int g = wid; g < (K >> 8); g += WARPS) {
-        const int h = (int)(gather[256 * g + 128 * (lane >> 4)] >> 7);
-        const float4 o0 = o[32 * h + (d >> 2)], o1 = o[32 * h + (d >> 2) + 1];
-        const float ov[8] = {o0.x, o0.y, o0.z, o0.w, o1.x, o1.y, o1.z, o1.w};
-        const uint4 zv = z[16 * h + (d >> 3)];
-        const float inv = partial[h];
-        unsigned ob[4];
-        float v[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const float oi = bf16_value(to_out(ov[i]), 0), zi = bf16_part(zv, i);
-            const unsigned y = to_out(oi * inv * wv[i] * (zi * (1.f / (1.f + expf(-zi)))));
-            ob[i >> 1] = (i & 1) ? ob[i >> 1] | (y << 16) : y;
-            v[i] = bf16_value(y, 0);
-        }
-        quantize_group(g, v, ob, xs, xds, hout, qout, dout, sout);
-    }
-}
-#elif PROLOGUE == 3
-// SwiGLU: silu(ha)·hb of the gate and up halves (bf16 [K]), as `fused._swiglu_kernel` (its exp the host's
-// libm / CUDA's expf: a bf16 ulp apart at most where Triton's differs)
-__device__ __forceinline__ void make_activation(ACTIVATION_PARAMS) {
-    const uint4* gate = static_cast<const uint4*>(ha);
-    const uint4* up = static_cast<const uint4*>(hb);
-    const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    for (int g = wid; g < (K >> 8); g += WARPS) {
-        const uint4 gv = gate[32 * g + lane], uv = up[32 * g + lane];
-        unsigned ob[4];
-        float v[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const float x = bf16_part(gv, i);
-            const unsigned o = to_out(x * (1.f / (1.f + expf(-x))) * bf16_part(uv, i));
-            ob[i >> 1] = (i & 1) ? ob[i >> 1] | (o << 16) : o;
-            v[i] = bf16_value(o, 0);
-        }
-        quantize_group(g, v, ob, xs, xds, hout, qout, dout, sout);
-    }
-}
-#else
-// the add + RMSNorm of the previous sublayer's output ha and the residual hb (bf16 [K]; the weight nw fp32,
-// 1 + nw when PROLOGUE == 2), as `fused.add_rms_norm` (the sum of squares in another order: inv within an
-// ulp); `partial` holds WARPS floats
-__device__ __forceinline__ void make_activation(ACTIVATION_PARAMS) {
-    const uint4* x = static_cast<const uint4*>(ha);
-    const uint4* r = static_cast<const uint4*>(hb);
-    uint4* res = static_cast<uint4*>(hres);
-    const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    const int groups = K >> 8;
-    float ss = 0.f;
-    for (int g = wid; g < groups; g += WARPS) {
-        const uint4 xv = x[32 * g + lane], rv = r[32 * g + lane];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const float s = bf16_value(to_out(bf16_part(xv, i) + bf16_part(rv, i)), 0);
-            ss = fmaf(s, s, ss);
-        }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) partial[wid] = ss;
-    __syncthreads();
-    float total = 0.f;
-    for (int s = 0; s < WARPS; ++s) total += partial[s];
-    const float inv = rsqrtf(total / (float)K + eps);
-    for (int g = wid; g < groups; g += WARPS) {
-        const uint4 xv = x[32 * g + lane], rv = r[32 * g + lane];
-        const float4 w0 = nw[64 * g + 2 * lane], w1 = nw[64 * g + 2 * lane + 1];
-        const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-        unsigned sb[4], ob[4];
-        float v[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const unsigned s = to_out(bf16_part(xv, i) + bf16_part(rv, i));
-            const unsigned o = to_out(bf16_value(s, 0) * inv * (PROLOGUE == 2 ? 1.f + wv[i] : wv[i]));
-            sb[i >> 1] = (i & 1) ? sb[i >> 1] | (s << 16) : s;
-            ob[i >> 1] = (i & 1) ? ob[i >> 1] | (o << 16) : o;
-            v[i] = bf16_value(o, 0);
-        }
-        if (blockIdx.x == 0) res[32 * g + lane] = make_uint4(sb[0], sb[1], sb[2], sb[3]);
-        quantize_group(g, v, ob, xs, xds, hout, qout, dout, sout);
-    }
-}
-#endif
-#else
-#define PROLOGUE_PARAMS
-#endif
-"""
-
 _SOURCE = r"""
 #define OUT_KIND __OUT_KIND__
 #define NCOL __NCOL__
@@ -362,7 +186,6 @@ _SOURCE = r"""
 #define COPIES __COPIES__
 #define PDL __PDL__
 #define GROUP __GROUP__
-#define PROLOGUE __PROLOGUE__
 #define CONV __CONV__
 """ + CUDA_HELPERS + CONV_STAGE + r"""
 struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
@@ -452,11 +275,10 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
 #endif
 }
 
-""" + PROLOGUE_STAGE + r"""
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
              const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y, int ring
-             PROLOGUE_PARAMS CONV_PARAMS)
+             CONV_PARAMS)
 {
 #if CONV
     const ConvArgs cv = {cw, cs, cslot, co, conv_c, s_cs};
@@ -488,13 +310,9 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 #endif
     // the activation, read by every warp of the CTA, from shared memory (a global load's latency stalled the
     // sub-blocks: gpu-notes "Session 28")
-#if PROLOGUE
-    make_activation(ha, hb, nw, (float)eps, K, xs, xds, red, hout, hres, qout, dout, sout);
-#else
     for (int i = threadIdx.x; i < NCOL * K4 / 4; i += WARPS * 32)
         reinterpret_cast<int4*>(xs)[i] = __ldg(reinterpret_cast<const int4*>(xw) + i);
     for (int i = threadIdx.x; i < NCOL * KG; i += WARPS * 32) xds[i] = __ldg(xd + i);
-#endif
 #pragma unroll
     for (int r = 0; r < FILL; ++r) {
         const int i = threadIdx.x + r * WARPS * 32;
@@ -886,21 +704,18 @@ def _ctas_per_sm(s: IlSchedule, columns: int, in_features: int, smem: int = 228 
     return max(1, min(smem // (s.smem_bytes(columns, in_features) + 1024), threads // (32 * s.warps), regs))
 
 
-def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, prologue: int = 0,
-                  conv: bool = False) -> str:
+def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, conv: bool = False) -> str:
     """The CUDA source; its launch bounds ask for the CTAs an SM holds by registers, threads and tables.
     `pdl`: launched as a programmatic dependent launch (`_launch`), it loads its weights and tables before
     waiting for the previous kernel, and lets the next one launch after its last tile's main loop.
-    `prologue` (the dp4a kernel at 1 column, groups of 256, bf16): the op that makes its activation runs in
-    its prologue (`deferred.NORM`, `NORM_ZERO_CENTRED`, `SWIGLU`; `gemv_il_prologue`); `conv` (the same
-    builds): the GDN decode conv in its epilogue (`CONV_STAGE`, `lane_conv`)."""
+    `conv` (the dp4a kernel at 1 column, groups of 256, bf16): the GDN decode conv in its epilogue
+    (`CONV_STAGE`, `lane_conv`)."""
     source = _MMA_SOURCE if s.kernel == "il_mma" else _SOURCE
     bf16 = _OUT_KINDS[torch.bfloat16]
-    if (prologue or conv) and (s.kernel != "il" or columns != 1 or s.group != 256 or out_kind != bf16):
-        raise QuantKernelError("the prologue and conv builds are the dp4a il32 kernel's at 1 column, groups "
-                               "of 256, bf16")
+    if conv and (s.kernel != "il" or columns != 1 or s.group != 256 or out_kind != bf16):
+        raise QuantKernelError("the conv builds are the dp4a il32 kernel's at 1 column, groups of 256, bf16")
     return (source.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
-            .replace("__PROLOGUE__", str(prologue)).replace("__CONV__", str(int(conv)))
+            .replace("__CONV__", str(int(conv)))
             .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns, 0)))
             .replace("__COPIES__", str(s.copies))
             .replace("__PDL__", str(int(pdl))).replace("__GROUP__", str(s.group)))
@@ -919,10 +734,9 @@ def _smem_sm(device: torch.device) -> int:
 
 
 @functools.cache
-def _compiled(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, prologue: int = 0,
-              conv: bool = False):
+def _compiled(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, conv: bool = False):
     name = "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s, pdl, prologue, conv), name)
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s, pdl, conv), name)
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -1027,51 +841,9 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     args += [ring, *conv_arguments(conv)]
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
     # one build for every split count
-    kernel = _compiled(n, _OUT_KINDS[xa.dtype], s if s.splits == 1 else replace(s, splits=1), pdl, 0,
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], s if s.splits == 1 else replace(s, splits=1), pdl,
                        conv is not None)
     _launch(kernel, ctas, 32 * s.warps, smem, args, pdl)
-    return y
-
-
-def prologue_wanted(words: torch.Tensor, x: torch.Tensor, out_features: int) -> bool:
-    """Whether `gemv_il_prologue` takes a call on x: one bf16 row on CUDA whose il32 schedule is the dp4a
-    kernel with groups of 256 (at one lane the 27B's GDN input, q|gate|k|v, gate|up and down)."""
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1):
-        return False
-    s = il_schedule(1, x.shape[1], out_features, il_group())
-    return s.kernel == "il" and s.group == 256 and x.shape[1] % 256 == 0 and _prologue_builds(s)
-
-
-@functools.cache
-def _prologue_builds(s: IlSchedule) -> bool:
-    """The prologue builds compile here (else the ops keep their own kernels)."""
-    try:
-        for prologue in (deferred.NORM_ZERO_CENTRED, deferred.SWIGLU, deferred.GATED_NORM):
-            _compiled(1, _OUT_KINDS[torch.bfloat16], s, False, prologue)
-    except Exception:  # noqa: BLE001 - any NVRTC or driver failure: the plain GEMV after the op's kernel
-        return False
-    return True
-
-
-def gemv_il_prologue(words: torch.Tensor, pending: deferred.Pending, out_features: int, conv=None
-                     ) -> torch.Tensor:
-    """The dp4a il32 GEMV of a waiting op's output (`deferred`: an add + RMSNorm or a SwiGLU of one bf16 row)
-    in one launch: each CTA makes the activation in its prologue (`PROLOGUE_STAGE`) where the op ran as a
-    kernel of its own before; its first CTA writes what that kernel would (`pending.outputs`).
-    `prologue_wanted` says when it applies; `conv`: `gemv_il`'s."""
-    k = pending.outputs.out.shape[1]
-    check_il32(words, out_features, k)
-    s = il_schedule(1, k, out_features, 256)
-    tiles = il32_shape(out_features, k)[0]
-    ctas = min(tiles, _launch_shape(words.device, s, 1, k))
-    ring = tile_ring(s, 1, k, -(-tiles // ctas), _smem_sm(words.device), _smem_optin(words.device), _RING)
-    y = torch.empty((1, out_features), dtype=torch.bfloat16, device=words.device)
-    o = pending.outputs  # (the plain build's activation arguments, unread)
-    args = [words, o.q.view(torch.int32), o.d, _tables(words.device)[1], y, out_features, k, y.stride(0),
-            ring, *pending.launch_args(), *conv_arguments(conv)]
-    pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"
-    kernel = _compiled(1, _OUT_KINDS[torch.bfloat16], s, pdl, pending.prologue, conv is not None)
-    _launch(kernel, ctas, 32 * s.warps, s.smem_bytes(1, k, ring), args, pdl)
     return y
 
 
@@ -1102,8 +874,7 @@ def _launch(kernel, ctas: int, threads: int, smem: int, args: list, pdl: bool) -
     if not pdl:
         kernel(grid=(ctas, 1, 1), block=(threads, 1, 1), args=args, shared_mem=smem)
         return
-    values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor)  # (floats as doubles, as torch's)
-              else ctypes.c_double(a) if isinstance(a, float) else ctypes.c_int(a) for a in args]
+    values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
     attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     config = _LaunchConfig((ctas, 1, 1), (threads, 1, 1), smem, torch.cuda.current_stream().cuda_stream,
@@ -1155,14 +926,9 @@ def dequantize_il32(words: torch.Tensor, out_features: int, in_features: int,
 
 def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int, conv=None) -> torch.Tensor:
     """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the il32 words: the GEMV on up to 8 columns at a
-    time through 16, a matmul over the dequantised weight beyond (prefill); x an op's output left to this
-    GEMV (`deferred`): the op in its prologue; `conv`: a GDN decode conv the one-column GEMV may run in its
-    epilogue (`lane_conv`; `conv.applied` says whether it did)."""
+    time through 16, a matmul over the dequantised weight beyond (prefill); `conv`: a GDN decode conv the
+    one-column GEMV may run in its epilogue (`lane_conv`; `conv.applied` says whether it did)."""
     conv = lane_conv(conv, x, out_features)
-    pending = deferred.take(x) if prologue_wanted(words, x, out_features) else None
-    if pending is not None:  # x is an op's output still to be made: the GEMV makes it
-        return gemv_il_prologue(words, pending, out_features, conv)
-    deferred.settle()
     in_features = x.shape[-1]
     x2 = x.reshape(-1, in_features)
     if x2.shape[0] > 2 * MAX_COLUMNS:

@@ -31,12 +31,10 @@ import os
 
 import torch
 
-from ninfer.kernels import deferred
 from ninfer.kernels.gemv_il import (
     _OUT_KINDS,
     CONV_STAGE,
     CUDA_HELPERS,
-    PROLOGUE_STAGE,
     _launch,
     _smem_optin,
     check_call,
@@ -73,9 +71,8 @@ _SOURCE = r"""
 #define WARPS __WARPS__
 #define CTAS __CTAS__
 #define PDL __PDL__
-#define PROLOGUE __PROLOGUE__
 #define CONV __CONV__
-""" + CUDA_HELPERS + CONV_STAGE + TILE_STORE + PROLOGUE_STAGE + r"""
+""" + CUDA_HELPERS + CONV_STAGE + TILE_STORE + r"""
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -93,7 +90,7 @@ __device__ __forceinline__ void mma_u8s8(int (&c)[4], unsigned a0, unsigned a1, 
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, CTAS)
 q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
-           out_t* __restrict__ y, int N, int K, int stride_y PROLOGUE_PARAMS CONV_PARAMS)
+           out_t* __restrict__ y, int N, int K, int stride_y CONV_PARAMS)
 {
 #if CONV
     const ConvArgs cv = {cw, cs, cslot, co, conv_c, s_cs};
@@ -105,20 +102,6 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the activation is the previous kernel's output
 #endif
-#if PROLOGUE
-    // the activation made here (make_activation), its codes and scales in shared memory after the warps' sums
-    int* codes = reinterpret_cast<int*>(red + WARPS * 32 * 8);
-    float* scales = reinterpret_cast<float*>(codes + K4);
-    make_activation(ha, hb, nw, (float)eps, K, codes, scales, red, hout, hres, qout, dout, sout);
-    __syncthreads();
-    const int* xa = codes;
-    const float* xda = scales;
-#define LDX(p) (*(p))
-#else
-    const int* xa = xw;
-    const float* xda = xd;
-#define LDX(p) __ldg(p)
-#endif
     // the activation's sum over each 32 inputs, s = 64 hi + lo (hi in -64..63, lo in 0..63: int8 both); four
     // items a thread at a time, their loads first (a K = 17408 activation of 8 columns is 4352 items)
     signed char* xsb = reinterpret_cast<signed char*>(xs);
@@ -128,7 +111,7 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #pragma unroll
         for (int q = 0; q < 4; ++q) {  // past the end: the last item again (the same bytes stored twice)
             const int i = min(i0 + q * WARPS * 32, total - 1);
-            const int4* src = reinterpret_cast<const int4*>(xa + (i % NCOL) * K4 + (i / NCOL) * 8);
+            const int4* src = reinterpret_cast<const int4*>(xw + (i % NCOL) * K4 + (i / NCOL) * 8);
             u[q] = src[0];
             v[q] = src[1];
         }
@@ -150,10 +133,10 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
     }
     __syncthreads();
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
-    const int* xl = xa + min((int)gq, NCOL - 1) * K4 + 2 * t;  // B words of inputs 8t.. of a 32: xl[i / 4]
+    const int* xl = xw + min((int)gq, NCOL - 1) * K4 + 2 * t;  // B words of inputs 8t.. of a 32: xl[i / 4]
     const int c0 = min(2 * (int)t, NCOL - 1), c1 = min(2 * (int)t + 1, NCOL - 1);
-    const float* xd0 = xda + c0 * nblk;
-    const float* xd1 = xda + c1 * nblk;
+    const float* xd0 = xd + c0 * nblk;
+    const float* xd1 = xd + c1 * nblk;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         float acc[4][2];
 #pragma unroll
@@ -164,7 +147,7 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
             const uint4* blk = wb + 8 * 35 * h;
             const uint4 s0 = blk[8 * 32], s1 = blk[8 * 33], s2 = blk[8 * 34];
             const uint4 dd = wb[8 * (70 + h)];  // with the block's other loads: one DRAM round trip a block
-            const float x0 = LDX(xd0 + kb), x1 = LDX(xd1 + kb);
+            const float x0 = __ldg(xd0 + kb), x1 = __ldg(xd1 + kb);
             // 6-bit scales of sub-blocks 0..3 / 4..7, a byte each
             unsigned sl[4], sh[4];
 #pragma unroll
@@ -177,8 +160,8 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const uint4 qa = blk[8 * (8 * i + 2 * t)], qb = blk[8 * (8 * i + 2 * t + 1)];
-                const int2 xlo = LDX(reinterpret_cast<const int2*>(xl + kb * 64 + 16 * i));
-                const int2 xhi = LDX(reinterpret_cast<const int2*>(xl + kb * 64 + 16 * i + 8));
+                const int2 xlo = __ldg(reinterpret_cast<const int2*>(xl + kb * 64 + 16 * i));
+                const int2 xhi = __ldg(reinterpret_cast<const int2*>(xl + kb * 64 + 16 * i + 8));
                 int cl0[4] = {0, 0, 0, 0}, cl1[4] = {0, 0, 0, 0};
                 int ch0[4] = {0, 0, 0, 0}, ch1[4] = {0, 0, 0, 0};
                 // rows 4g, 4g + 1 as mma rows g, g + 8; rows 4g + 2, 4g + 3 in the second mma
@@ -237,24 +220,21 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 
 
 def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
-                  prologue: int = 0, conv: bool = False) -> str:
-    """`prologue` (1 column, bf16): the op that makes the activation runs in the prologue (`deferred.NORM`,
-    `NORM_ZERO_CENTRED`, `SWIGLU`; `gemv_q4il_prologue`); `conv` (the same builds): the GDN decode conv in
-    the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`)."""
-    if (prologue or conv) and (columns != 1 or out_kind != _OUT_KINDS[torch.bfloat16]):
-        raise QuantKernelError("the q4il prologue and conv builds are the 1-column bf16 build's")
+                  conv: bool = False) -> str:
+    """`conv` (1 column, bf16): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`,
+    `gemv_il.lane_conv`)."""
+    if conv and (columns != 1 or out_kind != _OUT_KINDS[torch.bfloat16]):
+        raise QuantKernelError("the q4il conv builds are the 1-column bf16 build's")
     warps, ctas = shape
     return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
-            .replace("__PROLOGUE__", str(prologue)).replace("__CONV__", str(int(conv)))
+            .replace("__CONV__", str(int(conv)))
             .replace("__WARPS__", str(warps)).replace("__CTAS__", str(ctas))
             .replace("__PDL__", str(int(pdl))))
 
 
-def smem_bytes(in_features: int, warps: int, prologue: bool = False) -> int:
-    """The activation's split per-32 sums of 8 columns and the warps' partial sums; a prologue build's codes
-    and scales too."""
-    made = in_features + in_features // 256 * 4 if prologue else 0
-    return in_features // 256 * 8 * 16 + warps * 32 * 8 * 4 + made
+def smem_bytes(in_features: int, warps: int) -> int:
+    """The activation's split per-32 sums of 8 columns and the warps' partial sums."""
+    return in_features // 256 * 8 * 16 + warps * 32 * 8 * 4
 
 
 def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
@@ -270,10 +250,8 @@ def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], prologue: int = 0,
-              conv: bool = False):
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, prologue, conv),
-                                        "q4k_il_mma")
+def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], conv: bool = False):
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, conv), "q4k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -291,42 +269,9 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     shape = shape or q4il_shape(tiles, sms)
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
-    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, 0, conv is not None)
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None)
     _launch(kernel, min(tiles, shape[1] * sms), 32 * shape[0], smem_bytes(k, shape[0]),
             [words, xa.words, xa.d, y, out_features, k, y.stride(0), *conv_arguments(conv)], pdl)
-    return y
-
-
-def prologue_wanted(x: torch.Tensor) -> bool:
-    """Whether `gemv_q4il_prologue` takes a call on x: one bf16 row on CUDA, K a multiple of 256, the builds
-    compile."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] == 1
-            and x.shape[1] % 256 == 0 and _prologue_builds())
-
-
-@functools.cache
-def _prologue_builds() -> bool:
-    return builds(lambda: [_compiled(1, _OUT_KINDS[torch.bfloat16], False, SHAPES[0], p)
-                           for p in (deferred.NORM_ZERO_CENTRED, deferred.SWIGLU, deferred.GATED_NORM)])
-
-
-def gemv_q4il_prologue(words: torch.Tensor, pending: deferred.Pending, out_features: int, conv=None
-                       ) -> torch.Tensor:
-    """The q4il GEMV of a waiting op's output (`deferred`) in one launch: each CTA makes the activation in its
-    prologue (`gemv_il.PROLOGUE_STAGE`, into shared memory, where the plain build reads the codes from global
-    memory) and the first CTA writes the op's kernel's outputs; `conv`: `gemv_q4il`'s."""
-    k = pending.outputs.out.shape[1]
-    LAYOUT.check(words, out_features, k, "q4il")
-    tiles = LAYOUT.shape(out_features, k)[0]
-    sms = torch.cuda.get_device_properties(words.device).multi_processor_count
-    shape = q4il_shape(tiles, sms)
-    y = torch.empty((1, out_features), dtype=torch.bfloat16, device=words.device)
-    pdl = pdl_enabled()
-    kernel = _compiled(1, _OUT_KINDS[torch.bfloat16], pdl, shape, pending.prologue, conv is not None)
-    o = pending.outputs  # (the plain build's activation arguments, unread)
-    _launch(kernel, min(tiles, shape[1] * sms), 32 * shape[0], smem_bytes(k, shape[0], True),
-            [words, o.q.view(torch.int32), o.d, y, out_features, k, y.stride(0), *pending.launch_args(),
-             *conv_arguments(conv)], pdl)
     return y
 
 
@@ -393,13 +338,8 @@ def dequantize_q4il(words: torch.Tensor, out_features: int, in_features: int,
 
 def q4il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int, conv=None) -> torch.Tensor:
     """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the q4il words (`LaneLayout.matmul`; prefill over
-    `dequantize_q4il`'s rows); x an op's output left to this GEMV (`deferred`): the op in its prologue;
-    `conv`: `gemv_il.il_matmul`'s."""
+    `dequantize_q4il`'s rows); `conv`: `gemv_il.il_matmul`'s."""
     conv = lane_conv(conv, x, out_features)
-    pending = deferred.take(x) if prologue_wanted(x) else None
-    if pending is not None:
-        return gemv_q4il_prologue(words, pending, out_features, conv)
-    deferred.settle()
     if conv is not None:  # one column
         y = gemv_q4il(words, quantize_activation_cached(x, 256), out_features, conv=conv)
         return y.reshape(*x.shape[:-1], out_features)

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from ninfer.kernels import deferred, fused, reference
+from ninfer.kernels import fused, reference
 from ninfer.kernels.gemv_q8 import int8_next, int8_next_shape
 from ninfer.kernels.reference import (  # noqa: F401  (re-exported: no fused form, PyTorch on every device)
     apply_rotary,
@@ -34,16 +34,11 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, zero_centred: bool) -
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float, zero_centred: bool,
-    group: int = 32, defer: bool = False,
+    group: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(rms_norm(residual + x), residual + x)`; with residual None `(rms_norm(x), x)` (the first layer).
     `group` here and below: inputs per scale of the int8 activation the next Linear takes
-    (`models.weights.Linear.activation_group`), which the fused kernels write at decode widths on CUDA.
-    `defer`: the caller's next call is the Linear that reads the output, which may run the norm itself
-    (`deferred`)."""
-    deferred.settle()  # x or the residual may be a waiting op's output
-    if defer and deferred.norm_deferrable(x, residual, group):
-        return deferred.defer_norm(x, residual, w, eps, zero_centred)
+    (`models.weights.Linear.activation_group`), which the fused kernels write at decode widths on CUDA."""
     if fused.runs_on(x) and x.dim() == 2 and x.stride(-1) == 1:
         return fused.add_rms_norm(x, residual, w, eps, zero_centred, quantize=int8_next(x, group),
                                   group=group)
@@ -53,20 +48,13 @@ def add_rms_norm(
 def gated_rms_norm(
     o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
     gather: torch.Tensor | None = None, scatter: torch.Tensor | None = None, scatter_run: int = 0,
-    group: int = 32, defer: bool = False,
+    group: int = 32,
 ) -> torch.Tensor:
     """The GDN output norm `rmsnorm(o)·w·silu(z)` (`reference.gated_rms_norm`) of o cast to `out_dtype`;
     with `gather` (and its inverse permutation `scatter`, whose `models.weights.aligned_run` is
     `scatter_run`) the flattened output's columns `gather`, ready for a Linear with those recorded input
     columns. At decode widths on CUDA the kernel quantises its output for that Linear too, where each head's
-    columns stay one aligned run. `defer`: the caller's next call is that Linear, which may run the norm
-    itself (`deferred`; the flat output)."""
-    deferred.settle()
-    if defer and z.dim() == 3 and z.shape[0] == 1:
-        z_row = z.reshape(1, -1)
-        run = scatter_run or z_row.shape[1]
-        if deferred.gated_norm_deferrable(o, z_row, out_dtype or o.dtype, run, group):
-            return deferred.defer_gated_norm(o, z_row, w, eps, gather, scatter)
+    columns stay one aligned run."""
     if fused.runs_on(o) and o.dim() in (2, 3) and o.stride(-1) == 1 and z.stride(-1) == 1:
         if gather is None or scatter is not None:
             H, N = math.prod(o.shape[1:-1]), o.shape[-1]
@@ -89,12 +77,8 @@ def norm_rotary_pair(
             fused.norm_rotary_reference(k, wk, cos, sin, eps))
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, group: int = 32, defer: bool = False) -> torch.Tensor:
-    """`silu(gate)·up`; gate and up may be the two halves of a merged gate|up output. `defer`: the caller's
-    next call is the Linear that reads the output, which may run it itself (`deferred`)."""
-    deferred.settle()
-    if defer and deferred.swiglu_deferrable(gate, up, group):
-        return deferred.defer_swiglu(gate, up)
+def swiglu(gate: torch.Tensor, up: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """`silu(gate)·up`; gate and up may be the two halves of a merged gate|up output."""
     if fused.runs_on(gate) and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:
         return fused.swiglu(gate, up, quantize=int8_next(gate, group), group=group)
     return reference.swiglu(gate, up)

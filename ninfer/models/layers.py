@@ -22,11 +22,11 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, self.zero_centred)
 
     def add_forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, group: int = 32, defer: bool = False
+        self, x: torch.Tensor, residual: torch.Tensor | None, group: int = 32
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(norm(residual + x), residual + x)` fused; residual None (first layer): `(norm(x), x)`. `group`:
-        the next Linear's `activation_group()`; `defer`: that Linear is the next call (`ops.add_rms_norm`)."""
-        return ops.add_rms_norm(x, residual, self.weight, self.eps, self.zero_centred, group, defer)
+        the next Linear's `activation_group()`."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, self.zero_centred, group)
 
 
 class SwiGLUMLP(nn.Module):
@@ -50,4 +50,4 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate(x), self.up(x))
-        return self.down(ops.swiglu(gate, up, self.down.activation_group(), defer=True))
+        return self.down(ops.swiglu(gate, up, self.down.activation_group()))

@@ -197,7 +197,7 @@ class GatedDeltaNet(nn.Module):
         # the output projection's recorded input-column order is applied by the norm as it writes
         out = ops.gated_rms_norm(core, z, self.norm_weight, self.eps, x.dtype, self.output.input_columns,
                                  self.output.input_scatter, self.output.scatter_run,
-                                 self.output.activation_group(), defer=True)
+                                 self.output.activation_group())
         # the very tensor (not a new view of it) when flat: its int8 activation is found by identity
         flat = out if out.dim() == 2 else out.reshape(x.shape[0], -1)
         return self.output(flat, columns_applied=True)
@@ -297,12 +297,12 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's MLP output (or the embeddings, with residual None)."""
         mixer = self.mixer
         first = mixer.in_proj if mixer.in_proj is not None else mixer.query  # the matmul the norm feeds
-        h, residual = self.input_norm.add_forward(x, residual, first.activation_group(), defer=True)
+        h, residual = self.input_norm.add_forward(x, residual, first.activation_group())
         if isinstance(mixer, GatedAttention):
             h = mixer(h, cos, sin, ctx)
         else:
             h = mixer(h, ctx)
-        h, residual = self.post_attention_norm.add_forward(h, residual, self.mlp.input_group(), defer=True)
+        h, residual = self.post_attention_norm.add_forward(h, residual, self.mlp.input_group())
         return self.mlp(h), residual
 
 

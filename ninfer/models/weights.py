@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ninfer.errors import ArtifactError
-from ninfer.kernels import deferred
 from ninfer.kernels.gguf_matmul import KERNEL_FORMATS
 
 # Set by `load_model(..., quantized_weights=True)` while it builds a model: Linears keep GGUF blocks.
@@ -140,13 +139,13 @@ def aligned_run(scatter: torch.Tensor) -> int:
 class RepackedLayout:
     """A lane-per-row layout a quantized Linear may take on load: which weights (`wanted(format, out, in,
     device)`), the repack of their GGUF rows, the matmul on the words, the activation grouping it reads;
-    `fuses`: its matmul takes a GDN decode conv (`conv=`) and an op `kernels.deferred` left to it."""
+    `takes_conv`: its matmul takes a GDN decode conv (`conv=`) for its one-column GEMV's epilogue."""
 
     wanted: Callable[[str, int, int, torch.device], bool]
     repack: Callable[[torch.Tensor], torch.Tensor]
     matmul: Callable[..., torch.Tensor]
     group: Callable[[], int]
-    fuses: bool = False
+    takes_conv: bool = False
 
 
 @functools.cache
@@ -157,11 +156,11 @@ def lane_layouts() -> dict[str, RepackedLayout]:
 
     return {
         "il32": RepackedLayout(gemv_il.il32_wanted, gemv_il.repack_il32, gemv_il.il_matmul, gemv_il.il_group,
-                               fuses=True),
+                               takes_conv=True),
         "q6il": RepackedLayout(gemv_q6il.q6il_wanted, gemv_q6il.repack_q6il, gemv_q6il.q6il_matmul,
                                lambda: 256),
         "q4il": RepackedLayout(gemv_q4il.q4il_wanted, gemv_q4il.repack_q4il, gemv_q4il.q4il_matmul,
-                               lambda: 256, fuses=True),
+                               lambda: 256, takes_conv=True),
     }
 
 
@@ -222,20 +221,16 @@ class Linear(nn.Module):
         """`columns_applied`: x already is in `input_columns` order (`ops.gated_rms_norm(gather=...)`).
         `conv`: a `kernels.gdn_decode.ConvEpilogue` of the first outputs the matmul may run (quantized: the
         rows kernels' and the il32 / q4il ones' (`gemv_il.lane_conv`); `conv.applied` says whether it
-        did, else the caller runs it). x may be a norm's or SwiGLU's output left to the il32 or q4il GEMV
-        (`kernels.deferred`); every other route has the op run first."""
-        lane = lane_layouts()[self.layout] if self.layout != "gguf" else None
-        gathers = self.input_columns is not None and not columns_applied
-        if lane is None or not lane.fuses or x.dtype != self.dtype or gathers:
-            deferred.settle()  # (the il32 and q4il matmuls take a waiting op or settle it)
-        if gathers:
+        did, else the caller runs it)."""
+        if self.input_columns is not None and not columns_applied:
             x = x.index_select(-1, self.input_columns)
         x = x.to(self.dtype)
         if self.raw is None:
             return F.linear(x, self.weight, self.bias)
-        if lane is not None:
-            y = lane.matmul(self.raw, x, self.out_features, conv=conv) if lane.fuses else lane.matmul(
-                self.raw, x, self.out_features)
+        if self.layout != "gguf":
+            lane = lane_layouts()[self.layout]
+            y = (lane.matmul(self.raw, x, self.out_features, conv=conv) if lane.takes_conv
+                 else lane.matmul(self.raw, x, self.out_features))
         else:
             from ninfer.kernels.gguf_matmul import quant_matmul
 

@@ -8,7 +8,7 @@ process: a deadlock), the load intrinsics as plain loads (`__ldg` of shared memo
 `__threadfence` as host atomics.
 The source's inline-PTX helpers (`prmt`, `dp4a`, the mma instructions, the conversions) are swapped, by name,
 for C++ written from the PTX ISA's definitions (`EMULATED`); the mma ones exchange their fragments through
-the warp (a barrier of its 32 threads; so do the shuffles), by the fragment tables of the PTX ISA (the same
+the warp (a barrier of its 32 threads), by the fragment tables of the PTX ISA (the same
 as `conftest`'s numpy `ptx_mma_m16n8k32`). A helper with inline PTX that has no emulation fails the build,
 by name.
 
@@ -88,7 +88,6 @@ struct EmuWarp {  // the operands of a warp-wide instruction, exchanged through 
     EmuBarrier bar;
     unsigned a[32][4];
     int b[32][2];
-    unsigned word[32];
 };
 
 static thread_local dim3_ threadIdx, blockIdx;
@@ -100,17 +99,6 @@ static thread_local EmuWarp* emu_warp;
 
 inline void __syncthreads() { emu_cta->wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp->bar.wait(); }
-template <class T> inline T __shfl_xor_sync(unsigned, T v, int mask) {
-    static_assert(sizeof(T) == 4, "4-byte shuffles");
-    const unsigned lane = threadIdx.x & 31u;
-    EmuWarp& w = *emu_warp;
-    std::memcpy(&w.word[lane], &v, 4);
-    w.bar.wait();
-    T r;
-    std::memcpy(&r, &w.word[lane ^ (unsigned)mask], 4);
-    w.bar.wait();
-    return r;
-}
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 template <class T> inline T __ldg(const T* p) {  // ld.global.nc: never shared memory
     if ((const char*)p >= emu_smem && (const char*)p < emu_smem_end) {

@@ -174,7 +174,7 @@ def test_q6il_matmul_on_gpu_at_every_width():
 
 
 def test_q6il_matmul_prefill_runs_by_chunks(monkeypatch):
-    """More than 16 columns: `PREFILL_ROWS` rows at a time unpacked for `quant_matmul` (here 64 of 100 rows:
+    """More than 16 columns: `PREFILL_ROWS` rows at a time unpacked and dequantised (here 64 of 100 rows:
     two chunks, the second partial), the same product as the whole GGUF weight's."""
     monkeypatch.setattr(gguf_matmul, "PREFILL_ROWS", 64)
     n, k = 100, 768

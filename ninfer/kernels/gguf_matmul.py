@@ -955,9 +955,8 @@ def quant_matmul(
         return y.reshape(*x.shape[:-1], out_features)
     if s.kernel == "dequant_mm":
         dtype = x.dtype if x.is_cuda else torch.float32
-        xd = x2.to(dtype)
-        y = matmul_by_rows(x2, out_features, lambda r0, r1: xd @ dequantize_rows(
-            raw[r0:r1], format, r1 - r0, in_features, dtype).t())
+        y = matmul_by_rows(x2, out_features, lambda r0, r1: dequantize_rows(
+            raw[r0:r1], format, r1 - r0, in_features, dtype), dtype)
         return y.reshape(*x.shape[:-1], out_features)
     fmt = FORMATS[format]
     y = (torch.zeros if s.split_k > 1 else torch.empty)(
@@ -1028,16 +1027,20 @@ def dequantize_rows(raw: torch.Tensor, format: str, out_features: int, in_featur
     return out
 
 
-def matmul_by_rows(x2: torch.Tensor, out_features: int, product, rows: int | None = None) -> torch.Tensor:
-    """`x2 [n, K] @ Wᵀ -> [n, out_features]` in x2's dtype, `rows` (`PREFILL_ROWS`) of W's rows at a time:
-    `product(r0, r1)` gives `x2 @ W[r0:r1]ᵀ` (a prefill matmul through a transient dense piece of W). One
-    piece at a time bounds the transient: a whole 34816×5120 matrix in bf16 is 340 MiB, and a block that
-    size in the allocator's cache may find no room once the KV pool has taken the rest (fragmentation)."""
-    rows = rows or PREFILL_ROWS
+def matmul_by_rows(x2: torch.Tensor, out_features: int, dense, dtype: torch.dtype) -> torch.Tensor:
+    """`x2 [n, K] @ Wᵀ -> [n, out_features]` in x2's dtype, W made dense (in `dtype`) `PREFILL_ROWS` rows at a
+    time by `dense(r0, r1)` (a prefill matmul). One piece at a time bounds the transient: a whole 34816×5120
+    matrix in bf16 is 340 MiB, a block the allocator's cache may find no room for beside a full KV pool
+    (fragmentation). Each piece's product goes straight into its columns of the output (a strided view
+    cuBLAS writes; a copy of each piece's product cost a 27B 2048-token prefill 3 %)."""
+    xd = x2.to(dtype)
     y = torch.empty((x2.shape[0], out_features), dtype=x2.dtype, device=x2.device)
-    for r0 in range(0, out_features, rows):
-        r1 = min(out_features, r0 + rows)
-        y[:, r0:r1] = product(r0, r1)
+    for r0 in range(0, out_features, PREFILL_ROWS):
+        r1 = min(out_features, r0 + PREFILL_ROWS)
+        if dtype == y.dtype:
+            torch.mm(xd, dense(r0, r1).t(), out=y[:, r0:r1])
+        else:  # the CPU's fp32 matmul of a bf16 input
+            y[:, r0:r1] = xd @ dense(r0, r1).t()
     return y
 
 

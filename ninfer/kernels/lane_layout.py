@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.kernels.gemv_q8 import QuantizedActivation, quantize_activation_cached
-from ninfer.kernels.gguf_matmul import PREFILL_ROWS, QuantKernelError, matmul_by_rows, quant_matmul
+from ninfer.kernels.gguf_matmul import PREFILL_ROWS, QuantKernelError, dequantize_rows, matmul_by_rows
 
 MAX_COLUMNS = 8  # the GEMVs' columns a call
 
@@ -141,23 +141,23 @@ class LaneLayout:
                dequantize: Callable[[torch.Tensor, int, int, torch.dtype], torch.Tensor] | None = None
                ) -> torch.Tensor:
         """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype: `gemv` (the activation per 256) on up to 8 columns at a
-        time through 16; beyond (prefill), `PREFILL_ROWS` rows at a time dequantised by `dequantize` (words,
-        rows, K, dtype) for a dense matmul, or unpacked for `quant_matmul` without one."""
+        time through 16; beyond (prefill), a dense matmul over `PREFILL_ROWS` rows at a time dequantised by
+        `dequantize` (words, rows, K, dtype), or unpacked to GGUF rows and dequantised without one."""
         in_features = x.shape[-1]
         x2 = x.reshape(-1, in_features)
         n = x2.shape[0]
         if n > 2 * MAX_COLUMNS:
             per_tile = self.shape(out_features, in_features)[1] * self.words * 32
             dtype = x.dtype if x.is_cuda else torch.float32
-            xd = x2.to(dtype)
 
-            def product(r0: int, r1: int) -> torch.Tensor:
+            def dense(r0: int, r1: int) -> torch.Tensor:
                 part = tile_rows(words, per_tile, r0, r1)
                 if dequantize is None:
-                    return quant_matmul(self.unpack(part, r1 - r0, in_features), self.format, x2, r1 - r0)
-                return xd @ dequantize(part, r1 - r0, in_features, dtype).t()
+                    return dequantize_rows(self.unpack(part, r1 - r0, in_features), self.format, r1 - r0,
+                                           in_features, dtype)
+                return dequantize(part, r1 - r0, in_features, dtype)
 
-            return matmul_by_rows(x2, out_features, product).reshape(*x.shape[:-1], out_features)
+            return matmul_by_rows(x2, out_features, dense, dtype).reshape(*x.shape[:-1], out_features)
         xa = quantize_activation_cached(x, 256)
         if n <= MAX_COLUMNS:  # the GEMV's own output: a copy would be a graph node between it and its reader
             y = gemv(words, xa, out_features)

@@ -149,3 +149,19 @@ def reference_prompts() -> dict[str, tuple[int, ...]]:
 def tiny_artifact(tmp_path_factory) -> Path:
     """The converted tiny bf16 artifact, shared by every test of the session (treat it as read-only)."""
     return convert_tiny(tmp_path_factory.mktemp("tiny") / "tiny.ninfer")
+
+
+def lane_conv_on_and_off(monkeypatch, matmul, words, x, n: int, conv):
+    """An il32 / q4il matmul of one row with `conv` (a `gdn_decode.ConvEpilogue`) under NINFER_LANE_CONV=0
+    (the conv left to the caller) and by default (run in the GEMV's epilogue): the output, the same bits both
+    ways."""
+    import torch
+
+    monkeypatch.setenv("NINFER_LANE_CONV", "0")
+    plain = matmul(words, x, n, conv=conv)
+    assert not conv.applied
+    monkeypatch.delenv("NINFER_LANE_CONV")
+    y = matmul(words, x, n, conv=conv)
+    assert conv.applied and torch.equal(y, plain)
+    return y
+

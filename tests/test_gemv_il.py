@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import kernels_only, needs_triton, ptx_mma_m16n8k32
+from conftest import kernels_only, lane_conv_on_and_off, needs_triton, ptx_mma_m16n8k32
 
 from ninfer.kernels import gemv_il
 from ninfer.kernels.gemv_il import (
@@ -470,12 +470,7 @@ def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, monkeypatch):
     conv = ConvEpilogue.of(torch.randn(c, 4, device="cuda"), torch.randn(4, c, 3, device="cuda"),
                            torch.tensor([slot], device="cuda"))
     before = conv.slots.clone()
-    monkeypatch.setenv("NINFER_LANE_CONV", "0")
-    plain = matmul(words, x, n, conv=conv)
-    assert not conv.applied
-    monkeypatch.delenv("NINFER_LANE_CONV")
-    y = matmul(words, x, n, conv=conv)
-    assert conv.applied and torch.equal(y, plain)
+    y = lane_conv_on_and_off(monkeypatch, matmul, words, x, n, conv)
     window = torch.cat([before[slot], y[0, :c].float()[:, None]], dim=1)
     acc = (conv.weight * window).sum(1)
     torch.testing.assert_close(conv.out[0], acc * torch.sigmoid(acc), rtol=1e-5, atol=1e-5)

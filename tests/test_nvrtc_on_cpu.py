@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import lane_conv_on_and_off
 from cuda_cpu import HostKernel
 
 from ninfer.kernels import gemv_il, gemv_q4il, gemv_q6il
@@ -252,12 +253,7 @@ def test_the_conv_wrappers_launch_what_the_kernels_take(launches_on_the_cpu, mon
     x = torch.randn(1, k).to(torch.bfloat16)
     conv = ConvEpilogue.of(torch.randn(c, 4), torch.randn(2, c, 3), torch.tensor([slot]))
     before = conv.slots.clone()
-    monkeypatch.setenv("NINFER_LANE_CONV", "0")
-    plain = matmul(words, x, n, conv=conv)
-    assert not conv.applied
-    monkeypatch.delenv("NINFER_LANE_CONV")
-    y = matmul(words, x, n, conv=conv)
-    assert conv.applied and torch.equal(y, plain)
+    y = lane_conv_on_and_off(monkeypatch, matmul, words, x, n, conv)
     want = gemv_q8_reference(raw, fmt, quantize_activation_reference(x, 256), n)
     assert rel(y, want) < 5e-3  # bf16 output rounding
     window = torch.cat([before[slot], y[0, :c].float()[:, None]], dim=1)

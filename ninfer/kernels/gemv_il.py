@@ -933,9 +933,8 @@ def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int, conv=None
     x2 = x.reshape(-1, in_features)
     if x2.shape[0] > 2 * MAX_COLUMNS:
         per_tile = il32_shape(out_features, in_features)[1] * PAIR_WORDS * 32
-        dtype = x.dtype if x.is_cuda else torch.float32
-        y = matmul_by_rows(x2, out_features, lambda r0, r1: dequantize_il32(
-            tile_rows(words, per_tile, r0, r1), r1 - r0, in_features, dtype), dtype)
+        y = matmul_by_rows(x2, out_features, lambda r0, r1, dtype: dequantize_il32(
+            tile_rows(words, per_tile, r0, r1), r1 - r0, in_features, dtype))
         return y.reshape(*x.shape[:-1], out_features)
     n, group = x2.shape[0], il_group()
     xa = quantize_activation_cached(x, group)  # the kernel that made x may have quantised it (`il_group`)

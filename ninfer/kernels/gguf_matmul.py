@@ -954,9 +954,8 @@ def quant_matmul(
             y = gemv_q8(raw, format, xa, out_features, s)
         return y.reshape(*x.shape[:-1], out_features)
     if s.kernel == "dequant_mm":
-        dtype = x.dtype if x.is_cuda else torch.float32
-        y = matmul_by_rows(x2, out_features, lambda r0, r1: dequantize_rows(
-            raw[r0:r1], format, r1 - r0, in_features, dtype), dtype)
+        y = matmul_by_rows(x2, out_features, lambda r0, r1, dtype: dequantize_rows(
+            raw[r0:r1], format, r1 - r0, in_features, dtype))
         return y.reshape(*x.shape[:-1], out_features)
     fmt = FORMATS[format]
     y = (torch.zeros if s.split_k > 1 else torch.empty)(
@@ -1027,20 +1026,22 @@ def dequantize_rows(raw: torch.Tensor, format: str, out_features: int, in_featur
     return out
 
 
-def matmul_by_rows(x2: torch.Tensor, out_features: int, dense, dtype: torch.dtype) -> torch.Tensor:
-    """`x2 [n, K] @ Wᵀ -> [n, out_features]` in x2's dtype, W made dense (in `dtype`) `PREFILL_ROWS` rows at a
-    time by `dense(r0, r1)` (a prefill matmul). One piece at a time bounds the transient: a whole 34816×5120
-    matrix in bf16 is 340 MiB, a block the allocator's cache may find no room for beside a full KV pool
-    (fragmentation). Each piece's product goes straight into its columns of the output (a strided view
-    cuBLAS writes; a copy of each piece's product cost a 27B 2048-token prefill 3 %)."""
+def matmul_by_rows(x2: torch.Tensor, out_features: int, dense) -> torch.Tensor:
+    """`x2 [n, K] @ Wᵀ -> [n, out_features]` in x2's dtype, W made dense `PREFILL_ROWS` rows at a time by
+    `dense(r0, r1, dtype)` (a prefill matmul; dtype x2's on a GPU, fp32 on the CPU). One piece at a time
+    bounds the transient: a whole 34816×5120 matrix in bf16 is 340 MiB, a block the allocator's cache may find
+    no room for beside a full KV pool (fragmentation). Each piece's product goes straight into its columns of
+    the output (a strided view cuBLAS writes; a copy of each piece's product cost a 27B 2048-token prefill
+    3 %)."""
+    dtype = x2.dtype if x2.is_cuda else torch.float32
     xd = x2.to(dtype)
     y = torch.empty((x2.shape[0], out_features), dtype=x2.dtype, device=x2.device)
     for r0 in range(0, out_features, PREFILL_ROWS):
         r1 = min(out_features, r0 + PREFILL_ROWS)
         if dtype == y.dtype:
-            torch.mm(xd, dense(r0, r1).t(), out=y[:, r0:r1])
+            torch.mm(xd, dense(r0, r1, dtype).t(), out=y[:, r0:r1])
         else:  # the CPU's fp32 matmul of a bf16 input
-            y[:, r0:r1] = xd @ dense(r0, r1).t()
+            y[:, r0:r1] = xd @ dense(r0, r1, dtype).t()
     return y
 
 

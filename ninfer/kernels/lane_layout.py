@@ -148,16 +148,15 @@ class LaneLayout:
         n = x2.shape[0]
         if n > 2 * MAX_COLUMNS:
             per_tile = self.shape(out_features, in_features)[1] * self.words * 32
-            dtype = x.dtype if x.is_cuda else torch.float32
 
-            def dense(r0: int, r1: int) -> torch.Tensor:
+            def dense(r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
                 part = tile_rows(words, per_tile, r0, r1)
                 if dequantize is None:
                     return dequantize_rows(self.unpack(part, r1 - r0, in_features), self.format, r1 - r0,
                                            in_features, dtype)
                 return dequantize(part, r1 - r0, in_features, dtype)
 
-            return matmul_by_rows(x2, out_features, dense, dtype).reshape(*x.shape[:-1], out_features)
+            return matmul_by_rows(x2, out_features, dense).reshape(*x.shape[:-1], out_features)
         xa = quantize_activation_cached(x, 256)
         if n <= MAX_COLUMNS:  # the GEMV's own output: a copy would be a graph node between it and its reader
             y = gemv(words, xa, out_features)

@@ -454,29 +454,33 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["il32", "q4il"])
-def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, monkeypatch):
-    """The 27B's GDN input projection at one column runs the decode conv of its first 10240 outputs in its
-    epilogue (`lane_conv`; NINFER_LANE_CONV=0 turns it off): the output the same bits as without, the conv's
-    output and the lane's slot as `conv_epilogue_store`'s arithmetic on them, the other slots untouched."""
+@pytest.mark.parametrize(("kind", "lanes"), [("il32", 1), ("il32", 2), ("il32", 4), ("il32", 8), ("q4il", 1),
+                                             ("q4il", 4), ("q4il", 8)])
+def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, lanes, monkeypatch):
+    """The 27B's GDN input projection at one token a lane runs the decode conv of its first 10240 outputs in
+    its epilogue (`lane_conv`, NINFER_LANE_CONV_COLUMNS=8; NINFER_LANE_CONV=0 turns it off): the output the
+    same bits as without, each lane's conv output and slot as `conv_epilogue_store`'s arithmetic on them,
+    the other slots untouched."""
     from ninfer.kernels import gemv_q4il
     from ninfer.kernels.gdn_decode import ConvEpilogue
 
-    n, k, c, slot = 16480, 5120, 10240, 2
+    monkeypatch.setenv("NINFER_LANE_CONV_COLUMNS", "8")
+    n, k, c = 16480, 5120, 10240
     raw = random_gguf_weight("iq3_s" if kind == "il32" else "q4_k", n, k, "cuda")
     words, matmul = ((repack_il32(raw), il_matmul) if kind == "il32"
                      else (gemv_q4il.repack_q4il(raw), gemv_q4il.q4il_matmul))
-    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
-    conv = ConvEpilogue.of(torch.randn(c, 4, device="cuda"), torch.randn(4, c, 3, device="cuda"),
-                           torch.tensor([slot], device="cuda"))
+    x = torch.randn(lanes, k, device="cuda").to(torch.bfloat16)
+    ids = torch.randperm(lanes + 2)[:lanes].cuda()  # int64, as the decode graphs'
+    conv = ConvEpilogue.of(torch.randn(c, 4, device="cuda"), torch.randn(lanes + 2, c, 3, device="cuda"), ids)
     before = conv.slots.clone()
     y = lane_conv_on_and_off(monkeypatch, matmul, words, x, n, conv)
-    window = torch.cat([before[slot], y[0, :c].float()[:, None]], dim=1)
-    acc = (conv.weight * window).sum(1)
-    torch.testing.assert_close(conv.out[0], acc * torch.sigmoid(acc), rtol=1e-5, atol=1e-5)
-    assert torch.equal(conv.slots[slot], window[:, 1:])
-    assert torch.equal(conv.slots[:slot], before[:slot])
-    assert torch.equal(conv.slots[slot + 1:], before[slot + 1:])
+    for m, slot in enumerate(ids.tolist()):
+        window = torch.cat([before[slot], y[m, :c].float()[:, None]], dim=1)
+        acc = (conv.weight * window).sum(1)
+        torch.testing.assert_close(conv.out[m], acc * torch.sigmoid(acc), rtol=1e-5, atol=1e-5)
+        assert torch.equal(conv.slots[slot], window[:, 1:]), m
+    idle = [i for i in range(lanes + 2) if i not in ids.tolist()]
+    assert torch.equal(conv.slots[idle], before[idle])
 
 
 @pytest.mark.gpu
@@ -513,3 +517,34 @@ def test_a_linear_asks_its_producer_for_its_kernels_grouping(monkeypatch):
     assert MergedLinear.activation_group(merged) == 256
     monkeypatch.setenv("NINFER_IL_GROUP", "32")
     assert Linear.activation_group(il32) == 32
+
+
+def test_lane_conv_takes_one_token_a_lane_up_to_its_column_limit(monkeypatch):
+    """`lane_conv` hands the conv to the GEMV for bf16 rows, one a lane of the conv, at most
+    `LANE_CONV_COLUMNS` (NINFER_LANE_CONV_COLUMNS another count, at most the GEMVs' 8); never under
+    NINFER_LANE_CONV=0, for a float32 row, or for rows that are not the conv's lanes."""
+    from ninfer.kernels.gdn_decode import ConvEpilogue
+
+    monkeypatch.delenv("NINFER_LANE_CONV", raising=False)
+    monkeypatch.delenv("NINFER_LANE_CONV_COLUMNS", raising=False)
+    c, n, k = 64, 96, 256
+
+    def conv_of(lanes: int) -> ConvEpilogue:
+        return ConvEpilogue.of(torch.randn(c, 4), torch.randn(lanes + 1, c, 3), torch.arange(lanes))
+
+    def rows(lanes: int, dtype=torch.bfloat16) -> torch.Tensor:
+        return torch.randn(lanes, k).to(dtype)
+
+    one, four, nine = conv_of(1), conv_of(4), conv_of(9)
+    assert gemv_il.LANE_CONV_COLUMNS == 1
+    assert gemv_il.lane_conv(one, rows(1), n) is one
+    assert gemv_il.lane_conv(four, rows(4), n) is None
+    monkeypatch.setenv("NINFER_LANE_CONV_COLUMNS", "4")
+    assert gemv_il.lane_conv(four, rows(4), n) is four
+    assert gemv_il.lane_conv(four, rows(3), n) is None  # rows that are not the lanes (a span's positions)
+    assert gemv_il.lane_conv(four, rows(4, torch.float32), n) is None
+    assert gemv_il.lane_conv(four, rows(4), c - 1) is None  # fewer outputs than conv channels
+    monkeypatch.setenv("NINFER_LANE_CONV_COLUMNS", "16")
+    assert gemv_il.lane_conv(nine, rows(9), n) is None  # past the GEMVs' 8 columns
+    monkeypatch.setenv("NINFER_LANE_CONV", "0")
+    assert gemv_il.lane_conv(one, rows(1), n) is None

@@ -423,3 +423,52 @@ def test_engine_greedy_same_with_and_without_cuda_graphs():
         outs.append(drive(engine, handles))
         assert (engine.runner.graphs is not None) == graphs
     assert outs[0] == outs[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("gguf_name", "layout"), [("model-iq3_s.gguf", "NINFER_IQ3S_IL"),
+                                                   ("model-q4_k_m.gguf", "NINFER_Q4K_IL")])
+def test_captured_rounds_with_the_conv_in_every_lanes_projection(tmp_path, monkeypatch, gguf_name, layout):
+    """The fixture model with its matrices on the il32 / q4il layout, captured rounds of 1-6 lanes (graphs of
+    1, 2, 4 and 8 rows): with NINFER_LANE_CONV_COLUMNS=8 the GDN input projection runs every lane's decode
+    conv in its epilogue, with NINFER_LANE_CONV=0 the conv kernel does; the logits agree (the same fp32
+    arithmetic on the same bf16 inputs, the conv kernel's exp and FMA contraction aside) and so do the lanes'
+    conv and recurrent states after."""
+    from conftest import convert_tiny
+
+    from ninfer.artifact import open_artifact
+    from ninfer.kernels import gemv_il
+
+    monkeypatch.setenv("NINFER_IQ3S_IL", "1" if layout == "NINFER_IQ3S_IL" else "0")
+    monkeypatch.setenv("NINFER_Q4K_IL", "1" if layout == "NINFER_Q4K_IL" else "0")
+    art = open_artifact(convert_tiny(tmp_path / "tiny.ninfer", gguf_name))
+    model = load_model(art, dtype=torch.bfloat16, device="cuda", load_mtp=False, quantized_weights=True)
+    widths = []
+    arguments = gemv_il.conv_arguments
+    monkeypatch.setattr(gemv_il, "conv_arguments", lambda conv: (
+        widths.append(0 if conv is None else conv.slot_ids.shape[0]), arguments(conv))[1])
+    runs = {}
+    for mode, env in (("epilogue", ("NINFER_LANE_CONV_COLUMNS", "8")), ("kernel", ("NINFER_LANE_CONV", "0"))):
+        monkeypatch.delenv("NINFER_LANE_CONV", raising=False)
+        monkeypatch.setenv(*env)
+        kv = KvPool(model.cache_spec, "bf16", 64 * 40, MAX_LANES, 320, device="cuda")
+        states = GdnStatePool(model.cache_spec, MAX_LANES, device="cuda")
+        for lane in range(MAX_LANES):
+            kv.assign(lane, kv.reserve(8))
+        graphs = DecodeGraphs(model, kv, states, capture=True)
+        widths.clear()
+        pos, logits = dict.fromkeys(range(MAX_LANES), 0), []
+        for r, lanes in enumerate([[0], [0, 1, 2], [4, 5], [3, 0, 2, 1], [5, 4, 3, 2, 1, 0]] * 2):
+            toks = [tokens(1, 70 * r + lane)[0] for lane in lanes]
+            logits.append(graphs.run(lanes, toks, [pos[lane] for lane in lanes]).clone())
+            for lane in lanes:
+                pos[lane] += 1
+        runs[mode] = logits, states, set(widths)
+    assert runs["epilogue"][2] >= {1, 2, 4, 8} and runs["kernel"][2] <= {0}
+    for got, want in zip(runs["epilogue"][0], runs["kernel"][0], strict=True):
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert rel(got, want) < 1e-3
+    mine, ref = runs["epilogue"][1], runs["kernel"][1]
+    for layer in range(len(ref.conv)):
+        assert rel(mine.conv[layer][:MAX_LANES], ref.conv[layer][:MAX_LANES]) < 1e-3
+        assert rel(mine.recurrent[layer][:MAX_LANES], ref.recurrent[layer][:MAX_LANES]) < 1e-3

@@ -1,7 +1,7 @@
 """The NVRTC kernels' CUDA C, run on the CPU (tests/cuda_cpu.py): the il32 dp4a and tensor-core iq3_s GEMVs,
 the q4il and q6il GEMVs, on tiny shapes with padded rows and blocks, CTAs looping over several tiles, rings
-and split tiles, against the float64 oracle over the GGUF rows (`gemv_q8_reference`); the one-column builds
-with the GDN conv in their epilogue against its arithmetic, also as the wrappers launch them; slips in the
+and split tiles, against the float64 oracle over the GGUF rows (`gemv_q8_reference`); the builds with the
+GDN conv in their epilogue (1-8 lanes) against its arithmetic, also as the wrappers launch them; slips in the
 sources caught. The numpy twins in test_gemv_il.py / test_gemv_q4il.py /
 test_gemv_q6il.py check each recipe; these run the very source the GPU builds (with PDL off)."""
 
@@ -32,11 +32,13 @@ def activation(columns: int, k: int, group: int):
     return quantize_activation_reference(x, group)
 
 
-def run_il(source_of, words, xa, n, s: gemv_il.IlSchedule, ctas: int, ring: int, dtype=torch.float32):
-    """One launch of il32 schedule s (its source from `source_of(source)`); the output, and the tensor-core
-    kernel's per-tile counts after it."""
+def run_il(source_of, words, xa, n, s: gemv_il.IlSchedule, ctas: int, ring: int, dtype=torch.float32,
+           conv=None):
+    """One launch of il32 schedule s (its source from `source_of(source)`; `conv`: the CONV build running
+    that `ConvEpilogue`); the output, and the tensor-core kernel's per-tile counts after it."""
     columns, k = xa.q.shape
-    source = source_of(gemv_il.kernel_source(columns, OUT_KINDS[dtype], dataclasses.replace(s, splits=1)))
+    source = source_of(gemv_il.kernel_source(columns, OUT_KINDS[dtype], dataclasses.replace(s, splits=1),
+                                              conv=conv is not None))
     tiles = gemv_il.il32_shape(n, k)[0]
     y = torch.full((columns, n), float("nan"), dtype=dtype)
     args = [words, xa.words, xa.d, _tables("cpu")[1], y, n, k, y.stride(0)]
@@ -47,7 +49,8 @@ def run_il(source_of, words, xa, n, s: gemv_il.IlSchedule, ctas: int, ring: int,
         name = "iq3s_il_mma"
     else:
         name = "iq3s_il_gemv"
-    HostKernel(source, name)((ctas,), (32 * s.warps,), args + [ring], s.smem_bytes(columns, k, ring))
+    HostKernel(source, name)((ctas,), (32 * s.warps,), args + [ring, *gemv_il.conv_arguments(conv)],
+                             s.smem_bytes(columns, k, ring))
     return y, counts
 
 
@@ -96,11 +99,11 @@ def test_the_tensor_core_il32_kernel(columns, group):
 
 
 def run_lane(name: str, source_of, words, xa, n: int, warps: int, smem: int, source: str,
-             dtype=torch.float32):
+             dtype=torch.float32, conv=None):
     columns = xa.q.shape[0]
     y = torch.full((columns, n), float("nan"), dtype=dtype)
-    HostKernel(source_of(source), name)((2,), (32 * warps,), [words, xa.words, xa.d, y, n, xa.q.shape[1],
-                                                             y.stride(0)], smem)
+    HostKernel(source_of(source), name)((2,), (32 * warps,), [
+        words, xa.words, xa.d, y, n, xa.q.shape[1], y.stride(0), *gemv_il.conv_arguments(conv)], smem)
     return y
 
 
@@ -131,47 +134,57 @@ def test_the_q4il_and_q6il_kernels(case, columns):
     assert rel(padded, want_padded) < FP32_BOUND
 
 
-def conv_case(kind: str, source_of=same):
-    """The one-column dp4a il32 / q4il GEMV running the GDN decode conv of its first outputs in its epilogue
-    (`CONV_STAGE`): (y, conv out, the slots after, the slots before, the conv weight, the lane's slot)."""
+def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same):
+    """The il32 (dp4a at 1-2 columns, tensor cores from 3 with `splits` pieces a tile) or q4il GEMV running
+    the GDN decode conv of its first outputs in its epilogue (`CONV_STAGE`), column m lane m's token: (y, the
+    conv, its slots before, y of the build without the conv)."""
     from ninfer.kernels.gdn_decode import ConvEpilogue
 
-    n, k, c, slot = 96, 768, 72, 2  # channels across a tile's end; int64 slot ids, as the decode graphs'
-    raw = random_gguf_weight("iq3_s" if kind == "il" else "q4_k", n, k)
-    conv = ConvEpilogue.of(torch.randn(c, 4), torch.randn(4, c, 3), torch.tensor([slot]))
+    n, k, c = 96, 768, 72  # channels across a tile's end
+    ids = torch.randperm(columns + 2)[:columns]  # the lanes' slots out of order; int64, as the decode graphs'
+    conv = ConvEpilogue.of(torch.randn(c, 4), torch.randn(columns + 2, c, 3), ids)
     before = conv.slots.clone()
     conv.out.fill_(float("nan"))
-    y = torch.full((1, n), float("nan"), dtype=torch.bfloat16)
-    xa = activation(1, k, 256)
+    xa = activation(columns, k, 256)
     if kind == "il":
-        s = gemv_il.il_schedule(1, k, n, 256)
-        source = source_of(gemv_il.kernel_source(1, 1, s, conv=True))
-        HostKernel(source, "iq3s_il_gemv")((2,), (32 * s.warps,), [
-            gemv_il.repack_il32(raw), xa.words, xa.d, _tables("cpu")[1], y, n, k, y.stride(0), 2,
-            *conv.launch_args()], s.smem_bytes(1, k, 2))
+        raw = random_gguf_weight("iq3_s", n, k)
+        s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, 256), splits=splits)
+        ys = [run_il(source_of if cv else same, gemv_il.repack_il32(raw), xa, n, s, 2, 1 if splits > 1 else 2,
+                     torch.bfloat16, cv)[0] for cv in (conv, None)]
     else:
+        raw = random_gguf_weight("q4_k", n, k)
         warps, ctas = gemv_q4il.SHAPES[1]
-        source = source_of(gemv_q4il.kernel_source(1, 1, False, (warps, ctas), True))
-        HostKernel(source, "q4k_il_mma")((2,), (32 * warps,), [
-            gemv_q4il.repack_q4il(raw), xa.words, xa.d, y, n, k, y.stride(0), *conv.launch_args()],
-            gemv_q4il.smem_bytes(k, warps))
-    return y, conv.out, conv.slots, before, conv.weight, slot
+        ys = [run_lane("q4k_il_mma", source_of if cv else same, gemv_q4il.repack_q4il(raw), xa, n, warps,
+                       gemv_q4il.smem_bytes(k, warps),
+                       gemv_q4il.kernel_source(columns, 1, False, (warps, ctas), cv is not None),
+                       torch.bfloat16, cv) for cv in (conv, None)]
+    return ys[0], conv, before, ys[1]
 
 
-@pytest.mark.parametrize("kind", ["il", "q4il"])
-def test_the_gdn_conv_in_a_gemvs_epilogue(kind):
-    """The conv of the first C outputs as stored (bf16), `gdn_decode.conv_epilogue_store`'s arithmetic: silu
-    of the weights against the lane's slot and the new input, the slot moved on by that input; the other
-    slots untouched; the GEMV's own output written as without it."""
-    y, out, slots, before, w, slot = conv_case(kind)
-    c = w.shape[0]
-    x = y[0, :c].float()
-    window = torch.cat([before[slot], x[:, None]], dim=1)  # [C, 4], oldest input first
-    acc = (w * window).sum(1)
-    torch.testing.assert_close(out[0], acc * torch.sigmoid(acc), rtol=1e-5, atol=1e-6)
-    assert torch.equal(slots[slot], window[:, 1:])
-    assert torch.equal(slots[:slot], before[:slot]) and torch.equal(slots[slot + 1:], before[slot + 1:])
-    assert not y.isnan().any()
+def assert_conv_ran(y, conv, before) -> None:
+    """Each lane's conv of the first C outputs as stored (bf16), `gdn_decode.conv_epilogue_store`'s
+    arithmetic: silu of the weights against the lane's slot and its new input, the slot moved on by that
+    input; the other slots untouched."""
+    c = conv.channels
+    for m, slot in enumerate(conv.slot_ids.tolist()):
+        window = torch.cat([before[slot], y[m, :c].float()[:, None]], dim=1)  # [C, 4], oldest input first
+        acc = (conv.weight * window).sum(1)
+        torch.testing.assert_close(conv.out[m], acc * torch.sigmoid(acc), rtol=1e-5, atol=1e-6)
+        assert torch.equal(conv.slots[slot], window[:, 1:]), m
+    idle = [i for i in range(before.shape[0]) if i not in conv.slot_ids.tolist()]
+    assert torch.equal(conv.slots[idle], before[idle])
+
+
+@pytest.mark.parametrize(("kind", "columns", "splits"), [
+    ("il", 1, 1), ("il", 2, 1), ("il", 4, 1), ("il", 8, 1), ("il", 8, 3), ("q4il", 1, 1), ("q4il", 4, 1),
+    ("q4il", 8, 1)])
+def test_the_gdn_conv_in_a_gemvs_epilogue(kind, columns, splits):
+    """Every lane's conv run on its own slot (the dp4a il32 kernel at 1-2 columns, the tensor-core one at 4
+    and 8, whole tiles and split in 3 pieces, q4il at 1, 4, 8); the GEMV's own output the same bits as the
+    build without the conv."""
+    y, conv, before, plain = conv_case(kind, columns, splits)
+    assert_conv_ran(y, conv, before)
+    assert torch.equal(y, plain) and not y.isnan().any()
 
 
 # plausible slips, each in one kernel's source: the test above must see every one
@@ -183,6 +196,9 @@ MUTATIONS = {
     "q4il: the min term's sign": ("q4il", "-dmin * (float)msum", "dmin * (float)msum"),
     "q6il: the scale unsigned": ("q6il", "0x8880u | (unsigned)", "0x0000u | (unsigned)"),
     "conv: the slot not moved on": ("conv", "cp[0] = s1;", "cp[0] = s0;"),
+    "conv: every lane on the first's slot": ("conv", "cv.slot_ids[m * cv.step]", "cv.slot_ids[0]"),
+    "conv: a split tile's conv left out": ("conv_split", "conv_store(cv, m, tile * 32 + row, to_out(v));",
+                                            "(void)0;"),
 }
 
 
@@ -202,9 +218,10 @@ def test_a_slip_in_a_kernel_fails(name):
         s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1)
         y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
-    elif kind == "conv":
-        y, out, slots, before, w, slot = conv_case("il", source_of=mutate)
-        assert not torch.equal(slots[slot, :, 0], before[slot, :, 1])
+    elif kind in ("conv", "conv_split"):
+        y, conv, before, _ = conv_case("il", 4, 3 if kind == "conv_split" else 1, source_of=mutate)
+        with pytest.raises(AssertionError):
+            assert_conv_ran(y, conv, before)
         return
     else:
         y, want = (q4il_case if kind == "q4il" else q6il_case)(4, source_of=mutate)
@@ -217,15 +234,11 @@ def launches_on_the_cpu(monkeypatch):
     two CTAs, the H200's shared memory, no PDL, the CUDA-only check of a call left out."""
     import types
 
-    def compiled(source_of, name):
-        return lambda *a: HostKernel(source_of(*a), name)
-
-    monkeypatch.setattr(gemv_il, "_compiled", compiled(
-        lambda columns, kind, s, pdl=False, conv=False: gemv_il.kernel_source(
-            columns, kind, s, False, conv), "iq3s_il_gemv"))
-    monkeypatch.setattr(gemv_q4il, "_compiled", compiled(
-        lambda columns, kind, pdl, shape, conv=False: gemv_q4il.kernel_source(
-            columns, kind, False, shape, conv), "q4k_il_mma"))
+    monkeypatch.setattr(gemv_il, "_compiled", lambda columns, kind, s, pdl=False, conv=False: HostKernel(
+        gemv_il.kernel_source(columns, kind, s, False, conv),
+        "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"))
+    monkeypatch.setattr(gemv_q4il, "_compiled", lambda columns, kind, pdl, shape, conv=False: HostKernel(
+        gemv_q4il.kernel_source(columns, kind, False, shape, conv), "q4k_il_mma"))
     launch = lambda kernel, ctas, threads, smem, args, pdl: kernel((ctas,), (threads,), args, smem)  # noqa: E731
     for module in (gemv_il, gemv_q4il):
         monkeypatch.setattr(module, "_launch", launch)
@@ -238,23 +251,25 @@ def launches_on_the_cpu(monkeypatch):
         multi_processor_count=1))
 
 
-@pytest.mark.parametrize("kind", ["il", "q4il"])
-def test_the_conv_wrappers_launch_what_the_kernels_take(launches_on_the_cpu, monkeypatch, kind):
+@pytest.mark.parametrize(("kind", "columns"), [("il", 1), ("il", 2), ("il", 4), ("q4il", 1), ("q4il", 4)])
+def test_the_conv_wrappers_launch_what_the_kernels_take(launches_on_the_cpu, monkeypatch, kind, columns):
     """`il_matmul` / `q4il_matmul` with a GDN decode conv as the engine calls them (`lane_conv`, the GEMV's
-    arguments then the conv's last) on a bf16 row: the output the same bits as with NINFER_LANE_CONV=0 and
-    within bf16 rounding of the oracle, the lane's slot moved on by it."""
+    arguments then the conv's last; int32 slot ids, as the paged decode's) on bf16 rows, one a lane: the
+    output the same bits as with NINFER_LANE_CONV=0 and within bf16 rounding of the oracle, each lane's slot
+    moved on by it."""
     from ninfer.kernels.gdn_decode import ConvEpilogue
 
-    n, k, c, slot = 96, 768, 40, 1
+    monkeypatch.setenv("NINFER_LANE_CONV_COLUMNS", "8")
+    n, k, c = 96, 768, 40
     fmt = "iq3_s" if kind == "il" else "q4_k"
     raw = random_gguf_weight(fmt, n, k)
     words = gemv_il.repack_il32(raw) if kind == "il" else gemv_q4il.repack_q4il(raw)
     matmul = gemv_il.il_matmul if kind == "il" else gemv_q4il.q4il_matmul
-    x = torch.randn(1, k).to(torch.bfloat16)
-    conv = ConvEpilogue.of(torch.randn(c, 4), torch.randn(2, c, 3), torch.tensor([slot]))
+    x = torch.randn(columns, k).to(torch.bfloat16)
+    ids = torch.randperm(columns + 1)[:columns].to(torch.int32)
+    conv = ConvEpilogue.of(torch.randn(c, 4), torch.randn(columns + 1, c, 3), ids)
     before = conv.slots.clone()
     y = lane_conv_on_and_off(monkeypatch, matmul, words, x, n, conv)
     want = gemv_q8_reference(raw, fmt, quantize_activation_reference(x, 256), n)
     assert rel(y, want) < 5e-3  # bf16 output rounding
-    window = torch.cat([before[slot], y[0, :c].float()[:, None]], dim=1)
-    assert torch.equal(conv.slots[slot], window[:, 1:]) and not conv.out.isnan().any()
+    assert_conv_ran(y, conv, before)

@@ -152,29 +152,34 @@ __device__ __forceinline__ out_t to_out(float v) {
 
 """
 
-# The epilogue of the dp4a il32 and q4il kernels' CONV builds (one bf16 column: `lane_conv`): the GDN decode
-# conv of the first `c` outputs, the arithmetic of `gdn_decode.conv_epilogue_store` on each output as stored.
+# The epilogue of the il32 and q4il kernels' CONV builds (bf16 columns, one token a lane: `lane_conv`): the
+# GDN decode conv of the first `c` outputs of each column, the arithmetic of `gdn_decode.conv_epilogue_store`
+# on each output as stored.
 CONV_STAGE = r"""
 #if CONV
-// the kernels' last parameters (`conv_arguments`): weights [C, 4], slots, slot ids, the conv's output, C, the
-// slots' stride
+// the kernels' last parameters (`conv_arguments`): weights [C, 4], slots, slot ids, the conv's output
+// [NCOL, C], C, the slots' stride, the slot ids' step in 32-bit words (1: int32, 2: int64)
 #define CONV_PARAMS , const float4* __restrict__ cw, float* __restrict__ cs, const int* __restrict__ cslot, \
-    float* __restrict__ co, int conv_c, int s_cs
-// slot_ids: int32 or int64 (little-endian: the low word of id 0 is the id)
-struct ConvArgs { const float4* w; float* slots; const int* slot_ids; float* out; int c; int s_cs; };
-__device__ __forceinline__ void conv_store(const ConvArgs& cv, int row, out_t y) {
+    float* __restrict__ co, int conv_c, int s_cs, int ids_step
+struct ConvArgs {
+    const float4* w; float* slots; const int* slot_ids; float* out; int c; int s_cs; int step;
+};
+// output `row` of column m (lane m's token): its conv channel through lane m's slot
+__device__ __forceinline__ void conv_store(const ConvArgs& cv, int m, int row, out_t y) {
     if (row >= cv.c) return;
-    float* cp = cv.slots + (size_t)cv.slot_ids[0] * cv.s_cs + row * 3;  // the lane's slot: oldest input first
+    float* cp = cv.slots + (size_t)cv.slot_ids[m * cv.step] * cv.s_cs + row * 3;  // oldest input first
     const float4 w = cv.w[row];
     const float x = __uint_as_float((unsigned)y << 16), s0 = cp[0], s1 = cp[1], s2 = cp[2];
     const float acc = w.x * s0 + w.y * s1 + w.z * s2 + w.w * x;
-    cv.out[row] = acc / (1.f + expf(-acc));
+    cv.out[m * cv.c + row] = acc / (1.f + expf(-acc));
     cp[0] = s1;
     cp[1] = s2;
     cp[2] = x;
 }
+#define CONV_ARGS const ConvArgs cv = {cw, cs, cslot, co, conv_c, s_cs, ids_step};
 #else
 #define CONV_PARAMS
+#define CONV_ARGS
 #endif
 """
 
@@ -280,9 +285,7 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
              const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y, int ring
              CONV_PARAMS)
 {
-#if CONV
-    const ConvArgs cv = {cw, cs, cslot, co, conv_c, s_cs};
-#endif
+    CONV_ARGS
     extern __shared__ unsigned smem[];
     const int P = (K + 511) >> 9, K4 = K >> 2, KG = K >> (GROUP == 256 ? 8 : 5), nblk = K >> 8;
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
@@ -341,10 +344,12 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
             const int row = t * 32 + lane;
             if (row < N) {
 #pragma unroll
-                for (int m = 0; m < NCOL; ++m) y[m * stride_y + row] = to_out(acc[m]);
+                for (int m = 0; m < NCOL; ++m) {
+                    y[m * stride_y + row] = to_out(acc[m]);
 #if CONV
-                conv_store(cv, row, to_out(acc[0]));
+                    conv_store(cv, m, row, to_out(acc[m]));
 #endif
+                }
             }
             continue;
         }
@@ -361,7 +366,7 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
             for (int s = 0; s < WARPS; ++s) v += red[((j * WARPS + s) * NCOL + m) * 32 + (i & 31)];
             if (row < N) y[m * stride_y + row] = to_out(v);
 #if CONV
-            if (row < N) conv_store(cv, row, to_out(v));
+            if (row < N) conv_store(cv, m, row, to_out(v));
 #endif
         }
         k = 0;
@@ -389,7 +394,8 @@ _MMA_SOURCE = r"""
 #define MIN_CTAS __MIN_CTAS__
 #define PDL __PDL__
 #define GROUP __GROUP__
-""" + CUDA_HELPERS + r"""
+#define CONV __CONV__
+""" + CUDA_HELPERS + CONV_STAGE + r"""
 #define BIAS 0x4B400000
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
@@ -408,8 +414,9 @@ __device__ __forceinline__ unsigned mul_hi(unsigned a, unsigned b) {
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
             const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y,
-            int splits, float* __restrict__ part_sums, int* __restrict__ counts, int ring)
+            int splits, float* __restrict__ part_sums, int* __restrict__ counts, int ring CONV_PARAMS)
 {
+    CONV_ARGS
     // split-K (`splits` > 1): item i is piece i % splits of tile i / splits, a run of its blocks; each
     // piece leaves its sums in its slot of part_sums [splits][NCOL][tiles * 32], and the last piece to finish
     // (a count per tile, left zero again) adds the slots in piece order: the same bits whichever is last
@@ -561,6 +568,9 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
             for (int s = 0; s < WARPS; ++s) v += red[((j * WARPS + s) * 32 + row) * 8 + m];
             if (splits == 1) {
                 if (at < N) y[m * stride_y + at] = to_out(v);
+#if CONV
+                if (at < N) conv_store(cv, m, at, to_out(v));
+#endif
             } else {
                 part_sums[piece * slot + m * tiles * 32 + tile * 32 + row] = v;
             }
@@ -578,6 +588,9 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
                     float v = __ldcg(at);
                     for (int p = 1; p < splits; ++p) v += __ldcg(at + p * slot);
                     if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
+#if CONV
+                    if (tile * 32 + row < N) conv_store(cv, m, tile * 32 + row, to_out(v));
+#endif
                 }
                 if (threadIdx.x == 0) counts[tile] = 0;
             }
@@ -708,12 +721,10 @@ def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False,
     """The CUDA source; its launch bounds ask for the CTAs an SM holds by registers, threads and tables.
     `pdl`: launched as a programmatic dependent launch (`_launch`), it loads its weights and tables before
     waiting for the previous kernel, and lets the next one launch after its last tile's main loop.
-    `conv` (the dp4a kernel at 1 column, groups of 256, bf16): the GDN decode conv in its epilogue
-    (`CONV_STAGE`, `lane_conv`)."""
+    `conv` (bf16 out): the GDN decode conv in its epilogue (`CONV_STAGE`, `lane_conv`)."""
     source = _MMA_SOURCE if s.kernel == "il_mma" else _SOURCE
-    bf16 = _OUT_KINDS[torch.bfloat16]
-    if conv and (s.kernel != "il" or columns != 1 or s.group != 256 or out_kind != bf16):
-        raise QuantKernelError("the conv builds are the dp4a il32 kernel's at 1 column, groups of 256, bf16")
+    if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
+        raise QuantKernelError("the il32 conv builds write bf16")
     return (source.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
             .replace("__CONV__", str(int(conv)))
             .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns, 0)))
@@ -784,18 +795,27 @@ def check_call(kind: str, words: torch.Tensor, xa: QuantizedActivation, group: i
         raise QuantKernelError(f"the {kind} GEMV writes float32, bfloat16 or float16, not {xa.dtype}")
 
 
+# Columns (lanes of one token) up to which the il32 and q4il GEMVs run the GDN decode conv in their epilogue
+# (`lane_conv`); NINFER_LANE_CONV_COLUMNS=N for others (2-8 untimed: gpu-notes "Session 47").
+LANE_CONV_COLUMNS = 1
+
+
 def lane_conv(conv, x: torch.Tensor, out_features: int):
-    """`conv` (a `gdn_decode.ConvEpilogue`) where the dp4a il32 or the q4il GEMV of x is to run it in its
-    epilogue (x one bf16 row, fp32 slots `[S, C, 3]` and weights `[C, 4]` contiguous; the graphed 1-lane
-    round −0.045 ms IQ3_S, −0.058 Q4_K on the H200: gpu-notes "Session 46"), else None: the layer runs its
-    conv kernel. NINFER_LANE_CONV=0 turns it off."""
-    if (conv is None or os.environ.get("NINFER_LANE_CONV") == "0" or x.numel() != x.shape[-1]
-            or x.dtype != torch.bfloat16 or conv.slot_ids.shape[0] != 1 or conv.channels > out_features):
+    """`conv` (a `gdn_decode.ConvEpilogue`) where the il32 or the q4il GEMV of x is to run it in its
+    epilogue (x bf16, one row a lane of the conv and at most `LANE_CONV_COLUMNS` of them; fp32 slots
+    `[S, C, 3]` and weights `[C, 4]` contiguous; the graphed 1-lane round −0.045 ms IQ3_S, −0.058 Q4_K on the
+    H200: gpu-notes "Session 46"), else None: the layer runs its conv kernel. NINFER_LANE_CONV=0 turns it
+    off."""
+    if conv is None or os.environ.get("NINFER_LANE_CONV") == "0":
         return None
-    slots, weight = conv.slots, conv.weight
-    # (the kernels read the one lane's slot id as the low word of slot_ids[0]: int32 or int64 alike)
+    most = min(MAX_COLUMNS, int(os.environ.get("NINFER_LANE_CONV_COLUMNS", LANE_CONV_COLUMNS)))
+    rows = x.numel() // x.shape[-1]
+    if (rows != conv.slot_ids.shape[0] or rows > most or x.dtype != torch.bfloat16
+            or conv.channels > out_features):
+        return None
+    slots, weight, ids = conv.slots, conv.weight, conv.slot_ids
     ok = (slots.dtype == weight.dtype == torch.float32 and slots.stride()[1:] == (3, 1)
-          and weight.is_contiguous() and conv.slot_ids.dtype in (torch.int32, torch.int64)
+          and weight.is_contiguous() and ids.dtype in (torch.int32, torch.int64) and ids.is_contiguous()
           and conv.out.is_contiguous())
     return conv if ok else None
 
@@ -805,7 +825,7 @@ def conv_arguments(conv) -> list:
     if conv is None:
         return []
     conv.applied = True
-    return list(conv.launch_args())
+    return [*conv.launch_args(), conv.slot_ids.element_size() // 4]
 
 
 def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
@@ -927,7 +947,7 @@ def dequantize_il32(words: torch.Tensor, out_features: int, in_features: int,
 def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int, conv=None) -> torch.Tensor:
     """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the il32 words: the GEMV on up to 8 columns at a
     time through 16, a matmul over the dequantised weight beyond (prefill); `conv`: a GDN decode conv the
-    one-column GEMV may run in its epilogue (`lane_conv`; `conv.applied` says whether it did)."""
+    GEMV may run in its epilogue (`lane_conv`; `conv.applied` says whether it did)."""
     conv = lane_conv(conv, x, out_features)
     in_features = x.shape[-1]
     x2 = x.reshape(-1, in_features)
@@ -940,7 +960,7 @@ def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int, conv=None
     xa = quantize_activation_cached(x, group)  # the kernel that made x may have quantised it (`il_group`)
     if n <= MAX_COLUMNS:
         s = il_schedule(n, in_features, out_features, group)
-        y = gemv_il(words, xa, out_features, s, conv=conv if s.kernel == "il" and group == 256 else None)
+        y = gemv_il(words, xa, out_features, s, conv=conv)
     else:
         y = torch.cat([gemv_il(words, xa.rows(i, i + MAX_COLUMNS), out_features,
                                il_schedule(min(MAX_COLUMNS, n - i), in_features, out_features, group))

@@ -92,9 +92,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, CTAS)
 q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
            out_t* __restrict__ y, int N, int K, int stride_y CONV_PARAMS)
 {
-#if CONV
-    const ConvArgs cv = {cw, cs, cslot, co, conv_c, s_cs};
-#endif
+    CONV_ARGS
     // CTA c takes tiles c, c + gridDim.x, ..., its warps a tile's blocks wid, wid + WARPS, ...
     extern __shared__ int4 xs[];  // per block and column: bytes {hi j0..3, hi j4..7, lo j0..3, lo j4..7}
     const int K4 = K >> 2, nblk = K >> 8, P = (nblk + 1) >> 1, tiles = (N + 31) >> 5;
@@ -221,10 +219,9 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 
 def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
                   conv: bool = False) -> str:
-    """`conv` (1 column, bf16): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`,
-    `gemv_il.lane_conv`)."""
-    if conv and (columns != 1 or out_kind != _OUT_KINDS[torch.bfloat16]):
-        raise QuantKernelError("the q4il conv builds are the 1-column bf16 build's")
+    """`conv` (bf16 out): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`)."""
+    if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
+        raise QuantKernelError("the q4il conv builds write bf16")
     warps, ctas = shape
     return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
             .replace("__CONV__", str(int(conv)))
@@ -340,7 +337,7 @@ def q4il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int, conv=No
     """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the q4il words (`LaneLayout.matmul`; prefill over
     `dequantize_q4il`'s rows); `conv`: `gemv_il.il_matmul`'s."""
     conv = lane_conv(conv, x, out_features)
-    if conv is not None:  # one column
+    if conv is not None:  # 1-8 columns
         y = gemv_q4il(words, quantize_activation_cached(x, 256), out_features, conv=conv)
         return y.reshape(*x.shape[:-1], out_features)
     return LAYOUT.matmul(words, x, out_features, gemv_q4il, dequantize_q4il)

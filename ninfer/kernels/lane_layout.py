@@ -47,7 +47,7 @@ __device__ __forceinline__ void store_tile(float* red, const float (&acc)[4][2],
         for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
         if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
 #if defined(CONV) && CONV
-        if (tile * 32 + row < N) conv_store(cv, tile * 32 + row, to_out(v));  // (CONV builds: one column)
+        if (tile * 32 + row < N) conv_store(cv, m, tile * 32 + row, to_out(v));
 #endif
     }
     __syncthreads();

@@ -139,7 +139,7 @@ def aligned_run(scatter: torch.Tensor) -> int:
 class RepackedLayout:
     """A lane-per-row layout a quantized Linear may take on load: which weights (`wanted(format, out, in,
     device)`), the repack of their GGUF rows, the matmul on the words, the activation grouping it reads;
-    `takes_conv`: its matmul takes a GDN decode conv (`conv=`) for its one-column GEMV's epilogue."""
+    `takes_conv`: its matmul takes a GDN decode conv (`conv=`) for its GEMV's epilogue."""
 
     wanted: Callable[[str, int, int, torch.device], bool]
     repack: Callable[[torch.Tensor], torch.Tensor]

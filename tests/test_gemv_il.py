@@ -216,7 +216,7 @@ def test_prefill_makes_the_dense_weight_a_piece_at_a_time(monkeypatch, triton_on
     """A prefill matmul's dense weight is made `PREFILL_ROWS` rows at a time (a whole 27B gate|up in bf16 is
     340 MiB, a block the allocator's cache may not find room for beside a full KV pool): 100 rows in pieces
     of 64 and 36 (the second tile partial), il32 words and GGUF rows alike (Triton's dequantisation, on the
-    CPU through its interpreter), the product the reference's."""
+    CPU through its interpreter), each into the one buffer of `dense_piece`, the product the reference's."""
     from ninfer.kernels import gguf_matmul
     from ninfer.kernels.gguf_matmul import quant_matmul
 
@@ -224,8 +224,8 @@ def test_prefill_makes_the_dense_weight_a_piece_at_a_time(monkeypatch, triton_on
     made = []
     for module, name in ((gemv_il, "dequantize_il32"), (gguf_matmul, "dequantize_rows")):
         real = getattr(module, name)
-        def dense(*args, real=real):
-            made.append(real(*args))
+        def dense(*args, real=real, **kwargs):
+            made.append(real(*args, **kwargs))
             return made[-1]
 
         monkeypatch.setattr(module, name, dense)
@@ -237,6 +237,10 @@ def test_prefill_makes_the_dense_weight_a_piece_at_a_time(monkeypatch, triton_on
     for out in (il_matmul(repack_il32(raw), x, n), quant_matmul(raw, "iq3_s", x, n, schedule="dequant_mm")):
         assert (out - want).abs().max() <= 1e-4 * want.abs().max()
     assert [w.shape for w in made] == [(64, k), (36, k)] * 2
+    # every piece in the one buffer (`dense_piece`: no transient of each matrix's size for the allocator)
+    assert len({w.untyped_storage().data_ptr() for w in made}) == 1
+    gguf_matmul.release_dense_pieces()
+    assert not gguf_matmul._DENSE_PIECES
 
 
 @needs_triton

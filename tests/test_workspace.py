@@ -43,8 +43,11 @@ class RowCounter(FakeHybridModel):
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_measure_runs_the_widest_round_then_a_decode_round(graphs):
+    from ninfer.kernels import gguf_matmul
+
     model = RowCounter()
     meter = ScriptedMeter([7 * MIB, 3 * MIB], other=5 * MIB)
+    gguf_matmul.dense_piece(torch.device("cpu"), torch.float32, 4, 8)  # an earlier engine's
     ws = measure_workspace(model, model.cache_spec, kv_dtype="bf16", gdn_state_fp16=False, lanes=3,
                            prefill_chunk=130, graphs=graphs, device=torch.device("cpu"), meter=meter)
     widest = model.rounds[0]
@@ -58,6 +61,7 @@ def test_measure_runs_the_widest_round_then_a_decode_round(graphs):
     else:
         assert len(model.rounds) == 1 and ws.graphs == 0 and meter.begun == 1
     assert ws.total == ws.activations + ws.graphs + ws.other
+    assert not gguf_matmul._DENSE_PIECES  # let go before the widest round, which makes its own (measured)
 
 
 def test_a_widest_round_out_of_memory_names_the_flags():

@@ -3,12 +3,13 @@
 Before the KV pool is sized, two rounds run eagerly over throwaway pages and state slots: the widest the
 scheduler makes (a prefill chunk of `prefill_chunk` tokens beside `max_concurrency - 1` decode rows) and
 one of `max_concurrency` decode rows. The first one's growth of the allocator's reserved memory is the
-activation workspace; the second's, plus the logits each smaller decode graph keeps, plans the decode
-graphs' memory pool (a captured round holds what the eager one allocated, the intermediates shared across
-captures of one pool). The device memory that neither this process's allocator nor anything else here
-holds — the CUDA context, other processes — is counted too: `--kv-capacity auto` leaves all of it, and
-`--kv-headroom-mib` on top. The rounds double as the warm-up: the kernels a first request would compile
-are compiled here. On the CPU nothing is measured (`CPU_WORKSPACE_BYTES` stands in).
+activation workspace (with the buffer prefill matmuls make their dense weight pieces in, which stays); the
+second's, plus the logits each smaller decode graph keeps, plans the decode graphs' memory pool (a captured
+round holds what the eager one allocated, the intermediates shared across captures of one pool). The device
+memory that neither this process's allocator nor anything else here holds — the CUDA context, other
+processes — is counted too: `--kv-capacity auto` leaves all of it, and `--kv-headroom-mib` on top. The
+rounds double as the warm-up: the kernels a first request would compile are compiled here. On the CPU
+nothing is measured (`CPU_WORKSPACE_BYTES` stands in).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ninfer.engine.runner import ModelRunner
 from ninfer.engine.scheduler import Round, WorkItem
 from ninfer.engine.state_pool import GdnStatePool
 from ninfer.errors import EngineConfigError
+from ninfer.kernels.gguf_matmul import release_dense_pieces
 from ninfer.models.cache_spec import CacheSpec
 
 CPU_WORKSPACE_BYTES = 256 << 20  # stand-in for activations, logits and allocator slack on CPU
@@ -95,6 +97,7 @@ def measure_workspace(model, spec: CacheSpec, *, kv_dtype: str, gdn_state_fp16: 
     widest = [WorkItem(None, 0, chunk, 0, True)] + [WorkItem(None, lane, (1,), 0, True)
                                                       for lane in range(1, lanes)]
     try:
+        release_dense_pieces()  # a prefill matmul's buffer: the widest round makes it again, measured
         meter.begin()
         runner.run(Round(widest, admitted, []))
         activations = meter.grown()

@@ -45,7 +45,13 @@ import torch
 
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
 from ninfer.kernels.gemv_rows import split_workspace
-from ninfer.kernels.gguf_matmul import QuantKernelError, _tables, dequantize_rows, matmul_by_rows
+from ninfer.kernels.gguf_matmul import (
+    QuantKernelError,
+    _tables,
+    dense_out,
+    dequantize_rows,
+    matmul_by_rows,
+)
 from ninfer.kernels.lane_layout import tile_rows
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_enabled, tl, triton_runs_on
 
@@ -930,14 +936,15 @@ def _dequant_il32_kernel(w_ptr, out_ptr, grid_ptr, N, K, P):
 
 
 def dequantize_il32(words: torch.Tensor, out_features: int, in_features: int,
-                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The dense `[out_features, in_features]` weight in `dtype` from the il32 words (a transient buffer for
-    prefill matmuls): one Triton pass where Triton runs, else unpacked and dequantised by the reference."""
+                    dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense `[out_features, in_features]` weight in `dtype` from the il32 words (a transient for prefill
+    matmuls; into `out` where given): one Triton pass where Triton runs, else unpacked and dequantised by the
+    reference."""
     check_il32(words, out_features, in_features)
     if not (HAVE_TRITON and triton_runs_on(words)):
         return dequantize_rows(unpack_il32(words, out_features, in_features), "iq3_s", out_features,
-                               in_features, dtype)
-    out = torch.empty((out_features, in_features), dtype=dtype, device=words.device)
+                               in_features, dtype, out)
+    out = dense_out(out, out_features, in_features, dtype, words.device)
     tiles, pairs = il32_shape(out_features, in_features)
     _dequant_il32_kernel[(tiles, in_features // 256)](words, out, _tables(words.device)[0], out_features,
                                                       in_features, pairs)
@@ -953,8 +960,8 @@ def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int, conv=None
     x2 = x.reshape(-1, in_features)
     if x2.shape[0] > 2 * MAX_COLUMNS:
         per_tile = il32_shape(out_features, in_features)[1] * PAIR_WORDS * 32
-        y = matmul_by_rows(x2, out_features, lambda r0, r1, dtype: dequantize_il32(
-            tile_rows(words, per_tile, r0, r1), r1 - r0, in_features, dtype))
+        y = matmul_by_rows(x2, out_features, lambda r0, r1, out: dequantize_il32(
+            tile_rows(words, per_tile, r0, r1), r1 - r0, in_features, out=out))
         return y.reshape(*x.shape[:-1], out_features)
     n, group = x2.shape[0], il_group()
     xa = quantize_activation_cached(x, group)  # the kernel that made x may have quantised it (`il_group`)

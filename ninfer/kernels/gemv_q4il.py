@@ -42,7 +42,7 @@ from ninfer.kernels.gemv_il import (
     lane_conv,
 )
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
-from ninfer.kernels.gguf_matmul import QuantKernelError, dequantize_rows
+from ninfer.kernels.gguf_matmul import QuantKernelError, dense_out, dequantize_rows
 from ninfer.kernels.lane_layout import TILE_STORE, LaneLayout, builds
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_enabled, tl, triton_runs_on
 
@@ -320,14 +320,15 @@ def _dequant_q4il_kernel(w_ptr, out_ptr, N, K, P):
 
 
 def dequantize_q4il(words: torch.Tensor, out_features: int, in_features: int,
-                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The dense `[out_features, in_features]` weight in `dtype` from the q4il words (a transient buffer for
-    prefill matmuls): one Triton pass where Triton runs, else unpacked and dequantised by the reference."""
+                    dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense `[out_features, in_features]` weight in `dtype` from the q4il words (a transient for prefill
+    matmuls; into `out` where given): one Triton pass where Triton runs, else unpacked and dequantised by the
+    reference."""
     LAYOUT.check(words, out_features, in_features, "q4il")
     if not (HAVE_TRITON and triton_runs_on(words)):
         return dequantize_rows(unpack_q4il(words, out_features, in_features), "q4_k", out_features,
-                               in_features, dtype)
-    out = torch.empty((out_features, in_features), dtype=dtype, device=words.device)
+                               in_features, dtype, out)
+    out = dense_out(out, out_features, in_features, dtype, words.device)
     tiles, pairs = LAYOUT.shape(out_features, in_features)
     _dequant_q4il_kernel[(tiles, in_features // 256)](words, out, out_features, in_features, pairs)
     return out

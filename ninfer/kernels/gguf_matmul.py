@@ -954,8 +954,8 @@ def quant_matmul(
             y = gemv_q8(raw, format, xa, out_features, s)
         return y.reshape(*x.shape[:-1], out_features)
     if s.kernel == "dequant_mm":
-        y = matmul_by_rows(x2, out_features, lambda r0, r1, dtype: dequantize_rows(
-            raw[r0:r1], format, r1 - r0, in_features, dtype))
+        y = matmul_by_rows(x2, out_features, lambda r0, r1, out: dequantize_rows(
+            raw[r0:r1], format, r1 - r0, in_features, out=out))
         return y.reshape(*x.shape[:-1], out_features)
     fmt = FORMATS[format]
     y = (torch.zeros if s.split_k > 1 else torch.empty)(
@@ -1008,16 +1008,16 @@ def _dequant_rows_kernel(w_ptr, out_ptr, grid_ptr, levels_ptr, N, K, row_bytes,
 
 
 def dequantize_rows(raw: torch.Tensor, format: str, out_features: int, in_features: int,
-                    dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                    dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
     """The dense `[out_features, in_features]` weight in `dtype`, decoded on the weight's device (a transient
-    buffer for prefill matmuls; the resident weight stays in its GGUF bytes)."""
+    for prefill matmuls; the resident weight stays in its GGUF bytes); into `out` where given (its dtype)."""
     format = format.removeprefix(GGUF_PREFIX)
     check_weight(raw, format, out_features, in_features)
     if not (HAVE_TRITON and triton_runs_on(raw)):
         name = GGUF_PREFIX + format
-        return dequantize(raw.cpu().reshape(-1), name, (out_features, in_features)).to(raw.device, dtype)
+        return written(out, dequantize(raw.cpu().reshape(-1), name, (out_features, in_features)), dtype)
     fmt = FORMATS[format]
-    out = torch.empty((out_features, in_features), dtype=dtype, device=raw.device)
+    out = dense_out(out, out_features, in_features, dtype, raw.device)
     grid_u8, _, levels = _tables(raw.device)
     block_n, block_k = 16, 256
     _dequant_rows_kernel[(triton_cdiv(out_features, block_n), triton_cdiv(in_features, block_k))](
@@ -1026,22 +1026,62 @@ def dequantize_rows(raw: torch.Tensor, format: str, out_features: int, in_featur
     return out
 
 
+def dense_out(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """A dequantiser's output: `out` where the caller gave one, else a new `[rows, cols]` tensor."""
+    return torch.empty((rows, cols), dtype=dtype, device=device) if out is None else out
+
+
+def written(out: torch.Tensor | None, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A dequantiser's reference result `value` in `dtype`, or copied into the caller's `out`."""
+    return value.to(dtype) if out is None else out.copy_(value)
+
+
+# The dense weight pieces of prefill matmuls (`matmul_by_rows`), one buffer a device and dtype, grown to the
+# largest piece asked: every matmul's piece reuses it, so the caching allocator keeps one block rather than a
+# transient of each matrix's size (80-170 MiB at the 27B) that rounds of other shapes split around
+# (fragmentation: gpu-notes "Session 46", run 4). `measure_workspace` lets it go first, so the widest round it
+# measures makes it again.
+_DENSE_PIECES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def dense_piece(device: torch.device, dtype: torch.dtype, rows: int, cols: int) -> torch.Tensor:
+    """A `[rows, cols]` view of the device's buffer for dense weight pieces (a new tensor while a CUDA graph
+    is captured: the buffer must not come from a graph's pool)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty((rows, cols), dtype=dtype, device=device)
+    key, size = (device, dtype), rows * cols
+    buffer = _DENSE_PIECES.get(key)
+    if buffer is None or buffer.numel() < size:
+        _DENSE_PIECES.pop(key, None)
+        del buffer  # (the old buffer freed before the larger one is made)
+        buffer = _DENSE_PIECES[key] = torch.empty(size, dtype=dtype, device=device)
+    return buffer[:size].view(rows, cols)
+
+
+def release_dense_pieces() -> None:
+    """Drop the dense weight pieces' buffers (made again by the next prefill matmul)."""
+    _DENSE_PIECES.clear()
+
+
 def matmul_by_rows(x2: torch.Tensor, out_features: int, dense) -> torch.Tensor:
     """`x2 [n, K] @ Wᵀ -> [n, out_features]` in x2's dtype, W made dense `PREFILL_ROWS` rows at a time by
-    `dense(r0, r1, dtype)` (a prefill matmul; dtype x2's on a GPU, fp32 on the CPU). One piece at a time
-    bounds the transient: a whole 34816×5120 matrix in bf16 is 340 MiB, a block the allocator's cache may find
-    no room for beside a full KV pool (fragmentation). Each piece's product goes straight into its columns of
-    the output (a strided view cuBLAS writes; a copy of each piece's product cost a 27B 2048-token prefill
-    3 %)."""
+    `dense(r0, r1, out)` into `out` (`dense_piece`'s; x2's dtype on a GPU, fp32 on the CPU) for a prefill
+    matmul. One piece at a time bounds the transient: a whole 34816×5120 matrix in bf16 is 340 MiB, a block
+    the allocator's cache may find no room for beside a full KV pool (fragmentation). Each piece's product
+    goes straight into its columns of the output (a strided view cuBLAS writes; a copy of each piece's
+    product cost a 27B 2048-token prefill 3 %)."""
     dtype = x2.dtype if x2.is_cuda else torch.float32
     xd = x2.to(dtype)
     y = torch.empty((x2.shape[0], out_features), dtype=x2.dtype, device=x2.device)
     for r0 in range(0, out_features, PREFILL_ROWS):
         r1 = min(out_features, r0 + PREFILL_ROWS)
+        piece = dense_piece(x2.device, dtype, r1 - r0, x2.shape[1])
+        dense(r0, r1, piece)
         if dtype == y.dtype:
-            torch.mm(xd, dense(r0, r1, dtype).t(), out=y[:, r0:r1])
+            torch.mm(xd, piece.t(), out=y[:, r0:r1])
         else:  # the CPU's fp32 matmul of a bf16 input
-            y[:, r0:r1] = xd @ dense(r0, r1, dtype).t()
+            y[:, r0:r1] = xd @ piece.t()
     return y
 
 

@@ -138,23 +138,22 @@ class LaneLayout:
 
     def matmul(self, words: torch.Tensor, x: torch.Tensor, out_features: int,
                gemv: Callable[[torch.Tensor, QuantizedActivation, int], torch.Tensor],
-               dequantize: Callable[[torch.Tensor, int, int, torch.dtype], torch.Tensor] | None = None
-               ) -> torch.Tensor:
+               dequantize: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
         """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype: `gemv` (the activation per 256) on up to 8 columns at a
         time through 16; beyond (prefill), a dense matmul over `PREFILL_ROWS` rows at a time dequantised by
-        `dequantize` (words, rows, K, dtype), or unpacked to GGUF rows and dequantised without one."""
+        `dequantize` (words, rows, K, out=piece), or unpacked to GGUF rows and dequantised without one."""
         in_features = x.shape[-1]
         x2 = x.reshape(-1, in_features)
         n = x2.shape[0]
         if n > 2 * MAX_COLUMNS:
             per_tile = self.shape(out_features, in_features)[1] * self.words * 32
 
-            def dense(r0: int, r1: int, dtype: torch.dtype) -> torch.Tensor:
+            def dense(r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
                 part = tile_rows(words, per_tile, r0, r1)
                 if dequantize is None:
                     return dequantize_rows(self.unpack(part, r1 - r0, in_features), self.format, r1 - r0,
-                                           in_features, dtype)
-                return dequantize(part, r1 - r0, in_features, dtype)
+                                           in_features, out=out)
+                return dequantize(part, r1 - r0, in_features, out=out)
 
             return matmul_by_rows(x2, out_features, dense).reshape(*x.shape[:-1], out_features)
         xa = quantize_activation_cached(x, 256)

@@ -6,6 +6,8 @@ A short prompt's prefill is host time on the H200 (gpu-notes "Session 42": 512 t
 
     python3 bench/prefill_profile.py --wtype iq3_s --tokens 512,2048 [--cprofile] --out $OUT   # GPU machine
     python3 bench/prefill_profile.py --synthetic tiny --device cpu --dtype float32 --tokens 48   # CPU smoke
+    python3 bench/prefill_profile.py --wtype iq3_s --tokens 2048 --pieces 8192,1073741824 --no-profile
+        # the dense weight made 8,192 rows at a time against whole (gguf_matmul.PREFILL_ROWS), A B B A ...
 """
 
 from __future__ import annotations
@@ -39,6 +41,21 @@ def prefill(engine, n: int, seed: int, device: str) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def time_pieces(engine, n: int, pieces: list[int], samples: int, device: str) -> dict[str, list[float]]:
+    """A warm n-token prefill's wall ms under each `gguf_matmul.PREFILL_ROWS`, A B B A order over and over."""
+    from ninfer.kernels import gguf_matmul
+
+    saved, times = gguf_matmul.PREFILL_ROWS, {str(r): [] for r in pieces}
+    try:
+        for i in range(samples):
+            for rows in pieces if i % 2 == 0 else pieces[::-1]:
+                gguf_matmul.PREFILL_ROWS = rows
+                times[str(rows)].append(prefill(engine, n, 10 + i, device))
+    finally:
+        gguf_matmul.PREFILL_ROWS = saved
+    return times
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(p, "iq3_s")
@@ -47,6 +64,11 @@ def main() -> int:
     p.add_argument("--chunk", type=int, default=2048, help="the engine's prefill chunk")
     p.add_argument("--cprofile", action="store_true", help="also the host's time by function (cProfile)")
     p.add_argument("--top", type=int, default=18, help="rows of each table")
+    p.add_argument("--pieces", default="", help="weight rows a prefill matmul makes dense at a time "
+                   "(gguf_matmul.PREFILL_ROWS), comma-separated: each length timed under each, in A B B A "
+                   "order, --samples times over")
+    p.add_argument("--samples", type=int, default=3, help="with --pieces: rounds of the A B B A order")
+    p.add_argument("--no-profile", action="store_true", help="no torch.profiler run")
     p.add_argument("--out", type=Path, help="a folder for prefill_profile.json")
     a = p.parse_args()
     lengths = [int(n) for n in a.tokens.split(",")]
@@ -60,11 +82,20 @@ def main() -> int:
         for seed in (1, 2):  # compile and autotune this length's shapes
             prefill(engine, n, seed, a.device)
         bare = prefill(engine, n, 3, a.device)
+        row = dict(tokens=n, bare_ms=bare)
+        if a.pieces:
+            row["pieces_ms"] = time_pieces(engine, n, [int(r) for r in a.pieces.split(",")], a.samples,
+                                           a.device)
+            print(f"\n== {name}: prefill of {n} tokens by dense weight rows at a time (ms):")
+            for rows_at_once, times in row["pieces_ms"].items():
+                print(f"| {rows_at_once} | {' / '.join(f'{t:.1f}' for t in times)} |", flush=True)
+        if a.no_profile:
+            rows.append(row)
+            continue
         with torch.profiler.profile(activities=activities) as prof:
-            profiled = prefill(engine, n, 4, a.device)
+            row["profiled_ms"] = prefill(engine, n, 4, a.device)
         print(f"\n== {name}: prefill of {n} tokens: {bare:.1f} ms bare ({n / bare * 1e3:,.0f} tok/s), "
-              f"{profiled:.1f} ms profiled", flush=True)
-        row = dict(tokens=n, bare_ms=bare, profiled_ms=profiled)
+              f"{row['profiled_ms']:.1f} ms profiled", flush=True)
         if on_gpu:
             table = grouped(prof, 1)
             row["gpu_busy_ms"] = sum(r[1] for r in table) / 1e3

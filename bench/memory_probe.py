@@ -1,0 +1,89 @@
+"""Does the memory plan hold? The synthetic model served with `--kv-capacity auto`, the caching allocator
+capped at the plan's budget (less what the CUDA context and others hold), a long prompt prefilled chunk by
+chunk beside short requests that decode meanwhile: out of memory or not, and the allocator's peaks against
+the plan (weights + KV + GDN slots + measured workspace + graphs), its cached split blocks among them.
+
+    python3 bench/memory_probe.py --wtype q4_k --chunk 2048 --headroom-mib 1024 --prompt 16384 --decoders 7
+    python3 bench/memory_probe.py --synthetic tiny --device cpu --dtype float32 --prompt 300 --chunk 128 \
+        --decoders 2   # CPU smoke (no allocator to cap: the plan and the run only)
+
+gpu-notes "Session 46", run 4: the 27B (q4_k), 1 GiB headroom, 2048-token chunks, 16K prompt beside 7
+decoders: no OOM, peak allocated 12 MiB over the plan, peak reserved 845 MiB over (inactive split blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ninfer.cli.bench_suite import _submit, drive  # noqa: E402
+from ninfer.engine.engine import DTYPES, Engine, EngineConfig  # noqa: E402
+from ninfer.engine.memory import MIB  # noqa: E402
+from ninfer.engine.synthetic import synthetic_model  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--synthetic", default="27b")
+    p.add_argument("--wtype", default="q4_k")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--chunk", type=int, default=2048, help="the engine's prefill chunk")
+    p.add_argument("--headroom-mib", type=int, default=1024, help="--kv-headroom-mib")
+    p.add_argument("--prompt", type=int, default=16384, help="the long prompt's tokens")
+    p.add_argument("--decoders", type=int, default=7, help="short requests decoding beside it")
+    p.add_argument("--out", type=Path, help="a folder for memory_probe.json")
+    a = p.parse_args()
+    on_gpu = a.device.startswith("cuda")
+    lanes = a.decoders + 1
+    model = synthetic_model(a.synthetic, DTYPES[a.dtype], a.device, wtype=a.wtype, quantized_weights=on_gpu)
+    config = EngineConfig(max_concurrency=lanes, max_context=a.prompt + 64, kv_capacity="auto" if on_gpu
+                          else (a.prompt + 64) * lanes, device=a.device, dtype=a.dtype, prefill_chunk=a.chunk,
+                          kv_headroom_mib=a.headroom_mib)
+    engine = Engine.from_model(model, config)
+    start = engine.memory_ledger()
+    print(start.line(), flush=True)
+    plan, cap = start.held_bytes, start.budget_bytes - start.other_bytes
+    row = dict(model=f"synthetic-{a.synthetic} ({a.wtype})", chunk=a.chunk, headroom_mib=a.headroom_mib,
+               prompt=a.prompt, decoders=a.decoders, plan_mib=plan / MIB, cap_mib=cap / MIB, oom=False)
+    if on_gpu:
+        total = torch.cuda.get_device_properties(a.device).total_memory
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.set_per_process_memory_fraction(cap / total)
+    try:
+        handles = [_submit(engine, "decode", 40 + 3 * i, 24 + (i % 4) * 8, i) for i in range(a.decoders)]
+        handles.append(_submit(engine, "long", a.prompt, 16, 99))
+        drive(engine, handles, a.device)
+        finishes = [h.last_event.finish_reason for h in handles]
+        row["finishes"] = finishes
+        row["oom"] = any(f == "error" for f in finishes)
+    except torch.OutOfMemoryError as exc:
+        row["oom"], row["error"] = True, str(exc).splitlines()[0]
+    finally:
+        if on_gpu:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    if on_gpu:
+        stats = torch.cuda.memory_stats()
+        row.update(peak_allocated_mib=stats["allocated_bytes.all.peak"] / MIB,
+                   peak_reserved_mib=stats["reserved_bytes.all.peak"] / MIB,
+                   peak_inactive_split_mib=stats["inactive_split_bytes.all.peak"] / MIB)
+    print(engine.memory_ledger().line())
+    print("| | MiB |\n|---|---|")
+    for key in ("plan_mib", "cap_mib", "peak_allocated_mib", "peak_reserved_mib", "peak_inactive_split_mib"):
+        if key in row:
+            print(f"| {key.removesuffix('_mib').replace('_', ' ')} | {row[key]:,.0f} |")
+    print(f"out of memory: {row['oom']}" + (f" ({row['error']})" if "error" in row else ""))
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "memory_probe.json").write_text(json.dumps(row, indent=1))
+    return 1 if row["oom"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

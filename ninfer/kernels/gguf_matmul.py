@@ -1015,7 +1015,8 @@ def dequantize_rows(raw: torch.Tensor, format: str, out_features: int, in_featur
     check_weight(raw, format, out_features, in_features)
     if not (HAVE_TRITON and triton_runs_on(raw)):
         name = GGUF_PREFIX + format
-        return written(out, dequantize(raw.cpu().reshape(-1), name, (out_features, in_features)), dtype)
+        value = dequantize(raw.cpu().reshape(-1), name, (out_features, in_features))
+        return value.to(raw.device, dtype) if out is None else out.copy_(value)
     fmt = FORMATS[format]
     out = dense_out(out, out_features, in_features, dtype, raw.device)
     grid_u8, _, levels = _tables(raw.device)
@@ -1030,11 +1031,6 @@ def dense_out(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype
               device: torch.device) -> torch.Tensor:
     """A dequantiser's output: `out` where the caller gave one, else a new `[rows, cols]` tensor."""
     return torch.empty((rows, cols), dtype=dtype, device=device) if out is None else out
-
-
-def written(out: torch.Tensor | None, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A dequantiser's reference result `value` in `dtype`, or copied into the caller's `out`."""
-    return value.to(dtype) if out is None else out.copy_(value)
 
 
 # The dense weight pieces of prefill matmuls (`matmul_by_rows`), one buffer a device and dtype, grown to the

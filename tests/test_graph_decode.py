@@ -437,16 +437,17 @@ def test_captured_rounds_with_the_conv_in_every_lanes_projection(tmp_path, monke
     from conftest import convert_tiny
 
     from ninfer.artifact import open_artifact
-    from ninfer.kernels import gemv_il
+    from ninfer.kernels import gemv_il, gemv_q4il
 
     monkeypatch.setenv("NINFER_IQ3S_IL", "1" if layout == "NINFER_IQ3S_IL" else "0")
     monkeypatch.setenv("NINFER_Q4K_IL", "1" if layout == "NINFER_Q4K_IL" else "0")
     art = open_artifact(convert_tiny(tmp_path / "tiny.ninfer", gguf_name))
     model = load_model(art, dtype=torch.bfloat16, device="cuda", load_mtp=False, quantized_weights=True)
-    widths = []
+    widths = []  # the lanes of every GEMV launch's conv (0: none), as the il32 / q4il wrappers hand it over
     arguments = gemv_il.conv_arguments
-    monkeypatch.setattr(gemv_il, "conv_arguments", lambda conv: (
-        widths.append(0 if conv is None else conv.slot_ids.shape[0]), arguments(conv))[1])
+    for module in (gemv_il, gemv_q4il):
+        monkeypatch.setattr(module, "conv_arguments", lambda conv: (
+            widths.append(0 if conv is None else conv.slot_ids.shape[0]), arguments(conv))[1])
     runs = {}
     for mode, env in (("epilogue", ("NINFER_LANE_CONV_COLUMNS", "8")), ("kernel", ("NINFER_LANE_CONV", "0"))):
         monkeypatch.delenv("NINFER_LANE_CONV", raising=False)
@@ -454,7 +455,7 @@ def test_captured_rounds_with_the_conv_in_every_lanes_projection(tmp_path, monke
         kv = KvPool(model.cache_spec, "bf16", 64 * 40, MAX_LANES, 320, device="cuda")
         states = GdnStatePool(model.cache_spec, MAX_LANES, device="cuda")
         for lane in range(MAX_LANES):
-            kv.assign(lane, kv.reserve(8))
+            kv.assign(lane, kv.reserve(5))
         graphs = DecodeGraphs(model, kv, states, capture=True)
         widths.clear()
         pos, logits = dict.fromkeys(range(MAX_LANES), 0), []

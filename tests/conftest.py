@@ -152,9 +152,9 @@ def tiny_artifact(tmp_path_factory) -> Path:
 
 
 def lane_conv_on_and_off(monkeypatch, matmul, words, x, n: int, conv):
-    """An il32 / q4il matmul of one row with `conv` (a `gdn_decode.ConvEpilogue`) under NINFER_LANE_CONV=0
-    (the conv left to the caller) and by default (run in the GEMV's epilogue): the output, the same bits both
-    ways."""
+    """An il32 / q4il matmul of a row a lane with `conv` (a `gdn_decode.ConvEpilogue`) under
+    NINFER_LANE_CONV=0 (the conv left to the caller) and as set (run in the GEMV's epilogue): the output, the
+    same bits both ways."""
     import torch
 
     monkeypatch.setenv("NINFER_LANE_CONV", "0")
@@ -165,3 +165,19 @@ def lane_conv_on_and_off(monkeypatch, matmul, words, x, n: int, conv):
     assert conv.applied and torch.equal(y, plain)
     return y
 
+
+
+def assert_conv_ran(y, conv, before, atol: float = 1e-6) -> None:
+    """Each lane's GDN decode conv of the first C outputs as stored (bf16 `y`, a row a lane),
+    `gdn_decode.conv_epilogue_store`'s arithmetic: silu of the weights against the lane's slot (`before`: the
+    slots before) and its new input, the slot moved on by that input; the other slots untouched."""
+    import torch
+
+    c, ids = conv.channels, conv.slot_ids.tolist()
+    for m, slot in enumerate(ids):
+        window = torch.cat([before[slot], y[m, :c].float()[:, None]], dim=1)  # [C, 4], oldest input first
+        acc = (conv.weight * window).sum(1)
+        torch.testing.assert_close(conv.out[m], acc * torch.sigmoid(acc), rtol=1e-5, atol=atol)
+        assert torch.equal(conv.slots[slot], window[:, 1:]), m
+    idle = [i for i in range(before.shape[0]) if i not in ids]
+    assert torch.equal(conv.slots[idle], before[idle])

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import lane_conv_on_and_off
+from conftest import assert_conv_ran, lane_conv_on_and_off
 from cuda_cpu import HostKernel
 
 from ninfer.kernels import gemv_il, gemv_q4il, gemv_q6il
@@ -159,20 +159,6 @@ def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same):
                        gemv_q4il.kernel_source(columns, 1, False, (warps, ctas), cv is not None),
                        torch.bfloat16, cv) for cv in (conv, None)]
     return ys[0], conv, before, ys[1]
-
-
-def assert_conv_ran(y, conv, before) -> None:
-    """Each lane's conv of the first C outputs as stored (bf16), `gdn_decode.conv_epilogue_store`'s
-    arithmetic: silu of the weights against the lane's slot and its new input, the slot moved on by that
-    input; the other slots untouched."""
-    c = conv.channels
-    for m, slot in enumerate(conv.slot_ids.tolist()):
-        window = torch.cat([before[slot], y[m, :c].float()[:, None]], dim=1)  # [C, 4], oldest input first
-        acc = (conv.weight * window).sum(1)
-        torch.testing.assert_close(conv.out[m], acc * torch.sigmoid(acc), rtol=1e-5, atol=1e-6)
-        assert torch.equal(conv.slots[slot], window[:, 1:]), m
-    idle = [i for i in range(before.shape[0]) if i not in conv.slot_ids.tolist()]
-    assert torch.equal(conv.slots[idle], before[idle])
 
 
 @pytest.mark.parametrize(("kind", "columns", "splits"), [

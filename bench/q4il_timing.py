@@ -6,7 +6,9 @@ timed as `bench/gpu_check.py`'s `graph_us` does (one CUDA graph over weight copi
     PYTHONPATH=/tmp/site:$PWD python3 bench/q4il_timing.py [--shapes 34816x5120,...] [--widths 1,2,4,8] \\
         [--ctas 8x2,5x3]
 
---ctas: the q4il kernel at these CTA shapes (warps x CTAs an SM; the default: `SHAPES`).
+--ctas: the q4il kernel at these CTA shapes (warps x CTAs an SM; the default: `SHAPES`). --conv: each also
+with the GDN decode conv of the first min(rows, 10240) outputs in its epilogue, a lane a column (the CONV
+builds; gpu-notes "Session 47": their 4- and 8-column loops are shorter than the plain builds').
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gpu_check import graph_us, rel_err, weight_copies  # noqa: E402
+from ninfer.kernels.gdn_decode import ConvEpilogue  # noqa: E402
 from ninfer.kernels.gemv_q4il import SHAPES, gemv_q4il, repack_q4il  # noqa: E402
 from ninfer.kernels.gemv_q8 import quantize_activation  # noqa: E402
 from ninfer.kernels.gguf_matmul import quant_matmul  # noqa: E402
@@ -31,6 +34,7 @@ def main() -> None:
     p.add_argument("--shapes", default="34816x5120,16480x5120,14336x5120,5120x17408,5120x6144")
     p.add_argument("--widths", default="1,2,4,8")
     p.add_argument("--ctas", default=",".join(f"{w}x{c}" for w, c in SHAPES), help="warps x CTAs an SM")
+    p.add_argument("--conv", action="store_true", help="also the builds with the GDN conv epilogue")
     args = p.parse_args()
     torch.manual_seed(0)
     ctas = [tuple(int(v) for v in s.split("x")) for s in args.ctas.split(",")]
@@ -53,15 +57,23 @@ def main() -> None:
                 assert err < 5e-3, f"q4il at {shape}, {width} columns, CTAs {cta}: {err:.2e}"
                 times[f"q4il {cta[0]}x{cta[1]}"] = graph_us(
                     [lambda w=w, c=cta, xa=xa, n=n: gemv_q4il(w, xa, n, c) for w in words])
+                if args.conv:
+                    channels = min(n, 10240)
+                    conv = ConvEpilogue.of(torch.randn(channels, 4, device="cuda"),
+                                           torch.randn(width + 1, channels, 3, device="cuda"),
+                                           torch.arange(width, device="cuda"))
+                    times[f"q4il {cta[0]}x{cta[1]} +conv"] = graph_us(
+                        [lambda w=w, c=cta, xa=xa, n=n, cv=conv: gemv_q4il(w, xa, n, c, conv=cv)
+                         for w in words])
             gb = raws[0].numel() / 1e9
             best = min(times, key=times.get)
             line = " | ".join(f"{times[name]:.1f}" for name in times)
             fastest = min(v for name, v in times.items() if name != "gguf")
             rows.append(f"| {shape} | {width} | {line} | {best} | {gb / fastest * 1e3:.2f} |")
             print(rows[-1], flush=True)
-    heads = " | ".join(["GGUF route (µs)", *[f"q4il {w}x{c}" for w, c in ctas]])
+    heads = " | ".join(f"{name} (µs)" for name in times)
     print(f"\n| matrix | columns | {heads} | best | q4il's best TB/s |")
-    print("|---|---|" + "---|" * (len(ctas) + 3))
+    print("|---|---|" + "---|" * (len(times) + 2))
     print("\n".join(rows))
 
 

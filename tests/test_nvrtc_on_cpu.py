@@ -58,15 +58,17 @@ def same(source: str) -> str:
     return source
 
 
+@pytest.mark.parametrize("byte_index", [False, True])
 @pytest.mark.parametrize("group", [32, 256])
 @pytest.mark.parametrize("columns", [1, 2])
 @pytest.mark.parametrize(("n", "k"), [(40, 768), (160, 1024)])
-def test_the_dp4a_il32_kernel(n, k, columns, group):
+def test_the_dp4a_il32_kernel(n, k, columns, group, byte_index):
     """Rows padded to a tile and an odd block count (40 × 768); five tiles over two CTAs, summed in a ring
-    of 2 and one at a time to the same bits; the bf16 build writes the fp32 sums rounded."""
+    of 2 and one at a time to the same bits; the bf16 build writes the fp32 sums rounded; the grid table in
+    either layout (`IlSchedule.byte_index`)."""
     words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
     xa = activation(columns, k, group)
-    s = gemv_il.il_schedule(columns, k, n, group)
+    s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, group), byte_index=byte_index)
     assert s.kernel == "il"
     want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
     y, _ = run_il(same, words, xa, n, s, 2, 2)
@@ -134,7 +136,7 @@ def test_the_q4il_and_q6il_kernels(case, columns):
     assert rel(padded, want_padded) < FP32_BOUND
 
 
-def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same):
+def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same, byte_index: bool = False):
     """The il32 (dp4a at 1-2 columns, tensor cores from 3 with `splits` pieces a tile) or q4il GEMV running
     the GDN decode conv of its first outputs in its epilogue (`CONV_STAGE`), column m lane m's token: (y, the
     conv, its slots before, y of the build without the conv)."""
@@ -149,6 +151,8 @@ def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same):
     if kind == "il":
         raw = random_gguf_weight("iq3_s", n, k)
         s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, 256), splits=splits)
+        if byte_index:
+            s = dataclasses.replace(s, byte_index=True)
         ys = [run_il(source_of if cv else same, gemv_il.repack_il32(raw), xa, n, s, 2, 1 if splits > 1 else 2,
                      torch.bfloat16, cv)[0] for cv in (conv, None)]
     else:
@@ -163,12 +167,13 @@ def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same):
 
 @pytest.mark.parametrize(("kind", "columns", "splits"), [
     ("il", 1, 1), ("il", 2, 1), ("il", 4, 1), ("il", 8, 1), ("il", 8, 3), ("q4il", 1, 1), ("q4il", 4, 1),
-    ("q4il", 8, 1)])
+    ("q4il", 8, 1), ("il_byte", 1, 1), ("il_byte", 2, 1)])
 def test_the_gdn_conv_in_a_gemvs_epilogue(kind, columns, splits):
-    """Every lane's conv run on its own slot (the dp4a il32 kernel at 1-2 columns, the tensor-core one at 4
-    and 8, whole tiles and split in 3 pieces, q4il at 1, 4, 8); the GEMV's own output the same bits as the
-    build without the conv."""
-    y, conv, before, plain = conv_case(kind, columns, splits)
+    """Every lane's conv run on its own slot (the dp4a il32 kernel at 1-2 columns, also on the byte-indexed
+    table, the tensor-core one at 4 and 8, whole tiles and split in 3 pieces, q4il at 1, 4, 8); the GEMV's
+    own output the same bits as the build without the conv."""
+    y, conv, before, plain = conv_case(kind.removesuffix("_byte"), columns, splits,
+                                       byte_index=kind.endswith("_byte"))
     assert_conv_ran(y, conv, before)
     assert torch.equal(y, plain) and not y.isnan().any()
 
@@ -181,6 +186,8 @@ MUTATIONS = {
     "mma: a split's last piece": ("il_mma_split", "splits - 1;", "splits;"),
     "q4il: the min term's sign": ("q4il", "-dmin * (float)msum", "dmin * (float)msum"),
     "q6il: the scale unsigned": ("q6il", "0x8880u | (unsigned)", "0x0000u | (unsigned)"),
+    "dp4a byte index: a table row's stride": ("il_byte", "(i >> 3) * 16 + (i & 7)", "(i >> 3) * 8 + (i & 7)"),
+    "dp4a byte index: the copy's offset": ("il_byte", "lanes = 4 * (lane", "lanes = (lane"),
     "conv: the slot not moved on": ("conv", "cp[0] = s1;", "cp[0] = s0;"),
     "conv: every lane on the first's slot": ("conv", "cv.slot_ids[m * cv.step]", "cv.slot_ids[0]"),
     "conv: a split tile's conv left out": ("conv_split", "conv_store(cv, m, tile * 32 + row, to_out(v));",
@@ -196,12 +203,12 @@ def test_a_slip_in_a_kernel_fails(name):
         assert old in source, name
         return source.replace(old, new)
 
-    if kind in ("il", "il_mma", "il_mma_split"):
-        n, k, columns = 72, 1536, 1 if kind == "il" else 4
+    if kind in ("il", "il_byte", "il_mma", "il_mma_split"):
+        n, k, columns = 72, 1536, 4 if "mma" in kind else 1
         words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
         xa = activation(columns, k, 256)
         s = gemv_il.il_schedule(columns, k, n, 256)
-        s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1)
+        s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1, byte_index=kind == "il_byte")
         y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
     elif kind in ("conv", "conv_split"):

@@ -198,7 +198,17 @@ _SOURCE = r"""
 #define PDL __PDL__
 #define GROUP __GROUP__
 #define CONV __CONV__
+#define BYTE_INDEX __BYTE_INDEX__
 """ + CUDA_HELPERS + CONV_STAGE + r"""
+// the grid table in shared memory: entry i (qs byte | qh bit << 8) of copy c at word i * COPIES + c; or
+// (BYTE_INDEX, 16 copies) at byte qs << 8 | qh << 6 | c << 2 (rows of 256 bytes, the upper halves unused),
+// so one prmt of the qs byte and a byte of qh << 6 | c << 2 makes a grid word's offset
+// (`IlSchedule.byte_index`)
+#if BYTE_INDEX
+#define TABLE_WORDS 16384
+#else
+#define TABLE_WORDS (512 * COPIES)
+#endif
 struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
 
 // the words of block kb of the tile whose pairs start at `first` (this lane's row): half kb % 2 of pair
@@ -229,8 +239,10 @@ __device__ __forceinline__ void load_block(Blk& b, const unsigned* __restrict__ 
 
 // acc[m] += this row's block (sub-blocks sb0 .. sb0 + 7) · column m of the activation (in shared memory; its
 // scales xds: KG = K / GROUP a column)
+// (tab: the table's shared address, with the lane's copy unless BYTE_INDEX; lanes: BYTE_INDEX's c << 2 in
+// every byte)
 __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const int* xs, const float* xds,
-                                          int K4, int KG, unsigned tab, float acc[NCOL]) {
+                                          int K4, int KG, unsigned tab, unsigned lanes, float acc[NCOL]) {
     const float d = h ? f16_hi(b.dw) : f16_lo(b.dw);
 #if GROUP == 256
     int isum[NCOL];  // Σ_j (1 + 2 scale_j) · dot_j of the block: one float conversion a block
@@ -248,8 +260,13 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
         for (int m = 0; m < NCOL; ++m) ig[m] = 0;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            // qh bits of grid words 4 half .. 4 half + 3, one per byte
+            // qh bits of grid words 4 half .. 4 half + 3, one per byte (BYTE_INDEX: at bit 6, the copy's
+            // offset beside)
+#if BYTE_INDEX
+            const unsigned hs = ((((qh >> (4 * half)) & 15u) * (0x204081u << 6)) & 0x40404040u) | lanes;
+#else
             const unsigned hs = (((qh >> (4 * half)) & 15u) * 0x204081u) & 0x01010101u;
+#endif
             const unsigned q = b.qs[2 * j + half];
             int4 xv[NCOL];
 #pragma unroll
@@ -257,13 +274,18 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
                 xv[m] = reinterpret_cast<const int4*>(xs + m * K4 + (sb0 + j) * 8)[half];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const unsigned idx = prmt(q, hs, 0xCC40 + 0x11 * e);  // qs byte | qh bit << 8
+                // the grid word's offset in the table
+#if BYTE_INDEX
+                const unsigned at = prmt(q, hs, 0xCC04 + 0x1111 * e);  // qs byte << 8 | qh bit << 6 | c << 2
+#else
+                const unsigned at = prmt(q, hs, 0xCC40 + 0x11 * e) * (4 * COPIES);  // (qs | qh << 8) · entry
+#endif
                 // signs of grid word 4 half + e: nibble e & 1 of sign byte 2 half + e / 2; bit k moved to the
                 // top of byte 3 - k, then each byte filled with its top bit
                 const unsigned byte = prmt(b.sg[j], 0, 0x4440 + 2 * half + (e >> 1));
                 const unsigned m8 = prmt(byte * ((e & 1) ? 0x08040201u : 0x80402010u), 0, 0x89AB);
                 // the grid's magnitudes are odd, so g ^ 0xFE is -g in a byte: the signed word in one LOP3
-                const unsigned sw = lds(tab + idx * (4 * COPIES)) ^ (m8 & 0xFEFEFEFEu);
+                const unsigned sw = lds(tab + at) ^ (m8 & 0xFEFEFEFEu);
 #pragma unroll
                 for (int m = 0; m < NCOL; ++m) {
                     const int xe = e == 0 ? xv[m].x : e == 1 ? xv[m].y : e == 2 ? xv[m].z : xv[m].w;
@@ -298,20 +320,25 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
     const int tiles = (N + 31) >> 5;
     // the warps' sums of the CTA's last `ring` tiles [ring][WARPS][NCOL][32]: summed and written every `ring`
     // tiles (one barrier there, not two a tile)
-    float* red = (float*)(smem + 512 * COPIES);
+    float* red = (float*)(smem + TABLE_WORDS);
     int* xs = reinterpret_cast<int*>(red + ring * WARPS * NCOL * 32);  // the activation [NCOL][K4]
     float* xds = reinterpret_cast<float*>(xs + NCOL * K4);
     // what the CTA needs first is asked for at once (one memory latency, not one a pass of a fill loop): its
     // first block, the grid words of its table, the activation
     Blk a, b;
     if (blockIdx.x < tiles && wid < P) LOAD_PAIR(a, blockIdx.x, (size_t)blockIdx.x * P, wid, 0);
-    // table entry i of copy c at i * COPIES + c, 16 bytes (four copies of the word) a store
+    // 16 bytes (four copies of a word) a store: store i at 16-byte slot i, entry i * 4 / COPIES; or
+    // (BYTE_INDEX) at slot i / 8 * 16 + i % 8, entry i / 8 | (i / 4) % 2 << 8
     constexpr int STORES = 128 * COPIES, FILL = (STORES + WARPS * 32 - 1) / (WARPS * 32);
     unsigned gw[FILL];
 #pragma unroll
     for (int r = 0; r < FILL; ++r) {
         const int i = threadIdx.x + r * WARPS * 32;
+#if BYTE_INDEX
+        gw[r] = i < STORES ? __ldg(grid + ((i >> 3) | (((i >> 2) & 1) << 8))) : 0u;
+#else
         gw[r] = i < STORES ? __ldg(grid + i * 4 / COPIES) : 0u;
+#endif
     }
 #if PDL
     // launched early (programmatic dependent launch): the activation is the previous kernel's output
@@ -325,10 +352,19 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 #pragma unroll
     for (int r = 0; r < FILL; ++r) {
         const int i = threadIdx.x + r * WARPS * 32;
-        if (i < STORES) reinterpret_cast<uint4*>(smem)[i] = make_uint4(gw[r], gw[r], gw[r], gw[r]);
+#if BYTE_INDEX
+        const int slot = (i >> 3) * 16 + (i & 7);
+#else
+        const int slot = i;
+#endif
+        if (i < STORES) reinterpret_cast<uint4*>(smem)[slot] = make_uint4(gw[r], gw[r], gw[r], gw[r]);
     }
     __syncthreads();
-    const unsigned tab = (unsigned)__cvta_generic_to_shared(smem) + 4 * (lane % COPIES);
+#if BYTE_INDEX
+    const unsigned tab = (unsigned)__cvta_generic_to_shared(smem), lanes = 4 * (lane % COPIES) * 0x01010101u;
+#else
+    const unsigned tab = (unsigned)__cvta_generic_to_shared(smem) + 4 * (lane % COPIES), lanes = 0;
+#endif
     int k = 0;  // the tile's place in the ring
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         float acc[NCOL];
@@ -339,9 +375,9 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
         if (t != blockIdx.x && wid < P) LOAD_PAIR(a, t, first, wid, 0);
         for (int p = wid; p < P; p += WARPS) {
             LOAD_PAIR(b, t, first, p, 1);  // the padding block of an odd count is zeros
-            dot_block(a, 0, 16 * p, xs, xds, K4, KG, tab, acc);
+            dot_block(a, 0, 16 * p, xs, xds, K4, KG, tab, lanes, acc);
             if (p + WARPS < P) LOAD_PAIR(a, t, first, p + WARPS, 0);
-            if (2 * p + 1 < nblk) dot_block(b, 1, 16 * p + 8, xs, xds, K4, KG, tab, acc);
+            if (2 * p + 1 < nblk) dot_block(b, 1, 16 * p + 8, xs, xds, K4, KG, tab, lanes, acc);
         }
 #if PDL
         if (t + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
@@ -614,7 +650,11 @@ class IlSchedule:
     `kernel` "il_mma": the tensor-core kernel (split-K by blocks, 32 copies of the grid, `regs` registers a
     thread; `copies` does not apply). `group`: the activation's values per scale, 32 or 256: with 256 the
     sub-block scales (1 + 2·nibble) weigh the integer sums and one float conversion a block remains (H200:
-    the dp4a kernel 2.5-6 %, the tensor-core kernel 8-14 % faster)."""
+    the dp4a kernel 2.5-6 %, the tensor-core kernel 8-14 % faster). `byte_index` (the dp4a kernel, 16
+    copies): its grid table laid out so that the index prmt makes a grid word's byte offset, copy included,
+    and the table's base is the shared load's operand — no multiply-add a grid word between the prmt and the
+    load (sm_90 SASS, CUDA 12: the block loop 1,285 → 1,157 instructions at one column, 1,465 → 1,340 at two);
+    64 KB of table where 32 KB were."""
 
     warps: int
     copies: int = 16
@@ -622,12 +662,15 @@ class IlSchedule:
     regs: int = 0
     group: int = 32
     splits: int = 1
+    byte_index: bool = False
 
     def __post_init__(self):
         if self.group not in (32, 256):
             raise QuantKernelError(f"activation groups of {self.group}: the il32 kernels take 32 or 256")
         if self.splits != 1 and self.kernel != "il_mma":
             raise QuantKernelError("split-K over CTAs is the tensor-core il32 kernel's (IlSchedule.splits)")
+        if self.byte_index and (self.kernel != "il" or self.copies != 16):
+            raise QuantKernelError("the byte-indexed grid table is the dp4a il32 kernel's, with 16 copies")
 
     @property
     def name(self) -> str:
@@ -635,14 +678,15 @@ class IlSchedule:
             return (f"ilmma_w{self.warps}" + (f"_r{self.regs}" if self.regs else "")
                     + (f"_g{self.group}" if self.group != 32 else "")
                     + (f"_s{self.splits}" if self.splits > 1 else ""))
-        return f"il_w{self.warps}_c{self.copies}" + (f"_g{self.group}" if self.group != 32 else "")
+        return (f"il_w{self.warps}_c{self.copies}" + (f"_g{self.group}" if self.group != 32 else "")
+                + ("_b" if self.byte_index else ""))
 
     def smem_bytes(self, columns: int, in_features: int, ring: int = 1) -> int:
         """The tables and the split-K sums (the dp4a kernel's: of `ring` tiles); the dp4a kernel also stages
         the activation (int8 and scales)."""
         if self.kernel == "il_mma":
             return 512 * 32 * 4 + ring * self.warps * 32 * 8 * 4 + 16
-        table = 512 * self.copies * 4
+        table = 65536 if self.byte_index else 512 * self.copies * 4
         activation = columns * (in_features + in_features // self.group * 4)  # int8 values, fp32 scales
         return table + ring * self.warps * columns * 32 * 4 + activation
 
@@ -655,12 +699,15 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     registers and block loads hoisted or double-buffered), at 3-4 columns over few short rows (`_MMA_SHORT`)
     6 warps of 112 registers, three CTAs an SM (the 27B's output projections, 5120×6144: 11.8 → 11.0 µs at
     4 columns, session 38); a tile's blocks in `mma_splits` pieces across CTAs (NINFER_IL_SPLITS: a count
-    instead, for A/B). Both take an activation of one scale per `group` inputs."""
-    return _il_schedule(columns, in_features, out_features, group, os.environ.get("NINFER_IL_SPLITS", "auto"))
+    instead, for A/B). Both take an activation of one scale per `group` inputs. NINFER_IL_BYTE_INDEX=1: the
+    dp4a kernel on the byte-indexed grid table (`IlSchedule.byte_index`; untimed, gpu-notes "Session 47")."""
+    return _il_schedule(columns, in_features, out_features, group, os.environ.get("NINFER_IL_SPLITS", "auto"),
+                        os.environ.get("NINFER_IL_BYTE_INDEX") == "1")
 
 
 @functools.cache  # every il_matmul asks
-def _il_schedule(columns: int, in_features: int, out_features: int, group: int, splits: str) -> IlSchedule:
+def _il_schedule(columns: int, in_features: int, out_features: int, group: int, splits: str,
+                 byte_index: bool = False) -> IlSchedule:
     if columns >= 3:
         blocks = in_features // 256
         short = columns <= _MMA_SHORT[0] and blocks <= _MMA_SHORT[1] and out_features <= _MMA_SHORT[2]
@@ -668,7 +715,7 @@ def _il_schedule(columns: int, in_features: int, out_features: int, group: int, 
              else IlSchedule(min(10, blocks), kernel="il_mma", group=group))
         return with_mma_splits(s, columns, in_features, out_features) if splits == "auto" else replace(
             s, splits=int(splits))
-    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, group=group)
+    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, group=group, byte_index=byte_index)
 
 
 def with_mma_splits(s: IlSchedule, columns: int, in_features: int, out_features: int) -> IlSchedule:
@@ -734,7 +781,7 @@ def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False,
     return (source.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
             .replace("__CONV__", str(int(conv)))
             .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns, 0)))
-            .replace("__COPIES__", str(s.copies))
+            .replace("__COPIES__", str(s.copies)).replace("__BYTE_INDEX__", str(int(s.byte_index)))
             .replace("__PDL__", str(int(pdl))).replace("__GROUP__", str(s.group)))
 
 

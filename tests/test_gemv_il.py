@@ -400,8 +400,8 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
     """1-8 columns (the dp4a kernel at 1 and 2, the tensor-core kernel at 3-8), 12 through two calls, bf16 and
     fp32 outputs, padded rows and blocks; 40 columns through the dequantised weight; both kernels with one
     activation scale per 32 inputs and per 256 (a block); a CTA's tiles summed in a ring (17408 rows: 2-3
-    tiles a CTA) the same bits as one at a time, in both kernels; the dp4a kernel on the byte-indexed grid
-    table the same bits as on the other; the tensor-core kernel's tiles split into
+    tiles a CTA) the same bits as one at a time, in both kernels; both kernels on the byte-indexed grid
+    tables the same bits as on the others; the tensor-core kernel's tiles split into
     2-4 pieces across CTAs, the same bits on a second call; and both kernels captured in a CUDA graph, the
     same bits as eager."""
     from ninfer.kernels import gemv_il as gemv_il_module
@@ -430,7 +430,7 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
         s = gemv_il_module.il_schedule(width, k, n, group=256)
         # fp32 sums in another order, as above (7e-8 measured on the 27B's matrices, bench/il_group256.py)
         assert rel(gemv_il(words, xa, n, s), gemv_il_reference(words, xa, n)) < 1e-4, (n, k, width)
-    for width in (1, 2):  # the dp4a kernel on the byte-indexed table: the same words, the same sums
+    for width in (1, 2, 4, 8):  # both kernels on the byte-indexed tables: the same words, the same sums
         for group in (32, 256):
             xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16), group=group)
             s = gemv_il_module.il_schedule(width, k, n, group=group)
@@ -555,20 +555,25 @@ def test_lane_conv_takes_one_token_a_lane_up_to_its_column_limit(monkeypatch):
     assert gemv_il.lane_conv(one, rows(1), n) is None
 
 
-def test_the_byte_indexed_grid_table_is_the_dp4a_kernels_and_opt_in(monkeypatch):
-    """`IlSchedule.byte_index` (the dp4a kernel's grid table laid out for byte offsets): off unless
-    NINFER_IL_BYTE_INDEX=1, then at 1-2 columns only; 32 KB more shared memory; 16 copies, never the
-    tensor-core kernel."""
+def test_the_byte_indexed_grid_tables_are_opt_in(monkeypatch):
+    """`IlSchedule.byte_index` (the grid tables laid out for byte offsets): off unless NINFER_IL_BYTE_INDEX
+    is 1 (both kernels), il (the dp4a kernel, 1-2 columns) or il_mma (the tensor-core kernel, 3-8); the dp4a
+    kernel's table 32 KB larger, with 16 copies only."""
     from ninfer.kernels.gguf_matmul import QuantKernelError
+
+    def flags() -> tuple[bool, bool]:
+        return tuple(gemv_il.il_schedule(w, 5120, 34816, 256).byte_index for w in (1, 4))
 
     monkeypatch.delenv("NINFER_IL_BYTE_INDEX", raising=False)
     plain = gemv_il.il_schedule(1, 5120, 34816, 256)
-    assert not plain.byte_index
+    assert flags() == (False, False)
+    for value, want in (("1", (True, True)), ("il", (True, False)), ("il_mma", (False, True))):
+        monkeypatch.setenv("NINFER_IL_BYTE_INDEX", value)
+        assert flags() == want, value
     monkeypatch.setenv("NINFER_IL_BYTE_INDEX", "1")
     s = gemv_il.il_schedule(1, 5120, 34816, 256)
-    assert s.byte_index and gemv_il.il_schedule(2, 5120, 34816, 256).byte_index and s.name != plain.name
-    assert not gemv_il.il_schedule(4, 5120, 34816, 256).byte_index
-    assert s.smem_bytes(1, 5120, 8) == plain.smem_bytes(1, 5120, 8) + 32768
-    for wrong in ({"kernel": "il_mma"}, {"copies": 8}):
-        with pytest.raises(QuantKernelError, match="byte-indexed"):
-            gemv_il.IlSchedule(10, **wrong, byte_index=True)
+    assert s.name != plain.name and s.smem_bytes(1, 5120, 8) == plain.smem_bytes(1, 5120, 8) + 32768
+    mma = gemv_il.il_schedule(4, 5120, 34816, 256)
+    assert mma.smem_bytes(4, 5120) == dataclasses.replace(mma, byte_index=False).smem_bytes(4, 5120)
+    with pytest.raises(QuantKernelError, match="16 copies"):
+        gemv_il.IlSchedule(10, 8, byte_index=True)

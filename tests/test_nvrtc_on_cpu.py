@@ -77,16 +77,18 @@ def test_the_dp4a_il32_kernel(n, k, columns, group, byte_index):
     assert torch.equal(run_il(same, words, xa, n, s, 2, 2, torch.bfloat16)[0], y.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("byte_index", [False, True])
 @pytest.mark.parametrize("group", [32, 256])
 @pytest.mark.parametrize("columns", [3, 4, 8])
-def test_the_tensor_core_il32_kernel(columns, group):
+def test_the_tensor_core_il32_kernel(columns, group, byte_index):
     """Whole tiles (a ring of 2 and one at a time: the same bits) and tiles split into 2 and 3 pieces across
-    CTAs, the last piece adding the slots and leaving the counts zero; the short-row schedule (6 warps)."""
+    CTAs, the last piece adding the slots and leaving the counts zero; the short-row schedule (6 warps); the
+    grid table in either layout (`IlSchedule.byte_index`)."""
     n, k = 72, 1536
     words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
     xa = activation(columns, k, group)
     want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
-    s = gemv_il.il_schedule(columns, k, n, group)
+    s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, group), byte_index=byte_index)
     assert s.kernel == "il_mma"
     y, _ = run_il(same, words, xa, n, dataclasses.replace(s, splits=1), 2, 2)
     assert rel(y, want) < FP32_BOUND
@@ -188,6 +190,8 @@ MUTATIONS = {
     "q6il: the scale unsigned": ("q6il", "0x8880u | (unsigned)", "0x0000u | (unsigned)"),
     "dp4a byte index: a table row's stride": ("il_byte", "(i >> 3) * 16 + (i & 7)", "(i >> 3) * 8 + (i & 7)"),
     "dp4a byte index: the copy's offset": ("il_byte", "lanes = 4 * (lane", "lanes = (lane"),
+    "mma byte index: the second sub-block's qh byte": ("il_mma_byte", "(4 + (j & 1)) + 0x6600u",
+                                                       "4 + 0x6600u"),
     "conv: the slot not moved on": ("conv", "cp[0] = s1;", "cp[0] = s0;"),
     "conv: every lane on the first's slot": ("conv", "cv.slot_ids[m * cv.step]", "cv.slot_ids[0]"),
     "conv: a split tile's conv left out": ("conv_split", "conv_store(cv, m, tile * 32 + row, to_out(v));",
@@ -203,12 +207,13 @@ def test_a_slip_in_a_kernel_fails(name):
         assert old in source, name
         return source.replace(old, new)
 
-    if kind in ("il", "il_byte", "il_mma", "il_mma_split"):
+    if kind in ("il", "il_byte", "il_mma", "il_mma_byte", "il_mma_split"):
         n, k, columns = 72, 1536, 4 if "mma" in kind else 1
         words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
         xa = activation(columns, k, 256)
         s = gemv_il.il_schedule(columns, k, n, 256)
-        s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1, byte_index=kind == "il_byte")
+        s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1,
+                                byte_index=kind.endswith("_byte"))
         y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
     elif kind in ("conv", "conv_split"):

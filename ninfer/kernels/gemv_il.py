@@ -437,6 +437,7 @@ _MMA_SOURCE = r"""
 #define PDL __PDL__
 #define GROUP __GROUP__
 #define CONV __CONV__
+#define BYTE_INDEX __BYTE_INDEX__
 """ + CUDA_HELPERS + CONV_STAGE + r"""
 #define BIAS 0x4B400000
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
@@ -462,14 +463,20 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
     // split-K (`splits` > 1): item i is piece i % splits of tile i / splits, a run of its blocks; each
     // piece leaves its sums in its slot of part_sums [splits][NCOL][tiles * 32], and the last piece to finish
     // (a count per tile, left zero again) adds the slots in piece order: the same bits whichever is last
-    extern __shared__ uint4 tab[];  // grid word i of copy c at word i * 32 + c, four copies a store
+    // grid word i (qs byte | qh bit << 8) of copy c at word i * 32 + c, or (BYTE_INDEX) at byte qs << 8 |
+    // qh << 7 | c << 2; four copies a store
+    extern __shared__ uint4 tab[];
     // the warps' partial sums of the CTA's last `ring` items [ring][WARPS][32 rows][8 columns], summed and
     // written after one barrier (`ring` > 1 only unsplit)
     float* red = reinterpret_cast<float*>(tab + 512 * 8);
     int* last_piece = reinterpret_cast<int*>(red + ring * WARPS * 32 * 8);  // (no static shared memory: the
                                                                      // dynamic size is the opt-in limit)
     for (int i = threadIdx.x; i < 512 * 8; i += WARPS * 32) {
+#if BYTE_INDEX
+        const unsigned g = grid[(i >> 4) | (((i >> 3) & 1) << 8)];
+#else
         const unsigned g = grid[i >> 3];
+#endif
         tab[i] = make_uint4(g, g, g, g);
     }
 #if PDL
@@ -477,7 +484,12 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 #endif
     __syncthreads();
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
+#if BYTE_INDEX
+    // the table's shared address (the loads' operand) and the lane's copy offset in every byte
+    const unsigned tbase = (unsigned)__cvta_generic_to_shared(tab), lanes = 4 * lane * 0x01010101u;
+#else
     const char* tb = reinterpret_cast<const char*>(tab) + 4 * lane;  // this lane's copy
+#endif
     const unsigned selq = 2 * (t & 1);  // qs byte 2t of the lane's word (2t + 1 the next)
     const unsigned sels = 0x4440 + t;  // sign byte t alone
     const int P = (K + 511) >> 9, K4 = K >> 2, K32 = K >> 5, nblk = K >> 8;
@@ -516,8 +528,24 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
             // qh bits of grid words 2t / 2t + 1 of four sub-blocks, a byte each (0 or 1), by row: the table
             // index is one prmt of them and the qs word (ALU work is this kernel's limit: session 33)
             unsigned qa[4], qb[4];
+#if BYTE_INDEX
+            uint4 qh;
+#endif
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
+#if BYTE_INDEX
+                // qh << 7 | the copy's offset, of sub-blocks j, j + 1 in bytes 0, 1 and bytes 2, 3 zero (the
+                // index prmt's zero bytes: a byte of qh << 7 has no clear top bit to replicate)
+                if ((j & 3) == 0) qh = wb[8 * (32 + 2 * h + (j >> 2))];
+                if ((j & 1) == 0) {
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const unsigned bits = part(qh, r) >> (2 * t);
+                        qa[r] = prmt(((bits << 7) & 0x80808080u) | lanes, 0, (j & 2) ? 0x4432 : 0x4410);
+                        qb[r] = prmt(((bits << 6) & 0x80808080u) | lanes, 0, (j & 2) ? 0x4432 : 0x4410);
+                    }
+                }
+#else
                 if ((j & 3) == 0) {
                     const uint4 qh = wb[8 * (32 + 2 * h + (j >> 2))];
 #pragma unroll
@@ -527,18 +555,30 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
                         qb[r] = (bits >> 1) & 0x01010101u;
                     }
                 }
+#endif
                 const uint4 qs = wq[16 * j], sg = wb[8 * (36 + 8 * h + j)];
                 const int2 xb = __ldg(xb8 + 4 * j);
+#if BYTE_INDEX
+                // [qh << 7 | c << 2, qs byte 2t or 2t + 1, 0, 0]: the byte offset
+                const unsigned selj = (4 + (j & 1)) + 0x6600u;
+                const unsigned sel_a = (selq << 4) | selj, sel_b = ((selq + 1) << 4) | selj;
+#else
                 // [qs byte 2t or 2t + 1, qh bit, 0, 0] (the top bytes sign-replicate a 0 or 1 byte)
                 const unsigned selj = (4 + (j & 3)) * 0x10u + (0xC + (j & 3)) * 0x1100u;
                 const unsigned sel_a = selq | selj, sel_b = (selq + 1) | selj;
+#endif
                 unsigned a[4][2];
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
-                    // table offsets of grid words 2t, 2t + 1: (qs byte | qh bit << 8) · 128 + the lane's copy
+                    // table offsets of grid words 2t, 2t + 1: (qs byte | qh bit << 8) · 128 + the lane's
+                    // copy (BYTE_INDEX: the prmt's result itself)
                     const unsigned ia = prmt(part(qs, r), qa[r], sel_a), ib = prmt(part(qs, r), qb[r], sel_b);
+#if BYTE_INDEX
+                    const unsigned ea = lds(tbase + ia), eb = lds(tbase + ib);
+#else
                     const unsigned ea = *reinterpret_cast<const unsigned*>(tb + ia * 128u);
                     const unsigned eb = *reinterpret_cast<const unsigned*>(tb + ib * 128u);
+#endif
                     // sign bit k of a word to the top of byte 3 - k, each byte filled with its top bit
                     const unsigned sb = prmt(part(sg, r), 0, sels);
                     const unsigned ma = prmt(sb * 0x80402010u, 0, 0x89AB);
@@ -650,11 +690,13 @@ class IlSchedule:
     `kernel` "il_mma": the tensor-core kernel (split-K by blocks, 32 copies of the grid, `regs` registers a
     thread; `copies` does not apply). `group`: the activation's values per scale, 32 or 256: with 256 the
     sub-block scales (1 + 2·nibble) weigh the integer sums and one float conversion a block remains (H200:
-    the dp4a kernel 2.5-6 %, the tensor-core kernel 8-14 % faster). `byte_index` (the dp4a kernel, 16
-    copies): its grid table laid out so that the index prmt makes a grid word's byte offset, copy included,
-    and the table's base is the shared load's operand — no multiply-add a grid word between the prmt and the
-    load (sm_90 SASS, CUDA 12: the block loop 1,285 → 1,157 instructions at one column, 1,465 → 1,340 at two);
-    64 KB of table where 32 KB were."""
+    the dp4a kernel 2.5-6 %, the tensor-core kernel 8-14 % faster). `byte_index`: the grid table laid out so
+    that the index prmt makes a grid word's byte offset, the lane's copy included, and the table's base is
+    the shared load's operand — no multiply-add or LEA a grid word between the prmt and the load. The dp4a
+    kernel (16 copies): rows of 256 bytes, their upper halves unused (64 KB where 32 KB were); sm_90 SASS
+    (CUDA 12): its block loop 1,285 → 1,157 instructions at one column, 1,465 → 1,340 at two. The tensor-core
+    kernel (32 copies, the same 64 KB): its qh bytes made for two sub-blocks at a time (zero bytes for the
+    prmt), 759 → 730 at four columns, 755 → 726 at eight."""
 
     warps: int
     copies: int = 16
@@ -669,15 +711,15 @@ class IlSchedule:
             raise QuantKernelError(f"activation groups of {self.group}: the il32 kernels take 32 or 256")
         if self.splits != 1 and self.kernel != "il_mma":
             raise QuantKernelError("split-K over CTAs is the tensor-core il32 kernel's (IlSchedule.splits)")
-        if self.byte_index and (self.kernel != "il" or self.copies != 16):
-            raise QuantKernelError("the byte-indexed grid table is the dp4a il32 kernel's, with 16 copies")
+        if self.byte_index and self.kernel == "il" and self.copies != 16:
+            raise QuantKernelError("the dp4a il32 kernel's byte-indexed grid table has 16 copies")
 
     @property
     def name(self) -> str:
         if self.kernel == "il_mma":
             return (f"ilmma_w{self.warps}" + (f"_r{self.regs}" if self.regs else "")
                     + (f"_g{self.group}" if self.group != 32 else "")
-                    + (f"_s{self.splits}" if self.splits > 1 else ""))
+                    + (f"_s{self.splits}" if self.splits > 1 else "") + ("_b" if self.byte_index else ""))
         return (f"il_w{self.warps}_c{self.copies}" + (f"_g{self.group}" if self.group != 32 else "")
                 + ("_b" if self.byte_index else ""))
 
@@ -699,23 +741,26 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     registers and block loads hoisted or double-buffered), at 3-4 columns over few short rows (`_MMA_SHORT`)
     6 warps of 112 registers, three CTAs an SM (the 27B's output projections, 5120×6144: 11.8 → 11.0 µs at
     4 columns, session 38); a tile's blocks in `mma_splits` pieces across CTAs (NINFER_IL_SPLITS: a count
-    instead, for A/B). Both take an activation of one scale per `group` inputs. NINFER_IL_BYTE_INDEX=1: the
-    dp4a kernel on the byte-indexed grid table (`IlSchedule.byte_index`; untimed, gpu-notes "Session 47")."""
+    instead, for A/B). Both take an activation of one scale per `group` inputs. NINFER_IL_BYTE_INDEX: the
+    byte-indexed grid tables (`IlSchedule.byte_index`; untimed, gpu-notes "Session 47") in both kernels (1),
+    the dp4a one's (il) or the tensor-core one's (il_mma)."""
     return _il_schedule(columns, in_features, out_features, group, os.environ.get("NINFER_IL_SPLITS", "auto"),
-                        os.environ.get("NINFER_IL_BYTE_INDEX") == "1")
+                        os.environ.get("NINFER_IL_BYTE_INDEX", "0"))
 
 
 @functools.cache  # every il_matmul asks
 def _il_schedule(columns: int, in_features: int, out_features: int, group: int, splits: str,
-                 byte_index: bool = False) -> IlSchedule:
+                 byte_index: str = "0") -> IlSchedule:
     if columns >= 3:
         blocks = in_features // 256
         short = columns <= _MMA_SHORT[0] and blocks <= _MMA_SHORT[1] and out_features <= _MMA_SHORT[2]
         s = (IlSchedule(min(6, blocks), kernel="il_mma", regs=112, group=group) if short
              else IlSchedule(min(10, blocks), kernel="il_mma", group=group))
+        s = replace(s, byte_index=byte_index in ("1", "il_mma"))
         return with_mma_splits(s, columns, in_features, out_features) if splits == "auto" else replace(
             s, splits=int(splits))
-    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, group=group, byte_index=byte_index)
+    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, group=group,
+                      byte_index=byte_index in ("1", "il"))
 
 
 def with_mma_splits(s: IlSchedule, columns: int, in_features: int, out_features: int) -> IlSchedule:

@@ -9,7 +9,7 @@ words "loaded at once" cost instructions and no memory round trips (timed: 5-9 %
     python -m zipfile -e /tmp/nvrtc/nvidia_cuda_nvrtc_cu12-*.whl /tmp/nvrtc/x
     NVRTC_LIB=/tmp/nvrtc/x/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 \\
         python bench/sass_nvrtc.py il_mma --columns 4 --warps 10 [--regs 96] [--dump] [--conv]
-        python bench/sass_nvrtc.py il --columns 1 --byte-index   # the dp4a kernel on the byte-indexed table
+        python bench/sass_nvrtc.py il --columns 1 --byte-index [--copies 32]   # the byte-indexed table
     python bench/sass_nvrtc.py il --columns 2 --against /tmp/prev.py   # the same build as another gemv_il.py?
 
 NVRTC here is CUDA 12's and the device's torch brings 13's: the builds are close, not identical.
@@ -69,13 +69,14 @@ def sm90_sass(ptx: str) -> tuple[str, str]:
 
 
 def source_of(kernel: str, columns: int, warps: int, regs: int, group: int, il=gemv_il,
-              conv: bool = False, byte_index: bool = False) -> tuple[str, str]:
+              conv: bool = False, byte_index: bool = False, copies: int = 16) -> tuple[str, str]:
     """(the CUDA C the engine builds, its entry name), programmatic launch on, bf16 output; `il`: the
     gemv_il module the il32 kernels come from; `conv`: the build with the GDN conv epilogue (il32, q4il);
-    `byte_index`: the dp4a kernel on the byte-indexed table."""
+    `byte_index`: the il32 kernels on the byte-indexed tables; `copies`: the dp4a kernel's."""
     if kernel in ("il", "il_mma"):
-        s = (il.IlSchedule(warps, kernel="il_mma", regs=regs, group=group) if kernel == "il_mma"
-             else il.IlSchedule(warps, 16, group=group, **({"byte_index": True} if byte_index else {})))
+        extra = {"byte_index": True} if byte_index else {}  # (an older gemv_il, --against, has no such field)
+        s = (il.IlSchedule(warps, kernel="il_mma", regs=regs, group=group, **extra) if kernel == "il_mma"
+             else il.IlSchedule(warps, copies, group=group, **extra))
         return (il.kernel_source(columns, 1, s, True, conv),
                 "iq3s_il_mma" if kernel == "il_mma" else "iq3s_il_gemv")
     if kernel == "q4il":
@@ -111,10 +112,11 @@ def main() -> None:
     p.add_argument("--dump", action="store_true", help="print the block loop's instructions")
     p.add_argument("--against", type=Path, help="il32 kernels: another gemv_il.py, built and compared")
     p.add_argument("--conv", action="store_true", help="il32, q4il: the build with the GDN conv epilogue")
-    p.add_argument("--byte-index", action="store_true", help="il: the byte-indexed grid table")
+    p.add_argument("--byte-index", action="store_true", help="il32 kernels: the byte-indexed grid tables")
+    p.add_argument("--copies", type=int, default=16, help="il: the dp4a kernel's copies of the grid")
     a = p.parse_args()
     source, name = source_of(a.kernel, a.columns, a.warps, a.regs, a.group, conv=a.conv,
-                             byte_index=a.byte_index)
+                             byte_index=a.byte_index, copies=a.copies)
     resources, sass = sm90_sass(nvrtc_ptx(source, name))
     print("\n".join(line for line in resources.splitlines() if "registers" in line or "spill" in line))
     body = loop_body(sass)

@@ -436,6 +436,9 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
             s = gemv_il_module.il_schedule(width, k, n, group=group)
             plain = gemv_il(words, xa, n, s)
             assert torch.equal(gemv_il(words, xa, n, dataclasses.replace(s, byte_index=True)), plain), width
+            if width < 3:  # the dp4a kernel's 32 copies
+                s32 = dataclasses.replace(s, byte_index=True, copies=32)
+                assert torch.equal(gemv_il(words, xa, n, s32), plain), width
     for width in (3, 4, 8):  # the tensor-core kernel's tiles split across CTAs: the pieces' sums in order
         xa = quantize_activation(torch.randn(width, k, device="cuda"), group=256)
         want = gemv_il_reference(words, xa, n)
@@ -558,7 +561,7 @@ def test_lane_conv_takes_one_token_a_lane_up_to_its_column_limit(monkeypatch):
 def test_the_byte_indexed_grid_tables_are_opt_in(monkeypatch):
     """`IlSchedule.byte_index` (the grid tables laid out for byte offsets): off unless NINFER_IL_BYTE_INDEX
     is 1 (both kernels), il (the dp4a kernel, 1-2 columns) or il_mma (the tensor-core kernel, 3-8); the dp4a
-    kernel's table 32 KB larger, with 16 copies only."""
+    kernel's table 32 KB larger, with 16 copies, and NINFER_IL_COPIES=32 the same size."""
     from ninfer.kernels.gguf_matmul import QuantKernelError
 
     def flags() -> tuple[bool, bool]:
@@ -575,5 +578,8 @@ def test_the_byte_indexed_grid_tables_are_opt_in(monkeypatch):
     assert s.name != plain.name and s.smem_bytes(1, 5120, 8) == plain.smem_bytes(1, 5120, 8) + 32768
     mma = gemv_il.il_schedule(4, 5120, 34816, 256)
     assert mma.smem_bytes(4, 5120) == dataclasses.replace(mma, byte_index=False).smem_bytes(4, 5120)
-    with pytest.raises(QuantKernelError, match="16 copies"):
+    monkeypatch.setenv("NINFER_IL_COPIES", "32")
+    s32 = gemv_il.il_schedule(1, 5120, 34816, 256)
+    assert s32.copies == 32 and s32.smem_bytes(1, 5120, 8) == s.smem_bytes(1, 5120, 8)
+    with pytest.raises(QuantKernelError, match="16 or 32 copies"):
         gemv_il.IlSchedule(10, 8, byte_index=True)

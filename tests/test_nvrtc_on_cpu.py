@@ -58,17 +58,17 @@ def same(source: str) -> str:
     return source
 
 
-@pytest.mark.parametrize("byte_index", [False, True])
+@pytest.mark.parametrize(("copies", "byte_index"), [(16, False), (16, True), (32, True)])
 @pytest.mark.parametrize("group", [32, 256])
 @pytest.mark.parametrize("columns", [1, 2])
 @pytest.mark.parametrize(("n", "k"), [(40, 768), (160, 1024)])
-def test_the_dp4a_il32_kernel(n, k, columns, group, byte_index):
+def test_the_dp4a_il32_kernel(n, k, columns, group, copies, byte_index):
     """Rows padded to a tile and an odd block count (40 × 768); five tiles over two CTAs, summed in a ring
     of 2 and one at a time to the same bits; the bf16 build writes the fp32 sums rounded; the grid table in
-    either layout (`IlSchedule.byte_index`)."""
+    either layout (`IlSchedule.byte_index`, 16 or 32 copies)."""
     words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
     xa = activation(columns, k, group)
-    s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, group), byte_index=byte_index)
+    s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, group), copies=copies, byte_index=byte_index)
     assert s.kernel == "il"
     want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
     y, _ = run_il(same, words, xa, n, s, 2, 2)
@@ -188,8 +188,10 @@ MUTATIONS = {
     "mma: a split's last piece": ("il_mma_split", "splits - 1;", "splits;"),
     "q4il: the min term's sign": ("q4il", "-dmin * (float)msum", "dmin * (float)msum"),
     "q6il: the scale unsigned": ("q6il", "0x8880u | (unsigned)", "0x0000u | (unsigned)"),
-    "dp4a byte index: a table row's stride": ("il_byte", "(i >> 3) * 16 + (i & 7)", "(i >> 3) * 8 + (i & 7)"),
+    "dp4a byte index: a table row's stride": ("il_byte", "i / (COPIES / 2) * 16", "i / (COPIES / 2) * 8"),
     "dp4a byte index: the copy's offset": ("il_byte", "lanes = 4 * (lane", "lanes = (lane"),
+    "dp4a byte index, 32 copies: the second pair's qh bytes": ("il_byte32", "prmt(hs, 0, 0x4432)",
+                                                               "prmt(hs, 0, 0x4410)"),
     "mma byte index: the second sub-block's qh byte": ("il_mma_byte", "(4 + (j & 1)) + 0x6600u",
                                                        "4 + 0x6600u"),
     "conv: the slot not moved on": ("conv", "cp[0] = s1;", "cp[0] = s0;"),
@@ -207,13 +209,13 @@ def test_a_slip_in_a_kernel_fails(name):
         assert old in source, name
         return source.replace(old, new)
 
-    if kind in ("il", "il_byte", "il_mma", "il_mma_byte", "il_mma_split"):
+    if kind in ("il", "il_byte", "il_byte32", "il_mma", "il_mma_byte", "il_mma_split"):
         n, k, columns = 72, 1536, 4 if "mma" in kind else 1
         words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
         xa = activation(columns, k, 256)
         s = gemv_il.il_schedule(columns, k, n, 256)
         s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1,
-                                byte_index=kind.endswith("_byte"))
+                                byte_index="byte" in kind, copies=32 if kind == "il_byte32" else s.copies)
         y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
     elif kind in ("conv", "conv_split"):

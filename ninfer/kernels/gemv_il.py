@@ -201,11 +201,12 @@ _SOURCE = r"""
 #define BYTE_INDEX __BYTE_INDEX__
 """ + CUDA_HELPERS + CONV_STAGE + r"""
 // the grid table in shared memory: entry i (qs byte | qh bit << 8) of copy c at word i * COPIES + c; or
-// (BYTE_INDEX, 16 copies) at byte qs << 8 | qh << 6 | c << 2 (rows of 256 bytes, the upper halves unused),
-// so one prmt of the qs byte and a byte of qh << 6 | c << 2 makes a grid word's offset
+// (BYTE_INDEX) at byte qs << 8 | qh << QH_BIT | c << 2, rows of 256 bytes (16 copies: their upper halves
+// unused), so one prmt of the qs byte and a byte of qh << QH_BIT | c << 2 makes a grid word's offset
 // (`IlSchedule.byte_index`)
 #if BYTE_INDEX
 #define TABLE_WORDS 16384
+#define QH_BIT (COPIES == 32 ? 7 : 6)
 #else
 #define TABLE_WORDS (512 * COPIES)
 #endif
@@ -260,10 +261,15 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
         for (int m = 0; m < NCOL; ++m) ig[m] = 0;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            // qh bits of grid words 4 half .. 4 half + 3, one per byte (BYTE_INDEX: at bit 6, the copy's
-            // offset beside)
+            // qh bits of grid words 4 half .. 4 half + 3, one per byte (BYTE_INDEX: at QH_BIT, the copy's
+            // offset beside; 32 copies: bytes 0-1 of two words whose bytes 2-3 are zero, for the prmt's zero
+            // bytes — a byte with qh at bit 7 has no clear top bit to replicate)
 #if BYTE_INDEX
-            const unsigned hs = ((((qh >> (4 * half)) & 15u) * (0x204081u << 6)) & 0x40404040u) | lanes;
+            const unsigned hs = (((qh >> (4 * half)) & 15u) * (0x204081u << QH_BIT) & (0x01010101u << QH_BIT))
+                                | lanes;
+#if COPIES == 32
+            const unsigned hs2[2] = {prmt(hs, 0, 0x4410), prmt(hs, 0, 0x4432)};
+#endif
 #else
             const unsigned hs = (((qh >> (4 * half)) & 15u) * 0x204081u) & 0x01010101u;
 #endif
@@ -275,7 +281,10 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 // the grid word's offset in the table
-#if BYTE_INDEX
+#if BYTE_INDEX && COPIES == 32
+                // qs byte << 8 | qh bit << 7 | c << 2 (bytes 2, 3: the zero bytes of hs2)
+                const unsigned at = prmt(q, hs2[e >> 1], 0x6604 + 0x10 * e + (e & 1));
+#elif BYTE_INDEX
                 const unsigned at = prmt(q, hs, 0xCC04 + 0x1111 * e);  // qs byte << 8 | qh bit << 6 | c << 2
 #else
                 const unsigned at = prmt(q, hs, 0xCC40 + 0x11 * e) * (4 * COPIES);  // (qs | qh << 8) · entry
@@ -328,14 +337,14 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
     Blk a, b;
     if (blockIdx.x < tiles && wid < P) LOAD_PAIR(a, blockIdx.x, (size_t)blockIdx.x * P, wid, 0);
     // 16 bytes (four copies of a word) a store: store i at 16-byte slot i, entry i * 4 / COPIES; or
-    // (BYTE_INDEX) at slot i / 8 * 16 + i % 8, entry i / 8 | (i / 4) % 2 << 8
+    // (BYTE_INDEX) of qs = i / (COPIES / 2) and qh = its place r in that row / (COPIES / 4) at slot 16 qs + r
     constexpr int STORES = 128 * COPIES, FILL = (STORES + WARPS * 32 - 1) / (WARPS * 32);
     unsigned gw[FILL];
 #pragma unroll
     for (int r = 0; r < FILL; ++r) {
         const int i = threadIdx.x + r * WARPS * 32;
 #if BYTE_INDEX
-        gw[r] = i < STORES ? __ldg(grid + ((i >> 3) | (((i >> 2) & 1) << 8))) : 0u;
+        gw[r] = i < STORES ? __ldg(grid + ((i / (COPIES / 2)) | (i % (COPIES / 2) / (COPIES / 4) << 8))) : 0u;
 #else
         gw[r] = i < STORES ? __ldg(grid + i * 4 / COPIES) : 0u;
 #endif
@@ -353,7 +362,7 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
     for (int r = 0; r < FILL; ++r) {
         const int i = threadIdx.x + r * WARPS * 32;
 #if BYTE_INDEX
-        const int slot = (i >> 3) * 16 + (i & 7);
+        const int slot = i / (COPIES / 2) * 16 + i % (COPIES / 2);
 #else
         const int slot = i;
 #endif
@@ -694,9 +703,10 @@ class IlSchedule:
     that the index prmt makes a grid word's byte offset, the lane's copy included, and the table's base is
     the shared load's operand — no multiply-add or LEA a grid word between the prmt and the load. The dp4a
     kernel (16 copies): rows of 256 bytes, their upper halves unused (64 KB where 32 KB were); sm_90 SASS
-    (CUDA 12): its block loop 1,285 → 1,157 instructions at one column, 1,465 → 1,340 at two. The tensor-core
-    kernel (32 copies, the same 64 KB): its qh bytes made for two sub-blocks at a time (zero bytes for the
-    prmt), 759 → 730 at four columns, 755 → 726 at eight."""
+    (CUDA 12): its block loop 1,285 → 1,157 instructions at one column, 1,465 → 1,340 at two; with 32
+    copies (no bank conflicts; the qh bytes split as the tensor-core kernel's) 1,219 and 1,400. The
+    tensor-core kernel (32 copies, the same 64 KB): its qh bytes made for two sub-blocks at a time (zero
+    bytes for the prmt), 759 → 730 at four columns, 755 → 726 at eight."""
 
     warps: int
     copies: int = 16
@@ -711,8 +721,8 @@ class IlSchedule:
             raise QuantKernelError(f"activation groups of {self.group}: the il32 kernels take 32 or 256")
         if self.splits != 1 and self.kernel != "il_mma":
             raise QuantKernelError("split-K over CTAs is the tensor-core il32 kernel's (IlSchedule.splits)")
-        if self.byte_index and self.kernel == "il" and self.copies != 16:
-            raise QuantKernelError("the dp4a il32 kernel's byte-indexed grid table has 16 copies")
+        if self.byte_index and self.kernel == "il" and self.copies not in (16, 32):
+            raise QuantKernelError("the dp4a il32 kernel's byte-indexed grid table has 16 or 32 copies")
 
     @property
     def name(self) -> str:
@@ -743,14 +753,16 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     4 columns, session 38); a tile's blocks in `mma_splits` pieces across CTAs (NINFER_IL_SPLITS: a count
     instead, for A/B). Both take an activation of one scale per `group` inputs. NINFER_IL_BYTE_INDEX: the
     byte-indexed grid tables (`IlSchedule.byte_index`; untimed, gpu-notes "Session 47") in both kernels (1),
-    the dp4a one's (il) or the tensor-core one's (il_mma)."""
-    return _il_schedule(columns, in_features, out_features, group, os.environ.get("NINFER_IL_SPLITS", "auto"),
-                        os.environ.get("NINFER_IL_BYTE_INDEX", "0"))
+    the dp4a one's (il) or the tensor-core one's (il_mma); NINFER_IL_COPIES: the dp4a kernel's copies of the
+    grid (16; 32 for A/B)."""
+    env = os.environ.get
+    return _il_schedule(columns, in_features, out_features, group, env("NINFER_IL_SPLITS", "auto"),
+                        env("NINFER_IL_BYTE_INDEX", "0"), int(env("NINFER_IL_COPIES", 16)))
 
 
 @functools.cache  # every il_matmul asks
 def _il_schedule(columns: int, in_features: int, out_features: int, group: int, splits: str,
-                 byte_index: str = "0") -> IlSchedule:
+                 byte_index: str = "0", copies: int = 16) -> IlSchedule:
     if columns >= 3:
         blocks = in_features // 256
         short = columns <= _MMA_SHORT[0] and blocks <= _MMA_SHORT[1] and out_features <= _MMA_SHORT[2]
@@ -759,7 +771,7 @@ def _il_schedule(columns: int, in_features: int, out_features: int, group: int, 
         s = replace(s, byte_index=byte_index in ("1", "il_mma"))
         return with_mma_splits(s, columns, in_features, out_features) if splits == "auto" else replace(
             s, splits=int(splits))
-    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, group=group,
+    return IlSchedule(min(10, il32_shape(32, in_features)[1]), copies, group=group,
                       byte_index=byte_index in ("1", "il"))
 
 

@@ -265,7 +265,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     BLOCK_V for any number of lanes; `skip` module.kernel[:module.kernel…] of ninfer.kernels left out of the
     step, an upper bound on what fusing them away could gain; `norm` the decode add + RMSNorm's columns a
     program), the graphs captured again for each, twice over in alternating order (the machine's drift shows
-    as the difference)."""
+    as the difference); a setting's environment variables hold for it alone (the others' are restored)."""
     import os
     from dataclasses import replace
 
@@ -288,7 +288,17 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     gdn = {name: getattr(gdn_decode, name) for name in gdn_tiles}
     out: dict[str, list[float]] = {}
     routes = gemv_frag.MEASURED_ROUTES
+    environ: dict[str, str | None] = {}  # the variables a setting set, as they were before the sweep
+
+    def restore_environ() -> None:
+        for name, value in environ.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
     for setting in settings + settings[::-1]:
+        restore_environ()  # each setting on its own variables only
         routes.clear()
         routes.update(current)  # each setting's routes start from the current ones
         for table, saved in rows_tables.values():
@@ -326,6 +336,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
             elif name == "lookahead":
                 engine.config = replace(engine.config, decode_lookahead=value == "1")
             else:
+                environ.setdefault(name, os.environ.get(name))
                 os.environ[name] = value
         triton_support.reread_launch_settings()
         engine.runner.graphs._graphs.clear()  # captured again under the new setting
@@ -353,6 +364,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
         print(line, flush=True)
         for module, kernel, original in undo:
             setattr(module, kernel, original)
+    restore_environ()
     routes.clear()
     routes.update(current)
     fused.NORM_CHUNK = norm_chunk

@@ -166,7 +166,6 @@ def lane_conv_on_and_off(monkeypatch, matmul, words, x, n: int, conv):
     return y
 
 
-
 def assert_conv_ran(y, conv, before, atol: float = 1e-6) -> None:
     """Each lane's GDN decode conv of the first C outputs as stored (bf16 `y`, a row a lane),
     `gdn_decode.conv_epilogue_store`'s arithmetic: silu of the weights against the lane's slot (`before`: the

@@ -152,9 +152,7 @@ def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same, byte
     xa = activation(columns, k, 256)
     if kind == "il":
         raw = random_gguf_weight("iq3_s", n, k)
-        s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, 256), splits=splits)
-        if byte_index:
-            s = dataclasses.replace(s, byte_index=True)
+        s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, 256), splits=splits, byte_index=byte_index)
         ys = [run_il(source_of if cv else same, gemv_il.repack_il32(raw), xa, n, s, 2, 1 if splits > 1 else 2,
                      torch.bfloat16, cv)[0] for cv in (conv, None)]
     else:

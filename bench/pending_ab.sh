@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The A/Bs built without a GPU and waiting for one (gpu-notes "Session 47" / "Session 48", Next), one phase a
+# `device` call (each under 10 minutes; logs and JSON under $OUT/<phase>/, the settings' table printed last).
+# Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
+#
+#   bash bench/pending_ab.sh tests     # the GPU tests of the untimed builds (conv epilogue, byte index, pieces)
+#   bash bench/pending_ab.sh conv      # NINFER_LANE_CONV_COLUMNS=1 vs 8 (both types' rounds) + q4il alone
+#   bash bench/pending_ab.sh byte      # NINFER_IL_BYTE_INDEX off / on / 32 copies (IQ3_S rounds) + il alone
+#   bash bench/pending_ab.sh memory    # prefill pieces A/B, the memory probe, the workspace tests
+#   bash bench/pending_ab.sh suites    # both suites (gpu_bench.sh) under the defaults as they stand
+#
+# A setting becomes a default only where its graphed rounds gain (min of two replays, A B B A); a faster
+# 1-lane round alone lowers C = 8 / C = 1, so the byte index is taken for both kernels together or not.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+phase=${1:?"a phase: tests, conv, byte, memory or suites"}
+OUT=${OUT:-/tmp/ninfer-pending}/$phase
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache}
+export NINFER_SHARED=${NINFER_SHARED:-$PWD/.fixtures/shared}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
+
+# step NAME SECONDS COMMAND...: run under a time limit, its output in $OUT/NAME.log
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -4 "$OUT/$name.log"
+  [ "$rc" -eq 0 ] || echo "== $name: exit status $rc (124: timed out)"
+}
+
+# the graphed rounds of the 27B under each setting (bench/step_profile.py --sweep), JSON in $OUT/NAME/
+sweep() {
+  local name=$1 wtype=$2 limit=$3 settings=$4
+  shift 4
+  step "$name" "$limit" "$PY" bench/step_profile.py --wtype "$wtype" --prompt 512 --no-rate --sweep "$settings" \
+    --out "$OUT/$name" "$@"
+}
+
+case $phase in
+  tests)
+    step pytest 540 "$PY" -m pytest -m gpu -n 12 -p xdist --dist worksteal -v -rfE -k \
+      "conv or prefill or greedy or twin or byte or workspace" tests/test_gemv_il.py tests/test_graph_decode.py \
+      tests/test_kernels_gpu.py tests/test_workspace.py
+    grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
+    ;;
+  conv)
+    sweep conv_iq3_s iq3_s 200 NINFER_LANE_CONV_COLUMNS=1,NINFER_LANE_CONV_COLUMNS=8 --lanes 1,2,4,8
+    sweep conv_q4_k q4_k 200 NINFER_LANE_CONV_COLUMNS=1,NINFER_LANE_CONV_COLUMNS=8 --lanes 1,2,4,8
+    step q4il_conv 150 "$PY" bench/q4il_timing.py --widths 4,8 --conv
+    ;;
+  byte)
+    sweep byte_iq3_s iq3_s 240 \
+      NINFER_IL_BYTE_INDEX=0,NINFER_IL_BYTE_INDEX=1,NINFER_IL_BYTE_INDEX=1+NINFER_IL_COPIES=32 --lanes 1,2,4,8
+    sweep byte_iq3_s_c4 iq3_s 150 NINFER_IL_BYTE_INDEX=0,NINFER_IL_BYTE_INDEX=il_mma --columns 4
+    step il_dp4a 90 "$PY" bench/il_schedules.py --widths 1,2 --schedules 10,10:b,10:b:c32
+    step il_mma 90 "$PY" bench/il_schedules.py --widths 4,8 --schedules 10:96,10:96:b
+    ;;
+  memory)
+    step prefill_pieces 240 "$PY" bench/prefill_profile.py --wtype iq3_s --tokens 2048 \
+      --pieces 8192,1073741824 --no-profile --out "$OUT"
+    step memory_probe 240 "$PY" bench/memory_probe.py --wtype q4_k --chunk 2048 --headroom-mib 1024 \
+      --prompt 16384 --decoders 7
+    ;;
+  suites)
+    WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh
+    exit $?
+    ;;
+  *)
+    echo "unknown phase $phase: tests, conv, byte, memory or suites"
+    exit 2
+    ;;
+esac
+
+# the settings' table: each sweep's graphed rounds (ms, the min of two), the fastest of a row marked
+"$PY" - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+
+for path in sorted(Path(sys.argv[1]).glob("*/step_profile_*.json")):
+    sweep = json.loads(path.read_text()).get("sweep_ms", {})
+    settings = [k for k in sweep if " " not in k]
+    rows = sorted({k[len(s):] for s in settings for k in sweep if k == s or k.startswith(s + " ")})
+    print(f"\n{path.parent.name} (ms a graphed round)\n| round | " + " | ".join(settings) + " |")
+    print("|---" * (len(settings) + 1) + "|")
+    for row in rows:
+        values = [sweep.get(s + row) for s in settings]
+        best = min(v for v in values if v is not None)
+        cells = [("—" if v is None else f"**{v:.3f}**" if v == best else f"{v:.3f}") for v in values]
+        print(f"| {row.strip() or '1 lane'} | " + " | ".join(cells) + " |")
+EOF

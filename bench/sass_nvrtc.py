@@ -1,9 +1,11 @@
 """sm_90 SASS of the NVRTC kernels (il32 iq3_s dp4a / tensor-core, q4il, q6il) without a GPU: the CUDA C
 source as the engine builds it, NVRTC from the `nvidia-cuda-nvrtc-cu12` wheel (a CPU torch has none), then
 the ptxas and cuobjdump that Triton bundles. Prints the registers and spills, the block loop's opcode mix,
-and where in the loop its global loads and mmas sit: session 38 found this way that ptxas places a block's
-loads next to their uses whatever the source's order (in the PTX they are all at the top), so a block's
-words "loaded at once" cost instructions and no memory round trips (timed: 5-9 % slower).
+the cycles a pass keeps each of an SM sub-partition's pipes busy (`sass_tools.pipe_cycles`: the loop's
+floor at full occupancy), and where in the loop its global loads and mmas sit: session 38 found this way
+that ptxas places a block's loads next to their uses whatever the source's order (in the PTX they are all
+at the top), so a block's words "loaded at once" cost instructions and no memory round trips (timed: 5-9 %
+slower).
 
     pip download -q --no-deps nvidia-cuda-nvrtc-cu12 -d /tmp/nvrtc
     python -m zipfile -e /tmp/nvrtc/nvidia_cuda_nvrtc_cu12-*.whl /tmp/nvrtc/x
@@ -28,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.sass_tools import loop_body, opcode_mix  # noqa: E402
+from bench.sass_tools import loop_body, opcode_mix, pipe_cycles  # noqa: E402
 from ninfer.kernels import gemv_il, gemv_q4il, gemv_q6il  # noqa: E402
 
 KERNELS = ("il", "il_mma", "q4il", "q6il")
@@ -102,6 +104,23 @@ def same_build(path: Path, kernel: str, a, sass: str) -> None:
     print("the same SASS" if instructions(theirs) == instructions(sass) else "a different SASS")
 
 
+SMS, CLOCK_GHZ, HBM_TBS = 132, 1.98, 4.8  # the H200's SMs, its SM clock when busy (session 42), HBM
+
+
+def floor_us(kernel: str, columns: int, warps: int, n: int, k: int, cycles: float) -> tuple[float, float]:
+    """(the il32 kernel's time on the N×K iq3_s matrix were every SM sub-partition busy `cycles` a pass of
+    its loop: the SM with the most passes — the dp4a kernel's pass a pair of blocks a warp, the tensor-core
+    one's a block — over its four sub-partitions, tiles on CTAs as `gemv_il` launches them, unsplit; the
+    matrix's bytes at HBM_TBS). The two together say whether the loop's instructions or its bytes set the
+    pace; a measured time above both is latency (too little in flight)."""
+    s = (gemv_il.IlSchedule(warps, kernel="il_mma") if kernel == "il_mma"
+         else gemv_il.IlSchedule(warps))
+    tiles, pairs = gemv_il.il32_shape(n, k)
+    ctas = min(tiles, SMS * gemv_il._ctas_per_sm(s, columns, k))
+    passes = -(-ctas // SMS) * -(-tiles // ctas) * (pairs if kernel == "il" else k // 256)
+    return passes / 4 * cycles / CLOCK_GHZ / 1e3, n * k / 256 * gemv_il.BLOCK_BYTES / HBM_TBS / 1e6
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("kernel", choices=KERNELS)
@@ -114,6 +133,13 @@ def main() -> None:
     p.add_argument("--conv", action="store_true", help="il32, q4il: the build with the GDN conv epilogue")
     p.add_argument("--byte-index", action="store_true", help="il32 kernels: the byte-indexed grid tables")
     p.add_argument("--copies", type=int, default=16, help="il: the dp4a kernel's copies of the grid")
+    p.add_argument("--shapes", default="",
+                   help="il32 kernels: the floor in µs on an H200 of these matrices (NxK, comma-separated) "
+                        "from the binding resource's cycles a pass, beside its HBM floor (`floor_us`)")
+    p.add_argument("--lds-ways", type=float, default=0,
+                   help="wavefronts a 32-bit shared load takes (bank conflicts; default: 2 for the dp4a "
+                        "kernel's 16 copies of the grid, whose loads nearly always meet a two-way conflict, "
+                        "else 1)")
     a = p.parse_args()
     source, name = source_of(a.kernel, a.columns, a.warps, a.regs, a.group, conv=a.conv,
                              byte_index=a.byte_index, copies=a.copies)
@@ -122,6 +148,15 @@ def main() -> None:
     body = loop_body(sass)
     print(f"block loop: {len(body)} instructions")
     print(", ".join(f"{op} {n}" for op, n in opcode_mix(body).most_common(16)))
+    ways = a.lds_ways or (2 if a.kernel == "il" and a.copies == 16 else 1)
+    cycles = {k: v for k, v in pipe_cycles(body, ways).items() if v}
+    bound = max(cycles, key=cycles.get)
+    print(f"cycles a pass of one SM sub-partition's resources (32-bit shared loads {ways:g} wavefronts): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in cycles.items()) + f"; the floor: {bound}")
+    for shape in filter(None, a.shapes.split(",")):
+        n, k = map(int, shape.split("x"))
+        busy, hbm = floor_us(a.kernel, a.columns, a.warps, n, k, cycles[bound])
+        print(f"{shape}: {busy:.1f} µs at {bound}'s floor (the busiest SM), HBM {hbm:.1f} µs")
     opcodes = [re.sub(r"^@!?U?P\S+ ", "", ins).split()[0] for ins in body]
     for op in ("LDG", "IMMA", "LDS"):
         print(f"{op} at", [i for i, code in enumerate(opcodes) if code.startswith(op)])

@@ -58,3 +58,37 @@ def loop_body(sass: str) -> list[str]:
 def opcode_mix(body: list[str]) -> collections.Counter:
     """Opcode counts of a list of SASS instructions (predicates and modifiers dropped)."""
     return collections.Counter(re.sub(r"^@!?U?P\S+ ", "", i).split()[0].split(".")[0] for i in body)
+
+
+# Hopper's pipes a warp instruction occupies, per SM sub-partition (SMSP: a scheduler, one issue a cycle):
+# integer logic, shifts, byte permutes and adds on the 16-lane ALU pipe (2 cycles); integer multiplies and
+# dot products on the 16-lane FMA-heavy pipe (2); FP32 on both FMA halves (1); conversions and special
+# functions on the XU (8); mma.sync m16n8k32 int8 ~8 (the tensor core's dense rate is 4). Shared memory
+# answers one 128-byte wavefront a cycle for the whole SM: with every SMSP running the kernel, a wavefront
+# costs each SMSP 4 cycles of it. (ncu's pipe descriptions; the rates: the H100 / H200 whitepaper's lanes an
+# SM.)
+_PIPES = {
+    "alu": ("LOP3", "LOP", "PRMT", "SHF", "SHL", "SHR", "LEA", "IADD3", "ISETP", "SEL", "VIMNMX", "IMNMX",
+            "FLO", "POPC", "BMSK", "BREV", "PLOP3", "P2R", "R2P", "MOV", "CS2R"),
+    "fma_heavy": ("IMAD", "IMUL", "IDP", "VIADD"),
+    "fp32": ("FFMA", "FMUL", "FADD", "FMNMX", "FSETP", "FSEL", "HADD2", "HFMA2", "HMUL2", "I2FP"),
+    "xu": ("MUFU", "I2F", "F2I", "F2F", "FRND", "F2FP"),
+    "tensor": ("IMMA", "HMMA"),
+}
+_CYCLES = {"alu": 2, "fma_heavy": 2, "fp32": 1, "xu": 8, "tensor": 8}
+
+
+def pipe_cycles(body: list[str], lds_ways: float = 1.0) -> dict[str, float]:
+    """Cycles a pass of a loop `body` (SASS lines) keeps each of one SMSP's resources busy, every SMSP running
+    the same loop: `issue` (one instruction a cycle), each pipe of `_PIPES`, and `shared` (4 cycles a
+    wavefront: 32-bit shared loads `lds_ways` wavefronts each — their bank conflicts, 2 for a warp reading 16
+    copies of a table — wider ones broadcast, one). The largest is the loop's floor at full occupancy; how far
+    the measured time sits above it is what latency costs."""
+    mix = opcode_mix(body)
+    cycles = {"issue": float(len(body))}
+    for pipe, ops in _PIPES.items():
+        cycles[pipe] = float(_CYCLES[pipe] * sum(mix[op] for op in ops))
+    narrow = sum(1 for i in body if re.search(r"\bLDS(\.U?(8|16|32))?\s", re.sub(r"^@!?U?P\S+ ", "", i)))
+    cycles["shared"] = 4.0 * (lds_ways * narrow + (mix["LDS"] - narrow) + mix["STS"])
+    return cycles
+

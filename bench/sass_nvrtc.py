@@ -71,12 +71,15 @@ def sm90_sass(ptx: str) -> tuple[str, str]:
 
 
 def source_of(kernel: str, columns: int, warps: int, regs: int, group: int, il=gemv_il,
-              conv: bool = False, byte_index: bool = False, copies: int = 16) -> tuple[str, str]:
+              conv: bool = False, byte_index: bool = False, copies: int = 16,
+              stages: int = 0) -> tuple[str, str]:
     """(the CUDA C the engine builds, its entry name), programmatic launch on, bf16 output; `il`: the
     gemv_il module the il32 kernels come from; `conv`: the build with the GDN conv epilogue (il32, q4il);
-    `byte_index`: the il32 kernels on the byte-indexed tables; `copies`: the dp4a kernel's."""
+    `byte_index`: the il32 kernels on the byte-indexed tables; `copies`: the dp4a kernel's; `stages`: the
+    tensor-core il32 kernel's staged sub-blocks."""
     if kernel in ("il", "il_mma"):
-        extra = {"byte_index": True} if byte_index else {}  # (an older gemv_il, --against, has no such field)
+        # (an older gemv_il, --against, has neither field)
+        extra = ({"byte_index": True} if byte_index else {}) | ({"stages": stages} if stages else {})
         s = (il.IlSchedule(warps, kernel="il_mma", regs=regs, group=group, **extra) if kernel == "il_mma"
              else il.IlSchedule(warps, copies, group=group, **extra))
         return (il.kernel_source(columns, 1, s, True, conv),
@@ -94,11 +97,13 @@ def instructions(sass: str) -> list[str]:
 
 def same_build(path: Path, kernel: str, a, sass: str) -> None:
     """Whether another version of `ninfer/kernels/gemv_il.py` (a file) builds this kernel to the same SASS
-    (session 39: a source rewrite that keeps the 2-column build and changes the 1-column one)."""
+    (session 39: a source rewrite that keeps the 2-column build and changes the 1-column one), built with
+    the same flags."""
     from bench.il_ab import load
 
     other = load(path)
-    resources, theirs = sm90_sass(nvrtc_ptx(*source_of(kernel, a.columns, a.warps, a.regs, a.group, other)))
+    resources, theirs = sm90_sass(nvrtc_ptx(*source_of(kernel, a.columns, a.warps, a.regs, a.group, other,
+                                                       a.conv, a.byte_index, a.copies, a.stages)))
     print(f"{path}:", "; ".join(line.split(":", 1)[-1].strip() for line in resources.splitlines()
                                  if "registers" in line or "spill" in line))
     print("the same SASS" if instructions(theirs) == instructions(sass) else "a different SASS")
@@ -133,6 +138,7 @@ def main() -> None:
     p.add_argument("--conv", action="store_true", help="il32, q4il: the build with the GDN conv epilogue")
     p.add_argument("--byte-index", action="store_true", help="il32 kernels: the byte-indexed grid tables")
     p.add_argument("--copies", type=int, default=16, help="il: the dp4a kernel's copies of the grid")
+    p.add_argument("--stages", type=int, default=0, help="il_mma: sub-blocks staged ahead (2 or 4)")
     p.add_argument("--shapes", default="",
                    help="il32 kernels: the floor in µs on an H200 of these matrices (NxK, comma-separated) "
                         "from the binding resource's cycles a pass, beside its HBM floor (`floor_us`)")
@@ -142,10 +148,10 @@ def main() -> None:
                         "else 1)")
     a = p.parse_args()
     source, name = source_of(a.kernel, a.columns, a.warps, a.regs, a.group, conv=a.conv,
-                             byte_index=a.byte_index, copies=a.copies)
+                             byte_index=a.byte_index, copies=a.copies, stages=a.stages)
     resources, sass = sm90_sass(nvrtc_ptx(source, name))
     print("\n".join(line for line in resources.splitlines() if "registers" in line or "spill" in line))
-    body = loop_body(sass)
+    body = loop_body(sass, {"il": "IDP", "il_mma": "IMMA"}.get(a.kernel, ""))
     print(f"block loop: {len(body)} instructions")
     print(", ".join(f"{op} {n}" for op, n in opcode_mix(body).most_common(16)))
     ways = a.lds_ways or (2 if a.kernel == "il" and a.copies == 16 else 1)
@@ -158,7 +164,7 @@ def main() -> None:
         busy, hbm = floor_us(a.kernel, a.columns, a.warps, n, k, cycles[bound])
         print(f"{shape}: {busy:.1f} µs at {bound}'s floor (the busiest SM), HBM {hbm:.1f} µs")
     opcodes = [re.sub(r"^@!?U?P\S+ ", "", ins).split()[0] for ins in body]
-    for op in ("LDG", "IMMA", "LDS"):
+    for op in ("LDG", "IMMA", "LDS", "LDGSTS"):
         print(f"{op} at", [i for i, code in enumerate(opcodes) if code.startswith(op)])
     if a.dump:
         print("\n".join(body))

@@ -42,13 +42,19 @@ def cuobjdump(compiled, flag: str) -> str:
         return subprocess.run([str(tool), flag, tmp.name], capture_output=True, text=True, check=True).stdout
 
 
-def loop_body(sass: str) -> list[str]:
+def loop_body(sass: str, key: str = "") -> list[str]:
     """The instructions of the longest innermost backward branch's span (the block loop, not a loop around
-    it such as stream-K's over row tiles); [] when there is none."""
+    it such as stream-K's over row tiles); [] when there is none. `key` (an opcode, e.g. IMMA): instead the
+    shortest loop holding the most of that opcode (a block loop with small loops inside it)."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+([^;]*);", sass)]
     loops = [(int(t.group(1), 16), a) for a, i in ins for t in [re.search(r"BRA (0x[0-9a-f]+)", i)]
              if t and int(t.group(1), 16) < a]
     inner = [r for r in loops if not any(r[0] <= o[0] and o[1] <= r[1] and o != r for o in loops)]
+    if key:
+        def held(r):
+            return sum(1 for a, i in ins
+                       if r[0] <= a <= r[1] and re.sub(r"^@!?U?P\S+ ", "", i).startswith(key))
+        inner = [max(loops, key=lambda r: (held(r), r[0] - r[1]))] if loops else []
     if not inner:
         return []
     lo, hi = max(inner, key=lambda r: r[1] - r[0])

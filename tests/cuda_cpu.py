@@ -5,7 +5,7 @@ What the emulation gives a kernel (`PRELUDE`): `threadIdx` / `blockIdx` / `gridD
 shared memory a CTA (filled with 0xA5 bytes: a read before a write shows), `__syncthreads` as a barrier of the
 CTA's threads (a thread that returns stops counting, as on the GPU; a barrier that waits 60 s aborts the
 process: a deadlock), the load intrinsics as plain loads (`__ldg` of shared memory aborts), `atomicAdd` and
-`__threadfence` as host atomics.
+`__threadfence` as host atomics, `cp.async` copies that land only at the copying thread's `wait_group`.
 The source's inline-PTX helpers (`prmt`, `dp4a`, the mma instructions, the conversions) are swapped, by name,
 for C++ written from the PTX ISA's definitions (`EMULATED`); the mma ones exchange their fragments through
 the warp (a barrier of its 32 threads), by the fragment tables of the PTX ISA (the same
@@ -96,6 +96,22 @@ static thread_local char* emu_smem;
 static thread_local char* emu_smem_end;
 static thread_local EmuBarrier* emu_cta;
 static thread_local EmuWarp* emu_warp;
+
+// cp.async: a lane's 16-byte copies wait in its committed groups and land at its wait_group (oldest first),
+// so a slot read before its wait, or before the warp's barrier after it, holds what it held before
+struct EmuCopy { char* dst; const char* src; };
+static thread_local std::vector<std::vector<EmuCopy>> emu_groups;
+static thread_local std::vector<EmuCopy> emu_open;
+inline void emu_cp_async(unsigned dst, const void* src) {
+    emu_open.push_back({emu_smem + dst, (const char*)src});
+}
+inline void emu_cp_commit() { emu_groups.push_back(emu_open); emu_open.clear(); }
+inline void emu_cp_wait(int pending) {
+    while ((int)emu_groups.size() > pending) {
+        for (const EmuCopy& c : emu_groups.front()) std::memcpy(c.dst, c.src, 16);
+        emu_groups.erase(emu_groups.begin());
+    }
+}
 
 inline void __syncthreads() { emu_cta->wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp->bar.wait(); }
@@ -222,6 +238,9 @@ EMULATED = {
     const int b[2] = {b0, b1};
     emu_mma<32, true>(c, a, b);
 }""",
+    "cp_async16": "inline void cp_async16(unsigned dst, const void* src) { emu_cp_async(dst, src); }",
+    "cp_async_commit": "inline void cp_async_commit() { emu_cp_commit(); }",
+    "cp_async_wait_stages": "inline void cp_async_wait_stages() { emu_cp_wait(STAGES - 1); }",
     # two forms: m16n8k32 (four A words, two B) and m16n8k16 (two A words, one B)
     "mma_u8s8": """inline void mma_u8s8(int (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                      int b0, int b1) {

@@ -1,9 +1,10 @@
 """The NVRTC kernels' CUDA C, run on the CPU (tests/cuda_cpu.py): the il32 dp4a and tensor-core iq3_s GEMVs,
 the q4il and q6il GEMVs, on tiny shapes with padded rows and blocks, CTAs looping over several tiles, rings
 and split tiles, against the float64 oracle over the GGUF rows (`gemv_q8_reference`); the builds with the
-GDN conv in their epilogue (1-8 lanes) against its arithmetic, also as the wrappers launch them; slips in the
-sources caught. The numpy twins in test_gemv_il.py / test_gemv_q4il.py /
-test_gemv_q6il.py check each recipe; these run the very source the GPU builds (with PDL off)."""
+GDN conv in their epilogue (1-8 lanes) against its arithmetic, also as the wrappers launch them; the
+tensor-core kernel on staged sub-blocks (cp.async) against its unstaged build; slips in the sources
+caught. The numpy twins in test_gemv_il.py / test_gemv_q4il.py / test_gemv_q6il.py check each recipe; these
+run the very source the GPU builds (with PDL off)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,31 @@ def test_the_tensor_core_il32_kernel(columns, group, byte_index):
     assert torch.equal(run_il(same, words, xa, n, s, 2, 2, torch.bfloat16)[0], y.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("byte_index", [False, True])
+@pytest.mark.parametrize(("columns", "group"), [(3, 32), (4, 256), (8, 256)])
+def test_the_tensor_core_il32_kernel_on_staged_sub_blocks(columns, group, byte_index, stages):
+    """`IlSchedule.stages`: each warp's next sub-blocks copied into its slots in shared memory (cp.async,
+    landing here only at the copying lane's wait) while it works on one, a warp's stream across its blocks
+    and the CTA's items: the same bits as the unstaged build, whole tiles in rings of 2 and 1, tiles in 3
+    pieces, the short-row schedule (6 warps: one block a warp and item)."""
+    n, k = 72, 1536
+    words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
+    xa = activation(columns, k, group)
+    s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, group), byte_index=byte_index, splits=1)
+    staged = dataclasses.replace(s, stages=stages)
+    y, _ = run_il(same, words, xa, n, s, 2, 2)
+    assert rel(y, gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)) < FP32_BOUND
+    for ring in (2, 1):
+        assert torch.equal(run_il(same, words, xa, n, staged, 2, ring)[0], y), ring
+    pieces, counts = run_il(same, words, xa, n, dataclasses.replace(staged, splits=3), 2, 1)
+    assert torch.equal(pieces, run_il(same, words, xa, n, dataclasses.replace(s, splits=3), 2, 1)[0])
+    assert not counts.any()
+    short = dataclasses.replace(s, warps=6, regs=112)
+    assert torch.equal(run_il(same, words, xa, n, dataclasses.replace(short, stages=stages), 3, 2)[0],
+                       run_il(same, words, xa, n, short, 3, 2)[0])
+
+
 def run_lane(name: str, source_of, words, xa, n: int, warps: int, smem: int, source: str,
              dtype=torch.float32, conv=None):
     columns = xa.q.shape[0]
@@ -192,6 +218,11 @@ MUTATIONS = {
                                                                "prmt(hs, 0, 0x4410)"),
     "mma byte index: the second sub-block's qh byte": ("il_mma_byte", "(4 + (j & 1)) + 0x6600u",
                                                        "4 + 0x6600u"),
+    "mma staged: a slot read before its copies landed": ("il_mma_staged", "cp_async_wait_stages();\n", "\n"),
+    "mma staged: a slot read before the warp saw the others' copies": (
+        "il_mma_staged", "cp_async_wait_stages();\n                __syncwarp();", "cp_async_wait_stages();"),
+    "mma staged: the stream skips an item": ("il_mma_staged", "first_block(b.item + gridDim.x,",
+                                             "first_block(b.item + 2 * gridDim.x,"),
     "conv: the slot not moved on": ("conv", "cp[0] = s1;", "cp[0] = s0;"),
     "conv: every lane on the first's slot": ("conv", "cv.slot_ids[m * cv.step]", "cv.slot_ids[0]"),
     "conv: a split tile's conv left out": ("conv_split", "conv_store(cv, m, tile * 32 + row, to_out(v));",
@@ -207,13 +238,14 @@ def test_a_slip_in_a_kernel_fails(name):
         assert old in source, name
         return source.replace(old, new)
 
-    if kind in ("il", "il_byte", "il_byte32", "il_mma", "il_mma_byte", "il_mma_split"):
+    if kind in ("il", "il_byte", "il_byte32", "il_mma", "il_mma_byte", "il_mma_split", "il_mma_staged"):
         n, k, columns = 72, 1536, 4 if "mma" in kind else 1
         words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
         xa = activation(columns, k, 256)
         s = gemv_il.il_schedule(columns, k, n, 256)
         s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1,
-                                byte_index="byte" in kind, copies=32 if kind == "il_byte32" else s.copies)
+                                byte_index="byte" in kind, copies=32 if kind == "il_byte32" else s.copies,
+                                stages=4 if kind == "il_mma_staged" else 0)
         y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
     elif kind in ("conv", "conv_split"):

@@ -447,8 +447,63 @@ _MMA_SOURCE = r"""
 #define GROUP __GROUP__
 #define CONV __CONV__
 #define BYTE_INDEX __BYTE_INDEX__
+#define STAGES __STAGES__
 """ + CUDA_HELPERS + CONV_STAGE + r"""
 #define BIAS 0x4B400000
+#if STAGES
+// asynchronous 16-byte copies global -> shared (cp.async, L2 only): a warp's next sub-blocks land in its
+// slots while it works on this one, in no register
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// every group but the STAGES - 1 newest landed (this lane's copies)
+__device__ __forceinline__ void cp_async_wait_stages() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1) : "memory");
+}
+// the warp's blocks in the order it works on them: block kb of item `item` (kb = the piece's first + wid,
+// += WARPS below the piece's end `end`; items blockIdx.x, += gridDim.x; item == items: none left); `tile`
+// the item's tile's words with this lane's chunk offset, `src` this lane's chunk of the block's sub-block 0
+// (line lane / 8)
+struct StagedBlock { const uint4* tile; const uint4* src; int item, kb, end; };
+__device__ __forceinline__ const uint4* staged_chunk(const uint4* tile, int kb) {
+    const int h = kb & 1, line = (threadIdx.x >> 3) & 3;
+    return tile + (kb >> 1) * (55 * 8) + 8 * (line < 2 ? 16 * h + line : line == 2 ? 36 + 8 * h : 32 + 2 * h);
+}
+__device__ __forceinline__ StagedBlock first_block(int item, int items, int splits, int nblk, int P,
+                                                   const uint4* __restrict__ w) {
+    for (; item < items; item += gridDim.x) {
+        const int t = item / splits, piece = item - t * splits;
+        const int kb = piece * nblk / splits + (threadIdx.x >> 5), end = (piece + 1) * nblk / splits;
+        const uint4* tile = w + (size_t)t * P * (55 * 8) + (threadIdx.x & 7);
+        if (kb < end) return StagedBlock{tile, staged_chunk(tile, kb), item, kb, end};
+    }
+    return StagedBlock{w, w, items, 0, 0};
+}
+__device__ __forceinline__ void next_block(StagedBlock& b, int items, int splits, int nblk, int P,
+                                           const uint4* __restrict__ w) {
+    b.kb += WARPS;
+    if (b.kb < b.end) b.src = staged_chunk(b.tile, b.kb);
+    else b = first_block(b.item + gridDim.x, items, splits, nblk, P, w);
+}
+// a slot's lines (words of the block's 32 rows, 128 bytes each): qs words 16h + 2j, 16h + 2j + 1, the sign
+// word 36 + 8h + j, then for j = 0 the qh word 32 + 2h, the scales 52 + h and both d (54), for j = 4 the qh
+// word 33 + 2h. Slot 0 takes sub-blocks 0 and 4 (6 lines), the others 3 (STAGES 2 or 4: slot j % STAGES).
+// Lane L copies 16-byte chunk L % 8 (rows 4 (L % 8) .. + 3) of line L / 8, lanes 0-15 also of line 4 + L / 8.
+__device__ __forceinline__ int slot_line(int slot) { return slot ? 3 + 3 * slot : 0; }
+#define STAGE_LINES (3 + 3 * STAGES)
+// this lane's copies of sub-block j of block b into its slot of the warp's stage (`stage`: the lane's chunk
+// of the stage's first line; `stride`: bytes a sub-block moves the lane's line, 256 for the qs lines, 128
+// for the sign line, 32 for the qh line, copied at j = 0 and 4 only)
+__device__ __forceinline__ void stage_sub_block(const StagedBlock& b, bool live, int j, unsigned stage,
+                                                unsigned stride, unsigned lane) {
+    const unsigned at = stage + slot_line(j % STAGES) * 128;
+    const char* src = reinterpret_cast<const char*>(b.src);
+    if (live && (j == 0 || j == 4 || lane < 24)) cp_async16(at, src + j * stride);
+    if (live && j == 0 && lane < 16)  // the scales (52 + h) and both d (54), from qs line 16h + lane / 8
+        cp_async16(at + 512, src + 128 * (lane < 8 ? 52 - 15 * (b.kb & 1) : 53 - 16 * (b.kb & 1)));
+}
+#endif
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -480,6 +535,24 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
     float* red = reinterpret_cast<float*>(tab + 512 * 8);
     int* last_piece = reinterpret_cast<int*>(red + ring * WARPS * 32 * 8);  // (no static shared memory: the
                                                                      // dynamic size is the opt-in limit)
+    const int P = (K + 511) >> 9, K4 = K >> 2, K32 = K >> 5, nblk = K >> 8;
+    const int tiles = (N + 31) >> 5;
+    const int items = tiles * splits;
+#if STAGES
+    // each warp's stage: STAGE_LINES lines of 128 bytes after the sums (`IlSchedule.stages`); its first
+    // STAGES sub-blocks asked for now, before the wait (weights are not the previous kernel's output)
+    const char* stage_at = reinterpret_cast<const char*>(last_piece + 4)
+                           + (threadIdx.x >> 5) * (STAGE_LINES * 128);
+    const unsigned stage = (unsigned)__cvta_generic_to_shared(stage_at) + 16 * (threadIdx.x & 31);
+    // the block the warp's next copies are of: sub-block j + STAGES of the block it works on, or of the next
+    StagedBlock ahead = first_block(blockIdx.x, items, splits, nblk, P, w);
+    const unsigned stride = (threadIdx.x & 31) < 16 ? 256 : (threadIdx.x & 31) < 24 ? 128 : 32;
+#pragma unroll
+    for (int j = 0; j < STAGES; ++j) {
+        stage_sub_block(ahead, ahead.item < items, j, stage, stride, threadIdx.x & 31);
+        cp_async_commit();
+    }
+#endif
     for (int i = threadIdx.x; i < 512 * 8; i += WARPS * 32) {
 #if BYTE_INDEX
         const unsigned g = grid[(i >> 4) | (((i >> 3) & 1) << 8)];
@@ -501,15 +574,12 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 #endif
     const unsigned selq = 2 * (t & 1);  // qs byte 2t of the lane's word (2t + 1 the next)
     const unsigned sels = 0x4440 + t;  // sign byte t alone
-    const int P = (K + 511) >> 9, K4 = K >> 2, K32 = K >> 5, nblk = K >> 8;
-    const int tiles = (N + 31) >> 5;
     // this lane's activation: B words of column gq, scales of columns 2t, 2t + 1 (a valid column where the
     // lane's is past NCOL: those output columns are never stored)
     const int* xl = xw + min((int)gq, NCOL - 1) * K4 + 2 * t;
     // the activation's scales: one per 32 inputs, or (GROUP 256) one per block
     const float* xd0 = xd + min(2 * (int)t, NCOL - 1) * (GROUP == 256 ? nblk : K32);
     const float* xd1 = xd + min(2 * (int)t + 1, NCOL - 1) * (GROUP == 256 ? nblk : K32);
-    const int items = tiles * splits;
     int k = 0;  // the item's place in the ring
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
         const int tile = item / splits, piece = item - tile * splits;
@@ -519,18 +589,24 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
         const int kb_end = (piece + 1) * nblk / splits;
         for (int kb = piece * nblk / splits + wid; kb < kb_end; kb += WARPS) {
             const int h = kb & 1;
+#if STAGES
+            uint4 sc, dd;  // from sub-block 0's slot
+#else
             const uint4* wb = w + (size_t)(tile * P + (kb >> 1)) * (55 * 8) + gq;  // word j at wb[8 j]
             const uint4* wq = wb + 8 * (16 * h + (t >> 1));  // qs word 2 j + t / 2 at wq[16 j]
             const uint4 sc = wb[8 * (52 + h)], dd = wb[8 * 54];
+#endif
             const int2* xb8 = reinterpret_cast<const int2*>(xl + kb * 64);  // sub-block j at xb8[4 j]
             const float* xdb0 = xd0 + kb * 8;
             const float* xdb1 = xd1 + kb * 8;
             float d[4], d2[4];
+#if !STAGES
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 d[r] = h ? f16_hi(part(dd, r)) : f16_lo(part(dd, r));
                 d2[r] = 2.f * d[r];
             }
+#endif
 #if GROUP == 256
             int isum[4][2] = {{0, 0}, {0, 0}, {0, 0}, {0, 0}};  // Σ_j (1 + 2 scale_j) · dot_j of the block
 #endif
@@ -542,10 +618,36 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 #endif
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
+#if STAGES
+                // this sub-block's slot: landed (this lane's copies), seen by the warp (the others'), read,
+                // then refilled with the warp's sub-block STAGES ahead once every lane has read it
+                cp_async_wait_stages();
+                __syncwarp();
+                const uint4* sl = reinterpret_cast<const uint4*>(stage_at + slot_line(j % STAGES) * 128) + gq;
+                const uint4 qs = sl[8 * (t >> 1)], sg = sl[16];
+                const uint4 qh_line = (j & 3) == 0 ? sl[24] : make_uint4(0, 0, 0, 0);  // the qh word
+                if (j == 0) {
+                    sc = sl[32];
+                    dd = sl[40];
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        d[r] = h ? f16_hi(part(dd, r)) : f16_lo(part(dd, r));
+                        d2[r] = 2.f * d[r];
+                    }
+                }
+                __syncwarp();
+                if (j == 8 - STAGES) next_block(ahead, items, splits, nblk, P, w);
+                stage_sub_block(ahead, ahead.item < items, (j + STAGES) & 7, stage, stride, lane);
+                cp_async_commit();
+#endif
 #if BYTE_INDEX
                 // qh << 7 | the copy's offset, of sub-blocks j, j + 1 in bytes 0, 1 and bytes 2, 3 zero (the
                 // index prmt's zero bytes: a byte of qh << 7 has no clear top bit to replicate)
+#if STAGES
+                if ((j & 3) == 0) qh = qh_line;
+#else
                 if ((j & 3) == 0) qh = wb[8 * (32 + 2 * h + (j >> 2))];
+#endif
                 if ((j & 1) == 0) {
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
@@ -556,7 +658,11 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
                 }
 #else
                 if ((j & 3) == 0) {
+#if STAGES
+                    const uint4 qh = qh_line;
+#else
                     const uint4 qh = wb[8 * (32 + 2 * h + (j >> 2))];
+#endif
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
                         const unsigned bits = part(qh, r) >> (2 * t);
@@ -565,7 +671,9 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
                     }
                 }
 #endif
+#if !STAGES
                 const uint4 qs = wq[16 * j], sg = wb[8 * (36 + 8 * h + j)];
+#endif
                 const int2 xb = __ldg(xb8 + 4 * j);
 #if BYTE_INDEX
                 // [qh << 7 | c << 2, qs byte 2t or 2t + 1, 0, 0]: the byte offset
@@ -715,6 +823,7 @@ class IlSchedule:
     group: int = 32
     splits: int = 1
     byte_index: bool = False
+    stages: int = 0
 
     def __post_init__(self):
         if self.group not in (32, 256):
@@ -723,13 +832,17 @@ class IlSchedule:
             raise QuantKernelError("split-K over CTAs is the tensor-core il32 kernel's (IlSchedule.splits)")
         if self.byte_index and self.kernel == "il" and self.copies not in (16, 32):
             raise QuantKernelError("the dp4a il32 kernel's byte-indexed grid table has 16 or 32 copies")
+        if self.stages not in (0, 2, 4) or (self.stages and self.kernel != "il_mma"):
+            raise QuantKernelError("staged sub-blocks (IlSchedule.stages 2 or 4) are the tensor-core il32 "
+                                   "kernel's")
 
     @property
     def name(self) -> str:
         if self.kernel == "il_mma":
             return (f"ilmma_w{self.warps}" + (f"_r{self.regs}" if self.regs else "")
                     + (f"_g{self.group}" if self.group != 32 else "")
-                    + (f"_s{self.splits}" if self.splits > 1 else "") + ("_b" if self.byte_index else ""))
+                    + (f"_s{self.splits}" if self.splits > 1 else "") + ("_b" if self.byte_index else "")
+                    + (f"_st{self.stages}" if self.stages else ""))
         return (f"il_w{self.warps}_c{self.copies}" + (f"_g{self.group}" if self.group != 32 else "")
                 + ("_b" if self.byte_index else ""))
 
@@ -737,7 +850,8 @@ class IlSchedule:
         """The tables and the split-K sums (the dp4a kernel's: of `ring` tiles); the dp4a kernel also stages
         the activation (int8 and scales)."""
         if self.kernel == "il_mma":
-            return 512 * 32 * 4 + ring * self.warps * 32 * 8 * 4 + 16
+            staged = self.warps * (3 + 3 * self.stages) * 128 if self.stages else 0
+            return 512 * 32 * 4 + ring * self.warps * 32 * 8 * 4 + 16 + staged
         table = 65536 if self.byte_index else 512 * self.copies * 4
         activation = columns * (in_features + in_features // self.group * 4)  # int8 values, fp32 scales
         return table + ring * self.warps * columns * 32 * 4 + activation
@@ -754,21 +868,24 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     instead, for A/B). Both take an activation of one scale per `group` inputs. NINFER_IL_BYTE_INDEX: the
     byte-indexed grid tables (`IlSchedule.byte_index`; untimed, gpu-notes "Session 47") in both kernels (1),
     the dp4a one's (il) or the tensor-core one's (il_mma); NINFER_IL_COPIES: the dp4a kernel's copies of the
-    grid (16; 32 for A/B)."""
+    grid (16; 32 for A/B); NINFER_IL_STAGES=2|4: the tensor-core kernel's sub-blocks staged ahead
+    (`IlSchedule.stages`; untimed, gpu-notes "Session 48")."""
     env = os.environ.get
     return _il_schedule(columns, in_features, out_features, group, env("NINFER_IL_SPLITS", "auto"),
-                        env("NINFER_IL_BYTE_INDEX", "0"), int(env("NINFER_IL_COPIES", 16)))
+                        env("NINFER_IL_BYTE_INDEX", "0"), int(env("NINFER_IL_COPIES", 16)),
+                        int(env("NINFER_IL_STAGES", 0)))
 
 
 @functools.cache  # every il_matmul asks
 def _il_schedule(columns: int, in_features: int, out_features: int, group: int, splits: str,
-                 byte_index: str = "0", copies: int = 16) -> IlSchedule:
+                 byte_index: str = "0", copies: int = 16, stages: int = 0) -> IlSchedule:
     if columns >= 3:
         blocks = in_features // 256
         short = columns <= _MMA_SHORT[0] and blocks <= _MMA_SHORT[1] and out_features <= _MMA_SHORT[2]
         s = (IlSchedule(min(6, blocks), kernel="il_mma", regs=112, group=group) if short
              else IlSchedule(min(10, blocks), kernel="il_mma", group=group))
-        s = replace(s, byte_index=byte_index in ("1", "il_mma"))
+        # (staged, the short-row schedule's CTAs would hold two an SM, not three)
+        s = replace(s, byte_index=byte_index in ("1", "il_mma"), stages=0 if short else stages)
         return with_mma_splits(s, columns, in_features, out_features) if splits == "auto" else replace(
             s, splits=int(splits))
     return IlSchedule(min(10, il32_shape(32, in_features)[1]), copies, group=group,
@@ -839,7 +956,8 @@ def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False,
             .replace("__CONV__", str(int(conv)))
             .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns, 0)))
             .replace("__COPIES__", str(s.copies)).replace("__BYTE_INDEX__", str(int(s.byte_index)))
-            .replace("__PDL__", str(int(pdl))).replace("__GROUP__", str(s.group)))
+            .replace("__PDL__", str(int(pdl))).replace("__GROUP__", str(s.group))
+            .replace("__STAGES__", str(s.stages)))
 
 
 @functools.cache

@@ -814,7 +814,12 @@ class IlSchedule:
     (CUDA 12): its block loop 1,285 → 1,157 instructions at one column, 1,465 → 1,340 at two; with 32
     copies (no bank conflicts; the qh bytes split as the tensor-core kernel's) 1,219 and 1,400. The
     tensor-core kernel (32 copies, the same 64 KB): its qh bytes made for two sub-blocks at a time (zero
-    bytes for the prmt), 759 → 730 at four columns, 755 → 726 at eight."""
+    bytes for the prmt), 759 → 730 at four columns, 755 → 726 at eight. `stages` (2 or 4; the tensor-core
+    kernel): each warp copies its sub-blocks `stages` ahead into slots of its own in shared memory
+    (cp.async, 1.9 KB a warp at 4) and reads them from there; its global loads were issued ~50-250
+    instructions before their use (sm_90 SASS: ptxas places them next to their uses), the likely reason it
+    runs at ~47 % of its issue floor where the dp4a kernel, a block ahead in registers, runs at ~66 %; its
+    block loop ~760 → ~965 instructions (without the rarely run step to the next item)."""
 
     warps: int
     copies: int = 16

@@ -7,6 +7,7 @@
 #   bash bench/pending_ab.sh conv      # NINFER_LANE_CONV_COLUMNS=1 vs 8 (both types' rounds) + q4il alone
 #   bash bench/pending_ab.sh byte      # NINFER_IL_BYTE_INDEX off / on / 32 copies (IQ3_S rounds) + il alone
 #   bash bench/pending_ab.sh stages    # NINFER_IL_STAGES=0 / 2 / 4: the 4-column step, 4 and 8 lanes, alone
+#   bash bench/pending_ab.sh q4staged  # NINFER_Q4IL_STAGED=0 / 1: Q4_K rounds at 1-8 lanes, 4 columns, alone
 #   bash bench/pending_ab.sh memory    # prefill pieces A/B, the memory probe, the workspace tests
 #   bash bench/pending_ab.sh suites    # both suites (gpu_bench.sh) under the defaults as they stand
 #
@@ -14,7 +15,7 @@
 # 1-lane round alone lowers C = 8 / C = 1, so the byte index is taken for both kernels together or not.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?"a phase: tests, conv, byte, stages, memory or suites"}
+phase=${1:?"a phase: tests, conv, byte, stages, q4staged, memory or suites"}
 OUT=${OUT:-/tmp/ninfer-pending}/$phase
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -48,7 +49,7 @@ case $phase in
   tests)
     step pytest 540 "$PY" -m pytest -m gpu -n 12 -p xdist --dist worksteal -v -rfE -k \
       "conv or prefill or greedy or twin or byte or workspace or staged" tests/test_gemv_il.py tests/test_graph_decode.py \
-      tests/test_kernels_gpu.py tests/test_workspace.py
+      tests/test_kernels_gpu.py tests/test_workspace.py tests/test_gemv_q4il.py
     grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
     ;;
   conv)
@@ -68,6 +69,11 @@ case $phase in
     sweep stages_lanes iq3_s 200 NINFER_IL_STAGES=0,NINFER_IL_STAGES=4 --lanes 4,8
     step il_staged 120 "$PY" bench/il_schedules.py --widths 4,8 --schedules 10:96,10:96:s2,10:96:s4
     ;;
+  q4staged)
+    sweep q4staged_lanes q4_k 200 NINFER_Q4IL_STAGED=0,NINFER_Q4IL_STAGED=1 --lanes 1,2,4,8
+    sweep q4staged_c4 q4_k 120 NINFER_Q4IL_STAGED=0,NINFER_Q4IL_STAGED=1 --columns 4
+    step q4il_staged 150 "$PY" bench/q4il_timing.py --widths 1,4,8 --staged
+    ;;
   memory)
     step prefill_pieces 240 "$PY" bench/prefill_profile.py --wtype iq3_s --tokens 2048 \
       --pieces 8192,1073741824 --no-profile --out "$OUT"
@@ -79,7 +85,7 @@ case $phase in
     exit $?
     ;;
   *)
-    echo "unknown phase $phase: tests, conv, byte, stages, memory or suites"
+    echo "unknown phase $phase: tests, conv, byte, stages, q4staged, memory or suites"
     exit 2
     ;;
 esac

@@ -8,7 +8,9 @@ timed as `bench/gpu_check.py`'s `graph_us` does (one CUDA graph over weight copi
 
 --ctas: the q4il kernel at these CTA shapes (warps x CTAs an SM; the default: `SHAPES`). --conv: each also
 with the GDN decode conv of the first min(rows, 10240) outputs in its epilogue, a lane a column (the CONV
-builds; gpu-notes "Session 47": their 4- and 8-column loops are shorter than the plain builds').
+builds; gpu-notes "Session 47": their 4- and 8-column loops are shorter than the plain builds'). --staged:
+each also with its next block staged in shared memory (cp.async; gpu-notes "Session 48"), checked to give the
+same bits.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def main() -> None:
     p.add_argument("--widths", default="1,2,4,8")
     p.add_argument("--ctas", default=",".join(f"{w}x{c}" for w, c in SHAPES), help="warps x CTAs an SM")
     p.add_argument("--conv", action="store_true", help="also the builds with the GDN conv epilogue")
+    p.add_argument("--staged", action="store_true",
+                   help="also the builds that stage each warp's next block in shared memory (cp.async)")
     args = p.parse_args()
     torch.manual_seed(0)
     ctas = [tuple(int(v) for v in s.split("x")) for s in args.ctas.split(",")]
@@ -57,6 +61,11 @@ def main() -> None:
                 assert err < 5e-3, f"q4il at {shape}, {width} columns, CTAs {cta}: {err:.2e}"
                 times[f"q4il {cta[0]}x{cta[1]}"] = graph_us(
                     [lambda w=w, c=cta, xa=xa, n=n: gemv_q4il(w, xa, n, c) for w in words])
+                if args.staged:
+                    staged = gemv_q4il(words[0], xa, n, cta, staged=True)
+                    assert torch.equal(staged, out), f"q4il staged at {shape}, {width} columns, CTAs {cta}"
+                    times[f"q4il {cta[0]}x{cta[1]} staged"] = graph_us(
+                        [lambda w=w, c=cta, xa=xa, n=n: gemv_q4il(w, xa, n, c, staged=True) for w in words])
                 if args.conv:
                     channels = min(n, 10240)
                     conv = ConvEpilogue.of(torch.randn(channels, 4, device="cuda"),

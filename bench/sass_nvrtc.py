@@ -85,7 +85,7 @@ def source_of(kernel: str, columns: int, warps: int, regs: int, group: int, il=g
         return (il.kernel_source(columns, 1, s, True, conv),
                 "iq3s_il_mma" if kernel == "il_mma" else "iq3s_il_gemv")
     if kernel == "q4il":
-        return gemv_q4il.kernel_source(columns, 1, True, conv=conv), "q4k_il_mma"
+        return gemv_q4il.kernel_source(columns, 1, True, conv=conv, staged=stages > 0), "q4k_il_mma"
     return gemv_q6il.kernel_source(columns, 1, True), "q6k_il_mma"
 
 
@@ -138,7 +138,8 @@ def main() -> None:
     p.add_argument("--conv", action="store_true", help="il32, q4il: the build with the GDN conv epilogue")
     p.add_argument("--byte-index", action="store_true", help="il32 kernels: the byte-indexed grid tables")
     p.add_argument("--copies", type=int, default=16, help="il: the dp4a kernel's copies of the grid")
-    p.add_argument("--stages", type=int, default=0, help="il_mma: sub-blocks staged ahead (2 or 4)")
+    p.add_argument("--stages", type=int, default=0,
+                   help="il_mma: sub-blocks staged ahead (2 or 4); q4il: any, its next block staged")
     p.add_argument("--shapes", default="",
                    help="il32 kernels: the floor in µs on an H200 of these matrices (NxK, comma-separated) "
                         "from the binding resource's cycles a pass, beside its HBM floor (`floor_us`)")
@@ -151,7 +152,7 @@ def main() -> None:
                              byte_index=a.byte_index, copies=a.copies, stages=a.stages)
     resources, sass = sm90_sass(nvrtc_ptx(source, name))
     print("\n".join(line for line in resources.splitlines() if "registers" in line or "spill" in line))
-    body = loop_body(sass, {"il": "IDP", "il_mma": "IMMA"}.get(a.kernel, ""))
+    body = loop_body(sass, {"il": "IDP", "il_mma": "IMMA", "q4il": "IMMA"}.get(a.kernel, ""))
     print(f"block loop: {len(body)} instructions")
     print(", ".join(f"{op} {n}" for op, n in opcode_mix(body).most_common(16)))
     ways = a.lds_ways or (2 if a.kernel == "il" and a.copies == 16 else 1)

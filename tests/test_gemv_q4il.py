@@ -207,8 +207,9 @@ def rel(a, b):
 @pytest.mark.parametrize(("n", "k"), [(1040, 5120), (40, 768), (5120, 17408), (34816, 5120)])
 def test_gemv_q4il_matches_its_twin_on_gpu(n, k):
     """1-8 columns, bf16 and fp32 outputs, padded rows and blocks, every CTA shape (the warps sharing a
-    tile's 3, 20 or 68 blocks unevenly or not, CTAs taking one tile or several); 40 columns through the
-    dequantised weight; in a CUDA graph the same bits as eager."""
+    tile's 3, 20 or 68 blocks unevenly or not, CTAs taking one tile or several), each also staged (each warp's
+    next block through shared memory: the same bits); 40 columns through the dequantised weight; in a CUDA
+    graph the same bits as eager, staged too."""
     from ninfer.kernels.gemv_q4il import gemv_q4il
     from ninfer.kernels.gemv_q8 import quantize_activation
 
@@ -221,6 +222,7 @@ def test_gemv_q4il_matches_its_twin_on_gpu(n, k):
                 out = gemv_q4il(words, xa, n, shape)
                 # bf16 output rounding (2^-9) bounds the bf16 case; fp32 sums in another order
                 assert rel(out, want) < (5e-3 if dtype == torch.bfloat16 else 1e-4), (width, dtype, shape)
+                assert torch.equal(gemv_q4il(words, xa, n, shape, staged=True), out), (width, dtype, shape)
     from ninfer.quant import dequantize
 
     x = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)  # prefill: the Triton dequantisation
@@ -228,13 +230,14 @@ def test_gemv_q4il_matches_its_twin_on_gpu(n, k):
     assert rel(q4il_matmul(words, x, n), x.double() @ dense.t()) < 5e-3  # bf16 weights and output
     xa = quantize_activation(torch.randn(4, k, device="cuda"), group=256)
     for shape in SHAPES:
-        eager = gemv_q4il(words, xa, n, shape)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = gemv_q4il(words, xa, n, shape)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, eager)
+        for staged in (False, True):
+            eager = gemv_q4il(words, xa, n, shape, staged=staged)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = gemv_q4il(words, xa, n, shape, staged=staged)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, eager), (shape, staged)
 
 
 def test_errors_name_the_problem():

@@ -2,9 +2,9 @@
 the q4il and q6il GEMVs, on tiny shapes with padded rows and blocks, CTAs looping over several tiles, rings
 and split tiles, against the float64 oracle over the GGUF rows (`gemv_q8_reference`); the builds with the
 GDN conv in their epilogue (1-8 lanes) against its arithmetic, also as the wrappers launch them; the
-tensor-core kernel on staged sub-blocks (cp.async) against its unstaged build; slips in the sources
-caught. The numpy twins in test_gemv_il.py / test_gemv_q4il.py / test_gemv_q6il.py check each recipe; these
-run the very source the GPU builds (with PDL off)."""
+tensor-core kernel on staged sub-blocks and q4il on staged blocks (cp.async) against their unstaged builds;
+slips in the sources caught. The numpy twins in test_gemv_il.py / test_gemv_q4il.py / test_gemv_q6il.py
+check each recipe; these run the very source the GPU builds (with PDL off)."""
 
 from __future__ import annotations
 
@@ -137,13 +137,13 @@ def run_lane(name: str, source_of, words, xa, n: int, warps: int, smem: int, sou
     return y
 
 
-def q4il_case(columns: int, n: int = 72, k: int = 1536, source_of=same, dtype=torch.float32):
-    raw = random_gguf_weight("q4_k", n, k)
+def q4il_case(columns: int, n: int = 72, k: int = 1536, source_of=same, dtype=torch.float32,
+              shape=gemv_q4il.SHAPES[1], staged: bool = False, raw=None):
+    raw = random_gguf_weight("q4_k", n, k) if raw is None else raw
     xa = activation(columns, k, 256)
-    warps, ctas = gemv_q4il.SHAPES[1]
-    y = run_lane("q4k_il_mma", source_of, gemv_q4il.repack_q4il(raw), xa, n, warps,
-                 gemv_q4il.smem_bytes(k, warps), gemv_q4il.kernel_source(columns, OUT_KINDS[dtype], False,
-                                                                         (warps, ctas)), dtype)
+    y = run_lane("q4k_il_mma", source_of, gemv_q4il.repack_q4il(raw), xa, n, shape[0],
+                 gemv_q4il.smem_bytes(k, shape[0], staged),
+                 gemv_q4il.kernel_source(columns, OUT_KINDS[dtype], False, shape, staged=staged), dtype)
     return y, gemv_q8_reference(raw, "q4_k", xa, n)
 
 
@@ -153,6 +153,23 @@ def q6il_case(columns: int, n: int = 72, k: int = 1536, source_of=same, dtype=to
     y = run_lane("q6k_il_mma", source_of, gemv_q6il.repack_q6il(raw), xa, n, gemv_q6il.WARPS,
                  gemv_q6il.smem_bytes(k), gemv_q6il.kernel_source(columns, OUT_KINDS[dtype]), dtype)
     return y, gemv_q8_reference(raw, "q6_k", xa, n)
+
+
+@pytest.mark.parametrize("shape", gemv_q4il.SHAPES)
+@pytest.mark.parametrize("columns", [1, 4, 8])
+def test_the_q4il_kernel_on_staged_blocks(columns, shape):
+    """`staged`: each warp's next block copied into one of its two slots in shared memory (cp.async, landing
+    here only at the copying lane's wait) while it works on the other, its stream across the CTA's tiles: the
+    same bits as the unstaged build, within a tile's blocks, over 7 tiles on 2 CTAs (200 × 2560), and with
+    warps that have no block (40 × 768: 3 blocks)."""
+    for n, k in ((200, 2560), (40, 768)):
+        raw = random_gguf_weight("q4_k", n, k)
+        torch.manual_seed(1)
+        plain, want = q4il_case(columns, n, k, shape=shape, raw=raw)
+        torch.manual_seed(1)
+        staged, _ = q4il_case(columns, n, k, shape=shape, staged=True, raw=raw)
+        assert rel(plain, want) < FP32_BOUND
+        assert torch.equal(staged, plain), (n, k)
 
 
 @pytest.mark.parametrize("case", [q4il_case, q6il_case])
@@ -223,6 +240,12 @@ MUTATIONS = {
         "il_mma_staged", "cp_async_wait_stages();\n                __syncwarp();", "cp_async_wait_stages();"),
     "mma staged: the stream skips an item": ("il_mma_staged", "first_block(b.item + gridDim.x,",
                                              "first_block(b.item + 2 * gridDim.x,"),
+    "q4il staged: a block read before it landed": ("q4il_staged", "            cp_async_wait_stages();\n",
+                                                   ""),
+    "q4il staged: the slot being filled read": ("q4il_staged", "slots + (n & 1) * (16 * SLOT_CHUNKS)",
+                                                 "slots + ((n + 1) & 1) * (16 * SLOT_CHUNKS)"),
+    "q4il staged: the stream skips a tile": ("q4il_staged", "QBlock{b.tile + (int)gridDim.x,",
+                                             "QBlock{b.tile + 2 * (int)gridDim.x,"),
     "conv: the slot not moved on": ("conv", "cp[0] = s1;", "cp[0] = s0;"),
     "conv: every lane on the first's slot": ("conv", "cv.slot_ids[m * cv.step]", "cv.slot_ids[0]"),
     "conv: a split tile's conv left out": ("conv_split", "conv_store(cv, m, tile * 32 + row, to_out(v));",
@@ -253,6 +276,8 @@ def test_a_slip_in_a_kernel_fails(name):
         with pytest.raises(AssertionError):
             assert_conv_ran(y, conv, before)
         return
+    elif kind == "q4il_staged":  # 7 tiles on 2 CTAs
+        y, want = q4il_case(4, 200, 2560, source_of=mutate, staged=True)
     else:
         y, want = (q4il_case if kind == "q4il" else q6il_case)(4, source_of=mutate)
     assert not rel(y, want) < FP32_BOUND  # (NaN: an output never written)
@@ -267,8 +292,9 @@ def launches_on_the_cpu(monkeypatch):
     monkeypatch.setattr(gemv_il, "_compiled", lambda columns, kind, s, pdl=False, conv=False: HostKernel(
         gemv_il.kernel_source(columns, kind, s, False, conv),
         "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"))
-    monkeypatch.setattr(gemv_q4il, "_compiled", lambda columns, kind, pdl, shape, conv=False: HostKernel(
-        gemv_q4il.kernel_source(columns, kind, False, shape, conv), "q4k_il_mma"))
+    monkeypatch.setattr(gemv_q4il, "_compiled", lambda columns, kind, pdl, shape, conv=False, staged=False:
+                        HostKernel(gemv_q4il.kernel_source(columns, kind, False, shape, conv, staged),
+                                   "q4k_il_mma"))
     launch = lambda kernel, ctas, threads, smem, args, pdl: kernel((ctas,), (threads,), args, smem)  # noqa: E731
     for module in (gemv_il, gemv_q4il):
         monkeypatch.setattr(module, "_launch", launch)
@@ -281,7 +307,8 @@ def launches_on_the_cpu(monkeypatch):
         multi_processor_count=1))
 
 
-@pytest.mark.parametrize(("kind", "columns"), [("il", 1), ("il", 2), ("il", 4), ("q4il", 1), ("q4il", 4)])
+@pytest.mark.parametrize(("kind", "columns"), [("il", 1), ("il", 2), ("il", 4), ("q4il", 1), ("q4il", 4),
+                                               ("q4il_staged", 4)])
 def test_the_conv_wrappers_launch_what_the_kernels_take(launches_on_the_cpu, monkeypatch, kind, columns):
     """`il_matmul` / `q4il_matmul` with a GDN decode conv as the engine calls them (`lane_conv`, the GEMV's
     arguments then the conv's last; int32 slot ids, as the paged decode's) on bf16 rows, one a lane: the
@@ -290,6 +317,9 @@ def test_the_conv_wrappers_launch_what_the_kernels_take(launches_on_the_cpu, mon
     from ninfer.kernels.gdn_decode import ConvEpilogue
 
     monkeypatch.setenv("NINFER_LANE_CONV_COLUMNS", "8")
+    if kind == "q4il_staged":  # the staged build as the engine would launch it (NINFER_Q4IL_STAGED=1)
+        monkeypatch.setenv("NINFER_Q4IL_STAGED", "1")
+        kind = "q4il"
     n, k, c = 96, 768, 40
     fmt = "iq3_s" if kind == "il" else "q4_k"
     raw = random_gguf_weight(fmt, n, k)

@@ -189,6 +189,22 @@ __device__ __forceinline__ void conv_store(const ConvArgs& cv, int m, int row, o
 #endif
 """
 
+# Asynchronous 16-byte copies global -> shared (cp.async, cached in L2 only) for the STAGES builds of the
+# tensor-core il32 and the q4il kernels: a warp's next weights land in shared memory while it works on the
+# current ones, in no register (tests/cuda_cpu.py lands them only at the copying lane's wait).
+ASYNC_COPY = r"""
+#if STAGES
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// every group but the STAGES - 1 newest landed (this lane's copies)
+__device__ __forceinline__ void cp_async_wait_stages() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1) : "memory");
+}
+#endif
+"""
+
 _SOURCE = r"""
 #define OUT_KIND __OUT_KIND__
 #define NCOL __NCOL__
@@ -450,17 +466,8 @@ _MMA_SOURCE = r"""
 #define STAGES __STAGES__
 """ + CUDA_HELPERS + CONV_STAGE + r"""
 #define BIAS 0x4B400000
+""" + ASYNC_COPY + r"""
 #if STAGES
-// asynchronous 16-byte copies global -> shared (cp.async, L2 only): a warp's next sub-blocks land in its
-// slots while it works on this one, in no register
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// every group but the STAGES - 1 newest landed (this lane's copies)
-__device__ __forceinline__ void cp_async_wait_stages() {
-    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1) : "memory");
-}
 // the warp's blocks in the order it works on them: block kb of item `item` (kb = the piece's first + wid,
 // += WARPS below the piece's end `end`; items blockIdx.x, += gridDim.x; item == items: none left); `tile`
 // the item's tile's words with this lane's chunk offset, `src` this lane's chunk of the block's sub-block 0

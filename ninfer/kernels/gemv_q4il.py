@@ -33,6 +33,7 @@ import torch
 
 from ninfer.kernels.gemv_il import (
     _OUT_KINDS,
+    ASYNC_COPY,
     CONV_STAGE,
     CUDA_HELPERS,
     _launch,
@@ -72,7 +73,34 @@ _SOURCE = r"""
 #define CTAS __CTAS__
 #define PDL __PDL__
 #define CONV __CONV__
-""" + CUDA_HELPERS + CONV_STAGE + TILE_STORE + r"""
+#define STAGES __STAGES__
+""" + CUDA_HELPERS + CONV_STAGE + TILE_STORE + ASYNC_COPY + r"""
+#if STAGES
+// STAGES 2: each warp copies its next block into one of its two slots in shared memory (cp.async) while it
+// works on the other: a block's 35 lines from word 35h (its qs and scales, in one run) and its d | dmin line
+// (70 + h), 128 bytes a line of the tile's 32 rows, 288 16-byte chunks, chunk c at byte 16c of the slot.
+#define SLOT_CHUNKS 288
+// the warp's blocks in the order it works on them: block kb of tile `tile` (kb = wid, += WARPS below nblk;
+// tiles blockIdx.x, += gridDim.x; tile == tiles: none left)
+struct QBlock { int tile, kb; };
+__device__ __forceinline__ QBlock next_qblock(QBlock b, int tiles, int nblk) {
+    b.kb += WARPS;
+    if (b.kb >= nblk) b = QBlock{b.tile + (int)gridDim.x, (int)(threadIdx.x >> 5)};
+    return b.kb < nblk && b.tile < tiles ? b : QBlock{tiles, 0};
+}
+// this lane's copies of block b into the slot at shared address `slot` (chunks lane, lane + 32, ...)
+__device__ __forceinline__ void stage_qblock(QBlock b, int tiles, int P, const uint4* __restrict__ w,
+                                             unsigned slot, unsigned lane) {
+    if (b.tile >= tiles) return;
+    const int h = b.kb & 1;
+    const uint4* pair = w + (size_t)(b.tile * P + (b.kb >> 1)) * (72 * 8);
+#pragma unroll
+    for (int q = 0; q < SLOT_CHUNKS / 32; ++q) {
+        const int c = lane + 32 * q;
+        cp_async16(slot + 16 * c, c < 280 ? pair + 8 * 35 * h + c : pair + 8 * (70 + h) + (c - 280));
+    }
+}
+#endif
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -97,6 +125,17 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
     extern __shared__ int4 xs[];  // per block and column: bytes {hi j0..3, hi j4..7, lo j0..3, lo j4..7}
     const int K4 = K >> 2, nblk = K >> 8, P = (nblk + 1) >> 1, tiles = (N + 31) >> 5;
     float* red = reinterpret_cast<float*>(xs + nblk * 8);  // [WARPS][32 rows][8 columns] partial sums
+#if STAGES
+    // the warp's two slots after the sums; its first block asked for before the wait (weights are not the
+    // previous kernel's output)
+    const char* slots = reinterpret_cast<const char*>(red + WARPS * 32 * 8)
+                        + (threadIdx.x >> 5) * (2 * 16 * SLOT_CHUNKS);
+    const unsigned slot0 = (unsigned)__cvta_generic_to_shared(slots);
+    QBlock ahead = QBlock{(int)threadIdx.x >> 5 < nblk ? (int)blockIdx.x : tiles, (int)threadIdx.x >> 5};
+    stage_qblock(ahead, tiles, P, w, slot0, threadIdx.x & 31);
+    cp_async_commit();
+    int n = 0;  // the warp's blocks so far: block n sits in slot n % 2
+#endif
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the activation is the previous kernel's output
 #endif
@@ -140,11 +179,23 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #pragma unroll
         for (int r = 0; r < 4; ++r) { acc[r][0] = 0.f; acc[r][1] = 0.f; }
         for (int kb = wid; kb < nblk; kb += WARPS) {
+#if STAGES
+            // the next block into the other slot (read by every lane before the barrier that ended the last
+            // block), then this one landed and seen by the whole warp
+            ahead = next_qblock(ahead, tiles, nblk);
+            stage_qblock(ahead, tiles, P, w, slot0 + ((n + 1) & 1) * (16 * SLOT_CHUNKS), lane);
+            cp_async_commit();
+            cp_async_wait_stages();
+            __syncwarp();
+            const uint4* blk = reinterpret_cast<const uint4*>(slots + (n & 1) * (16 * SLOT_CHUNKS)) + gq;
+            const uint4 dd = blk[8 * 35];
+#else
             const int h = kb & 1;
             const uint4* wb = w + (size_t)(tile * P + (kb >> 1)) * (72 * 8) + gq;  // word j at wb[8 j]
             const uint4* blk = wb + 8 * 35 * h;
-            const uint4 s0 = blk[8 * 32], s1 = blk[8 * 33], s2 = blk[8 * 34];
             const uint4 dd = wb[8 * (70 + h)];  // with the block's other loads: one DRAM round trip a block
+#endif
+            const uint4 s0 = blk[8 * 32], s1 = blk[8 * 33], s2 = blk[8 * 34];
             const float x0 = __ldg(xd0 + kb), x1 = __ldg(xd1 + kb);
             // 6-bit scales of sub-blocks 0..3 / 4..7, a byte each
             unsigned sl[4], sh[4];
@@ -203,6 +254,10 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
                     acc[r][e] = fmaf(fmaf(d, isum, -dmin * (float)msum), e ? x1 : x0, acc[r][e]);
                 }
             }
+#if STAGES
+            __syncwarp();  // every lane done with slot n % 2: the block after next may land there
+            ++n;
+#endif
         }
 #if PDL
         if (tile + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
@@ -218,20 +273,22 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 
 
 def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
-                  conv: bool = False) -> str:
-    """`conv` (bf16 out): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`)."""
+                  conv: bool = False, staged: bool = False) -> str:
+    """`conv` (bf16 out): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`).
+    `staged`: each warp's next block copied into shared memory while it works on one (`STAGED`)."""
     if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
         raise QuantKernelError("the q4il conv builds write bf16")
     warps, ctas = shape
     return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
-            .replace("__CONV__", str(int(conv)))
+            .replace("__CONV__", str(int(conv))).replace("__STAGES__", "2" if staged else "0")
             .replace("__WARPS__", str(warps)).replace("__CTAS__", str(ctas))
             .replace("__PDL__", str(int(pdl))))
 
 
-def smem_bytes(in_features: int, warps: int) -> int:
-    """The activation's split per-32 sums of 8 columns and the warps' partial sums."""
-    return in_features // 256 * 8 * 16 + warps * 32 * 8 * 4
+def smem_bytes(in_features: int, warps: int, staged: bool = False) -> int:
+    """The activation's split per-32 sums of 8 columns and the warps' partial sums; staged, each warp's two
+    slots of a block (2 × 4.5 KB)."""
+    return in_features // 256 * 8 * 16 + warps * 32 * 8 * 4 + (warps * 2 * 288 * 16 if staged else 0)
 
 
 def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
@@ -247,27 +304,34 @@ def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], conv: bool = False):
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, conv), "q4k_il_mma")
+def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], conv: bool = False,
+              staged: bool = False):
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, conv, staged),
+                                        "q4k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
 
 def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
-              shape: tuple[int, int] | None = None, conv=None) -> torch.Tensor:
+              shape: tuple[int, int] | None = None, conv=None, staged: bool | None = None) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the q4il words (CUDA) and xa the int8 activation of
     1-8 columns with one scale per 256 inputs; `shape` (warps, CTAs an SM) defaults to `q4il_shape`'s;
-    `conv`: a GDN decode conv for its epilogue (`gemv_il.lane_conv`'s)."""
+    `conv`: a GDN decode conv for its epilogue (`gemv_il.lane_conv`'s); `staged` (default:
+    NINFER_Q4IL_STAGED=1; off until timed, gpu-notes "Session 48"): each warp's next block copied into shared
+    memory (cp.async) while it works on one, the first before the programmatic launch's wait — its loads were
+    issued at the top of their block, ~35-220 instructions before their use, and none while the rest of the
+    block ran."""
     n, k = xa.q.shape
     LAYOUT.check(words, out_features, k, "q4il")
     check_call("q4il", words, xa, 256)
     tiles = LAYOUT.shape(out_features, k)[0]
     sms = torch.cuda.get_device_properties(words.device).multi_processor_count
     shape = shape or q4il_shape(tiles, sms)
+    staged = os.environ.get("NINFER_Q4IL_STAGED") == "1" if staged is None else staged
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
-    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None)
-    _launch(kernel, min(tiles, shape[1] * sms), 32 * shape[0], smem_bytes(k, shape[0]),
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged)
+    _launch(kernel, min(tiles, shape[1] * sms), 32 * shape[0], smem_bytes(k, shape[0], staged),
             [words, xa.words, xa.d, y, out_features, k, y.stride(0), *conv_arguments(conv)], pdl)
     return y
 

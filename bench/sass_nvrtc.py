@@ -113,17 +113,23 @@ SMS, CLOCK_GHZ, HBM_TBS = 132, 1.98, 4.8  # the H200's SMs, its SM clock when bu
 
 
 def floor_us(kernel: str, columns: int, warps: int, n: int, k: int, cycles: float) -> tuple[float, float]:
-    """(the il32 kernel's time on the N×K iq3_s matrix were every SM sub-partition busy `cycles` a pass of
-    its loop: the SM with the most passes — the dp4a kernel's pass a pair of blocks a warp, the tensor-core
-    one's a block — over its four sub-partitions, tiles on CTAs as `gemv_il` launches them, unsplit; the
-    matrix's bytes at HBM_TBS). The two together say whether the loop's instructions or its bytes set the
-    pace; a measured time above both is latency (too little in flight)."""
-    s = (gemv_il.IlSchedule(warps, kernel="il_mma") if kernel == "il_mma"
-         else gemv_il.IlSchedule(warps))
-    tiles, pairs = gemv_il.il32_shape(n, k)
-    ctas = min(tiles, SMS * gemv_il._ctas_per_sm(s, columns, k))
-    passes = -(-ctas // SMS) * -(-tiles // ctas) * (pairs if kernel == "il" else k // 256)
-    return passes / 4 * cycles / CLOCK_GHZ / 1e3, n * k / 256 * gemv_il.BLOCK_BYTES / HBM_TBS / 1e6
+    """(the kernel's time on the N×K matrix were every SM sub-partition busy `cycles` a pass of its loop: the
+    SM with the most passes — the dp4a il32 kernel's pass a pair of blocks a warp, the tensor-core il32 and
+    q4il kernels' a block — over its four sub-partitions, tiles on CTAs as the wrappers launch them
+    (unsplit; q4il on `q4il_shape`'s CTAs); the matrix's bytes at HBM_TBS). The two together say whether the
+    loop's instructions or its bytes set the pace; a measured time above both is latency (too little in
+    flight)."""
+    tiles = -(-n // 32)
+    if kernel == "q4il":
+        per_sm, passes_a_tile, block = gemv_q4il.q4il_shape(tiles, SMS)[1], k // 256, 144
+    else:
+        s = (gemv_il.IlSchedule(warps, kernel="il_mma") if kernel == "il_mma"
+             else gemv_il.IlSchedule(warps))
+        per_sm, block = gemv_il._ctas_per_sm(s, columns, k), gemv_il.BLOCK_BYTES
+        passes_a_tile = gemv_il.il32_shape(n, k)[1] if kernel == "il" else k // 256
+    ctas = min(tiles, SMS * per_sm)
+    passes = -(-ctas // SMS) * -(-tiles // ctas) * passes_a_tile
+    return passes / 4 * cycles / CLOCK_GHZ / 1e3, n * k / 256 * block / HBM_TBS / 1e6
 
 
 def main() -> None:
@@ -141,7 +147,7 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=0,
                    help="il_mma: sub-blocks staged ahead (2 or 4); q4il: any, its next block staged")
     p.add_argument("--shapes", default="",
-                   help="il32 kernels: the floor in µs on an H200 of these matrices (NxK, comma-separated) "
+                   help="il32, q4il: the floor in µs on an H200 of these matrices (NxK, comma-separated) "
                         "from the binding resource's cycles a pass, beside its HBM floor (`floor_us`)")
     p.add_argument("--lds-ways", type=float, default=0,
                    help="wavefronts a 32-bit shared load takes (bank conflicts; default: 2 for the dp4a "

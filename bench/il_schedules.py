@@ -12,7 +12,7 @@ tensor-core kernel's tile splits follow the schedule's CTA slots (`mma_splits`),
 
 A schedule is WARPS[:REGISTERS][:b][:cCOPIES][:sSTAGES] (registers 0 or left out: the kernel's default; b:
 the byte-indexed grid table, `IlSchedule.byte_index`; cCOPIES: the dp4a kernel's copies of the grid, 16 or
-32; sSTAGES: the tensor-core kernel's sub-blocks staged ahead, `IlSchedule.stages`).
+32; sSTAGES: the sub-blocks staged ahead, `IlSchedule.stages`).
 Session 38: at 3-8 columns 10 warps of 96 registers were the best on every matrix but 5120×6144 (6 warps of
 112: 11.8 → 11.0 µs at 4); alone faster is not enough: the graphed step decides (the dp4a kernel on 16 warps
 for 5120×6144 at one column, 8.5 → 7.9 µs alone, made the IQ3_S step 0.10 ms slower).
@@ -42,7 +42,7 @@ def schedule(spec: str, width: int, n: int, k: int, group: int) -> gemv_il.IlSch
     copies = next((int(r[1:]) for r in rest if r.startswith("c")), 16)
     stages = next((int(r[1:]) for r in rest if r.startswith("s")), 0)
     if width < 3:
-        return gemv_il.IlSchedule(int(warps), copies, group=group, byte_index=byte_index)
+        return gemv_il.IlSchedule(int(warps), copies, group=group, byte_index=byte_index, stages=stages)
     s = gemv_il.IlSchedule(int(warps), kernel="il_mma", regs=regs, group=group, byte_index=byte_index,
                            stages=stages)
     return gemv_il.with_mma_splits(s, width, k, n)

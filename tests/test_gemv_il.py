@@ -401,8 +401,8 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
     fp32 outputs, padded rows and blocks; 40 columns through the dequantised weight; both kernels with one
     activation scale per 32 inputs and per 256 (a block); a CTA's tiles summed in a ring (17408 rows: 2-3
     tiles a CTA) the same bits as one at a time, in both kernels; both kernels on the byte-indexed grid
-    tables the same bits as on the others, and the tensor-core kernel on staged sub-blocks (IlSchedule.stages,
-    cp.async); the tensor-core kernel's tiles split into
+    tables the same bits as on the others, and on staged sub-blocks (IlSchedule.stages, cp.async); the
+    tensor-core kernel's tiles split into
     2-4 pieces across CTAs, the same bits on a second call; and both kernels captured in a CUDA graph, the
     same bits as eager."""
     from ninfer.kernels import gemv_il as gemv_il_module
@@ -440,10 +440,9 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
             if width < 3:  # the dp4a kernel's 32 copies
                 s32 = dataclasses.replace(s, byte_index=True, copies=32)
                 assert torch.equal(gemv_il(words, xa, n, s32), plain), width
-            else:  # the tensor-core kernel's staged sub-blocks: the same words through shared memory
-                for stages in (2, 4):
-                    staged = dataclasses.replace(s, stages=stages)
-                    assert torch.equal(gemv_il(words, xa, n, staged), plain), (width, stages)
+            for stages in (2, 4):  # staged sub-blocks: the same words through shared memory
+                staged = dataclasses.replace(s, stages=stages)
+                assert torch.equal(gemv_il(words, xa, n, staged), plain), (width, stages)
     for width in (3, 4, 8):  # the tensor-core kernel's tiles split across CTAs: the pieces' sums in order
         xa = quantize_activation(torch.randn(width, k, device="cuda"), group=256)
         want = gemv_il_reference(words, xa, n)

@@ -78,6 +78,26 @@ def test_the_dp4a_il32_kernel(n, k, columns, group, copies, byte_index):
     assert torch.equal(run_il(same, words, xa, n, s, 2, 2, torch.bfloat16)[0], y.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize(("copies", "byte_index"), [(16, False), (32, True)])
+@pytest.mark.parametrize(("columns", "group"), [(1, 256), (1, 32), (2, 256)])
+def test_the_dp4a_il32_kernel_on_staged_sub_blocks(columns, group, copies, byte_index, stages):
+    """`IlSchedule.stages` in the dp4a kernel: each warp's sub-blocks copied ahead into its slots (cp.async,
+    landing here only at the copying lane's wait), its stream over its pairs' blocks and the CTA's tiles,
+    the padding block of an odd count left out (6400 inputs: 13 pairs on 10 warps, one warp's second pair
+    the padded one): the same bits as the unstaged build, in rings of 2 and 1."""
+    for n, k in ((40, 768), (160, 1024), (72, 6400)):
+        words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
+        xa = activation(columns, k, group)
+        s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, group), copies=copies,
+                                byte_index=byte_index)
+        y, _ = run_il(same, words, xa, n, s, 2, 2)
+        assert rel(y, gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)) < FP32_BOUND
+        for ring in (2, 1):
+            staged = run_il(same, words, xa, n, dataclasses.replace(s, stages=stages), 2, ring)[0]
+            assert torch.equal(staged, y), (n, k, ring)
+
+
 @pytest.mark.parametrize("byte_index", [False, True])
 @pytest.mark.parametrize("group", [32, 256])
 @pytest.mark.parametrize("columns", [3, 4, 8])
@@ -240,6 +260,9 @@ MUTATIONS = {
         "il_mma_staged", "cp_async_wait_stages();\n                __syncwarp();", "cp_async_wait_stages();"),
     "mma staged: the stream skips an item": ("il_mma_staged", "first_block(b.item + gridDim.x,",
                                              "first_block(b.item + 2 * gridDim.x,"),
+    "dp4a staged: a qs word from the other line": ("il_staged", "qs[2 * j + 1] = sl[32];",
+                                                   "qs[2 * j + 1] = sl[0];"),
+    "dp4a staged: the stream skips a pair": ("il_staged_odd", "(kb) - 1 + 2 * WARPS", "(kb) + 1 + 2 * WARPS"),
     "q4il staged: a block read before it landed": ("q4il_staged", "            cp_async_wait_stages();\n",
                                                    ""),
     "q4il staged: the slot being filled read": ("q4il_staged", "slots + (n & 1) * (16 * SLOT_CHUNKS)",
@@ -261,14 +284,16 @@ def test_a_slip_in_a_kernel_fails(name):
         assert old in source, name
         return source.replace(old, new)
 
-    if kind in ("il", "il_byte", "il_byte32", "il_mma", "il_mma_byte", "il_mma_split", "il_mma_staged"):
-        n, k, columns = 72, 1536, 4 if "mma" in kind else 1
+    if kind in ("il", "il_byte", "il_byte32", "il_mma", "il_mma_byte", "il_mma_split", "il_mma_staged",
+                "il_staged", "il_staged_odd"):
+        # (the odd case: 25 blocks, 13 pairs on 10 warps — three warps with a second pair, one its padding)
+        n, k, columns = (40, 6400, 1) if kind == "il_staged_odd" else (72, 1536, 4 if "mma" in kind else 1)
         words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
         xa = activation(columns, k, 256)
         s = gemv_il.il_schedule(columns, k, n, 256)
         s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1,
                                 byte_index="byte" in kind, copies=32 if kind == "il_byte32" else s.copies,
-                                stages=4 if kind == "il_mma_staged" else 0)
+                                stages=4 if "staged" in kind else 0)
         y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
     elif kind in ("conv", "conv_split"):

@@ -205,6 +205,56 @@ __device__ __forceinline__ void cp_async_wait_stages() {
 #endif
 """
 
+# The STAGES builds' stream of a warp's sub-blocks through its slots in shared memory (both il32 kernels; the
+# kernel defines STAGE_WID_STEP and STAGE_NEXT, its blocks' order).
+IL_STAGING = r"""
+#if STAGES
+// the warp's blocks in the order it works on them: block kb of item `item` (kb from the piece's first +
+// STAGE_WID_STEP · wid, then STAGE_NEXT(kb), below the piece's end `end`; items blockIdx.x, += gridDim.x;
+// item == items: none left); `tile` the item's tile's words with this lane's chunk offset, `src` this
+// lane's chunk of the block's sub-block 0 (line lane / 8)
+struct StagedBlock { const uint4* tile; const uint4* src; int item, kb, end; };
+__device__ __forceinline__ const uint4* staged_chunk(const uint4* tile, int kb) {
+    const int h = kb & 1, line = (threadIdx.x >> 3) & 3;
+    return tile + (kb >> 1) * (55 * 8) + 8 * (line < 2 ? 16 * h + line : line == 2 ? 36 + 8 * h : 32 + 2 * h);
+}
+__device__ __forceinline__ StagedBlock first_block(int item, int items, int splits, int nblk, int P,
+                                                   const uint4* __restrict__ w) {
+    for (; item < items; item += gridDim.x) {
+        const int t = item / splits, piece = item - t * splits;
+        const int kb = piece * nblk / splits + STAGE_WID_STEP * (threadIdx.x >> 5);
+        const int end = (piece + 1) * nblk / splits;
+        const uint4* tile = w + (size_t)t * P * (55 * 8) + (threadIdx.x & 7);
+        if (kb < end) return StagedBlock{tile, staged_chunk(tile, kb), item, kb, end};
+    }
+    return StagedBlock{w, w, items, 0, 0};
+}
+__device__ __forceinline__ void next_block(StagedBlock& b, int items, int splits, int nblk, int P,
+                                           const uint4* __restrict__ w) {
+    b.kb = STAGE_NEXT(b.kb);
+    if (b.kb < b.end) b.src = staged_chunk(b.tile, b.kb);
+    else b = first_block(b.item + gridDim.x, items, splits, nblk, P, w);
+}
+// a slot's lines (words of the block's 32 rows, 128 bytes each): qs words 16h + 2j, 16h + 2j + 1, the sign
+// word 36 + 8h + j, then for j = 0 the qh word 32 + 2h, the scales 52 + h and both d (54), for j = 4 the qh
+// word 33 + 2h. Slot 0 takes sub-blocks 0 and 4 (6 lines), the others 3 (STAGES 2 or 4: slot j % STAGES).
+// Lane L copies 16-byte chunk L % 8 (rows 4 (L % 8) .. + 3) of line L / 8, lanes 0-15 also of line 4 + L / 8.
+__device__ __forceinline__ int slot_line(int slot) { return slot ? 3 + 3 * slot : 0; }
+#define STAGE_LINES (3 + 3 * STAGES)
+// this lane's copies of sub-block j of block b into its slot of the warp's stage (`stage`: the lane's chunk
+// of the stage's first line; `stride`: bytes a sub-block moves the lane's line, 256 for the qs lines, 128
+// for the sign line, 32 for the qh line, copied at j = 0 and 4 only)
+__device__ __forceinline__ void stage_sub_block(const StagedBlock& b, bool live, int j, unsigned stage,
+                                                unsigned stride, unsigned lane) {
+    const unsigned at = stage + slot_line(j % STAGES) * 128;
+    const char* src = reinterpret_cast<const char*>(b.src);
+    if (live && (j == 0 || j == 4 || lane < 24)) cp_async16(at, src + j * stride);
+    if (live && j == 0 && lane < 16)  // the scales (52 + h) and both d (54), from qs line 16h + lane / 8
+        cp_async16(at + 512, src + 128 * (lane < 8 ? 52 - 15 * (b.kb & 1) : 53 - 16 * (b.kb & 1)));
+}
+#endif
+"""
+
 _SOURCE = r"""
 #define OUT_KIND __OUT_KIND__
 #define NCOL __NCOL__
@@ -215,7 +265,12 @@ _SOURCE = r"""
 #define GROUP __GROUP__
 #define CONV __CONV__
 #define BYTE_INDEX __BYTE_INDEX__
-""" + CUDA_HELPERS + CONV_STAGE + r"""
+#define STAGES __STAGES__
+// the staged stream (IL_STAGING): a warp's blocks 2 wid, 2 wid + 1, then those of pair wid + WARPS, ...,
+// below nblk (so without the padding block of an odd count, the last pair's second)
+#define STAGE_WID_STEP 2
+#define STAGE_NEXT(kb) ((kb) & 1 ? (kb) - 1 + 2 * WARPS : (kb) + 1)
+""" + CUDA_HELPERS + CONV_STAGE + ASYNC_COPY + IL_STAGING + r"""
 // the grid table in shared memory: entry i (qs byte | qh bit << 8) of copy c at word i * COPIES + c; or
 // (BYTE_INDEX) at byte qs << 8 | qh << QH_BIT | c << 2, rows of 256 bytes (16 copies: their upper halves
 // unused), so one prmt of the qs byte and a byte of qh << QH_BIT | c << 2 makes a grid word's offset
@@ -226,7 +281,38 @@ _SOURCE = r"""
 #else
 #define TABLE_WORDS (512 * COPIES)
 #endif
-struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
+// one block's words (dw: d of both blocks); `enter(j)`: sub-block j's words are there (here: all, loaded)
+struct Blk {
+    unsigned qs[16], sg[8], qh0, qh1, sc, dw;
+    __device__ __forceinline__ void enter(int) {}
+};
+#if STAGES
+// the same words from the warp's slots (IL_STAGING), sub-block j's as it is entered: landed, seen by the
+// warp, read (the lane's row: byte 4 · lane of each line), then the slot refilled with the warp's sub-block
+// STAGES ahead
+struct StagedWords {
+    unsigned qs[16], sg[8], qh0, qh1, sc, dw;
+    const char* rows;  // this lane's word of the stage's first line
+    StagedBlock ahead;
+    unsigned stage, stride, lane;
+    int items, nblk, P;
+    const uint4* w;
+    __device__ __forceinline__ void enter(int j) {
+        cp_async_wait_stages();
+        __syncwarp();
+        const unsigned* sl = reinterpret_cast<const unsigned*>(rows + slot_line(j % STAGES) * 128);
+        qs[2 * j] = sl[0];
+        qs[2 * j + 1] = sl[32];
+        sg[j] = sl[64];
+        if (j == 0) { qh0 = sl[96]; sc = sl[128]; dw = sl[160]; }
+        if (j == 4) qh1 = sl[96];
+        __syncwarp();
+        if (j == 8 - STAGES) next_block(ahead, items, 1, nblk, P, w);
+        stage_sub_block(ahead, ahead.item < items, (j + STAGES) & 7, stage, stride, lane);
+        cp_async_commit();
+    }
+};
+#endif
 
 // the words of block kb of the tile whose pairs start at `first` (this lane's row): half kb % 2 of pair
 // kb / 2
@@ -258,8 +344,10 @@ __device__ __forceinline__ void load_block(Blk& b, const unsigned* __restrict__ 
 // scales xds: KG = K / GROUP a column)
 // (tab: the table's shared address, with the lane's copy unless BYTE_INDEX; lanes: BYTE_INDEX's c << 2 in
 // every byte)
-__device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const int* xs, const float* xds,
+template <class Words>
+__device__ __forceinline__ void dot_block(Words& b, int h, int sb0, const int* xs, const float* xds,
                                           int K4, int KG, unsigned tab, unsigned lanes, float acc[NCOL]) {
+    b.enter(0);
     const float d = h ? f16_hi(b.dw) : f16_lo(b.dw);
 #if GROUP == 256
     int isum[NCOL];  // Σ_j (1 + 2 scale_j) · dot_j of the block: one float conversion a block
@@ -268,6 +356,7 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
 #endif
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
+        if (j) b.enter(j);
         const unsigned qh = ((j < 4 ? b.qh0 : b.qh1) >> (8 * (j & 3))) & 0xffu;
 #if GROUP != 256
         const float dl = d * (float)(1 + 2 * ((b.sc >> (4 * j)) & 15u));
@@ -350,8 +439,28 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
     float* xds = reinterpret_cast<float*>(xs + NCOL * K4);
     // what the CTA needs first is asked for at once (one memory latency, not one a pass of a fill loop): its
     // first block, the grid words of its table, the activation
+#if STAGES
+    // each warp's stage after the activation's scales (`IlSchedule.stages`): its first STAGES sub-blocks
+    StagedWords sw;
+    const char* stage_at = reinterpret_cast<const char*>(xds + NCOL * KG) + wid * (STAGE_LINES * 128);
+    sw.rows = stage_at + 4 * lane;
+    sw.stage = (unsigned)__cvta_generic_to_shared(stage_at) + 16 * lane;
+    sw.stride = lane < 16 ? 256 : lane < 24 ? 128 : 32;
+    sw.lane = lane;
+    sw.items = tiles;
+    sw.nblk = nblk;
+    sw.P = P;
+    sw.w = reinterpret_cast<const uint4*>(w);
+    sw.ahead = first_block(blockIdx.x, tiles, 1, nblk, P, sw.w);
+#pragma unroll
+    for (int j = 0; j < STAGES; ++j) {
+        stage_sub_block(sw.ahead, sw.ahead.item < tiles, j, sw.stage, sw.stride, lane);
+        cp_async_commit();
+    }
+#else
     Blk a, b;
     if (blockIdx.x < tiles && wid < P) LOAD_PAIR(a, blockIdx.x, (size_t)blockIdx.x * P, wid, 0);
+#endif
     // 16 bytes (four copies of a word) a store: store i at 16-byte slot i, entry i * 4 / COPIES; or
     // (BYTE_INDEX) of qs = i / (COPIES / 2) and qh = its place r in that row / (COPIES / 4) at slot 16 qs + r
     constexpr int STORES = 128 * COPIES, FILL = (STORES + WARPS * 32 - 1) / (WARPS * 32);
@@ -395,6 +504,12 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
         float acc[NCOL];
 #pragma unroll
         for (int m = 0; m < NCOL; ++m) acc[m] = 0.f;
+#if STAGES
+        for (int p = wid; p < P; p += WARPS) {  // (the stream skips the padding block of an odd count too)
+            dot_block(sw, 0, 16 * p, xs, xds, K4, KG, tab, lanes, acc);
+            if (2 * p + 1 < nblk) dot_block(sw, 1, 16 * p + 8, xs, xds, K4, KG, tab, lanes, acc);
+        }
+#else
         // blocks in flight: the next block's words load while this one is used
         const size_t first = (size_t)t * P;
         if (t != blockIdx.x && wid < P) LOAD_PAIR(a, t, first, wid, 0);
@@ -404,6 +519,7 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
             if (p + WARPS < P) LOAD_PAIR(a, t, first, p + WARPS, 0);
             if (2 * p + 1 < nblk) dot_block(b, 1, 16 * p + 8, xs, xds, K4, KG, tab, lanes, acc);
         }
+#endif
 #if PDL
         if (t + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
 #endif
@@ -466,51 +582,10 @@ _MMA_SOURCE = r"""
 #define STAGES __STAGES__
 """ + CUDA_HELPERS + CONV_STAGE + r"""
 #define BIAS 0x4B400000
-""" + ASYNC_COPY + r"""
-#if STAGES
-// the warp's blocks in the order it works on them: block kb of item `item` (kb = the piece's first + wid,
-// += WARPS below the piece's end `end`; items blockIdx.x, += gridDim.x; item == items: none left); `tile`
-// the item's tile's words with this lane's chunk offset, `src` this lane's chunk of the block's sub-block 0
-// (line lane / 8)
-struct StagedBlock { const uint4* tile; const uint4* src; int item, kb, end; };
-__device__ __forceinline__ const uint4* staged_chunk(const uint4* tile, int kb) {
-    const int h = kb & 1, line = (threadIdx.x >> 3) & 3;
-    return tile + (kb >> 1) * (55 * 8) + 8 * (line < 2 ? 16 * h + line : line == 2 ? 36 + 8 * h : 32 + 2 * h);
-}
-__device__ __forceinline__ StagedBlock first_block(int item, int items, int splits, int nblk, int P,
-                                                   const uint4* __restrict__ w) {
-    for (; item < items; item += gridDim.x) {
-        const int t = item / splits, piece = item - t * splits;
-        const int kb = piece * nblk / splits + (threadIdx.x >> 5), end = (piece + 1) * nblk / splits;
-        const uint4* tile = w + (size_t)t * P * (55 * 8) + (threadIdx.x & 7);
-        if (kb < end) return StagedBlock{tile, staged_chunk(tile, kb), item, kb, end};
-    }
-    return StagedBlock{w, w, items, 0, 0};
-}
-__device__ __forceinline__ void next_block(StagedBlock& b, int items, int splits, int nblk, int P,
-                                           const uint4* __restrict__ w) {
-    b.kb += WARPS;
-    if (b.kb < b.end) b.src = staged_chunk(b.tile, b.kb);
-    else b = first_block(b.item + gridDim.x, items, splits, nblk, P, w);
-}
-// a slot's lines (words of the block's 32 rows, 128 bytes each): qs words 16h + 2j, 16h + 2j + 1, the sign
-// word 36 + 8h + j, then for j = 0 the qh word 32 + 2h, the scales 52 + h and both d (54), for j = 4 the qh
-// word 33 + 2h. Slot 0 takes sub-blocks 0 and 4 (6 lines), the others 3 (STAGES 2 or 4: slot j % STAGES).
-// Lane L copies 16-byte chunk L % 8 (rows 4 (L % 8) .. + 3) of line L / 8, lanes 0-15 also of line 4 + L / 8.
-__device__ __forceinline__ int slot_line(int slot) { return slot ? 3 + 3 * slot : 0; }
-#define STAGE_LINES (3 + 3 * STAGES)
-// this lane's copies of sub-block j of block b into its slot of the warp's stage (`stage`: the lane's chunk
-// of the stage's first line; `stride`: bytes a sub-block moves the lane's line, 256 for the qs lines, 128
-// for the sign line, 32 for the qh line, copied at j = 0 and 4 only)
-__device__ __forceinline__ void stage_sub_block(const StagedBlock& b, bool live, int j, unsigned stage,
-                                                unsigned stride, unsigned lane) {
-    const unsigned at = stage + slot_line(j % STAGES) * 128;
-    const char* src = reinterpret_cast<const char*>(b.src);
-    if (live && (j == 0 || j == 4 || lane < 24)) cp_async16(at, src + j * stride);
-    if (live && j == 0 && lane < 16)  // the scales (52 + h) and both d (54), from qs line 16h + lane / 8
-        cp_async16(at + 512, src + 128 * (lane < 8 ? 52 - 15 * (b.kb & 1) : 53 - 16 * (b.kb & 1)));
-}
-#endif
+// the staged stream (IL_STAGING): a warp's blocks kb = the piece's first + wid, + WARPS, ...
+#define STAGE_WID_STEP 1
+#define STAGE_NEXT(kb) ((kb) + WARPS)
+""" + ASYNC_COPY + IL_STAGING + r"""
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -821,12 +896,14 @@ class IlSchedule:
     (CUDA 12): its block loop 1,285 → 1,157 instructions at one column, 1,465 → 1,340 at two; with 32
     copies (no bank conflicts; the qh bytes split as the tensor-core kernel's) 1,219 and 1,400. The
     tensor-core kernel (32 copies, the same 64 KB): its qh bytes made for two sub-blocks at a time (zero
-    bytes for the prmt), 759 → 730 at four columns, 755 → 726 at eight. `stages` (2 or 4; the tensor-core
-    kernel): each warp copies its sub-blocks `stages` ahead into slots of its own in shared memory
-    (cp.async, 1.9 KB a warp at 4) and reads them from there; its global loads were issued ~50-250
+    bytes for the prmt), 759 → 730 at four columns, 755 → 726 at eight. `stages` (2 or 4): each warp copies
+    its sub-blocks `stages` ahead into slots of its own in shared memory (cp.async, 1.9 KB a warp at 4) and
+    reads them from there (`IL_STAGING`). The tensor-core kernel's global loads were issued ~50-250
     instructions before their use (sm_90 SASS: ptxas places them next to their uses), the likely reason it
-    runs at ~47 % of its issue floor where the dp4a kernel, a block ahead in registers, runs at ~66 %; its
-    block loop ~760 → ~965 instructions (without the rarely run step to the next item)."""
+    runs at ~47 % of its issue floor where the dp4a kernel, a block ahead in registers, runs at ~59-66 %; its
+    block loop ~760 → ~965 instructions (without the rarely run step to the next item). The dp4a kernel's
+    staged pass costs ~1,550-1,760 instructions against 1,219-1,285 (its slots' loads, the waits, barriers
+    and copies a sub-block): a gain only if latency was most of its time."""
 
     warps: int
     copies: int = 16
@@ -844,9 +921,8 @@ class IlSchedule:
             raise QuantKernelError("split-K over CTAs is the tensor-core il32 kernel's (IlSchedule.splits)")
         if self.byte_index and self.kernel == "il" and self.copies not in (16, 32):
             raise QuantKernelError("the dp4a il32 kernel's byte-indexed grid table has 16 or 32 copies")
-        if self.stages not in (0, 2, 4) or (self.stages and self.kernel != "il_mma"):
-            raise QuantKernelError("staged sub-blocks (IlSchedule.stages 2 or 4) are the tensor-core il32 "
-                                   "kernel's")
+        if self.stages not in (0, 2, 4):
+            raise QuantKernelError(f"{self.stages} staged sub-blocks: the il32 kernels stage 2 or 4 ahead")
 
     @property
     def name(self) -> str:
@@ -861,12 +937,12 @@ class IlSchedule:
     def smem_bytes(self, columns: int, in_features: int, ring: int = 1) -> int:
         """The tables and the split-K sums (the dp4a kernel's: of `ring` tiles); the dp4a kernel also stages
         the activation (int8 and scales)."""
+        staged = self.warps * (3 + 3 * self.stages) * 128 if self.stages else 0  # each warp's slots
         if self.kernel == "il_mma":
-            staged = self.warps * (3 + 3 * self.stages) * 128 if self.stages else 0
             return 512 * 32 * 4 + ring * self.warps * 32 * 8 * 4 + 16 + staged
         table = 65536 if self.byte_index else 512 * self.copies * 4
         activation = columns * (in_features + in_features // self.group * 4)  # int8 values, fp32 scales
-        return table + ring * self.warps * columns * 32 * 4 + activation
+        return table + ring * self.warps * columns * 32 * 4 + activation + staged
 
 
 def il_schedule(columns: int, in_features: int, out_features: int = 8192, group: int = 32) -> IlSchedule:
@@ -881,16 +957,17 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     byte-indexed grid tables (`IlSchedule.byte_index`; untimed, gpu-notes "Session 47") in both kernels (1),
     the dp4a one's (il) or the tensor-core one's (il_mma); NINFER_IL_COPIES: the dp4a kernel's copies of the
     grid (16; 32 for A/B); NINFER_IL_STAGES=2|4: the tensor-core kernel's sub-blocks staged ahead
-    (`IlSchedule.stages`; untimed, gpu-notes "Session 48")."""
+    (`IlSchedule.stages`; untimed, gpu-notes "Session 48"), NINFER_IL_DP4A_STAGES=2|4 the dp4a kernel's."""
     env = os.environ.get
     return _il_schedule(columns, in_features, out_features, group, env("NINFER_IL_SPLITS", "auto"),
                         env("NINFER_IL_BYTE_INDEX", "0"), int(env("NINFER_IL_COPIES", 16)),
-                        int(env("NINFER_IL_STAGES", 0)))
+                        int(env("NINFER_IL_STAGES", 0)), int(env("NINFER_IL_DP4A_STAGES", 0)))
 
 
 @functools.cache  # every il_matmul asks
 def _il_schedule(columns: int, in_features: int, out_features: int, group: int, splits: str,
-                 byte_index: str = "0", copies: int = 16, stages: int = 0) -> IlSchedule:
+                 byte_index: str = "0", copies: int = 16, stages: int = 0,
+                 dp4a_stages: int = 0) -> IlSchedule:
     if columns >= 3:
         blocks = in_features // 256
         short = columns <= _MMA_SHORT[0] and blocks <= _MMA_SHORT[1] and out_features <= _MMA_SHORT[2]
@@ -901,7 +978,7 @@ def _il_schedule(columns: int, in_features: int, out_features: int, group: int, 
         return with_mma_splits(s, columns, in_features, out_features) if splits == "auto" else replace(
             s, splits=int(splits))
     return IlSchedule(min(10, il32_shape(32, in_features)[1]), copies, group=group,
-                      byte_index=byte_index in ("1", "il"))
+                      byte_index=byte_index in ("1", "il"), stages=dp4a_stages)
 
 
 def with_mma_splits(s: IlSchedule, columns: int, in_features: int, out_features: int) -> IlSchedule:

@@ -10,7 +10,8 @@ tensor-core kernel's tile splits follow the schedule's CTA slots (`mma_splits`),
     python3 bench/il_schedules.py --widths 4,8 --schedules 10:96,10:96:b  # the tensor-core kernel's
     python3 bench/il_schedules.py --widths 4,8 --schedules 10:96,10:96:s2,10:96:s4  # its staged sub-blocks
 
-A schedule is WARPS[:REGISTERS][:b][:cCOPIES][:sSTAGES] (registers 0 or left out: the kernel's default; b:
+A schedule is WARPS[:REGISTERS][:b][:cCOPIES][:sSTAGES] (registers 0 or left out: the kernel's default, 64 =
+three CTAs an SM for the dp4a kernel's staged builds; b:
 the byte-indexed grid table, `IlSchedule.byte_index`; cCOPIES: the dp4a kernel's copies of the grid, 16 or
 32; sSTAGES: the sub-blocks staged ahead, `IlSchedule.stages`).
 Session 38: at 3-8 columns 10 warps of 96 registers were the best on every matrix but 5120×6144 (6 warps of
@@ -42,7 +43,8 @@ def schedule(spec: str, width: int, n: int, k: int, group: int) -> gemv_il.IlSch
     copies = next((int(r[1:]) for r in rest if r.startswith("c")), 16)
     stages = next((int(r[1:]) for r in rest if r.startswith("s")), 0)
     if width < 3:
-        return gemv_il.IlSchedule(int(warps), copies, group=group, byte_index=byte_index, stages=stages)
+        return gemv_il.IlSchedule(int(warps), copies, group=group, byte_index=byte_index, stages=stages,
+                                  regs=regs)
     s = gemv_il.IlSchedule(int(warps), kernel="il_mma", regs=regs, group=group, byte_index=byte_index,
                            stages=stages)
     return gemv_il.with_mma_splits(s, width, k, n)

@@ -69,7 +69,9 @@ case $phase in
     sweep stages_c4 iq3_s 150 NINFER_IL_STAGES=0,NINFER_IL_STAGES=2,NINFER_IL_STAGES=4 --columns 4
     sweep stages_lanes iq3_s 200 NINFER_IL_STAGES=0,NINFER_IL_STAGES=4 --lanes 4,8
     step il_staged 120 "$PY" bench/il_schedules.py --widths 4,8 --schedules 10:96,10:96:s2,10:96:s4
-    step dp4a_staged 120 "$PY" bench/il_schedules.py --widths 1,2 --schedules 10,10:s4,10:b:c32,10:b:c32:s4
+    step dp4a_staged 150 "$PY" bench/il_schedules.py --widths 1,2 --schedules 10,10:64:s2,10:64:s4,10:s4,10:b:c32:s4
+    sweep dp4a_staged_rounds iq3_s 150 NINFER_IL_DP4A_STAGES=0,NINFER_IL_DP4A_STAGES=2,NINFER_IL_DP4A_STAGES=4 \
+      --lanes 1,2
     ;;
   q4staged)
     sweep q4staged_lanes q4_k 200 NINFER_Q4IL_STAGED=0,NINFER_Q4IL_STAGED=1 --lanes 1,2,4,8

@@ -931,8 +931,9 @@ class IlSchedule:
                     + (f"_g{self.group}" if self.group != 32 else "")
                     + (f"_s{self.splits}" if self.splits > 1 else "") + ("_b" if self.byte_index else "")
                     + (f"_st{self.stages}" if self.stages else ""))
-        return (f"il_w{self.warps}_c{self.copies}" + (f"_g{self.group}" if self.group != 32 else "")
-                + ("_b" if self.byte_index else ""))
+        return (f"il_w{self.warps}_c{self.copies}" + (f"_r{self.regs}" if self.regs else "")
+                + (f"_g{self.group}" if self.group != 32 else "") + ("_b" if self.byte_index else "")
+                + (f"_st{self.stages}" if self.stages else ""))
 
     def smem_bytes(self, columns: int, in_features: int, ring: int = 1) -> int:
         """The tables and the split-K sums (the dp4a kernel's: of `ring` tiles); the dp4a kernel also stages
@@ -977,8 +978,10 @@ def _il_schedule(columns: int, in_features: int, out_features: int, group: int, 
         s = replace(s, byte_index=byte_index in ("1", "il_mma"), stages=0 if short else stages)
         return with_mma_splits(s, columns, in_features, out_features) if splits == "auto" else replace(
             s, splits=int(splits))
+    # staged, the dp4a kernel builds at 64 registers without spilling in its loop: three CTAs an SM, not two
     return IlSchedule(min(10, il32_shape(32, in_features)[1]), copies, group=group,
-                      byte_index=byte_index in ("1", "il"), stages=dp4a_stages)
+                      byte_index=byte_index in ("1", "il"), stages=dp4a_stages,
+                      regs=_STAGED_DP4A_REGISTERS if dp4a_stages else 0)
 
 
 def with_mma_splits(s: IlSchedule, columns: int, in_features: int, out_features: int) -> IlSchedule:
@@ -1021,6 +1024,10 @@ _MMA_RING = 2
 # registers a thread the build allows at 1, 2, 4, 8 columns (below these the larger widths spill)
 _REGISTERS = {1: 80, 2: 96, 4: 112, 8: 128}
 _MMA_REGISTERS = 96
+# the dp4a kernel's staged builds (`IlSchedule.stages`): their words come from shared memory as used, not a
+# block ahead in registers; at 64 (three CTAs of 10 warps an SM) sm_90 builds them with no spill in the loop
+# (16-48 bytes in the prologue) where the unstaged one spills 176 bytes
+_STAGED_DP4A_REGISTERS = 64
 
 
 def _ctas_per_sm(s: IlSchedule, columns: int, in_features: int, smem: int = 228 * 1024,

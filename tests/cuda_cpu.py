@@ -5,7 +5,8 @@ What the emulation gives a kernel (`PRELUDE`): `threadIdx` / `blockIdx` / `gridD
 shared memory a CTA (filled with 0xA5 bytes: a read before a write shows), `__syncthreads` as a barrier of the
 CTA's threads (a thread that returns stops counting, as on the GPU; a barrier that waits 60 s aborts the
 process: a deadlock), the load intrinsics as plain loads (`__ldg` of shared memory aborts), `atomicAdd` and
-`__threadfence` as host atomics, `cp.async` copies that land only at the copying thread's `wait_group`.
+`__threadfence` as host atomics, `cp.async` copies that land only at the copying thread's `wait_group` (a
+misaligned one aborts).
 The source's inline-PTX helpers (`prmt`, `dp4a`, the mma instructions, the conversions) are swapped, by name,
 for C++ written from the PTX ISA's definitions (`EMULATED`); the mma ones exchange their fragments through
 the warp (a barrier of its 32 threads), by the fragment tables of the PTX ISA (the same
@@ -103,6 +104,10 @@ struct EmuCopy { char* dst; const char* src; };
 static thread_local std::vector<std::vector<EmuCopy>> emu_groups;
 static thread_local std::vector<EmuCopy> emu_open;
 inline void emu_cp_async(unsigned dst, const void* src) {
+    if (dst % 16 || (size_t)src % 16) {  // cp.async of 16 bytes: both addresses 16-byte aligned
+        std::fprintf(stderr, "cuda_cpu: cp.async of 16 bytes from %p to shared %u: misaligned\n", src, dst);
+        std::abort();
+    }
     emu_open.push_back({emu_smem + dst, (const char*)src});
 }
 inline void emu_cp_commit() { emu_groups.push_back(emu_open); emu_open.clear(); }

@@ -442,7 +442,9 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 #if STAGES
     // each warp's stage after the activation's scales (`IlSchedule.stages`): its first STAGES sub-blocks
     StagedWords sw;
-    const char* stage_at = reinterpret_cast<const char*>(xds + NCOL * KG) + wid * (STAGE_LINES * 128);
+    // (16-byte aligned: the scales of an activation per 256 may end at any 4 bytes)
+    const char* stage_at = reinterpret_cast<const char*>(((size_t)(xds + NCOL * KG) + 15) & ~(size_t)15)
+                           + wid * (STAGE_LINES * 128);
     sw.rows = stage_at + 4 * lane;
     sw.stage = (unsigned)__cvta_generic_to_shared(stage_at) + 16 * lane;
     sw.stride = lane < 16 ? 256 : lane < 24 ? 128 : 32;
@@ -943,6 +945,7 @@ class IlSchedule:
             return 512 * 32 * 4 + ring * self.warps * 32 * 8 * 4 + 16 + staged
         table = 65536 if self.byte_index else 512 * self.copies * 4
         activation = columns * (in_features + in_features // self.group * 4)  # int8 values, fp32 scales
+        staged += 16 if self.stages else 0  # (the slots 16-byte aligned after the scales)
         return table + ring * self.warps * columns * 32 * 4 + activation + staged
 
 

@@ -7,7 +7,7 @@
 #   bash bench/pending_ab.sh conv      # NINFER_LANE_CONV_COLUMNS=1 vs 8 (both types' rounds) + q4il alone
 #   bash bench/pending_ab.sh byte      # NINFER_IL_BYTE_INDEX off / on / 32 copies (IQ3_S rounds) + il alone
 #   bash bench/pending_ab.sh stages    # NINFER_IL_STAGES=0 / 2 / 4: the 4-column step, 4 and 8 lanes, alone
-#                                      # (and the dp4a kernel's staged builds alone, NINFER_IL_DP4A_STAGES)
+#   bash bench/pending_ab.sh dp4a      # NINFER_IL_DP4A_STAGES=0 / 2 / 4: the 1-2-lane rounds, alone
 #   bash bench/pending_ab.sh q4staged  # NINFER_Q4IL_STAGED=0 / 1: Q4_K rounds at 1-8 lanes, 4 columns, alone
 #   bash bench/pending_ab.sh memory    # prefill pieces A/B, the memory probe, the workspace tests
 #   bash bench/pending_ab.sh suites    # both suites (gpu_bench.sh) under the defaults as they stand
@@ -16,7 +16,7 @@
 # 1-lane round alone lowers C = 8 / C = 1, so the byte index is taken for both kernels together or not.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?"a phase: tests, conv, byte, stages, q4staged, memory or suites"}
+phase=${1:?"a phase: tests, conv, byte, stages, dp4a, q4staged, memory or suites"}
 OUT=${OUT:-/tmp/ninfer-pending}/$phase
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -69,9 +69,12 @@ case $phase in
     sweep stages_c4 iq3_s 150 NINFER_IL_STAGES=0,NINFER_IL_STAGES=2,NINFER_IL_STAGES=4 --columns 4
     sweep stages_lanes iq3_s 200 NINFER_IL_STAGES=0,NINFER_IL_STAGES=4 --lanes 4,8
     step il_staged 120 "$PY" bench/il_schedules.py --widths 4,8 --schedules 10:96,10:96:s2,10:96:s4
-    step dp4a_staged 150 "$PY" bench/il_schedules.py --widths 1,2 --schedules 10,10:64:s2,10:64:s4,10:s4,10:b:c32:s4
-    sweep dp4a_staged_rounds iq3_s 150 NINFER_IL_DP4A_STAGES=0,NINFER_IL_DP4A_STAGES=2,NINFER_IL_DP4A_STAGES=4 \
-      --lanes 1,2
+    ;;
+  dp4a)
+    step dp4a_staged 150 "$PY" bench/il_schedules.py --widths 1,2 \
+      --schedules 10,10:64:s2,10:64:s4,10:s4,10:b:c32:s4
+    sweep dp4a_staged_rounds iq3_s 200 \
+      NINFER_IL_DP4A_STAGES=0,NINFER_IL_DP4A_STAGES=2,NINFER_IL_DP4A_STAGES=4 --lanes 1,2
     ;;
   q4staged)
     sweep q4staged_lanes q4_k 200 NINFER_Q4IL_STAGED=0,NINFER_Q4IL_STAGED=1 --lanes 1,2,4,8
@@ -89,7 +92,7 @@ case $phase in
     exit $?
     ;;
   *)
-    echo "unknown phase $phase: tests, conv, byte, stages, q4staged, memory or suites"
+    echo "unknown phase $phase: tests, conv, byte, stages, dp4a, q4staged, memory or suites"
     exit 2
     ;;
 esac

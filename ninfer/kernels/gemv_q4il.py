@@ -275,7 +275,7 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
                   conv: bool = False, staged: bool = False) -> str:
     """`conv` (bf16 out): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`).
-    `staged`: each warp's next block copied into shared memory while it works on one (`STAGED`)."""
+    `staged`: each warp's next block copied into shared memory while it works on one (the STAGES build)."""
     if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
         raise QuantKernelError("the q4il conv builds write bf16")
     warps, ctas = shape

@@ -1,9 +1,9 @@
 """The NVRTC kernels' CUDA C, run on the CPU (tests/cuda_cpu.py): the il32 dp4a and tensor-core iq3_s GEMVs,
 the q4il and q6il GEMVs, on tiny shapes with padded rows and blocks, CTAs looping over several tiles, rings
 and split tiles, against the float64 oracle over the GGUF rows (`gemv_q8_reference`); the builds with the
-GDN conv in their epilogue (1-8 lanes) against its arithmetic, also as the wrappers launch them; the
-tensor-core kernel on staged sub-blocks and q4il on staged blocks (cp.async) against their unstaged builds;
-slips in the sources caught. The numpy twins in test_gemv_il.py / test_gemv_q4il.py / test_gemv_q6il.py
+GDN conv in their epilogue (1-8 lanes) against its arithmetic, also as the wrappers launch them; both il32
+kernels on staged sub-blocks and q4il on staged blocks (cp.async) against their unstaged builds; slips in
+the sources caught. The numpy twins in test_gemv_il.py / test_gemv_q4il.py / test_gemv_q6il.py
 check each recipe; these run the very source the GPU builds (with PDL off)."""
 
 from __future__ import annotations

@@ -940,12 +940,12 @@ class IlSchedule:
     def smem_bytes(self, columns: int, in_features: int, ring: int = 1) -> int:
         """The tables and the split-K sums (the dp4a kernel's: of `ring` tiles); the dp4a kernel also stages
         the activation (int8 and scales)."""
-        staged = self.warps * (3 + 3 * self.stages) * 128 if self.stages else 0  # each warp's slots
+        # each warp's slots, and 16 bytes to align them (the dp4a kernel's follow the activation's scales)
+        staged = self.warps * (3 + 3 * self.stages) * 128 + 16 if self.stages else 0
         if self.kernel == "il_mma":
             return 512 * 32 * 4 + ring * self.warps * 32 * 8 * 4 + 16 + staged
         table = 65536 if self.byte_index else 512 * self.copies * 4
         activation = columns * (in_features + in_features // self.group * 4)  # int8 values, fp32 scales
-        staged += 16 if self.stages else 0  # (the slots 16-byte aligned after the scales)
         return table + ring * self.warps * columns * 32 * 4 + activation + staged
 
 

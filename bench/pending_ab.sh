@@ -4,6 +4,7 @@
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
 #   bash bench/pending_ab.sh tests     # the GPU tests of the untimed builds (conv epilogue, byte index, pieces)
+#   bash bench/pending_ab.sh staged    # only the staged builds' GPU twin tests (il32 both kernels, q4il)
 #   bash bench/pending_ab.sh conv      # NINFER_LANE_CONV_COLUMNS=1 vs 8 (both types' rounds) + q4il alone
 #   bash bench/pending_ab.sh byte      # NINFER_IL_BYTE_INDEX off / on / 32 copies (IQ3_S rounds) + il alone
 #   bash bench/pending_ab.sh stages    # NINFER_IL_STAGES=0 / 2 / 4: the 4-column step, 4 and 8 lanes, alone
@@ -14,18 +15,19 @@
 #
 # A setting becomes a default only where its graphed rounds gain (min of two replays, A B B A); a faster
 # 1-lane round alone lowers C = 8 / C = 1, so the byte index is taken for both kernels together or not.
+# Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?"a phase: tests, conv, byte, stages, dp4a, q4staged, memory or suites"}
-OUT=${OUT:-/tmp/ninfer-pending}/$phase
-mkdir -p "$OUT"
+[ $# -gt 0 ] || { echo "phases: tests, staged, conv, byte, stages, dp4a, q4staged, memory or suites"; exit 2; }
+ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tcache}
 export NINFER_SHARED=${NINFER_SHARED:-$PWD/.fixtures/shared}
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null | tee "$OUT/gpu.txt"
+mkdir -p "$ROOT"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null | tee "$ROOT/gpu.txt"
 
 # step NAME SECONDS COMMAND...: run under a time limit, its output in $OUT/NAME.log
 step() {
@@ -46,63 +48,75 @@ sweep() {
     --out "$OUT/$name" "$@"
 }
 
-case $phase in
-  tests)
-    step pytest 540 "$PY" -m pytest -m gpu -n 12 -p xdist --dist worksteal -v -rfE -k \
-      "conv or prefill or greedy or twin or byte or workspace or staged" tests/test_gemv_il.py tests/test_graph_decode.py \
-      tests/test_kernels_gpu.py tests/test_workspace.py tests/test_gemv_q4il.py
-    grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-    ;;
-  conv)
-    sweep conv_iq3_s iq3_s 200 NINFER_LANE_CONV_COLUMNS=1,NINFER_LANE_CONV_COLUMNS=8 --lanes 1,2,4,8
-    sweep conv_q4_k q4_k 200 NINFER_LANE_CONV_COLUMNS=1,NINFER_LANE_CONV_COLUMNS=8 --lanes 1,2,4,8
-    step q4il_conv 150 "$PY" bench/q4il_timing.py --widths 4,8 --conv
-    ;;
-  byte)
-    sweep byte_iq3_s iq3_s 240 \
-      NINFER_IL_BYTE_INDEX=0,NINFER_IL_BYTE_INDEX=1,NINFER_IL_BYTE_INDEX=1+NINFER_IL_COPIES=32 --lanes 1,2,4,8
-    sweep byte_iq3_s_c4 iq3_s 150 NINFER_IL_BYTE_INDEX=0,NINFER_IL_BYTE_INDEX=il_mma --columns 4
-    step il_dp4a 90 "$PY" bench/il_schedules.py --widths 1,2 --schedules 10,10:b,10:b:c32
-    step il_mma 90 "$PY" bench/il_schedules.py --widths 4,8 --schedules 10:96,10:96:b
-    ;;
-  stages)
-    sweep stages_c4 iq3_s 150 NINFER_IL_STAGES=0,NINFER_IL_STAGES=2,NINFER_IL_STAGES=4 --columns 4
-    sweep stages_lanes iq3_s 200 NINFER_IL_STAGES=0,NINFER_IL_STAGES=4 --lanes 4,8
-    step il_staged 120 "$PY" bench/il_schedules.py --widths 4,8 --schedules 10:96,10:96:s2,10:96:s4
-    ;;
-  dp4a)
-    step dp4a_staged 150 "$PY" bench/il_schedules.py --widths 1,2 \
-      --schedules 10,10:64:s2,10:64:s4,10:s4,10:b:c32:s4
-    sweep dp4a_staged_rounds iq3_s 200 \
-      NINFER_IL_DP4A_STAGES=0,NINFER_IL_DP4A_STAGES=2,NINFER_IL_DP4A_STAGES=4 --lanes 1,2
-    ;;
-  q4staged)
-    sweep q4staged_lanes q4_k 200 NINFER_Q4IL_STAGED=0,NINFER_Q4IL_STAGED=1 --lanes 1,2,4,8
-    sweep q4staged_c4 q4_k 120 NINFER_Q4IL_STAGED=0,NINFER_Q4IL_STAGED=1 --columns 4
-    step q4il_staged 150 "$PY" bench/q4il_timing.py --widths 1,4,8 --staged
-    ;;
-  memory)
-    step prefill_pieces 240 "$PY" bench/prefill_profile.py --wtype iq3_s --tokens 2048 \
-      --pieces 8192,1073741824 --no-profile --out "$OUT"
-    step memory_probe 240 "$PY" bench/memory_probe.py --wtype q4_k --chunk 2048 --headroom-mib 1024 \
-      --prompt 16384 --decoders 7
-    ;;
-  suites)
-    WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh
-    exit $?
-    ;;
-  *)
-    echo "unknown phase $phase: tests, conv, byte, stages, dp4a, q4staged, memory or suites"
-    exit 2
-    ;;
-esac
+# phase NAME: one phase's steps, its logs under $ROOT/NAME/
+phase() {
+  OUT=$ROOT/$1
+  mkdir -p "$OUT"
+  case $1 in
+    tests)
+      step pytest 540 "$PY" -m pytest -m gpu -n 12 -p xdist --dist worksteal -v -rfE -k \
+        "conv or prefill or greedy or twin or byte or workspace or staged" tests/test_gemv_il.py tests/test_graph_decode.py \
+        tests/test_kernels_gpu.py tests/test_workspace.py tests/test_gemv_q4il.py
+      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
+      ;;
+    staged)
+      step pytest 240 "$PY" -m pytest -m gpu -n 8 -p xdist --dist worksteal -v -rfE -k "twin" \
+        tests/test_gemv_il.py tests/test_gemv_q4il.py
+      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
+      ;;
+    conv)
+      sweep conv_iq3_s iq3_s 200 NINFER_LANE_CONV_COLUMNS=1,NINFER_LANE_CONV_COLUMNS=8 --lanes 1,2,4,8
+      sweep conv_q4_k q4_k 200 NINFER_LANE_CONV_COLUMNS=1,NINFER_LANE_CONV_COLUMNS=8 --lanes 1,2,4,8
+      step q4il_conv 150 "$PY" bench/q4il_timing.py --widths 4,8 --conv
+      ;;
+    byte)
+      sweep byte_iq3_s iq3_s 240 \
+        NINFER_IL_BYTE_INDEX=0,NINFER_IL_BYTE_INDEX=1,NINFER_IL_BYTE_INDEX=1+NINFER_IL_COPIES=32 --lanes 1,2,4,8
+      sweep byte_iq3_s_c4 iq3_s 150 NINFER_IL_BYTE_INDEX=0,NINFER_IL_BYTE_INDEX=il_mma --columns 4
+      step il_dp4a 90 "$PY" bench/il_schedules.py --widths 1,2 --schedules 10,10:b,10:b:c32
+      step il_mma 90 "$PY" bench/il_schedules.py --widths 4,8 --schedules 10:96,10:96:b
+      ;;
+    stages)
+      sweep stages_c4 iq3_s 150 NINFER_IL_STAGES=0,NINFER_IL_STAGES=2,NINFER_IL_STAGES=4 --columns 4
+      sweep stages_lanes iq3_s 200 NINFER_IL_STAGES=0,NINFER_IL_STAGES=4 --lanes 4,8
+      step il_staged 120 "$PY" bench/il_schedules.py --widths 4,8 --schedules 10:96,10:96:s2,10:96:s4
+      ;;
+    dp4a)
+      step dp4a_staged 150 "$PY" bench/il_schedules.py --widths 1,2 \
+        --schedules 10,10:64:s2,10:64:s4,10:s4,10:b:c32:s4
+      sweep dp4a_staged_rounds iq3_s 200 \
+        NINFER_IL_DP4A_STAGES=0,NINFER_IL_DP4A_STAGES=2,NINFER_IL_DP4A_STAGES=4 --lanes 1,2
+      ;;
+    q4staged)
+      sweep q4staged_lanes q4_k 200 NINFER_Q4IL_STAGED=0,NINFER_Q4IL_STAGED=1 --lanes 1,2,4,8
+      sweep q4staged_c4 q4_k 120 NINFER_Q4IL_STAGED=0,NINFER_Q4IL_STAGED=1 --columns 4
+      step q4il_staged 150 "$PY" bench/q4il_timing.py --widths 1,4,8 --staged
+      ;;
+    memory)
+      step prefill_pieces 240 "$PY" bench/prefill_profile.py --wtype iq3_s --tokens 2048 \
+        --pieces 8192,1073741824 --no-profile --out "$OUT"
+      step memory_probe 240 "$PY" bench/memory_probe.py --wtype q4_k --chunk 2048 --headroom-mib 1024 \
+        --prompt 16384 --decoders 7
+      ;;
+    suites)
+      WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh
+      ;;
+    *)
+      echo "unknown phase $1: tests, staged, conv, byte, stages, dp4a, q4staged, memory or suites"
+      ;;
+  esac
+}
+
+for name in "$@"; do
+  phase "$name"
+done
 
 # the settings' table: each sweep's graphed rounds (ms, the min of two), the fastest of a row marked
-"$PY" - "$OUT" <<'EOF'
+"$PY" - "$ROOT" <<'EOF'
 import json, sys
 from pathlib import Path
 
-for path in sorted(Path(sys.argv[1]).glob("*/step_profile_*.json")):
+for path in sorted(Path(sys.argv[1]).glob("*/*/step_profile_*.json")):
     sweep = json.loads(path.read_text()).get("sweep_ms", {})
     settings = [k for k in sweep if " " not in k]
     rows = sorted({k[len(s):] for s in settings for k in sweep if k == s or k.startswith(s + " ")})

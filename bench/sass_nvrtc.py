@@ -14,7 +14,15 @@ slower).
         python bench/sass_nvrtc.py il --columns 1 --byte-index [--copies 32]   # the byte-indexed table
     python bench/sass_nvrtc.py il --columns 2 --against /tmp/prev.py   # the same build as another gemv_il.py?
 
-NVRTC here is CUDA 12's and the device's torch brings 13's: the builds are close, not identical.
+NVRTC here is CUDA 12's and the device's torch (2.11+cu130) brings 13.0's; `--cubin` builds as the device does
+(NVRTC makes the sm_90 cubin itself; Triton's ptxas cannot read CUDA 13's PTX):
+
+    pip download -q --no-deps "nvidia-cuda-nvrtc==13.0.*" -d /tmp/nvrtc13   # then unzip as above
+    LD_LIBRARY_PATH=/tmp/nvrtc13/x/nvidia/cu13/lib NVRTC_LIB=/tmp/nvrtc13/x/nvidia/cu13/lib/libnvrtc.so.13 \\
+        python bench/sass_nvrtc.py il_mma --columns 4 --cubin
+
+Session 49: 13.0.88 builds every kernel within an instruction or two of 12.9's (il_mma 4 columns 758 / 759,
+q4il 278 / 279); 13.5 builds il_mma's block loop at 838 (+10 %).
 """
 
 from __future__ import annotations
@@ -36,12 +44,14 @@ from ninfer.kernels import gemv_il, gemv_q4il, gemv_q6il  # noqa: E402
 KERNELS = ("il", "il_mma", "q4il", "q6il")
 
 
-def nvrtc_ptx(source: str, name: str, arch: str = "compute_90") -> str:
-    """PTX of a CUDA C source by NVRTC (`NVRTC_LIB`: the library's path)."""
+def nvrtc_build(source: str, name: str, cubin: bool = False) -> str | bytes:
+    """PTX of a CUDA C source by NVRTC (`NVRTC_LIB`: the library's path), or with `cubin` the sm_90 cubin
+    NVRTC builds itself, as `torch.cuda._compile_kernel` does on the device."""
     lib = ctypes.CDLL(os.environ.get("NVRTC_LIB", "libnvrtc.so.12"))
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None):
         raise SystemExit("nvrtcCreateProgram failed")
+    arch = "sm_90" if cubin else "compute_90"
     options = [f"--gpu-architecture={arch}".encode(), b"-default-device", b"--std=c++17"]
     failed = lib.nvrtcCompileProgram(prog, len(options), (ctypes.c_char_p * len(options))(*options))
     size = ctypes.c_size_t()
@@ -50,24 +60,35 @@ def nvrtc_ptx(source: str, name: str, arch: str = "compute_90") -> str:
         log = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetProgramLog(prog, log)
         raise SystemExit(log.value.decode())
-    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
-    ptx = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetPTX(prog, ptx)
-    return ptx.value.decode()
+    get_size, get = ((lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN) if cubin
+                     else (lib.nvrtcGetPTXSize, lib.nvrtcGetPTX))
+    get_size(prog, ctypes.byref(size))
+    out = ctypes.create_string_buffer(size.value)
+    get(prog, out)
+    return out.raw if cubin else out.value.decode()
 
 
-def sm90_sass(ptx: str) -> tuple[str, str]:
-    """(ptxas's resource lines, the SASS) of PTX built for sm_90 by Triton's bundled tools."""
+def sm90_sass(built: str | bytes) -> tuple[str, str]:
+    """(the resource lines, the SASS) of PTX built for sm_90 by Triton's bundled ptxas, or of a cubin
+    (`cuobjdump -res-usage`'s line), disassembled by Triton's bundled cuobjdump."""
     import triton
 
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "k.ptx").write_text(ptx)
-        built = subprocess.run([str(tools / "ptxas"), "-arch=sm_90", "-v", "-o", f"{tmp}/k.cubin",
-                                f"{tmp}/k.ptx"], capture_output=True, text=True, check=True)
-        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f"{tmp}/k.cubin"], capture_output=True,
+        cubin = Path(tmp, "k.cubin")
+        if isinstance(built, bytes):
+            cubin.write_bytes(built)
+            resources = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)],
+                                       capture_output=True, text=True, check=True).stdout
+            resources = "\n".join(f"registers: {line.strip()}" for line in resources.splitlines()
+                                  if "REG" in line)
+        else:
+            Path(tmp, "k.ptx").write_text(built)
+            resources = subprocess.run([str(tools / "ptxas"), "-arch=sm_90", "-v", "-o", str(cubin),
+                                        f"{tmp}/k.ptx"], capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True,
                               text=True, check=True).stdout
-    return built.stderr, sass
+    return resources, sass
 
 
 def source_of(kernel: str, columns: int, warps: int, regs: int, group: int, il=gemv_il,
@@ -102,8 +123,9 @@ def same_build(path: Path, kernel: str, a, sass: str) -> None:
     from bench.il_ab import load
 
     other = load(path)
-    resources, theirs = sm90_sass(nvrtc_ptx(*source_of(kernel, a.columns, a.warps, a.regs, a.group, other,
-                                                       a.conv, a.byte_index, a.copies, a.stages)))
+    resources, theirs = sm90_sass(nvrtc_build(*source_of(kernel, a.columns, a.warps, a.regs, a.group, other,
+                                                         a.conv, a.byte_index, a.copies, a.stages),
+                                               a.cubin))
     print(f"{path}:", "; ".join(line.split(":", 1)[-1].strip() for line in resources.splitlines()
                                  if "registers" in line or "spill" in line))
     print("the same SASS" if instructions(theirs) == instructions(sass) else "a different SASS")
@@ -153,10 +175,13 @@ def main() -> None:
                    help="wavefronts a 32-bit shared load takes (bank conflicts; default: 2 for the dp4a "
                         "kernel's 16 copies of the grid, whose loads nearly always meet a two-way conflict, "
                         "else 1)")
+    p.add_argument("--cubin", action="store_true",
+                   help="NVRTC builds the sm_90 cubin itself, as on the device (CUDA 13's NVRTC: Triton's "
+                        "ptxas cannot read its PTX); registers from cuobjdump -res-usage")
     a = p.parse_args()
     source, name = source_of(a.kernel, a.columns, a.warps, a.regs, a.group, conv=a.conv,
                              byte_index=a.byte_index, copies=a.copies, stages=a.stages)
-    resources, sass = sm90_sass(nvrtc_ptx(source, name))
+    resources, sass = sm90_sass(nvrtc_build(source, name, a.cubin))
     print("\n".join(line for line in resources.splitlines() if "registers" in line or "spill" in line))
     body = loop_body(sass, {"il": "IDP", "il_mma": "IMMA", "q4il": "IMMA"}.get(a.kernel, ""))
     print(f"block loop: {len(body)} instructions")

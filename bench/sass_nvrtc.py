@@ -102,7 +102,7 @@ def source_of(kernel: str, columns: int, warps: int, regs: int, group: int, il=g
         # (an older gemv_il, --against, has neither field)
         extra = ({"byte_index": True} if byte_index else {}) | ({"stages": stages} if stages else {})
         s = (il.IlSchedule(warps, kernel="il_mma", regs=regs, group=group, **extra) if kernel == "il_mma"
-             else il.IlSchedule(warps, copies, group=group, **extra))
+             else il.IlSchedule(warps, copies, group=group, regs=regs, **extra))
         return (il.kernel_source(columns, 1, s, True, conv),
                 "iq3s_il_mma" if kernel == "il_mma" else "iq3s_il_gemv")
     if kernel == "q4il":
@@ -159,7 +159,7 @@ def main() -> None:
     p.add_argument("kernel", choices=KERNELS)
     p.add_argument("--columns", type=int, default=4)
     p.add_argument("--warps", type=int, default=10, help="il32 kernels: warps a CTA")
-    p.add_argument("--regs", type=int, default=0, help="il_mma: registers a thread (0: the engine's)")
+    p.add_argument("--regs", type=int, default=0, help="il32 kernels: registers a thread (0: the engine's)")
     p.add_argument("--group", type=int, default=256, help="il32 kernels: activation values a scale")
     p.add_argument("--dump", action="store_true", help="print the block loop's instructions")
     p.add_argument("--against", type=Path, help="il32 kernels: another gemv_il.py, built and compared")

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The A/Bs built without a GPU and waiting for one (gpu-notes "Session 47" / "Session 48", Next), one phase a
-# `device` call (each under 10 minutes; logs and JSON under $OUT/<phase>/, the settings' table printed last).
+# `device` call (each under 10 minutes; logs and JSON under $OUT/<phase>/, the settings' table printed last),
+# listed here in the order to run them (the likeliest gains first; gpu-notes "Session 49" prices dp4a).
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
 #   bash bench/pending_ab.sh tests     # the GPU tests of the untimed builds (conv epilogue, byte index, pieces)
 #   bash bench/pending_ab.sh staged    # only the staged builds' GPU twin tests (il32 both kernels, q4il)
+#   bash bench/pending_ab.sh q4staged  # NINFER_Q4IL_STAGED=0 / 1: Q4_K rounds at 1-8 lanes, 4 columns, alone
+#   bash bench/pending_ab.sh stages    # NINFER_IL_STAGES=0 / 2 / 4: the 4-column step, 4 and 8 lanes, alone
 #   bash bench/pending_ab.sh conv      # NINFER_LANE_CONV_COLUMNS=1 vs 8 (both types' rounds) + q4il alone
 #   bash bench/pending_ab.sh byte      # NINFER_IL_BYTE_INDEX off / on / 32 copies (IQ3_S rounds) + il alone
-#   bash bench/pending_ab.sh stages    # NINFER_IL_STAGES=0 / 2 / 4: the 4-column step, 4 and 8 lanes, alone
 #   bash bench/pending_ab.sh dp4a      # NINFER_IL_DP4A_STAGES=0 / 2 / 4: the 1-2-lane rounds, alone
-#   bash bench/pending_ab.sh q4staged  # NINFER_Q4IL_STAGED=0 / 1: Q4_K rounds at 1-8 lanes, 4 columns, alone
 #   bash bench/pending_ab.sh memory    # prefill pieces A/B, the memory probe, the workspace tests
 #   bash bench/pending_ab.sh suites    # both suites (gpu_bench.sh) under the defaults as they stand
 #

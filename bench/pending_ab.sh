@@ -19,7 +19,8 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { echo "phases: tests, staged, conv, byte, stages, dp4a, q4staged, memory or suites"; exit 2; }
+PHASES="tests, staged, q4staged, stages, conv, byte, dp4a, memory or suites"
+[ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -103,7 +104,7 @@ phase() {
       WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh
       ;;
     *)
-      echo "unknown phase $1: tests, staged, conv, byte, stages, dp4a, q4staged, memory or suites"
+      echo "unknown phase $1: $PHASES"
       ;;
   esac
 }

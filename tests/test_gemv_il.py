@@ -548,7 +548,10 @@ def test_lane_conv_takes_one_token_a_lane_up_to_its_column_limit(monkeypatch):
         return torch.randn(lanes, k).to(dtype)
 
     one, four, nine = conv_of(1), conv_of(4), conv_of(9)
-    assert gemv_il.LANE_CONV_COLUMNS == 1
+    assert gemv_il.LANE_CONV_COLUMNS == 8
+    assert gemv_il.lane_conv(one, rows(1), n) is one
+    assert gemv_il.lane_conv(four, rows(4), n) is four
+    monkeypatch.setenv("NINFER_LANE_CONV_COLUMNS", "1")
     assert gemv_il.lane_conv(one, rows(1), n) is one
     assert gemv_il.lane_conv(four, rows(4), n) is None
     monkeypatch.setenv("NINFER_LANE_CONV_COLUMNS", "4")

@@ -432,9 +432,10 @@ def test_captured_rounds_with_the_conv_in_every_lanes_projection(tmp_path, monke
     """The fixture model with its matrices on the il32 / q4il layout, captured rounds of 1-6 lanes (graphs of
     1, 2, 4 and 8 rows): with NINFER_LANE_CONV_COLUMNS=8 the GDN input projection runs every lane's decode
     conv in its epilogue, with NINFER_LANE_CONV=0 the conv kernel does; the logits agree and so do the lanes'
-    conv and recurrent states after. The same fp32 arithmetic on the same bf16 inputs, but the conv kernel's
-    exp and FMA contraction may move a last bit, which bf16 rounding downstream can widen to ~2^-8: the bound
-    is loose against that and tight against a wiring slip (a lane on another's slot moves them by O(1))."""
+    conv and recurrent states after. The same fp32 arithmetic on the same bf16 inputs: on the H200 the logits
+    and conv states came out identical and the recurrent states within 2.1e-7 (gpu-notes "Session 50"), so
+    the bound (1e-5) leaves a last bit's worth of FMA contraction its room, and a wiring slip (a lane on
+    another's slot) moves them by O(1)."""
     from conftest import convert_tiny
 
     from ninfer.artifact import open_artifact
@@ -467,9 +468,12 @@ def test_captured_rounds_with_the_conv_in_every_lanes_projection(tmp_path, monke
                 pos[lane] += 1
         runs[mode] = logits, states, set(widths)
     assert runs["epilogue"][2] >= {1, 2, 4, 8} and runs["kernel"][2] <= {0}
-    for got, want in zip(runs["epilogue"][0], runs["kernel"][0], strict=True):
-        assert rel(got, want) < 2e-2
     mine, ref = runs["epilogue"][1], runs["kernel"][1]
-    for layer in range(len(ref.conv)):
-        assert rel(mine.conv[layer][:MAX_LANES], ref.conv[layer][:MAX_LANES]) < 2e-2
-        assert rel(mine.recurrent[layer][:MAX_LANES], ref.recurrent[layer][:MAX_LANES]) < 2e-2
+
+    def worst_of(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+        return max(rel(a[:MAX_LANES], b[:MAX_LANES]) for a, b in zip(got, want, strict=True))
+
+    worst = {"logits": worst_of(runs["epilogue"][0], runs["kernel"][0]),
+             "conv": worst_of(mine.conv, ref.conv), "recurrent": worst_of(mine.recurrent, ref.recurrent)}
+    print(f"{gguf_name}: worst relative error, epilogue against kernel: {worst}")
+    assert max(worst.values()) < 1e-5

@@ -333,7 +333,7 @@ def launches_on_the_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize(("kind", "columns"), [("il", 1), ("il", 2), ("il", 4), ("q4il", 1), ("q4il", 4),
-                                               ("q4il_staged", 4)])
+                                               ("q4il_unstaged", 4)])
 def test_the_conv_wrappers_launch_what_the_kernels_take(launches_on_the_cpu, monkeypatch, kind, columns):
     """`il_matmul` / `q4il_matmul` with a GDN decode conv as the engine calls them (`lane_conv`, the GEMV's
     arguments then the conv's last; int32 slot ids, as the paged decode's) on bf16 rows, one a lane: the
@@ -342,8 +342,9 @@ def test_the_conv_wrappers_launch_what_the_kernels_take(launches_on_the_cpu, mon
     from ninfer.kernels.gdn_decode import ConvEpilogue
 
     monkeypatch.setenv("NINFER_LANE_CONV_COLUMNS", "8")
-    if kind == "q4il_staged":  # the staged build as the engine would launch it (NINFER_Q4IL_STAGED=1)
-        monkeypatch.setenv("NINFER_Q4IL_STAGED", "1")
+    monkeypatch.delenv("NINFER_Q4IL_STAGED", raising=False)  # q4il staged at 1-4 columns by default
+    if kind == "q4il_unstaged":
+        monkeypatch.setenv("NINFER_Q4IL_STAGED", "0")
         kind = "q4il"
     n, k, c = 96, 768, 40
     fmt = "iq3_s" if kind == "il" else "q4_k"

@@ -1123,8 +1123,10 @@ def check_call(kind: str, words: torch.Tensor, xa: QuantizedActivation, group: i
 
 
 # Columns (lanes of one token) up to which the il32 and q4il GEMVs run the GDN decode conv in their epilogue
-# (`lane_conv`); NINFER_LANE_CONV_COLUMNS=N for others (2-8 untimed: gpu-notes "Session 47").
-LANE_CONV_COLUMNS = 1
+# (`lane_conv`); NINFER_LANE_CONV_COLUMNS=N for others. Up to 8 against 1 on the H200's graphed rounds: IQ3_S
+# −0.06 ms at two lanes, −0.15 at four and eight; Q4_K −0.04 at two, −0.06 at eight; one lane even (gpu-notes
+# "Session 50").
+LANE_CONV_COLUMNS = 8
 
 
 def lane_conv(conv, x: torch.Tensor, out_features: int):

@@ -303,6 +303,12 @@ def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
     return max(SHAPES, key=key)
 
 
+# Columns up to which q4il stages its blocks by default: the 27B Q4_K graphed rounds on the H200 −0.03 ms at
+# one lane, −0.10 at two and at one lane of 4 positions, −0.08 at four lanes, +0.03 at eight (gpu-notes
+# "Session 50").
+STAGED_COLUMNS = 4
+
+
 @functools.cache
 def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], conv: bool = False,
               staged: bool = False):
@@ -316,18 +322,19 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
               shape: tuple[int, int] | None = None, conv=None, staged: bool | None = None) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the q4il words (CUDA) and xa the int8 activation of
     1-8 columns with one scale per 256 inputs; `shape` (warps, CTAs an SM) defaults to `q4il_shape`'s;
-    `conv`: a GDN decode conv for its epilogue (`gemv_il.lane_conv`'s); `staged` (default:
-    NINFER_Q4IL_STAGED=1; off until timed, gpu-notes "Session 48"): each warp's next block copied into shared
-    memory (cp.async) while it works on one, the first before the programmatic launch's wait — its loads were
-    issued at the top of their block, ~35-220 instructions before their use, and none while the rest of the
-    block ran."""
+    `conv`: a GDN decode conv for its epilogue (`gemv_il.lane_conv`'s); `staged`: each warp's next block
+    copied into shared memory (cp.async) while it works on one, the first before the programmatic launch's
+    wait (gpu-notes "Session 48"); by default up to `STAGED_COLUMNS` columns (NINFER_Q4IL_STAGED=0 / 1:
+    never / always)."""
     n, k = xa.q.shape
     LAYOUT.check(words, out_features, k, "q4il")
     check_call("q4il", words, xa, 256)
     tiles = LAYOUT.shape(out_features, k)[0]
     sms = torch.cuda.get_device_properties(words.device).multi_processor_count
     shape = shape or q4il_shape(tiles, sms)
-    staged = os.environ.get("NINFER_Q4IL_STAGED") == "1" if staged is None else staged
+    if staged is None:
+        forced = os.environ.get("NINFER_Q4IL_STAGED")
+        staged = n <= STAGED_COLUMNS if forced is None else forced == "1"
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged)

@@ -25,9 +25,9 @@ from ninfer.kernels import gemv_il as now  # noqa: E402
 from ninfer.kernels.gemv_q8 import QuantizedActivation  # noqa: E402
 
 
-def load(path: Path):
+def load(path: Path, name: str = "gemv_il_other"):
     """The other version as a module of its own (its own compile caches)."""
-    spec = importlib.util.spec_from_file_location("gemv_il_other", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look themselves up there
     spec.loader.exec_module(module)

@@ -6,17 +6,11 @@ tensor-core kernel's tile splits follow the schedule's CTA slots (`mma_splits`),
 
     python3 bench/il_schedules.py [--shapes 5120x6144,...] [--widths 3,4,8] [--schedules 10:96,8:80,6:112]
     python3 bench/il_schedules.py --widths 1,2 --schedules 10,12,16       # the dp4a kernel (1-2 columns)
-    python3 bench/il_schedules.py --widths 1,2 --schedules 10,10:b,10:b:c32   # its byte-indexed grid tables
-    python3 bench/il_schedules.py --widths 4,8 --schedules 10:96,10:96:b  # the tensor-core kernel's
-    python3 bench/il_schedules.py --widths 4,8 --schedules 10:96,10:96:s2,10:96:s4  # its staged sub-blocks
 
-A schedule is WARPS[:REGISTERS][:b][:cCOPIES][:sSTAGES] (registers 0 or left out: the kernel's default, 64 =
-three CTAs an SM for the dp4a kernel's staged builds; b:
-the byte-indexed grid table, `IlSchedule.byte_index`; cCOPIES: the dp4a kernel's copies of the grid, 16 or
-32; sSTAGES: the sub-blocks staged ahead, `IlSchedule.stages`).
-Session 38: at 3-8 columns 10 warps of 96 registers were the best on every matrix but 5120×6144 (6 warps of
-112: 11.8 → 11.0 µs at 4); alone faster is not enough: the graphed step decides (the dp4a kernel on 16 warps
-for 5120×6144 at one column, 8.5 → 7.9 µs alone, made the IQ3_S step 0.10 ms slower).
+A schedule is WARPS[:REGISTERS] (registers 0 or left out: the kernel's default). Session 38: at 3-8 columns
+10 warps of 96 registers were the best on every matrix but 5120×6144 (6 warps of 112: 11.8 → 11.0 µs at 4);
+alone faster is not enough: the graphed step decides (the dp4a kernel on 16 warps for 5120×6144 at one column,
+8.5 → 7.9 µs alone, made the IQ3_S step 0.10 ms slower).
 """
 
 from __future__ import annotations
@@ -35,18 +29,11 @@ from ninfer.kernels import gemv_il  # noqa: E402
 
 
 def schedule(spec: str, width: int, n: int, k: int, group: int) -> gemv_il.IlSchedule:
-    """The schedule WARPS[:REGISTERS][:b][:cCOPIES][:sSTAGES] of the kernel `il_schedule` takes at this
-    width."""
-    warps, *rest = spec.split(":")
-    byte_index = "b" in rest
-    regs = next((int(r) for r in rest if r.isdigit()), 0)
-    copies = next((int(r[1:]) for r in rest if r.startswith("c")), 16)
-    stages = next((int(r[1:]) for r in rest if r.startswith("s")), 0)
+    """The schedule WARPS[:REGISTERS] of the kernel `il_schedule` takes at this width."""
+    warps, _, regs = spec.partition(":")
     if width < 3:
-        return gemv_il.IlSchedule(int(warps), copies, group=group, byte_index=byte_index, stages=stages,
-                                  regs=regs)
-    s = gemv_il.IlSchedule(int(warps), kernel="il_mma", regs=regs, group=group, byte_index=byte_index,
-                           stages=stages)
+        return gemv_il.IlSchedule(int(warps), group=group, regs=int(regs or 0))
+    s = gemv_il.IlSchedule(int(warps), kernel="il_mma", regs=int(regs or 0), group=group)
     return gemv_il.with_mma_splits(s, width, k, n)
 
 

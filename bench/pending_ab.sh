@@ -1,25 +1,22 @@
 #!/usr/bin/env bash
 # The A/Bs built without a GPU and waiting for one (gpu-notes "Session 47" / "Session 48", Next), one phase a
 # `device` call (each under 10 minutes; logs and JSON under $OUT/<phase>/, the settings' table printed last),
-# listed here in the order to run them (the likeliest gains first; gpu-notes "Session 49" prices dp4a).
+# listed here in the order to run them (the likeliest gains first).
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
-#   bash bench/pending_ab.sh tests     # the GPU tests of the untimed builds (conv epilogue, byte index, pieces)
-#   bash bench/pending_ab.sh staged    # only the staged builds' GPU twin tests (il32 both kernels, q4il)
+#   bash bench/pending_ab.sh tests     # the GPU tests of the untimed builds (conv epilogue, pieces)
+#   bash bench/pending_ab.sh staged    # only the staged build's GPU twin tests (q4il)
 #   bash bench/pending_ab.sh q4staged  # NINFER_Q4IL_STAGED=0 / 1: Q4_K rounds at 1-8 lanes, 4 columns, alone
-#   bash bench/pending_ab.sh stages    # NINFER_IL_STAGES=0 / 2 / 4: the 4-column step, 4 and 8 lanes, alone
 #   bash bench/pending_ab.sh conv      # NINFER_LANE_CONV_COLUMNS=1 vs 8 (both types' rounds) + q4il alone
-#   bash bench/pending_ab.sh byte      # NINFER_IL_BYTE_INDEX off / on / 32 copies (IQ3_S rounds) + il alone
-#   bash bench/pending_ab.sh dp4a      # NINFER_IL_DP4A_STAGES=0 / 2 / 4: the 1-2-lane rounds, alone
 #   bash bench/pending_ab.sh memory    # prefill pieces A/B, the memory probe, the workspace tests
 #   bash bench/pending_ab.sh suites    # both suites (gpu_bench.sh) under the defaults as they stand
 #
 # A setting becomes a default only where its graphed rounds gain (min of two replays, A B B A); a faster
-# 1-lane round alone lowers C = 8 / C = 1, so the byte index is taken for both kernels together or not.
+# 1-lane round alone lowers C = 8 / C = 1.
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="tests, staged, q4staged, stages, conv, byte, dp4a, memory or suites"
+PHASES="tests, staged, q4staged, conv, memory or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -57,37 +54,18 @@ phase() {
   case $1 in
     tests)
       step pytest 540 "$PY" -m pytest -m gpu -n 12 -p xdist --dist worksteal -v -rfE -k \
-        "conv or prefill or greedy or twin or byte or workspace or staged" tests/test_gemv_il.py tests/test_graph_decode.py \
+        "conv or prefill or greedy or twin or workspace or staged" tests/test_gemv_il.py tests/test_graph_decode.py \
         tests/test_kernels_gpu.py tests/test_workspace.py tests/test_gemv_q4il.py
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
       ;;
     staged)
-      step pytest 240 "$PY" -m pytest -m gpu -n 8 -p xdist --dist worksteal -v -rfE -k "twin" \
-        tests/test_gemv_il.py tests/test_gemv_q4il.py
+      step pytest 240 "$PY" -m pytest -m gpu -n 8 -p xdist --dist worksteal -v -rfE -k "twin" tests/test_gemv_q4il.py
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
       ;;
     conv)
       sweep conv_iq3_s iq3_s 200 NINFER_LANE_CONV_COLUMNS=1,NINFER_LANE_CONV_COLUMNS=8 --lanes 1,2,4,8
       sweep conv_q4_k q4_k 200 NINFER_LANE_CONV_COLUMNS=1,NINFER_LANE_CONV_COLUMNS=8 --lanes 1,2,4,8
       step q4il_conv 150 "$PY" bench/q4il_timing.py --widths 4,8 --conv
-      ;;
-    byte)
-      sweep byte_iq3_s iq3_s 240 \
-        NINFER_IL_BYTE_INDEX=0,NINFER_IL_BYTE_INDEX=1,NINFER_IL_BYTE_INDEX=1+NINFER_IL_COPIES=32 --lanes 1,2,4,8
-      sweep byte_iq3_s_c4 iq3_s 150 NINFER_IL_BYTE_INDEX=0,NINFER_IL_BYTE_INDEX=il_mma --columns 4
-      step il_dp4a 90 "$PY" bench/il_schedules.py --widths 1,2 --schedules 10,10:b,10:b:c32
-      step il_mma 90 "$PY" bench/il_schedules.py --widths 4,8 --schedules 10:96,10:96:b
-      ;;
-    stages)
-      sweep stages_c4 iq3_s 150 NINFER_IL_STAGES=0,NINFER_IL_STAGES=2,NINFER_IL_STAGES=4 --columns 4
-      sweep stages_lanes iq3_s 200 NINFER_IL_STAGES=0,NINFER_IL_STAGES=4 --lanes 4,8
-      step il_staged 120 "$PY" bench/il_schedules.py --widths 4,8 --schedules 10:96,10:96:s2,10:96:s4
-      ;;
-    dp4a)
-      step dp4a_staged 150 "$PY" bench/il_schedules.py --widths 1,2 \
-        --schedules 10,10:64:s2,10:64:s4,10:s4,10:b:c32:s4
-      sweep dp4a_staged_rounds iq3_s 200 \
-        NINFER_IL_DP4A_STAGES=0,NINFER_IL_DP4A_STAGES=2,NINFER_IL_DP4A_STAGES=4 --lanes 1,2
       ;;
     q4staged)
       sweep q4staged_lanes q4_k 200 NINFER_Q4IL_STAGED=0,NINFER_Q4IL_STAGED=1 --lanes 1,2,4,8

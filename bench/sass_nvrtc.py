@@ -11,7 +11,6 @@ slower).
     python -m zipfile -e /tmp/nvrtc/nvidia_cuda_nvrtc_cu12-*.whl /tmp/nvrtc/x
     NVRTC_LIB=/tmp/nvrtc/x/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 \\
         python bench/sass_nvrtc.py il_mma --columns 4 --warps 10 [--regs 96] [--dump] [--conv]
-        python bench/sass_nvrtc.py il --columns 1 --byte-index [--copies 32]   # the byte-indexed table
     python bench/sass_nvrtc.py il --columns 2 --against /tmp/prev.py   # the same build as another gemv_il.py?
 
 NVRTC here is CUDA 12's and the device's torch (2.11+cu130) brings 13.0's; `--cubin` builds as the device does
@@ -92,21 +91,17 @@ def sm90_sass(built: str | bytes) -> tuple[str, str]:
 
 
 def source_of(kernel: str, columns: int, warps: int, regs: int, group: int, il=gemv_il,
-              conv: bool = False, byte_index: bool = False, copies: int = 16,
-              stages: int = 0) -> tuple[str, str]:
-    """(the CUDA C the engine builds, its entry name), programmatic launch on, bf16 output; `il`: the
-    gemv_il module the il32 kernels come from; `conv`: the build with the GDN conv epilogue (il32, q4il);
-    `byte_index`: the il32 kernels on the byte-indexed tables; `copies`: the dp4a kernel's; `stages`: the
-    tensor-core il32 kernel's staged sub-blocks."""
+              conv: bool = False, staged: bool = False, q4il=gemv_q4il) -> tuple[str, str]:
+    """(the CUDA C the engine builds, its entry name), programmatic launch on, bf16 output; `il` / `q4il`:
+    the gemv_il / gemv_q4il module the kernels come from; `conv`: the build with the GDN conv epilogue
+    (il32, q4il); `staged`: q4il's build with each warp's next block staged."""
     if kernel in ("il", "il_mma"):
-        # (an older gemv_il, --against, has neither field)
-        extra = ({"byte_index": True} if byte_index else {}) | ({"stages": stages} if stages else {})
-        s = (il.IlSchedule(warps, kernel="il_mma", regs=regs, group=group, **extra) if kernel == "il_mma"
-             else il.IlSchedule(warps, copies, group=group, regs=regs, **extra))
+        s = (il.IlSchedule(warps, kernel="il_mma", regs=regs, group=group) if kernel == "il_mma"
+             else il.IlSchedule(warps, group=group, regs=regs))
         return (il.kernel_source(columns, 1, s, True, conv),
                 "iq3s_il_mma" if kernel == "il_mma" else "iq3s_il_gemv")
     if kernel == "q4il":
-        return gemv_q4il.kernel_source(columns, 1, True, conv=conv, staged=stages > 0), "q4k_il_mma"
+        return q4il.kernel_source(columns, 1, True, conv=conv, staged=staged), "q4k_il_mma"
     return gemv_q6il.kernel_source(columns, 1, True), "q6k_il_mma"
 
 
@@ -116,16 +111,29 @@ def instructions(sass: str) -> list[str]:
             if re.search(r"/\*[0-9a-f]{4}\*/", line)]
 
 
+def q4il_on(il):
+    """gemv_q4il loaded afresh on another gemv_il module, whose CUDA C helpers (`ASYNC_COPY`, ...) it
+    takes in."""
+    from bench.il_ab import load
+
+    saved = sys.modules["ninfer.kernels.gemv_il"]
+    sys.modules["ninfer.kernels.gemv_il"] = il
+    try:
+        return load(Path(gemv_q4il.__file__), "gemv_q4il_other")
+    finally:
+        sys.modules["ninfer.kernels.gemv_il"] = saved
+
+
 def same_build(path: Path, kernel: str, a, sass: str) -> None:
-    """Whether another version of `ninfer/kernels/gemv_il.py` (a file) builds this kernel to the same SASS
-    (session 39: a source rewrite that keeps the 2-column build and changes the 1-column one), built with
-    the same flags."""
+    """Whether another version of `ninfer/kernels/gemv_il.py` (a file) builds this kernel (q4il: on its
+    helpers) to the same SASS (session 39: a source rewrite that keeps the 2-column build and changes the
+    1-column one), built with the same flags."""
     from bench.il_ab import load
 
     other = load(path)
+    q4il = q4il_on(other) if kernel == "q4il" else gemv_q4il
     resources, theirs = sm90_sass(nvrtc_build(*source_of(kernel, a.columns, a.warps, a.regs, a.group, other,
-                                                         a.conv, a.byte_index, a.copies, a.stages),
-                                               a.cubin))
+                                                         a.conv, a.staged, q4il), a.cubin))
     print(f"{path}:", "; ".join(line.split(":", 1)[-1].strip() for line in resources.splitlines()
                                  if "registers" in line or "spill" in line))
     print("the same SASS" if instructions(theirs) == instructions(sass) else "a different SASS")
@@ -162,12 +170,10 @@ def main() -> None:
     p.add_argument("--regs", type=int, default=0, help="il32 kernels: registers a thread (0: the engine's)")
     p.add_argument("--group", type=int, default=256, help="il32 kernels: activation values a scale")
     p.add_argument("--dump", action="store_true", help="print the block loop's instructions")
-    p.add_argument("--against", type=Path, help="il32 kernels: another gemv_il.py, built and compared")
+    p.add_argument("--against", type=Path,
+                   help="il32 kernels, q4il: another gemv_il.py (q4il: on its helpers), built and compared")
     p.add_argument("--conv", action="store_true", help="il32, q4il: the build with the GDN conv epilogue")
-    p.add_argument("--byte-index", action="store_true", help="il32 kernels: the byte-indexed grid tables")
-    p.add_argument("--copies", type=int, default=16, help="il: the dp4a kernel's copies of the grid")
-    p.add_argument("--stages", type=int, default=0,
-                   help="il_mma: sub-blocks staged ahead (2 or 4); q4il: any, its next block staged")
+    p.add_argument("--staged", action="store_true", help="q4il: each warp's next block staged")
     p.add_argument("--shapes", default="",
                    help="il32, q4il: the floor in µs on an H200 of these matrices (NxK, comma-separated) "
                         "from the binding resource's cycles a pass, beside its HBM floor (`floor_us`)")
@@ -179,14 +185,13 @@ def main() -> None:
                    help="NVRTC builds the sm_90 cubin itself, as on the device (CUDA 13's NVRTC: Triton's "
                         "ptxas cannot read its PTX); registers from cuobjdump -res-usage")
     a = p.parse_args()
-    source, name = source_of(a.kernel, a.columns, a.warps, a.regs, a.group, conv=a.conv,
-                             byte_index=a.byte_index, copies=a.copies, stages=a.stages)
+    source, name = source_of(a.kernel, a.columns, a.warps, a.regs, a.group, conv=a.conv, staged=a.staged)
     resources, sass = sm90_sass(nvrtc_build(source, name, a.cubin))
     print("\n".join(line for line in resources.splitlines() if "registers" in line or "spill" in line))
     body = loop_body(sass, {"il": "IDP", "il_mma": "IMMA", "q4il": "IMMA"}.get(a.kernel, ""))
     print(f"block loop: {len(body)} instructions")
     print(", ".join(f"{op} {n}" for op, n in opcode_mix(body).most_common(16)))
-    ways = a.lds_ways or (2 if a.kernel == "il" and a.copies == 16 else 1)
+    ways = a.lds_ways or (2 if a.kernel == "il" else 1)
     cycles = {k: v for k, v in pipe_cycles(body, ways).items() if v}
     bound = max(cycles, key=cycles.get)
     print(f"cycles a pass of one SM sub-partition's resources (32-bit shared loads {ways:g} wavefronts): "
@@ -200,7 +205,7 @@ def main() -> None:
         print(f"{op} at", [i for i, code in enumerate(opcodes) if code.startswith(op)])
     if a.dump:
         print("\n".join(body))
-    if a.against and a.kernel in ("il", "il_mma"):
+    if a.against and a.kernel in ("il", "il_mma", "q4il"):
         same_build(a.against, a.kernel, a, sass)
 
 

@@ -400,9 +400,7 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
     """1-8 columns (the dp4a kernel at 1 and 2, the tensor-core kernel at 3-8), 12 through two calls, bf16 and
     fp32 outputs, padded rows and blocks; 40 columns through the dequantised weight; both kernels with one
     activation scale per 32 inputs and per 256 (a block); a CTA's tiles summed in a ring (17408 rows: 2-3
-    tiles a CTA) the same bits as one at a time, in both kernels; both kernels on the byte-indexed grid
-    tables the same bits as on the others, and on staged sub-blocks (IlSchedule.stages, cp.async); the
-    tensor-core kernel's tiles split into
+    tiles a CTA) the same bits as one at a time, in both kernels; the tensor-core kernel's tiles split into
     2-4 pieces across CTAs, the same bits on a second call; and both kernels captured in a CUDA graph, the
     same bits as eager."""
     from ninfer.kernels import gemv_il as gemv_il_module
@@ -431,18 +429,6 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
         s = gemv_il_module.il_schedule(width, k, n, group=256)
         # fp32 sums in another order, as above (7e-8 measured on the 27B's matrices, bench/il_group256.py)
         assert rel(gemv_il(words, xa, n, s), gemv_il_reference(words, xa, n)) < 1e-4, (n, k, width)
-    for width in (1, 2, 4, 8):  # both kernels on the byte-indexed tables: the same words, the same sums
-        for group in (32, 256):
-            xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16), group=group)
-            s = gemv_il_module.il_schedule(width, k, n, group=group)
-            plain = gemv_il(words, xa, n, s)
-            assert torch.equal(gemv_il(words, xa, n, dataclasses.replace(s, byte_index=True)), plain), width
-            if width < 3:  # the dp4a kernel's 32 copies
-                s32 = dataclasses.replace(s, byte_index=True, copies=32)
-                assert torch.equal(gemv_il(words, xa, n, s32), plain), width
-            for stages in (2, 4):  # staged sub-blocks: the same words through shared memory
-                staged = dataclasses.replace(s, stages=stages)
-                assert torch.equal(gemv_il(words, xa, n, staged), plain), (width, stages)
     for width in (3, 4, 8):  # the tensor-core kernel's tiles split across CTAs: the pieces' sums in order
         xa = quantize_activation(torch.randn(width, k, device="cuda"), group=256)
         want = gemv_il_reference(words, xa, n)
@@ -458,9 +444,9 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
             mp.setattr("ninfer.kernels.gemv_il._RING", 1)
             mp.setattr("ninfer.kernels.gemv_il._MMA_RING", 1)
             assert torch.equal(gemv_il(words, xa, n), ringed), width
-    for width, splits, stages in ((1, 1, 0), (4, 1, 0), (4, 3, 0), (8, 3, 4)):
+    for width, splits in ((1, 1), (4, 1), (4, 3), (8, 3)):
         xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16))
-        s = dataclasses.replace(gemv_il_module.il_schedule(width, k, n), splits=splits, stages=stages)
+        s = dataclasses.replace(gemv_il_module.il_schedule(width, k, n), splits=splits)
         eager = gemv_il(words, xa, n, s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -563,30 +549,3 @@ def test_lane_conv_takes_one_token_a_lane_up_to_its_column_limit(monkeypatch):
     assert gemv_il.lane_conv(nine, rows(9), n) is None  # past the GEMVs' 8 columns
     monkeypatch.setenv("NINFER_LANE_CONV", "0")
     assert gemv_il.lane_conv(one, rows(1), n) is None
-
-
-def test_the_byte_indexed_grid_tables_are_opt_in(monkeypatch):
-    """`IlSchedule.byte_index` (the grid tables laid out for byte offsets): off unless NINFER_IL_BYTE_INDEX
-    is 1 (both kernels), il (the dp4a kernel, 1-2 columns) or il_mma (the tensor-core kernel, 3-8); the dp4a
-    kernel's table 32 KB larger, with 16 copies, and NINFER_IL_COPIES=32 the same size."""
-    from ninfer.kernels.gguf_matmul import QuantKernelError
-
-    def flags() -> tuple[bool, bool]:
-        return tuple(gemv_il.il_schedule(w, 5120, 34816, 256).byte_index for w in (1, 4))
-
-    monkeypatch.delenv("NINFER_IL_BYTE_INDEX", raising=False)
-    plain = gemv_il.il_schedule(1, 5120, 34816, 256)
-    assert flags() == (False, False)
-    for value, want in (("1", (True, True)), ("il", (True, False)), ("il_mma", (False, True))):
-        monkeypatch.setenv("NINFER_IL_BYTE_INDEX", value)
-        assert flags() == want, value
-    monkeypatch.setenv("NINFER_IL_BYTE_INDEX", "1")
-    s = gemv_il.il_schedule(1, 5120, 34816, 256)
-    assert s.name != plain.name and s.smem_bytes(1, 5120, 8) == plain.smem_bytes(1, 5120, 8) + 32768
-    mma = gemv_il.il_schedule(4, 5120, 34816, 256)
-    assert mma.smem_bytes(4, 5120) == dataclasses.replace(mma, byte_index=False).smem_bytes(4, 5120)
-    monkeypatch.setenv("NINFER_IL_COPIES", "32")
-    s32 = gemv_il.il_schedule(1, 5120, 34816, 256)
-    assert s32.copies == 32 and s32.smem_bytes(1, 5120, 8) == s.smem_bytes(1, 5120, 8)
-    with pytest.raises(QuantKernelError, match="16 or 32 copies"):
-        gemv_il.IlSchedule(10, 8, byte_index=True)

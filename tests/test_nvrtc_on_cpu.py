@@ -1,10 +1,10 @@
 """The NVRTC kernels' CUDA C, run on the CPU (tests/cuda_cpu.py): the il32 dp4a and tensor-core iq3_s GEMVs,
 the q4il and q6il GEMVs, on tiny shapes with padded rows and blocks, CTAs looping over several tiles, rings
 and split tiles, against the float64 oracle over the GGUF rows (`gemv_q8_reference`); the builds with the
-GDN conv in their epilogue (1-8 lanes) against its arithmetic, also as the wrappers launch them; both il32
-kernels on staged sub-blocks and q4il on staged blocks (cp.async) against their unstaged builds; slips in
-the sources caught. The numpy twins in test_gemv_il.py / test_gemv_q4il.py / test_gemv_q6il.py
-check each recipe; these run the very source the GPU builds (with PDL off)."""
+GDN conv in their epilogue (1-8 lanes) against its arithmetic, also as the wrappers launch them; q4il on
+staged blocks (cp.async) against its unstaged build; slips in the sources caught. The numpy twins in
+test_gemv_il.py / test_gemv_q4il.py / test_gemv_q6il.py check each recipe; these run the very source the GPU
+builds (with PDL off)."""
 
 from __future__ import annotations
 
@@ -59,17 +59,15 @@ def same(source: str) -> str:
     return source
 
 
-@pytest.mark.parametrize(("copies", "byte_index"), [(16, False), (16, True), (32, True)])
 @pytest.mark.parametrize("group", [32, 256])
 @pytest.mark.parametrize("columns", [1, 2])
 @pytest.mark.parametrize(("n", "k"), [(40, 768), (160, 1024)])
-def test_the_dp4a_il32_kernel(n, k, columns, group, copies, byte_index):
+def test_the_dp4a_il32_kernel(n, k, columns, group):
     """Rows padded to a tile and an odd block count (40 × 768); five tiles over two CTAs, summed in a ring
-    of 2 and one at a time to the same bits; the bf16 build writes the fp32 sums rounded; the grid table in
-    either layout (`IlSchedule.byte_index`, 16 or 32 copies)."""
+    of 2 and one at a time to the same bits; the bf16 build writes the fp32 sums rounded."""
     words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
     xa = activation(columns, k, group)
-    s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, group), copies=copies, byte_index=byte_index)
+    s = gemv_il.il_schedule(columns, k, n, group)
     assert s.kernel == "il"
     want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
     y, _ = run_il(same, words, xa, n, s, 2, 2)
@@ -78,38 +76,16 @@ def test_the_dp4a_il32_kernel(n, k, columns, group, copies, byte_index):
     assert torch.equal(run_il(same, words, xa, n, s, 2, 2, torch.bfloat16)[0], y.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-@pytest.mark.parametrize(("copies", "byte_index"), [(16, False), (32, True)])
-@pytest.mark.parametrize(("columns", "group"), [(1, 256), (1, 32), (2, 256)])
-def test_the_dp4a_il32_kernel_on_staged_sub_blocks(columns, group, copies, byte_index, stages):
-    """`IlSchedule.stages` in the dp4a kernel: each warp's sub-blocks copied ahead into its slots (cp.async,
-    landing here only at the copying lane's wait), its stream over its pairs' blocks and the CTA's tiles,
-    the padding block of an odd count left out (6400 inputs: 13 pairs on 10 warps, one warp's second pair
-    the padded one): the same bits as the unstaged build, in rings of 2 and 1."""
-    for n, k in ((40, 768), (160, 1024), (72, 6400)):
-        words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
-        xa = activation(columns, k, group)
-        s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, group), copies=copies,
-                                byte_index=byte_index)
-        y, _ = run_il(same, words, xa, n, s, 2, 2)
-        assert rel(y, gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)) < FP32_BOUND
-        for ring in (2, 1):
-            staged = run_il(same, words, xa, n, dataclasses.replace(s, stages=stages), 2, ring)[0]
-            assert torch.equal(staged, y), (n, k, ring)
-
-
-@pytest.mark.parametrize("byte_index", [False, True])
 @pytest.mark.parametrize("group", [32, 256])
 @pytest.mark.parametrize("columns", [3, 4, 8])
-def test_the_tensor_core_il32_kernel(columns, group, byte_index):
+def test_the_tensor_core_il32_kernel(columns, group):
     """Whole tiles (a ring of 2 and one at a time: the same bits) and tiles split into 2 and 3 pieces across
-    CTAs, the last piece adding the slots and leaving the counts zero; the short-row schedule (6 warps); the
-    grid table in either layout (`IlSchedule.byte_index`)."""
+    CTAs, the last piece adding the slots and leaving the counts zero; the short-row schedule (6 warps)."""
     n, k = 72, 1536
     words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
     xa = activation(columns, k, group)
     want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
-    s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, group), byte_index=byte_index)
+    s = gemv_il.il_schedule(columns, k, n, group)
     assert s.kernel == "il_mma"
     y, _ = run_il(same, words, xa, n, dataclasses.replace(s, splits=1), 2, 2)
     assert rel(y, want) < FP32_BOUND
@@ -121,31 +97,6 @@ def test_the_tensor_core_il32_kernel(columns, group, byte_index):
     short = dataclasses.replace(s, warps=6, regs=112, splits=1)
     assert rel(run_il(same, words, xa, n, short, 3, 2)[0], want) < FP32_BOUND
     assert torch.equal(run_il(same, words, xa, n, s, 2, 2, torch.bfloat16)[0], y.to(torch.bfloat16))
-
-
-@pytest.mark.parametrize("stages", [2, 4])
-@pytest.mark.parametrize("byte_index", [False, True])
-@pytest.mark.parametrize(("columns", "group"), [(3, 32), (4, 256), (8, 256)])
-def test_the_tensor_core_il32_kernel_on_staged_sub_blocks(columns, group, byte_index, stages):
-    """`IlSchedule.stages`: each warp's next sub-blocks copied into its slots in shared memory (cp.async,
-    landing here only at the copying lane's wait) while it works on one, a warp's stream across its blocks
-    and the CTA's items: the same bits as the unstaged build, whole tiles in rings of 2 and 1, tiles in 3
-    pieces, the short-row schedule (6 warps: one block a warp and item)."""
-    n, k = 72, 1536
-    words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
-    xa = activation(columns, k, group)
-    s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, group), byte_index=byte_index, splits=1)
-    staged = dataclasses.replace(s, stages=stages)
-    y, _ = run_il(same, words, xa, n, s, 2, 2)
-    assert rel(y, gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)) < FP32_BOUND
-    for ring in (2, 1):
-        assert torch.equal(run_il(same, words, xa, n, staged, 2, ring)[0], y), ring
-    pieces, counts = run_il(same, words, xa, n, dataclasses.replace(staged, splits=3), 2, 1)
-    assert torch.equal(pieces, run_il(same, words, xa, n, dataclasses.replace(s, splits=3), 2, 1)[0])
-    assert not counts.any()
-    short = dataclasses.replace(s, warps=6, regs=112)
-    assert torch.equal(run_il(same, words, xa, n, dataclasses.replace(short, stages=stages), 3, 2)[0],
-                       run_il(same, words, xa, n, short, 3, 2)[0])
 
 
 def run_lane(name: str, source_of, words, xa, n: int, warps: int, smem: int, source: str,
@@ -201,7 +152,7 @@ def test_the_q4il_and_q6il_kernels(case, columns):
     assert rel(padded, want_padded) < FP32_BOUND
 
 
-def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same, byte_index: bool = False):
+def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same):
     """The il32 (dp4a at 1-2 columns, tensor cores from 3 with `splits` pieces a tile) or q4il GEMV running
     the GDN decode conv of its first outputs in its epilogue (`CONV_STAGE`), column m lane m's token: (y, the
     conv, its slots before, y of the build without the conv)."""
@@ -215,7 +166,7 @@ def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same, byte
     xa = activation(columns, k, 256)
     if kind == "il":
         raw = random_gguf_weight("iq3_s", n, k)
-        s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, 256), splits=splits, byte_index=byte_index)
+        s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, 256), splits=splits)
         ys = [run_il(source_of if cv else same, gemv_il.repack_il32(raw), xa, n, s, 2, 1 if splits > 1 else 2,
                      torch.bfloat16, cv)[0] for cv in (conv, None)]
     else:
@@ -230,13 +181,12 @@ def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same, byte
 
 @pytest.mark.parametrize(("kind", "columns", "splits"), [
     ("il", 1, 1), ("il", 2, 1), ("il", 4, 1), ("il", 8, 1), ("il", 8, 3), ("q4il", 1, 1), ("q4il", 4, 1),
-    ("q4il", 8, 1), ("il_byte", 1, 1), ("il_byte", 2, 1)])
+    ("q4il", 8, 1)])
 def test_the_gdn_conv_in_a_gemvs_epilogue(kind, columns, splits):
-    """Every lane's conv run on its own slot (the dp4a il32 kernel at 1-2 columns, also on the byte-indexed
-    table, the tensor-core one at 4 and 8, whole tiles and split in 3 pieces, q4il at 1, 4, 8); the GEMV's
-    own output the same bits as the build without the conv."""
-    y, conv, before, plain = conv_case(kind.removesuffix("_byte"), columns, splits,
-                                       byte_index=kind.endswith("_byte"))
+    """Every lane's conv run on its own slot (the dp4a il32 kernel at 1-2 columns, the tensor-core one at 4
+    and 8, whole tiles and split in 3 pieces, q4il at 1, 4, 8); the GEMV's own output the same bits as the
+    build without the conv."""
+    y, conv, before, plain = conv_case(kind, columns, splits)
     assert_conv_ran(y, conv, before)
     assert torch.equal(y, plain) and not y.isnan().any()
 
@@ -249,20 +199,6 @@ MUTATIONS = {
     "mma: a split's last piece": ("il_mma_split", "splits - 1;", "splits;"),
     "q4il: the min term's sign": ("q4il", "-dmin * (float)msum", "dmin * (float)msum"),
     "q6il: the scale unsigned": ("q6il", "0x8880u | (unsigned)", "0x0000u | (unsigned)"),
-    "dp4a byte index: a table row's stride": ("il_byte", "i / (COPIES / 2) * 16", "i / (COPIES / 2) * 8"),
-    "dp4a byte index: the copy's offset": ("il_byte", "lanes = 4 * (lane", "lanes = (lane"),
-    "dp4a byte index, 32 copies: the second pair's qh bytes": ("il_byte32", "prmt(hs, 0, 0x4432)",
-                                                               "prmt(hs, 0, 0x4410)"),
-    "mma byte index: the second sub-block's qh byte": ("il_mma_byte", "(4 + (j & 1)) + 0x6600u",
-                                                       "4 + 0x6600u"),
-    "mma staged: a slot read before its copies landed": ("il_mma_staged", "cp_async_wait_stages();\n", "\n"),
-    "mma staged: a slot read before the warp saw the others' copies": (
-        "il_mma_staged", "cp_async_wait_stages();\n                __syncwarp();", "cp_async_wait_stages();"),
-    "mma staged: the stream skips an item": ("il_mma_staged", "first_block(b.item + gridDim.x,",
-                                             "first_block(b.item + 2 * gridDim.x,"),
-    "dp4a staged: a qs word from the other line": ("il_staged", "qs[2 * j + 1] = sl[32];",
-                                                   "qs[2 * j + 1] = sl[0];"),
-    "dp4a staged: the stream skips a pair": ("il_staged_odd", "(kb) - 1 + 2 * WARPS", "(kb) + 1 + 2 * WARPS"),
     "q4il staged: a block read before it landed": ("q4il_staged", "            cp_async_wait_stages();\n",
                                                    ""),
     "q4il staged: the slot being filled read": ("q4il_staged", "slots + (n & 1) * (16 * SLOT_CHUNKS)",
@@ -284,16 +220,12 @@ def test_a_slip_in_a_kernel_fails(name):
         assert old in source, name
         return source.replace(old, new)
 
-    if kind in ("il", "il_byte", "il_byte32", "il_mma", "il_mma_byte", "il_mma_split", "il_mma_staged",
-                "il_staged", "il_staged_odd"):
-        # (the odd case: 25 blocks, 13 pairs on 10 warps — three warps with a second pair, one its padding)
-        n, k, columns = (40, 6400, 1) if kind == "il_staged_odd" else (72, 1536, 4 if "mma" in kind else 1)
+    if kind in ("il", "il_mma", "il_mma_split"):
+        n, k, columns = 72, 1536, 1 if kind == "il" else 4
         words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
         xa = activation(columns, k, 256)
         s = gemv_il.il_schedule(columns, k, n, 256)
-        s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1,
-                                byte_index="byte" in kind, copies=32 if kind == "il_byte32" else s.copies,
-                                stages=4 if "staged" in kind else 0)
+        s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1)
         y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
     elif kind in ("conv", "conv_split"):

@@ -189,9 +189,9 @@ __device__ __forceinline__ void conv_store(const ConvArgs& cv, int m, int row, o
 #endif
 """
 
-# Asynchronous 16-byte copies global -> shared (cp.async, cached in L2 only) for the STAGES builds of the
-# tensor-core il32 and the q4il kernels: a warp's next weights land in shared memory while it works on the
-# current ones, in no register (tests/cuda_cpu.py lands them only at the copying lane's wait).
+# Asynchronous 16-byte copies global -> shared (cp.async, cached in L2 only) for the q4il kernel's STAGES
+# build (`gemv_q4il`): a warp's next weights land in shared memory while it works on the current ones, in no
+# register (tests/cuda_cpu.py lands them only at the copying lane's wait).
 ASYNC_COPY = r"""
 #if STAGES
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
@@ -205,56 +205,6 @@ __device__ __forceinline__ void cp_async_wait_stages() {
 #endif
 """
 
-# The STAGES builds' stream of a warp's sub-blocks through its slots in shared memory (both il32 kernels; the
-# kernel defines STAGE_WID_STEP and STAGE_NEXT, its blocks' order).
-IL_STAGING = r"""
-#if STAGES
-// the warp's blocks in the order it works on them: block kb of item `item` (kb from the piece's first +
-// STAGE_WID_STEP · wid, then STAGE_NEXT(kb), below the piece's end `end`; items blockIdx.x, += gridDim.x;
-// item == items: none left); `tile` the item's tile's words with this lane's chunk offset, `src` this
-// lane's chunk of the block's sub-block 0 (line lane / 8)
-struct StagedBlock { const uint4* tile; const uint4* src; int item, kb, end; };
-__device__ __forceinline__ const uint4* staged_chunk(const uint4* tile, int kb) {
-    const int h = kb & 1, line = (threadIdx.x >> 3) & 3;
-    return tile + (kb >> 1) * (55 * 8) + 8 * (line < 2 ? 16 * h + line : line == 2 ? 36 + 8 * h : 32 + 2 * h);
-}
-__device__ __forceinline__ StagedBlock first_block(int item, int items, int splits, int nblk, int P,
-                                                   const uint4* __restrict__ w) {
-    for (; item < items; item += gridDim.x) {
-        const int t = item / splits, piece = item - t * splits;
-        const int kb = piece * nblk / splits + STAGE_WID_STEP * (threadIdx.x >> 5);
-        const int end = (piece + 1) * nblk / splits;
-        const uint4* tile = w + (size_t)t * P * (55 * 8) + (threadIdx.x & 7);
-        if (kb < end) return StagedBlock{tile, staged_chunk(tile, kb), item, kb, end};
-    }
-    return StagedBlock{w, w, items, 0, 0};
-}
-__device__ __forceinline__ void next_block(StagedBlock& b, int items, int splits, int nblk, int P,
-                                           const uint4* __restrict__ w) {
-    b.kb = STAGE_NEXT(b.kb);
-    if (b.kb < b.end) b.src = staged_chunk(b.tile, b.kb);
-    else b = first_block(b.item + gridDim.x, items, splits, nblk, P, w);
-}
-// a slot's lines (words of the block's 32 rows, 128 bytes each): qs words 16h + 2j, 16h + 2j + 1, the sign
-// word 36 + 8h + j, then for j = 0 the qh word 32 + 2h, the scales 52 + h and both d (54), for j = 4 the qh
-// word 33 + 2h. Slot 0 takes sub-blocks 0 and 4 (6 lines), the others 3 (STAGES 2 or 4: slot j % STAGES).
-// Lane L copies 16-byte chunk L % 8 (rows 4 (L % 8) .. + 3) of line L / 8, lanes 0-15 also of line 4 + L / 8.
-__device__ __forceinline__ int slot_line(int slot) { return slot ? 3 + 3 * slot : 0; }
-#define STAGE_LINES (3 + 3 * STAGES)
-// this lane's copies of sub-block j of block b into its slot of the warp's stage (`stage`: the lane's chunk
-// of the stage's first line; `stride`: bytes a sub-block moves the lane's line, 256 for the qs lines, 128
-// for the sign line, 32 for the qh line, copied at j = 0 and 4 only)
-__device__ __forceinline__ void stage_sub_block(const StagedBlock& b, bool live, int j, unsigned stage,
-                                                unsigned stride, unsigned lane) {
-    const unsigned at = stage + slot_line(j % STAGES) * 128;
-    const char* src = reinterpret_cast<const char*>(b.src);
-    if (live && (j == 0 || j == 4 || lane < 24)) cp_async16(at, src + j * stride);
-    if (live && j == 0 && lane < 16)  // the scales (52 + h) and both d (54), from qs line 16h + lane / 8
-        cp_async16(at + 512, src + 128 * (lane < 8 ? 52 - 15 * (b.kb & 1) : 53 - 16 * (b.kb & 1)));
-}
-#endif
-"""
-
 _SOURCE = r"""
 #define OUT_KIND __OUT_KIND__
 #define NCOL __NCOL__
@@ -264,55 +214,8 @@ _SOURCE = r"""
 #define PDL __PDL__
 #define GROUP __GROUP__
 #define CONV __CONV__
-#define BYTE_INDEX __BYTE_INDEX__
-#define STAGES __STAGES__
-// the staged stream (IL_STAGING): a warp's blocks 2 wid, 2 wid + 1, then those of pair wid + WARPS, ...,
-// below nblk (so without the padding block of an odd count, the last pair's second)
-#define STAGE_WID_STEP 2
-#define STAGE_NEXT(kb) ((kb) & 1 ? (kb) - 1 + 2 * WARPS : (kb) + 1)
-""" + CUDA_HELPERS + CONV_STAGE + ASYNC_COPY + IL_STAGING + r"""
-// the grid table in shared memory: entry i (qs byte | qh bit << 8) of copy c at word i * COPIES + c; or
-// (BYTE_INDEX) at byte qs << 8 | qh << QH_BIT | c << 2, rows of 256 bytes (16 copies: their upper halves
-// unused), so one prmt of the qs byte and a byte of qh << QH_BIT | c << 2 makes a grid word's offset
-// (`IlSchedule.byte_index`)
-#if BYTE_INDEX
-#define TABLE_WORDS 16384
-#define QH_BIT (COPIES == 32 ? 7 : 6)
-#else
-#define TABLE_WORDS (512 * COPIES)
-#endif
-// one block's words (dw: d of both blocks); `enter(j)`: sub-block j's words are there (here: all, loaded)
-struct Blk {
-    unsigned qs[16], sg[8], qh0, qh1, sc, dw;
-    __device__ __forceinline__ void enter(int) {}
-};
-#if STAGES
-// the same words from the warp's slots (IL_STAGING), sub-block j's as it is entered: landed, seen by the
-// warp, read (the lane's row: byte 4 · lane of each line), then the slot refilled with the warp's sub-block
-// STAGES ahead
-struct StagedWords {
-    unsigned qs[16], sg[8], qh0, qh1, sc, dw;
-    const char* rows;  // this lane's word of the stage's first line
-    StagedBlock ahead;
-    unsigned stage, stride, lane;
-    int items, nblk, P;
-    const uint4* w;
-    __device__ __forceinline__ void enter(int j) {
-        cp_async_wait_stages();
-        __syncwarp();
-        const unsigned* sl = reinterpret_cast<const unsigned*>(rows + slot_line(j % STAGES) * 128);
-        qs[2 * j] = sl[0];
-        qs[2 * j + 1] = sl[32];
-        sg[j] = sl[64];
-        if (j == 0) { qh0 = sl[96]; sc = sl[128]; dw = sl[160]; }
-        if (j == 4) qh1 = sl[96];
-        __syncwarp();
-        if (j == 8 - STAGES) next_block(ahead, items, 1, nblk, P, w);
-        stage_sub_block(ahead, ahead.item < items, (j + STAGES) & 7, stage, stride, lane);
-        cp_async_commit();
-    }
-};
-#endif
+""" + CUDA_HELPERS + CONV_STAGE + r"""
+struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
 
 // the words of block kb of the tile whose pairs start at `first` (this lane's row): half kb % 2 of pair
 // kb / 2
@@ -342,12 +245,8 @@ __device__ __forceinline__ void load_block(Blk& b, const unsigned* __restrict__ 
 
 // acc[m] += this row's block (sub-blocks sb0 .. sb0 + 7) · column m of the activation (in shared memory; its
 // scales xds: KG = K / GROUP a column)
-// (tab: the table's shared address, with the lane's copy unless BYTE_INDEX; lanes: BYTE_INDEX's c << 2 in
-// every byte)
-template <class Words>
-__device__ __forceinline__ void dot_block(Words& b, int h, int sb0, const int* xs, const float* xds,
-                                          int K4, int KG, unsigned tab, unsigned lanes, float acc[NCOL]) {
-    b.enter(0);
+__device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const int* xs, const float* xds,
+                                          int K4, int KG, unsigned tab, float acc[NCOL]) {
     const float d = h ? f16_hi(b.dw) : f16_lo(b.dw);
 #if GROUP == 256
     int isum[NCOL];  // Σ_j (1 + 2 scale_j) · dot_j of the block: one float conversion a block
@@ -356,7 +255,6 @@ __device__ __forceinline__ void dot_block(Words& b, int h, int sb0, const int* x
 #endif
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-        if (j) b.enter(j);
         const unsigned qh = ((j < 4 ? b.qh0 : b.qh1) >> (8 * (j & 3))) & 0xffu;
 #if GROUP != 256
         const float dl = d * (float)(1 + 2 * ((b.sc >> (4 * j)) & 15u));
@@ -366,18 +264,8 @@ __device__ __forceinline__ void dot_block(Words& b, int h, int sb0, const int* x
         for (int m = 0; m < NCOL; ++m) ig[m] = 0;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            // qh bits of grid words 4 half .. 4 half + 3, one per byte (BYTE_INDEX: at QH_BIT, the copy's
-            // offset beside; 32 copies: bytes 0-1 of two words whose bytes 2-3 are zero, for the prmt's zero
-            // bytes — a byte with qh at bit 7 has no clear top bit to replicate)
-#if BYTE_INDEX
-            const unsigned hs = (((qh >> (4 * half)) & 15u) * (0x204081u << QH_BIT) & (0x01010101u << QH_BIT))
-                                | lanes;
-#if COPIES == 32
-            const unsigned hs2[2] = {prmt(hs, 0, 0x4410), prmt(hs, 0, 0x4432)};
-#endif
-#else
+            // qh bits of grid words 4 half .. 4 half + 3, one per byte
             const unsigned hs = (((qh >> (4 * half)) & 15u) * 0x204081u) & 0x01010101u;
-#endif
             const unsigned q = b.qs[2 * j + half];
             int4 xv[NCOL];
 #pragma unroll
@@ -385,21 +273,13 @@ __device__ __forceinline__ void dot_block(Words& b, int h, int sb0, const int* x
                 xv[m] = reinterpret_cast<const int4*>(xs + m * K4 + (sb0 + j) * 8)[half];
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                // the grid word's offset in the table
-#if BYTE_INDEX && COPIES == 32
-                // qs byte << 8 | qh bit << 7 | c << 2 (bytes 2, 3: the zero bytes of hs2)
-                const unsigned at = prmt(q, hs2[e >> 1], 0x6604 + 0x10 * e + (e & 1));
-#elif BYTE_INDEX
-                const unsigned at = prmt(q, hs, 0xCC04 + 0x1111 * e);  // qs byte << 8 | qh bit << 6 | c << 2
-#else
-                const unsigned at = prmt(q, hs, 0xCC40 + 0x11 * e) * (4 * COPIES);  // (qs | qh << 8) · entry
-#endif
+                const unsigned idx = prmt(q, hs, 0xCC40 + 0x11 * e);  // qs byte | qh bit << 8
                 // signs of grid word 4 half + e: nibble e & 1 of sign byte 2 half + e / 2; bit k moved to the
                 // top of byte 3 - k, then each byte filled with its top bit
                 const unsigned byte = prmt(b.sg[j], 0, 0x4440 + 2 * half + (e >> 1));
                 const unsigned m8 = prmt(byte * ((e & 1) ? 0x08040201u : 0x80402010u), 0, 0x89AB);
                 // the grid's magnitudes are odd, so g ^ 0xFE is -g in a byte: the signed word in one LOP3
-                const unsigned sw = lds(tab + at) ^ (m8 & 0xFEFEFEFEu);
+                const unsigned sw = lds(tab + idx * (4 * COPIES)) ^ (m8 & 0xFEFEFEFEu);
 #pragma unroll
                 for (int m = 0; m < NCOL; ++m) {
                     const int xe = e == 0 ? xv[m].x : e == 1 ? xv[m].y : e == 2 ? xv[m].z : xv[m].w;
@@ -434,47 +314,20 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
     const int tiles = (N + 31) >> 5;
     // the warps' sums of the CTA's last `ring` tiles [ring][WARPS][NCOL][32]: summed and written every `ring`
     // tiles (one barrier there, not two a tile)
-    float* red = (float*)(smem + TABLE_WORDS);
+    float* red = (float*)(smem + 512 * COPIES);
     int* xs = reinterpret_cast<int*>(red + ring * WARPS * NCOL * 32);  // the activation [NCOL][K4]
     float* xds = reinterpret_cast<float*>(xs + NCOL * K4);
     // what the CTA needs first is asked for at once (one memory latency, not one a pass of a fill loop): its
     // first block, the grid words of its table, the activation
-#if STAGES
-    // each warp's stage after the activation's scales (`IlSchedule.stages`): its first STAGES sub-blocks
-    StagedWords sw;
-    // (16-byte aligned: the scales of an activation per 256 may end at any 4 bytes)
-    const char* stage_at = reinterpret_cast<const char*>(((size_t)(xds + NCOL * KG) + 15) & ~(size_t)15)
-                           + wid * (STAGE_LINES * 128);
-    sw.rows = stage_at + 4 * lane;
-    sw.stage = (unsigned)__cvta_generic_to_shared(stage_at) + 16 * lane;
-    sw.stride = lane < 16 ? 256 : lane < 24 ? 128 : 32;
-    sw.lane = lane;
-    sw.items = tiles;
-    sw.nblk = nblk;
-    sw.P = P;
-    sw.w = reinterpret_cast<const uint4*>(w);
-    sw.ahead = first_block(blockIdx.x, tiles, 1, nblk, P, sw.w);
-#pragma unroll
-    for (int j = 0; j < STAGES; ++j) {
-        stage_sub_block(sw.ahead, sw.ahead.item < tiles, j, sw.stage, sw.stride, lane);
-        cp_async_commit();
-    }
-#else
     Blk a, b;
     if (blockIdx.x < tiles && wid < P) LOAD_PAIR(a, blockIdx.x, (size_t)blockIdx.x * P, wid, 0);
-#endif
-    // 16 bytes (four copies of a word) a store: store i at 16-byte slot i, entry i * 4 / COPIES; or
-    // (BYTE_INDEX) of qs = i / (COPIES / 2) and qh = its place r in that row / (COPIES / 4) at slot 16 qs + r
+    // table entry i of copy c at i * COPIES + c, 16 bytes (four copies of the word) a store
     constexpr int STORES = 128 * COPIES, FILL = (STORES + WARPS * 32 - 1) / (WARPS * 32);
     unsigned gw[FILL];
 #pragma unroll
     for (int r = 0; r < FILL; ++r) {
         const int i = threadIdx.x + r * WARPS * 32;
-#if BYTE_INDEX
-        gw[r] = i < STORES ? __ldg(grid + ((i / (COPIES / 2)) | (i % (COPIES / 2) / (COPIES / 4) << 8))) : 0u;
-#else
         gw[r] = i < STORES ? __ldg(grid + i * 4 / COPIES) : 0u;
-#endif
     }
 #if PDL
     // launched early (programmatic dependent launch): the activation is the previous kernel's output
@@ -488,40 +341,24 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 #pragma unroll
     for (int r = 0; r < FILL; ++r) {
         const int i = threadIdx.x + r * WARPS * 32;
-#if BYTE_INDEX
-        const int slot = i / (COPIES / 2) * 16 + i % (COPIES / 2);
-#else
-        const int slot = i;
-#endif
-        if (i < STORES) reinterpret_cast<uint4*>(smem)[slot] = make_uint4(gw[r], gw[r], gw[r], gw[r]);
+        if (i < STORES) reinterpret_cast<uint4*>(smem)[i] = make_uint4(gw[r], gw[r], gw[r], gw[r]);
     }
     __syncthreads();
-#if BYTE_INDEX
-    const unsigned tab = (unsigned)__cvta_generic_to_shared(smem), lanes = 4 * (lane % COPIES) * 0x01010101u;
-#else
-    const unsigned tab = (unsigned)__cvta_generic_to_shared(smem) + 4 * (lane % COPIES), lanes = 0;
-#endif
+    const unsigned tab = (unsigned)__cvta_generic_to_shared(smem) + 4 * (lane % COPIES);
     int k = 0;  // the tile's place in the ring
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         float acc[NCOL];
 #pragma unroll
         for (int m = 0; m < NCOL; ++m) acc[m] = 0.f;
-#if STAGES
-        for (int p = wid; p < P; p += WARPS) {  // (the stream skips the padding block of an odd count too)
-            dot_block(sw, 0, 16 * p, xs, xds, K4, KG, tab, lanes, acc);
-            if (2 * p + 1 < nblk) dot_block(sw, 1, 16 * p + 8, xs, xds, K4, KG, tab, lanes, acc);
-        }
-#else
         // blocks in flight: the next block's words load while this one is used
         const size_t first = (size_t)t * P;
         if (t != blockIdx.x && wid < P) LOAD_PAIR(a, t, first, wid, 0);
         for (int p = wid; p < P; p += WARPS) {
             LOAD_PAIR(b, t, first, p, 1);  // the padding block of an odd count is zeros
-            dot_block(a, 0, 16 * p, xs, xds, K4, KG, tab, lanes, acc);
+            dot_block(a, 0, 16 * p, xs, xds, K4, KG, tab, acc);
             if (p + WARPS < P) LOAD_PAIR(a, t, first, p + WARPS, 0);
-            if (2 * p + 1 < nblk) dot_block(b, 1, 16 * p + 8, xs, xds, K4, KG, tab, lanes, acc);
+            if (2 * p + 1 < nblk) dot_block(b, 1, 16 * p + 8, xs, xds, K4, KG, tab, acc);
         }
-#endif
 #if PDL
         if (t + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
 #endif
@@ -580,14 +417,8 @@ _MMA_SOURCE = r"""
 #define PDL __PDL__
 #define GROUP __GROUP__
 #define CONV __CONV__
-#define BYTE_INDEX __BYTE_INDEX__
-#define STAGES __STAGES__
 """ + CUDA_HELPERS + CONV_STAGE + r"""
 #define BIAS 0x4B400000
-// the staged stream (IL_STAGING): a warp's blocks kb = the piece's first + wid, + WARPS, ...
-#define STAGE_WID_STEP 1
-#define STAGE_NEXT(kb) ((kb) + WARPS)
-""" + ASYNC_COPY + IL_STAGING + r"""
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -611,38 +442,14 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
     // split-K (`splits` > 1): item i is piece i % splits of tile i / splits, a run of its blocks; each
     // piece leaves its sums in its slot of part_sums [splits][NCOL][tiles * 32], and the last piece to finish
     // (a count per tile, left zero again) adds the slots in piece order: the same bits whichever is last
-    // grid word i (qs byte | qh bit << 8) of copy c at word i * 32 + c, or (BYTE_INDEX) at byte qs << 8 |
-    // qh << 7 | c << 2; four copies a store
-    extern __shared__ uint4 tab[];
+    extern __shared__ uint4 tab[];  // grid word i of copy c at word i * 32 + c, four copies a store
     // the warps' partial sums of the CTA's last `ring` items [ring][WARPS][32 rows][8 columns], summed and
     // written after one barrier (`ring` > 1 only unsplit)
     float* red = reinterpret_cast<float*>(tab + 512 * 8);
     int* last_piece = reinterpret_cast<int*>(red + ring * WARPS * 32 * 8);  // (no static shared memory: the
                                                                      // dynamic size is the opt-in limit)
-    const int P = (K + 511) >> 9, K4 = K >> 2, K32 = K >> 5, nblk = K >> 8;
-    const int tiles = (N + 31) >> 5;
-    const int items = tiles * splits;
-#if STAGES
-    // each warp's stage: STAGE_LINES lines of 128 bytes after the sums (`IlSchedule.stages`); its first
-    // STAGES sub-blocks asked for now, before the wait (weights are not the previous kernel's output)
-    const char* stage_at = reinterpret_cast<const char*>(last_piece + 4)
-                           + (threadIdx.x >> 5) * (STAGE_LINES * 128);
-    const unsigned stage = (unsigned)__cvta_generic_to_shared(stage_at) + 16 * (threadIdx.x & 31);
-    // the block the warp's next copies are of: sub-block j + STAGES of the block it works on, or of the next
-    StagedBlock ahead = first_block(blockIdx.x, items, splits, nblk, P, w);
-    const unsigned stride = (threadIdx.x & 31) < 16 ? 256 : (threadIdx.x & 31) < 24 ? 128 : 32;
-#pragma unroll
-    for (int j = 0; j < STAGES; ++j) {
-        stage_sub_block(ahead, ahead.item < items, j, stage, stride, threadIdx.x & 31);
-        cp_async_commit();
-    }
-#endif
     for (int i = threadIdx.x; i < 512 * 8; i += WARPS * 32) {
-#if BYTE_INDEX
-        const unsigned g = grid[(i >> 4) | (((i >> 3) & 1) << 8)];
-#else
         const unsigned g = grid[i >> 3];
-#endif
         tab[i] = make_uint4(g, g, g, g);
     }
 #if PDL
@@ -650,20 +457,18 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 #endif
     __syncthreads();
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
-#if BYTE_INDEX
-    // the table's shared address (the loads' operand) and the lane's copy offset in every byte
-    const unsigned tbase = (unsigned)__cvta_generic_to_shared(tab), lanes = 4 * lane * 0x01010101u;
-#else
     const char* tb = reinterpret_cast<const char*>(tab) + 4 * lane;  // this lane's copy
-#endif
     const unsigned selq = 2 * (t & 1);  // qs byte 2t of the lane's word (2t + 1 the next)
     const unsigned sels = 0x4440 + t;  // sign byte t alone
+    const int P = (K + 511) >> 9, K4 = K >> 2, K32 = K >> 5, nblk = K >> 8;
+    const int tiles = (N + 31) >> 5;
     // this lane's activation: B words of column gq, scales of columns 2t, 2t + 1 (a valid column where the
     // lane's is past NCOL: those output columns are never stored)
     const int* xl = xw + min((int)gq, NCOL - 1) * K4 + 2 * t;
     // the activation's scales: one per 32 inputs, or (GROUP 256) one per block
     const float* xd0 = xd + min(2 * (int)t, NCOL - 1) * (GROUP == 256 ? nblk : K32);
     const float* xd1 = xd + min(2 * (int)t + 1, NCOL - 1) * (GROUP == 256 ? nblk : K32);
+    const int items = tiles * splits;
     int k = 0;  // the item's place in the ring
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
         const int tile = item / splits, piece = item - tile * splits;
@@ -673,80 +478,28 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
         const int kb_end = (piece + 1) * nblk / splits;
         for (int kb = piece * nblk / splits + wid; kb < kb_end; kb += WARPS) {
             const int h = kb & 1;
-#if STAGES
-            uint4 sc, dd;  // from sub-block 0's slot
-#else
             const uint4* wb = w + (size_t)(tile * P + (kb >> 1)) * (55 * 8) + gq;  // word j at wb[8 j]
             const uint4* wq = wb + 8 * (16 * h + (t >> 1));  // qs word 2 j + t / 2 at wq[16 j]
             const uint4 sc = wb[8 * (52 + h)], dd = wb[8 * 54];
-#endif
             const int2* xb8 = reinterpret_cast<const int2*>(xl + kb * 64);  // sub-block j at xb8[4 j]
             const float* xdb0 = xd0 + kb * 8;
             const float* xdb1 = xd1 + kb * 8;
             float d[4], d2[4];
-#if !STAGES
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 d[r] = h ? f16_hi(part(dd, r)) : f16_lo(part(dd, r));
                 d2[r] = 2.f * d[r];
             }
-#endif
 #if GROUP == 256
             int isum[4][2] = {{0, 0}, {0, 0}, {0, 0}, {0, 0}};  // Σ_j (1 + 2 scale_j) · dot_j of the block
 #endif
             // qh bits of grid words 2t / 2t + 1 of four sub-blocks, a byte each (0 or 1), by row: the table
             // index is one prmt of them and the qs word (ALU work is this kernel's limit: session 33)
             unsigned qa[4], qb[4];
-#if BYTE_INDEX
-            uint4 qh;
-#endif
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-#if STAGES
-                // this sub-block's slot: landed (this lane's copies), seen by the warp (the others'), read,
-                // then refilled with the warp's sub-block STAGES ahead once every lane has read it
-                cp_async_wait_stages();
-                __syncwarp();
-                const uint4* sl = reinterpret_cast<const uint4*>(stage_at + slot_line(j % STAGES) * 128) + gq;
-                const uint4 qs = sl[8 * (t >> 1)], sg = sl[16];
-                const uint4 qh_line = (j & 3) == 0 ? sl[24] : make_uint4(0, 0, 0, 0);  // the qh word
-                if (j == 0) {
-                    sc = sl[32];
-                    dd = sl[40];
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        d[r] = h ? f16_hi(part(dd, r)) : f16_lo(part(dd, r));
-                        d2[r] = 2.f * d[r];
-                    }
-                }
-                __syncwarp();
-                if (j == 8 - STAGES) next_block(ahead, items, splits, nblk, P, w);
-                stage_sub_block(ahead, ahead.item < items, (j + STAGES) & 7, stage, stride, lane);
-                cp_async_commit();
-#endif
-#if BYTE_INDEX
-                // qh << 7 | the copy's offset, of sub-blocks j, j + 1 in bytes 0, 1 and bytes 2, 3 zero (the
-                // index prmt's zero bytes: a byte of qh << 7 has no clear top bit to replicate)
-#if STAGES
-                if ((j & 3) == 0) qh = qh_line;
-#else
-                if ((j & 3) == 0) qh = wb[8 * (32 + 2 * h + (j >> 2))];
-#endif
-                if ((j & 1) == 0) {
-#pragma unroll
-                    for (int r = 0; r < 4; ++r) {
-                        const unsigned bits = part(qh, r) >> (2 * t);
-                        qa[r] = prmt(((bits << 7) & 0x80808080u) | lanes, 0, (j & 2) ? 0x4432 : 0x4410);
-                        qb[r] = prmt(((bits << 6) & 0x80808080u) | lanes, 0, (j & 2) ? 0x4432 : 0x4410);
-                    }
-                }
-#else
                 if ((j & 3) == 0) {
-#if STAGES
-                    const uint4 qh = qh_line;
-#else
                     const uint4 qh = wb[8 * (32 + 2 * h + (j >> 2))];
-#endif
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
                         const unsigned bits = part(qh, r) >> (2 * t);
@@ -754,32 +507,18 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
                         qb[r] = (bits >> 1) & 0x01010101u;
                     }
                 }
-#endif
-#if !STAGES
                 const uint4 qs = wq[16 * j], sg = wb[8 * (36 + 8 * h + j)];
-#endif
                 const int2 xb = __ldg(xb8 + 4 * j);
-#if BYTE_INDEX
-                // [qh << 7 | c << 2, qs byte 2t or 2t + 1, 0, 0]: the byte offset
-                const unsigned selj = (4 + (j & 1)) + 0x6600u;
-                const unsigned sel_a = (selq << 4) | selj, sel_b = ((selq + 1) << 4) | selj;
-#else
                 // [qs byte 2t or 2t + 1, qh bit, 0, 0] (the top bytes sign-replicate a 0 or 1 byte)
                 const unsigned selj = (4 + (j & 3)) * 0x10u + (0xC + (j & 3)) * 0x1100u;
                 const unsigned sel_a = selq | selj, sel_b = (selq + 1) | selj;
-#endif
                 unsigned a[4][2];
 #pragma unroll
                 for (int r = 0; r < 4; ++r) {
-                    // table offsets of grid words 2t, 2t + 1: (qs byte | qh bit << 8) · 128 + the lane's
-                    // copy (BYTE_INDEX: the prmt's result itself)
+                    // table offsets of grid words 2t, 2t + 1: (qs byte | qh bit << 8) · 128 + the lane's copy
                     const unsigned ia = prmt(part(qs, r), qa[r], sel_a), ib = prmt(part(qs, r), qb[r], sel_b);
-#if BYTE_INDEX
-                    const unsigned ea = lds(tbase + ia), eb = lds(tbase + ib);
-#else
                     const unsigned ea = *reinterpret_cast<const unsigned*>(tb + ia * 128u);
                     const unsigned eb = *reinterpret_cast<const unsigned*>(tb + ib * 128u);
-#endif
                     // sign bit k of a word to the top of byte 3 - k, each byte filled with its top bit
                     const unsigned sb = prmt(part(sg, r), 0, sels);
                     const unsigned ma = prmt(sb * 0x80402010u, 0, 0x89AB);
@@ -891,21 +630,9 @@ class IlSchedule:
     `kernel` "il_mma": the tensor-core kernel (split-K by blocks, 32 copies of the grid, `regs` registers a
     thread; `copies` does not apply). `group`: the activation's values per scale, 32 or 256: with 256 the
     sub-block scales (1 + 2·nibble) weigh the integer sums and one float conversion a block remains (H200:
-    the dp4a kernel 2.5-6 %, the tensor-core kernel 8-14 % faster). `byte_index`: the grid table laid out so
-    that the index prmt makes a grid word's byte offset, the lane's copy included, and the table's base is
-    the shared load's operand — no multiply-add or LEA a grid word between the prmt and the load. The dp4a
-    kernel (16 copies): rows of 256 bytes, their upper halves unused (64 KB where 32 KB were); sm_90 SASS
-    (CUDA 12): its block loop 1,285 → 1,157 instructions at one column, 1,465 → 1,340 at two; with 32
-    copies (no bank conflicts; the qh bytes split as the tensor-core kernel's) 1,219 and 1,400. The
-    tensor-core kernel (32 copies, the same 64 KB): its qh bytes made for two sub-blocks at a time (zero
-    bytes for the prmt), 759 → 730 at four columns, 755 → 726 at eight. `stages` (2 or 4): each warp copies
-    its sub-blocks `stages` ahead into slots of its own in shared memory (cp.async, 1.9 KB a warp at 4) and
-    reads them from there (`IL_STAGING`). The tensor-core kernel's global loads were issued ~50-250
-    instructions before their use (sm_90 SASS: ptxas places them next to their uses), the likely reason it
-    runs at ~47 % of its issue floor where the dp4a kernel, a block ahead in registers, runs at ~59-66 %; its
-    block loop ~760 → ~965 instructions (without the rarely run step to the next item). The dp4a kernel's
-    staged pass costs ~1,550-1,760 instructions against 1,219-1,285 (its slots' loads, the waits, barriers
-    and copies a sub-block): a gain only if latency was most of its time."""
+    the dp4a kernel 2.5-6 %, the tensor-core kernel 8-14 % faster). Tried and slower on the H200 everywhere
+    (gpu-notes "Session 50"; the code is on branch s48-il-staging): a grid table laid out for byte offsets
+    (32 copies for the dp4a kernel too), and each warp's sub-blocks staged ahead through shared memory."""
 
     warps: int
     copies: int = 16
@@ -913,40 +640,30 @@ class IlSchedule:
     regs: int = 0
     group: int = 32
     splits: int = 1
-    byte_index: bool = False
-    stages: int = 0
 
     def __post_init__(self):
         if self.group not in (32, 256):
             raise QuantKernelError(f"activation groups of {self.group}: the il32 kernels take 32 or 256")
         if self.splits != 1 and self.kernel != "il_mma":
             raise QuantKernelError("split-K over CTAs is the tensor-core il32 kernel's (IlSchedule.splits)")
-        if self.byte_index and self.kernel == "il" and self.copies not in (16, 32):
-            raise QuantKernelError("the dp4a il32 kernel's byte-indexed grid table has 16 or 32 copies")
-        if self.stages not in (0, 2, 4):
-            raise QuantKernelError(f"{self.stages} staged sub-blocks: the il32 kernels stage 2 or 4 ahead")
 
     @property
     def name(self) -> str:
         if self.kernel == "il_mma":
             return (f"ilmma_w{self.warps}" + (f"_r{self.regs}" if self.regs else "")
                     + (f"_g{self.group}" if self.group != 32 else "")
-                    + (f"_s{self.splits}" if self.splits > 1 else "") + ("_b" if self.byte_index else "")
-                    + (f"_st{self.stages}" if self.stages else ""))
+                    + (f"_s{self.splits}" if self.splits > 1 else ""))
         return (f"il_w{self.warps}_c{self.copies}" + (f"_r{self.regs}" if self.regs else "")
-                + (f"_g{self.group}" if self.group != 32 else "") + ("_b" if self.byte_index else "")
-                + (f"_st{self.stages}" if self.stages else ""))
+                + (f"_g{self.group}" if self.group != 32 else ""))
 
     def smem_bytes(self, columns: int, in_features: int, ring: int = 1) -> int:
         """The tables and the split-K sums (the dp4a kernel's: of `ring` tiles); the dp4a kernel also stages
         the activation (int8 and scales)."""
-        # each warp's slots, and 16 bytes to align them (the dp4a kernel's follow the activation's scales)
-        staged = self.warps * (3 + 3 * self.stages) * 128 + 16 if self.stages else 0
         if self.kernel == "il_mma":
-            return 512 * 32 * 4 + ring * self.warps * 32 * 8 * 4 + 16 + staged
-        table = 65536 if self.byte_index else 512 * self.copies * 4
+            return 512 * 32 * 4 + ring * self.warps * 32 * 8 * 4 + 16
+        table = 512 * self.copies * 4
         activation = columns * (in_features + in_features // self.group * 4)  # int8 values, fp32 scales
-        return table + ring * self.warps * columns * 32 * 4 + activation + staged
+        return table + ring * self.warps * columns * 32 * 4 + activation
 
 
 def il_schedule(columns: int, in_features: int, out_features: int = 8192, group: int = 32) -> IlSchedule:
@@ -957,34 +674,20 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     registers and block loads hoisted or double-buffered), at 3-4 columns over few short rows (`_MMA_SHORT`)
     6 warps of 112 registers, three CTAs an SM (the 27B's output projections, 5120×6144: 11.8 → 11.0 µs at
     4 columns, session 38); a tile's blocks in `mma_splits` pieces across CTAs (NINFER_IL_SPLITS: a count
-    instead, for A/B). Both take an activation of one scale per `group` inputs. NINFER_IL_BYTE_INDEX: the
-    byte-indexed grid tables (`IlSchedule.byte_index`; untimed, gpu-notes "Session 47") in both kernels (1),
-    the dp4a one's (il) or the tensor-core one's (il_mma); NINFER_IL_COPIES: the dp4a kernel's copies of the
-    grid (16; 32 for A/B); NINFER_IL_STAGES=2|4: the tensor-core kernel's sub-blocks staged ahead
-    (`IlSchedule.stages`; untimed, gpu-notes "Session 48"), NINFER_IL_DP4A_STAGES=2|4 the dp4a kernel's."""
-    env = os.environ.get
-    return _il_schedule(columns, in_features, out_features, group, env("NINFER_IL_SPLITS", "auto"),
-                        env("NINFER_IL_BYTE_INDEX", "0"), int(env("NINFER_IL_COPIES", 16)),
-                        int(env("NINFER_IL_STAGES", 0)), int(env("NINFER_IL_DP4A_STAGES", 0)))
+    instead, for A/B). Both take an activation of one scale per `group` inputs."""
+    return _il_schedule(columns, in_features, out_features, group, os.environ.get("NINFER_IL_SPLITS", "auto"))
 
 
 @functools.cache  # every il_matmul asks
-def _il_schedule(columns: int, in_features: int, out_features: int, group: int, splits: str,
-                 byte_index: str = "0", copies: int = 16, stages: int = 0,
-                 dp4a_stages: int = 0) -> IlSchedule:
+def _il_schedule(columns: int, in_features: int, out_features: int, group: int, splits: str) -> IlSchedule:
     if columns >= 3:
         blocks = in_features // 256
         short = columns <= _MMA_SHORT[0] and blocks <= _MMA_SHORT[1] and out_features <= _MMA_SHORT[2]
         s = (IlSchedule(min(6, blocks), kernel="il_mma", regs=112, group=group) if short
              else IlSchedule(min(10, blocks), kernel="il_mma", group=group))
-        # (staged, the short-row schedule's CTAs would hold two an SM, not three)
-        s = replace(s, byte_index=byte_index in ("1", "il_mma"), stages=0 if short else stages)
         return with_mma_splits(s, columns, in_features, out_features) if splits == "auto" else replace(
             s, splits=int(splits))
-    # staged, the dp4a kernel builds at 64 registers without spilling in its loop: three CTAs an SM, not two
-    return IlSchedule(min(10, il32_shape(32, in_features)[1]), copies, group=group,
-                      byte_index=byte_index in ("1", "il"), stages=dp4a_stages,
-                      regs=_STAGED_DP4A_REGISTERS if dp4a_stages else 0)
+    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, group=group)
 
 
 def with_mma_splits(s: IlSchedule, columns: int, in_features: int, out_features: int) -> IlSchedule:
@@ -1027,10 +730,6 @@ _MMA_RING = 2
 # registers a thread the build allows at 1, 2, 4, 8 columns (below these the larger widths spill)
 _REGISTERS = {1: 80, 2: 96, 4: 112, 8: 128}
 _MMA_REGISTERS = 96
-# the dp4a kernel's staged builds (`IlSchedule.stages`): their words come from shared memory as used, not a
-# block ahead in registers; at 64 (three CTAs of 10 warps an SM) sm_90 builds them with no spill in the loop
-# (16-48 bytes in the prologue) where the unstaged one spills 176 bytes
-_STAGED_DP4A_REGISTERS = 64
 
 
 def _ctas_per_sm(s: IlSchedule, columns: int, in_features: int, smem: int = 228 * 1024,
@@ -1054,9 +753,8 @@ def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False,
     return (source.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
             .replace("__CONV__", str(int(conv)))
             .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns, 0)))
-            .replace("__COPIES__", str(s.copies)).replace("__BYTE_INDEX__", str(int(s.byte_index)))
-            .replace("__PDL__", str(int(pdl))).replace("__GROUP__", str(s.group))
-            .replace("__STAGES__", str(s.stages)))
+            .replace("__COPIES__", str(s.copies))
+            .replace("__PDL__", str(int(pdl))).replace("__GROUP__", str(s.group)))
 
 
 @functools.cache

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The A/Bs built without a GPU and waiting for one (gpu-notes "Session 47" / "Session 48", Next), one phase a
-# `device` call (each under 10 minutes; logs and JSON under $OUT/<phase>/, the settings' table printed last),
-# listed here in the order to run them (the likeliest gains first).
+# The device runs waiting for a GPU (gpu-notes "Session 50", Next), one or more phases a `device` call (each
+# call under 10 minutes; logs and JSON under $OUT/<phase>/, the settings' table printed last), listed here in
+# the order to run them. Sessions 47-50's A/Bs (staged, q4staged, conv) are done; their phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
-#   bash bench/pending_ab.sh tests     # the GPU tests of the untimed builds (conv epilogue, pieces)
+#   bash bench/pending_ab.sh trace     # a graphed 1-lane round kernel by kernel, Q4_K then IQ3_S (~2 min)
+#   bash bench/pending_ab.sh alloc     # the Q4_K suite with the allocator's expandable segments (peak reserved)
+#   bash bench/pending_ab.sh tests     # the GPU tests of the conv epilogue, prefill pieces, staged q4il
 #   bash bench/pending_ab.sh staged    # only the staged build's GPU twin tests (q4il)
 #   bash bench/pending_ab.sh q4staged  # NINFER_Q4IL_STAGED=0 / 1: Q4_K rounds at 1-8 lanes, 4 columns, alone
 #   bash bench/pending_ab.sh conv      # NINFER_LANE_CONV_COLUMNS=1 vs 8 (both types' rounds) + q4il alone
@@ -16,7 +18,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="tests, staged, q4staged, conv, memory or suites"
+PHASES="trace, alloc, tests, staged, q4staged, conv, memory or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -52,6 +54,15 @@ phase() {
   OUT=$ROOT/$1
   mkdir -p "$OUT"
   case $1 in
+    trace)
+      for wtype in q4_k iq3_s; do
+        step "trace_$wtype" 150 "$PY" bench/step_profile.py --wtype "$wtype" --prompt 512 --timeline --steps 4 \
+          --trace 100
+      done
+      ;;
+    alloc)
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WTYPES=q4_k SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh
+      ;;
     tests)
       step pytest 540 "$PY" -m pytest -m gpu -n 12 -p xdist --dist worksteal -v -rfE -k \
         "conv or prefill or greedy or twin or workspace or staged" tests/test_gemv_il.py tests/test_graph_decode.py \

@@ -132,6 +132,22 @@ def test_shape_rule():
     assert q4il_shape(792, 132) == (5, 3)  # 3 of 264 and 2 of 396: a tie
 
 
+def test_the_staged_build_by_default(monkeypatch):
+    """Staged at 1-`STAGED_COLUMNS` columns; NINFER_Q4IL_STAGED=0 / 1 never / always; =filled only where the
+    tiles fill a round of the CTA slots (gate|up's 1088 on 396, not down's 160 on 264)."""
+    monkeypatch.delenv("NINFER_Q4IL_STAGED", raising=False)
+    staged = gemv_q4il.q4il_staged
+    most = gemv_q4il.STAGED_COLUMNS
+    assert staged(1, 160, 264) and staged(most, 160, 264) and not staged(most + 1, 1088, 396)
+    monkeypatch.setenv("NINFER_Q4IL_STAGED", "filled")
+    assert staged(1, 1088, 396) and staged(most, 264, 264)
+    assert not staged(1, 160, 264) and not staged(most + 1, 1088, 396)
+    monkeypatch.setenv("NINFER_Q4IL_STAGED", "0")
+    assert not staged(1, 1088, 396)
+    monkeypatch.setenv("NINFER_Q4IL_STAGED", "1")
+    assert staged(8, 160, 264)
+
+
 def test_q4k_matrices_of_many_rows_take_the_layout(monkeypatch):
     """q4_k matrices of ≥ 5120 rows on CUDA where the kernel compiles; NINFER_Q4K_IL=0 none, =N those of
     ≥ N rows (1: every one)."""

@@ -309,6 +309,17 @@ def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
 STAGED_COLUMNS = 4
 
 
+def q4il_staged(columns: int, tiles: int, slots: int) -> bool:
+    """Whether a call of `columns` over `tiles` on `slots` CTA slots takes the staged build by default: at
+    most `STAGED_COLUMNS` columns; NINFER_Q4IL_STAGED=0 / 1 never / always; =filled only where the tiles fill
+    a round of the slots (untimed in the step: alone on the H200 the 27B's 5120-row matrices, 160 tiles on
+    264 slots, lose 0.1-0.6 µs a call from it where the larger ones gain; gpu-notes "Session 50", Next)."""
+    forced = os.environ.get("NINFER_Q4IL_STAGED", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return columns <= STAGED_COLUMNS and (forced != "filled" or tiles >= slots)
+
+
 @functools.cache
 def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], conv: bool = False,
               staged: bool = False):
@@ -324,17 +335,14 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     1-8 columns with one scale per 256 inputs; `shape` (warps, CTAs an SM) defaults to `q4il_shape`'s;
     `conv`: a GDN decode conv for its epilogue (`gemv_il.lane_conv`'s); `staged`: each warp's next block
     copied into shared memory (cp.async) while it works on one, the first before the programmatic launch's
-    wait (gpu-notes "Session 48"); by default up to `STAGED_COLUMNS` columns (NINFER_Q4IL_STAGED=0 / 1:
-    never / always)."""
+    wait (gpu-notes "Session 48"); by default as `q4il_staged` says."""
     n, k = xa.q.shape
     LAYOUT.check(words, out_features, k, "q4il")
     check_call("q4il", words, xa, 256)
     tiles = LAYOUT.shape(out_features, k)[0]
     sms = torch.cuda.get_device_properties(words.device).multi_processor_count
     shape = shape or q4il_shape(tiles, sms)
-    if staged is None:
-        forced = os.environ.get("NINFER_Q4IL_STAGED")
-        staged = n <= STAGED_COLUMNS if forced is None else forced == "1"
+    staged = q4il_staged(n, tiles, shape[1] * sms) if staged is None else staged
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged)

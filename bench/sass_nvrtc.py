@@ -112,7 +112,7 @@ def instructions(sass: str) -> list[str]:
 
 
 def q4il_on(il):
-    """gemv_q4il loaded afresh on another gemv_il module, whose CUDA C helpers (`ASYNC_COPY`, ...) it
+    """gemv_q4il loaded afresh on another gemv_il module, whose CUDA C helpers (`CUDA_HELPERS`, ...) it
     takes in."""
     from bench.il_ab import load
 

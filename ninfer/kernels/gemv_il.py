@@ -189,22 +189,6 @@ __device__ __forceinline__ void conv_store(const ConvArgs& cv, int m, int row, o
 #endif
 """
 
-# Asynchronous 16-byte copies global -> shared (cp.async, cached in L2 only) for the q4il kernel's STAGES
-# build (`gemv_q4il`): a warp's next weights land in shared memory while it works on the current ones, in no
-# register (tests/cuda_cpu.py lands them only at the copying lane's wait).
-ASYNC_COPY = r"""
-#if STAGES
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// every group but the STAGES - 1 newest landed (this lane's copies)
-__device__ __forceinline__ void cp_async_wait_stages() {
-    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1) : "memory");
-}
-#endif
-"""
-
 _SOURCE = r"""
 #define OUT_KIND __OUT_KIND__
 #define NCOL __NCOL__

@@ -33,7 +33,6 @@ import torch
 
 from ninfer.kernels.gemv_il import (
     _OUT_KINDS,
-    ASYNC_COPY,
     CONV_STAGE,
     CUDA_HELPERS,
     _launch,
@@ -65,6 +64,23 @@ def unpack_q4il(words: torch.Tensor, out_features: int, in_features: int) -> tor
     """The GGUF rows `[out_features, in_features/256 · 144]` back from `repack_q4il`'s words."""
     return LAYOUT.unpack(words, out_features, in_features)
 
+
+
+# Asynchronous 16-byte copies global -> shared (cp.async, cached in L2 only) for the staged build
+# (STAGES): a warp's next weights land in shared memory while it works on the current ones, in no
+# register (tests/cuda_cpu.py lands them only at the copying lane's wait).
+ASYNC_COPY = r"""
+#if STAGES
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// every group but the STAGES - 1 newest landed (this lane's copies)
+__device__ __forceinline__ void cp_async_wait_stages() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1) : "memory");
+}
+#endif
+"""
 
 _SOURCE = r"""
 #define OUT_KIND __OUT_KIND__

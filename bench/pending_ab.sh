@@ -6,8 +6,6 @@
 #
 #   bash bench/pending_ab.sh trace     # a graphed 1-lane round kernel by kernel, Q4_K then IQ3_S (~2 min)
 #   bash bench/pending_ab.sh filled    # NINFER_Q4IL_STAGED=filled: q4il staged only on matrices that fill the SMs
-#   bash bench/pending_ab.sh cluster   # q4il in clusters of CTAs on the 5120-row matrices: GPU tests, alone, rounds
-#   bash bench/pending_ab.sh cluster4  # the same A/B on the 4-column step
 #   bash bench/pending_ab.sh alloc     # the Q4_K suite with the allocator's expandable segments (peak reserved)
 #   bash bench/pending_ab.sh tests     # the GPU tests of the conv epilogue, prefill pieces, staged q4il
 #   bash bench/pending_ab.sh staged    # only the staged build's GPU twin tests (q4il)
@@ -21,7 +19,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="cluster, cluster4, trace, filled, alloc, tests, staged, q4staged, conv, memory or suites"
+PHASES="trace, filled, alloc, tests, staged, q4staged, conv, memory or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -66,16 +64,6 @@ phase() {
     filled)
       sweep filled_lanes q4_k 200 NINFER_Q4IL_STAGED=columns,NINFER_Q4IL_STAGED=filled --lanes 1,2,4
       sweep filled_c4 q4_k 120 NINFER_Q4IL_STAGED=columns,NINFER_Q4IL_STAGED=filled --columns 4
-      ;;
-    cluster)
-      step pytest 240 "$PY" -m pytest -m gpu -n 4 -p xdist --dist worksteal -v -rfE -k "clusters or twin_on_gpu" \
-        tests/test_gemv_q4il.py
-      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-      step q4il_cluster 150 "$PY" bench/q4il_timing.py --shapes 5120x17408,5120x6144 --widths 1,2,4 --clusters 2,3
-      sweep cluster_lanes q4_k 240 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2,NINFER_Q4IL_CLUSTER=3 --lanes 1,2,4
-      ;;
-    cluster4)
-      sweep cluster_c4 q4_k 150 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2,NINFER_Q4IL_CLUSTER=3 --columns 4
       ;;
     alloc)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WTYPES=q4_k SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The device runs waiting for a GPU (gpu-notes "Session 50", Next), one or more phases a `device` call (each
-# call under 10 minutes; logs and JSON under $OUT/<phase>/, the settings' table printed last), listed here in
-# the order to run them. Sessions 47-50's A/Bs (staged, q4staged, conv) are done; their phases stay to rerun.
+# The device runs waiting for a GPU (gpu-notes "Session 51", Next), one or more phases a `device` call (each
+# call under 10 minutes; logs and JSON under $OUT/<phase>/, the settings' table printed last). Sessions
+# 47-51's A/Bs (staged, q4staged, conv; trace and alloc on an H100) are done; their phases stay to rerun;
+# `memory` has never run.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
 #   bash bench/pending_ab.sh trace     # a graphed 1-lane round kernel by kernel, Q4_K then IQ3_S (~2 min)
-#   bash bench/pending_ab.sh filled    # NINFER_Q4IL_STAGED=filled: q4il staged only on matrices that fill the SMs
 #   bash bench/pending_ab.sh alloc     # the Q4_K suite with the allocator's expandable segments (peak reserved)
 #   bash bench/pending_ab.sh tests     # the GPU tests of the conv epilogue, prefill pieces, staged q4il
 #   bash bench/pending_ab.sh staged    # only the staged build's GPU twin tests (q4il)
@@ -19,7 +19,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="trace, filled, alloc, tests, staged, q4staged, conv, memory or suites"
+PHASES="trace, alloc, tests, staged, q4staged, conv, memory or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -60,10 +60,6 @@ phase() {
         step "trace_$wtype" 150 "$PY" bench/step_profile.py --wtype "$wtype" --prompt 512 --timeline --steps 4 \
           --trace 100
       done
-      ;;
-    filled)
-      sweep filled_lanes q4_k 200 NINFER_Q4IL_STAGED=columns,NINFER_Q4IL_STAGED=filled --lanes 1,2,4
-      sweep filled_c4 q4_k 120 NINFER_Q4IL_STAGED=columns,NINFER_Q4IL_STAGED=filled --columns 4
       ;;
     alloc)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WTYPES=q4_k SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh

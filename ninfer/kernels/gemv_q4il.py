@@ -325,15 +325,15 @@ def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
 STAGED_COLUMNS = 4
 
 
-def q4il_staged(columns: int, tiles: int, slots: int) -> bool:
-    """Whether a call of `columns` over `tiles` on `slots` CTA slots takes the staged build by default: at
-    most `STAGED_COLUMNS` columns; NINFER_Q4IL_STAGED=0 / 1 never / always; =filled only where the tiles fill
-    a round of the slots (untimed in the step: alone on the H200 the 27B's 5120-row matrices, 160 tiles on
-    264 slots, lose 0.1-0.6 µs a call from it where the larger ones gain; gpu-notes "Session 50", Next)."""
+def q4il_staged(columns: int) -> bool:
+    """Whether a call of `columns` takes the staged build by default: at most `STAGED_COLUMNS` columns;
+    NINFER_Q4IL_STAGED=0 / 1 never / always. Staged only where the tiles fill the CTA slots (not the 27B's
+    5120-row matrices, which lose 0.1-0.6 µs a call from it alone) was slower still: the graphed Q4_K rounds
+    +0.07-0.10 ms at 1-4 lanes and 4 columns on an H100 (gpu-notes "Session 51")."""
     forced = os.environ.get("NINFER_Q4IL_STAGED", "")
     if forced in ("0", "1"):
         return forced == "1"
-    return columns <= STAGED_COLUMNS and (forced != "filled" or tiles >= slots)
+    return columns <= STAGED_COLUMNS
 
 
 @functools.cache
@@ -358,7 +358,7 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     tiles = LAYOUT.shape(out_features, k)[0]
     sms = torch.cuda.get_device_properties(words.device).multi_processor_count
     shape = shape or q4il_shape(tiles, sms)
-    staged = q4il_staged(n, tiles, shape[1] * sms) if staged is None else staged
+    staged = q4il_staged(n) if staged is None else staged
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged)

@@ -10,7 +10,8 @@ timed as `bench/gpu_check.py`'s `graph_us` does (one CUDA graph over weight copi
 with the GDN decode conv of the first min(rows, 10240) outputs in its epilogue, a lane a column (the CONV
 builds; gpu-notes "Session 47": their 4- and 8-column loops are shorter than the plain builds'). --staged:
 each also with its next block staged in shared memory (cp.async; gpu-notes "Session 48"), checked to give the
-same bits.
+same bits. --clusters 2,3: each CTA shape also in clusters of that many CTAs a tile (distributed shared
+memory; gpu-notes "Session 51"), checked against float64 like the rest.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def main() -> None:
     p.add_argument("--conv", action="store_true", help="also the builds with the GDN conv epilogue")
     p.add_argument("--staged", action="store_true",
                    help="also the builds that stage each warp's next block in shared memory (cp.async)")
+    p.add_argument("--clusters", default="", help="also in clusters of these many CTAs a tile (2,3)")
     args = p.parse_args()
     torch.manual_seed(0)
     ctas = [tuple(int(v) for v in s.split("x")) for s in args.ctas.split(",")]
@@ -61,6 +63,13 @@ def main() -> None:
                 assert err < 5e-3, f"q4il at {shape}, {width} columns, CTAs {cta}: {err:.2e}"
                 times[f"q4il {cta[0]}x{cta[1]}"] = graph_us(
                     [lambda w=w, c=cta, xa=xa, n=n: gemv_q4il(w, xa, n, c) for w in words])
+                for cluster in (int(c) for c in filter(None, args.clusters.split(","))):
+                    out_c = gemv_q4il(words[0], xa, n, cta, cluster=cluster)
+                    err = rel_err(out_c, xa.dequantize().double() @ dense.t())
+                    assert err < 5e-3, f"q4il at {shape}, {width} columns, CTAs {cta} in {cluster}: {err:.2e}"
+                    times[f"q4il {cta[0]}x{cta[1]} c{cluster}"] = graph_us(
+                        [lambda w=w, c=cta, xa=xa, n=n, cl=cluster: gemv_q4il(w, xa, n, c, cluster=cl)
+                         for w in words])
                 if args.staged:
                     staged = gemv_q4il(words[0], xa, n, cta, staged=True)
                     assert torch.equal(staged, out), f"q4il staged at {shape}, {width} columns, CTAs {cta}"

@@ -91,17 +91,19 @@ def sm90_sass(built: str | bytes) -> tuple[str, str]:
 
 
 def source_of(kernel: str, columns: int, warps: int, regs: int, group: int, il=gemv_il,
-              conv: bool = False, staged: bool = False, q4il=gemv_q4il) -> tuple[str, str]:
+              conv: bool = False, staged: bool = False, q4il=gemv_q4il, cluster: int = 1) -> tuple[str, str]:
     """(the CUDA C the engine builds, its entry name), programmatic launch on, bf16 output; `il` / `q4il`:
     the gemv_il / gemv_q4il module the kernels come from; `conv`: the build with the GDN conv epilogue
-    (il32, q4il); `staged`: q4il's build with each warp's next block staged."""
+    (il32, q4il); `staged`: q4il's build with each warp's next block staged; `cluster`: q4il's build in
+    clusters of that many CTAs a tile (at 4 warps × 4 CTAs an SM)."""
     if kernel in ("il", "il_mma"):
         s = (il.IlSchedule(warps, kernel="il_mma", regs=regs, group=group) if kernel == "il_mma"
              else il.IlSchedule(warps, group=group, regs=regs))
         return (il.kernel_source(columns, 1, s, True, conv),
                 "iq3s_il_mma" if kernel == "il_mma" else "iq3s_il_gemv")
     if kernel == "q4il":
-        return q4il.kernel_source(columns, 1, True, conv=conv, staged=staged), "q4k_il_mma"
+        shape = q4il.SHAPES[2] if cluster > 1 else q4il.SHAPES[0]
+        return q4il.kernel_source(columns, 1, True, shape, conv, staged, cluster), "q4k_il_mma"
     return gemv_q6il.kernel_source(columns, 1, True), "q6k_il_mma"
 
 
@@ -174,6 +176,7 @@ def main() -> None:
                    help="il32 kernels, q4il: another gemv_il.py (q4il: on its helpers), built and compared")
     p.add_argument("--conv", action="store_true", help="il32, q4il: the build with the GDN conv epilogue")
     p.add_argument("--staged", action="store_true", help="q4il: each warp's next block staged")
+    p.add_argument("--cluster", type=int, default=1, help="q4il: clusters of this many CTAs a tile")
     p.add_argument("--shapes", default="",
                    help="il32, q4il: the floor in µs on an H200 of these matrices (NxK, comma-separated) "
                         "from the binding resource's cycles a pass, beside its HBM floor (`floor_us`)")
@@ -185,7 +188,8 @@ def main() -> None:
                    help="NVRTC builds the sm_90 cubin itself, as on the device (CUDA 13's NVRTC: Triton's "
                         "ptxas cannot read its PTX); registers from cuobjdump -res-usage")
     a = p.parse_args()
-    source, name = source_of(a.kernel, a.columns, a.warps, a.regs, a.group, conv=a.conv, staged=a.staged)
+    source, name = source_of(a.kernel, a.columns, a.warps, a.regs, a.group, conv=a.conv, staged=a.staged,
+                             cluster=a.cluster)
     resources, sass = sm90_sass(nvrtc_build(source, name, a.cubin))
     print("\n".join(line for line in resources.splitlines() if "registers" in line or "spill" in line))
     body = loop_body(sass, {"il": "IDP", "il_mma": "IMMA", "q4il": "IMMA"}.get(a.kernel, ""))

@@ -13,10 +13,11 @@ the warp (a barrier of its 32 threads), by the fragment tables of the PTX ISA (t
 as `conftest`'s numpy `ptx_mma_m16n8k32`). A helper with inline PTX that has no emulation fails the build,
 by name.
 
-CTAs run one after another (no kernel here waits on another CTA), so what this checks is a kernel's
-arithmetic, indexing, shared-memory use and barriers on tiny shapes — not its speed, nor what PDL orders
-(sources are built with PDL 0). Floating point is the host's: no FMA contraction of `a * b + c`, so results
-agree with the GPU's to rounding, not bit for bit."""
+CTAs run one after another (no kernel here waits on another CTA), a cluster's (`CLUSTER` > 1 in the source)
+at once: `cluster_sync` a barrier of its threads, `st_rank0` a store into its rank-0 CTA's shared memory. So
+what this checks is a kernel's arithmetic, indexing, shared-memory use and barriers on tiny shapes — not its
+speed, nor what PDL orders (sources are built with PDL 0). Floating point is the host's: no FMA contraction
+of `a * b + c`, so results agree with the GPU's to rounding, not bit for bit."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ PRELUDE = r"""
 #define __forceinline__ inline
 #define __global__
 #define __launch_bounds__(...)
+#define __cluster_dims__(...)
 #define __restrict__ __restrict
 
 struct dim3_ { unsigned x, y, z; };
@@ -97,6 +99,8 @@ static thread_local char* emu_smem;
 static thread_local char* emu_smem_end;
 static thread_local EmuBarrier* emu_cta;
 static thread_local EmuWarp* emu_warp;
+static thread_local EmuBarrier* emu_cluster;  // every thread of the CTA's cluster
+static thread_local char** emu_cluster_smem;  // the cluster's CTAs' shared memory, by rank
 
 // cp.async: a lane's 16-byte copies wait in its committed groups and land at its wait_group (oldest first),
 // so a slot read before its wait, or before the warp's barrier after it, holds what it held before
@@ -243,6 +247,10 @@ EMULATED = {
     const int b[2] = {b0, b1};
     emu_mma<32, true>(c, a, b);
 }""",
+    "cluster_sync": "inline void cluster_sync() { emu_cluster->wait(); }",
+    "st_rank0": """inline void st_rank0(float* p, float v) {
+    std::memcpy(emu_cluster_smem[0] + ((char*)p - emu_smem), &v, 4);
+}""",
     "cp_async16": "inline void cp_async16(unsigned dst, const void* src) { emu_cp_async(dst, src); }",
     "cp_async_commit": "inline void cp_async_commit() { emu_cp_commit(); }",
     "cp_async_wait_stages": "inline void cp_async_wait_stages() { emu_cp_wait(STAGES - 1); }",
@@ -262,7 +270,8 @@ inline void mma_u8s8(int (&c)[4], unsigned a0, unsigned a1, int b0) {
 
 _HELPER = re.compile(r"__device__ __forceinline__ [\w\s&*]+?\b(\w+)\(")
 _SHARED = re.compile(r"extern __shared__ (\w+) (\w+)\[\];")
-_KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
+_KERNEL = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?'
+                     r'(?:__cluster_dims__\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
 
 
 def _body_end(source: str, start: int) -> int:
@@ -320,28 +329,48 @@ def host_source(source: str, kernel: str) -> str:
     call = ", ".join(f"*reinterpret_cast<{ty}*>(args[{i}])" for i, ty in enumerate(types))
     return PRELUDE + text + f"""
 extern "C" void emu_launch(unsigned grid, unsigned block, unsigned long smem_bytes, void** args) {{
+#ifdef CLUSTER
+    const unsigned cluster = CLUSTER;
+#else
+    const unsigned cluster = 1;
+#endif
+    if (grid % cluster) {{
+        std::fprintf(stderr, "cuda_cpu: a grid of %u CTAs in clusters of %u\\n", grid, cluster);
+        std::abort();
+    }}
     gridDim = {{grid, 1, 1}};
     blockDim = {{block, 1, 1}};
-    for (unsigned cta = 0; cta < grid; ++cta) {{
-        std::vector<char> smem(smem_bytes + 16, (char)0xA5);
-        EmuBarrier bar;
-        bar.expected = (int)block;
-        std::vector<EmuWarp> warps((block + 31) / 32);
-        for (unsigned i = 0; i < warps.size(); ++i)
-            warps[i].bar.expected = (int)std::min(32u, block - 32 * i);
+    for (unsigned first = 0; first < grid; first += cluster) {{  // a cluster's CTAs at once
+        std::vector<std::vector<char>> smem(cluster, std::vector<char>(smem_bytes + 16, (char)0xA5));
+        std::vector<char*> smem_of(cluster);
+        std::vector<EmuBarrier> bars(cluster);
+        std::vector<std::vector<EmuWarp>> warps(cluster);
+        EmuBarrier cluster_bar;
+        cluster_bar.expected = (int)(cluster * block);
         std::vector<std::thread> threads;
-        for (unsigned x = 0; x < block; ++x)
-            threads.emplace_back([&, x] {{
-                threadIdx = {{x, 0, 0}};
-                blockIdx = {{cta, 0, 0}};
-                emu_smem = smem.data();
-                emu_smem_end = smem.data() + smem.size();
-                emu_cta = &bar;
-                emu_warp = &warps[x / 32];
-                {kernel}({call});
-                emu_warp->bar.drop();
-                emu_cta->drop();
-            }});
+        for (unsigned r = 0; r < cluster; ++r) {{
+            smem_of[r] = smem[r].data();
+            bars[r].expected = (int)block;
+            warps[r] = std::vector<EmuWarp>((block + 31) / 32);
+            for (unsigned i = 0; i < warps[r].size(); ++i)
+                warps[r][i].bar.expected = (int)std::min(32u, block - 32 * i);
+        }}
+        for (unsigned r = 0; r < cluster; ++r)
+            for (unsigned x = 0; x < block; ++x)
+                threads.emplace_back([&, r, x] {{
+                    threadIdx = {{x, 0, 0}};
+                    blockIdx = {{first + r, 0, 0}};
+                    emu_smem = smem[r].data();
+                    emu_smem_end = smem[r].data() + smem[r].size();
+                    emu_cta = &bars[r];
+                    emu_warp = &warps[r][x / 32];
+                    emu_cluster = &cluster_bar;
+                    emu_cluster_smem = smem_of.data();
+                    {kernel}({call});
+                    emu_warp->bar.drop();
+                    emu_cta->drop();
+                    emu_cluster->drop();
+                }});
         for (auto& th : threads) th.join();
     }}
 }}

@@ -20,7 +20,7 @@ from ninfer.kernels.gemv_q4il import (
     unpack_q4il,
 )
 from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation_reference
-from ninfer.kernels.gguf_matmul import quant_matmul_reference, random_gguf_weight
+from ninfer.kernels.gguf_matmul import QuantKernelError, quant_matmul_reference, random_gguf_weight
 
 
 @pytest.mark.parametrize(("n", "k"), [(40, 768), (64, 1024), (33, 256)])
@@ -130,6 +130,23 @@ def test_shape_rule():
     assert q4il_shape(515, 132) == (4, 4)  # 0.98 rounds of 528, 1.95 of 264
     assert q4il_shape(160, 132) == (8, 2)  # down: 0.61 of 264 against 0.40 of 396
     assert q4il_shape(792, 132) == (5, 3)  # 3 of 264 and 2 of 396: a tie
+
+
+def test_the_cluster_rule(monkeypatch):
+    """One CTA a tile by default; NINFER_Q4IL_CLUSTER=N clusters of N where the tiles leave the default
+    shape's slots idle, at the shape of the most warps whose slots hold every CTA, else one CTA a tile."""
+    rule = gemv_q4il.q4il_cluster
+    monkeypatch.delenv("NINFER_Q4IL_CLUSTER", raising=False)
+    assert rule(160, 132, (8, 2)) == ((8, 2), 1)
+    monkeypatch.setenv("NINFER_Q4IL_CLUSTER", "2")
+    assert rule(160, 132, (8, 2)) == ((5, 3), 2)  # down's 160 tiles: 320 CTAs on 396 slots
+    assert rule(1088, 132, (5, 3)) == ((5, 3), 1)  # gate|up fills its slots
+    monkeypatch.setenv("NINFER_Q4IL_CLUSTER", "3")
+    assert rule(160, 132, (8, 2)) == ((4, 4), 3)  # 480 CTAs on 528
+    monkeypatch.setenv("NINFER_Q4IL_CLUSTER", "4")
+    assert rule(160, 132, (8, 2)) == ((8, 2), 1)  # 640 CTAs fit no shape
+    with pytest.raises(QuantKernelError, match="not staged"):
+        gemv_q4il.kernel_source(1, 1, shape=(4, 4), staged=True, cluster=2)
 
 
 def test_the_staged_build_by_default(monkeypatch):
@@ -250,6 +267,33 @@ def test_gemv_q4il_matches_its_twin_on_gpu(n, k):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(captured, eager), (shape, staged)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "k"), [(5120, 17408), (5120, 6144), (1040, 5120), (40, 768)])
+def test_gemv_q4il_in_clusters_on_gpu(n, k):
+    """Clusters of 2 and 3 CTAs a tile (distributed shared memory, cluster barriers) at 1-8 columns, bf16 and
+    fp32 outputs, on 4 × 4 (every CTA at once on the 27B's 5120-row matrices) and 5 × 3 (clusters of 3 loop
+    over tiles there); in a CUDA graph the same bits as eager."""
+    from ninfer.kernels.gemv_q4il import gemv_q4il
+    from ninfer.kernels.gemv_q8 import quantize_activation
+
+    words = repack_q4il(random_gguf_weight("q4_k", n, k, "cuda"))
+    for width in range(1, 9):
+        for dtype in (torch.bfloat16, torch.float32):
+            xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=dtype), group=256)
+            want = gemv_q4il_reference(words, xa, n)
+            for shape, cluster in (((4, 4), 2), ((4, 4), 3), ((5, 3), 3)):
+                out = gemv_q4il(words, xa, n, shape, cluster=cluster)
+                assert rel(out, want) < (5e-3 if dtype == torch.bfloat16 else 1e-4), (width, dtype, cluster)
+    xa = quantize_activation(torch.randn(2, k, device="cuda"), group=256)
+    eager = gemv_q4il(words, xa, n, (4, 4), cluster=2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gemv_q4il(words, xa, n, (4, 4), cluster=2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
 
 
 def test_errors_name_the_problem():

@@ -100,21 +100,23 @@ def test_the_tensor_core_il32_kernel(columns, group):
 
 
 def run_lane(name: str, source_of, words, xa, n: int, warps: int, smem: int, source: str,
-             dtype=torch.float32, conv=None):
+             dtype=torch.float32, conv=None, ctas: int = 2):
     columns = xa.q.shape[0]
     y = torch.full((columns, n), float("nan"), dtype=dtype)
-    HostKernel(source_of(source), name)((2,), (32 * warps,), [
+    HostKernel(source_of(source), name)((ctas,), (32 * warps,), [
         words, xa.words, xa.d, y, n, xa.q.shape[1], y.stride(0), *gemv_il.conv_arguments(conv)], smem)
     return y
 
 
 def q4il_case(columns: int, n: int = 72, k: int = 1536, source_of=same, dtype=torch.float32,
-              shape=gemv_q4il.SHAPES[1], staged: bool = False, raw=None):
+              shape=gemv_q4il.SHAPES[1], staged: bool = False, raw=None, cluster: int = 1, conv=None):
+    """q4il over random q4_k rows on two CTAs, or on two clusters of `cluster` CTAs."""
     raw = random_gguf_weight("q4_k", n, k) if raw is None else raw
     xa = activation(columns, k, 256)
     y = run_lane("q4k_il_mma", source_of, gemv_q4il.repack_q4il(raw), xa, n, shape[0],
-                 gemv_q4il.smem_bytes(k, shape[0], staged),
-                 gemv_q4il.kernel_source(columns, OUT_KINDS[dtype], False, shape, staged=staged), dtype)
+                 gemv_q4il.smem_bytes(k, shape[0], staged, cluster),
+                 gemv_q4il.kernel_source(columns, OUT_KINDS[dtype], False, shape, conv is not None, staged,
+                                         cluster), dtype, conv, 2 * cluster)
     return y, gemv_q8_reference(raw, "q4_k", xa, n)
 
 
@@ -141,6 +143,35 @@ def test_the_q4il_kernel_on_staged_blocks(columns, shape):
         staged, _ = q4il_case(columns, n, k, shape=shape, staged=True, raw=raw)
         assert rel(plain, want) < FP32_BOUND
         assert torch.equal(staged, plain), (n, k)
+
+
+@pytest.mark.parametrize("cluster", [2, 3])
+@pytest.mark.parametrize("columns", [1, 4, 8])
+def test_the_q4il_kernel_in_clusters(columns, cluster):
+    """Clusters of 2 and 3 CTAs a tile, each rank its share of the blocks, the sums added in rank 0's shared
+    memory: the oracle's product over 7 tiles on 2 clusters (200 × 2560: a cluster loops over 3-4 tiles,
+    alternating its two sets of sums), with ranks and warps that have no block (40 × 768: 3 blocks), in bf16
+    the fp32 sums rounded; with the GDN conv in the epilogue, the same bits and every lane's conv run."""
+    from ninfer.kernels.gdn_decode import ConvEpilogue
+
+    shape = gemv_q4il.SHAPES[2]
+    for n, k in ((200, 2560), (40, 768)):
+        raw = random_gguf_weight("q4_k", n, k)
+        torch.manual_seed(1)
+        y, want = q4il_case(columns, n, k, shape=shape, raw=raw, cluster=cluster)
+        assert rel(y, want) < FP32_BOUND, (n, k)
+        torch.manual_seed(1)
+        y16, _ = q4il_case(columns, n, k, dtype=torch.bfloat16, shape=shape, raw=raw, cluster=cluster)
+        assert torch.equal(y16, y.to(torch.bfloat16)), (n, k)
+    ids = torch.randperm(columns + 2)[:columns]
+    conv = ConvEpilogue.of(torch.randn(72, 4), torch.randn(columns + 2, 72, 3), ids)
+    before = conv.slots.clone()
+    torch.manual_seed(2)
+    y, _ = q4il_case(columns, 96, 768, dtype=torch.bfloat16, shape=shape, cluster=cluster, conv=conv)
+    assert_conv_ran(y, conv, before)
+    torch.manual_seed(2)
+    plain, _ = q4il_case(columns, 96, 768, dtype=torch.bfloat16, shape=shape, cluster=cluster)
+    assert torch.equal(y, plain)
 
 
 @pytest.mark.parametrize("case", [q4il_case, q6il_case])
@@ -203,6 +234,11 @@ MUTATIONS = {
                                                    ""),
     "q4il staged: the slot being filled read": ("q4il_staged", "slots + (n & 1) * (16 * SLOT_CHUNKS)",
                                                  "slots + ((n + 1) & 1) * (16 * SLOT_CHUNKS)"),
+    "q4il clusters: a rank's sums left out": ("q4il_cluster", "r < CLUSTER; ++r) v += set",
+                                              "r < CLUSTER - 1; ++r) v += set"),
+    "q4il clusters: every rank on the same blocks": ("q4il_cluster", "kb = rank * WARPS + wid;", "kb = wid;"),
+    "q4il clusters: a rank's sums into its own memory": ("q4il_cluster", "st_rank0(set + rank * 256 + i, v);",
+                                                         "set[rank * 256 + i] = v;"),
     "q4il staged: the stream skips a tile": ("q4il_staged", "QBlock{b.tile + (int)gridDim.x,",
                                              "QBlock{b.tile + 2 * (int)gridDim.x,"),
     "conv: the slot not moved on": ("conv", "cp[0] = s1;", "cp[0] = s0;"),
@@ -235,6 +271,8 @@ def test_a_slip_in_a_kernel_fails(name):
         return
     elif kind == "q4il_staged":  # 7 tiles on 2 CTAs
         y, want = q4il_case(4, 200, 2560, source_of=mutate, staged=True)
+    elif kind == "q4il_cluster":  # 7 tiles on 2 clusters of 2
+        y, want = q4il_case(4, 200, 2560, source_of=mutate, cluster=2)
     else:
         y, want = (q4il_case if kind == "q4il" else q6il_case)(4, source_of=mutate)
     assert not rel(y, want) < FP32_BOUND  # (NaN: an output never written)
@@ -249,9 +287,10 @@ def launches_on_the_cpu(monkeypatch):
     monkeypatch.setattr(gemv_il, "_compiled", lambda columns, kind, s, pdl=False, conv=False: HostKernel(
         gemv_il.kernel_source(columns, kind, s, False, conv),
         "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"))
-    monkeypatch.setattr(gemv_q4il, "_compiled", lambda columns, kind, pdl, shape, conv=False, staged=False:
-                        HostKernel(gemv_q4il.kernel_source(columns, kind, False, shape, conv, staged),
-                                   "q4k_il_mma"))
+    monkeypatch.setattr(gemv_q4il, "_compiled",
+                        lambda columns, kind, pdl, shape, conv=False, staged=False, cluster=1: HostKernel(
+                            gemv_q4il.kernel_source(columns, kind, False, shape, conv, staged, cluster),
+                            "q4k_il_mma"))
     launch = lambda kernel, ctas, threads, smem, args, pdl: kernel((ctas,), (threads,), args, smem)  # noqa: E731
     for module in (gemv_il, gemv_q4il):
         monkeypatch.setattr(module, "_launch", launch)

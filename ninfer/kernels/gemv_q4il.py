@@ -82,6 +82,65 @@ __device__ __forceinline__ void cp_async_wait_stages() {
 #endif
 """
 
+# Clusters of CTAs (CLUSTER > 1, `__cluster_dims__`) that share a tile, each CTA rank its share of the blocks:
+# every rank's per-row sums go into rank 0's shared memory (distributed shared memory, `mapa`), then one
+# cluster barrier, and rank 0 adds them in rank order and stores the tile.
+CLUSTER_STORE = r"""
+#if CLUSTER > 1
+#define CLUSTER_DIMS __cluster_dims__(CLUSTER, 1, 1)
+// every thread of the cluster's CTAs here before any goes on; their shared-memory stores before it seen after
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// v into the shared memory of the cluster's CTA rank 0, at the offset of p in this CTA's
+__device__ __forceinline__ void st_rank0(float* p, float v) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("mapa.shared::cluster.u32 %0, %0, 0;" : "+r"(a));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(a), "f"(v) : "memory");
+}
+// store_tile across the cluster: `set` (rank 0's, CLUSTER × 256 floats) holds rank r's sums at 256 r; the
+// kernel alternates two sets by tile, so a set is written again only after the next tile's cluster barrier,
+// which rank 0 reaches when done reading it. The barrier also ends every read of `red` before the next tile.
+__device__ __forceinline__ void store_cluster_tile(float* red, float* set, const float (&acc)[4][2],
+                                                   unsigned wid, unsigned gq, unsigned t, int rank, int tile,
+                                                   int N, out_t* __restrict__ y, int stride_y
+#if defined(CONV) && CONV
+                                                   , const ConvArgs& cv
+#endif
+                                                   ) {
+    float* rw = red + wid * (32 * 8);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        rw[(4 * gq + r) * 8 + 2 * t] = acc[r][0];
+        rw[(4 * gq + r) * 8 + 2 * t + 1] = acc[r][1];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
+        const int m = i >> 5, row = i & 31;
+        float v = 0.f;
+#pragma unroll
+        for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
+        st_rank0(set + rank * 256 + i, v);
+    }
+    cluster_sync();
+    if (rank != 0) return;
+    for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
+        const int m = i >> 5, row = i & 31;
+        float v = 0.f;
+#pragma unroll
+        for (int r = 0; r < CLUSTER; ++r) v += set[r * 256 + i];
+        if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
+#if defined(CONV) && CONV
+        if (tile * 32 + row < N) conv_store(cv, m, tile * 32 + row, to_out(v));
+#endif
+    }
+}
+#else
+#define CLUSTER_DIMS
+#endif
+"""
+
 _SOURCE = r"""
 #define OUT_KIND __OUT_KIND__
 #define NCOL __NCOL__
@@ -90,7 +149,8 @@ _SOURCE = r"""
 #define PDL __PDL__
 #define CONV __CONV__
 #define STAGES __STAGES__
-""" + CUDA_HELPERS + CONV_STAGE + TILE_STORE + ASYNC_COPY + r"""
+#define CLUSTER __CLUSTER__
+""" + CUDA_HELPERS + CONV_STAGE + TILE_STORE + ASYNC_COPY + CLUSTER_STORE + r"""
 #if STAGES
 // STAGES 2: each warp copies its next block into one of its two slots in shared memory (cp.async) while it
 // works on the other: a block's 35 lines from word 35h (its qs and scales, in one run) and its d | dmin line
@@ -132,12 +192,14 @@ __device__ __forceinline__ void mma_u8s8(int (&c)[4], unsigned a0, unsigned a1, 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, CTAS)
+extern "C" __global__ void __launch_bounds__(WARPS * 32, CTAS) CLUSTER_DIMS
 q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
            out_t* __restrict__ y, int N, int K, int stride_y CONV_PARAMS)
 {
     CONV_ARGS
-    // CTA c takes tiles c, c + gridDim.x, ..., its warps a tile's blocks wid, wid + WARPS, ...
+    // CTA c takes tiles c, c + gridDim.x, ..., its warps a tile's blocks wid, wid + WARPS, ...; in clusters
+    // (CLUSTER > 1) cluster c = blockIdx.x / CLUSTER the tiles c, c + gridDim.x / CLUSTER, ..., and warp
+    // wid of its CTA rank r the blocks r·WARPS + wid, + CLUSTER·WARPS, ...
     extern __shared__ int4 xs[];  // per block and column: bytes {hi j0..3, hi j4..7, lo j0..3, lo j4..7}
     const int K4 = K >> 2, nblk = K >> 8, P = (nblk + 1) >> 1, tiles = (N + 31) >> 5;
     float* red = reinterpret_cast<float*>(xs + nblk * 8);  // [WARPS][32 rows][8 columns] partial sums
@@ -151,6 +213,10 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
     stage_qblock(ahead, tiles, P, w, slot0, threadIdx.x & 31);
     cp_async_commit();
     int n = 0;  // the warp's blocks so far: block n sits in slot n % 2
+#endif
+#if CLUSTER > 1
+    const int rank = (int)blockIdx.x % CLUSTER;
+    cluster_sync();  // every CTA of the cluster running before any writes into another's shared memory
 #endif
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the activation is the previous kernel's output
@@ -190,11 +256,21 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
     const int c0 = min(2 * (int)t, NCOL - 1), c1 = min(2 * (int)t + 1, NCOL - 1);
     const float* xd0 = xd + c0 * nblk;
     const float* xd1 = xd + c1 * nblk;
+#if CLUSTER > 1
+    float* sums = red + WARPS * 32 * 8;
+    int it = 0;  // this CTA's tiles so far
+    for (int tile = blockIdx.x / CLUSTER; tile < tiles; tile += gridDim.x / CLUSTER, ++it) {
+        float acc[4][2];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) { acc[r][0] = 0.f; acc[r][1] = 0.f; }
+        for (int kb = rank * WARPS + wid; kb < nblk; kb += CLUSTER * WARPS) {
+#else
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         float acc[4][2];
 #pragma unroll
         for (int r = 0; r < 4; ++r) { acc[r][0] = 0.f; acc[r][1] = 0.f; }
         for (int kb = wid; kb < nblk; kb += WARPS) {
+#endif
 #if STAGES
             // the next block into the other slot (read by every lane before the barrier that ended the last
             // block), then this one landed and seen by the whole warp
@@ -275,6 +351,16 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
             ++n;
 #endif
         }
+#if CLUSTER > 1
+#if PDL
+        if (tile + gridDim.x / CLUSTER >= tiles) asm volatile("griddepcontrol.launch_dependents;");
+#endif
+        store_cluster_tile(red, sums + (it & 1) * (CLUSTER * 256), acc, wid, gq, t, rank, tile, N, y, stride_y
+#if CONV
+                           , cv
+#endif
+                           );
+#else
 #if PDL
         if (tile + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
 #endif
@@ -283,28 +369,33 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
                    , cv
 #endif
                    );
+#endif
     }
 }
 """
 
 
 def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
-                  conv: bool = False, staged: bool = False) -> str:
+                  conv: bool = False, staged: bool = False, cluster: int = 1) -> str:
     """`conv` (bf16 out): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`).
-    `staged`: each warp's next block copied into shared memory while it works on one (the STAGES build)."""
+    `staged`: each warp's next block copied into shared memory while it works on one (the STAGES build).
+    `cluster` > 1: clusters of that many CTAs share each tile (`CLUSTER_STORE`; not staged)."""
     if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
         raise QuantKernelError("the q4il conv builds write bf16")
+    if cluster > 1 and staged:
+        raise QuantKernelError("the q4il cluster builds are not staged")
     warps, ctas = shape
     return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
             .replace("__CONV__", str(int(conv))).replace("__STAGES__", "2" if staged else "0")
             .replace("__WARPS__", str(warps)).replace("__CTAS__", str(ctas))
-            .replace("__PDL__", str(int(pdl))))
+            .replace("__PDL__", str(int(pdl))).replace("__CLUSTER__", str(cluster)))
 
 
-def smem_bytes(in_features: int, warps: int, staged: bool = False) -> int:
+def smem_bytes(in_features: int, warps: int, staged: bool = False, cluster: int = 1) -> int:
     """The activation's split per-32 sums of 8 columns and the warps' partial sums; staged, each warp's two
-    slots of a block (2 × 4.5 KB)."""
-    return in_features // 256 * 8 * 16 + warps * 32 * 8 * 4 + (warps * 2 * 288 * 16 if staged else 0)
+    slots of a block (2 × 4.5 KB); in clusters, two sets of every rank's sums of a tile (rank 0's)."""
+    return (in_features // 256 * 8 * 16 + warps * 32 * 8 * 4 + (warps * 2 * 288 * 16 if staged else 0)
+            + (2 * cluster * 256 * 4 if cluster > 1 else 0))
 
 
 def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
@@ -336,33 +427,52 @@ def q4il_staged(columns: int) -> bool:
     return columns <= STAGED_COLUMNS
 
 
+def q4il_cluster(tiles: int, sms: int, shape: tuple[int, int]) -> tuple[tuple[int, int], int]:
+    """The (CTA shape, cluster) of a call over `tiles` whose default shape is `shape`: NINFER_Q4IL_CLUSTER=N
+    (N > 1) gives clusters of N CTAs a tile to the matrices whose tiles leave `shape`'s CTA slots idle (the
+    27B's 5120-row projections: 160 tiles on the H200's 264), at the shape of the most warps a CTA whose
+    slots hold every CTA at once; else, and by default (untimed in the step), one CTA a tile."""
+    wanted = os.environ.get("NINFER_Q4IL_CLUSTER", "")
+    cluster = int(wanted) if wanted.isdigit() else 1
+    if cluster <= 1 or tiles >= shape[1] * sms:
+        return shape, 1
+    fits = [s for s in SHAPES if tiles * cluster <= s[1] * sms]
+    return (max(fits), cluster) if fits else (shape, 1)
+
+
 @functools.cache
 def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], conv: bool = False,
-              staged: bool = False):
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, conv, staged),
+              staged: bool = False, cluster: int = 1):
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, conv, staged, cluster),
                                         "q4k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
 
 def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
-              shape: tuple[int, int] | None = None, conv=None, staged: bool | None = None) -> torch.Tensor:
+              shape: tuple[int, int] | None = None, conv=None, staged: bool | None = None,
+              cluster: int | None = None) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the q4il words (CUDA) and xa the int8 activation of
-    1-8 columns with one scale per 256 inputs; `shape` (warps, CTAs an SM) defaults to `q4il_shape`'s;
-    `conv`: a GDN decode conv for its epilogue (`gemv_il.lane_conv`'s); `staged`: each warp's next block
-    copied into shared memory (cp.async) while it works on one, the first before the programmatic launch's
-    wait (gpu-notes "Session 48"); by default as `q4il_staged` says."""
+    1-8 columns with one scale per 256 inputs; `shape` (warps, CTAs an SM) and `cluster` (CTAs sharing a
+    tile) default to `q4il_shape`'s and `q4il_cluster`'s; `conv`: a GDN decode conv for its epilogue
+    (`gemv_il.lane_conv`'s); `staged`: each warp's next block copied into shared memory (cp.async) while it
+    works on one, the first before the programmatic launch's wait (gpu-notes "Session 48"); by default as
+    `q4il_staged` says, never in clusters."""
     n, k = xa.q.shape
     LAYOUT.check(words, out_features, k, "q4il")
     check_call("q4il", words, xa, 256)
     tiles = LAYOUT.shape(out_features, k)[0]
     sms = torch.cuda.get_device_properties(words.device).multi_processor_count
+    if cluster is None:
+        shape, cluster = (shape, 1) if shape else q4il_cluster(tiles, sms, q4il_shape(tiles, sms))
     shape = shape or q4il_shape(tiles, sms)
-    staged = q4il_staged(n) if staged is None else staged
+    if staged is None:
+        staged = cluster == 1 and q4il_staged(n)
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
-    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged)
-    _launch(kernel, min(tiles, shape[1] * sms), 32 * shape[0], smem_bytes(k, shape[0], staged),
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged, cluster)
+    _launch(kernel, cluster * min(tiles, shape[1] * sms // cluster), 32 * shape[0],
+            smem_bytes(k, shape[0], staged, cluster),
             [words, xa.words, xa.d, y, out_features, k, y.stride(0), *conv_arguments(conv)], pdl)
     return y
 

@@ -5,6 +5,7 @@
 # `memory` has never run.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
+#   bash bench/pending_ab.sh cluster   # q4il clusters of 2 (default at 1-2 columns on an H200) vs none, 1-8 lanes, 4 columns
 #   bash bench/pending_ab.sh trace     # a graphed 1-lane round kernel by kernel, Q4_K then IQ3_S (~2 min)
 #   bash bench/pending_ab.sh alloc     # the Q4_K suite with the allocator's expandable segments (peak reserved)
 #   bash bench/pending_ab.sh tests     # the GPU tests of the conv epilogue, prefill pieces, staged q4il
@@ -19,7 +20,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="trace, alloc, tests, staged, q4staged, conv, memory or suites"
+PHASES="cluster, trace, alloc, tests, staged, q4staged, conv, memory or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -60,6 +61,13 @@ phase() {
         step "trace_$wtype" 150 "$PY" bench/step_profile.py --wtype "$wtype" --prompt 512 --timeline --steps 4 \
           --trace 100
       done
+      ;;
+    cluster)
+      step pytest 240 "$PY" -m pytest -m gpu -n 4 -p xdist --dist worksteal -v -rfE -k "clusters or twin_on_gpu" \
+        tests/test_gemv_q4il.py
+      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
+      sweep cluster_lanes q4_k 240 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2 --lanes 1,2,4,8
+      sweep cluster_c4 q4_k 150 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2 --columns 4
       ;;
     alloc)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WTYPES=q4_k SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh

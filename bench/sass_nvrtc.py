@@ -95,14 +95,14 @@ def source_of(kernel: str, columns: int, warps: int, regs: int, group: int, il=g
     """(the CUDA C the engine builds, its entry name), programmatic launch on, bf16 output; `il` / `q4il`:
     the gemv_il / gemv_q4il module the kernels come from; `conv`: the build with the GDN conv epilogue
     (il32, q4il); `staged`: q4il's build with each warp's next block staged; `cluster`: q4il's build in
-    clusters of that many CTAs a tile (at 4 warps × 4 CTAs an SM)."""
+    clusters of that many CTAs a tile (5 warps × 3 CTAs an SM, as the 27B's 5120-row matrices take them)."""
     if kernel in ("il", "il_mma"):
         s = (il.IlSchedule(warps, kernel="il_mma", regs=regs, group=group) if kernel == "il_mma"
              else il.IlSchedule(warps, group=group, regs=regs))
         return (il.kernel_source(columns, 1, s, True, conv),
                 "iq3s_il_mma" if kernel == "il_mma" else "iq3s_il_gemv")
     if kernel == "q4il":
-        shape = q4il.SHAPES[2] if cluster > 1 else q4il.SHAPES[0]
+        shape = q4il.SHAPES[1] if cluster > 1 else q4il.SHAPES[0]
         return q4il.kernel_source(columns, 1, True, shape, conv, staged, cluster), "q4k_il_mma"
     return gemv_q6il.kernel_source(columns, 1, True), "q6k_il_mma"
 

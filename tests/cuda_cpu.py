@@ -14,10 +14,11 @@ as `conftest`'s numpy `ptx_mma_m16n8k32`). A helper with inline PTX that has no 
 by name.
 
 CTAs run one after another (no kernel here waits on another CTA), a cluster's (`CLUSTER` > 1 in the source)
-at once: `cluster_sync` a barrier of its threads, `st_rank0` a store into its rank-0 CTA's shared memory. So
-what this checks is a kernel's arithmetic, indexing, shared-memory use and barriers on tiny shapes — not its
-speed, nor what PDL orders (sources are built with PDL 0). Floating point is the host's: no FMA contraction
-of `a * b + c`, so results agree with the GPU's to rounding, not bit for bit."""
+at once: `cluster_sync` a barrier of its threads (`cluster_arrive` / `cluster_wait` its halves), `st_rank0` a
+store into its rank-0 CTA's shared memory. So what this checks is a kernel's arithmetic, indexing,
+shared-memory use and barriers on tiny shapes — not its speed, nor what PDL orders (sources are built with
+PDL 0). Floating point is the host's: no FMA contraction of `a * b + c`, so results agree with the GPU's to
+rounding, not bit for bit."""
 
 from __future__ import annotations
 
@@ -70,10 +71,17 @@ struct EmuBarrier {
     std::condition_variable cv;
     int expected = 0, arrived = 0;
     unsigned long phase = 0;
-    void wait() {
+    void wait() { wait_for(arrive()); }
+    // a split barrier's halves: arrive() counts this thread and returns its phase, wait_for(phase) waits
+    // until every thread has arrived in it
+    unsigned long arrive() {
         std::unique_lock<std::mutex> lock(m);
         const unsigned long mine = phase;
-        if (++arrived == expected) { arrived = 0; ++phase; cv.notify_all(); return; }
+        if (++arrived == expected) { arrived = 0; ++phase; cv.notify_all(); }
+        return mine;
+    }
+    void wait_for(unsigned long mine) {
+        std::unique_lock<std::mutex> lock(m);
         if (!cv.wait_for(lock, std::chrono::seconds(60), [&] { return phase != mine; })) {
             std::fprintf(stderr, "cuda_cpu: a barrier waited 60 s (%d of %d threads arrived): deadlock\n",
                          arrived, expected);
@@ -101,6 +109,7 @@ static thread_local EmuBarrier* emu_cta;
 static thread_local EmuWarp* emu_warp;
 static thread_local EmuBarrier* emu_cluster;  // every thread of the CTA's cluster
 static thread_local char** emu_cluster_smem;  // the cluster's CTAs' shared memory, by rank
+static thread_local unsigned long emu_cluster_phase;  // of this thread's last cluster_arrive
 
 // cp.async: a lane's 16-byte copies wait in its committed groups and land at its wait_group (oldest first),
 // so a slot read before its wait, or before the warp's barrier after it, holds what it held before
@@ -248,6 +257,8 @@ EMULATED = {
     emu_mma<32, true>(c, a, b);
 }""",
     "cluster_sync": "inline void cluster_sync() { emu_cluster->wait(); }",
+    "cluster_arrive": "inline void cluster_arrive() { emu_cluster_phase = emu_cluster->arrive(); }",
+    "cluster_wait": "inline void cluster_wait() { emu_cluster->wait_for(emu_cluster_phase); }",
     "st_rank0": """inline void st_rank0(float* p, float v) {
     std::memcpy(emu_cluster_smem[0] + ((char*)p - emu_smem), &v, 4);
 }""",

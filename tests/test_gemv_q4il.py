@@ -133,20 +133,43 @@ def test_shape_rule():
 
 
 def test_the_cluster_rule(monkeypatch):
-    """One CTA a tile by default; NINFER_Q4IL_CLUSTER=N clusters of N where the tiles leave the default
-    shape's slots idle, at the shape of the most warps whose slots hold every CTA, else one CTA a tile."""
+    """Clusters of 2 at 1-2 columns where they pay, for matrices whose tiles leave the default shape's slots
+    idle, at the shape of the most warps whose slots hold every CTA; NINFER_Q4IL_CLUSTER=N clusters of N at
+    every width (1: none), one CTA a tile where no shape holds them."""
     rule = gemv_q4il.q4il_cluster
     monkeypatch.delenv("NINFER_Q4IL_CLUSTER", raising=False)
-    assert rule(160, 132, (8, 2)) == ((8, 2), 1)
-    monkeypatch.setenv("NINFER_Q4IL_CLUSTER", "2")
-    assert rule(160, 132, (8, 2)) == ((5, 3), 2)  # down's 160 tiles: 320 CTAs on 396 slots
-    assert rule(1088, 132, (5, 3)) == ((5, 3), 1)  # gate|up fills its slots
+    assert rule(160, 132, (8, 2), 1, True) == ((5, 3), 2)  # down's 160 tiles: 320 CTAs on 396 slots
+    assert rule(160, 132, (8, 2), 2, True) == ((5, 3), 2)
+    assert rule(160, 132, (8, 2), 3, True) == ((8, 2), 1)
+    assert rule(160, 132, (8, 2), 1, False) == ((8, 2), 1)
+    assert rule(1088, 132, (5, 3), 1, True) == ((5, 3), 1)  # gate|up fills its slots
     monkeypatch.setenv("NINFER_Q4IL_CLUSTER", "3")
-    assert rule(160, 132, (8, 2)) == ((4, 4), 3)  # 480 CTAs on 528
+    assert rule(160, 132, (8, 2), 8, False) == ((4, 4), 3)  # 480 CTAs on 528
     monkeypatch.setenv("NINFER_Q4IL_CLUSTER", "4")
-    assert rule(160, 132, (8, 2)) == ((8, 2), 1)  # 640 CTAs fit no shape
+    assert rule(160, 132, (8, 2), 1, True) == ((8, 2), 1)  # 640 CTAs fit no shape
+    monkeypatch.setenv("NINFER_Q4IL_CLUSTER", "1")
+    assert rule(160, 132, (8, 2), 1, True) == ((8, 2), 1)
     with pytest.raises(QuantKernelError, match="not staged"):
         gemv_q4il.kernel_source(1, 1, shape=(4, 4), staged=True, cluster=2)
+
+
+def test_clusters_pay_on_devices_with_clusters_and_bandwidth_to_an_sm(monkeypatch):
+    """Compute capability 9+ and ≥ 30 GB/s of memory bandwidth an SM: the H200 (4.8 TB/s on 132 SMs) yes, the
+    H100 (3.35 TB/s) and an RTX 4090 (1 TB/s, 8.9) no."""
+    import types
+
+    def props(major, clock_khz, bus_bits, sms):
+        return types.SimpleNamespace(major=major, memory_clock_rate=clock_khz, memory_bus_width=bus_bits,
+                                     multi_processor_count=sms)
+
+    devices = {"h200": props(9, 3_201_000, 6144, 132), "h100": props(9, 2_619_000, 5120, 132),
+               "4090": props(8, 10_501_000, 384, 128)}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: devices[device])
+    gemv_q4il.clusters_pay.cache_clear()
+    try:
+        assert [gemv_q4il.clusters_pay(d) for d in devices] == [True, False, False]
+    finally:
+        gemv_q4il.clusters_pay.cache_clear()
 
 
 def test_the_staged_build_by_default(monkeypatch):

@@ -330,3 +330,20 @@ def test_the_conv_wrappers_launch_what_the_kernels_take(launches_on_the_cpu, mon
     want = gemv_q8_reference(raw, fmt, quantize_activation_reference(x, 256), n)
     assert rel(y, want) < 5e-3  # bf16 output rounding
     assert_conv_ran(y, conv, before)
+
+
+@pytest.mark.parametrize("columns", [1, 2, 3])
+def test_gemv_q4il_takes_clusters_where_they_pay(launches_on_the_cpu, monkeypatch, columns):
+    """On a device where clusters pay, one tile on the emulated SM's two slots (8 warps × 2): clusters of two
+    CTAs a tile at 1-2 columns, one CTA at 3 — the same product either way."""
+    monkeypatch.delenv("NINFER_Q4IL_CLUSTER", raising=False)
+    monkeypatch.setattr(gemv_q4il, "clusters_pay", lambda device: True)
+    builds = []
+    compiled = gemv_q4il._compiled
+    monkeypatch.setattr(gemv_q4il, "_compiled", lambda *a: builds.append(a) or compiled(*a))
+    n, k = 32, 768
+    raw = random_gguf_weight("q4_k", n, k)
+    xa = activation(columns, k, 256)
+    y = gemv_q4il.gemv_q4il(gemv_q4il.repack_q4il(raw), xa, n)
+    assert rel(y, gemv_q8_reference(raw, "q4_k", xa, n)) < FP32_BOUND
+    assert builds[-1][-1] == (2 if columns <= gemv_q4il.CLUSTER_COLUMNS else 1)

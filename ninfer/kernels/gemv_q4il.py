@@ -93,6 +93,13 @@ __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
                  "barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+// the two halves of a barrier that orders nothing: at the start this thread's arrival, before the first
+// store into rank 0 the wait for every thread of the cluster's (so every CTA is running; a whole barrier at
+// the start, ahead of the programmatic launch's wait, cost the H200's graphed round 0.03 ms)
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
 // v into the shared memory of the cluster's CTA rank 0, at the offset of p in this CTA's
 __device__ __forceinline__ void st_rank0(float* p, float v) {
     unsigned a = (unsigned)__cvta_generic_to_shared(p);
@@ -216,7 +223,7 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #endif
 #if CLUSTER > 1
     const int rank = (int)blockIdx.x % CLUSTER;
-    cluster_sync();  // every CTA of the cluster running before any writes into another's shared memory
+    cluster_arrive();  // (its wait before the first tile's store: every CTA of the cluster running)
 #endif
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the activation is the previous kernel's output
@@ -355,6 +362,7 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #if PDL
         if (tile + gridDim.x / CLUSTER >= tiles) asm volatile("griddepcontrol.launch_dependents;");
 #endif
+        if (it == 0) cluster_wait();
         store_cluster_tile(red, sums + (it & 1) * (CLUSTER * 256), acc, wid, gq, t, rank, tile, N, y, stride_y
 #if CONV
                            , cv
@@ -427,13 +435,38 @@ def q4il_staged(columns: int) -> bool:
     return columns <= STAGED_COLUMNS
 
 
-def q4il_cluster(tiles: int, sms: int, shape: tuple[int, int]) -> tuple[tuple[int, int], int]:
-    """The (CTA shape, cluster) of a call over `tiles` whose default shape is `shape`: NINFER_Q4IL_CLUSTER=N
-    (N > 1) gives clusters of N CTAs a tile to the matrices whose tiles leave `shape`'s CTA slots idle (the
-    27B's 5120-row projections: 160 tiles on the H200's 264), at the shape of the most warps a CTA whose
-    slots hold every CTA at once; else, and by default (untimed in the step), one CTA a tile."""
+# Clusters of CTAs a tile by default: CLUSTER CTAs at up to CLUSTER_COLUMNS columns where an SM's share of the
+# HBM is at least CLUSTER_GBS_PER_SM. The graphed Q4_K rounds of the 27B with clusters of 2 on its 5120-row
+# projections (gpu-notes "Session 51"): H200 (4.8 TB/s on 132 SMs, 36 GB/s an SM) 1 / 2 lanes 5.375 / 5.636 →
+# 5.281 / 5.552 ms, down alone 18.9 → 16.5 µs at one column; H100 (3.35 TB/s, 25 GB/s an SM) 6.560 / 6.736 →
+# 6.687 / 6.897, down alone even (21.8).
+CLUSTER = 2
+CLUSTER_COLUMNS = 2
+CLUSTER_GBS_PER_SM = 30.0
+
+
+@functools.cache
+def clusters_pay(device: torch.device) -> bool:
+    """Whether `device` takes the default clusters: thread-block clusters (compute capability 9+) and at
+    least CLUSTER_GBS_PER_SM of memory bandwidth an SM (memory clock × bus width, double data rate)."""
+    props = torch.cuda.get_device_properties(device)
+    bandwidth = 2 * getattr(props, "memory_clock_rate", 0) * 1e3 * getattr(props, "memory_bus_width", 0) / 8
+    per_sm = bandwidth / props.multi_processor_count
+    return getattr(props, "major", 0) >= 9 and per_sm >= CLUSTER_GBS_PER_SM * 1e9
+
+
+def q4il_cluster(tiles: int, sms: int, shape: tuple[int, int], columns: int,
+                 pays: bool) -> tuple[tuple[int, int], int]:
+    """The (CTA shape, cluster) of a call of `columns` over `tiles` whose default shape is `shape`, on a
+    device where clusters pay (`clusters_pay`) or not: clusters of CLUSTER CTAs a tile at up to
+    CLUSTER_COLUMNS columns where they pay (NINFER_Q4IL_CLUSTER=N: of N at every width, 1 none), only for
+    matrices whose tiles leave `shape`'s CTA slots idle (the 27B's 5120-row projections: 160 tiles on the
+    H200's 264), at the shape of the most warps a CTA whose slots hold every CTA at once."""
     wanted = os.environ.get("NINFER_Q4IL_CLUSTER", "")
-    cluster = int(wanted) if wanted.isdigit() else 1
+    if wanted.isdigit():
+        cluster = int(wanted)
+    else:
+        cluster = CLUSTER if pays and columns <= CLUSTER_COLUMNS else 1
     if cluster <= 1 or tiles >= shape[1] * sms:
         return shape, 1
     fits = [s for s in SHAPES if tiles * cluster <= s[1] * sms]
@@ -464,7 +497,8 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     tiles = LAYOUT.shape(out_features, k)[0]
     sms = torch.cuda.get_device_properties(words.device).multi_processor_count
     if cluster is None:
-        shape, cluster = (shape, 1) if shape else q4il_cluster(tiles, sms, q4il_shape(tiles, sms))
+        pays = clusters_pay(words.device)
+        shape, cluster = (shape, 1) if shape else q4il_cluster(tiles, sms, q4il_shape(tiles, sms), n, pays)
     shape = shape or q4il_shape(tiles, sms)
     if staged is None:
         staged = cluster == 1 and q4il_staged(n)

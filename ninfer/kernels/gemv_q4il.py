@@ -33,6 +33,7 @@ import torch
 
 from ninfer.kernels.gemv_il import (
     _OUT_KINDS,
+    CLUSTER_HELPERS,
     CONV_STAGE,
     CUDA_HELPERS,
     _launch,
@@ -82,33 +83,11 @@ __device__ __forceinline__ void cp_async_wait_stages() {
 #endif
 """
 
-# Clusters of CTAs (CLUSTER > 1, `__cluster_dims__`) that share a tile, each CTA rank its share of the blocks:
-# every rank's per-row sums go into rank 0's shared memory (distributed shared memory, `mapa`), then one
-# cluster barrier, and rank 0 adds them in rank order and stores the tile.
+# store_tile across a cluster (CLUSTER > 1: `gemv_il.CLUSTER_HELPERS`): the CTA's warps' sums of each row,
+# then every rank's into rank 0's `set` and `cluster_finish`. The barrier there also ends every read of `red`
+# before the next tile.
 CLUSTER_STORE = r"""
 #if CLUSTER > 1
-#define CLUSTER_DIMS __cluster_dims__(CLUSTER, 1, 1)
-// every thread of the cluster's CTAs here before any goes on; their shared-memory stores before it seen after
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
-                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// the two halves of a barrier that orders nothing: at the start this thread's arrival, before the first
-// store into rank 0 the wait for every thread of the cluster's (so every CTA is running; a whole barrier at
-// the start, ahead of the programmatic launch's wait, cost the H200's graphed round 0.03 ms)
-__device__ __forceinline__ void cluster_arrive() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
-// v into the shared memory of the cluster's CTA rank 0, at the offset of p in this CTA's
-__device__ __forceinline__ void st_rank0(float* p, float v) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("mapa.shared::cluster.u32 %0, %0, 0;" : "+r"(a));
-    asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(a), "f"(v) : "memory");
-}
-// store_tile across the cluster: `set` (rank 0's, CLUSTER × 256 floats) holds rank r's sums at 256 r; the
-// kernel alternates two sets by tile, so a set is written again only after the next tile's cluster barrier,
-// which rank 0 reaches when done reading it. The barrier also ends every read of `red` before the next tile.
 __device__ __forceinline__ void store_cluster_tile(float* red, float* set, const float (&acc)[4][2],
                                                    unsigned wid, unsigned gq, unsigned t, int rank, int tile,
                                                    int N, out_t* __restrict__ y, int stride_y
@@ -130,21 +109,12 @@ __device__ __forceinline__ void store_cluster_tile(float* red, float* set, const
         for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
         st_rank0(set + rank * 256 + i, v);
     }
-    cluster_sync();
-    if (rank != 0) return;
-    for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
-        const int m = i >> 5, row = i & 31;
-        float v = 0.f;
-#pragma unroll
-        for (int r = 0; r < CLUSTER; ++r) v += set[r * 256 + i];
-        if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
+    cluster_finish(set, rank, tile, N, y, stride_y
 #if defined(CONV) && CONV
-        if (tile * 32 + row < N) conv_store(cv, m, tile * 32 + row, to_out(v));
+                   , cv
 #endif
-    }
+                   );
 }
-#else
-#define CLUSTER_DIMS
 #endif
 """
 
@@ -157,7 +127,7 @@ _SOURCE = r"""
 #define CONV __CONV__
 #define STAGES __STAGES__
 #define CLUSTER __CLUSTER__
-""" + CUDA_HELPERS + CONV_STAGE + TILE_STORE + ASYNC_COPY + CLUSTER_STORE + r"""
+""" + CUDA_HELPERS + CONV_STAGE + CLUSTER_HELPERS + TILE_STORE + ASYNC_COPY + CLUSTER_STORE + r"""
 #if STAGES
 // STAGES 2: each warp copies its next block into one of its two slots in shared memory (cp.async) while it
 // works on the other: a block's 35 lines from word 35h (its qs and scales, in one run) and its d | dmin line

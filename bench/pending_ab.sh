@@ -5,7 +5,8 @@
 # `memory` has never run.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
-#   bash bench/pending_ab.sh cluster   # q4il clusters of 2 (default at 1-2 columns on an H200) vs none, 1-8 lanes, 4 columns
+#   bash bench/pending_ab.sh cluster   # q4il clusters (default at 1-2 columns on an H200) vs none at 1-8 lanes and 4
+#                                      # columns; the il32 dp4a kernel's (NINFER_IL_CLUSTER, untimed) at 1-2 lanes
 #   bash bench/pending_ab.sh trace     # a graphed 1-lane round kernel by kernel, Q4_K then IQ3_S (~2 min)
 #   bash bench/pending_ab.sh alloc     # the Q4_K suite with the allocator's expandable segments (peak reserved)
 #   bash bench/pending_ab.sh tests     # the GPU tests of the conv epilogue, prefill pieces, staged q4il
@@ -64,10 +65,11 @@ phase() {
       ;;
     cluster)
       step pytest 240 "$PY" -m pytest -m gpu -n 4 -p xdist --dist worksteal -v -rfE -k "clusters or twin_on_gpu" \
-        tests/test_gemv_q4il.py
+        tests/test_gemv_q4il.py tests/test_gemv_il.py
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
       sweep cluster_lanes q4_k 240 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2 --lanes 1,2,4,8
       sweep cluster_c4 q4_k 150 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2 --columns 4
+      sweep il_cluster iq3_s 240 NINFER_IL_CLUSTER=1,NINFER_IL_CLUSTER=2,NINFER_IL_CLUSTER=3 --lanes 1,2
       ;;
     alloc)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WTYPES=q4_k SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh

@@ -99,6 +99,35 @@ def test_the_tensor_core_il32_kernel(columns, group):
     assert torch.equal(run_il(same, words, xa, n, s, 2, 2, torch.bfloat16)[0], y.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("cluster", [2, 3])
+@pytest.mark.parametrize("columns", [1, 2])
+def test_the_dp4a_il32_kernel_in_clusters(columns, cluster):
+    """Clusters of 2 and 3 CTAs a tile, rank r's warps every other run of pairs, the sums added in rank 0's
+    shared memory: the oracle's product over 7 tiles on 2 clusters (200 × 2560: 5 pairs), with a rank that has
+    no pair (40 × 768: 2 pairs), in bf16 the fp32 sums rounded; with the GDN conv in the epilogue, the same
+    bits and every lane's conv run."""
+    from ninfer.kernels.gdn_decode import ConvEpilogue
+
+    s = gemv_il.IlSchedule(2, group=256, cluster=cluster)
+    for n, k in ((200, 2560), (40, 768)):
+        words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
+        xa = activation(columns, k, 256)
+        want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
+        y, _ = run_il(same, words, xa, n, s, 2 * cluster, 1)
+        assert rel(y, want) < FP32_BOUND, (n, k)
+        y16, _ = run_il(same, words, xa, n, s, 2 * cluster, 1, torch.bfloat16)
+        assert torch.equal(y16, y.to(torch.bfloat16)), (n, k)
+    n, k = 96, 768
+    words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
+    xa = activation(columns, k, 256)
+    ids = torch.randperm(columns + 2)[:columns]
+    conv = ConvEpilogue.of(torch.randn(72, 4), torch.randn(columns + 2, 72, 3), ids)
+    before = conv.slots.clone()
+    y, _ = run_il(same, words, xa, n, s, 2 * cluster, 1, torch.bfloat16, conv)
+    assert_conv_ran(y, conv, before)
+    assert torch.equal(y, run_il(same, words, xa, n, s, 2 * cluster, 1, torch.bfloat16)[0])
+
+
 def run_lane(name: str, source_of, words, xa, n: int, warps: int, smem: int, source: str,
              dtype=torch.float32, conv=None, ctas: int = 2):
     columns = xa.q.shape[0]
@@ -234,6 +263,10 @@ MUTATIONS = {
                                                    ""),
     "q4il staged: the slot being filled read": ("q4il_staged", "slots + (n & 1) * (16 * SLOT_CHUNKS)",
                                                  "slots + ((n + 1) & 1) * (16 * SLOT_CHUNKS)"),
+    "il clusters: every rank on the same pairs": ("il_cluster", "#define P0 (rank * WARPS + (int)wid)",
+                                                  "#define P0 ((int)wid)"),
+    "il clusters: the tile's next pair skipped": ("il_cluster", "#define PSTEP (CLUSTER * WARPS)",
+                                                  "#define PSTEP (2 * CLUSTER * WARPS)"),
     "q4il clusters: a rank's sums left out": ("q4il_cluster", "r < CLUSTER; ++r) v += set",
                                               "r < CLUSTER - 1; ++r) v += set"),
     "q4il clusters: every rank on the same blocks": ("q4il_cluster", "kb = rank * WARPS + wid;", "kb = wid;"),
@@ -271,6 +304,12 @@ def test_a_slip_in_a_kernel_fails(name):
         return
     elif kind == "q4il_staged":  # 7 tiles on 2 CTAs
         y, want = q4il_case(4, 200, 2560, source_of=mutate, staged=True)
+    elif kind == "il_cluster":  # 7 tiles on 2 clusters of 2, 2 warps a CTA: 5 pairs a tile
+        n, k = 200, 2560
+        words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
+        xa = activation(1, k, 256)
+        y = run_il(mutate, words, xa, n, gemv_il.IlSchedule(2, group=256, cluster=2), 4, 1)[0]
+        want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
     elif kind == "q4il_cluster":  # 7 tiles on 2 clusters of 2
         y, want = q4il_case(4, 200, 2560, source_of=mutate, cluster=2)
     else:
@@ -347,3 +386,13 @@ def test_gemv_q4il_takes_clusters_where_they_pay(launches_on_the_cpu, monkeypatc
     y = gemv_q4il.gemv_q4il(gemv_q4il.repack_q4il(raw), xa, n)
     assert rel(y, gemv_q8_reference(raw, "q4_k", xa, n)) < FP32_BOUND
     assert builds[-1][-1] == (2 if columns <= gemv_q4il.CLUSTER_COLUMNS else 1)
+
+
+def test_gemv_il_launches_clusters(launches_on_the_cpu):
+    """`gemv_il` on a clustered dp4a schedule: its grid whole clusters, one tile summed at a time, the
+    oracle's product (3 tiles on one cluster of two CTAs)."""
+    n, k = 96, 1536
+    raw = random_gguf_weight("iq3_s", n, k)
+    xa = activation(1, k, 256)
+    y = gemv_il.gemv_il(gemv_il.repack_il32(raw), xa, n, gemv_il.IlSchedule(2, group=256, cluster=2))
+    assert rel(y, gemv_q8_reference(raw, "iq3_s", xa, n)) < FP32_BOUND

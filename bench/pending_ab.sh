@@ -5,8 +5,10 @@
 # `memory` has never run.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
-#   bash bench/pending_ab.sh cluster   # q4il clusters (default at 1-2 columns on an H200) vs none at 1-8 lanes and 4
-#                                      # columns; the il32 dp4a kernel's (NINFER_IL_CLUSTER, untimed) at 1-2 lanes
+#   bash bench/pending_ab.sh cluster   # both kernels' cluster GPU tests; q4il clusters (default at 1-2 columns on an
+#                                      # H200) vs none at 1-8 lanes and 4 columns (~5 min)
+#   bash bench/pending_ab.sh ilcluster # IQ3_S: the dp4a kernel in clusters (NINFER_IL_CLUSTER) at 1-2 lanes, the
+#                                      # tensor-core kernel's split pieces a cluster (NINFER_IL_MMA_CLUSTER) at 4-8
 #   bash bench/pending_ab.sh trace     # a graphed 1-lane round kernel by kernel, Q4_K then IQ3_S (~2 min)
 #   bash bench/pending_ab.sh alloc     # the Q4_K suite with the allocator's expandable segments (peak reserved)
 #   bash bench/pending_ab.sh tests     # the GPU tests of the conv epilogue, prefill pieces, staged q4il
@@ -21,7 +23,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="cluster, trace, alloc, tests, staged, q4staged, conv, memory or suites"
+PHASES="cluster, ilcluster, trace, alloc, tests, staged, q4staged, conv, memory or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -69,7 +71,11 @@ phase() {
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
       sweep cluster_lanes q4_k 240 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2 --lanes 1,2,4,8
       sweep cluster_c4 q4_k 150 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2 --columns 4
+      ;;
+    ilcluster)
       sweep il_cluster iq3_s 240 NINFER_IL_CLUSTER=1,NINFER_IL_CLUSTER=2,NINFER_IL_CLUSTER=3 --lanes 1,2
+      sweep il_mma_cluster_c4 iq3_s 150 NINFER_IL_MMA_CLUSTER=0,NINFER_IL_MMA_CLUSTER=1 --columns 4
+      sweep il_mma_cluster_lanes iq3_s 200 NINFER_IL_MMA_CLUSTER=0,NINFER_IL_MMA_CLUSTER=1 --lanes 4,8
       ;;
     alloc)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WTYPES=q4_k SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh

@@ -368,7 +368,8 @@ def test_only_few_long_tiles_are_split():
 def test_the_dp4a_kernel_in_clusters_where_asked(monkeypatch):
     """NINFER_IL_CLUSTER=N: the dp4a schedule in clusters of N CTAs a tile (10 warps spread over them, up to
     128 registers) where its tiles leave the CTA slots idle and the clustered CTAs fit (on an H200's 132 SMs
-    where no GPU is); one CTA a tile otherwise and by default; clusters are the dp4a kernel's only."""
+    where no GPU is); one CTA a tile otherwise and by default. NINFER_IL_MMA_CLUSTER=1: the tensor-core
+    kernel's split pieces of a tile in a cluster."""
     from ninfer.errors import NinferError
 
     monkeypatch.delenv("NINFER_IL_CLUSTER", raising=False)
@@ -383,8 +384,13 @@ def test_the_dp4a_kernel_in_clusters_where_asked(monkeypatch):
     assert gemv_il.il_schedule(2, 17408, 5120, 256).cluster == 2
     monkeypatch.setenv("NINFER_IL_CLUSTER", "3")
     assert gemv_il.il_schedule(1, 6144, 5120, 256).warps == 4
-    with pytest.raises(NinferError, match="clusters of CTAs a tile are the dp4a"):
+    with pytest.raises(NinferError, match="clusters are its split pieces"):
         gemv_il.IlSchedule(10, kernel="il_mma", cluster=2)
+    monkeypatch.setenv("NINFER_IL_MMA_CLUSTER", "1")  # the tensor-core kernel's split pieces a cluster
+    down = gemv_il.il_schedule(4, 17408, 5120, 256)
+    assert (down.splits, down.cluster) == (3, 3)
+    assert gemv_il.il_schedule(4, 6144, 5120, 256).cluster == 2  # the output projections, in two
+    assert gemv_il.il_schedule(4, 5120, 34816, 256).cluster == 1  # gate|up: unsplit
 
 
 def test_the_tile_ring_keeps_the_ctas_an_sm_holds():
@@ -507,8 +513,9 @@ def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, lanes, monkeypatch):
 @pytest.mark.parametrize(("n", "k"), [(5120, 17408), (5120, 6144), (1040, 5120), (40, 768)])
 def test_gemv_il_in_clusters_on_gpu(n, k):
     """The dp4a kernel in clusters of 2 and 3 CTAs a tile (distributed shared memory, cluster barriers) at 1
-    and 2 columns, bf16 and fp32 outputs, activation scales per 32 and per 256; in a CUDA graph the same
-    bits as eager."""
+    and 2 columns, bf16 and fp32 outputs, activation scales per 32 and per 256; the tensor-core kernel's 2 or
+    3 split pieces as a cluster at 3, 4, 8 columns, the same bits as through the split-K workspace; in a CUDA
+    graph the same bits as eager."""
     from ninfer.kernels.gemv_il import gemv_il_reference
     from ninfer.kernels.gemv_q8 import quantize_activation
 
@@ -524,6 +531,12 @@ def test_gemv_il_in_clusters_on_gpu(n, k):
                     out = gemv_il.gemv_il(words, xa, n, s)
                     bound = 5e-3 if dtype == torch.bfloat16 else 1e-4  # bf16 rounding; fp32 sums' order
                     assert rel(out, want) < bound, (width, dtype, group, cluster)
+    for width in (3, 4, 8):  # the tensor-core kernel's split pieces a cluster: the same bits as split
+        xa = quantize_activation(torch.randn(width, k, device="cuda"), group=256)
+        for splits in (2, 3):
+            split = dataclasses.replace(gemv_il.il_schedule(width, k, n, 256), splits=splits)
+            clustered = dataclasses.replace(split, cluster=splits)
+            assert torch.equal(gemv_il.gemv_il(words, xa, n, clustered), gemv_il.gemv_il(words, xa, n, split))
     xa = quantize_activation(torch.randn(1, k, device="cuda"), group=256)
     s = gemv_il.IlSchedule(min(5, il32_shape(32, k)[1]), group=256, cluster=2, regs=128)
     eager = gemv_il.gemv_il(words, xa, n, s)

@@ -38,8 +38,8 @@ def run_il(source_of, words, xa, n, s: gemv_il.IlSchedule, ctas: int, ring: int,
     """One launch of il32 schedule s (its source from `source_of(source)`; `conv`: the CONV build running
     that `ConvEpilogue`); the output, and the tensor-core kernel's per-tile counts after it."""
     columns, k = xa.q.shape
-    source = source_of(gemv_il.kernel_source(columns, OUT_KINDS[dtype], dataclasses.replace(s, splits=1),
-                                              conv=conv is not None))
+    built = s if s.cluster > 1 else dataclasses.replace(s, splits=1)  # (clusters: their own build)
+    source = source_of(gemv_il.kernel_source(columns, OUT_KINDS[dtype], built, conv=conv is not None))
     tiles = gemv_il.il32_shape(n, k)[0]
     y = torch.full((columns, n), float("nan"), dtype=dtype)
     args = [words, xa.words, xa.d, _tables("cpu")[1], y, n, k, y.stride(0)]
@@ -80,7 +80,8 @@ def test_the_dp4a_il32_kernel(n, k, columns, group):
 @pytest.mark.parametrize("columns", [3, 4, 8])
 def test_the_tensor_core_il32_kernel(columns, group):
     """Whole tiles (a ring of 2 and one at a time: the same bits) and tiles split into 2 and 3 pieces across
-    CTAs, the last piece adding the slots and leaving the counts zero; the short-row schedule (6 warps)."""
+    CTAs, the last piece adding the slots and leaving the counts zero, and the pieces as clusters (the same
+    bits); the short-row schedule (6 warps)."""
     n, k = 72, 1536
     words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
     xa = activation(columns, k, group)
@@ -94,6 +95,9 @@ def test_the_tensor_core_il32_kernel(columns, group):
         ys, counts = run_il(same, words, xa, n, dataclasses.replace(s, splits=splits), 2, 1)
         assert rel(ys, want) < FP32_BOUND, splits
         assert not counts.any(), splits
+        # the pieces a cluster, their sums added in rank 0's shared memory in the same order: the same bits
+        clustered = dataclasses.replace(s, splits=splits, cluster=splits)
+        assert torch.equal(run_il(same, words, xa, n, clustered, 2 * splits, 1)[0], ys), splits
     short = dataclasses.replace(s, warps=6, regs=112, splits=1)
     assert rel(run_il(same, words, xa, n, short, 3, 2)[0], want) < FP32_BOUND
     assert torch.equal(run_il(same, words, xa, n, s, 2, 2, torch.bfloat16)[0], y.to(torch.bfloat16))
@@ -263,6 +267,9 @@ MUTATIONS = {
                                                    ""),
     "q4il staged: the slot being filled read": ("q4il_staged", "slots + (n & 1) * (16 * SLOT_CHUNKS)",
                                                  "slots + ((n + 1) & 1) * (16 * SLOT_CHUNKS)"),
+    "mma clusters: a piece's sums into its own memory": ("il_mma_cluster",
+                                                         "st_rank0(set + piece * 256 + i, v);",
+                                                         "set[piece * 256 + i] = v;"),
     "il clusters: every rank on the same pairs": ("il_cluster", "#define P0 (rank * WARPS + (int)wid)",
                                                   "#define P0 ((int)wid)"),
     "il clusters: the tile's next pair skipped": ("il_cluster", "#define PSTEP (CLUSTER * WARPS)",
@@ -289,13 +296,14 @@ def test_a_slip_in_a_kernel_fails(name):
         assert old in source, name
         return source.replace(old, new)
 
-    if kind in ("il", "il_mma", "il_mma_split"):
+    if kind in ("il", "il_mma", "il_mma_split", "il_mma_cluster"):
         n, k, columns = 72, 1536, 1 if kind == "il" else 4
         words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
         xa = activation(columns, k, 256)
         s = gemv_il.il_schedule(columns, k, n, 256)
-        s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1)
-        y = run_il(mutate, words, xa, n, s, 2, 1)[0]
+        s = dataclasses.replace(s, splits=1 if kind in ("il", "il_mma") else 2,
+                                cluster=2 if kind == "il_mma_cluster" else 1)
+        y = run_il(mutate, words, xa, n, s, 4 if kind == "il_mma_cluster" else 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
     elif kind in ("conv", "conv_split"):
         y, conv, before, _ = conv_case("il", 4, 3 if kind == "conv_split" else 1, source_of=mutate)

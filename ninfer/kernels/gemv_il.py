@@ -494,7 +494,8 @@ _MMA_SOURCE = r"""
 #define PDL __PDL__
 #define GROUP __GROUP__
 #define CONV __CONV__
-""" + CUDA_HELPERS + CONV_STAGE + r"""
+#define CLUSTER __CLUSTER__
+""" + CUDA_HELPERS + CONV_STAGE + CLUSTER_HELPERS + r"""
 #define BIAS 0x4B400000
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
@@ -510,7 +511,7 @@ __device__ __forceinline__ unsigned mul_hi(unsigned a, unsigned b) {
     unsigned r; asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r;
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) CLUSTER_DIMS
 iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
             const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y,
             int splits, float* __restrict__ part_sums, int* __restrict__ counts, int ring CONV_PARAMS)
@@ -518,7 +519,9 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
     CONV_ARGS
     // split-K (`splits` > 1): item i is piece i % splits of tile i / splits, a run of its blocks; each
     // piece leaves its sums in its slot of part_sums [splits][NCOL][tiles * 32], and the last piece to finish
-    // (a count per tile, left zero again) adds the slots in piece order: the same bits whichever is last
+    // (a count per tile, left zero again) adds the slots in piece order: the same bits whichever is last.
+    // In clusters (CLUSTER == splits > 1) a cluster's CTAs are a tile's pieces (the grid a multiple of
+    // CLUSTER) and add their sums in rank 0's shared memory instead, in the same order: the same bits
     extern __shared__ uint4 tab[];  // grid word i of copy c at word i * 32 + c, four copies a store
     // the warps' partial sums of the CTA's last `ring` items [ring][WARPS][32 rows][8 columns], summed and
     // written after one barrier (`ring` > 1 only unsplit)
@@ -529,6 +532,11 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
         const unsigned g = grid[i >> 3];
         tab[i] = make_uint4(g, g, g, g);
     }
+#if CLUSTER > 1
+    float* sums = reinterpret_cast<float*>(last_piece + 4);  // two sets of every piece's sums of a tile
+    int it = 0;  // this CTA's tiles so far
+    cluster_arrive();  // (its wait before the first tile's store: every CTA of the cluster running)
+#endif
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the activation is the previous kernel's output
 #endif
@@ -656,6 +664,24 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
             rk[(4 * gq + r) * 8 + 2 * t] = acc[r][0];
             rk[(4 * gq + r) * 8 + 2 * t + 1] = acc[r][1];
         }
+#if CLUSTER > 1
+        __syncthreads();
+        float* set = sums + (it & 1) * (CLUSTER * 256);
+        if (it++ == 0) cluster_wait();
+        for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
+            const int m = i >> 5, row = i & 31;
+            float v = 0.f;
+#pragma unroll
+            for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
+            st_rank0(set + piece * 256 + i, v);
+        }
+        cluster_finish(set, piece, tile, N, y, stride_y
+#if CONV
+                       , cv
+#endif
+                       );
+        continue;
+#endif
         if (++k < ring && item + gridDim.x < items) continue;
         __syncthreads();
         const int slot = tiles * 32 * NCOL;  // floats a piece's slot
@@ -708,7 +734,9 @@ class IlSchedule:
     thread; `copies` does not apply). `group`: the activation's values per scale, 32 or 256: with 256 the
     sub-block scales (1 + 2·nibble) weigh the integer sums and one float conversion a block remains (H200:
     the dp4a kernel 2.5-6 %, the tensor-core kernel 8-14 % faster). `cluster` > 1: the dp4a kernel in clusters
-    of that many CTAs a tile (`CLUSTER_HELPERS`; one tile summed at a time). Tried and slower on the H200
+    of that many CTAs a tile (`CLUSTER_HELPERS`; one tile summed at a time), the tensor-core kernel's split
+    pieces (`splits` == `cluster`) a cluster adding their sums in rank 0's shared memory, not through the
+    split-K workspace. Tried and slower on the H200
     everywhere (gpu-notes "Session 50"; the code is on branch s48-il-staging): a grid table laid out for byte
     offsets (32 copies for the dp4a kernel too), and each warp's sub-blocks staged ahead through shared
     memory."""
@@ -726,15 +754,17 @@ class IlSchedule:
             raise QuantKernelError(f"activation groups of {self.group}: the il32 kernels take 32 or 256")
         if self.splits != 1 and self.kernel != "il_mma":
             raise QuantKernelError("split-K over CTAs is the tensor-core il32 kernel's (IlSchedule.splits)")
-        if self.cluster != 1 and self.kernel != "il":
-            raise QuantKernelError("clusters of CTAs a tile are the dp4a il32 kernel's (IlSchedule.cluster)")
+        if self.cluster != 1 and self.kernel == "il_mma" and self.splits != self.cluster:
+            raise QuantKernelError("the tensor-core il32 kernel's clusters are its split pieces (IlSchedule "
+                                   "splits == cluster)")
 
     @property
     def name(self) -> str:
         if self.kernel == "il_mma":
             return (f"ilmma_w{self.warps}" + (f"_r{self.regs}" if self.regs else "")
                     + (f"_g{self.group}" if self.group != 32 else "")
-                    + (f"_s{self.splits}" if self.splits > 1 else ""))
+                    + (f"_s{self.splits}" if self.splits > 1 else "")
+                    + (f"_k{self.cluster}" if self.cluster > 1 else ""))
         return (f"il_w{self.warps}_c{self.copies}" + (f"_r{self.regs}" if self.regs else "")
                 + (f"_g{self.group}" if self.group != 32 else "")
                 + (f"_k{self.cluster}" if self.cluster > 1 else ""))
@@ -742,11 +772,11 @@ class IlSchedule:
     def smem_bytes(self, columns: int, in_features: int, ring: int = 1) -> int:
         """The tables and the split-K sums (the dp4a kernel's: of `ring` tiles); the dp4a kernel also stages
         the activation (int8 and scales), and in clusters two sets of every rank's sums of a tile."""
+        sets = 2 * self.cluster * 256 * 4 if self.cluster > 1 else 0
         if self.kernel == "il_mma":
-            return 512 * 32 * 4 + ring * self.warps * 32 * 8 * 4 + 16
+            return 512 * 32 * 4 + ring * self.warps * 32 * 8 * 4 + 16 + sets
         table = 512 * self.copies * 4
         activation = columns * (in_features + in_features // self.group * 4)  # int8 values, fp32 scales
-        sets = 2 * self.cluster * 256 * 4 if self.cluster > 1 else 0
         return table + ring * self.warps * columns * 32 * 4 + activation + sets
 
 
@@ -758,23 +788,26 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     registers and block loads hoisted or double-buffered), at 3-4 columns over few short rows (`_MMA_SHORT`)
     6 warps of 112 registers, three CTAs an SM (the 27B's output projections, 5120×6144: 11.8 → 11.0 µs at
     4 columns, session 38); a tile's blocks in `mma_splits` pieces across CTAs (NINFER_IL_SPLITS: a count
-    instead, for A/B). Both take an activation of one scale per `group` inputs. NINFER_IL_CLUSTER=N: the
-    dp4a kernel in clusters of N CTAs a tile where its tiles leave CTA slots idle (`with_cluster`; untimed,
-    q4il's clusters of 2 took the H200's Q4_K round −0.094 ms: gpu-notes "Session 51")."""
-    return _il_schedule(columns, in_features, out_features, group, os.environ.get("NINFER_IL_SPLITS", "auto"),
-                        os.environ.get("NINFER_IL_CLUSTER", "1"))
+    instead, for A/B). Both take an activation of one scale per `group` inputs. Untimed (q4il's clusters of 2
+    took the H200's Q4_K round −0.094 ms: gpu-notes "Session 51"): NINFER_IL_CLUSTER=N, the dp4a kernel in
+    clusters of N CTAs a tile where its tiles leave CTA slots idle (`with_cluster`); NINFER_IL_MMA_CLUSTER=1,
+    the tensor-core kernel's split pieces in clusters."""
+    env = os.environ.get
+    return _il_schedule(columns, in_features, out_features, group, env("NINFER_IL_SPLITS", "auto"),
+                        env("NINFER_IL_CLUSTER", "1"), env("NINFER_IL_MMA_CLUSTER", "0"))
 
 
 @functools.cache  # every il_matmul asks
 def _il_schedule(columns: int, in_features: int, out_features: int, group: int, splits: str,
-                 cluster: str = "1") -> IlSchedule:
+                 cluster: str = "1", mma_cluster: str = "0") -> IlSchedule:
     if columns >= 3:
         blocks = in_features // 256
         short = columns <= _MMA_SHORT[0] and blocks <= _MMA_SHORT[1] and out_features <= _MMA_SHORT[2]
         s = (IlSchedule(min(6, blocks), kernel="il_mma", regs=112, group=group) if short
              else IlSchedule(min(10, blocks), kernel="il_mma", group=group))
-        return with_mma_splits(s, columns, in_features, out_features) if splits == "auto" else replace(
+        s = with_mma_splits(s, columns, in_features, out_features) if splits == "auto" else replace(
             s, splits=int(splits))
+        return replace(s, cluster=s.splits) if mma_cluster == "1" and s.splits > 1 else s
     s = IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, group=group)
     return with_cluster(s, int(cluster), columns, in_features, out_features) if cluster.isdigit() else s
 
@@ -971,8 +1004,8 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     tiles = il32_shape(out_features, k)[0]
     ctas = min(tiles, _launch_shape(words.device, s, n, k))
     ring = 1
-    if s.cluster > 1:
-        ctas = s.cluster * min(tiles, _launch_shape(words.device, s, n, k) // s.cluster)
+    if s.cluster > 1:  # whole clusters, each on a tile at a time
+        ctas = s.cluster * max(1, min(tiles, _launch_shape(words.device, s, n, k) // s.cluster))
     elif s.splits == 1:
         ring = tile_ring(s, n, k, -(-tiles // ctas), _smem_sm(words.device), _smem_optin(words.device),
                          _RING if s.kernel == "il" else _MMA_RING)
@@ -983,7 +1016,9 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
                                "layout (NINFER_IQ3S_IL=0)")
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     args = [words, xa.words, xa.d, _tables(words.device)[1], y, out_features, k, y.stride(0)]
-    if s.kernel == "il_mma":
+    if s.kernel == "il_mma" and s.cluster > 1:  # a tile's pieces a cluster: no workspace
+        args += [s.splits, y, y]
+    elif s.kernel == "il_mma":
         work = (split_workspace(words.device, s.splits * n * tiles * 32, tiles, slots=True)
                 if s.splits > 1 else None)
         if work is None:  # one piece a tile (also while a graph is captured and the workspace is too small)
@@ -993,9 +1028,9 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
             ctas = min(tiles * s.splits, _launch_shape(words.device, s, n, k))
     args += [ring, *conv_arguments(conv)]
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
-    # one build for every split count
-    kernel = _compiled(n, _OUT_KINDS[xa.dtype], s if s.splits == 1 else replace(s, splits=1), pdl,
-                       conv is not None)
+    # one build for every split count (but for its clusters')
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], s if s.splits == 1 or s.cluster > 1 else replace(s, splits=1),
+                       pdl, conv is not None)
     _launch(kernel, ctas, 32 * s.warps, smem, args, pdl)
     return y
 

@@ -2,7 +2,7 @@
 # The device runs waiting for a GPU (gpu-notes "Session 51", Next), one or more phases a `device` call (each
 # call under 10 minutes; logs and JSON under $OUT/<phase>/, the settings' table printed last). Sessions
 # 47-51's A/Bs (staged, q4staged, conv; trace and alloc on an H100) are done; their phases stay to rerun;
-# `memory` has never run.
+# of `memory` only the probe has run (session 51), never the prefill pieces' A/B.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
 #   bash bench/pending_ab.sh cluster   # both kernels' cluster GPU tests; q4il clusters (default at 1-2 columns on an

@@ -237,6 +237,36 @@ __device__ __forceinline__ void cluster_finish(const float* set, int rank, int t
 #endif
     }
 }
+// the tensor-core kernels' (q4il, il32's): a CTA's warps' sums of the tile's row 4 gq + r, columns 2t,
+// 2t + 1 (`acc`) through `red` [WARPS][32 rows][8 columns], then every rank's into rank 0's `set` and
+// `cluster_finish`, whose barrier also ends every read of `red` before the next tile
+__device__ __forceinline__ void store_cluster_tile(float* red, float* set, const float (&acc)[4][2],
+                                                   unsigned wid, unsigned gq, unsigned t, int rank, int tile,
+                                                   int N, out_t* __restrict__ y, int stride_y
+#if defined(CONV) && CONV
+                                                   , const ConvArgs& cv
+#endif
+                                                   ) {
+    float* rw = red + wid * (32 * 8);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        rw[(4 * gq + r) * 8 + 2 * t] = acc[r][0];
+        rw[(4 * gq + r) * 8 + 2 * t + 1] = acc[r][1];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
+        const int m = i >> 5, row = i & 31;
+        float v = 0.f;
+#pragma unroll
+        for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
+        st_rank0(set + rank * 256 + i, v);
+    }
+    cluster_finish(set, rank, tile, N, y, stride_y
+#if defined(CONV) && CONV
+                   , cv
+#endif
+                   );
+}
 #else
 #define CLUSTER_DIMS
 #endif
@@ -657,6 +687,16 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 #if PDL
         if (item + gridDim.x >= items) asm volatile("griddepcontrol.launch_dependents;");
 #endif
+#if CLUSTER > 1
+        float* set = sums + (it & 1) * (CLUSTER * 256);
+        if (it++ == 0) cluster_wait();
+        store_cluster_tile(red, set, acc, wid, gq, t, piece, tile, N, y, stride_y
+#if CONV
+                           , cv
+#endif
+                           );
+        continue;
+#endif
         // rows 4 gq + r, columns 2t, 2t + 1: summed over the warps through shared memory
         float* rk = red + (k * WARPS + wid) * (32 * 8);
 #pragma unroll
@@ -664,24 +704,6 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
             rk[(4 * gq + r) * 8 + 2 * t] = acc[r][0];
             rk[(4 * gq + r) * 8 + 2 * t + 1] = acc[r][1];
         }
-#if CLUSTER > 1
-        __syncthreads();
-        float* set = sums + (it & 1) * (CLUSTER * 256);
-        if (it++ == 0) cluster_wait();
-        for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
-            const int m = i >> 5, row = i & 31;
-            float v = 0.f;
-#pragma unroll
-            for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
-            st_rank0(set + piece * 256 + i, v);
-        }
-        cluster_finish(set, piece, tile, N, y, stride_y
-#if CONV
-                       , cv
-#endif
-                       );
-        continue;
-#endif
         if (++k < ring && item + gridDim.x < items) continue;
         __syncthreads();
         const int slot = tiles * 32 * NCOL;  // floats a piece's slot

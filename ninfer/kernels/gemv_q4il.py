@@ -83,41 +83,6 @@ __device__ __forceinline__ void cp_async_wait_stages() {
 #endif
 """
 
-# store_tile across a cluster (CLUSTER > 1: `gemv_il.CLUSTER_HELPERS`): the CTA's warps' sums of each row,
-# then every rank's into rank 0's `set` and `cluster_finish`. The barrier there also ends every read of `red`
-# before the next tile.
-CLUSTER_STORE = r"""
-#if CLUSTER > 1
-__device__ __forceinline__ void store_cluster_tile(float* red, float* set, const float (&acc)[4][2],
-                                                   unsigned wid, unsigned gq, unsigned t, int rank, int tile,
-                                                   int N, out_t* __restrict__ y, int stride_y
-#if defined(CONV) && CONV
-                                                   , const ConvArgs& cv
-#endif
-                                                   ) {
-    float* rw = red + wid * (32 * 8);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        rw[(4 * gq + r) * 8 + 2 * t] = acc[r][0];
-        rw[(4 * gq + r) * 8 + 2 * t + 1] = acc[r][1];
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
-        const int m = i >> 5, row = i & 31;
-        float v = 0.f;
-#pragma unroll
-        for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
-        st_rank0(set + rank * 256 + i, v);
-    }
-    cluster_finish(set, rank, tile, N, y, stride_y
-#if defined(CONV) && CONV
-                   , cv
-#endif
-                   );
-}
-#endif
-"""
-
 _SOURCE = r"""
 #define OUT_KIND __OUT_KIND__
 #define NCOL __NCOL__
@@ -127,7 +92,7 @@ _SOURCE = r"""
 #define CONV __CONV__
 #define STAGES __STAGES__
 #define CLUSTER __CLUSTER__
-""" + CUDA_HELPERS + CONV_STAGE + CLUSTER_HELPERS + TILE_STORE + ASYNC_COPY + CLUSTER_STORE + r"""
+""" + CUDA_HELPERS + CONV_STAGE + CLUSTER_HELPERS + TILE_STORE + ASYNC_COPY + r"""
 #if STAGES
 // STAGES 2: each warp copies its next block into one of its two slots in shared memory (cp.async) while it
 // works on the other: a block's 35 lines from word 35h (its qs and scales, in one run) and its d | dmin line
@@ -357,7 +322,7 @@ def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[i
                   conv: bool = False, staged: bool = False, cluster: int = 1) -> str:
     """`conv` (bf16 out): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`).
     `staged`: each warp's next block copied into shared memory while it works on one (the STAGES build).
-    `cluster` > 1: clusters of that many CTAs share each tile (`CLUSTER_STORE`; not staged)."""
+    `cluster` > 1: clusters of that many CTAs share each tile (`gemv_il.CLUSTER_HELPERS`; not staged)."""
     if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
         raise QuantKernelError("the q4il conv builds write bf16")
     if cluster > 1 and staged:

@@ -52,7 +52,7 @@ from ninfer.kernels.gguf_matmul import (
     dequantize_rows,
     matmul_by_rows,
 )
-from ninfer.kernels.lane_layout import tile_rows
+from ninfer.kernels.lane_layout import TILE_STORE, tile_rows
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_enabled, tl, triton_runs_on
 
 BLOCK_BYTES = 110
@@ -236,36 +236,6 @@ __device__ __forceinline__ void cluster_finish(const float* set, int rank, int t
         if (tile * 32 + row < N) conv_store(cv, m, tile * 32 + row, to_out(v));
 #endif
     }
-}
-// the tensor-core kernels' (q4il, il32's): a CTA's warps' sums of the tile's row 4 gq + r, columns 2t,
-// 2t + 1 (`acc`) through `red` [WARPS][32 rows][8 columns], then every rank's into rank 0's `set` and
-// `cluster_finish`, whose barrier also ends every read of `red` before the next tile
-__device__ __forceinline__ void store_cluster_tile(float* red, float* set, const float (&acc)[4][2],
-                                                   unsigned wid, unsigned gq, unsigned t, int rank, int tile,
-                                                   int N, out_t* __restrict__ y, int stride_y
-#if defined(CONV) && CONV
-                                                   , const ConvArgs& cv
-#endif
-                                                   ) {
-    float* rw = red + wid * (32 * 8);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        rw[(4 * gq + r) * 8 + 2 * t] = acc[r][0];
-        rw[(4 * gq + r) * 8 + 2 * t + 1] = acc[r][1];
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
-        const int m = i >> 5, row = i & 31;
-        float v = 0.f;
-#pragma unroll
-        for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
-        st_rank0(set + rank * 256 + i, v);
-    }
-    cluster_finish(set, rank, tile, N, y, stride_y
-#if defined(CONV) && CONV
-                   , cv
-#endif
-                   );
 }
 #else
 #define CLUSTER_DIMS
@@ -525,7 +495,7 @@ _MMA_SOURCE = r"""
 #define GROUP __GROUP__
 #define CONV __CONV__
 #define CLUSTER __CLUSTER__
-""" + CUDA_HELPERS + CONV_STAGE + CLUSTER_HELPERS + r"""
+""" + CUDA_HELPERS + CONV_STAGE + CLUSTER_HELPERS + TILE_STORE + r"""
 #define BIAS 0x4B400000
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;

@@ -22,17 +22,15 @@ from ninfer.kernels.gguf_matmul import PREFILL_ROWS, QuantKernelError, dequantiz
 MAX_COLUMNS = 8  # the GEMVs' columns a call
 
 
-# CUDA C shared by the lane-layout kernels (after `gemv_il.CUDA_HELPERS`, with WARPS and NCOL defined): a
-# 32-row tile's sums, lane 4g + t holding rows 4g..4g + 3 of columns 2t, 2t + 1 (`acc[r][e]`) for its warp's
-# share of the tile's blocks, summed over the warps through shared memory `red` [WARPS][32 rows][8 columns]
-# and stored to y's rows below N.
+# CUDA C shared by the lane-layout kernels (after `gemv_il.CUDA_HELPERS`, with WARPS and NCOL defined; where
+# CLUSTER > 1 after `gemv_il.CLUSTER_HELPERS`): a 32-row tile's sums, lane 4g + t holding rows 4g..4g + 3 of
+# columns 2t, 2t + 1 (`acc[r][e]`) for its warp's share of the tile's blocks, summed over the warps through
+# shared memory `red` [WARPS][32 rows][8 columns] and stored to y's rows below N (`store_tile`), or in a
+# cluster every rank's sums added by rank 0 (`store_cluster_tile`, `cluster_finish`).
 TILE_STORE = r"""
-__device__ __forceinline__ void store_tile(float* red, const float (&acc)[4][2], unsigned wid, unsigned gq,
-                                           unsigned t, int tile, int N, out_t* __restrict__ y, int stride_y
-#if defined(CONV) && CONV
-                                           , const ConvArgs& cv
-#endif
-                                           ) {
+// this warp's sums into red, then the barrier after which every warp's are there
+__device__ __forceinline__ void put_tile_sums(float* red, const float (&acc)[4][2], unsigned wid, unsigned gq,
+                                              unsigned t) {
     float* rw = red + wid * (32 * 8);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -40,11 +38,24 @@ __device__ __forceinline__ void store_tile(float* red, const float (&acc)[4][2],
         rw[(4 * gq + r) * 8 + 2 * t + 1] = acc[r][1];
     }
     __syncthreads();
+}
+// item i (column i / 32, row i % 32 of the tile) summed over the warps
+__device__ __forceinline__ float tile_sum(const float* red, int i) {
+    float v = 0.f;
+#pragma unroll
+    for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + (i & 31)) * 8 + (i >> 5)];
+    return v;
+}
+__device__ __forceinline__ void store_tile(float* red, const float (&acc)[4][2], unsigned wid, unsigned gq,
+                                           unsigned t, int tile, int N, out_t* __restrict__ y, int stride_y
+#if defined(CONV) && CONV
+                                           , const ConvArgs& cv
+#endif
+                                           ) {
+    put_tile_sums(red, acc, wid, gq, t);
     for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
         const int m = i >> 5, row = i & 31;
-        float v = 0.f;
-#pragma unroll
-        for (int s = 0; s < WARPS; ++s) v += red[(s * 32 + row) * 8 + m];
+        const float v = tile_sum(red, i);
         if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
 #if defined(CONV) && CONV
         if (tile * 32 + row < N) conv_store(cv, m, tile * 32 + row, to_out(v));
@@ -52,7 +63,28 @@ __device__ __forceinline__ void store_tile(float* red, const float (&acc)[4][2],
     }
     __syncthreads();
 }
+#if defined(CLUSTER) && CLUSTER > 1
+// every rank's sums into rank 0's `set`, then `cluster_finish`, whose barrier also ends every read of `red`
+// before the next tile
+__device__ __forceinline__ void store_cluster_tile(float* red, float* set, const float (&acc)[4][2],
+                                                   unsigned wid, unsigned gq, unsigned t, int rank, int tile,
+                                                   int N, out_t* __restrict__ y, int stride_y
+#if defined(CONV) && CONV
+                                                   , const ConvArgs& cv
+#endif
+                                                   ) {
+    put_tile_sums(red, acc, wid, gq, t);
+    for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32)
+        st_rank0(set + rank * 256 + i, tile_sum(red, i));
+    cluster_finish(set, rank, tile, N, y, stride_y
+#if defined(CONV) && CONV
+                   , cv
+#endif
+                   );
+}
+#endif
 """
+
 
 def builds(build: Callable[[], object]) -> bool:
     """Whether a lane kernel compiles here (`build`: its NVRTC compile; the il32 kernels' NVRTC check first):

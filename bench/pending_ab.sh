@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# The device runs waiting for a GPU (gpu-notes "Session 51", Next), one or more phases a `device` call (each
+# The device runs waiting for a GPU (gpu-notes "Session 52", Next), one or more phases a `device` call (each
 # call under 10 minutes; logs and JSON under $OUT/<phase>/, the settings' table printed last). Sessions
-# 47-51's A/Bs (staged, q4staged, conv; trace and alloc on an H100) are done; their phases stay to rerun;
-# of `memory` only the probe has run (session 51), never the prefill pieces' A/B.
+# 47-52's A/Bs (staged, q4staged, conv, cluster; trace and alloc on an H100) are done; their phases stay to
+# rerun; of `memory` only the probe has run (session 51), never the prefill pieces' A/B.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
-#   bash bench/pending_ab.sh cluster   # both kernels' cluster GPU tests; q4il clusters (default at 1-2 columns on an
-#                                      # H200) vs none at 1-8 lanes and 4 columns (~5 min)
-#   bash bench/pending_ab.sh ilcluster # IQ3_S: the dp4a kernel in clusters (NINFER_IL_CLUSTER) at 1-2 lanes, the
-#                                      # tensor-core kernel's split pieces a cluster (NINFER_IL_MMA_CLUSTER) at 4-8
+#   bash bench/pending_ab.sh cluster   # q4il's cluster GPU tests; its clusters (default at 1-2 columns on an H200)
+#                                      # vs none at 1-8 lanes and 4 columns (~4 min)
+#   bash bench/pending_ab.sh gaps      # the suite's rounds: each graph's GPU time and the time between graphs
 #   bash bench/pending_ab.sh trace     # a graphed 1-lane round kernel by kernel, Q4_K then IQ3_S (~2 min)
 #   bash bench/pending_ab.sh alloc     # the Q4_K suite with the allocator's expandable segments (peak reserved)
 #   bash bench/pending_ab.sh tests     # the GPU tests of the conv epilogue, prefill pieces, staged q4il
@@ -23,7 +22,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="cluster, ilcluster, trace, alloc, tests, staged, q4staged, conv, memory or suites"
+PHASES="cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -67,15 +66,16 @@ phase() {
       ;;
     cluster)
       step pytest 240 "$PY" -m pytest -m gpu -n 4 -p xdist --dist worksteal -v -rfE -k "clusters or twin_on_gpu" \
-        tests/test_gemv_q4il.py tests/test_gemv_il.py
+        tests/test_gemv_q4il.py
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
       sweep cluster_lanes q4_k 240 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2 --lanes 1,2,4,8
       sweep cluster_c4 q4_k 150 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2 --columns 4
       ;;
-    ilcluster)
-      sweep il_cluster iq3_s 240 NINFER_IL_CLUSTER=1,NINFER_IL_CLUSTER=2,NINFER_IL_CLUSTER=3 --lanes 1,2
-      sweep il_mma_cluster_c4 iq3_s 150 NINFER_IL_MMA_CLUSTER=0,NINFER_IL_MMA_CLUSTER=1 --columns 4
-      sweep il_mma_cluster_lanes iq3_s 200 NINFER_IL_MMA_CLUSTER=0,NINFER_IL_MMA_CLUSTER=1 --lanes 4,8
+    gaps)
+      for wtype in q4_k iq3_s; do
+        step "gaps_$wtype" 150 "$PY" bench/round_gaps.py --wtype "$wtype" --lanes 1,8
+        grep "^|" "$OUT/gaps_$wtype.log"
+      done
       ;;
     alloc)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WTYPES=q4_k SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh

@@ -365,34 +365,6 @@ def test_only_few_long_tiles_are_split():
         gemv_il.IlSchedule(10, splits=2)
 
 
-def test_the_dp4a_kernel_in_clusters_where_asked(monkeypatch):
-    """NINFER_IL_CLUSTER=N: the dp4a schedule in clusters of N CTAs a tile (10 warps spread over them, up to
-    128 registers) where its tiles leave the CTA slots idle and the clustered CTAs fit (on an H200's 132 SMs
-    where no GPU is); one CTA a tile otherwise and by default. NINFER_IL_MMA_CLUSTER=1: the tensor-core
-    kernel's split pieces of a tile in a cluster."""
-    from ninfer.errors import NinferError
-
-    monkeypatch.delenv("NINFER_IL_CLUSTER", raising=False)
-    assert gemv_il.il_schedule(1, 17408, 5120, 256).cluster == 1
-    monkeypatch.setenv("NINFER_IL_CLUSTER", "2")
-    down = gemv_il.il_schedule(1, 17408, 5120, 256)
-    assert (down.warps, down.cluster, down.regs) == (5, 2, 128)
-    assert gemv_il._cta_slots(down, 1, 17408) >= 160 * 2
-    assert gemv_il.il_schedule(1, 6144, 5120, 256).cluster == 2  # the output projections
-    assert gemv_il.il_schedule(1, 5120, 34816, 256).cluster == 1  # gate|up fills its slots
-    assert gemv_il.il_schedule(4, 17408, 5120, 256).cluster == 1  # the tensor-core kernel
-    assert gemv_il.il_schedule(2, 17408, 5120, 256).cluster == 2
-    monkeypatch.setenv("NINFER_IL_CLUSTER", "3")
-    assert gemv_il.il_schedule(1, 6144, 5120, 256).warps == 4
-    with pytest.raises(NinferError, match="clusters are its split pieces"):
-        gemv_il.IlSchedule(10, kernel="il_mma", cluster=2)
-    monkeypatch.setenv("NINFER_IL_MMA_CLUSTER", "1")  # the tensor-core kernel's split pieces a cluster
-    down = gemv_il.il_schedule(4, 17408, 5120, 256)
-    assert (down.splits, down.cluster) == (3, 3)
-    assert gemv_il.il_schedule(4, 6144, 5120, 256).cluster == 2  # the output projections, in two
-    assert gemv_il.il_schedule(4, 5120, 34816, 256).cluster == 1  # gate|up: unsplit
-
-
 def test_the_tile_ring_keeps_the_ctas_an_sm_holds():
     """A CTA of either kernel sums up to `most` of its tiles after one barrier (`_RING`; the launch caps the
     tensor-core kernel's at `_MMA_RING`), as many as its shared memory allows without costing the SM a CTA
@@ -507,45 +479,6 @@ def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, lanes, monkeypatch):
     before = conv.slots.clone()
     y = lane_conv_on_and_off(monkeypatch, matmul, words, x, n, conv)
     assert_conv_ran(y, conv, before, atol=1e-5)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("n", "k"), [(5120, 17408), (5120, 6144), (1040, 5120), (40, 768)])
-def test_gemv_il_in_clusters_on_gpu(n, k):
-    """The dp4a kernel in clusters of 2 and 3 CTAs a tile (distributed shared memory, cluster barriers) at 1
-    and 2 columns, bf16 and fp32 outputs, activation scales per 32 and per 256; the tensor-core kernel's 2 or
-    3 split pieces as a cluster at 3, 4, 8 columns, the same bits as through the split-K workspace; in a CUDA
-    graph the same bits as eager."""
-    from ninfer.kernels.gemv_il import gemv_il_reference
-    from ninfer.kernels.gemv_q8 import quantize_activation
-
-    words = repack_il32(random_gguf_weight("iq3_s", n, k, "cuda"))
-    for width in (1, 2):
-        for dtype in (torch.bfloat16, torch.float32):
-            for group in (32, 256):
-                xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=dtype), group=group)
-                want = gemv_il_reference(words, xa, n)
-                for cluster, warps in ((2, 5), (3, 4)):
-                    s = gemv_il.IlSchedule(min(warps, il32_shape(32, k)[1]), group=group, cluster=cluster,
-                                           regs=128)
-                    out = gemv_il.gemv_il(words, xa, n, s)
-                    bound = 5e-3 if dtype == torch.bfloat16 else 1e-4  # bf16 rounding; fp32 sums' order
-                    assert rel(out, want) < bound, (width, dtype, group, cluster)
-    for width in (3, 4, 8):  # the tensor-core kernel's split pieces a cluster: the same bits as split
-        xa = quantize_activation(torch.randn(width, k, device="cuda"), group=256)
-        for splits in (2, 3):
-            split = dataclasses.replace(gemv_il.il_schedule(width, k, n, 256), splits=splits)
-            clustered = dataclasses.replace(split, cluster=splits)
-            assert torch.equal(gemv_il.gemv_il(words, xa, n, clustered), gemv_il.gemv_il(words, xa, n, split))
-    xa = quantize_activation(torch.randn(1, k, device="cuda"), group=256)
-    s = gemv_il.IlSchedule(min(5, il32_shape(32, k)[1]), group=256, cluster=2, regs=128)
-    eager = gemv_il.gemv_il(words, xa, n, s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = gemv_il.gemv_il(words, xa, n, s)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, eager)
 
 
 @pytest.mark.gpu

@@ -38,8 +38,8 @@ def run_il(source_of, words, xa, n, s: gemv_il.IlSchedule, ctas: int, ring: int,
     """One launch of il32 schedule s (its source from `source_of(source)`; `conv`: the CONV build running
     that `ConvEpilogue`); the output, and the tensor-core kernel's per-tile counts after it."""
     columns, k = xa.q.shape
-    built = s if s.cluster > 1 else dataclasses.replace(s, splits=1)  # (clusters: their own build)
-    source = source_of(gemv_il.kernel_source(columns, OUT_KINDS[dtype], built, conv=conv is not None))
+    source = source_of(gemv_il.kernel_source(columns, OUT_KINDS[dtype], dataclasses.replace(s, splits=1),
+                                              conv=conv is not None))
     tiles = gemv_il.il32_shape(n, k)[0]
     y = torch.full((columns, n), float("nan"), dtype=dtype)
     args = [words, xa.words, xa.d, _tables("cpu")[1], y, n, k, y.stride(0)]
@@ -80,8 +80,7 @@ def test_the_dp4a_il32_kernel(n, k, columns, group):
 @pytest.mark.parametrize("columns", [3, 4, 8])
 def test_the_tensor_core_il32_kernel(columns, group):
     """Whole tiles (a ring of 2 and one at a time: the same bits) and tiles split into 2 and 3 pieces across
-    CTAs, the last piece adding the slots and leaving the counts zero, and the pieces as clusters (the same
-    bits); the short-row schedule (6 warps)."""
+    CTAs, the last piece adding the slots and leaving the counts zero; the short-row schedule (6 warps)."""
     n, k = 72, 1536
     words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
     xa = activation(columns, k, group)
@@ -95,41 +94,9 @@ def test_the_tensor_core_il32_kernel(columns, group):
         ys, counts = run_il(same, words, xa, n, dataclasses.replace(s, splits=splits), 2, 1)
         assert rel(ys, want) < FP32_BOUND, splits
         assert not counts.any(), splits
-        # the pieces a cluster, their sums added in rank 0's shared memory in the same order: the same bits
-        clustered = dataclasses.replace(s, splits=splits, cluster=splits)
-        assert torch.equal(run_il(same, words, xa, n, clustered, 2 * splits, 1)[0], ys), splits
     short = dataclasses.replace(s, warps=6, regs=112, splits=1)
     assert rel(run_il(same, words, xa, n, short, 3, 2)[0], want) < FP32_BOUND
     assert torch.equal(run_il(same, words, xa, n, s, 2, 2, torch.bfloat16)[0], y.to(torch.bfloat16))
-
-
-@pytest.mark.parametrize("cluster", [2, 3])
-@pytest.mark.parametrize("columns", [1, 2])
-def test_the_dp4a_il32_kernel_in_clusters(columns, cluster):
-    """Clusters of 2 and 3 CTAs a tile, rank r's warps every other run of pairs, the sums added in rank 0's
-    shared memory: the oracle's product over 7 tiles on 2 clusters (200 × 2560: 5 pairs), with a rank that has
-    no pair (40 × 768: 2 pairs), in bf16 the fp32 sums rounded; with the GDN conv in the epilogue, the same
-    bits and every lane's conv run."""
-    from ninfer.kernels.gdn_decode import ConvEpilogue
-
-    s = gemv_il.IlSchedule(2, group=256, cluster=cluster)
-    for n, k in ((200, 2560), (40, 768)):
-        words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
-        xa = activation(columns, k, 256)
-        want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
-        y, _ = run_il(same, words, xa, n, s, 2 * cluster, 1)
-        assert rel(y, want) < FP32_BOUND, (n, k)
-        y16, _ = run_il(same, words, xa, n, s, 2 * cluster, 1, torch.bfloat16)
-        assert torch.equal(y16, y.to(torch.bfloat16)), (n, k)
-    n, k = 96, 768
-    words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
-    xa = activation(columns, k, 256)
-    ids = torch.randperm(columns + 2)[:columns]
-    conv = ConvEpilogue.of(torch.randn(72, 4), torch.randn(columns + 2, 72, 3), ids)
-    before = conv.slots.clone()
-    y, _ = run_il(same, words, xa, n, s, 2 * cluster, 1, torch.bfloat16, conv)
-    assert_conv_ran(y, conv, before)
-    assert torch.equal(y, run_il(same, words, xa, n, s, 2 * cluster, 1, torch.bfloat16)[0])
 
 
 def run_lane(name: str, source_of, words, xa, n: int, warps: int, smem: int, source: str,
@@ -267,13 +234,6 @@ MUTATIONS = {
                                                    ""),
     "q4il staged: the slot being filled read": ("q4il_staged", "slots + (n & 1) * (16 * SLOT_CHUNKS)",
                                                  "slots + ((n + 1) & 1) * (16 * SLOT_CHUNKS)"),
-    "mma clusters: a piece's sums into its own memory": ("il_mma_cluster",
-                                                         "st_rank0(set + rank * 256 + i, tile_sum(red, i));",
-                                                         "set[rank * 256 + i] = tile_sum(red, i);"),
-    "il clusters: every rank on the same pairs": ("il_cluster", "#define P0 (rank * WARPS + (int)wid)",
-                                                  "#define P0 ((int)wid)"),
-    "il clusters: the tile's next pair skipped": ("il_cluster", "#define PSTEP (CLUSTER * WARPS)",
-                                                  "#define PSTEP (2 * CLUSTER * WARPS)"),
     "q4il clusters: a rank's sums left out": ("q4il_cluster", "r < CLUSTER; ++r) v += set",
                                               "r < CLUSTER - 1; ++r) v += set"),
     "q4il clusters: every rank on the same blocks": ("q4il_cluster", "kb = rank * WARPS + wid;", "kb = wid;"),
@@ -297,14 +257,13 @@ def test_a_slip_in_a_kernel_fails(name):
         assert old in source, name
         return source.replace(old, new)
 
-    if kind in ("il", "il_mma", "il_mma_split", "il_mma_cluster"):
+    if kind in ("il", "il_mma", "il_mma_split"):
         n, k, columns = 72, 1536, 1 if kind == "il" else 4
         words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
         xa = activation(columns, k, 256)
         s = gemv_il.il_schedule(columns, k, n, 256)
-        s = dataclasses.replace(s, splits=1 if kind in ("il", "il_mma") else 2,
-                                cluster=2 if kind == "il_mma_cluster" else 1)
-        y = run_il(mutate, words, xa, n, s, 4 if kind == "il_mma_cluster" else 2, 1)[0]
+        s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1)
+        y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
     elif kind in ("conv", "conv_split"):
         y, conv, before, _ = conv_case("il", 4, 3 if kind == "conv_split" else 1, source_of=mutate)
@@ -313,12 +272,6 @@ def test_a_slip_in_a_kernel_fails(name):
         return
     elif kind == "q4il_staged":  # 7 tiles on 2 CTAs
         y, want = q4il_case(4, 200, 2560, source_of=mutate, staged=True)
-    elif kind == "il_cluster":  # 7 tiles on 2 clusters of 2, 2 warps a CTA: 5 pairs a tile
-        n, k = 200, 2560
-        words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
-        xa = activation(1, k, 256)
-        y = run_il(mutate, words, xa, n, gemv_il.IlSchedule(2, group=256, cluster=2), 4, 1)[0]
-        want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
     elif kind == "q4il_cluster":  # 7 tiles on 2 clusters of 2
         y, want = q4il_case(4, 200, 2560, source_of=mutate, cluster=2)
     else:
@@ -396,12 +349,3 @@ def test_gemv_q4il_takes_clusters_where_they_pay(launches_on_the_cpu, monkeypatc
     assert rel(y, gemv_q8_reference(raw, "q4_k", xa, n)) < FP32_BOUND
     assert builds[-1][-1] == (2 if columns <= gemv_q4il.CLUSTER_COLUMNS else 1)
 
-
-def test_gemv_il_launches_clusters(launches_on_the_cpu):
-    """`gemv_il` on a clustered dp4a schedule: its grid whole clusters, one tile summed at a time, the
-    oracle's product (3 tiles on one cluster of two CTAs)."""
-    n, k = 96, 1536
-    raw = random_gguf_weight("iq3_s", n, k)
-    xa = activation(1, k, 256)
-    y = gemv_il.gemv_il(gemv_il.repack_il32(raw), xa, n, gemv_il.IlSchedule(2, group=256, cluster=2))
-    assert rel(y, gemv_q8_reference(raw, "iq3_s", xa, n)) < FP32_BOUND

@@ -52,7 +52,7 @@ from ninfer.kernels.gguf_matmul import (
     dequantize_rows,
     matmul_by_rows,
 )
-from ninfer.kernels.lane_layout import TILE_STORE, tile_rows
+from ninfer.kernels.lane_layout import tile_rows
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_enabled, tl, triton_runs_on
 
 BLOCK_BYTES = 110
@@ -189,59 +189,6 @@ __device__ __forceinline__ void conv_store(const ConvArgs& cv, int m, int row, o
 #endif
 """
 
-# Clusters of CTAs that share a tile (CLUSTER > 1, `__cluster_dims__`; the source defines CLUSTER, WARPS,
-# NCOL, CONV), each CTA rank its share of the blocks: every rank's per-row sums go into rank 0's shared
-# memory (distributed shared memory, `mapa`), then one cluster barrier, and rank 0 adds them in rank order and
-# stores the tile (`cluster_finish`).
-CLUSTER_HELPERS = r"""
-#if CLUSTER > 1
-#define CLUSTER_DIMS __cluster_dims__(CLUSTER, 1, 1)
-// every thread of the cluster's CTAs here before any goes on; their shared-memory stores before it seen after
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
-                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// the two halves of a barrier that orders nothing: at the start this thread's arrival, before the first
-// store into rank 0 the wait for every thread of the cluster's (so every CTA is running; a whole barrier at
-// the start, ahead of the programmatic launch's wait, cost the H200's graphed Q4_K round 0.03 ms)
-__device__ __forceinline__ void cluster_arrive() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
-// v into the shared memory of the cluster's CTA rank 0, at the offset of p in this CTA's
-__device__ __forceinline__ void st_rank0(float* p, float v) {
-    unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("mapa.shared::cluster.u32 %0, %0, 0;" : "+r"(a));
-    asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(a), "f"(v) : "memory");
-}
-// `set` (rank 0's, CLUSTER × 256 floats) holds rank r's sum of item i (column i / 32, row i % 32 of the tile)
-// at 256 r + i once every rank is past the barrier; rank 0 adds them in rank order and stores. A kernel
-// alternates two sets by tile, so a set is written again only after the next tile's barrier, which rank 0
-// reaches when done reading it.
-__device__ __forceinline__ void cluster_finish(const float* set, int rank, int tile, int N,
-                                               out_t* __restrict__ y, int stride_y
-#if defined(CONV) && CONV
-                                               , const ConvArgs& cv
-#endif
-                                               ) {
-    cluster_sync();
-    if (rank != 0) return;
-    for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
-        const int m = i >> 5, row = i & 31;
-        float v = 0.f;
-#pragma unroll
-        for (int r = 0; r < CLUSTER; ++r) v += set[r * 256 + i];
-        if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
-#if defined(CONV) && CONV
-        if (tile * 32 + row < N) conv_store(cv, m, tile * 32 + row, to_out(v));
-#endif
-    }
-}
-#else
-#define CLUSTER_DIMS
-#endif
-"""
-
 _SOURCE = r"""
 #define OUT_KIND __OUT_KIND__
 #define NCOL __NCOL__
@@ -251,21 +198,7 @@ _SOURCE = r"""
 #define PDL __PDL__
 #define GROUP __GROUP__
 #define CONV __CONV__
-#define CLUSTER __CLUSTER__
-""" + CUDA_HELPERS + CONV_STAGE + CLUSTER_HELPERS + r"""
-// CTA c takes tiles T0, T0 + TSTEP, ..., its warp wid a tile's pairs P0, P0 + PSTEP, ...: one CTA a tile,
-// or (CLUSTER > 1) cluster blockIdx.x / CLUSTER the tile, rank r's warps the pairs r·WARPS + wid, + PSTEP
-#if CLUSTER > 1
-#define T0 ((int)blockIdx.x / CLUSTER)
-#define TSTEP ((int)gridDim.x / CLUSTER)
-#define P0 (rank * WARPS + (int)wid)
-#define PSTEP (CLUSTER * WARPS)
-#else
-#define T0 blockIdx.x
-#define TSTEP gridDim.x
-#define P0 wid
-#define PSTEP WARPS
-#endif
+""" + CUDA_HELPERS + CONV_STAGE + r"""
 struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
 
 // the words of block kb of the tile whose pairs start at `first` (this lane's row): half kb % 2 of pair
@@ -353,7 +286,7 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) CLUSTER_DIMS
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
              const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y, int ring
              CONV_PARAMS)
@@ -368,17 +301,10 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
     float* red = (float*)(smem + 512 * COPIES);
     int* xs = reinterpret_cast<int*>(red + ring * WARPS * NCOL * 32);  // the activation [NCOL][K4]
     float* xds = reinterpret_cast<float*>(xs + NCOL * K4);
-#if CLUSTER > 1
-    // ring 1; two sets of every rank's sums of a tile (rank 0's) after the activation's scales
-    const int rank = (int)blockIdx.x % CLUSTER;
-    float* sums = xds + NCOL * KG;
-    int it = 0;  // this CTA's tiles so far
-    cluster_arrive();  // (its wait before the first tile's store: every CTA of the cluster running)
-#endif
     // what the CTA needs first is asked for at once (one memory latency, not one a pass of a fill loop): its
     // first block, the grid words of its table, the activation
     Blk a, b;
-    if (T0 < tiles && P0 < P) LOAD_PAIR(a, T0, (size_t)T0 * P, P0, 0);
+    if (blockIdx.x < tiles && wid < P) LOAD_PAIR(a, blockIdx.x, (size_t)blockIdx.x * P, wid, 0);
     // table entry i of copy c at i * COPIES + c, 16 bytes (four copies of the word) a store
     constexpr int STORES = 128 * COPIES, FILL = (STORES + WARPS * 32 - 1) / (WARPS * 32);
     unsigned gw[FILL];
@@ -404,40 +330,21 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
     __syncthreads();
     const unsigned tab = (unsigned)__cvta_generic_to_shared(smem) + 4 * (lane % COPIES);
     int k = 0;  // the tile's place in the ring
-    for (int t = T0; t < tiles; t += TSTEP) {
+    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         float acc[NCOL];
 #pragma unroll
         for (int m = 0; m < NCOL; ++m) acc[m] = 0.f;
         // blocks in flight: the next block's words load while this one is used
         const size_t first = (size_t)t * P;
-        if (t != T0 && P0 < P) LOAD_PAIR(a, t, first, P0, 0);
-        for (int p = P0; p < P; p += PSTEP) {
+        if (t != blockIdx.x && wid < P) LOAD_PAIR(a, t, first, wid, 0);
+        for (int p = wid; p < P; p += WARPS) {
             LOAD_PAIR(b, t, first, p, 1);  // the padding block of an odd count is zeros
             dot_block(a, 0, 16 * p, xs, xds, K4, KG, tab, acc);
-            if (p + PSTEP < P) LOAD_PAIR(a, t, first, p + PSTEP, 0);
+            if (p + WARPS < P) LOAD_PAIR(a, t, first, p + WARPS, 0);
             if (2 * p + 1 < nblk) dot_block(b, 1, 16 * p + 8, xs, xds, K4, KG, tab, acc);
         }
 #if PDL
-        if (t + TSTEP >= tiles) asm volatile("griddepcontrol.launch_dependents;");
-#endif
-#if CLUSTER > 1
-#pragma unroll
-        for (int m = 0; m < NCOL; ++m) red[(wid * NCOL + m) * 32 + lane] = acc[m];
-        __syncthreads();
-        float* set = sums + (it & 1) * (CLUSTER * 256);
-        if (it++ == 0) cluster_wait();
-        for (int i = threadIdx.x; i < NCOL * 32; i += WARPS * 32) {
-            float v = 0.f;
-#pragma unroll
-            for (int s = 0; s < WARPS; ++s) v += red[(s * NCOL + (i >> 5)) * 32 + (i & 31)];
-            st_rank0(set + rank * 256 + i, v);
-        }
-        cluster_finish(set, rank, t, N, y, stride_y
-#if CONV
-                       , cv
-#endif
-                       );
-        continue;
+        if (t + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
 #endif
         if (WARPS == 1) {
             const int row = t * 32 + lane;
@@ -454,12 +361,12 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
         }
 #pragma unroll
         for (int m = 0; m < NCOL; ++m) red[((k * WARPS + wid) * NCOL + m) * 32 + lane] = acc[m];
-        if (++k < ring && t + TSTEP < tiles) continue;
+        if (++k < ring && t + gridDim.x < tiles) continue;
         __syncthreads();
         // tiles t - (k - 1) gridDim.x .. t
         for (int i = threadIdx.x; i < k * NCOL * 32; i += WARPS * 32) {
             const int j = i / (NCOL * 32), m = (i >> 5) % NCOL;
-            const int row = (t - (k - 1 - j) * TSTEP) * 32 + (i & 31);
+            const int row = (t - (k - 1 - j) * gridDim.x) * 32 + (i & 31);
             float v = 0.f;
 #pragma unroll
             for (int s = 0; s < WARPS; ++s) v += red[((j * WARPS + s) * NCOL + m) * 32 + (i & 31)];
@@ -469,7 +376,7 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 #endif
         }
         k = 0;
-        if (t + TSTEP < tiles) __syncthreads();
+        if (t + gridDim.x < tiles) __syncthreads();
     }
 }
 """
@@ -494,8 +401,7 @@ _MMA_SOURCE = r"""
 #define PDL __PDL__
 #define GROUP __GROUP__
 #define CONV __CONV__
-#define CLUSTER __CLUSTER__
-""" + CUDA_HELPERS + CONV_STAGE + CLUSTER_HELPERS + TILE_STORE + r"""
+""" + CUDA_HELPERS + CONV_STAGE + r"""
 #define BIAS 0x4B400000
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
@@ -511,7 +417,7 @@ __device__ __forceinline__ unsigned mul_hi(unsigned a, unsigned b) {
     unsigned r; asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b)); return r;
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) CLUSTER_DIMS
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
             const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y,
             int splits, float* __restrict__ part_sums, int* __restrict__ counts, int ring CONV_PARAMS)
@@ -519,9 +425,7 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
     CONV_ARGS
     // split-K (`splits` > 1): item i is piece i % splits of tile i / splits, a run of its blocks; each
     // piece leaves its sums in its slot of part_sums [splits][NCOL][tiles * 32], and the last piece to finish
-    // (a count per tile, left zero again) adds the slots in piece order: the same bits whichever is last.
-    // In clusters (CLUSTER == splits > 1) a cluster's CTAs are a tile's pieces (the grid a multiple of
-    // CLUSTER) and add their sums in rank 0's shared memory instead, in the same order: the same bits
+    // (a count per tile, left zero again) adds the slots in piece order: the same bits whichever is last
     extern __shared__ uint4 tab[];  // grid word i of copy c at word i * 32 + c, four copies a store
     // the warps' partial sums of the CTA's last `ring` items [ring][WARPS][32 rows][8 columns], summed and
     // written after one barrier (`ring` > 1 only unsplit)
@@ -532,11 +436,6 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
         const unsigned g = grid[i >> 3];
         tab[i] = make_uint4(g, g, g, g);
     }
-#if CLUSTER > 1
-    float* sums = reinterpret_cast<float*>(last_piece + 4);  // two sets of every piece's sums of a tile
-    int it = 0;  // this CTA's tiles so far
-    cluster_arrive();  // (its wait before the first tile's store: every CTA of the cluster running)
-#endif
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the activation is the previous kernel's output
 #endif
@@ -657,16 +556,6 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 #if PDL
         if (item + gridDim.x >= items) asm volatile("griddepcontrol.launch_dependents;");
 #endif
-#if CLUSTER > 1
-        float* set = sums + (it & 1) * (CLUSTER * 256);
-        if (it++ == 0) cluster_wait();
-        store_cluster_tile(red, set, acc, wid, gq, t, piece, tile, N, y, stride_y
-#if CONV
-                           , cv
-#endif
-                           );
-        continue;
-#endif
         // rows 4 gq + r, columns 2t, 2t + 1: summed over the warps through shared memory
         float* rk = red + (k * WARPS + wid) * (32 * 8);
 #pragma unroll
@@ -725,13 +614,12 @@ class IlSchedule:
     `kernel` "il_mma": the tensor-core kernel (split-K by blocks, 32 copies of the grid, `regs` registers a
     thread; `copies` does not apply). `group`: the activation's values per scale, 32 or 256: with 256 the
     sub-block scales (1 + 2·nibble) weigh the integer sums and one float conversion a block remains (H200:
-    the dp4a kernel 2.5-6 %, the tensor-core kernel 8-14 % faster). `cluster` > 1: the dp4a kernel in clusters
-    of that many CTAs a tile (`CLUSTER_HELPERS`; one tile summed at a time), the tensor-core kernel's split
-    pieces (`splits` == `cluster`) a cluster adding their sums in rank 0's shared memory, not through the
-    split-K workspace. Tried and slower on the H200
-    everywhere (gpu-notes "Session 50"; the code is on branch s48-il-staging): a grid table laid out for byte
-    offsets (32 copies for the dp4a kernel too), and each warp's sub-blocks staged ahead through shared
-    memory."""
+    the dp4a kernel 2.5-6 %, the tensor-core kernel 8-14 % faster). Tried and slower on the H200 everywhere
+    (gpu-notes "Session 50"; the code is on branch s48-il-staging): a grid table laid out for byte offsets
+    (32 copies for the dp4a kernel too), and each warp's sub-blocks staged ahead through shared memory; both
+    kernels in clusters of CTAs a tile, as q4il's (gpu-notes "Session 52": the dp4a kernel's graphed IQ3_S
+    1-lane round 5.301 → 5.411 ms in clusters of 2, the tensor-core kernel's split pieces as a cluster the
+    4-column step 7.254 → 7.559; the code is on branch s52-il-clusters)."""
 
     warps: int
     copies: int = 16
@@ -739,37 +627,30 @@ class IlSchedule:
     regs: int = 0
     group: int = 32
     splits: int = 1
-    cluster: int = 1
 
     def __post_init__(self):
         if self.group not in (32, 256):
             raise QuantKernelError(f"activation groups of {self.group}: the il32 kernels take 32 or 256")
         if self.splits != 1 and self.kernel != "il_mma":
             raise QuantKernelError("split-K over CTAs is the tensor-core il32 kernel's (IlSchedule.splits)")
-        if self.cluster != 1 and self.kernel == "il_mma" and self.splits != self.cluster:
-            raise QuantKernelError("the tensor-core il32 kernel's clusters are its split pieces (IlSchedule "
-                                   "splits == cluster)")
 
     @property
     def name(self) -> str:
         if self.kernel == "il_mma":
             return (f"ilmma_w{self.warps}" + (f"_r{self.regs}" if self.regs else "")
                     + (f"_g{self.group}" if self.group != 32 else "")
-                    + (f"_s{self.splits}" if self.splits > 1 else "")
-                    + (f"_k{self.cluster}" if self.cluster > 1 else ""))
+                    + (f"_s{self.splits}" if self.splits > 1 else ""))
         return (f"il_w{self.warps}_c{self.copies}" + (f"_r{self.regs}" if self.regs else "")
-                + (f"_g{self.group}" if self.group != 32 else "")
-                + (f"_k{self.cluster}" if self.cluster > 1 else ""))
+                + (f"_g{self.group}" if self.group != 32 else ""))
 
     def smem_bytes(self, columns: int, in_features: int, ring: int = 1) -> int:
         """The tables and the split-K sums (the dp4a kernel's: of `ring` tiles); the dp4a kernel also stages
-        the activation (int8 and scales), and in clusters two sets of every rank's sums of a tile."""
-        sets = 2 * self.cluster * 256 * 4 if self.cluster > 1 else 0
+        the activation (int8 and scales)."""
         if self.kernel == "il_mma":
-            return 512 * 32 * 4 + ring * self.warps * 32 * 8 * 4 + 16 + sets
+            return 512 * 32 * 4 + ring * self.warps * 32 * 8 * 4 + 16
         table = 512 * self.copies * 4
         activation = columns * (in_features + in_features // self.group * 4)  # int8 values, fp32 scales
-        return table + ring * self.warps * columns * 32 * 4 + activation + sets
+        return table + ring * self.warps * columns * 32 * 4 + activation
 
 
 def il_schedule(columns: int, in_features: int, out_features: int = 8192, group: int = 32) -> IlSchedule:
@@ -780,42 +661,20 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     registers and block loads hoisted or double-buffered), at 3-4 columns over few short rows (`_MMA_SHORT`)
     6 warps of 112 registers, three CTAs an SM (the 27B's output projections, 5120×6144: 11.8 → 11.0 µs at
     4 columns, session 38); a tile's blocks in `mma_splits` pieces across CTAs (NINFER_IL_SPLITS: a count
-    instead, for A/B). Both take an activation of one scale per `group` inputs. Untimed (q4il's clusters of 2
-    took the H200's Q4_K round −0.094 ms: gpu-notes "Session 51"): NINFER_IL_CLUSTER=N, the dp4a kernel in
-    clusters of N CTAs a tile where its tiles leave CTA slots idle (`with_cluster`); NINFER_IL_MMA_CLUSTER=1,
-    the tensor-core kernel's split pieces in clusters."""
-    env = os.environ.get
-    return _il_schedule(columns, in_features, out_features, group, env("NINFER_IL_SPLITS", "auto"),
-                        env("NINFER_IL_CLUSTER", "1"), env("NINFER_IL_MMA_CLUSTER", "0"))
+    instead, for A/B). Both take an activation of one scale per `group` inputs."""
+    return _il_schedule(columns, in_features, out_features, group, os.environ.get("NINFER_IL_SPLITS", "auto"))
 
 
 @functools.cache  # every il_matmul asks
-def _il_schedule(columns: int, in_features: int, out_features: int, group: int, splits: str,
-                 cluster: str = "1", mma_cluster: str = "0") -> IlSchedule:
+def _il_schedule(columns: int, in_features: int, out_features: int, group: int, splits: str) -> IlSchedule:
     if columns >= 3:
         blocks = in_features // 256
         short = columns <= _MMA_SHORT[0] and blocks <= _MMA_SHORT[1] and out_features <= _MMA_SHORT[2]
         s = (IlSchedule(min(6, blocks), kernel="il_mma", regs=112, group=group) if short
              else IlSchedule(min(10, blocks), kernel="il_mma", group=group))
-        s = with_mma_splits(s, columns, in_features, out_features) if splits == "auto" else replace(
+        return with_mma_splits(s, columns, in_features, out_features) if splits == "auto" else replace(
             s, splits=int(splits))
-        return replace(s, cluster=s.splits) if mma_cluster == "1" and s.splits > 1 else s
-    s = IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, group=group)
-    return with_cluster(s, int(cluster), columns, in_features, out_features) if cluster.isdigit() else s
-
-
-def with_cluster(s: IlSchedule, cluster: int, columns: int, in_features: int,
-                 out_features: int) -> IlSchedule:
-    """dp4a schedule s in clusters of `cluster` CTAs a tile, each of s's warps / `cluster` (as many warps on
-    a tile as before) and up to 128 registers a thread (launch bounds of three CTAs an SM: at the five that
-    five warps would allow the 1-column build spills 136 bytes, 20 at 10 warps), where its tiles leave this
-    device's CTA slots idle and the clustered CTAs all fit at once (the 27B's 5120-row matrices: 160 tiles on
-    264 slots of 10 warps; in clusters of 2, 320 CTAs of 5 warps on 396); else s."""
-    tiles = il32_shape(out_features, in_features)[0]
-    if cluster <= 1 or tiles >= _cta_slots(s, columns, in_features):
-        return s
-    c = replace(s, warps=-(-s.warps // cluster), cluster=cluster, regs=128)
-    return c if tiles * cluster <= _cta_slots(c, columns, in_features) else s
+    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, group=group)
 
 
 def with_mma_splits(s: IlSchedule, columns: int, in_features: int, out_features: int) -> IlSchedule:
@@ -842,12 +701,12 @@ def mma_splits(tiles: int, blocks: int, warps: int, slots: int, most: int = 4) -
     return max(1, min(most, blocks // (2 * warps)))
 
 
-def _cta_slots(s: IlSchedule, columns: int, in_features: int = 0) -> int:
-    """CTAs of schedule s the current CUDA device holds at once (`_launch_shape`); an H200's (132 SMs) where
-    no GPU is."""
+def _cta_slots(s: IlSchedule, columns: int) -> int:
+    """CTAs of schedule s the current CUDA device holds at once (`_launch_shape`); an H200's 264 (132 SMs ×
+    2) where no GPU is."""
     if torch.cuda.is_available():
-        return _launch_shape(torch.device("cuda", torch.cuda.current_device()), s, columns, in_features)
-    return 132 * _ctas_per_sm(s, columns, in_features)
+        return _launch_shape(torch.device("cuda", torch.cuda.current_device()), s, columns, 0)
+    return 132 * _ctas_per_sm(s, columns, 0)
 
 
 _RING = 8  # the dp4a kernel's tiles summed at once, at most (the CTA's tiles on the H200: 5 for gate|up)
@@ -882,8 +741,7 @@ def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False,
             .replace("__CONV__", str(int(conv)))
             .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns, 0)))
             .replace("__COPIES__", str(s.copies))
-            .replace("__PDL__", str(int(pdl))).replace("__GROUP__", str(s.group))
-            .replace("__CLUSTER__", str(s.cluster)))
+            .replace("__PDL__", str(int(pdl))).replace("__GROUP__", str(s.group)))
 
 
 @functools.cache
@@ -996,9 +854,7 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     tiles = il32_shape(out_features, k)[0]
     ctas = min(tiles, _launch_shape(words.device, s, n, k))
     ring = 1
-    if s.cluster > 1:  # whole clusters, each on a tile at a time
-        ctas = s.cluster * max(1, min(tiles, _launch_shape(words.device, s, n, k) // s.cluster))
-    elif s.splits == 1:
+    if s.splits == 1:
         ring = tile_ring(s, n, k, -(-tiles // ctas), _smem_sm(words.device), _smem_optin(words.device),
                          _RING if s.kernel == "il" else _MMA_RING)
     smem = s.smem_bytes(n, k, ring)
@@ -1008,9 +864,7 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
                                "layout (NINFER_IQ3S_IL=0)")
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     args = [words, xa.words, xa.d, _tables(words.device)[1], y, out_features, k, y.stride(0)]
-    if s.kernel == "il_mma" and s.cluster > 1:  # a tile's pieces a cluster: no workspace
-        args += [s.splits, y, y]
-    elif s.kernel == "il_mma":
+    if s.kernel == "il_mma":
         work = (split_workspace(words.device, s.splits * n * tiles * 32, tiles, slots=True)
                 if s.splits > 1 else None)
         if work is None:  # one piece a tile (also while a graph is captured and the workspace is too small)
@@ -1020,9 +874,9 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
             ctas = min(tiles * s.splits, _launch_shape(words.device, s, n, k))
     args += [ring, *conv_arguments(conv)]
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
-    # one build for every split count (but for its clusters')
-    kernel = _compiled(n, _OUT_KINDS[xa.dtype], s if s.splits == 1 or s.cluster > 1 else replace(s, splits=1),
-                       pdl, conv is not None)
+    # one build for every split count
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], s if s.splits == 1 else replace(s, splits=1), pdl,
+                       conv is not None)
     _launch(kernel, ctas, 32 * s.warps, smem, args, pdl)
     return y
 

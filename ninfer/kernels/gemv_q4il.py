@@ -33,7 +33,6 @@ import torch
 
 from ninfer.kernels.gemv_il import (
     _OUT_KINDS,
-    CLUSTER_HELPERS,
     CONV_STAGE,
     CUDA_HELPERS,
     _launch,
@@ -44,7 +43,7 @@ from ninfer.kernels.gemv_il import (
 )
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
 from ninfer.kernels.gguf_matmul import QuantKernelError, dense_out, dequantize_rows
-from ninfer.kernels.lane_layout import TILE_STORE, LaneLayout, builds
+from ninfer.kernels.lane_layout import CLUSTER_HELPERS, TILE_STORE, LaneLayout, builds
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_enabled, tl, triton_runs_on
 
 LAYOUT = LaneLayout("q4_k", 144, body=((16, 144), (4, 16)), tail=(0, 4))  # qs, scales; then d, dmin
@@ -322,7 +321,7 @@ def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[i
                   conv: bool = False, staged: bool = False, cluster: int = 1) -> str:
     """`conv` (bf16 out): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`).
     `staged`: each warp's next block copied into shared memory while it works on one (the STAGES build).
-    `cluster` > 1: clusters of that many CTAs share each tile (`gemv_il.CLUSTER_HELPERS`; not staged)."""
+    `cluster` > 1: clusters of that many CTAs share each tile (`lane_layout.CLUSTER_HELPERS`; not staged)."""
     if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
         raise QuantKernelError("the q4il conv builds write bf16")
     if cluster > 1 and staged:

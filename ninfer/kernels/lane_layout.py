@@ -22,8 +22,62 @@ from ninfer.kernels.gguf_matmul import PREFILL_ROWS, QuantKernelError, dequantiz
 MAX_COLUMNS = 8  # the GEMVs' columns a call
 
 
+# CUDA C for lane-layout kernels in clusters of CTAs that share a tile (CLUSTER > 1, `__cluster_dims__`;
+# q4il's, after `gemv_il.CUDA_HELPERS` and `CONV_STAGE`, with CLUSTER, WARPS, NCOL and CONV defined), each
+# CTA rank its share of the blocks: every rank's per-row sums go into rank 0's shared memory (distributed
+# shared memory, `mapa`), then one cluster barrier, and rank 0 adds them in rank order and stores the tile
+# (`cluster_finish`).
+CLUSTER_HELPERS = r"""
+#if CLUSTER > 1
+#define CLUSTER_DIMS __cluster_dims__(CLUSTER, 1, 1)
+// every thread of the cluster's CTAs here before any goes on; their shared-memory stores before it seen after
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// the two halves of a barrier that orders nothing: at the start this thread's arrival, before the first
+// store into rank 0 the wait for every thread of the cluster's (so every CTA is running; a whole barrier at
+// the start, ahead of the programmatic launch's wait, cost the H200's graphed Q4_K round 0.03 ms)
+__device__ __forceinline__ void cluster_arrive() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+// v into the shared memory of the cluster's CTA rank 0, at the offset of p in this CTA's
+__device__ __forceinline__ void st_rank0(float* p, float v) {
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("mapa.shared::cluster.u32 %0, %0, 0;" : "+r"(a));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" :: "r"(a), "f"(v) : "memory");
+}
+// `set` (rank 0's, CLUSTER × 256 floats) holds rank r's sum of item i (column i / 32, row i % 32 of the tile)
+// at 256 r + i once every rank is past the barrier; rank 0 adds them in rank order and stores. A kernel
+// alternates two sets by tile, so a set is written again only after the next tile's barrier, which rank 0
+// reaches when done reading it.
+__device__ __forceinline__ void cluster_finish(const float* set, int rank, int tile, int N,
+                                               out_t* __restrict__ y, int stride_y
+#if defined(CONV) && CONV
+                                               , const ConvArgs& cv
+#endif
+                                               ) {
+    cluster_sync();
+    if (rank != 0) return;
+    for (int i = threadIdx.x; i < 32 * NCOL; i += WARPS * 32) {
+        const int m = i >> 5, row = i & 31;
+        float v = 0.f;
+#pragma unroll
+        for (int r = 0; r < CLUSTER; ++r) v += set[r * 256 + i];
+        if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
+#if defined(CONV) && CONV
+        if (tile * 32 + row < N) conv_store(cv, m, tile * 32 + row, to_out(v));
+#endif
+    }
+}
+#else
+#define CLUSTER_DIMS
+#endif
+"""
+
 # CUDA C shared by the lane-layout kernels (after `gemv_il.CUDA_HELPERS`, with WARPS and NCOL defined; where
-# CLUSTER > 1 after `gemv_il.CLUSTER_HELPERS`): a 32-row tile's sums, lane 4g + t holding rows 4g..4g + 3 of
+# CLUSTER > 1 after `CLUSTER_HELPERS`): a 32-row tile's sums, lane 4g + t holding rows 4g..4g + 3 of
 # columns 2t, 2t + 1 (`acc[r][e]`) for its warp's share of the tile's blocks, summed over the warps through
 # shared memory `red` [WARPS][32 rows][8 columns] and stored to y's rows below N (`store_tile`), or in a
 # cluster every rank's sums added by rank 0 (`store_cluster_tile`, `cluster_finish`).

@@ -124,12 +124,23 @@ def test_the_kernels_integer_recipe_gives_the_twin(n, k, columns):
     assert np.abs(y[:columns, :n] - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_shape_rule():
-    """The CTA shape whose last round of tiles is the fullest, the most CTAs on a tie."""
+def test_shape_rule(monkeypatch):
+    """The CTA shape whose last round of tiles is the fullest, the most CTAs on a tie; NINFER_Q4IL_SHAPE
+    another for the matrices of fewer tiles than any shape's slots only, one of SHAPES."""
+    monkeypatch.delenv("NINFER_Q4IL_SHAPE", raising=False)
     assert q4il_shape(1088, 132) == (5, 3)  # gate|up: 2.75 rounds of 396 against 4.12 of 264
     assert q4il_shape(515, 132) == (4, 4)  # 0.98 rounds of 528, 1.95 of 264
     assert q4il_shape(160, 132) == (8, 2)  # down: 0.61 of 264 against 0.40 of 396
     assert q4il_shape(792, 132) == (5, 3)  # 3 of 264 and 2 of 396: a tie
+    monkeypatch.setenv("NINFER_Q4IL_SHAPE", "4x4")
+    assert q4il_shape(160, 132) == (4, 4)
+    assert q4il_shape(263, 132) == (4, 4)
+    assert q4il_shape(264, 132) == (8, 2)  # fills the 8 × 2 slots: as the rule says
+    assert q4il_shape(515, 132) == (4, 4)
+    assert q4il_shape(1088, 132) == (5, 3)
+    monkeypatch.setenv("NINFER_Q4IL_SHAPE", "6x2")
+    with pytest.raises(QuantKernelError, match="one of 8x2, 5x3, 4x4"):
+        q4il_shape(160, 132)
 
 
 def test_the_cluster_rule(monkeypatch):

@@ -344,11 +344,20 @@ def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
     """The (warps, CTAs an SM) of `SHAPES` whose grid leaves the least of its last round of tiles idle, the
     most CTAs on a tie. H200 (132 SMs, bench/q4il_timing.py, session 35 run 5, µs at 1 / 4 columns): the
     27B's gate|up (1088 tiles: 4.12 rounds of 264 CTAs, 2.75 of 396) 31.8 / 33.5 at 8 × 2, 29.0 / 30.8 at
-    5 × 3; its GDN input (515 tiles: 0.98 rounds of 528) 16.1 / 17.3 at 8 × 2, 15.1 / 16.9 at 4 × 4."""
+    5 × 3; its GDN input (515 tiles: 0.98 rounds of 528) 16.1 / 17.3 at 8 × 2, 15.1 / 16.9 at 4 × 4.
+    NINFER_Q4IL_SHAPE=WxC (for A/B): that shape for the matrices of fewer tiles than any shape's CTA slots
+    (the 27B's 5120-row projections)."""
     def key(shape: tuple[int, int]) -> tuple[float, int]:
         slots = shape[1] * sms
         return tiles / (-(-tiles // slots) * slots), shape[1]
 
+    forced = os.environ.get("NINFER_Q4IL_SHAPE", "")
+    if forced and tiles < min(s[1] for s in SHAPES) * sms:
+        shape = tuple(int(v) for v in forced.split("x"))
+        if shape not in SHAPES:
+            raise QuantKernelError(f"NINFER_Q4IL_SHAPE={forced}: one of " + ", ".join(
+                f"{w}x{c}" for w, c in SHAPES))
+        return shape
     return max(SHAPES, key=key)
 
 

@@ -55,7 +55,9 @@ def decode_steps(engine, n_prompt: int, steps: int, profile: bool, columns: int 
     handles = []
     for lane in range(lanes):
         ids = bench_prompt(getattr(engine.model, "vocab_size", 1000), n_prompt, seed=1 + lane)
-        params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+        # lane 0 decodes while the others prefill (one a round): enough tokens that no lane ends in the rounds
+        # timed (an ending lane's round gathers the lookahead's tokens through a synchronising copy)
+        params = SamplingParams(max_tokens=steps + lanes + 4, temperature=0.0, ignore_eos=True)
         handles.append(engine.submit(GenerationRequest(f"profile-{lane}", ids, params)))
     while any(h.seq.generated < 1 for h in handles):  # prefill up to every lane's first token
         rnd = engine.scheduler.schedule()

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The device runs waiting for a GPU (gpu-notes "Session 52", Next), one or more phases a `device` call (each
-# call under 10 minutes; logs and JSON under $OUT/<phase>/, the settings' table printed last). Sessions
-# 47-52's A/Bs (staged, q4staged, conv, cluster; trace and alloc on an H100) are done; their phases stay to
-# rerun; of `memory` only the probe has run (session 51), never the prefill pieces' A/B.
+# call under 10 minutes; logs and JSON under $OUT/<phase>/, the settings' table printed last). Waiting: `sums`
+# (session 52), `gaps` on an H200. Sessions 47-52's A/Bs (staged, q4staged, conv, cluster; trace and alloc on
+# an H100) are done; their phases stay to rerun; of `memory` only the probe has run (session 51), never the
+# prefill pieces' A/B.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
 #   bash bench/pending_ab.sh cluster   # q4il's cluster GPU tests; its clusters (default at 1-2 columns on an H200)
 #                                      # vs none at 1-8 lanes and 4 columns (~4 min)
+#   bash bench/pending_ab.sh sums      # q4il's prologue 4 / 8 items a thread (NINFER_Q4IL_SUM_ITEMS): its GPU
+#                                      # twin tests, Q4_K rounds at 1-8 lanes and 4 columns (~5 min)
 #   bash bench/pending_ab.sh gaps      # the suite's rounds: each graph's GPU time and the time between graphs
 #   bash bench/pending_ab.sh trace     # a graphed 1-lane round kernel by kernel, Q4_K then IQ3_S (~2 min)
 #   bash bench/pending_ab.sh alloc     # the Q4_K suite with the allocator's expandable segments (peak reserved)
@@ -22,7 +25,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory or suites"
+PHASES="sums, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -70,6 +73,13 @@ phase() {
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
       sweep cluster_lanes q4_k 240 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2 --lanes 1,2,4,8
       sweep cluster_c4 q4_k 150 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2 --columns 4
+      ;;
+    sums)
+      step pytest 240 "$PY" -m pytest -m gpu -n 4 -p xdist --dist worksteal -v -rfE -k "twin_on_gpu" \
+        tests/test_gemv_q4il.py
+      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
+      sweep sums_lanes q4_k 240 NINFER_Q4IL_SUM_ITEMS=4,NINFER_Q4IL_SUM_ITEMS=8 --lanes 1,2,4,8
+      sweep sums_c4 q4_k 150 NINFER_Q4IL_SUM_ITEMS=4,NINFER_Q4IL_SUM_ITEMS=8 --columns 4
       ;;
     gaps)
       for wtype in q4_k iq3_s; do

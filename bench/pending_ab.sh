@@ -56,6 +56,15 @@ sweep() {
     --out "$OUT/$name" "$@"
 }
 
+# q4il_ab NAME TESTS SETTINGS: q4il's GPU tests matching TESTS, then the Q4_K rounds under each setting at 1-8
+# lanes and at 4 columns
+q4il_ab() {
+  step pytest 240 "$PY" -m pytest -m gpu -n 4 -p xdist --dist worksteal -v -rfE -k "$2" tests/test_gemv_q4il.py
+  grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
+  sweep "$1_lanes" q4_k 240 "$3" --lanes 1,2,4,8
+  sweep "$1_c4" q4_k 150 "$3" --columns 4
+}
+
 # phase NAME: one phase's steps, its logs under $ROOT/NAME/
 phase() {
   OUT=$ROOT/$1
@@ -68,18 +77,10 @@ phase() {
       done
       ;;
     cluster)
-      step pytest 240 "$PY" -m pytest -m gpu -n 4 -p xdist --dist worksteal -v -rfE -k "clusters or twin_on_gpu" \
-        tests/test_gemv_q4il.py
-      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-      sweep cluster_lanes q4_k 240 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2 --lanes 1,2,4,8
-      sweep cluster_c4 q4_k 150 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2 --columns 4
+      q4il_ab cluster "clusters or twin_on_gpu" NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2
       ;;
     sums)
-      step pytest 240 "$PY" -m pytest -m gpu -n 4 -p xdist --dist worksteal -v -rfE -k "twin_on_gpu" \
-        tests/test_gemv_q4il.py
-      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-      sweep sums_lanes q4_k 240 NINFER_Q4IL_SUM_ITEMS=4,NINFER_Q4IL_SUM_ITEMS=8 --lanes 1,2,4,8
-      sweep sums_c4 q4_k 150 NINFER_Q4IL_SUM_ITEMS=4,NINFER_Q4IL_SUM_ITEMS=8 --columns 4
+      q4il_ab sums "twin_on_gpu" NINFER_Q4IL_SUM_ITEMS=4,NINFER_Q4IL_SUM_ITEMS=8
       ;;
     gaps)
       for wtype in q4_k iq3_s; do

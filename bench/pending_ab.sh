@@ -10,7 +10,8 @@
 #                                      # vs none at 1-8 lanes and 4 columns (~4 min)
 #   bash bench/pending_ab.sh sums      # q4il's prologue 4 / 8 items a thread (NINFER_Q4IL_SUM_ITEMS): its GPU
 #                                      # twin tests, Q4_K rounds at 1-8 lanes and 4 columns (~5 min)
-#   bash bench/pending_ab.sh gaps      # the suite's rounds: each graph's GPU time and the time between graphs
+#   bash bench/pending_ab.sh gaps      # decode rounds' sync-free test; the suite's rounds: each graph's GPU time
+#                                      # and the time between graphs (~4 min)
 #   bash bench/pending_ab.sh trace     # a graphed 1-lane round kernel by kernel, Q4_K then IQ3_S (~2 min)
 #   bash bench/pending_ab.sh alloc     # the Q4_K suite with the allocator's expandable segments (peak reserved)
 #   bash bench/pending_ab.sh tests     # the GPU tests of the conv epilogue, prefill pieces, staged q4il
@@ -83,6 +84,8 @@ phase() {
       q4il_ab sums "twin_on_gpu" NINFER_Q4IL_SUM_ITEMS=4,NINFER_Q4IL_SUM_ITEMS=8
       ;;
     gaps)
+      step pytest 120 "$PY" -m pytest -m gpu -v -rfE -k "synchronise or lookahead" tests/test_graph_decode.py
+      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
       for wtype in q4_k iq3_s; do
         step "gaps_$wtype" 150 "$PY" bench/round_gaps.py --wtype "$wtype" --lanes 1,8
         grep "^|" "$OUT/gaps_$wtype.log"

@@ -379,6 +379,36 @@ def test_decode_lookahead_on_cuda_graphs_same_tokens():
     assert outs[0] == outs[1]
 
 
+@pytest.mark.gpu
+def test_decode_rounds_with_lanes_ending_do_not_synchronise():
+    """On CUDA with the lookahead, once every lane decodes: the rounds — lanes ending among them, the
+    lookahead gathering the others' tokens — make no synchronising call (`torch.cuda.set_sync_debug_mode`
+    "error"), and give the tokens of the engine without the lookahead."""
+    from test_engine_invariants import drive
+
+    from ninfer.engine.api import GenerationRequest, SamplingParams
+    from ninfer.engine.engine import Engine, EngineConfig
+
+    model = synthetic_model("tiny", device="cuda").eval()
+    outs = []
+    for lookahead in (False, True):
+        config = EngineConfig(max_concurrency=3, max_context=256, kv_capacity=1024, kv_dtype="bf16",
+                              prefill_chunk=48, device="cuda", decode_lookahead=lookahead)
+        engine = Engine.from_model(model, config)
+        handles = [engine.submit(GenerationRequest(f"r{i}", tuple(tokens(n, 300 + i)),
+                                                   SamplingParams(max_tokens=m, temperature=0)))
+                   for i, (n, m) in enumerate([(20, 14), (9, 6), (30, 10)])]
+        while any(h.seq.generated < 1 for h in handles):  # the prefills (eager rounds: they synchronise)
+            engine.step(engine.scheduler.schedule())
+        torch.cuda.set_sync_debug_mode("error" if lookahead else 0)
+        try:
+            outs.append(drive(engine, handles))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert outs[0] == outs[1]
+    assert sorted(len(t) for t, _ in outs[1].values()) == [6, 10, 14]
+
+
 def test_no_cuda_graphs_flag_reaches_engine_config():
     from ninfer.cli.serve import build_parser, engine_config
 

@@ -377,7 +377,7 @@ class Engine:
         pool = ahead.ids if device_ids is None else torch.cat([ahead.ids, device_ids])
         rest = iter(range(len(ahead.items), pool.numel()))
         order = [done[i] if i in done else next(rest) for i in sampled]
-        return pool[torch.tensor(order, device=pool.device)]
+        return pool[index_on(pool.device, order)]
 
     def _copy_to_host(self, tokens: torch.Tensor) -> Callable[[], list[int]]:
         """Start copying `tokens` to the host; returns the function that waits for them (a list of ints)."""
@@ -403,7 +403,7 @@ class Engine:
         if not keep:
             return
         items = [replace(rnd.items[r], token_ids=(0,), start=rnd.items[r].start + 1) for r in keep]
-        feed = tokens if len(keep) == len(rnd.items) else tokens[torch.tensor(keep, device=tokens.device)]
+        feed = tokens if len(keep) == len(rnd.items) else tokens[index_on(tokens.device, keep)]
         logits = self.runner.run(Round(items, [], []), device_ids=feed)
         self._ahead = _Lookahead(items, logits[:, : self.sample_vocab].argmax(dim=-1))
 
@@ -441,6 +441,16 @@ class Engine:
             if not p.greedy or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 return False
         return True
+
+
+def index_on(device: torch.device, rows: list[int]) -> torch.Tensor:
+    """`rows` as an index tensor on `device`; on CUDA through pinned memory, so the copy queues behind the
+    rounds in flight instead of waiting for them (a lane ending beside others, the lookahead gathering their
+    tokens, kept the device idle while the host caught up)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 def eos_token_ids(artifact) -> tuple[int, ...]:

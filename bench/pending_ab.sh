@@ -10,8 +10,9 @@
 #                                      # vs none at 1-8 lanes and 4 columns (~4 min)
 #   bash bench/pending_ab.sh sums      # q4il's prologue 4 / 8 items a thread (NINFER_Q4IL_SUM_ITEMS): its GPU
 #                                      # twin tests, Q4_K rounds at 1-8 lanes and 4 columns (~5 min)
-#   bash bench/pending_ab.sh gaps      # decode rounds' sync-free test; the suite's rounds: each graph's GPU time
-#                                      # and the time between graphs (~4 min)
+#   bash bench/pending_ab.sh gaps      # decode rounds' sync-free test; the suite's rounds (each graph's GPU time,
+#                                      # the time between graphs) at its context, at 4,096, with the decode
+#                                      # attention's programs capped; that cap as graphed rounds (~8 min)
 #   bash bench/pending_ab.sh trace     # a graphed 1-lane round kernel by kernel, Q4_K then IQ3_S (~2 min)
 #   bash bench/pending_ab.sh alloc     # the Q4_K suite with the allocator's expandable segments (peak reserved)
 #   bash bench/pending_ab.sh tests     # the GPU tests of the conv epilogue, prefill pieces, staged q4il
@@ -86,10 +87,13 @@ phase() {
     gaps)
       step pytest 120 "$PY" -m pytest -m gpu -v -rfE -k "synchronise or lookahead" tests/test_graph_decode.py
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-      for wtype in q4_k iq3_s; do
-        step "gaps_$wtype" 150 "$PY" bench/round_gaps.py --wtype "$wtype" --lanes 1,8
-        grep "^|" "$OUT/gaps_$wtype.log"
+      # the suite's rounds at its context (16,520), at 4,096, and with the decode attention's programs capped
+      for run in "suite:" "ctx4096:--max-context 4096" "capped:--attn-programs 512"; do
+        # shellcheck disable=SC2086
+        step "gaps_${run%%:*}" 150 "$PY" bench/round_gaps.py --wtype q4_k --lanes 1,8 ${run#*:}
+        grep "^|" "$OUT/gaps_${run%%:*}.log"
       done
+      sweep attn_q4_k q4_k 240 attn=2:64:0,attn=2:64:512 --lanes 1,2,4,8 --max-context 16520
       ;;
     alloc)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WTYPES=q4_k SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh

@@ -5,8 +5,13 @@ the host) — beside `step_profile.replay_ms`'s back-to-back replays of the same
 
     python3 bench/round_gaps.py --wtype q4_k --lanes 1,8   # GPU machine (wheels installed as gpu_bench.sh)
 
-Session 52 (H100, Q4_K): C = 8 849 tok/s, 9.43 ms a round — the graph 9.34 ms (the replays alone 9.33-9.43),
-0.025 ms between graphs at 1 and 8 lanes alike: the round is the graph's, not the host's.
+Session 52 (H100, Q4_K, max context 4,096): C = 8 849 tok/s, 9.43 ms a round — the graph 9.34 ms (the replays
+alone 9.33-9.43), 0.025 ms between graphs at 1 and 8 lanes alike: the round is the graph's, not the host's.
+The suite's C = 8 (max context 16,520: 64 attention splits a sequence, against 32 here) ran 3-4 % lower
+(H100: 822 tok/s in session 51's suite; H200: 921.8 against this engine's own-slot replay, 8.366 ms = 956).
+
+    python3 bench/round_gaps.py --wtype q4_k --max-context 4096        # session 52's engine
+    python3 bench/round_gaps.py --wtype q4_k --attn-programs 512       # the suite's, attention capped
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from step_profile import add_model_arguments, engine_args, replay_ms  # noqa: E4
 
 from ninfer.cli.bench import make_engine  # noqa: E402
 from ninfer.cli.bench_suite import SuiteSizes, aggregate_decode  # noqa: E402
+from ninfer.kernels import paged_attention  # noqa: E402
 
 
 def main() -> int:
@@ -32,13 +38,20 @@ def main() -> int:
     add_model_arguments(p, "q4_k")
     p.add_argument("--lanes", default="1,8")
     p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--max-context", type=int, default=SuiteSizes().context_tokens(),
+                   help="the engine's max context (default the suite's, 16,520: its page tables' width sets "
+                        "the decode attention's splits)")
+    p.add_argument("--attn-programs", type=int, default=None,
+                   help="paged_attention.DECODE_PROGRAMS for this run (0: no cap)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("round_gaps times CUDA graphs: run it on the GPU machine")
     lanes = [int(c) for c in a.lanes.split(",")]
     kv = SuiteSizes(short_prompt=a.prompt, concurrency=(max(lanes),)).kv_tokens()
-    engine, name = make_engine(engine_args(a, True, None), "bf16", 4096, 2048, lanes=max(lanes),
-                               kv_tokens=max(4096, kv))
+    if a.attn_programs is not None:
+        paged_attention.DECODE_PROGRAMS = a.attn_programs
+    engine, name = make_engine(engine_args(a, True, None), "bf16", a.max_context, 2048, lanes=max(lanes),
+                               kv_tokens=max(a.max_context, kv))
     marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     replay = torch.cuda.CUDAGraph.replay
 
@@ -49,7 +62,8 @@ def main() -> int:
         end.record()
         marks.append((start, end))
 
-    print(f"{name}, {a.prompt}-token prompts")
+    print(f"{name}, {a.prompt}-token prompts, max context {a.max_context}, "
+          f"decode attention programs at most {paged_attention.DECODE_PROGRAMS or 'uncapped'}")
     print("| lanes | suite tok/s | ms a round | graph ms (median, middle half) | between graphs ms | "
           "replays alone, own slots |\n|---|---|---|---|---|---|")
     for c in lanes:

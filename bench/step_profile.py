@@ -262,12 +262,13 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     """The captured step's GPU time under each launch setting ("NAME=value", several joined by "+", e.g.
     NINFER_PDL_LATE=0; the name `lookahead` sets the engine's decode lookahead, seen by --lanes only; `routes`
     one of ROUTE_SETS; `frag` one matrix's fragment schedule at one width, see `frag_override`; `rows` its
-    rows schedule, see `rows_override`; `attn` RUN:SPLITS the decode attention's
-    paged_attention.DECODE_RUN_PAGES and DECODE_SPLITS; `gdn` BLOCK_V:WARPS:BLOCK_C gdn_decode's decode tiles,
-    BLOCK_V for any number of lanes; `skip` module.kernel[:module.kernel…] of ninfer.kernels left out of the
-    step, an upper bound on what fusing them away could gain; `norm` the decode add + RMSNorm's columns a
-    program), the graphs captured again for each, twice over in alternating order (the machine's drift shows
-    as the difference); a setting's environment variables hold for it alone (the others' are restored)."""
+    rows schedule, see `rows_override`; `attn` RUN:SPLITS[:PROGRAMS] the decode attention's
+    paged_attention.DECODE_RUN_PAGES, DECODE_SPLITS and DECODE_PROGRAMS; `gdn` BLOCK_V:WARPS:BLOCK_C
+    gdn_decode's decode tiles, BLOCK_V for any number of lanes; `skip` module.kernel[:module.kernel…] of
+    ninfer.kernels left out of the step, an upper bound on what fusing them away could gain; `norm` the
+    decode add + RMSNorm's columns a program), the graphs captured again for each, twice over in
+    alternating order (the machine's drift shows as the difference); a setting's environment variables hold
+    for it alone (the others' are restored)."""
     import os
     from dataclasses import replace
 
@@ -284,7 +285,12 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     current = dict(gemv_frag.MEASURED_ROUTES)
     rows_tables = {id(t): (t, dict(t)) for t in (gemv_rows._EXACT, gemv_rows_iq._EXACT)}
     norm_chunk = fused.NORM_CHUNK
-    attn = paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS
+    attn_names = ("DECODE_RUN_PAGES", "DECODE_SPLITS", "DECODE_PROGRAMS")
+    attn = tuple(getattr(paged_attention, name) for name in attn_names)
+
+    def set_attn(values) -> None:
+        for name, value in zip(attn_names, values, strict=True):
+            setattr(paged_attention, name, value)
     gdn_tiles = ("RECURRENT_BLOCK_V_ONE_LANE", "RECURRENT_BLOCK_V", "RECURRENT_WARPS_ONE_LANE",
                  "RECURRENT_WARPS", "CONV_BLOCK_C")
     gdn = {name: getattr(gdn_decode, name) for name in gdn_tiles}
@@ -306,7 +312,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
         for table, saved in rows_tables.values():
             table.clear()
             table.update(saved)
-        paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
+        set_attn(attn)
         for name, value in gdn.items():
             setattr(gdn_decode, name, value)
         fused.NORM_CHUNK = norm_chunk
@@ -325,9 +331,10 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
             elif name == "rows":  # one matrix and width on one rows schedule (split-K, bench/split_timing.py)
                 table, key, names = rows_override(value)
                 table[key] = names
-            elif name == "attn":  # decode attention's runs: RUN pages at least, SPLITS programs at most
-                run, splits = map(int, value.split(":"))
-                paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = run, splits
+            elif name == "attn":  # decode attention's runs: RUN pages at least, SPLITS programs at most (a
+                # sequence and KV head), PROGRAMS at most in all (0: no cap)
+                run, splits, *programs = map(int, value.split(":"))
+                set_attn((run, splits, *(programs or attn[2:])))
             elif name == "gdn":  # value columns, warps per GDN recurrence program (any lanes); conv channels
                 columns, warps, channels = map(int, value.split(":"))
                 gdn_decode.RECURRENT_BLOCK_V_ONE_LANE = gdn_decode.RECURRENT_BLOCK_V = columns
@@ -370,7 +377,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
     routes.clear()
     routes.update(current)
     fused.NORM_CHUNK = norm_chunk
-    paged_attention.DECODE_RUN_PAGES, paged_attention.DECODE_SPLITS = attn
+    set_attn(attn)
     for name, value in gdn.items():
         setattr(gdn_decode, name, value)
     return {k: min(t) for k, t in out.items()}
@@ -406,7 +413,8 @@ def main() -> int:
                         "lookahead=0,lookahead=1 sets the engine's decode lookahead; "
                         "routes=q4k_r1,routes=current the fragment routes of ROUTE_SETS; "
                         "frag=q4_k:34816x5120:8:frag_w2_r1_m8_s8 one matrix's schedule at one width; "
-                        "attn=4:1000 decode attention's runs of >= 4 pages, <= 1000 programs a KV head)")
+                        "attn=4:1000 decode attention's runs of >= 4 pages, <= 1000 programs a KV head; "
+                        "attn=2:64:512 also <= 512 programs a launch)")
     p.add_argument("--lanes", default="", help="with --sweep: also the suite's aggregate decode at these "
                    "lane counts (comma-separated) under each setting; else the profiled rounds decode this "
                    "many lanes (the largest)")
@@ -423,6 +431,9 @@ def main() -> int:
     p.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine's decode lookahead (default: the engine's, on CUDA yes); the suite's "
                         "aggregate decode of --lanes and the step wall time see it, graph replays do not")
+    p.add_argument("--max-context", type=int, default=4096,
+                   help="the engine's max context (its page tables' width: the decode attention's splits); "
+                        "the suite's is 16,520")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     rows = {}
@@ -434,7 +445,8 @@ def main() -> int:
         lanes = max([1, *map(int, filter(None, a.lanes.split(",")))])
         # KV for every lane's prompt and the suite's n_gen + lanes tokens at once (else no round has them all)
         kv = SuiteSizes(short_prompt=a.prompt, concurrency=(lanes,)).kv_tokens()
-        engine, name = make_engine(args, "bf16", 4096, 2048, lanes=lanes, kv_tokens=max(4096, kv))
+        engine, name = make_engine(args, "bf16", a.max_context, 2048, lanes=lanes,
+                                   kv_tokens=max(a.max_context, kv))
         profiled = lanes if not a.sweep else 1
         decode_steps(engine, a.prompt, 2, False, a.columns, profiled)  # compile, capture
         profile = a.timeline if graphs else True

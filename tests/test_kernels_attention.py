@@ -47,12 +47,27 @@ def test_kernel_matches_reference(name):
     ref = paged_decode_attention_reference(q, storage, tables, lane_ids, seq_lens, fmt)
     # one split per sequence; one per page; at most two splits, so that a sequence of 3 pages
     # takes runs of 2 and 1 and one of 2 pages a page each (runs found from the length in both kernels)
-    for per_split, max_splits in ((4, 64), (1, 64), (1, 2)):
+    # (and at most 7 or 6 programs over the 6 sequence × KV-head pairs: two splits, then one a sequence)
+    for per_split, max_splits, programs in ((4, 64, 0), (1, 64, 0), (1, 2, 0), (1, 64, 7), (1, 64, 6)):
         out = paged_decode_attention(q, storage, tables, lane_ids, seq_lens, fmt, pages_per_split=per_split,
-                                     max_splits=max_splits)
+                                     max_splits=max_splits, max_programs=programs)
         # same decoded values, fp32 softmax in another order: measured 1.6e-7..2.6e-7
         err = float((out - ref).norm() / ref.norm())
-        assert err < 1e-5, (name, per_split, max_splits, err)
+        assert err < 1e-5, (name, per_split, max_splits, programs, err)
+
+
+def test_decode_splits():
+    """Runs across the page table's width, at most the cap, and with a program budget at most enough for it
+    (one at least): the 27B's 4 KV heads under the suite's context (259 pages wide)."""
+    from ninfer.kernels.paged_attention import decode_splits
+
+    assert decode_splits(259, 32, 2, 64, 0) == 64  # 8 lanes, no budget: 2,048 programs
+    assert decode_splits(259, 32, 2, 64, 512) == 16  # 8 lanes: 512
+    assert decode_splits(259, 16, 2, 64, 512) == 32
+    assert decode_splits(259, 4, 2, 64, 512) == 64  # one lane: as without
+    assert decode_splits(64, 4, 2, 64, 512) == 32  # a narrower table: its runs
+    assert decode_splits(259, 1024, 2, 64, 512) == 1
+    assert decode_splits(3, 6, 1, 2, 7) == 2 and decode_splits(3, 6, 1, 64, 6) == 1
 
 
 @needs_triton

@@ -42,7 +42,21 @@ PAGES_PER_SPLIT = 4  # pages one prefill-span program reads over a long context 
 # 10.34 / 10.19 / 10.23 ms
 DECODE_RUN_PAGES = 2
 DECODE_SPLITS = 64
+# with DECODE_PROGRAMS > 0, a launch's splits also at most enough for DECODE_PROGRAMS (sequence, KV head,
+# split) programs (`decode_splits`): the split count follows the page table's width (graph-safe), so a
+# server's long max context gives every short sequence 64 splits, nearly all empty, 2,048 programs for the
+# 27B's 8 lanes. Off (0) until timed (`attn=RUN:SPLITS:PROGRAMS`; session 52: the suite's 8-lane round,
+# context 16,520, runs ~3 % slower than the same round at context 4,096).
+DECODE_PROGRAMS = 0
 KERNEL_KV_CODES = {"bf16": 0, "int8": 1, "rk8v4": 2, "rk4v4": 3}
+
+
+def decode_splits(width: int, pairs: int, pages_per_split: int, max_splits: int, programs: int) -> int:
+    """Splits of each sequence's context in a decode launch of `pairs` (sequence, KV head) pairs over page
+    tables `width` pages wide: runs of `pages_per_split` across the width, at most `max_splits`, and with
+    `programs` > 0 at most enough for `programs` programs in all (one at least)."""
+    splits = min(-(-width // pages_per_split), max_splits)
+    return min(splits, max(1, -(-programs // pairs))) if programs > 0 else splits
 
 
 class PagedAttentionError(NinferError):
@@ -255,7 +269,7 @@ def paged_decode_attention(
     q: torch.Tensor, storage: torch.Tensor, page_tables: torch.Tensor, lane_ids: torch.Tensor,
     seq_lens: torch.Tensor, fmt: kv_quant.KvFormat, scale: float | None = None,
     pages_per_split: int | None = None, gate: torch.Tensor | None = None, max_splits: int | None = None,
-    group: int = 32,
+    group: int = 32, max_programs: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its cached pages (the new token's K/V already
     written). q `[B, Hq, D]` not rotated; seq_lens include the new token. Returns `[B, Hq, D]`, q's dtype.
@@ -263,7 +277,8 @@ def paged_decode_attention(
     The context is split into runs of `pages_per_split` pages (at least; default `DECODE_RUN_PAGES`), one
     program each per sequence and KV head, at most `max_splits` of them (default `DECODE_SPLITS`): a longer
     context takes longer runs (each program finds its run from the sequence's length, the merge likewise).
-    The split count comes from the page table's width, never from the lengths (no host sync: graph-safe).
+    The split count comes from the page table's width, never from the lengths (no host sync: graph-safe),
+    and from the batch where `max_programs` (default `DECODE_PROGRAMS`) caps the programs (`decode_splits`).
     Short runs keep the GPU busy at short contexts: at 512 tokens one lane's 4 KV heads are 16 programs of two
     pages, where runs of 4 pages made 8.
 
@@ -282,7 +297,8 @@ def paged_decode_attention(
     Hkv = storage.shape[1]
     G = Hq // Hkv
     pages_per_split = pages_per_split or DECODE_RUN_PAGES
-    splits = min(-(-page_tables.shape[1] // pages_per_split), max_splits or DECODE_SPLITS)
+    splits = decode_splits(page_tables.shape[1], B * Hkv, pages_per_split, max_splits or DECODE_SPLITS,
+                           DECODE_PROGRAMS if max_programs is None else max_programs)
     hadamard, levels = _device_tables(D, q.device)
     qr = (q.float() @ hadamard if fmt.rotated_keys else q).contiguous()
     acc = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)

@@ -93,7 +93,7 @@ phase() {
         step "gaps_${run%%:*}" 150 "$PY" bench/round_gaps.py --wtype q4_k --lanes 1,8 ${run#*:}
         grep "^|" "$OUT/gaps_${run%%:*}.log"
       done
-      sweep attn_q4_k q4_k 240 attn=2:64:0,attn=2:64:512 --lanes 1,2,4,8 --max-context 16520
+      sweep attn_q4_k q4_k 300 attn=2:64:0,attn=2:64:512,attn=2:64:128 --lanes 1,2,4,8 --max-context 16520
       ;;
     alloc)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WTYPES=q4_k SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh

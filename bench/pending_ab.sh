@@ -12,7 +12,8 @@
 #                                      # twin tests, Q4_K rounds at 1-8 lanes and 4 columns (~5 min)
 #   bash bench/pending_ab.sh gaps      # decode rounds' sync-free test; the suite's rounds (each graph's GPU time,
 #                                      # the time between graphs) at its context, at 4,096, with the decode
-#                                      # attention's programs capped; that cap as graphed rounds (~8 min)
+#                                      # attention's programs capped; that cap as graphed rounds, the 4-column
+#                                      # step too (~9 min)
 #   bash bench/pending_ab.sh trace     # a graphed 1-lane round kernel by kernel, Q4_K then IQ3_S (~2 min)
 #   bash bench/pending_ab.sh alloc     # the Q4_K suite with the allocator's expandable segments (peak reserved)
 #   bash bench/pending_ab.sh tests     # the GPU tests of the conv epilogue, prefill pieces, staged q4il
@@ -94,6 +95,8 @@ phase() {
         grep "^|" "$OUT/gaps_${run%%:*}.log"
       done
       sweep attn_q4_k q4_k 300 attn=2:64:0,attn=2:64:512,attn=2:64:128 --lanes 1,2,4,8 --max-context 16520
+      # the verification step: 4 query rows of one lane, 1,024 programs uncapped
+      sweep attn_c4 iq3_s 150 attn=2:64:0,attn=2:64:128 --columns 4 --max-context 16520
       ;;
     alloc)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WTYPES=q4_k SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh

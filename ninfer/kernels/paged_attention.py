@@ -45,8 +45,8 @@ DECODE_SPLITS = 64
 # with DECODE_PROGRAMS > 0, a launch's splits also at most enough for DECODE_PROGRAMS (sequence, KV head,
 # split) programs (`decode_splits`): the split count follows the page table's width (graph-safe), so a
 # server's long max context gives every short sequence 64 splits, nearly all empty, 2,048 programs for the
-# 27B's 8 lanes. Off (0) until timed (`attn=RUN:SPLITS:PROGRAMS`; session 52: the suite's 8-lane round,
-# context 16,520, runs ~3 % slower than the same round at context 4,096).
+# 27B's 8 lanes. Off (0) until timed (`attn=RUN:SPLITS:PROGRAMS`; session 52: the suite's C = 8, context
+# 16,520, ran 3-4 % below the profiling engines', context 4,096).
 DECODE_PROGRAMS = 0
 KERNEL_KV_CODES = {"bf16": 0, "int8": 1, "rk8v4": 2, "rk4v4": 3}
 

@@ -149,7 +149,8 @@ def test_the_q4il_kernel_on_staged_blocks(columns, shape):
 @pytest.mark.parametrize("columns", [1, 4, 8])
 def test_the_q4il_prologue_sums_any_items_at_a_time(columns):
     """`sum_items`: the activation's per-32 sums 1, 3 or 8 a thread at a time in the prologue, the same bits
-    as 4: over 30 blocks of 8 columns 12, 4 and 2 rounds of a CTA's 160 threads, the last one past the end."""
+    as 4: over 30 blocks of 8 columns 12, 4 and 2 rounds of a CTA's 160 threads, the last one past the end;
+    8 also in the staged build and in clusters of 2."""
     n, k = 200, 7680
     raw = random_gguf_weight("q4_k", n, k)
     torch.manual_seed(1)
@@ -158,6 +159,12 @@ def test_the_q4il_prologue_sums_any_items_at_a_time(columns):
     for items in (1, 3, 8):
         torch.manual_seed(1)
         assert torch.equal(q4il_case(columns, n, k, raw=raw, sum_items=items)[0], four), items
+    torch.manual_seed(1)
+    assert torch.equal(q4il_case(columns, n, k, raw=raw, staged=True, sum_items=8)[0], four)
+    torch.manual_seed(1)
+    clustered, _ = q4il_case(columns, n, k, raw=raw, cluster=2)
+    torch.manual_seed(1)
+    assert torch.equal(q4il_case(columns, n, k, raw=raw, cluster=2, sum_items=8)[0], clustered)
 
 
 @pytest.mark.parametrize("cluster", [2, 3])

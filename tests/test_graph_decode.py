@@ -357,25 +357,29 @@ def test_engine_decode_rounds_through_graphs_same_tokens(tiny):
     assert used[0] is None and sorted(used[1]._graphs) and sorted(used[2]._graphs)  # through the graphs
 
 
+def cuda_engine_with(lookahead: bool, requests: list[tuple[int, int]]):
+    """The tiny synthetic model's engine on CUDA (3 lanes, bf16 KV, captured graphs) with greedy requests of
+    (prompt tokens, max_tokens) submitted; (engine, handles)."""
+    from ninfer.engine.api import GenerationRequest, SamplingParams
+    from ninfer.engine.engine import Engine, EngineConfig
+
+    config = EngineConfig(max_concurrency=3, max_context=256, kv_capacity=1024, kv_dtype="bf16",
+                          prefill_chunk=48, device="cuda", decode_lookahead=lookahead)
+    engine = Engine.from_model(synthetic_model("tiny", device="cuda").eval(), config)
+    handles = [engine.submit(GenerationRequest(f"r{i}", tuple(tokens(n, 300 + i)),
+                                               SamplingParams(max_tokens=m, temperature=0)))
+               for i, (n, m) in enumerate(requests)]
+    return engine, handles
+
+
 @pytest.mark.gpu
 def test_decode_lookahead_on_cuda_graphs_same_tokens():
     """On CUDA (captured graphs, the next round's token ids copied on the device, the tokens' way to the
     host through pinned memory): greedy tokens equal to the engine without the lookahead."""
     from test_engine_invariants import drive
 
-    from ninfer.engine.api import GenerationRequest, SamplingParams
-    from ninfer.engine.engine import Engine, EngineConfig
-
-    model = synthetic_model("tiny", device="cuda").eval()
-    outs = []
-    for lookahead in (False, True):
-        config = EngineConfig(max_concurrency=3, max_context=256, kv_capacity=1024, kv_dtype="bf16",
-                              prefill_chunk=48, device="cuda", decode_lookahead=lookahead)
-        engine = Engine.from_model(model, config)
-        handles = [engine.submit(GenerationRequest(f"r{i}", tuple(tokens(n, 300 + i)),
-                                                   SamplingParams(max_tokens=m, temperature=0)))
-                   for i, (n, m) in enumerate([(60, 12), (7, 20), (100, 6), (30, 10)])]
-        outs.append(drive(engine, handles))
+    outs = [drive(*cuda_engine_with(lookahead, [(60, 12), (7, 20), (100, 6), (30, 10)]))
+            for lookahead in (False, True)]
     assert outs[0] == outs[1]
 
 
@@ -386,18 +390,9 @@ def test_decode_rounds_with_lanes_ending_do_not_synchronise():
     "error"), and give the tokens of the engine without the lookahead."""
     from test_engine_invariants import drive
 
-    from ninfer.engine.api import GenerationRequest, SamplingParams
-    from ninfer.engine.engine import Engine, EngineConfig
-
-    model = synthetic_model("tiny", device="cuda").eval()
     outs = []
     for lookahead in (False, True):
-        config = EngineConfig(max_concurrency=3, max_context=256, kv_capacity=1024, kv_dtype="bf16",
-                              prefill_chunk=48, device="cuda", decode_lookahead=lookahead)
-        engine = Engine.from_model(model, config)
-        handles = [engine.submit(GenerationRequest(f"r{i}", tuple(tokens(n, 300 + i)),
-                                                   SamplingParams(max_tokens=m, temperature=0)))
-                   for i, (n, m) in enumerate([(20, 14), (9, 6), (30, 10)])]
+        engine, handles = cuda_engine_with(lookahead, [(20, 14), (9, 6), (30, 10)])
         while any(h.seq.generated < 1 for h in handles):  # the prefills (eager rounds: they synchronise)
             engine.step(engine.scheduler.schedule())
         torch.cuda.set_sync_debug_mode("error" if lookahead else 0)

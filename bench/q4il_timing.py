@@ -58,21 +58,17 @@ def main() -> None:
             assert err < 2e-2, f"the GGUF route at {shape}, {width} columns: {err:.2e}"  # int8 x, bf16 out
             times = {"gguf": graph_us([lambda r=r, x=x, n=n: quant_matmul(r, "q4_k", x, n) for r in raws])}
             for cta in ctas:
-                out = gemv_q4il(words[0], xa, n, cta)
-                err = rel_err(out, xa.dequantize().double() @ dense.t())
-                assert err < 5e-3, f"q4il at {shape}, {width} columns, CTAs {cta}: {err:.2e}"
-                times[f"q4il {cta[0]}x{cta[1]}"] = graph_us(
-                    [lambda w=w, c=cta, xa=xa, n=n: gemv_q4il(w, xa, n, c) for w in words])
-                for cluster in (int(c) for c in filter(None, args.clusters.split(","))):
-                    out_c = gemv_q4il(words[0], xa, n, cta, cluster=cluster)
-                    err = rel_err(out_c, xa.dequantize().double() @ dense.t())
+                for cluster in (1, *(int(c) for c in filter(None, args.clusters.split(",")))):
+                    got = gemv_q4il(words[0], xa, n, cta, cluster=cluster)
+                    err = rel_err(got, xa.dequantize().double() @ dense.t())
                     assert err < 5e-3, f"q4il at {shape}, {width} columns, CTAs {cta} in {cluster}: {err:.2e}"
-                    times[f"q4il {cta[0]}x{cta[1]} c{cluster}"] = graph_us(
+                    times[f"q4il {cta[0]}x{cta[1]}" + (f" c{cluster}" if cluster > 1 else "")] = graph_us(
                         [lambda w=w, c=cta, xa=xa, n=n, cl=cluster: gemv_q4il(w, xa, n, c, cluster=cl)
                          for w in words])
                 if args.staged:
                     staged = gemv_q4il(words[0], xa, n, cta, staged=True)
-                    assert torch.equal(staged, out), f"q4il staged at {shape}, {width} columns, CTAs {cta}"
+                    assert torch.equal(staged, gemv_q4il(words[0], xa, n, cta)), \
+                        f"q4il staged at {shape}, {width} columns, CTAs {cta}"
                     times[f"q4il {cta[0]}x{cta[1]} staged"] = graph_us(
                         [lambda w=w, c=cta, xa=xa, n=n: gemv_q4il(w, xa, n, c, staged=True) for w in words])
                 if args.conv:

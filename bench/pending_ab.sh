@@ -1,18 +1,15 @@
 #!/usr/bin/env bash
-# The device runs waiting for a GPU (gpu-notes "Session 52", Next), one or more phases a `device` call (each
-# call under 10 minutes; logs and JSON under $OUT/<phase>/, the settings' table printed last). Waiting: `sums`
-# (session 52), `gaps` on an H200. Sessions 47-52's A/Bs (staged, q4staged, conv, cluster; trace and alloc on
-# an H100) are done; their phases stay to rerun; of `memory` only the probe has run (session 51), never the
-# prefill pieces' A/B.
+# The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
+# $OUT/<phase>/, the settings' table printed last). Nothing waits (session 53 timed `sums`, since removed, and
+# `gaps`, on an H100); sessions 47-53's phases stay to rerun; of `memory` only the probe has run (session 51),
+# never the prefill pieces' A/B.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
 #   bash bench/pending_ab.sh cluster   # q4il's cluster GPU tests; its clusters (default at 1-2 columns on an H200)
 #                                      # vs none at 1-8 lanes and 4 columns (~4 min)
-#   bash bench/pending_ab.sh sums      # q4il's prologue 4 / 8 items a thread (NINFER_Q4IL_SUM_ITEMS): its GPU
-#                                      # twin tests, Q4_K rounds at 1-8 lanes and 4 columns (~5 min)
 #   bash bench/pending_ab.sh gaps      # decode rounds' sync-free test; the suite's rounds (each graph's GPU time,
 #                                      # the time between graphs) at its context, at 4,096, with the decode
-#                                      # attention's programs capped; that cap as graphed rounds, the 4-column
+#                                      # attention's programs uncapped; caps as graphed rounds, the 4-column
 #                                      # step too (~9 min)
 #   bash bench/pending_ab.sh trace     # a graphed 1-lane round kernel by kernel, Q4_K then IQ3_S (~2 min)
 #   bash bench/pending_ab.sh alloc     # the Q4_K suite with the allocator's expandable segments (peak reserved)
@@ -28,7 +25,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="sums, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory or suites"
+PHASES="cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -59,15 +56,6 @@ sweep() {
     --out "$OUT/$name" "$@"
 }
 
-# q4il_ab NAME TESTS SETTINGS: q4il's GPU tests matching TESTS, then the Q4_K rounds under each setting at 1-8
-# lanes and at 4 columns
-q4il_ab() {
-  step pytest 240 "$PY" -m pytest -m gpu -n 4 -p xdist --dist worksteal -v -rfE -k "$2" tests/test_gemv_q4il.py
-  grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-  sweep "$1_lanes" q4_k 240 "$3" --lanes 1,2,4,8
-  sweep "$1_c4" q4_k 150 "$3" --columns 4
-}
-
 # phase NAME: one phase's steps, its logs under $ROOT/NAME/
 phase() {
   OUT=$ROOT/$1
@@ -80,22 +68,24 @@ phase() {
       done
       ;;
     cluster)
-      q4il_ab cluster "clusters or twin_on_gpu" NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2
-      ;;
-    sums)
-      q4il_ab sums "twin_on_gpu" NINFER_Q4IL_SUM_ITEMS=4,NINFER_Q4IL_SUM_ITEMS=8
+      step pytest 240 "$PY" -m pytest -m gpu -n 4 -p xdist --dist worksteal -v -rfE -k "clusters or twin_on_gpu" \
+        tests/test_gemv_q4il.py
+      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
+      sweep cluster_lanes q4_k 240 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2 --lanes 1,2,4,8
+      sweep cluster_c4 q4_k 150 NINFER_Q4IL_CLUSTER=1,NINFER_Q4IL_CLUSTER=2 --columns 4
       ;;
     gaps)
       step pytest 120 "$PY" -m pytest -m gpu -v -rfE -k "synchronise or lookahead" tests/test_graph_decode.py
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-      # the suite's rounds at its context (16,520), at 4,096, and with the decode attention's programs capped
-      for run in "suite:" "ctx4096:--max-context 4096" "capped:--attn-programs 512"; do
+      # the suite's rounds at its context (16,520; the decode attention at most DECODE_PROGRAMS programs), at
+      # 4,096, and uncapped
+      for run in "suite:" "ctx4096:--max-context 4096" "uncapped:--attn-programs 0"; do
         # shellcheck disable=SC2086
         step "gaps_${run%%:*}" 150 "$PY" bench/round_gaps.py --wtype q4_k --lanes 1,8 ${run#*:}
         grep "^|" "$OUT/gaps_${run%%:*}.log"
       done
       sweep attn_q4_k q4_k 300 attn=2:64:0,attn=2:64:512,attn=2:64:128 --lanes 1,2,4,8 --max-context 16520
-      # the verification step: 4 query rows of one lane, 1,024 programs uncapped
+      # the verification step: 4 query rows of one lane (1,024 programs uncapped: the cap of 512 leaves them)
       sweep attn_c4 iq3_s 150 attn=2:64:0,attn=2:64:128 --columns 4 --max-context 16520
       ;;
     alloc)

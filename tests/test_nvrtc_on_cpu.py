@@ -18,7 +18,7 @@ from cuda_cpu import HostKernel
 from ninfer.kernels import gemv_il, gemv_q4il, gemv_q6il
 from ninfer.kernels.gemv_il import _OUT_KINDS as OUT_KINDS
 from ninfer.kernels.gemv_q8 import gemv_q8_reference, quantize_activation_reference
-from ninfer.kernels.gguf_matmul import QuantKernelError, _tables, random_gguf_weight
+from ninfer.kernels.gguf_matmul import _tables, random_gguf_weight
 
 # fp32 sums in the kernels' order against float64: 1.1e-7 the largest measured on these shapes
 FP32_BOUND = 1e-6
@@ -109,15 +109,14 @@ def run_lane(name: str, source_of, words, xa, n: int, warps: int, smem: int, sou
 
 
 def q4il_case(columns: int, n: int = 72, k: int = 1536, source_of=same, dtype=torch.float32,
-              shape=gemv_q4il.SHAPES[1], staged: bool = False, raw=None, cluster: int = 1, conv=None,
-              sum_items: int = gemv_q4il.SUM_ITEMS):
+              shape=gemv_q4il.SHAPES[1], staged: bool = False, raw=None, cluster: int = 1, conv=None):
     """q4il over random q4_k rows on two CTAs, or on two clusters of `cluster` CTAs."""
     raw = random_gguf_weight("q4_k", n, k) if raw is None else raw
     xa = activation(columns, k, 256)
     y = run_lane("q4k_il_mma", source_of, gemv_q4il.repack_q4il(raw), xa, n, shape[0],
                  gemv_q4il.smem_bytes(k, shape[0], staged, cluster),
                  gemv_q4il.kernel_source(columns, OUT_KINDS[dtype], False, shape, conv is not None, staged,
-                                         cluster, sum_items), dtype, conv, 2 * cluster)
+                                         cluster), dtype, conv, 2 * cluster)
     return y, gemv_q8_reference(raw, "q4_k", xa, n)
 
 
@@ -144,27 +143,6 @@ def test_the_q4il_kernel_on_staged_blocks(columns, shape):
         staged, _ = q4il_case(columns, n, k, shape=shape, staged=True, raw=raw)
         assert rel(plain, want) < FP32_BOUND
         assert torch.equal(staged, plain), (n, k)
-
-
-@pytest.mark.parametrize("columns", [1, 4, 8])
-def test_the_q4il_prologue_sums_any_items_at_a_time(columns):
-    """`sum_items`: the activation's per-32 sums 1, 3 or 8 a thread at a time in the prologue, the same bits
-    as 4: over 30 blocks of 8 columns 12, 4 and 2 rounds of a CTA's 160 threads, the last one past the end;
-    8 also in the staged build and in clusters of 2."""
-    n, k = 200, 7680
-    raw = random_gguf_weight("q4_k", n, k)
-    torch.manual_seed(1)
-    four, want = q4il_case(columns, n, k, raw=raw)
-    assert rel(four, want) < FP32_BOUND
-    for items in (1, 3, 8):
-        torch.manual_seed(1)
-        assert torch.equal(q4il_case(columns, n, k, raw=raw, sum_items=items)[0], four), items
-    torch.manual_seed(1)
-    assert torch.equal(q4il_case(columns, n, k, raw=raw, staged=True, sum_items=8)[0], four)
-    torch.manual_seed(1)
-    clustered, _ = q4il_case(columns, n, k, raw=raw, cluster=2)
-    torch.manual_seed(1)
-    assert torch.equal(q4il_case(columns, n, k, raw=raw, cluster=2, sum_items=8)[0], clustered)
 
 
 @pytest.mark.parametrize("cluster", [2, 3])
@@ -310,8 +288,10 @@ def launches_on_the_cpu(monkeypatch):
     monkeypatch.setattr(gemv_il, "_compiled", lambda columns, kind, s, pdl=False, conv=False: HostKernel(
         gemv_il.kernel_source(columns, kind, s, False, conv),
         "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"))
-    monkeypatch.setattr(gemv_q4il, "_compiled", lambda columns, kind, pdl, shape, *build: HostKernel(
-        gemv_q4il.kernel_source(columns, kind, False, shape, *build), "q4k_il_mma"))
+    monkeypatch.setattr(gemv_q4il, "_compiled",
+                        lambda columns, kind, pdl, shape, conv=False, staged=False, cluster=1: HostKernel(
+                            gemv_q4il.kernel_source(columns, kind, False, shape, conv, staged, cluster),
+                            "q4k_il_mma"))
     launch = lambda kernel, ctas, threads, smem, args, pdl: kernel((ctas,), (threads,), args, smem)  # noqa: E731
     for module in (gemv_il, gemv_q4il):
         monkeypatch.setattr(module, "_launch", launch)
@@ -367,26 +347,5 @@ def test_gemv_q4il_takes_clusters_where_they_pay(launches_on_the_cpu, monkeypatc
     xa = activation(columns, k, 256)
     y = gemv_q4il.gemv_q4il(gemv_q4il.repack_q4il(raw), xa, n)
     assert rel(y, gemv_q8_reference(raw, "q4_k", xa, n)) < FP32_BOUND
-    assert builds[-1][6] == (2 if columns <= gemv_q4il.CLUSTER_COLUMNS else 1)
-
-
-def test_gemv_q4il_sums_the_items_asked_for(launches_on_the_cpu, monkeypatch):
-    """NINFER_Q4IL_SUM_ITEMS=N: the build whose prologue loads N items a thread at once, the same product;
-    a count outside 1-8 is refused by name."""
-    builds = []
-    compiled = gemv_q4il._compiled
-    monkeypatch.setattr(gemv_q4il, "_compiled", lambda *a: builds.append(a) or compiled(*a))
-    n, k = 64, 1536
-    raw = random_gguf_weight("q4_k", n, k)
-    xa = activation(8, k, 256)
-    words = gemv_q4il.repack_q4il(raw)
-    monkeypatch.delenv("NINFER_Q4IL_SUM_ITEMS", raising=False)
-    four = gemv_q4il.gemv_q4il(words, xa, n)
-    monkeypatch.setenv("NINFER_Q4IL_SUM_ITEMS", "8")
-    assert torch.equal(gemv_q4il.gemv_q4il(words, xa, n), four)
-    assert [b[-1] for b in builds] == [4, 8]
-    for bad in ("0", "9", "many"):
-        monkeypatch.setenv("NINFER_Q4IL_SUM_ITEMS", bad)
-        with pytest.raises(QuantKernelError, match=f"NINFER_Q4IL_SUM_ITEMS={bad}: a count of 1-8"):
-            gemv_q4il.gemv_q4il(words, xa, n)
+    assert builds[-1][-1] == (2 if columns <= gemv_q4il.CLUSTER_COLUMNS else 1)
 

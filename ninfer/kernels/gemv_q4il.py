@@ -55,23 +55,6 @@ SHAPES = ((8, 2), (5, 3), (4, 4))
 MIN_ROWS = 5120
 
 
-# The activation's per-32 sums a thread of the prologue loads at once (every CTA sums the whole activation
-# before its first block; at 8 columns of the 27B's down projection, 17 items a thread of 8 warps).
-# NINFER_Q4IL_SUM_ITEMS=N (1-8) another count, for A/B (untimed: 8 takes that prologue from five rounds of
-# loads to three).
-SUM_ITEMS = 4
-
-
-def q4il_sum_items() -> int:
-    """The prologue's items a thread at a time: `SUM_ITEMS`, or NINFER_Q4IL_SUM_ITEMS (1-8)."""
-    wanted = os.environ.get("NINFER_Q4IL_SUM_ITEMS", "")
-    if not wanted:
-        return SUM_ITEMS
-    if not wanted.isdigit() or not 1 <= int(wanted) <= 8:
-        raise QuantKernelError(f"NINFER_Q4IL_SUM_ITEMS={wanted}: a count of 1-8")
-    return int(wanted)
-
-
 def repack_q4il(raw: torch.Tensor, chunk_rows: int = 8192) -> torch.Tensor:
     """q4_k rows `raw` (uint8 `[N, nblk·144]`) as the layout's int32 words `[tiles · pairs · 72 · 32]`."""
     return LAYOUT.repack(raw, chunk_rows)
@@ -80,6 +63,7 @@ def repack_q4il(raw: torch.Tensor, chunk_rows: int = 8192) -> torch.Tensor:
 def unpack_q4il(words: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """The GGUF rows `[out_features, in_features/256 · 144]` back from `repack_q4il`'s words."""
     return LAYOUT.unpack(words, out_features, in_features)
+
 
 
 # Asynchronous 16-byte copies global -> shared (cp.async, cached in L2 only) for the staged build
@@ -107,7 +91,6 @@ _SOURCE = r"""
 #define CONV __CONV__
 #define STAGES __STAGES__
 #define CLUSTER __CLUSTER__
-#define SUM_ITEMS __SUM_ITEMS__
 """ + CUDA_HELPERS + CONV_STAGE + CLUSTER_HELPERS + TILE_STORE + ASYNC_COPY + r"""
 #if STAGES
 // STAGES 2: each warp copies its next block into one of its two slots in shared memory (cp.async) while it
@@ -179,22 +162,21 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the activation is the previous kernel's output
 #endif
-    // the activation's sum over each 32 inputs, s = 64 hi + lo (hi in -64..63, lo in 0..63: int8 both);
-    // SUM_ITEMS items a thread at a time, their loads first (a K = 17408 activation of 8 columns is 4352
-    // items: 17 a thread of 8 warps, five rounds of loads at 4 a time, three at 8)
+    // the activation's sum over each 32 inputs, s = 64 hi + lo (hi in -64..63, lo in 0..63: int8 both); four
+    // items a thread at a time, their loads first (a K = 17408 activation of 8 columns is 4352 items)
     signed char* xsb = reinterpret_cast<signed char*>(xs);
     const int total = (K >> 5) * NCOL;
-    for (int i0 = threadIdx.x; i0 < total; i0 += SUM_ITEMS * WARPS * 32) {
-        int4 u[SUM_ITEMS], v[SUM_ITEMS];
+    for (int i0 = threadIdx.x; i0 < total; i0 += 4 * WARPS * 32) {
+        int4 u[4], v[4];
 #pragma unroll
-        for (int q = 0; q < SUM_ITEMS; ++q) {  // past the end: the last item again (its bytes stored twice)
+        for (int q = 0; q < 4; ++q) {  // past the end: the last item again (the same bytes stored twice)
             const int i = min(i0 + q * WARPS * 32, total - 1);
             const int4* src = reinterpret_cast<const int4*>(xw + (i % NCOL) * K4 + (i / NCOL) * 8);
             u[q] = src[0];
             v[q] = src[1];
         }
 #pragma unroll
-        for (int q = 0; q < SUM_ITEMS; ++q) {
+        for (int q = 0; q < 4; ++q) {
             const int i = min(i0 + q * WARPS * 32, total - 1), sb = i / NCOL;
             int s = dp4a(0x01010101u, u[q].x, 0);
             s = dp4a(0x01010101u, u[q].y, s);
@@ -336,12 +318,10 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 
 
 def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
-                  conv: bool = False, staged: bool = False, cluster: int = 1,
-                  sum_items: int = SUM_ITEMS) -> str:
+                  conv: bool = False, staged: bool = False, cluster: int = 1) -> str:
     """`conv` (bf16 out): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`).
     `staged`: each warp's next block copied into shared memory while it works on one (the STAGES build).
-    `cluster` > 1: clusters of that many CTAs share each tile (`lane_layout.CLUSTER_HELPERS`; not staged).
-    `sum_items`: the activation's per-32 sums a thread loads at once in the prologue (`q4il_sum_items`)."""
+    `cluster` > 1: clusters of that many CTAs share each tile (`lane_layout.CLUSTER_HELPERS`; not staged)."""
     if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
         raise QuantKernelError("the q4il conv builds write bf16")
     if cluster > 1 and staged:
@@ -350,8 +330,7 @@ def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[i
     return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
             .replace("__CONV__", str(int(conv))).replace("__STAGES__", "2" if staged else "0")
             .replace("__WARPS__", str(warps)).replace("__CTAS__", str(ctas))
-            .replace("__PDL__", str(int(pdl))).replace("__CLUSTER__", str(cluster))
-            .replace("__SUM_ITEMS__", str(sum_items)))
+            .replace("__PDL__", str(int(pdl))).replace("__CLUSTER__", str(cluster)))
 
 
 def smem_bytes(in_features: int, warps: int, staged: bool = False, cluster: int = 1) -> int:
@@ -439,9 +418,9 @@ def q4il_cluster(tiles: int, sms: int, shape: tuple[int, int], columns: int,
 
 @functools.cache
 def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], conv: bool = False,
-              staged: bool = False, cluster: int = 1, sum_items: int = SUM_ITEMS):
-    kernel = torch.cuda._compile_kernel(
-        kernel_source(columns, out_kind, pdl, shape, conv, staged, cluster, sum_items), "q4k_il_mma")
+              staged: bool = False, cluster: int = 1):
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, conv, staged, cluster),
+                                        "q4k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -468,8 +447,7 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
         staged = cluster == 1 and q4il_staged(n)
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
-    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged, cluster,
-                       q4il_sum_items())
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged, cluster)
     _launch(kernel, cluster * min(tiles, shape[1] * sms // cluster), 32 * shape[0],
             smem_bytes(k, shape[0], staged, cluster),
             [words, xa.words, xa.d, y, out_features, k, y.stride(0), *conv_arguments(conv)], pdl)

@@ -44,10 +44,12 @@ DECODE_RUN_PAGES = 2
 DECODE_SPLITS = 64
 # with DECODE_PROGRAMS > 0, a launch's splits also at most enough for DECODE_PROGRAMS (sequence, KV head,
 # split) programs (`decode_splits`): the split count follows the page table's width (graph-safe), so a
-# server's long max context gives every short sequence 64 splits, nearly all empty, 2,048 programs for the
-# 27B's 8 lanes. Off (0) until timed (`attn=RUN:SPLITS:PROGRAMS`; session 52: the suite's C = 8, context
-# 16,520, ran 3-4 % below the profiling engines', context 4,096).
-DECODE_PROGRAMS = 0
+# server's long max context gave every short sequence 64 splits, nearly all empty, 2,048 programs for the
+# 27B's 8 lanes. H100, context 16,520 (session 53, `pending_ab.sh gaps`), graphed rounds on the lanes' own
+# slots uncapped / 512 / 128 programs: Q4_K at 512 tokens 1 lane 6.636 / 6.639 / 6.629 ms, 8 lanes 9.656 /
+# 9.582 / 9.512; IQ3_S at 16K 1 lane 6.705 / 6.711 / 6.700, 8 lanes 11.889 / 11.673 / 12.166. 512 leaves
+# one lane's 64 splits as they were.
+DECODE_PROGRAMS = 512
 KERNEL_KV_CODES = {"bf16": 0, "int8": 1, "rk8v4": 2, "rk4v4": 3}
 
 

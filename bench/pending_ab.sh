@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Nothing waits (session 53 timed `sums`, since removed, and
-# `gaps`, on an H100); sessions 47-53's phases stay to rerun; of `memory` only the probe has run (session 51),
-# never the prefill pieces' A/B.
+# $OUT/<phase>/, the settings' table printed last). Waiting (gpu-notes "Session 53", Next): `memory` (the
+# workspace test fails: the allocator's split blocks above the plan; the prefill pieces' A/B never ran) and
+# `suites` on an H200 (with the decode attention's cap). Session 53 timed `sums` (since removed) and `gaps` on
+# an H100; sessions 47-53's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
 #   bash bench/pending_ab.sh cluster   # q4il's cluster GPU tests; its clusters (default at 1-2 columns on an H200)
@@ -17,7 +18,8 @@
 #   bash bench/pending_ab.sh staged    # only the staged build's GPU twin tests (q4il)
 #   bash bench/pending_ab.sh q4staged  # NINFER_Q4IL_STAGED=0 / 1: Q4_K rounds at 1-8 lanes, 4 columns, alone
 #   bash bench/pending_ab.sh conv      # NINFER_LANE_CONV_COLUMNS=1 vs 8 (both types' rounds) + q4il alone
-#   bash bench/pending_ab.sh memory    # prefill pieces A/B, the memory probe, the workspace tests
+#   bash bench/pending_ab.sh memory    # prefill pieces A/B, the memory probe, the workspace test and its
+#                                      # case through the probe (the 9B, 16 MiB headroom)
 #   bash bench/pending_ab.sh suites    # both suites (gpu_bench.sh) under the defaults as they stand
 #
 # A setting becomes a default only where its graphed rounds gain (min of two replays, A B B A); a faster
@@ -116,6 +118,11 @@ phase() {
         --pieces 8192,1073741824 --no-profile --out "$OUT"
       step memory_probe 240 "$PY" bench/memory_probe.py --wtype q4_k --chunk 2048 --headroom-mib 1024 \
         --prompt 16384 --decoders 7
+      # the workspace test's case (failing since session 53 or before: the allocator's split blocks above
+      # the plan), as the test and through the probe
+      step workspace 180 "$PY" -m pytest -m gpu -v -rfE tests/test_workspace.py
+      step memory_probe_9b 120 "$PY" bench/memory_probe.py --synthetic 9b --wtype iq3_s --chunk 1024 \
+        --headroom-mib 16 --prompt 2048 --decoders 7
       ;;
     suites)
       WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh

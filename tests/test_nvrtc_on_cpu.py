@@ -288,10 +288,8 @@ def launches_on_the_cpu(monkeypatch):
     monkeypatch.setattr(gemv_il, "_compiled", lambda columns, kind, s, pdl=False, conv=False: HostKernel(
         gemv_il.kernel_source(columns, kind, s, False, conv),
         "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"))
-    monkeypatch.setattr(gemv_q4il, "_compiled",
-                        lambda columns, kind, pdl, shape, conv=False, staged=False, cluster=1: HostKernel(
-                            gemv_q4il.kernel_source(columns, kind, False, shape, conv, staged, cluster),
-                            "q4k_il_mma"))
+    monkeypatch.setattr(gemv_q4il, "_compiled", lambda columns, kind, pdl, shape, *build: HostKernel(
+        gemv_q4il.kernel_source(columns, kind, False, shape, *build), "q4k_il_mma"))
     launch = lambda kernel, ctas, threads, smem, args, pdl: kernel((ctas,), (threads,), args, smem)  # noqa: E731
     for module in (gemv_il, gemv_q4il):
         monkeypatch.setattr(module, "_launch", launch)

@@ -65,7 +65,6 @@ def unpack_q4il(words: torch.Tensor, out_features: int, in_features: int) -> tor
     return LAYOUT.unpack(words, out_features, in_features)
 
 
-
 # Asynchronous 16-byte copies global -> shared (cp.async, cached in L2 only) for the staged build
 # (STAGES): a warp's next weights land in shared memory while it works on the current ones, in no
 # register (tests/cuda_cpu.py lands them only at the copying lane's wait).

@@ -87,8 +87,8 @@ phase() {
         grep "^|" "$OUT/gaps_${run%%:*}.log"
       done
       sweep attn_q4_k q4_k 300 attn=2:64:0,attn=2:64:512,attn=2:64:128 --lanes 1,2,4,8 --max-context 16520
-      # the verification step: 4 query rows of one lane (1,024 programs uncapped: the cap of 512 leaves them)
-      sweep attn_c4 iq3_s 150 attn=2:64:0,attn=2:64:128 --columns 4 --max-context 16520
+      # the verification step: 4 query rows of one lane (1,024 programs uncapped)
+      sweep attn_c4 iq3_s 150 attn=2:64:0,attn=2:64:512,attn=2:64:128 --columns 4 --max-context 16520
       ;;
     alloc)
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WTYPES=q4_k SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh

@@ -119,12 +119,13 @@ phase() {
       step memory_probe 240 "$PY" bench/memory_probe.py --wtype q4_k --chunk 2048 --headroom-mib 1024 \
         --prompt 16384 --decoders 7
       # the workspace test's case (failing since session 53 or before: the allocator's split blocks above
-      # the plan), as the test and through the probe under the allocator's settings against splitting
+      # the plan), as the test and through the probe under the allocator's settings against splitting, with
+      # the free bytes stuck beside live blocks by the live blocks' allocation sites
       step workspace 180 "$PY" -m pytest -m gpu -v -rfE tests/test_workspace.py
       for conf in default expandable_segments:True max_split_size_mb:64 max_split_size_mb:256; do
         [ "$conf" = default ] && unset PYTORCH_CUDA_ALLOC_CONF || export PYTORCH_CUDA_ALLOC_CONF=$conf
         step "probe_9b_${conf//[:.]/_}" 120 "$PY" bench/memory_probe.py --synthetic 9b --wtype iq3_s \
-          --chunk 1024 --headroom-mib 16 --prompt 2048 --decoders 7
+          --chunk 1024 --headroom-mib 16 --prompt 2048 --decoders 7 --stranded
       done
       unset PYTORCH_CUDA_ALLOC_CONF
       ;;

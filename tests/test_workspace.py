@@ -145,3 +145,28 @@ def test_auto_kv_leaves_room_for_the_widest_round_and_the_graphs():
     end = engine.memory_ledger()
     print(end.line(), f"peak reserved {torch.cuda.max_memory_reserved() / MIB:,.0f} MiB")
     assert 0 < end.graphs_bytes <= end.graphs_planned_bytes
+
+
+def test_stranded_bytes_by_the_live_blocks_beside_them():
+    """bench/memory_probe.py --stranded: a segment's inactive bytes count only beside live blocks (a wholly
+    free segment can be handed back, a wholly live one strands nothing), shared by the live blocks' sizes
+    and credited to their innermost frame in our code."""
+    from bench.memory_probe import stranded_by_site
+
+    def block(size_mib, state, *files):
+        frames = [{"filename": f, "line": 7, "name": "f"} for f in files]
+        return {"size": size_mib * MIB, "state": state, "frames": frames}
+
+    torch_frame = "/site-packages/torch/nn/functional.py"
+    norm = (torch_frame, "/work/main/ninfer/kernels/fused.py", "/work/main/bench/memory_probe.py")
+    pool = ("/work/main/ninfer/engine/kv_pool.py",)
+    snapshot = {"segments": [
+        {"blocks": [block(20, "active_allocated", *pool)]},  # all live
+        {"blocks": [block(20, "inactive", *norm)]},  # all free: released on demand
+        {"blocks": [block(2, "active_allocated", *norm), block(6, "active_awaiting_free", *pool),
+                    block(8, "inactive", *norm)]},
+        {"blocks": [block(1, "active_allocated", *norm), block(3, "inactive", *pool), block(2, "inactive")]},
+    ]}
+    rows = stranded_by_site(snapshot)
+    assert [(r["site"], r["stranded"] / MIB, r["live"] / MIB, r["blocks"]) for r in rows] == [
+        ("ninfer/kernels/fused.py:7 f", 7.0, 3.0, 2), ("ninfer/engine/kv_pool.py:7 f", 6.0, 6.0, 1)]

@@ -44,11 +44,14 @@ def allocation_site(frames: list[dict], roots: tuple[str, ...] = ("ninfer/", "be
 
 
 def stranded_by_site(snapshot: dict) -> list[dict]:
-    """Inactive bytes in segments that also hold live blocks (`torch.cuda.memory._snapshot()`'s segments),
-    each segment's shared among its live blocks' allocation sites by their sizes: rows of site, stranded
-    bytes, live bytes and live blocks, most stranded first."""
+    """Inactive bytes in segments that also hold live blocks (`torch.cuda.memory._snapshot()`'s segments of
+    the default pool: a CUDA graph's private pool is planned apart), each segment's shared among its live
+    blocks' allocation sites by their sizes: rows of site, stranded bytes, live bytes and live blocks, most
+    stranded first."""
     rows: dict[str, dict] = {}
     for segment in snapshot["segments"]:
+        if tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0):
+            continue
         live = [b for b in segment["blocks"] if b["state"] != "inactive"]
         free = sum(b["size"] for b in segment["blocks"] if b["state"] == "inactive")
         if not live or not free:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Waiting (gpu-notes "Session 53", Next): `memory` (the
-# workspace test fails: the allocator's split blocks above the plan; the prefill pieces' A/B never ran) and
-# `suites` on an H200 (with the decode attention's cap). Session 53 timed `sums` (since removed) and `gaps` on
+# $OUT/<phase>/, the settings' table printed last). Waiting (gpu-notes "Session 53", Next): `workspace` (the
+# workspace test fails: the allocator's split blocks above the plan), `suites` on an H200 (with the decode
+# attention's cap), `memory` (the prefill pieces' A/B never ran). Session 53 timed `sums` (since removed) and `gaps` on
 # an H100; sessions 47-53's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
@@ -18,8 +18,9 @@
 #   bash bench/pending_ab.sh staged    # only the staged build's GPU twin tests (q4il)
 #   bash bench/pending_ab.sh q4staged  # NINFER_Q4IL_STAGED=0 / 1: Q4_K rounds at 1-8 lanes, 4 columns, alone
 #   bash bench/pending_ab.sh conv      # NINFER_LANE_CONV_COLUMNS=1 vs 8 (both types' rounds) + q4il alone
-#   bash bench/pending_ab.sh memory    # prefill pieces A/B, the memory probe, the workspace test and its
-#                                      # case through the probe (the 9B, 16 MiB headroom)
+#   bash bench/pending_ab.sh memory    # prefill pieces A/B, the memory probe (the 27B)
+#   bash bench/pending_ab.sh workspace # the workspace test, its case through the memory probe (the 9B, 16 MiB
+#                                      # headroom) under four allocator settings, stranded bytes by site (~4 min)
 #   bash bench/pending_ab.sh suites    # both suites (gpu_bench.sh) under the defaults as they stand
 #
 # A setting becomes a default only where its graphed rounds gain (min of two replays, A B B A); a faster
@@ -27,7 +28,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory or suites"
+PHASES="cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -118,6 +119,8 @@ phase() {
         --pieces 8192,1073741824 --no-profile --out "$OUT"
       step memory_probe 240 "$PY" bench/memory_probe.py --wtype q4_k --chunk 2048 --headroom-mib 1024 \
         --prompt 16384 --decoders 7
+      ;;
+    workspace)
       # the workspace test's case (failing since session 53 or before: the allocator's split blocks above
       # the plan), as the test and through the probe under the allocator's settings against splitting, with
       # the free bytes stuck beside live blocks by the live blocks' allocation sites

@@ -2,8 +2,8 @@
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
 # $OUT/<phase>/, the settings' table printed last). Waiting (gpu-notes "Session 53", Next): `workspace` (the
 # workspace test fails: the allocator's split blocks above the plan), `suites` on an H200 (with the decode
-# attention's cap), `memory` (the prefill pieces' A/B never ran). Session 53 timed `sums` (since removed) and `gaps` on
-# an H100; sessions 47-53's phases stay to rerun.
+# attention's cap), `memory` (the prefill pieces' A/B never ran). Session 53 timed `sums` (since removed)
+# and `gaps` on an H100; sessions 47-53's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
 #   bash bench/pending_ab.sh cluster   # q4il's cluster GPU tests; its clusters (default at 1-2 columns on an H200)
@@ -126,7 +126,11 @@ phase() {
       # the free bytes stuck beside live blocks by the live blocks' allocation sites
       step workspace 180 "$PY" -m pytest -m gpu -v -rfE tests/test_workspace.py
       for conf in default expandable_segments:True max_split_size_mb:64 max_split_size_mb:256; do
-        [ "$conf" = default ] && unset PYTORCH_CUDA_ALLOC_CONF || export PYTORCH_CUDA_ALLOC_CONF=$conf
+        if [ "$conf" = default ]; then
+          unset PYTORCH_CUDA_ALLOC_CONF
+        else
+          export PYTORCH_CUDA_ALLOC_CONF=$conf
+        fi
         step "probe_9b_${conf//[:.]/_}" 120 "$PY" bench/memory_probe.py --synthetic 9b --wtype iq3_s \
           --chunk 1024 --headroom-mib 16 --prompt 2048 --decoders 7 --stranded
       done

@@ -19,8 +19,10 @@
 #   bash bench/pending_ab.sh q4staged  # NINFER_Q4IL_STAGED=0 / 1: Q4_K rounds at 1-8 lanes, 4 columns, alone
 #   bash bench/pending_ab.sh conv      # NINFER_LANE_CONV_COLUMNS=1 vs 8 (both types' rounds) + q4il alone
 #   bash bench/pending_ab.sh memory    # prefill pieces A/B, the memory probe (the 27B)
-#   bash bench/pending_ab.sh workspace # the workspace test, its case through the memory probe (the 9B, 16 MiB
-#                                      # headroom) under four allocator settings, stranded bytes by site (~4 min)
+#   bash bench/pending_ab.sh workspace # test_workspace.py's GPU tests, the memory probe at 16 MiB headroom (the
+#                                      # 9B: default allocator, expandable segments; the 27B), stranded bytes
+#                                      # by site (~6 min)
+#   bash bench/pending_ab.sh gpu       # every GPU-marked test, 14 at a time (~4 min)
 #   bash bench/pending_ab.sh suites    # both suites (gpu_bench.sh) under the defaults as they stand
 #
 # A setting becomes a default only where its graphed rounds gain (min of two replays, A B B A); a faster
@@ -28,7 +30,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace or suites"
+PHASES="cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -121,11 +123,11 @@ phase() {
         --prompt 16384 --decoders 7
       ;;
     workspace)
-      # the workspace test's case (failing since session 53 or before: the allocator's split blocks above
-      # the plan), as the test and through the probe under the allocator's settings against splitting, with
-      # the free bytes stuck beside live blocks by the live blocks' allocation sites
-      step workspace 180 "$PY" -m pytest -m gpu -v -rfE tests/test_workspace.py
-      for conf in default expandable_segments:True max_split_size_mb:64 max_split_size_mb:256; do
+      # the memory plan at 16 MiB headroom (the workspace test failed in session 53: the allocator's slack,
+      # planned since session 54): the GPU tests of
+      # test_workspace.py, the 9B probe under the default allocator and expandable segments, the 27B's
+      step workspace 240 "$PY" -m pytest -m gpu -v -rfE tests/test_workspace.py
+      for conf in default expandable_segments:True; do
         if [ "$conf" = default ]; then
           unset PYTORCH_CUDA_ALLOC_CONF
         else
@@ -135,6 +137,13 @@ phase() {
           --chunk 1024 --headroom-mib 16 --prompt 2048 --decoders 7 --stranded
       done
       unset PYTORCH_CUDA_ALLOC_CONF
+      step probe_27b 200 "$PY" bench/memory_probe.py --synthetic 27b --wtype iq3_s --chunk 2048 \
+        --headroom-mib 16 --prompt 8192 --decoders 7 --stranded
+      grep -h "memory (cuda\|out of memory:" "$OUT"/probe_*.log
+      ;;
+    gpu)
+      step pytest 560 "$PY" -m pytest -m gpu -n 14 -p xdist --dist worksteal -rfE tests/
+      grep -E "passed|failed" "$OUT/pytest.log" | tail -3
       ;;
     suites)
       WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh

@@ -18,8 +18,8 @@ from ninfer.errors import EngineConfigError
 class ScriptedMeter:
     """Growths handed out in order, one a round; records the rounds' row counts as the model saw them."""
 
-    def __init__(self, growths: list[int], other: int):
-        self.growths, self.other_bytes, self.begun = list(growths), other, 0
+    def __init__(self, growths: list[int], other: int, slack: int = 0):
+        self.growths, self.other_bytes, self.slack_bytes, self.begun = list(growths), other, slack, 0
 
     def begin(self) -> None:
         self.begun += 1
@@ -29,6 +29,9 @@ class ScriptedMeter:
 
     def other(self) -> int:
         return self.other_bytes
+
+    def slack(self) -> int:
+        return self.slack_bytes
 
 
 class RowCounter(FakeHybridModel):
@@ -46,13 +49,13 @@ def test_measure_runs_the_widest_round_then_a_decode_round(graphs):
     from ninfer.kernels import gguf_matmul
 
     model = RowCounter()
-    meter = ScriptedMeter([7 * MIB, 3 * MIB], other=5 * MIB)
+    meter = ScriptedMeter([7 * MIB, 3 * MIB], other=5 * MIB, slack=2 * MIB)
     gguf_matmul.dense_piece(torch.device("cpu"), torch.float32, 4, 8)  # an earlier engine's
     ws = measure_workspace(model, model.cache_spec, kv_dtype="bf16", gdn_state_fp16=False, lanes=3,
                            prefill_chunk=130, graphs=graphs, device=torch.device("cpu"), meter=meter)
     widest = model.rounds[0]
     assert widest[0] == 130 + 2 and widest[1] == list(range(130)) + [0, 0]  # the chunk beside 2 decode rows
-    assert ws.activations == 7 * MIB and ws.other == 5 * MIB
+    assert (ws.activations, ws.other, ws.slack) == (7 * MIB, 5 * MIB, 2 * MIB)
     if graphs:
         assert model.rounds[1] == (3, [130, 1, 1])  # every lane decodes after its first round
         # graphs of 1, 2 and 4 rows: 4 rows of logits beyond the 3 measured, the pool's own segments
@@ -60,7 +63,7 @@ def test_measure_runs_the_widest_round_then_a_decode_round(graphs):
         assert meter.begun == 2
     else:
         assert len(model.rounds) == 1 and ws.graphs == 0 and meter.begun == 1
-    assert ws.total == ws.activations + ws.graphs + ws.other
+    assert ws.total == ws.activations + ws.graphs + ws.other + ws.slack
     assert not gguf_matmul._DENSE_PIECES  # let go before the widest round, which makes its own (measured)
 
 
@@ -90,13 +93,15 @@ def test_auto_capacity_leaves_the_workspace():
         plan_kv_capacity("auto", workspace_bytes=GIB, **kwargs)
 
 
-def test_ledger_counts_graphs_planned_or_captured_and_other():
+def test_ledger_counts_graphs_planned_or_captured_other_and_slack():
     led = MemoryLedger("cuda:0", 10 * GIB, 4 * GIB, 1024, "bf16", GIB, 2, 64 * MIB, 512 * MIB,
-                       graphs_planned_bytes=200 * MIB, other_bytes=500 * MIB)
-    assert led.free_bytes == 10 * GIB - 5 * GIB - 1276 * MIB
+                       graphs_planned_bytes=200 * MIB, other_bytes=500 * MIB, slack_bytes=30 * MIB)
+    assert led.free_bytes == 10 * GIB - 5 * GIB - 1306 * MIB
+    assert led.held_bytes == 5 * GIB + 806 * MIB  # slack held by this process's allocator, other not
     grown = replace(led, graphs_bytes=260 * MIB)
     assert grown.free_bytes == led.free_bytes - 60 * MIB  # captured past the plan: the larger counts
-    assert "graphs 0 MiB of 200 MiB planned" in led.line() and "other 500 MiB" in led.line()
+    line = led.line()
+    assert "graphs 0 MiB of 200 MiB planned" in line and "other 500 MiB" in line and "slack 30 MiB" in line
 
 
 def test_cpu_engine_keeps_the_stand_in():
@@ -171,3 +176,4 @@ def test_stranded_bytes_by_the_live_blocks_beside_them():
     rows = stranded_by_site(snapshot)
     assert [(r["site"], r["stranded"] / MIB, r["live"] / MIB, r["blocks"]) for r in rows] == [
         ("ninfer/kernels/fused.py:7 f", 7.0, 3.0, 2), ("ninfer/engine/kv_pool.py:7 f", 6.0, 6.0, 1)]
+

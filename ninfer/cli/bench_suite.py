@@ -268,10 +268,12 @@ def plan_rows(run: SuiteRun) -> None:
                             f"{run.engine.config.max_concurrency - 1} decode rows, measured at start"))
     run.report.add(Row("decode graphs' pool", led.graphs_bytes / MIB, "MiB",
                        note=f"{led.graphs_planned_bytes / MIB:,.0f} MiB planned"))
+    run.report.add(Row("allocator slack", led.slack_bytes / MIB, "MiB",
+                       note="free bytes beside live blocks at start (no KV tensor can use them)"))
     peak = torch.cuda.max_memory_reserved(run.device)
     run.report.add(Row("peak reserved / planned", peak / planned, "x", "<= 1", peak <= planned,
                        f"{_size(peak)} reserved at most since the copy check; planned: weights, KV, GDN "
-                       f"state, workspace, graphs {_size(planned)}"))
+                       f"state, workspace, slack, graphs {_size(planned)}"))
 
 
 def phase_short(run: SuiteRun, limit: float | None) -> float:

@@ -80,11 +80,13 @@ class MemoryLedger:
     graphs_planned_bytes: int = 0  # set aside for the decode graphs' pool
     graphs_bytes: int = 0  # the decode graphs' pool as captured so far
     other_bytes: int = 0  # held outside this process's allocator: the CUDA context, other processes
+    slack_bytes: int = 0  # the allocator's free bytes beside live blocks (workspace.Workspace.slack)
 
     @property
     def held_bytes(self) -> int:
-        """What this process plans to hold: weights, KV, GDN slots, workspace, graphs (captured or plan)."""
-        return (self.weights_bytes + self.kv_bytes + self.gdn_bytes + self.workspace_bytes
+        """What this process plans to hold: weights, KV, GDN slots, workspace, the allocator's slack, graphs
+        (captured or plan)."""
+        return (self.weights_bytes + self.kv_bytes + self.gdn_bytes + self.workspace_bytes + self.slack_bytes
                 + max(self.graphs_bytes, self.graphs_planned_bytes))
 
     @property
@@ -101,6 +103,7 @@ class MemoryLedger:
                 f"KV {self.kv_tokens:,} tokens ({self.kv_dtype}) {_fmt(self.kv_bytes)} · "
                 f"GDN {self.gdn_slots} slots {_fmt(self.gdn_bytes)} · "
                 f"workspace {_fmt(self.workspace_bytes)} · "
+                f"slack {_fmt(self.slack_bytes)} · "
                 f"graphs {_fmt(self.graphs_bytes)} of {_fmt(self.graphs_planned_bytes)} planned · "
                 f"other {_fmt(self.other_bytes)} · "
                 f"free {_fmt(self.free_bytes)}")
@@ -144,4 +147,4 @@ def build_ledger(device: str, budget_bytes: int, weights_bytes: int, kv: KvPool,
     """`workspace`: an `engine.workspace.Workspace`."""
     return MemoryLedger(device, budget_bytes, weights_bytes, kv.capacity_tokens, kv_dtype, kv.total_bytes,
                         states.slots, states.total_bytes, workspace.activations, workspace.graphs, 0,
-                        workspace.other)
+                        workspace.other, workspace.slack)

@@ -7,7 +7,10 @@ activation workspace (with the buffer prefill matmuls make their dense weight pi
 second's, plus the logits each smaller decode graph keeps, plans the decode graphs' memory pool (a captured
 round holds what the eager one allocated, the intermediates shared across captures of one pool). The device
 memory that neither this process's allocator nor anything else here holds — the CUDA context, other
-processes — is counted too: `--kv-capacity auto` leaves all of it, and `--kv-headroom-mib` on top. The
+processes — is counted too, and so is the allocator's slack: free bytes it keeps in segments that also hold
+live blocks (the weights' loading leaves them, freed temporaries beside kept tensors), which later small
+allocations reuse but no KV tensor can and `empty_cache` cannot hand back (gpu-notes "Session 54": 0.1-0.8
+GiB on the synthetic 9B). `--kv-capacity auto` leaves all of it, and `--kv-headroom-mib` on top. The
 rounds double as the warm-up: the kernels a first request would compile are compiled here. On the CPU
 nothing is measured (`CPU_WORKSPACE_BYTES` stands in).
 """
@@ -39,10 +42,11 @@ class Workspace:
     activations: int  # the widest round's growth of reserved memory
     graphs: int  # planned for the decode graphs' pool (0 without graphs)
     other: int  # device memory held outside this process's allocator (CUDA context, other processes)
+    slack: int = 0  # the allocator's free bytes in segments that also hold live blocks
 
     @property
     def total(self) -> int:
-        return self.activations + self.graphs + self.other
+        return self.activations + self.graphs + self.other + self.slack
 
 
 class Meter(Protocol):
@@ -51,6 +55,8 @@ class Meter(Protocol):
     def grown(self) -> int: ...
 
     def other(self) -> int: ...
+
+    def slack(self) -> int: ...
 
 
 class CudaMeter:
@@ -74,6 +80,10 @@ class CudaMeter:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         return max(0, total - free - torch.cuda.memory_reserved(self.device))
+
+    def slack(self) -> int:
+        torch.cuda.empty_cache()  # hands back the wholly free segments: what stays is beside live blocks
+        return torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
 
 
 def cpu_workspace() -> Workspace:
@@ -116,4 +126,4 @@ def measure_workspace(model, spec: CacheSpec, *, kv_dtype: str, gdn_state_fp16: 
             "--max-concurrency, or free the GPU") from None
     finally:
         del runner, kv, states
-    return Workspace(activations, planned, meter.other())
+    return Workspace(activations, planned, meter.other(), meter.slack())

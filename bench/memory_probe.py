@@ -12,8 +12,8 @@ decoders: no OOM, peak allocated 12 MiB over the plan, peak reserved 845 MiB ove
 
 `--stranded`: the allocator's history recorded from the start, its segments read at the out-of-memory (or at
 the end): the free bytes it cannot hand back — inactive blocks in segments that also hold live ones — by
-where the live blocks beside them were allocated (gpu-notes "Session 53": the 9B's plan holds its tensors
-but not these).
+where the live blocks beside them were allocated (gpu-notes "Session 54": loading leaves them; the plan holds
+them since, as the allocator's slack).
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Waiting (gpu-notes "Session 53", Next): `workspace` (the
-# workspace test fails: the allocator's split blocks above the plan), `suites` on an H200 (with the decode
-# attention's cap), `memory` (the prefill pieces' A/B never ran). Session 53 timed `sums` (since removed)
-# and `gaps` on an H100; sessions 47-53's phases stay to rerun.
+# $OUT/<phase>/, the settings' table printed last). Waiting (gpu-notes "Session 54", Next): `memory` (the
+# prefill pieces' A/B never ran). Session 54 ran `workspace` and `gpu` (H100, H200); sessions 47-53's phases
+# stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
 #   bash bench/pending_ab.sh cluster   # q4il's cluster GPU tests; its clusters (default at 1-2 columns on an H200)

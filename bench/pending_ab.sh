@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Waiting (gpu-notes "Session 54", Next): `memory` (the
-# prefill pieces' A/B never ran). Session 54 ran `workspace` and `gpu` (H100, H200); sessions 47-53's phases
-# stay to rerun.
+# $OUT/<phase>/, the settings' table printed last). Nothing waits (gpu-notes "Session 54", Next); session 54
+# ran `workspace`, `gpu` and `memory` (H100, H200); sessions 47-53's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
 #   bash bench/pending_ab.sh cluster   # q4il's cluster GPU tests; its clusters (default at 1-2 columns on an H200)
@@ -123,8 +122,8 @@ phase() {
       ;;
     workspace)
       # the memory plan at 16 MiB headroom (the workspace test failed in session 53: the allocator's slack,
-      # planned since session 54): the GPU tests of
-      # test_workspace.py, the 9B probe under the default allocator and expandable segments, the 27B's
+      # planned since session 54): test_workspace.py's GPU tests, the 9B probe under the default allocator
+      # and expandable segments, the 27B's
       step workspace 240 "$PY" -m pytest -m gpu -v -rfE tests/test_workspace.py
       for conf in default expandable_segments:True; do
         if [ "$conf" = default ]; then

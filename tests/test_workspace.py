@@ -180,4 +180,3 @@ def test_stranded_bytes_by_the_live_blocks_beside_them():
     rows = stranded_by_site(snapshot)
     assert [(r["site"], r["stranded"] / MIB, r["live"] / MIB, r["blocks"]) for r in rows] == [
         ("ninfer/kernels/fused.py:7 f", 7.0, 3.0, 2), ("ninfer/engine/kv_pool.py:7 f", 6.0, 6.0, 1)]
-

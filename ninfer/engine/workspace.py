@@ -9,8 +9,8 @@ round holds what the eager one allocated, the intermediates shared across captur
 memory that neither this process's allocator nor anything else here holds — the CUDA context, other
 processes — is counted too, and so is the allocator's slack: free bytes it keeps in segments that also hold
 live blocks (the weights' loading leaves them, freed temporaries beside kept tensors), which later small
-allocations reuse but no KV tensor can and `empty_cache` cannot hand back (gpu-notes "Session 54": 0.1-0.8
-GiB on the synthetic 9B). `--kv-capacity auto` leaves all of it, and `--kv-headroom-mib` on top. The
+allocations reuse but no KV tensor can and `empty_cache` cannot hand back (gpu-notes "Session 54": 0.7-0.8
+GiB on the synthetic 9B and 27B). `--kv-capacity auto` leaves all of it, and `--kv-headroom-mib` on top. The
 rounds double as the warm-up: the kernels a first request would compile are compiled here. On the CPU
 nothing is measured (`CPU_WORKSPACE_BYTES` stands in).
 """

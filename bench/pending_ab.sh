@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Nothing waits (gpu-notes "Session 54", Next); session 54
-# ran `workspace`, `gpu` and `memory` (H100, H200); sessions 47-53's phases stay to rerun.
+# $OUT/<phase>/, the settings' table printed last). Session 55 added `ahead` and `ahead_iq`; sessions 47-54's
+# phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
+#   bash bench/pending_ab.sh ahead     # the GPU twin tests of q4il / il32 with blocks asked for before the wait;
+#                                      # Q4_K rounds at 1-8 lanes: q4il 1 or 2 blocks ahead, staged in clusters
+#                                      # or not (~8 min)
+#   bash bench/pending_ab.sh ahead_iq  # IQ3_S rounds at 1, 2, 8 lanes: the dp4a il32 kernel 1 or 2 blocks
+#                                      # ahead, the decode attention's last split merging; Q4_K's 4-column
+#                                      # step, q4il 1 or 2 ahead (~7 min)
 #   bash bench/pending_ab.sh cluster   # q4il's cluster GPU tests; its clusters (default at 1-2 columns on an H200)
 #                                      # vs none at 1-8 lanes and 4 columns (~4 min)
 #   bash bench/pending_ab.sh gaps      # decode rounds' sync-free test; the suite's rounds (each graph's GPU time,
@@ -28,7 +34,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="ahead, ahead_iq, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -64,6 +70,17 @@ phase() {
   OUT=$ROOT/$1
   mkdir -p "$OUT"
   case $1 in
+    ahead)
+      step pytest 240 "$PY" -m pytest -m gpu -n 12 -p xdist --dist worksteal -v -rfE -k "twin or clusters" \
+        tests/test_gemv_q4il.py tests/test_gemv_il.py
+      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
+      sweep ahead_q4_k q4_k 330 "NINFER_Q4IL_AHEAD=1,NINFER_Q4IL_AHEAD=2,NINFER_Q4IL_AHEAD=1+\
+NINFER_Q4IL_CLUSTER_STAGED=1,NINFER_Q4IL_AHEAD=2+NINFER_Q4IL_CLUSTER_STAGED=1" --lanes 1,2,4,8
+      ;;
+    ahead_iq)
+      sweep ahead_iq3_s iq3_s 270 NINFER_IL_AHEAD=1,NINFER_IL_AHEAD=2,NINFER_ATTN_MERGE=1 --lanes 1,2,8
+      sweep ahead_q4_k_c4 q4_k 150 NINFER_Q4IL_AHEAD=1,NINFER_Q4IL_AHEAD=2 --columns 4
+      ;;
     trace)
       for wtype in q4_k iq3_s; do
         step "trace_$wtype" 150 "$PY" bench/step_profile.py --wtype "$wtype" --prompt 512 --timeline --steps 4 \

@@ -198,6 +198,7 @@ _SOURCE = r"""
 #define PDL __PDL__
 #define GROUP __GROUP__
 #define CONV __CONV__
+#define AHEAD __AHEAD__
 """ + CUDA_HELPERS + CONV_STAGE + r"""
 struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
 
@@ -302,9 +303,12 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
     int* xs = reinterpret_cast<int*>(red + ring * WARPS * NCOL * 32);  // the activation [NCOL][K4]
     float* xds = reinterpret_cast<float*>(xs + NCOL * K4);
     // what the CTA needs first is asked for at once (one memory latency, not one a pass of a fill loop): its
-    // first block, the grid words of its table, the activation
+    // first AHEAD blocks, the grid words of its table, the activation
     Blk a, b;
     if (blockIdx.x < tiles && wid < P) LOAD_PAIR(a, blockIdx.x, (size_t)blockIdx.x * P, wid, 0);
+#if AHEAD == 2
+    if (blockIdx.x < tiles && wid < P) LOAD_PAIR(b, blockIdx.x, (size_t)blockIdx.x * P, wid, 1);
+#endif
     // table entry i of copy c at i * COPIES + c, 16 bytes (four copies of the word) a store
     constexpr int STORES = 128 * COPIES, FILL = (STORES + WARPS * 32 - 1) / (WARPS * 32);
     unsigned gw[FILL];
@@ -338,6 +342,9 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
         const size_t first = (size_t)t * P;
         if (t != blockIdx.x && wid < P) LOAD_PAIR(a, t, first, wid, 0);
         for (int p = wid; p < P; p += WARPS) {
+#if AHEAD == 2
+            if (t != blockIdx.x || p != wid)  // (the CTA's first pair's second block: loaded before the wait)
+#endif
             LOAD_PAIR(b, t, first, p, 1);  // the padding block of an odd count is zeros
             dot_block(a, 0, 16 * p, xs, xds, K4, KG, tab, acc);
             if (p + WARPS < P) LOAD_PAIR(a, t, first, p + WARPS, 0);
@@ -627,10 +634,14 @@ class IlSchedule:
     regs: int = 0
     group: int = 32
     splits: int = 1
+    ahead: int = 1
 
     def __post_init__(self):
         if self.group not in (32, 256):
             raise QuantKernelError(f"activation groups of {self.group}: the il32 kernels take 32 or 256")
+        if self.ahead not in (1, 2) or (self.ahead == 2 and self.kernel != "il"):
+            raise QuantKernelError(f"{self.ahead} blocks before the wait: the dp4a il32 kernel loads 1 or 2, "
+                                   "the tensor-core one 1")
         if self.splits != 1 and self.kernel != "il_mma":
             raise QuantKernelError("split-K over CTAs is the tensor-core il32 kernel's (IlSchedule.splits)")
 
@@ -641,7 +652,8 @@ class IlSchedule:
                     + (f"_g{self.group}" if self.group != 32 else "")
                     + (f"_s{self.splits}" if self.splits > 1 else ""))
         return (f"il_w{self.warps}_c{self.copies}" + (f"_r{self.regs}" if self.regs else "")
-                + (f"_g{self.group}" if self.group != 32 else ""))
+                + (f"_g{self.group}" if self.group != 32 else "")
+                + (f"_a{self.ahead}" if self.ahead != 1 else ""))
 
     def smem_bytes(self, columns: int, in_features: int, ring: int = 1) -> int:
         """The tables and the split-K sums (the dp4a kernel's: of `ring` tiles); the dp4a kernel also stages
@@ -661,12 +673,19 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     registers and block loads hoisted or double-buffered), at 3-4 columns over few short rows (`_MMA_SHORT`)
     6 warps of 112 registers, three CTAs an SM (the 27B's output projections, 5120×6144: 11.8 → 11.0 µs at
     4 columns, session 38); a tile's blocks in `mma_splits` pieces across CTAs (NINFER_IL_SPLITS: a count
-    instead, for A/B). Both take an activation of one scale per `group` inputs."""
-    return _il_schedule(columns, in_features, out_features, group, os.environ.get("NINFER_IL_SPLITS", "auto"))
+    instead, for A/B). Both take an activation of one scale per `group` inputs. The dp4a kernel loads the
+    CTA's first `IL_AHEAD` blocks before the programmatic launch's wait (NINFER_IL_AHEAD=1 / 2)."""
+    return _il_schedule(columns, in_features, out_features, group, os.environ.get("NINFER_IL_SPLITS", "auto"),
+                        os.environ.get("NINFER_IL_AHEAD", str(IL_AHEAD)))
+
+
+# the blocks of its first pair the dp4a kernel loads before the programmatic launch's wait
+IL_AHEAD = 1
 
 
 @functools.cache  # every il_matmul asks
-def _il_schedule(columns: int, in_features: int, out_features: int, group: int, splits: str) -> IlSchedule:
+def _il_schedule(columns: int, in_features: int, out_features: int, group: int, splits: str,
+                 ahead: str) -> IlSchedule:
     if columns >= 3:
         blocks = in_features // 256
         short = columns <= _MMA_SHORT[0] and blocks <= _MMA_SHORT[1] and out_features <= _MMA_SHORT[2]
@@ -674,7 +693,7 @@ def _il_schedule(columns: int, in_features: int, out_features: int, group: int, 
              else IlSchedule(min(10, blocks), kernel="il_mma", group=group))
         return with_mma_splits(s, columns, in_features, out_features) if splits == "auto" else replace(
             s, splits=int(splits))
-    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, group=group)
+    return IlSchedule(min(10, il32_shape(32, in_features)[1]), 16, group=group, ahead=int(ahead))
 
 
 def with_mma_splits(s: IlSchedule, columns: int, in_features: int, out_features: int) -> IlSchedule:
@@ -741,7 +760,8 @@ def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False,
             .replace("__CONV__", str(int(conv)))
             .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns, 0)))
             .replace("__COPIES__", str(s.copies))
-            .replace("__PDL__", str(int(pdl))).replace("__GROUP__", str(s.group)))
+            .replace("__PDL__", str(int(pdl))).replace("__GROUP__", str(s.group))
+            .replace("__AHEAD__", str(s.ahead)))
 
 
 @functools.cache

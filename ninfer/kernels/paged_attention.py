@@ -4,7 +4,8 @@ Layout (docs/engine.md): per layer a uint8 pool `[num_pages, kv_heads, 64, token
 `[lanes, max_pages]`; a token row is K part then V part, codes then fp16 scales. One program handles one
 sequence × one KV head × one run of its pages (the context split over up to `DECODE_SPLITS` programs), for
 all the query heads of that KV head at once (GQA: K and V are read once per group). Each split keeps an
-online softmax; a second kernel merges the splits that hold pages of the sequence. Rotated-key formats take
+online softmax; a second kernel merges the splits that hold pages of the sequence (with `MERGE_IN_DECODE`,
+the last of them to finish does, in the same launch). Rotated-key formats take
 the query rotated by the same Walsh–Hadamard matrix, so keys are used as stored.
 `paged_decode_attention_reference` decodes the same bytes with `kv_quant.decode_kv` and runs
 `reference.attention_reference`: the oracle and the fallback.
@@ -328,7 +329,7 @@ def paged_decode_attention(
     Short runs keep the GPU busy at short contexts: at 512 tokens one lane's 4 KV heads are 16 programs of two
     pages, where runs of 4 pages made 8.
 
-    `gate` (`[B, Hq·D]`, unit stride along its rows): the attention output gate applied in the merge launch,
+    `gate` (`[B, Hq·D]`, unit stride along its rows): the attention output gate applied in the merge,
     `fused.sigmoid_gate_mul(out, gate)`, returned as `[B, Hq·D]` with its int8 activation left for the
     Linear that reads it (decode widths on CUDA, as the fused kernels do; `group` values a scale, where
     they tile a head)."""
@@ -354,20 +355,21 @@ def paged_decode_attention(
     out = torch.empty(q.shape if gate is None else (B, Hq * D), dtype=q.dtype, device=q.device)
     quantize = gate is not None and D % group == 0 and gemv_q8.int8_next(out, group)
     q8 = fused.int8_buffers(out, quantize, group)
+    # the merge's arguments, whichever launch merges
+    gated, s_gate = (out, 0) if gate is None else (gate, gate.stride(0))
     merge = dict(D=D, SPLITS=splits, BS=min(64, max(16, 1 << (splits - 1).bit_length())),
                  GATE=gate is not None, QUANT=quantize, GROUP=group)
-    ends = (out, out if gate is None else gate, *q8, 0 if gate is None else gate.stride(0))
     counts = merge_counts(q.device, B * Hkv)
     _paged_decode_kernel[(B, Hkv, splits)](
         qr, storage, storage.view(torch.int16), page_tables, lanes, lens, levels, acc, ml, Hq, Hkv,
         page_tables.stride(0), pages_per_split, scale if scale is not None else 1.0 / math.sqrt(D),
-        counts if counts is not None else lens, *ends, FMT=KERNEL_KV_CODES[fmt.name], G=G,
+        counts if counts is not None else lens, out, gated, *q8, s_gate, FMT=KERNEL_KV_CODES[fmt.name], G=G,
         GPAD=max(16, 1 << (G - 1).bit_length()), KB=fmt.key_bytes, TB=fmt.token_bytes,
         MERGE=counts is not None, **merge, **pdl_options(q),
     )
     if counts is None:
-        _merge_splits_kernel[(B, Hq)](acc, ml, lens, out, ends[1], *q8, Hq, pages_per_split, ends[-1],
-                                      **merge, **pdl_options(q))
+        _merge_splits_kernel[(B, Hq)](acc, ml, lens, out, gated, *q8, Hq, pages_per_split, s_gate, **merge,
+                                      **pdl_options(q))
     if quantize:
         fused.remember_int8(out, q8)
     return out

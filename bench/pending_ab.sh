@@ -6,7 +6,7 @@
 #
 #   bash bench/pending_ab.sh ahead     # the GPU twin tests of q4il / il32 with blocks asked for before the wait;
 #                                      # Q4_K rounds at 1-8 lanes: q4il 1 or 2 blocks ahead, staged in clusters
-#                                      # or not (~8 min)
+#                                      # or not, staged at every width (~7 min; a call of its own)
 #   bash bench/pending_ab.sh ahead_iq  # the decode attention's GPU test (the last split merging); IQ3_S rounds
 #                                      # at 1, 2, 8 lanes: the dp4a il32 kernel 1 or 2 blocks ahead, the last
 #                                      # split merging; Q4_K's 4-column step, q4il 1 or 2 ahead (~7 min)
@@ -74,8 +74,10 @@ phase() {
       step pytest 240 "$PY" -m pytest -m gpu -n 12 -p xdist --dist worksteal -v -rfE -k "twin or clusters" \
         tests/test_gemv_q4il.py tests/test_gemv_il.py
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-      sweep ahead_q4_k q4_k 330 "NINFER_Q4IL_AHEAD=1,NINFER_Q4IL_AHEAD=2,NINFER_Q4IL_AHEAD=1+\
-NINFER_Q4IL_CLUSTER_STAGED=1,NINFER_Q4IL_AHEAD=2+NINFER_Q4IL_CLUSTER_STAGED=1" --lanes 1,2,4,8
+      # the last setting stages every width (8 lanes too, unstaged by default) and every cluster, 2 ahead
+      sweep ahead_q4_k q4_k 400 "NINFER_Q4IL_AHEAD=1,NINFER_Q4IL_AHEAD=2,NINFER_Q4IL_AHEAD=1+\
+NINFER_Q4IL_CLUSTER_STAGED=1,NINFER_Q4IL_AHEAD=2+NINFER_Q4IL_CLUSTER_STAGED=1,NINFER_Q4IL_AHEAD=2+\
+NINFER_Q4IL_STAGED=1" --lanes 1,2,4,8
       ;;
     ahead_iq)
       step pytest 120 "$PY" -m pytest -m gpu -n 4 -p xdist -v -rfE -k "paged_attention" tests/test_kernels_gpu.py

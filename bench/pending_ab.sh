@@ -7,9 +7,11 @@
 #   bash bench/pending_ab.sh ahead     # the GPU twin tests of q4il / il32 with blocks asked for before the wait;
 #                                      # Q4_K rounds at 1-8 lanes: q4il 1 or 2 blocks ahead, staged in clusters
 #                                      # or not, staged at every width (~7 min; a call of its own)
-#   bash bench/pending_ab.sh ahead_iq  # the decode attention's GPU test (the last split merging); IQ3_S rounds
-#                                      # at 1, 2, 8 lanes: the dp4a il32 kernel 1 or 2 blocks ahead, the last
-#                                      # split merging; Q4_K's 4-column step, q4il 1 or 2 ahead (~7 min)
+#   bash bench/pending_ab.sh ahead_iq  # the decode attention's GPU test (the last split merging, the early
+#                                      # reads); IQ3_S rounds at 1, 2, 8 lanes: the dp4a il32 kernel 1 or 2
+#                                      # blocks ahead, the attention's last split merging and / or reading its
+#                                      # lane, length and first page before its wait; Q4_K's 4-column step,
+#                                      # q4il 1 or 2 ahead (~6 min; a call of its own)
 #   bash bench/pending_ab.sh cluster   # q4il's cluster GPU tests; its clusters (default at 1-2 columns on an H200)
 #                                      # vs none at 1-8 lanes and 4 columns (~4 min)
 #   bash bench/pending_ab.sh gaps      # decode rounds' sync-free test; the suite's rounds (each graph's GPU time,
@@ -82,7 +84,8 @@ NINFER_Q4IL_STAGED=1" --lanes 1,2,4,8
     ahead_iq)
       step pytest 120 "$PY" -m pytest -m gpu -n 4 -p xdist -v -rfE -k "paged_attention" tests/test_kernels_gpu.py
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-      sweep ahead_iq3_s iq3_s 270 NINFER_IL_AHEAD=1,NINFER_IL_AHEAD=2,NINFER_ATTN_MERGE=1 --lanes 1,2,8
+      sweep ahead_iq3_s iq3_s 360 "NINFER_IL_AHEAD=1,NINFER_IL_AHEAD=2,NINFER_ATTN_MERGE=1,NINFER_ATTN_EARLY=1,\
+NINFER_ATTN_MERGE=1+NINFER_ATTN_EARLY=1" --lanes 1,2,8
       sweep ahead_q4_k_c4 q4_k 150 NINFER_Q4IL_AHEAD=1,NINFER_Q4IL_AHEAD=2 --columns 4
       ;;
     trace)

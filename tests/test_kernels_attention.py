@@ -122,7 +122,8 @@ def test_the_last_split_to_finish_merges(gated, monkeypatch):
     """NINFER_ATTN_MERGE=1: one launch, the last of a sequence's non-empty splits merging them (a count a
     sequence and KV head) — the same bits as the merge kernel, gated and quantised too, at one split a
     sequence, a page a split and runs of two (a sequence of 5 tokens: one split of many empty ones); the
-    counts left zero for the next launch."""
+    counts left zero for the next launch. NINFER_ATTN_EARLY=1 (the first page id read before the wait, each
+    next one while a page is used) the same bits, with either merge."""
     from ninfer.kernels import gemv_q8
     from ninfer.kernels.gemv_rows import split_workspace
 
@@ -138,16 +139,17 @@ def test_the_last_split_to_finish_merges(gated, monkeypatch):
     gate = torch.randn(3, 6 * 64, generator=gen) if gated else None
     for per_split in (4, 1, 2):
         outs = []
-        for merge in ("0", "1"):
+        for merge, early in (("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")):
             monkeypatch.setenv("NINFER_ATTN_MERGE", merge)
+            monkeypatch.setenv("NINFER_ATTN_EARLY", early)
             gemv_q8._MEMO.clear()
             out = paged_decode_attention(q, storage, tables, lane_ids, seq_lens, fmt,
                                          pages_per_split=per_split, gate=gate)
             outs.append((out, gemv_q8.quantize_activation_cached(out, 32) if gated else None))
-        assert torch.equal(outs[0][0], outs[1][0]), per_split
-        if gated:
-            assert gemv_q8._MEMO.ref() is outs[1][0]  # the merging launch left the int8 activation
-            assert torch.equal(outs[0][1].q, outs[1][1].q) and torch.equal(outs[0][1].d, outs[1][1].d)
+            assert torch.equal(out, outs[0][0]), (per_split, merge, early)
+            if gated:
+                assert gemv_q8._MEMO.ref() is out  # the merging launch left the int8 activation
+                assert torch.equal(outs[-1][1].q, outs[0][1].q) and torch.equal(outs[-1][1].d, outs[0][1].d)
         assert not split_workspace(q.device, 0, 6, slots=True)[1].any(), per_split
     gemv_q8._MEMO.clear()
 

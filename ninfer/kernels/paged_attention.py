@@ -27,6 +27,8 @@ from ninfer.kernels.triton_support import (
     jit,
     pdl_options,
     pdl_start,
+    pdl_trigger,
+    pdl_wait,
     tl,
     tl_max,
     tl_sum,
@@ -57,6 +59,16 @@ KERNEL_KV_CODES = {"bf16": 0, "int8": 1, "rk8v4": 2, "rk4v4": 3}
 # the last of a sequence's splits to finish merges them (one launch a layer instead of two; `merge_counts`):
 # NINFER_ATTN_MERGE=1, off until timed
 MERGE_IN_DECODE = False
+# the decode launch reads its lane, length and first page id before its programmatic-launch wait (two
+# dependent reads off the chain; `read_early`): NINFER_ATTN_EARLY=1, off until timed
+READ_EARLY = False
+
+
+def read_early() -> bool:
+    """Whether decode launches read their lanes, lengths and first page ids before their wait
+    (`READ_EARLY`; NINFER_ATTN_EARLY=0 / 1 overrides)."""
+    wanted = os.environ.get("NINFER_ATTN_EARLY", "")
+    return wanted == "1" if wanted in ("0", "1") else READ_EARLY
 
 
 def merge_counts(device: torch.device, pairs: int) -> torch.Tensor | None:
@@ -162,12 +174,18 @@ def _paged_decode_kernel(
     cnt_ptr, out_ptr, gate_ptr, q8_ptr, d_ptr, s_ptr, s_gate,
     FMT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GPAD: tl.constexpr, KB: tl.constexpr,
     TB: tl.constexpr, SPLITS: tl.constexpr, MERGE: tl.constexpr = 0, BS: tl.constexpr = 16,
-    GATE: tl.constexpr = 0, QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 32, PDL: tl.constexpr = 0,
+    GATE: tl.constexpr = 0, QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 32, EARLY: tl.constexpr = 0,
+    PDL: tl.constexpr = 0,
 ):
     """One run of pages of sequence b for KV head h's G query heads: its partial softmax into acc / ml.
     MERGE: the last of the sequence's non-empty splits to finish (a count a sequence and KV head in cnt_ptr,
-    left zero again) merges them into out (`_merge_head`, GATE / QUANT / GROUP as the merge kernel's)."""
-    pdl_start(PDL)
+    left zero again) merges them into out (`_merge_head`, GATE / QUANT / GROUP as the merge kernel's).
+    EARLY: the lane, the length and the run's first page id read before the programmatic launch's wait (no
+    kernel of the round writes them after its first GEMV), each next page id while a page is used."""
+    if EARLY:
+        pdl_trigger(PDL)
+    else:
+        pdl_start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -176,6 +194,9 @@ def _paged_decode_kernel(
     per = _run_pages(n, pages_per_split, SPLITS)
     first = sp * per
     last = tl.minimum((n + 63) // 64, first + per)
+    if EARLY:  # (an empty split reads an entry of its row and uses none)
+        page = tl.load(pt_ptr + lane * pt_stride + tl.maximum(tl.minimum(first, last - 1), 0)).to(tl.int64)
+        pdl_wait(PDL)
     g = tl.arange(0, GPAD)
     g_ok = g < G
     d = tl.arange(0, D)[None, :]
@@ -189,7 +210,8 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GPAD], dtype=tl.float32)
     acc = tl.zeros([GPAD, D], dtype=tl.float32)
     for pi in range(first, last):
-        page = tl.load(pt_ptr + lane * pt_stride + pi).to(tl.int64)
+        if not EARLY:
+            page = tl.load(pt_ptr + lane * pt_stride + pi).to(tl.int64)
         tok = (page * Hkv + h) * 64 + t
         tok_ok = (pi * 64 + t) < n
         row = kv_ptr + tok[:, None] * TB  # TB constexpr: the compiler sees each row's alignment
@@ -202,6 +224,8 @@ def _paged_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl_sum(p, 1)
         v = _load_v(row, row16, tok_ok[:, None], FMT, D, KB, 64)
+        if EARLY:  # the next page's id while this one is used (the last: its own again)
+            page = tl.load(pt_ptr + lane * pt_stride + tl.minimum(pi + 1, last - 1)).to(tl.int64)
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     part = (b * Hq + heads) * SPLITS + sp
@@ -365,7 +389,7 @@ def paged_decode_attention(
         page_tables.stride(0), pages_per_split, scale if scale is not None else 1.0 / math.sqrt(D),
         counts if counts is not None else lens, out, gated, *q8, s_gate, FMT=KERNEL_KV_CODES[fmt.name], G=G,
         GPAD=max(16, 1 << (G - 1).bit_length()), KB=fmt.key_bytes, TB=fmt.token_bytes,
-        MERGE=counts is not None, **merge, **pdl_options(q),
+        MERGE=counts is not None, EARLY=read_early(), **merge, **pdl_options(q),
     )
     if counts is None:
         _merge_splits_kernel[(B, Hq)](acc, ml, lens, out, gated, *q8, Hq, pages_per_split, s_gate, **merge,

@@ -108,6 +108,22 @@ def pdl_start(PDL: tl.constexpr):
 
 
 @jit
+def pdl_trigger(PDL: tl.constexpr):
+    """`pdl_start`'s first half alone, for a kernel that reads before its wait what no kernel of the round
+    writes after the round's first GEMV (lanes, lengths, page tables): with PDL 2, let the next kernel
+    launch now."""
+    if PDL == 2:
+        gdc_launch_dependents()
+
+
+@jit
+def pdl_wait(PDL: tl.constexpr):
+    """`pdl_start`'s second half, after `pdl_trigger`: wait until the previous kernel has finished."""
+    if PDL != 0:
+        gdc_wait()
+
+
+@jit
 def pdl_release(PDL: tl.constexpr):
     """After a GEMV's main loop: with PDL 3 (`late_release`), let the next kernel launch now."""
     if PDL == 3:

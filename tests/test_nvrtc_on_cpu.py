@@ -246,7 +246,8 @@ MUTATIONS = {
                                                  "slots + ((n + 1) & 1) * (16 * SLOT_CHUNKS)"),
     "q4il clusters: a rank's sums left out": ("q4il_cluster", "r < CLUSTER; ++r) v += set",
                                               "r < CLUSTER - 1; ++r) v += set"),
-    "q4il clusters: every rank on the same blocks": ("q4il_cluster", "kb = rank * WARPS + wid;", "kb = wid;"),
+    "q4il clusters: every rank on rank 0's blocks": (
+        "q4il_cluster", "#define KB0 ((int)blockIdx.x % CLUSTER * WARPS", "#define KB0 (0 * WARPS"),
     "q4il clusters: a rank's sums into its own memory": ("q4il_cluster",
                                                          "st_rank0(set + rank * 256 + i, tile_sum(red, i));",
                                                          "set[rank * 256 + i] = tile_sum(red, i);"),

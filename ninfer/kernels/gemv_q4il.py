@@ -218,17 +218,13 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #if CLUSTER > 1
     int it = 0;  // this CTA's tiles so far
     for (int tile = TILE0; tile < tiles; tile += TILE_STEP, ++it) {
-        float acc[4][2];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) { acc[r][0] = 0.f; acc[r][1] = 0.f; }
-        for (int kb = rank * WARPS + wid; kb < nblk; kb += CLUSTER * WARPS) {
 #else
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int tile = TILE0; tile < tiles; tile += TILE_STEP) {
+#endif
         float acc[4][2];
 #pragma unroll
         for (int r = 0; r < 4; ++r) { acc[r][0] = 0.f; acc[r][1] = 0.f; }
-        for (int kb = wid; kb < nblk; kb += WARPS) {
-#endif
+        for (int kb = KB0; kb < nblk; kb += KB_STEP) {
 #if STAGES
 #if AHEAD == 1
             // the next block into the other slot (read by every lane before the barrier that ended the last

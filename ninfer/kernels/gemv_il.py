@@ -665,6 +665,10 @@ class IlSchedule:
         return table + ring * self.warps * columns * 32 * 4 + activation
 
 
+# the blocks of its first pair the dp4a kernel loads before the programmatic launch's wait
+IL_AHEAD = 1
+
+
 def il_schedule(columns: int, in_features: int, out_features: int = 8192, group: int = 32) -> IlSchedule:
     """1-2 columns: the dp4a kernel, a warp per pair of blocks (at most 10 warps), 16 copies of the grid (on
     the H200 within 3 % of the best il schedule at 1 and 2 columns on the 27B's matrices, sessions 26 and
@@ -677,10 +681,6 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     CTA's first `IL_AHEAD` blocks before the programmatic launch's wait (NINFER_IL_AHEAD=1 / 2)."""
     return _il_schedule(columns, in_features, out_features, group, os.environ.get("NINFER_IL_SPLITS", "auto"),
                         os.environ.get("NINFER_IL_AHEAD", str(IL_AHEAD)))
-
-
-# the blocks of its first pair the dp4a kernel loads before the programmatic launch's wait
-IL_AHEAD = 1
 
 
 @functools.cache  # every il_matmul asks

@@ -36,7 +36,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="ahead, ahead_iq, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="ahead, ahead_iq, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -87,6 +87,13 @@ NINFER_Q4IL_STAGED=1" --lanes 1,2,4,8
       sweep ahead_iq3_s iq3_s 360 "NINFER_IL_AHEAD=1,NINFER_IL_AHEAD=2,NINFER_ATTN_MERGE=1,NINFER_ATTN_EARLY=1,\
 NINFER_ATTN_MERGE=1+NINFER_ATTN_EARLY=1" --lanes 1,2,8
       sweep ahead_q4_k_c4 q4_k 150 NINFER_Q4IL_AHEAD=1,NINFER_Q4IL_AHEAD=2 --columns 4
+      ;;
+    ahead0)
+      # nothing before the wait: the dp4a kernel's first block after it; q4il unstaged; q4il's clusters
+      # (forced on an H100) staged or not
+      sweep ahead0_iq3_s iq3_s 200 NINFER_IL_AHEAD=1,NINFER_IL_AHEAD=0 --lanes 1,2,8
+      sweep ahead0_q4_k q4_k 240 "NINFER_Q4IL_STAGED=1,NINFER_Q4IL_STAGED=0,NINFER_Q4IL_CLUSTER=2,\
+NINFER_Q4IL_CLUSTER=2+NINFER_Q4IL_CLUSTER_STAGED=1" --lanes 1,2
       ;;
     trace)
       for wtype in q4_k iq3_s; do

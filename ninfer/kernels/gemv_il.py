@@ -305,7 +305,9 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
     // what the CTA needs first is asked for at once (one memory latency, not one a pass of a fill loop): its
     // first AHEAD blocks, the grid words of its table, the activation
     Blk a, b;
+#if AHEAD >= 1
     if (blockIdx.x < tiles && wid < P) LOAD_PAIR(a, blockIdx.x, (size_t)blockIdx.x * P, wid, 0);
+#endif
 #if AHEAD == 2
     if (blockIdx.x < tiles && wid < P) LOAD_PAIR(b, blockIdx.x, (size_t)blockIdx.x * P, wid, 1);
 #endif
@@ -320,6 +322,9 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 #if PDL
     // launched early (programmatic dependent launch): the activation is the previous kernel's output
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#if AHEAD == 0
+    if (blockIdx.x < tiles && wid < P) LOAD_PAIR(a, blockIdx.x, (size_t)blockIdx.x * P, wid, 0);
 #endif
     // the activation, read by every warp of the CTA, from shared memory (a global load's latency stalled the
     // sub-blocks: gpu-notes "Session 28")
@@ -639,8 +644,8 @@ class IlSchedule:
     def __post_init__(self):
         if self.group not in (32, 256):
             raise QuantKernelError(f"activation groups of {self.group}: the il32 kernels take 32 or 256")
-        if self.ahead not in (1, 2) or (self.ahead == 2 and self.kernel != "il"):
-            raise QuantKernelError(f"{self.ahead} blocks before the wait: the dp4a il32 kernel loads 1 or 2, "
+        if self.ahead not in (0, 1, 2) or (self.ahead != 1 and self.kernel != "il"):
+            raise QuantKernelError(f"{self.ahead} blocks before the wait: the dp4a il32 kernel loads 0-2, "
                                    "the tensor-core one 1")
         if self.splits != 1 and self.kernel != "il_mma":
             raise QuantKernelError("split-K over CTAs is the tensor-core il32 kernel's (IlSchedule.splits)")

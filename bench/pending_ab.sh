@@ -1,17 +1,11 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 55 added `ahead` and `ahead_iq`; sessions 47-54's
-# phases stay to rerun.
+# $OUT/<phase>/, the settings' table printed last). Session 55 ran its `ahead` / `ahead_iq` phases on an H100
+# (their builds are on branch s55-before-wait) and added `ahead0`; sessions 47-54's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
-#   bash bench/pending_ab.sh ahead     # the GPU twin tests of q4il / il32 with blocks asked for before the wait;
-#                                      # Q4_K rounds at 1-8 lanes: q4il 1 or 2 blocks ahead, staged in clusters
-#                                      # or not, staged at every width (~7 min; a call of its own)
-#   bash bench/pending_ab.sh ahead_iq  # the decode attention's GPU test (the last split merging, the early
-#                                      # reads); IQ3_S rounds at 1, 2, 8 lanes: the dp4a il32 kernel 1 or 2
-#                                      # blocks ahead, the attention's last split merging and / or reading its
-#                                      # lane, length and first page before its wait; Q4_K's 4-column step,
-#                                      # q4il 1 or 2 ahead (~6 min; a call of its own)
+#   bash bench/pending_ab.sh ahead0    # the dp4a il32 kernel's first block after its wait vs before (IQ3_S
+#                                      # rounds at 1, 2, 8 lanes); q4il unstaged vs staged at 1-2 lanes (~4 min)
 #   bash bench/pending_ab.sh cluster   # q4il's cluster GPU tests; its clusters (default at 1-2 columns on an H200)
 #                                      # vs none at 1-8 lanes and 4 columns (~4 min)
 #   bash bench/pending_ab.sh gaps      # decode rounds' sync-free test; the suite's rounds (each graph's GPU time,
@@ -36,7 +30,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="ahead, ahead_iq, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -72,28 +66,11 @@ phase() {
   OUT=$ROOT/$1
   mkdir -p "$OUT"
   case $1 in
-    ahead)
-      step pytest 240 "$PY" -m pytest -m gpu -n 12 -p xdist --dist worksteal -v -rfE -k "twin or clusters" \
-        tests/test_gemv_q4il.py tests/test_gemv_il.py
-      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-      # the last setting stages every width (8 lanes too, unstaged by default) and every cluster, 2 ahead
-      sweep ahead_q4_k q4_k 400 "NINFER_Q4IL_AHEAD=1,NINFER_Q4IL_AHEAD=2,NINFER_Q4IL_AHEAD=1+\
-NINFER_Q4IL_CLUSTER_STAGED=1,NINFER_Q4IL_AHEAD=2+NINFER_Q4IL_CLUSTER_STAGED=1,NINFER_Q4IL_AHEAD=2+\
-NINFER_Q4IL_STAGED=1" --lanes 1,2,4,8
-      ;;
-    ahead_iq)
-      step pytest 120 "$PY" -m pytest -m gpu -n 4 -p xdist -v -rfE -k "paged_attention" tests/test_kernels_gpu.py
-      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-      sweep ahead_iq3_s iq3_s 360 "NINFER_IL_AHEAD=1,NINFER_IL_AHEAD=2,NINFER_ATTN_MERGE=1,NINFER_ATTN_EARLY=1,\
-NINFER_ATTN_MERGE=1+NINFER_ATTN_EARLY=1" --lanes 1,2,8
-      sweep ahead_q4_k_c4 q4_k 150 NINFER_Q4IL_AHEAD=1,NINFER_Q4IL_AHEAD=2 --columns 4
-      ;;
     ahead0)
-      # nothing before the wait: the dp4a kernel's first block after it; q4il unstaged; q4il's clusters
-      # (forced on an H100) staged or not
+      # nothing before the wait (session 55: more before it lost): the dp4a kernel's first block after it;
+      # q4il unstaged (its first block after the wait) against staged (one before it)
       sweep ahead0_iq3_s iq3_s 200 NINFER_IL_AHEAD=1,NINFER_IL_AHEAD=0 --lanes 1,2,8
-      sweep ahead0_q4_k q4_k 240 "NINFER_Q4IL_STAGED=1,NINFER_Q4IL_STAGED=0,NINFER_Q4IL_CLUSTER=2,\
-NINFER_Q4IL_CLUSTER=2+NINFER_Q4IL_CLUSTER_STAGED=1" --lanes 1,2
+      sweep ahead0_q4_k q4_k 200 NINFER_Q4IL_STAGED=1,NINFER_Q4IL_STAGED=0 --lanes 1,2
       ;;
     trace)
       for wtype in q4_k iq3_s; do

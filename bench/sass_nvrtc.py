@@ -91,13 +91,13 @@ def sm90_sass(built: str | bytes) -> tuple[str, str]:
 
 
 def source_of(kernel: str, columns: int, warps: int, regs: int, group: int, il=gemv_il,
-              conv: bool = False, staged: int = 0, q4il=gemv_q4il, cluster: int = 1,
+              conv: bool = False, staged: bool = False, q4il=gemv_q4il, cluster: int = 1,
               ahead: int = 1) -> tuple[str, str]:
     """(the CUDA C the engine builds, its entry name), programmatic launch on, bf16 output; `il` / `q4il`:
     the gemv_il / gemv_q4il module the kernels come from; `conv`: the build with the GDN conv epilogue
-    (il32, q4il); `staged` 1 / 2: q4il's staged build, that many blocks before the wait; `cluster`: q4il's
-    build in clusters of that many CTAs a tile (5 warps × 3 CTAs an SM, as the 27B's 5120-row matrices take
-    them); `ahead`: the dp4a il32 kernel's blocks loaded before the wait."""
+    (il32, q4il); `staged`: q4il's build with each warp's next block staged; `cluster`: q4il's build in
+    clusters of that many CTAs a tile (5 warps × 3 CTAs an SM, as the 27B's 5120-row matrices take them);
+    `ahead`: the dp4a il32 kernel's blocks loaded before the wait (0 or 1)."""
     if kernel in ("il", "il_mma"):
         s = (il.IlSchedule(warps, kernel="il_mma", regs=regs, group=group) if kernel == "il_mma"
              else il.IlSchedule(warps, group=group, regs=regs, ahead=ahead))
@@ -177,11 +177,10 @@ def main() -> None:
     p.add_argument("--against", type=Path,
                    help="il32 kernels, q4il: another gemv_il.py (q4il: on its helpers), built and compared")
     p.add_argument("--conv", action="store_true", help="il32, q4il: the build with the GDN conv epilogue")
-    p.add_argument("--staged", type=int, default=0, choices=(0, 1, 2),
-                   help="q4il: each warp's blocks staged, this many asked for before the wait")
+    p.add_argument("--staged", action="store_true", help="q4il: each warp's next block staged")
     p.add_argument("--cluster", type=int, default=1, help="q4il: clusters of this many CTAs a tile")
-    p.add_argument("--ahead", type=int, default=1, choices=(1, 2),
-                   help="il (dp4a): the blocks of the first pair loaded before the wait")
+    p.add_argument("--ahead", type=int, default=1, choices=(0, 1),
+                   help="il (dp4a): the blocks loaded before the wait")
     p.add_argument("--shapes", default="",
                    help="il32, q4il: the floor in µs on an H200 of these matrices (NxK, comma-separated) "
                         "from the binding resource's cycles a pass, beside its HBM floor (`floor_us`)")

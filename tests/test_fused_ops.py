@@ -470,9 +470,8 @@ def test_decode_step_launch_count(q4km, monkeypatch, capsys):
 
 
 def compile_for_sm90() -> list[str]:
-    """Compile every fused kernel variant, the KV write, paged attention's decode (merging in the launch,
-    reading before its wait) and merge, and the rows GEMVs with the GDN conv in their epilogue for sm_90 (run
-    with NINFER_TRITON_COMPILE_CHECK=1); failures."""
+    """Compile every fused kernel variant, the KV write, paged attention's decode and merge, and the rows
+    GEMVs with the GDN conv in their epilogue for sm_90 (run with NINFER_TRITON_COMPILE_CHECK=1); failures."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -530,20 +529,15 @@ def compile_for_sm90() -> list[str]:
         for gate, group in ((True, 32), (True, 256), (False, 32)):  # paged attention's merge, the output gate
             build(paged_attention._merge_splits_kernel, merge,
                   {"D": 256, "SPLITS": 16, "BS": 16, "GATE": gate, "QUANT": gate, "GROUP": group}, 4)
-        if ty == "bf16":  # paged decode attention: the merge in the launch, the reads before the wait
+        if ty == "bf16":  # paged decode attention's splits
             decode = {"q_ptr": f"*{ty}", "kv_ptr": "*u8", "kv16_ptr": "*i16", "pt_ptr": "*i32",
                       "lane_ptr": "*i32", "len_ptr": "*i32", "levels_ptr": "*fp32", "acc_ptr": "*fp32",
-                      "ml_ptr": "*fp32",
-                      **ints("Hq", "Hkv", "pt_stride", "pages_per_split"), "scale": "fp32", "cnt_ptr": "*i32",
-                      "out_ptr": f"*{ty}", "gate_ptr": f"*{ty}", "q8_ptr": "*i8", "d_ptr": "*fp32",
-                      "s_ptr": "*fp32", "s_gate": "i32"}
+                      "ml_ptr": "*fp32", **ints("Hq", "Hkv", "pt_stride", "pages_per_split"), "scale": "fp32"}
             for name in ("int8", "rk4v4"):
                 fmt = kv_quant.kv_format(name, 256)
-                for merge, early in ((False, False), (True, False), (False, True), (True, True)):
-                    build(paged_attention._paged_decode_kernel, decode,
-                          {"FMT": paged_attention.KERNEL_KV_CODES[name], "D": 256, "G": 6, "GPAD": 16,
-                           "KB": fmt.key_bytes, "TB": fmt.token_bytes, "SPLITS": 16, "MERGE": merge, "BS": 16,
-                           "GATE": merge, "QUANT": merge, "GROUP": 256, "EARLY": early}, 4)
+                build(paged_attention._paged_decode_kernel, decode,
+                      {"FMT": paged_attention.KERNEL_KV_CODES[name], "D": 256, "G": 6, "GPAD": 16,
+                       "KB": fmt.key_bytes, "TB": fmt.token_bytes, "SPLITS": 16}, 4)
         if ty == "bf16":  # the GDN decode conv in the rows GEMVs' epilogue
             conv = {"cw_ptr": "*fp32", "cs_ptr": "*fp32", "slot_ptr": "*i32", "co_ptr": "*fp32",
                     **ints("C", "s_cs")}

@@ -344,18 +344,18 @@ def test_il_matmul_takes_groups_of_256_unless_told_32(monkeypatch):
 
 
 def test_the_dp4a_kernel_loads_one_or_two_blocks_before_its_wait(monkeypatch):
-    """`IlSchedule.ahead`: the dp4a kernel's blocks of its first pair loaded before the programmatic launch's
-    wait, `IL_AHEAD` by default, NINFER_IL_AHEAD=1 / 2; the tensor-core kernel loads none ahead (1)."""
+    """`IlSchedule.ahead`: the dp4a kernel's first block loaded before the programmatic launch's wait (1, the
+    default `IL_AHEAD`) or after it (0: NINFER_IL_AHEAD=0); the tensor-core kernel's stays 1."""
     from ninfer.errors import NinferError
 
     monkeypatch.delenv("NINFER_IL_AHEAD", raising=False)
     assert gemv_il.il_schedule(1, 5120, 17408).ahead == gemv_il.IL_AHEAD
-    monkeypatch.setenv("NINFER_IL_AHEAD", "2")
-    assert gemv_il.il_schedule(1, 5120, 17408).ahead == 2 and gemv_il.il_schedule(2, 5120).ahead == 2
+    monkeypatch.setenv("NINFER_IL_AHEAD", "0")
+    assert gemv_il.il_schedule(1, 5120, 17408).ahead == 0 and gemv_il.il_schedule(2, 5120).ahead == 0
     assert gemv_il.il_schedule(4, 5120).ahead == 1
-    assert "#define AHEAD 2" in gemv_il.kernel_source(1, 1, gemv_il.il_schedule(1, 5120))
-    with pytest.raises(NinferError, match="2 blocks before the wait"):
-        gemv_il.IlSchedule(10, kernel="il_mma", ahead=2)
+    assert "#define AHEAD 0" in gemv_il.kernel_source(1, 1, gemv_il.il_schedule(1, 5120))
+    with pytest.raises(NinferError, match="0 blocks before the wait"):
+        gemv_il.IlSchedule(10, kernel="il_mma", ahead=0)
 
 
 def test_only_few_long_tiles_are_split():
@@ -417,7 +417,7 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
     activation scale per 32 inputs and per 256 (a block); a CTA's tiles summed in a ring (17408 rows: 2-3
     tiles a CTA) the same bits as one at a time, in both kernels; the tensor-core kernel's tiles split into
     2-4 pieces across CTAs, the same bits on a second call; and both kernels captured in a CUDA graph, the
-    same bits as eager; the dp4a kernel loading one or two blocks before its wait, the same bits."""
+    same bits as eager; the dp4a kernel loading its first block before its wait or after, the same bits."""
     from ninfer.kernels import gemv_il as gemv_il_module
     from ninfer.kernels.gemv_il import gemv_il, gemv_il_reference
     from ninfer.kernels.gemv_q8 import quantize_activation
@@ -445,8 +445,8 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
         # fp32 sums in another order, as above (7e-8 measured on the 27B's matrices, bench/il_group256.py)
         out = gemv_il(words, xa, n, s)
         assert rel(out, gemv_il_reference(words, xa, n)) < 1e-4, (n, k, width)
-        if s.kernel == "il":  # the first pair's second block loaded before the wait or after: the same bits
-            other = dataclasses.replace(s, ahead=3 - s.ahead)
+        if s.kernel == "il":  # the first block loaded before the wait or after: the same bits
+            other = dataclasses.replace(s, ahead=1 - s.ahead)
             assert torch.equal(gemv_il(words, xa, n, other), out), (n, k, width)
     for width in (3, 4, 8):  # the tensor-core kernel's tiles split across CTAs: the pieces' sums in order
         xa = quantize_activation(torch.randn(width, k, device="cuda"), group=256)

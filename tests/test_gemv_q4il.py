@@ -160,8 +160,8 @@ def test_the_cluster_rule(monkeypatch):
     assert rule(160, 132, (8, 2), 1, True) == ((8, 2), 1)  # 640 CTAs fit no shape
     monkeypatch.setenv("NINFER_Q4IL_CLUSTER", "1")
     assert rule(160, 132, (8, 2), 1, True) == ((8, 2), 1)
-    with pytest.raises(QuantKernelError, match="0, 1 or 2 blocks ahead"):
-        gemv_q4il.kernel_source(1, 1, shape=(4, 4), staged=3, cluster=2)
+    with pytest.raises(QuantKernelError, match="not staged"):
+        gemv_q4il.kernel_source(1, 1, shape=(4, 4), staged=True, cluster=2)
 
 
 def test_clusters_pay_on_devices_with_clusters_and_bandwidth_to_an_sm(monkeypatch):
@@ -184,23 +184,15 @@ def test_clusters_pay_on_devices_with_clusters_and_bandwidth_to_an_sm(monkeypatc
 
 
 def test_the_staged_build_by_default(monkeypatch):
-    """Staged `AHEAD` blocks before the wait at 1-`STAGED_COLUMNS` columns, not in clusters;
-    NINFER_Q4IL_AHEAD=1 / 2 that many; NINFER_Q4IL_CLUSTER_STAGED=1 in clusters too; NINFER_Q4IL_STAGED=0 / 1
-    never / always."""
-    for name in ("NINFER_Q4IL_STAGED", "NINFER_Q4IL_AHEAD", "NINFER_Q4IL_CLUSTER_STAGED"):
-        monkeypatch.delenv(name, raising=False)
+    """Staged at 1-`STAGED_COLUMNS` columns; NINFER_Q4IL_STAGED=0 / 1 never / always."""
+    monkeypatch.delenv("NINFER_Q4IL_STAGED", raising=False)
     staged = gemv_q4il.q4il_staged
-    most, ahead = gemv_q4il.STAGED_COLUMNS, gemv_q4il.AHEAD
-    assert staged(1) == ahead and staged(most) == ahead and staged(most + 1) == 0
-    assert staged(1, cluster=2) == 0
-    monkeypatch.setenv("NINFER_Q4IL_CLUSTER_STAGED", "1")
-    assert staged(1, cluster=2) == ahead
-    monkeypatch.setenv("NINFER_Q4IL_AHEAD", str(3 - ahead))
-    assert staged(1) == 3 - ahead
+    most = gemv_q4il.STAGED_COLUMNS
+    assert staged(1) and staged(most) and not staged(most + 1)
     monkeypatch.setenv("NINFER_Q4IL_STAGED", "0")
-    assert staged(1) == 0
+    assert not staged(1)
     monkeypatch.setenv("NINFER_Q4IL_STAGED", "1")
-    assert staged(8) == 3 - ahead
+    assert staged(8)
 
 
 def test_q4k_matrices_of_many_rows_take_the_layout(monkeypatch):
@@ -293,9 +285,7 @@ def test_gemv_q4il_matches_its_twin_on_gpu(n, k):
                 out = gemv_q4il(words, xa, n, shape)
                 # bf16 output rounding (2^-9) bounds the bf16 case; fp32 sums in another order
                 assert rel(out, want) < (5e-3 if dtype == torch.bfloat16 else 1e-4), (width, dtype, shape)
-                for ahead in (1, 2):
-                    staged = gemv_q4il(words, xa, n, shape, staged=ahead)
-                    assert torch.equal(staged, out), (width, dtype, shape, ahead)
+                assert torch.equal(gemv_q4il(words, xa, n, shape, staged=True), out), (width, dtype, shape)
     from ninfer.quant import dequantize
 
     x = torch.randn(40, k, device="cuda", dtype=torch.bfloat16)  # prefill: the Triton dequantisation
@@ -303,7 +293,7 @@ def test_gemv_q4il_matches_its_twin_on_gpu(n, k):
     assert rel(q4il_matmul(words, x, n), x.double() @ dense.t()) < 5e-3  # bf16 weights and output
     xa = quantize_activation(torch.randn(4, k, device="cuda"), group=256)
     for shape in SHAPES:
-        for staged in (0, 1, 2):
+        for staged in (False, True):
             eager = gemv_q4il(words, xa, n, shape, staged=staged)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -318,7 +308,7 @@ def test_gemv_q4il_matches_its_twin_on_gpu(n, k):
 def test_gemv_q4il_in_clusters_on_gpu(n, k):
     """Clusters of 2 and 3 CTAs a tile (distributed shared memory, cluster barriers) at 1-8 columns, bf16 and
     fp32 outputs, on 4 × 4 (every CTA at once on the 27B's 5120-row matrices) and 5 × 3 (clusters of 3 loop
-    over tiles there), staged 1 or 2 blocks ahead the same bits; in a CUDA graph the same bits as eager."""
+    over tiles there); in a CUDA graph the same bits as eager."""
     from ninfer.kernels.gemv_q4il import gemv_q4il
     from ninfer.kernels.gemv_q8 import quantize_activation
 
@@ -328,20 +318,16 @@ def test_gemv_q4il_in_clusters_on_gpu(n, k):
             xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=dtype), group=256)
             want = gemv_q4il_reference(words, xa, n)
             for shape, cluster in (((4, 4), 2), ((4, 4), 3), ((5, 3), 3)):
-                out = gemv_q4il(words, xa, n, shape, cluster=cluster, staged=0)
+                out = gemv_q4il(words, xa, n, shape, cluster=cluster)
                 assert rel(out, want) < (5e-3 if dtype == torch.bfloat16 else 1e-4), (width, dtype, cluster)
-                for ahead in (1, 2):
-                    staged = gemv_q4il(words, xa, n, shape, cluster=cluster, staged=ahead)
-                    assert torch.equal(staged, out), (width, dtype, cluster, ahead)
     xa = quantize_activation(torch.randn(2, k, device="cuda"), group=256)
-    for staged in (0, 2):
-        eager = gemv_q4il(words, xa, n, (4, 4), cluster=2, staged=staged)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = gemv_q4il(words, xa, n, (4, 4), cluster=2, staged=staged)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, eager), staged
+    eager = gemv_q4il(words, xa, n, (4, 4), cluster=2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gemv_q4il(words, xa, n, (4, 4), cluster=2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
 
 
 def test_errors_name_the_problem():

@@ -116,44 +116,6 @@ def test_output_gate_in_the_merge_launch(dtype, dim, group, monkeypatch):
         paged_decode_attention(q, storage, tables, lane_ids, seq_lens, fmt, gate=gate[:, :64])
 
 
-@needs_triton
-@pytest.mark.parametrize("gated", [False, True])
-def test_the_last_split_to_finish_merges(gated, monkeypatch):
-    """NINFER_ATTN_MERGE=1: one launch, the last of a sequence's non-empty splits merging them (a count a
-    sequence and KV head) — the same bits as the merge kernel, gated and quantised too, at one split a
-    sequence, a page a split and runs of two (a sequence of 5 tokens: one split of many empty ones); the
-    counts left zero for the next launch. NINFER_ATTN_EARLY=1 (the first page id read before the wait, each
-    next one while a page is used) the same bits, with either merge."""
-    from ninfer.kernels import gemv_q8
-    from ninfer.kernels.gemv_rows import split_workspace
-
-    monkeypatch.setenv("NINFER_TRITON_ON_CPU", "1")
-    monkeypatch.setattr(gemv_q8, "int8_next", lambda x, group=32: True)
-    gen = torch.Generator().manual_seed(5)
-    fmt = kv_quant.kv_format("int8", 64)
-    lens = [70, 5, 130]
-    storage, tables = filled_pool(gen, fmt, lens, kv_heads=2)
-    lane_ids = torch.tensor([2, 0, 1], dtype=torch.int32)
-    seq_lens = torch.tensor([lens[2], lens[0], lens[1]], dtype=torch.int32)
-    q = torch.randn(3, 6, 64, generator=gen)
-    gate = torch.randn(3, 6 * 64, generator=gen) if gated else None
-    for per_split in (4, 1, 2):
-        outs = []
-        for merge, early in (("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")):
-            monkeypatch.setenv("NINFER_ATTN_MERGE", merge)
-            monkeypatch.setenv("NINFER_ATTN_EARLY", early)
-            gemv_q8._MEMO.clear()
-            out = paged_decode_attention(q, storage, tables, lane_ids, seq_lens, fmt,
-                                         pages_per_split=per_split, gate=gate)
-            outs.append((out, gemv_q8.quantize_activation_cached(out, 32) if gated else None))
-            assert torch.equal(out, outs[0][0]), (per_split, merge, early)
-            if gated:
-                assert gemv_q8._MEMO.ref() is out  # the merging launch left the int8 activation
-                assert torch.equal(outs[-1][1].q, outs[0][1].q) and torch.equal(outs[-1][1].d, outs[0][1].d)
-        assert not split_workspace(q.device, 0, 6, slots=True)[1].any(), per_split
-    gemv_q8._MEMO.clear()
-
-
 def test_mismatched_pool_is_a_user_error():
     fmt = kv_quant.kv_format("int8", 64)
     storage = torch.zeros(2, 2, 64, 100, dtype=torch.uint8)

@@ -327,13 +327,7 @@ def test_gdn_conv_in_the_projection_on_gpu(fmt):
 
 
 @pytest.mark.parametrize("name", ["bf16", "int8", "rk8v4", "rk4v4"])
-def test_paged_attention_on_gpu(name, monkeypatch):
-    """Against the reference; the last split merging (NINFER_ATTN_MERGE=1) and the early reads
-    (NINFER_ATTN_EARLY=1) the same bits as the merge kernel, a page a split too, gated and quantised as the
-    decode graphs call it, eager and captured, the counts left zero."""
-    from ninfer.kernels import gemv_q8
-    from ninfer.kernels.gemv_rows import split_workspace
-
+def test_paged_attention_on_gpu(name):
     fmt = kv_quant.kv_format(name, 256)
     lens = [1000, 64, 333]
     pages = sum(-(-n // 64) for n in lens)
@@ -350,35 +344,8 @@ def test_paged_attention_on_gpu(name, monkeypatch):
     seq = torch.tensor([lens[2], lens[0], lens[1]], dtype=torch.int32, device="cuda")
     q = torch.randn(3, 24, 256, device="cuda")
     ref = paged_decode_attention_reference(q, storage, tables, ids, seq, fmt)
-    monkeypatch.setenv("NINFER_ATTN_MERGE", "0")
-    monkeypatch.setenv("NINFER_ATTN_EARLY", "0")
     out = paged_decode_attention(q, storage, tables, ids, seq, fmt)
     assert rel(out, ref) < 5e-3  # tf32 dots: H200 measured 3e-4..1.1e-3
-    gate = torch.randn(3, 24 * 256, device="cuda").to(torch.bfloat16)
-    qb = q.to(torch.bfloat16)
-    for per_split in (2, 1):
-        got = {}
-        for merge in ("0", "1", "early"):
-            monkeypatch.setenv("NINFER_ATTN_MERGE", "1" if merge == "1" else "0")
-            monkeypatch.setenv("NINFER_ATTN_EARLY", "1" if merge == "early" else "0")
-            plain = paged_decode_attention(q, storage, tables, ids, seq, fmt, pages_per_split=per_split)
-            gemv_q8._MEMO.clear()
-            gated = paged_decode_attention(qb, storage, tables, ids, seq, fmt, pages_per_split=per_split,
-                                           gate=gate, group=256)
-            xa = gemv_q8.quantize_activation_cached(gated, 256)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = paged_decode_attention(q, storage, tables, ids, seq, fmt,
-                                                  pages_per_split=per_split)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(captured, plain), (per_split, merge)
-            got[merge] = (plain, gated, xa.q, xa.d)
-        for variant in ("1", "early"):
-            for a, b in zip(got["0"], got[variant], strict=True):
-                assert torch.equal(a, b), (per_split, variant)
-        assert not split_workspace(q.device, 0, 12, slots=True)[1].any()
-    gemv_q8._MEMO.clear()
 
 
 @pytest.mark.parametrize("name", ["bf16", "int8", "rk8v4", "rk4v4"])

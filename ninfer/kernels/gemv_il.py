@@ -303,13 +303,10 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
     int* xs = reinterpret_cast<int*>(red + ring * WARPS * NCOL * 32);  // the activation [NCOL][K4]
     float* xds = reinterpret_cast<float*>(xs + NCOL * K4);
     // what the CTA needs first is asked for at once (one memory latency, not one a pass of a fill loop): its
-    // first AHEAD blocks, the grid words of its table, the activation
+    // first block (AHEAD 1; AHEAD 0: after the wait), the grid words of its table, the activation
     Blk a, b;
-#if AHEAD >= 1
+#if AHEAD
     if (blockIdx.x < tiles && wid < P) LOAD_PAIR(a, blockIdx.x, (size_t)blockIdx.x * P, wid, 0);
-#endif
-#if AHEAD == 2
-    if (blockIdx.x < tiles && wid < P) LOAD_PAIR(b, blockIdx.x, (size_t)blockIdx.x * P, wid, 1);
 #endif
     // table entry i of copy c at i * COPIES + c, 16 bytes (four copies of the word) a store
     constexpr int STORES = 128 * COPIES, FILL = (STORES + WARPS * 32 - 1) / (WARPS * 32);
@@ -323,7 +320,7 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
     // launched early (programmatic dependent launch): the activation is the previous kernel's output
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-#if AHEAD == 0
+#if !AHEAD
     if (blockIdx.x < tiles && wid < P) LOAD_PAIR(a, blockIdx.x, (size_t)blockIdx.x * P, wid, 0);
 #endif
     // the activation, read by every warp of the CTA, from shared memory (a global load's latency stalled the
@@ -347,9 +344,6 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
         const size_t first = (size_t)t * P;
         if (t != blockIdx.x && wid < P) LOAD_PAIR(a, t, first, wid, 0);
         for (int p = wid; p < P; p += WARPS) {
-#if AHEAD == 2
-            if (t != blockIdx.x || p != wid)  // (the CTA's first pair's second block: loaded before the wait)
-#endif
             LOAD_PAIR(b, t, first, p, 1);  // the padding block of an odd count is zeros
             dot_block(a, 0, 16 * p, xs, xds, K4, KG, tab, acc);
             if (p + WARPS < P) LOAD_PAIR(a, t, first, p + WARPS, 0);
@@ -644,8 +638,8 @@ class IlSchedule:
     def __post_init__(self):
         if self.group not in (32, 256):
             raise QuantKernelError(f"activation groups of {self.group}: the il32 kernels take 32 or 256")
-        if self.ahead not in (0, 1, 2) or (self.ahead != 1 and self.kernel != "il"):
-            raise QuantKernelError(f"{self.ahead} blocks before the wait: the dp4a il32 kernel loads 0-2, "
+        if self.ahead not in (0, 1) or (self.ahead == 0 and self.kernel != "il"):
+            raise QuantKernelError(f"{self.ahead} blocks before the wait: the dp4a il32 kernel loads 0 or 1, "
                                    "the tensor-core one 1")
         if self.splits != 1 and self.kernel != "il_mma":
             raise QuantKernelError("split-K over CTAs is the tensor-core il32 kernel's (IlSchedule.splits)")
@@ -670,7 +664,8 @@ class IlSchedule:
         return table + ring * self.warps * columns * 32 * 4 + activation
 
 
-# the blocks of its first pair the dp4a kernel loads before the programmatic launch's wait
+# the blocks the dp4a kernel loads before the programmatic launch's wait (0 or 1; its first pair whole, 2:
+# the graphed IQ3_S rounds +0.09 ms at one lane, +0.47 at two on an H100, gpu-notes "Session 55")
 IL_AHEAD = 1
 
 
@@ -683,7 +678,7 @@ def il_schedule(columns: int, in_features: int, out_features: int = 8192, group:
     6 warps of 112 registers, three CTAs an SM (the 27B's output projections, 5120×6144: 11.8 → 11.0 µs at
     4 columns, session 38); a tile's blocks in `mma_splits` pieces across CTAs (NINFER_IL_SPLITS: a count
     instead, for A/B). Both take an activation of one scale per `group` inputs. The dp4a kernel loads the
-    CTA's first `IL_AHEAD` blocks before the programmatic launch's wait (NINFER_IL_AHEAD=1 / 2)."""
+    CTA's first block before the programmatic launch's wait (`IL_AHEAD` 1; NINFER_IL_AHEAD=0: after it)."""
     return _il_schedule(columns, in_features, out_features, group, os.environ.get("NINFER_IL_SPLITS", "auto"),
                         os.environ.get("NINFER_IL_AHEAD", str(IL_AHEAD)))
 

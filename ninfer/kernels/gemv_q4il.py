@@ -89,30 +89,19 @@ _SOURCE = r"""
 #define PDL __PDL__
 #define CONV __CONV__
 #define STAGES __STAGES__
-#define AHEAD __AHEAD__
 #define CLUSTER __CLUSTER__
 """ + CUDA_HELPERS + CONV_STAGE + CLUSTER_HELPERS + TILE_STORE + ASYNC_COPY + r"""
-// a CTA's first tile and the step to its next, a warp's first block of a tile and the step to its next (in
-// clusters, rank r's warps take blocks r·WARPS + wid, + CLUSTER·WARPS, ...)
-#define TILE0 ((int)blockIdx.x / CLUSTER)
-#define TILE_STEP ((int)gridDim.x / CLUSTER)
-#define KB0 ((int)blockIdx.x % CLUSTER * WARPS + (int)(threadIdx.x >> 5))
-#define KB_STEP (CLUSTER * WARPS)
 #if STAGES
-// STAGES 2: each warp copies its blocks into two slots in shared memory (cp.async) while it works on one: a
-// block's 35 lines from word 35h (its qs and scales, in one run) and its d | dmin line (70 + h), 128 bytes a
-// line of the tile's 32 rows, 288 16-byte chunks, chunk c at byte 16c of the slot. AHEAD blocks are asked
-// for before the programmatic launch's wait (1: the next block is asked for before each block's wait; 2:
-// both slots first, a slot refilled once the warp is done with it).
+// STAGES 2: each warp copies its next block into one of its two slots in shared memory (cp.async) while it
+// works on the other: a block's 35 lines from word 35h (its qs and scales, in one run) and its d | dmin line
+// (70 + h), 128 bytes a line of the tile's 32 rows, 288 16-byte chunks, chunk c at byte 16c of the slot.
 #define SLOT_CHUNKS 288
-// the warp's blocks in the order it works on them: block kb of tile `tile` (tile == tiles: none left)
+// the warp's blocks in the order it works on them: block kb of tile `tile` (kb = wid, += WARPS below nblk;
+// tiles blockIdx.x, += gridDim.x; tile == tiles: none left)
 struct QBlock { int tile, kb; };
-__device__ __forceinline__ QBlock first_qblock(int tiles, int nblk) {
-    return KB0 < nblk && TILE0 < tiles ? QBlock{TILE0, KB0} : QBlock{tiles, 0};
-}
 __device__ __forceinline__ QBlock next_qblock(QBlock b, int tiles, int nblk) {
-    b.kb += KB_STEP;
-    if (b.kb >= nblk) b = QBlock{b.tile + TILE_STEP, KB0};
+    b.kb += WARPS;
+    if (b.kb >= nblk) b = QBlock{b.tile + (int)gridDim.x, (int)(threadIdx.x >> 5)};
     return b.kb < nblk && b.tile < tiles ? b : QBlock{tiles, 0};
 }
 // this lane's copies of block b into the slot at shared address `slot` (chunks lane, lane + 32, ...)
@@ -154,23 +143,15 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
     extern __shared__ int4 xs[];  // per block and column: bytes {hi j0..3, hi j4..7, lo j0..3, lo j4..7}
     const int K4 = K >> 2, nblk = K >> 8, P = (nblk + 1) >> 1, tiles = (N + 31) >> 5;
     float* red = reinterpret_cast<float*>(xs + nblk * 8);  // [WARPS][32 rows][8 columns] partial sums
-#if CLUSTER > 1 || STAGES
-    float* sums = red + WARPS * 32 * 8;  // (clusters) rank 0's two sets of every rank's sums of a tile
-#endif
 #if STAGES
-    // the warp's two slots after the sums; its first AHEAD blocks asked for before the wait (weights are not
-    // the previous kernel's output)
-    const char* slots = reinterpret_cast<const char*>(sums + (CLUSTER > 1 ? 2 * CLUSTER * 256 : 0))
+    // the warp's two slots after the sums; its first block asked for before the wait (weights are not the
+    // previous kernel's output)
+    const char* slots = reinterpret_cast<const char*>(red + WARPS * 32 * 8)
                         + (threadIdx.x >> 5) * (2 * 16 * SLOT_CHUNKS);
     const unsigned slot0 = (unsigned)__cvta_generic_to_shared(slots);
-    QBlock ahead = first_qblock(tiles, nblk);
+    QBlock ahead = QBlock{(int)threadIdx.x >> 5 < nblk ? (int)blockIdx.x : tiles, (int)threadIdx.x >> 5};
     stage_qblock(ahead, tiles, P, w, slot0, threadIdx.x & 31);
     cp_async_commit();
-#if AHEAD == 2
-    ahead = next_qblock(ahead, tiles, nblk);
-    stage_qblock(ahead, tiles, P, w, slot0 + 16 * SLOT_CHUNKS, threadIdx.x & 31);
-    cp_async_commit();
-#endif
     int n = 0;  // the warp's blocks so far: block n sits in slot n % 2
 #endif
 #if CLUSTER > 1
@@ -216,24 +197,26 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
     const float* xd0 = xd + c0 * nblk;
     const float* xd1 = xd + c1 * nblk;
 #if CLUSTER > 1
+    float* sums = red + WARPS * 32 * 8;
     int it = 0;  // this CTA's tiles so far
-    for (int tile = TILE0; tile < tiles; tile += TILE_STEP, ++it) {
-#else
-    for (int tile = TILE0; tile < tiles; tile += TILE_STEP) {
-#endif
+    for (int tile = blockIdx.x / CLUSTER; tile < tiles; tile += gridDim.x / CLUSTER, ++it) {
         float acc[4][2];
 #pragma unroll
         for (int r = 0; r < 4; ++r) { acc[r][0] = 0.f; acc[r][1] = 0.f; }
-        for (int kb = KB0; kb < nblk; kb += KB_STEP) {
+        for (int kb = rank * WARPS + wid; kb < nblk; kb += CLUSTER * WARPS) {
+#else
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        float acc[4][2];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) { acc[r][0] = 0.f; acc[r][1] = 0.f; }
+        for (int kb = wid; kb < nblk; kb += WARPS) {
+#endif
 #if STAGES
-#if AHEAD == 1
             // the next block into the other slot (read by every lane before the barrier that ended the last
-            // block)
+            // block), then this one landed and seen by the whole warp
             ahead = next_qblock(ahead, tiles, nblk);
             stage_qblock(ahead, tiles, P, w, slot0 + ((n + 1) & 1) * (16 * SLOT_CHUNKS), lane);
             cp_async_commit();
-#endif
-            // this block landed and seen by the whole warp
             cp_async_wait_stages();
             __syncwarp();
             const uint4* blk = reinterpret_cast<const uint4*>(slots + (n & 1) * (16 * SLOT_CHUNKS)) + gq;
@@ -305,11 +288,6 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
             }
 #if STAGES
             __syncwarp();  // every lane done with slot n % 2: the block after next may land there
-#if AHEAD == 2
-            ahead = next_qblock(ahead, tiles, nblk);
-            stage_qblock(ahead, tiles, P, w, slot0 + (n & 1) * (16 * SLOT_CHUNKS), lane);
-            cp_async_commit();
-#endif
             ++n;
 #endif
         }
@@ -339,26 +317,24 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 
 
 def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
-                  conv: bool = False, staged: int = 0, cluster: int = 1) -> str:
+                  conv: bool = False, staged: bool = False, cluster: int = 1) -> str:
     """`conv` (bf16 out): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`).
-    `staged` 1 or 2: each warp's blocks copied into shared memory while it works on one (the STAGES build),
-    that many asked for before the programmatic launch's wait. `cluster` > 1: clusters of that many CTAs
-    share each tile (`lane_layout.CLUSTER_HELPERS`)."""
+    `staged`: each warp's next block copied into shared memory while it works on one (the STAGES build).
+    `cluster` > 1: clusters of that many CTAs share each tile (`lane_layout.CLUSTER_HELPERS`; not staged)."""
     if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
         raise QuantKernelError("the q4il conv builds write bf16")
-    if staged not in (0, 1, 2):
-        raise QuantKernelError(f"q4il stages 0, 1 or 2 blocks ahead of its wait, not {staged}")
+    if cluster > 1 and staged:
+        raise QuantKernelError("the q4il cluster builds are not staged")
     warps, ctas = shape
     return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
             .replace("__CONV__", str(int(conv))).replace("__STAGES__", "2" if staged else "0")
-            .replace("__AHEAD__", str(int(staged))).replace("__WARPS__", str(warps))
-            .replace("__CTAS__", str(ctas)).replace("__PDL__", str(int(pdl)))
-            .replace("__CLUSTER__", str(cluster)))
+            .replace("__WARPS__", str(warps)).replace("__CTAS__", str(ctas))
+            .replace("__PDL__", str(int(pdl))).replace("__CLUSTER__", str(cluster)))
 
 
-def smem_bytes(in_features: int, warps: int, staged: int = 0, cluster: int = 1) -> int:
-    """The activation's split per-32 sums of 8 columns and the warps' partial sums; in clusters, two sets of
-    every rank's sums of a tile (rank 0's); staged, each warp's two slots of a block (2 × 4.5 KB)."""
+def smem_bytes(in_features: int, warps: int, staged: bool = False, cluster: int = 1) -> int:
+    """The activation's split per-32 sums of 8 columns and the warps' partial sums; staged, each warp's two
+    slots of a block (2 × 4.5 KB); in clusters, two sets of every rank's sums of a tile (rank 0's)."""
     return (in_features // 256 * 8 * 16 + warps * 32 * 8 * 4 + (warps * 2 * 288 * 16 if staged else 0)
             + (2 * cluster * 256 * 4 if cluster > 1 else 0))
 
@@ -386,26 +362,19 @@ def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
 
 # Columns up to which q4il stages its blocks by default: the 27B Q4_K graphed rounds on the H200 −0.03 ms at
 # one lane, −0.10 at two and at one lane of 4 positions, −0.08 at four lanes, +0.03 at eight (gpu-notes
-# "Session 50"). AHEAD: the blocks a warp asks for before the programmatic launch's wait (1 or 2).
+# "Session 50").
 STAGED_COLUMNS = 4
-AHEAD = 1
 
 
-def q4il_staged(columns: int, cluster: int = 1) -> int:
-    """How a call of `columns` in clusters of `cluster` CTAs stages its blocks by default (`kernel_source`'s
-    `staged`: 0 unstaged, else the blocks asked for before the wait): `AHEAD` (NINFER_Q4IL_AHEAD=1 / 2) at
-    most `STAGED_COLUMNS` columns, not in clusters (NINFER_Q4IL_CLUSTER_STAGED=1: in clusters too);
+def q4il_staged(columns: int) -> bool:
+    """Whether a call of `columns` takes the staged build by default: at most `STAGED_COLUMNS` columns;
     NINFER_Q4IL_STAGED=0 / 1 never / always. Staged only where the tiles fill the CTA slots (not the 27B's
     5120-row matrices, which lose 0.1-0.6 µs a call from it alone) was slower still: the graphed Q4_K rounds
     +0.07-0.10 ms at 1-4 lanes and 4 columns on an H100 (gpu-notes "Session 51")."""
-    ahead = os.environ.get("NINFER_Q4IL_AHEAD", "")
-    ahead = int(ahead) if ahead in ("1", "2") else AHEAD
     forced = os.environ.get("NINFER_Q4IL_STAGED", "")
     if forced in ("0", "1"):
-        return ahead if forced == "1" else 0
-    if cluster > 1 and os.environ.get("NINFER_Q4IL_CLUSTER_STAGED", "0") != "1":
-        return 0
-    return ahead if columns <= STAGED_COLUMNS else 0
+        return forced == "1"
+    return columns <= STAGED_COLUMNS
 
 
 # Clusters of CTAs a tile by default: CLUSTER CTAs at up to CLUSTER_COLUMNS columns where an SM's share of the
@@ -448,7 +417,7 @@ def q4il_cluster(tiles: int, sms: int, shape: tuple[int, int], columns: int,
 
 @functools.cache
 def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], conv: bool = False,
-              staged: int = 0, cluster: int = 1):
+              staged: bool = False, cluster: int = 1):
     kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, conv, staged, cluster),
                                         "q4k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
@@ -456,14 +425,14 @@ def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], co
 
 
 def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
-              shape: tuple[int, int] | None = None, conv=None, staged: int | None = None,
+              shape: tuple[int, int] | None = None, conv=None, staged: bool | None = None,
               cluster: int | None = None) -> torch.Tensor:
     """`(q·d) @ Wᵀ -> [n, out_features]` in `xa.dtype`, W the q4il words (CUDA) and xa the int8 activation of
     1-8 columns with one scale per 256 inputs; `shape` (warps, CTAs an SM) and `cluster` (CTAs sharing a
     tile) default to `q4il_shape`'s and `q4il_cluster`'s; `conv`: a GDN decode conv for its epilogue
-    (`gemv_il.lane_conv`'s); `staged` 1 or 2: each warp's blocks copied into shared memory (cp.async) while
-    it works on one, that many before the programmatic launch's wait (gpu-notes "Session 48"); by default as
-    `q4il_staged` says."""
+    (`gemv_il.lane_conv`'s); `staged`: each warp's next block copied into shared memory (cp.async) while it
+    works on one, the first before the programmatic launch's wait (gpu-notes "Session 48"); by default as
+    `q4il_staged` says, never in clusters."""
     n, k = xa.q.shape
     LAYOUT.check(words, out_features, k, "q4il")
     check_call("q4il", words, xa, 256)
@@ -474,7 +443,7 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
         shape, cluster = (shape, 1) if shape else q4il_cluster(tiles, sms, q4il_shape(tiles, sms), n, pays)
     shape = shape or q4il_shape(tiles, sms)
     if staged is None:
-        staged = q4il_staged(n, cluster)
+        staged = cluster == 1 and q4il_staged(n)
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged, cluster)

@@ -4,8 +4,7 @@ Layout (docs/engine.md): per layer a uint8 pool `[num_pages, kv_heads, 64, token
 `[lanes, max_pages]`; a token row is K part then V part, codes then fp16 scales. One program handles one
 sequence × one KV head × one run of its pages (the context split over up to `DECODE_SPLITS` programs), for
 all the query heads of that KV head at once (GQA: K and V are read once per group). Each split keeps an
-online softmax; a second kernel merges the splits that hold pages of the sequence (with `MERGE_IN_DECODE`,
-the last of them to finish does, in the same launch). Rotated-key formats take
+online softmax; a second kernel merges the splits that hold pages of the sequence. Rotated-key formats take
 the query rotated by the same Walsh–Hadamard matrix, so keys are used as stored.
 `paged_decode_attention_reference` decodes the same bytes with `kv_quant.decode_kv` and runs
 `reference.attention_reference`: the oracle and the fallback.
@@ -15,20 +14,16 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
 from ninfer.errors import NinferError
 from ninfer.kernels import fused, gemv_q8, kv_quant, reference
-from ninfer.kernels.gemv_rows import split_workspace
 from ninfer.kernels.triton_support import (
     HAVE_TRITON,
     jit,
     pdl_options,
     pdl_start,
-    pdl_trigger,
-    pdl_wait,
     tl,
     tl_max,
     tl_sum,
@@ -56,31 +51,6 @@ DECODE_SPLITS = 64
 # one lane's 64 splits as they were.
 DECODE_PROGRAMS = 512
 KERNEL_KV_CODES = {"bf16": 0, "int8": 1, "rk8v4": 2, "rk4v4": 3}
-# the last of a sequence's splits to finish merges them (one launch a layer instead of two; `merge_counts`):
-# NINFER_ATTN_MERGE=1, off until timed
-MERGE_IN_DECODE = False
-# the decode launch reads its lane, length and first page id before its programmatic-launch wait (two
-# dependent reads off the chain; `read_early`): NINFER_ATTN_EARLY=1, off until timed
-READ_EARLY = False
-
-
-def read_early() -> bool:
-    """Whether decode launches read their lanes, lengths and first page ids before their wait
-    (`READ_EARLY`; NINFER_ATTN_EARLY=0 / 1 overrides)."""
-    wanted = os.environ.get("NINFER_ATTN_EARLY", "")
-    return wanted == "1" if wanted in ("0", "1") else READ_EARLY
-
-
-def merge_counts(device: torch.device, pairs: int) -> torch.Tensor | None:
-    """The zeroed counts (one a sequence and KV head, `pairs` of them; left zero by the kernel) of a decode
-    launch whose last split merges, from the split-K workspace; None where the merge kernel runs after it:
-    `MERGE_IN_DECODE` off (NINFER_ATTN_MERGE=0 / 1 overrides), or while a graph is being captured and the
-    workspace is not there yet."""
-    wanted = os.environ.get("NINFER_ATTN_MERGE", "")
-    if not (wanted == "1" if wanted in ("0", "1") else MERGE_IN_DECODE):
-        return None
-    ws = split_workspace(device, 0, pairs, slots=True)
-    return None if ws is None else ws[1]
 
 
 def decode_splits(width: int, pairs: int, pages_per_split: int, max_splits: int, programs: int) -> int:
@@ -171,21 +141,10 @@ def _run_pages(n, pages_per_split, SPLITS: tl.constexpr):
 def _paged_decode_kernel(
     q_ptr, kv_ptr, kv16_ptr, pt_ptr, lane_ptr, len_ptr, levels_ptr, acc_ptr, ml_ptr,
     Hq, Hkv, pt_stride, pages_per_split, scale,
-    cnt_ptr, out_ptr, gate_ptr, q8_ptr, d_ptr, s_ptr, s_gate,
     FMT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, GPAD: tl.constexpr, KB: tl.constexpr,
-    TB: tl.constexpr, SPLITS: tl.constexpr, MERGE: tl.constexpr = 0, BS: tl.constexpr = 16,
-    GATE: tl.constexpr = 0, QUANT: tl.constexpr = 0, GROUP: tl.constexpr = 32, EARLY: tl.constexpr = 0,
-    PDL: tl.constexpr = 0,
+    TB: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = 0,
 ):
-    """One run of pages of sequence b for KV head h's G query heads: its partial softmax into acc / ml.
-    MERGE: the last of the sequence's non-empty splits to finish (a count a sequence and KV head in cnt_ptr,
-    left zero again) merges them into out (`_merge_head`, GATE / QUANT / GROUP as the merge kernel's).
-    EARLY: the lane, the length and the run's first page id read before the programmatic launch's wait (no
-    kernel of the round writes them after its first GEMV), each next page id while a page is used."""
-    if EARLY:
-        pdl_trigger(PDL)
-    else:
-        pdl_start(PDL)
+    pdl_start(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.program_id(2)
@@ -194,9 +153,6 @@ def _paged_decode_kernel(
     per = _run_pages(n, pages_per_split, SPLITS)
     first = sp * per
     last = tl.minimum((n + 63) // 64, first + per)
-    if EARLY:  # (an empty split reads an entry of its row and uses none)
-        page = tl.load(pt_ptr + lane * pt_stride + tl.maximum(tl.minimum(first, last - 1), 0)).to(tl.int64)
-        pdl_wait(PDL)
     g = tl.arange(0, GPAD)
     g_ok = g < G
     d = tl.arange(0, D)[None, :]
@@ -210,8 +166,7 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GPAD], dtype=tl.float32)
     acc = tl.zeros([GPAD, D], dtype=tl.float32)
     for pi in range(first, last):
-        if not EARLY:
-            page = tl.load(pt_ptr + lane * pt_stride + pi).to(tl.int64)
+        page = tl.load(pt_ptr + lane * pt_stride + pi).to(tl.int64)
         tok = (page * Hkv + h) * 64 + t
         tok_ok = (pi * 64 + t) < n
         row = kv_ptr + tok[:, None] * TB  # TB constexpr: the compiler sees each row's alignment
@@ -224,53 +179,46 @@ def _paged_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl_sum(p, 1)
         v = _load_v(row, row16, tok_ok[:, None], FMT, D, KB, 64)
-        if EARLY:  # the next page's id while this one is used (the last: its own again)
-            page = tl.load(pt_ptr + lane * pt_stride + tl.minimum(pi + 1, last - 1)).to(tl.int64)
         acc = acc * alpha[:, None] + tl.dot(p, v)
         m_i = m_new
     part = (b * Hq + heads) * SPLITS + sp
     tl.store(acc_ptr + part[:, None] * D + d, acc, mask=mine[:, None])
     tl.store(ml_ptr + part * 2, m_i, mask=mine)
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=mine)
-    if MERGE:
-        if first < last:
-            tl.debug_barrier()  # every thread's stores before the count's release
-            ticket = tl.atomic_add(cnt_ptr + b * Hkv + h, 1, sem="acq_rel")
-            active = ((n + 63) // 64 + per - 1) // per
-            if ticket == active - 1:
-                tl.store(cnt_ptr + b * Hkv + h, 0)
-                for gi in tl.static_range(G):
-                    _merge_head(acc_ptr, ml_ptr, out_ptr, gate_ptr, q8_ptr, d_ptr, s_ptr, b, h * G + gi,
-                                active, Hq, s_gate, D, SPLITS, BS, GATE, QUANT, GROUP)
 
 
 @jit
-def _merge_head(acc_ptr, ml_ptr, out_ptr, gate_ptr, q_ptr, d_ptr, s_ptr, b, hq, active, Hq, s_gate,
-                D: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr,
-                QUANT: tl.constexpr, GROUP: tl.constexpr):
-    """out[b, hq] from the partial softmaxes of its first `active` splits (the rest were not written): two
-    passes over them, max then weighted sums (read past L1: another SM may have written them). GATE: times
-    the output gate as `fused.sigmoid_gate_mul` computes it (out rounded to its dtype, the sigmoid too);
-    QUANT: the int8 activation of the gated rows as well (each head's D columns are whole groups of
-    GROUP)."""
+def _merge_splits_kernel(
+    acc_ptr, ml_ptr, len_ptr, out_ptr, gate_ptr, q_ptr, d_ptr, s_ptr, Hq, pages_per_split, s_gate,
+    D: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, QUANT: tl.constexpr,
+    GROUP: tl.constexpr = 32, PDL: tl.constexpr = 0,
+):
+    """out[b, head] from the partial softmaxes of the splits that hold pages of sequence b (the rest were not
+    written): two passes over those splits, max then weighted sums. GATE: times the output gate as
+    `fused.sigmoid_gate_mul` computes it (out rounded to its dtype, the sigmoid too); QUANT: the int8
+    activation of the gated rows as well (each head's D columns are whole groups of GROUP)."""
+    pdl_start(PDL)
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    n = tl.load(len_ptr + b)
+    per = _run_pages(n, pages_per_split, SPLITS)
+    active = ((n + 63) // 64 + per - 1) // per
     base = (b * Hq + hq) * SPLITS
     s = tl.arange(0, BS)
     d = tl.arange(0, D)
     top = tl.full([BS], float("-inf"), dtype=tl.float32)
     for c in range(0, active, BS):
-        m = tl.load(ml_ptr + (base + c + s) * 2, mask=c + s < active, other=float("-inf"),
-                    cache_modifier=".cg")
+        m = tl.load(ml_ptr + (base + c + s) * 2, mask=c + s < active, other=float("-inf"))
         top = tl.maximum(top, m)
     mx = tl_max(top, 0)
     den = tl.zeros([BS], dtype=tl.float32)
     out = tl.zeros([D], dtype=tl.float32)
     for c in range(0, active, BS):
         ok = c + s < active
-        m = tl.load(ml_ptr + (base + c + s) * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        m = tl.load(ml_ptr + (base + c + s) * 2, mask=ok, other=float("-inf"))
         w = tl.where(ok, tl.exp2(m - mx), 0.0)
-        den += w * tl.load(ml_ptr + (base + c + s) * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
-        part = tl.load(acc_ptr + (base + c + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0,
-                       cache_modifier=".cg")
+        den += w * tl.load(ml_ptr + (base + c + s) * 2 + 1, mask=ok, other=0.0)
+        part = tl.load(acc_ptr + (base + c + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
         out += tl_sum(part * w[:, None], 0)
     out = out / tl_sum(den, 0)
     if GATE:
@@ -284,23 +232,6 @@ def _merge_head(acc_ptr, ml_ptr, out_ptr, gate_ptr, q_ptr, d_ptr, s_ptr, b, hq, 
                           GROUP)
     else:
         tl.store(out_ptr + (b * Hq + hq) * D + d, out.to(out_ptr.dtype.element_ty))
-
-
-@jit
-def _merge_splits_kernel(
-    acc_ptr, ml_ptr, len_ptr, out_ptr, gate_ptr, q_ptr, d_ptr, s_ptr, Hq, pages_per_split, s_gate,
-    D: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr, GATE: tl.constexpr, QUANT: tl.constexpr,
-    GROUP: tl.constexpr = 32, PDL: tl.constexpr = 0,
-):
-    """out[b, head] from the splits that hold pages of sequence b (`_merge_head`)."""
-    pdl_start(PDL)
-    b = tl.program_id(0)
-    hq = tl.program_id(1)
-    n = tl.load(len_ptr + b)
-    per = _run_pages(n, pages_per_split, SPLITS)
-    active = ((n + 63) // 64 + per - 1) // per
-    _merge_head(acc_ptr, ml_ptr, out_ptr, gate_ptr, q_ptr, d_ptr, s_ptr, b, hq, active, Hq, s_gate, D, SPLITS,
-                BS, GATE, QUANT, GROUP)
 
 
 @functools.cache
@@ -353,7 +284,7 @@ def paged_decode_attention(
     Short runs keep the GPU busy at short contexts: at 512 tokens one lane's 4 KV heads are 16 programs of two
     pages, where runs of 4 pages made 8.
 
-    `gate` (`[B, Hq·D]`, unit stride along its rows): the attention output gate applied in the merge,
+    `gate` (`[B, Hq·D]`, unit stride along its rows): the attention output gate applied in the merge launch,
     `fused.sigmoid_gate_mul(out, gate)`, returned as `[B, Hq·D]` with its int8 activation left for the
     Linear that reads it (decode widths on CUDA, as the fused kernels do; `group` values a scale, where
     they tile a head)."""
@@ -376,24 +307,19 @@ def paged_decode_attention(
     ml = torch.empty((B, Hq, splits, 2), dtype=torch.float32, device=q.device)
     lens = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
     lanes = lane_ids if lane_ids.dtype == torch.int32 else lane_ids.to(torch.int32)
-    out = torch.empty(q.shape if gate is None else (B, Hq * D), dtype=q.dtype, device=q.device)
-    quantize = gate is not None and D % group == 0 and gemv_q8.int8_next(out, group)
-    q8 = fused.int8_buffers(out, quantize, group)
-    # the merge's arguments, whichever launch merges
-    gated, s_gate = (out, 0) if gate is None else (gate, gate.stride(0))
-    merge = dict(D=D, SPLITS=splits, BS=min(64, max(16, 1 << (splits - 1).bit_length())),
-                 GATE=gate is not None, QUANT=quantize, GROUP=group)
-    counts = merge_counts(q.device, B * Hkv)
     _paged_decode_kernel[(B, Hkv, splits)](
         qr, storage, storage.view(torch.int16), page_tables, lanes, lens, levels, acc, ml, Hq, Hkv,
         page_tables.stride(0), pages_per_split, scale if scale is not None else 1.0 / math.sqrt(D),
-        counts if counts is not None else lens, out, gated, *q8, s_gate, FMT=KERNEL_KV_CODES[fmt.name], G=G,
-        GPAD=max(16, 1 << (G - 1).bit_length()), KB=fmt.key_bytes, TB=fmt.token_bytes,
-        MERGE=counts is not None, EARLY=read_early(), **merge, **pdl_options(q),
+        FMT=KERNEL_KV_CODES[fmt.name], D=D, G=G, GPAD=max(16, 1 << (G - 1).bit_length()), KB=fmt.key_bytes,
+        TB=fmt.token_bytes, SPLITS=splits, **pdl_options(q),
     )
-    if counts is None:
-        _merge_splits_kernel[(B, Hq)](acc, ml, lens, out, gated, *q8, Hq, pages_per_split, s_gate, **merge,
-                                      **pdl_options(q))
+    out = torch.empty(q.shape if gate is None else (B, Hq * D), dtype=q.dtype, device=q.device)
+    quantize = gate is not None and D % group == 0 and gemv_q8.int8_next(out, group)
+    q8 = fused.int8_buffers(out, quantize, group)
+    _merge_splits_kernel[(B, Hq)](acc, ml, lens, out, out if gate is None else gate, *q8, Hq, pages_per_split,
+                                  0 if gate is None else gate.stride(0), D=D, SPLITS=splits,
+                                  BS=min(64, max(16, 1 << (splits - 1).bit_length())), GATE=gate is not None,
+                                  QUANT=quantize, GROUP=group, **pdl_options(q))
     if quantize:
         fused.remember_int8(out, q8)
     return out

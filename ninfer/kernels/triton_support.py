@@ -101,22 +101,8 @@ def pdl_start(PDL: tl.constexpr):
     """First thing in a kernel launched by `pdl_options` (PDL 0: plain launch, a no-op; 1: wait until the
     previous kernel has finished and its writes are visible; 2: first let the next kernel launch; 3: wait, and
     let the next kernel launch later, in `pdl_release`)."""
-    pdl_trigger(PDL)
-    pdl_wait(PDL)
-
-
-@jit
-def pdl_trigger(PDL: tl.constexpr):
-    """`pdl_start`'s first half (alone: for a kernel that reads before its wait what no kernel of the round
-    writes after the round's first GEMV — lanes, lengths, page tables): with PDL 2, let the next kernel
-    launch now."""
     if PDL == 2:
         gdc_launch_dependents()
-
-
-@jit
-def pdl_wait(PDL: tl.constexpr):
-    """`pdl_start`'s second half: wait until the previous kernel has finished and its writes are visible."""
     if PDL != 0:
         gdc_wait()
 

@@ -529,7 +529,7 @@ def compile_for_sm90() -> list[str]:
         for gate, group in ((True, 32), (True, 256), (False, 32)):  # paged attention's merge, the output gate
             build(paged_attention._merge_splits_kernel, merge,
                   {"D": 256, "SPLITS": 16, "BS": 16, "GATE": gate, "QUANT": gate, "GROUP": group}, 4)
-        if ty == "bf16":  # paged decode attention's splits
+        if ty == "bf16":  # paged decode attention's splits; the GDN decode conv in the rows GEMVs' epilogue
             decode = {"q_ptr": f"*{ty}", "kv_ptr": "*u8", "kv16_ptr": "*i16", "pt_ptr": "*i32",
                       "lane_ptr": "*i32", "len_ptr": "*i32", "levels_ptr": "*fp32", "acc_ptr": "*fp32",
                       "ml_ptr": "*fp32", **ints("Hq", "Hkv", "pt_stride", "pages_per_split"), "scale": "fp32"}
@@ -538,7 +538,6 @@ def compile_for_sm90() -> list[str]:
                 build(paged_attention._paged_decode_kernel, decode,
                       {"FMT": paged_attention.KERNEL_KV_CODES[name], "D": 256, "G": 6, "GPAD": 16,
                        "KB": fmt.key_bytes, "TB": fmt.token_bytes, "SPLITS": 16}, 4)
-        if ty == "bf16":  # the GDN decode conv in the rows GEMVs' epilogue
             conv = {"cw_ptr": "*fp32", "cs_ptr": "*fp32", "slot_ptr": "*i32", "co_ptr": "*fp32",
                     **ints("C", "s_cs")}
             gemv = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "y_ptr": f"*{ty}",

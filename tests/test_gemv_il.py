@@ -343,7 +343,7 @@ def test_il_matmul_takes_groups_of_256_unless_told_32(monkeypatch):
         assert y.shape == (columns, 40) and seen == want, (flag, columns, seen)
 
 
-def test_the_dp4a_kernel_loads_one_or_two_blocks_before_its_wait(monkeypatch):
+def test_the_dp4a_kernel_loads_its_first_block_before_or_after_its_wait(monkeypatch):
     """`IlSchedule.ahead`: the dp4a kernel's first block loaded before the programmatic launch's wait (1, the
     default `IL_AHEAD`) or after it (0: NINFER_IL_AHEAD=0); the tensor-core kernel's stays 1."""
     from ninfer.errors import NinferError

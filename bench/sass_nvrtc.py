@@ -92,21 +92,22 @@ def sm90_sass(built: str | bytes) -> tuple[str, str]:
 
 def source_of(kernel: str, columns: int, warps: int, regs: int, group: int, il=gemv_il,
               conv: bool = False, staged: bool = False, q4il=gemv_q4il, cluster: int = 1,
-              ahead: int = 1) -> tuple[str, str]:
+              ahead: int = 1, evict: bool = False) -> tuple[str, str]:
     """(the CUDA C the engine builds, its entry name), programmatic launch on, bf16 output; `il` / `q4il`:
     the gemv_il / gemv_q4il module the kernels come from; `conv`: the build with the GDN conv epilogue
     (il32, q4il); `staged`: q4il's build with each warp's next block staged; `cluster`: q4il's build in
     clusters of that many CTAs a tile (5 warps × 3 CTAs an SM, as the 27B's 5120-row matrices take them);
-    `ahead`: the dp4a il32 kernel's blocks loaded before the wait (0 or 1)."""
+    `ahead`: the dp4a il32 kernel's blocks loaded before the wait (0 or 1); `evict`: the weight loads
+    evict-first in L2 (`gemv_il.evict_first`)."""
     if kernel in ("il", "il_mma"):
         s = (il.IlSchedule(warps, kernel="il_mma", regs=regs, group=group) if kernel == "il_mma"
              else il.IlSchedule(warps, group=group, regs=regs, ahead=ahead))
-        return (il.kernel_source(columns, 1, s, True, conv),
+        return (il.kernel_source(columns, 1, s, True, conv, evict),
                 "iq3s_il_mma" if kernel == "il_mma" else "iq3s_il_gemv")
     if kernel == "q4il":
         shape = q4il.SHAPES[1] if cluster > 1 else q4il.SHAPES[0]
-        return q4il.kernel_source(columns, 1, True, shape, conv, staged, cluster), "q4k_il_mma"
-    return gemv_q6il.kernel_source(columns, 1, True), "q6k_il_mma"
+        return q4il.kernel_source(columns, 1, True, shape, conv, staged, cluster, evict), "q4k_il_mma"
+    return gemv_q6il.kernel_source(columns, 1, True, evict), "q6k_il_mma"
 
 
 def instructions(sass: str) -> list[str]:
@@ -188,12 +189,13 @@ def main() -> None:
                    help="wavefronts a 32-bit shared load takes (bank conflicts; default: 2 for the dp4a "
                         "kernel's 16 copies of the grid, whose loads nearly always meet a two-way conflict, "
                         "else 1)")
+    p.add_argument("--evict", action="store_true", help="the weight loads evict-first in L2")
     p.add_argument("--cubin", action="store_true",
                    help="NVRTC builds the sm_90 cubin itself, as on the device (CUDA 13's NVRTC: Triton's "
                         "ptxas cannot read its PTX); registers from cuobjdump -res-usage")
     a = p.parse_args()
     source, name = source_of(a.kernel, a.columns, a.warps, a.regs, a.group, conv=a.conv, staged=a.staged,
-                             cluster=a.cluster, ahead=a.ahead)
+                             cluster=a.cluster, ahead=a.ahead, evict=a.evict)
     resources, sass = sm90_sass(nvrtc_build(source, name, a.cubin))
     print("\n".join(line for line in resources.splitlines() if "registers" in line or "spill" in line))
     body = loop_body(sass, {"il": "IDP", "il_mma": "IMMA", "q4il": "IMMA"}.get(a.kernel, ""))

@@ -262,6 +262,9 @@ EMULATED = {
     "st_rank0": """inline void st_rank0(float* p, float v) {
     std::memcpy(emu_cluster_smem[0] + ((char*)p - emu_smem), &v, 4);
 }""",
+    # weight loads, evict-first or not: global memory only
+    "ldw4": "inline uint4 ldw4(const uint4* p) { return __ldg(p); }",
+    "ldw": "inline unsigned ldw(const unsigned* p) { return __ldg(p); }",
     "cp_async16": "inline void cp_async16(unsigned dst, const void* src) { emu_cp_async(dst, src); }",
     "cp_async_commit": "inline void cp_async_commit() { emu_cp_commit(); }",
     "cp_async_wait_stages": "inline void cp_async_wait_stages() { emu_cp_wait(STAGES - 1); }",

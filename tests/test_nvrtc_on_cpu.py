@@ -186,6 +186,37 @@ def test_the_q4il_and_q6il_kernels(case, columns):
     assert rel(padded, want_padded) < FP32_BOUND
 
 
+def evicting(source: str) -> str:
+    """The build with its weight loads evict-first in L2 (`gemv_il.evict_first`; the emulation loads them as
+    `__ldg`, which aborts on a shared-memory address)."""
+    assert source.startswith("\n#define OUT_KIND") and "#define EVICT 0\n" in source
+    return source.replace("#define EVICT 0\n", "#define EVICT 1\n", 1)
+
+
+@pytest.mark.parametrize("columns", [1, 2, 4])
+def test_the_evict_first_builds_compute_the_same_bits(columns):
+    """EVICT 1 (the weight loads through `ldw` / `ldw4`, q4il's copies with an L2 policy): every kernel the
+    same bits as its plain build — the il32 kernel of this width, q4il unstaged, staged (its loads from the
+    warp's slots stay shared-memory loads) and in clusters, the q6il head."""
+    n, k = 72, 1536
+    words = gemv_il.repack_il32(random_gguf_weight("iq3_s", n, k))
+    xa = activation(columns, k, 256)
+    s = gemv_il.il_schedule(columns, k, n, 256)
+    assert torch.equal(run_il(evicting, words, xa, n, s, 2, 2)[0], run_il(same, words, xa, n, s, 2, 2)[0])
+    raw = random_gguf_weight("q4_k", 200, 2560)
+    for build in ({}, {"staged": True}, {"cluster": 2, "shape": gemv_q4il.SHAPES[2]}):
+        torch.manual_seed(3)
+        plain, want = q4il_case(columns, 200, 2560, raw=raw, **build)
+        torch.manual_seed(3)
+        evicted, _ = q4il_case(columns, 200, 2560, source_of=evicting, raw=raw, **build)
+        assert torch.equal(evicted, plain), build
+        assert rel(plain, want) < FP32_BOUND
+    torch.manual_seed(4)
+    plain, _ = q6il_case(columns)
+    torch.manual_seed(4)
+    assert torch.equal(q6il_case(columns, source_of=evicting)[0], plain)
+
+
 def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same):
     """The il32 (dp4a at 1-2 columns, tensor cores from 3 with `splits` pieces a tile) or q4il GEMV running
     the GDN decode conv of its first outputs in its epilogue (`CONV_STAGE`), column m lane m's token: (y, the
@@ -288,11 +319,12 @@ def launches_on_the_cpu(monkeypatch):
     two CTAs, the H200's shared memory, no PDL, the CUDA-only check of a call left out."""
     import types
 
-    monkeypatch.setattr(gemv_il, "_compiled", lambda columns, kind, s, pdl=False, conv=False: HostKernel(
-        gemv_il.kernel_source(columns, kind, s, False, conv),
-        "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"))
-    monkeypatch.setattr(gemv_q4il, "_compiled", lambda columns, kind, pdl, shape, *build: HostKernel(
-        gemv_q4il.kernel_source(columns, kind, False, shape, *build), "q4k_il_mma"))
+    monkeypatch.setattr(gemv_il, "_compiled", lambda columns, kind, s, pdl=False, conv=False, evict=False:
+                        HostKernel(gemv_il.kernel_source(columns, kind, s, False, conv, evict),
+                                   "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"))
+    monkeypatch.setattr(gemv_q4il, "_compiled", lambda columns, kind, pdl, shape, *build, evict=False:
+                        HostKernel(gemv_q4il.kernel_source(columns, kind, False, shape, *build, evict=evict),
+                                   "q4k_il_mma"))
     launch = lambda kernel, ctas, threads, smem, args, pdl: kernel((ctas,), (threads,), args, smem)  # noqa: E731
     for module in (gemv_il, gemv_q4il):
         monkeypatch.setattr(module, "_launch", launch)
@@ -342,7 +374,7 @@ def test_gemv_q4il_takes_clusters_where_they_pay(launches_on_the_cpu, monkeypatc
     monkeypatch.setattr(gemv_q4il, "clusters_pay", lambda device: True)
     builds = []
     compiled = gemv_q4il._compiled
-    monkeypatch.setattr(gemv_q4il, "_compiled", lambda *a: builds.append(a) or compiled(*a))
+    monkeypatch.setattr(gemv_q4il, "_compiled", lambda *a, **kw: builds.append(a) or compiled(*a, **kw))
     n, k = 32, 768
     raw = random_gguf_weight("q4_k", n, k)
     xa = activation(columns, k, 256)

@@ -146,6 +146,32 @@ __device__ __forceinline__ float f16_lo(unsigned v) {
 __device__ __forceinline__ float f16_hi(unsigned v) {
     float f; asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h;}" : "=f"(f) : "r"(v)); return f;
 }
+// weight loads (EVICT 1: marked evict-first in L2 and not kept in L1 — each weight byte is read once a round,
+// so what the small kernels reuse between launches may stay in L2; EVICT 0: plain loads)
+#ifndef EVICT
+#define EVICT 0
+#endif
+__device__ __forceinline__ uint4 ldw4(const uint4* p) {
+#if EVICT
+    uint4 v; unsigned long long pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+    return v;
+#else
+    return *p;
+#endif
+}
+__device__ __forceinline__ unsigned ldw(const unsigned* p) {
+#if EVICT
+    unsigned v; unsigned long long pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(pol));
+    return v;
+#else
+    return *p;
+#endif
+}
 __device__ __forceinline__ out_t to_out(float v) {
 #if OUT_KIND == 0
     return v;
@@ -199,6 +225,7 @@ _SOURCE = r"""
 #define GROUP __GROUP__
 #define CONV __CONV__
 #define AHEAD __AHEAD__
+#define EVICT __EVICT__
 """ + CUDA_HELPERS + CONV_STAGE + r"""
 struct Blk { unsigned qs[16], sg[8], qh0, qh1, sc, dw; };  // one block's words (dw: d of both blocks)
 
@@ -209,13 +236,13 @@ __device__ __forceinline__ void load_block(Blk& b, const unsigned* __restrict__ 
     const int h = kb & 1;
     const unsigned* wp = w + (first + (kb >> 1)) * (55 * 32) + lane;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) b.qs[i] = wp[(16 * h + i) * 32];
+    for (int i = 0; i < 16; ++i) b.qs[i] = ldw(wp + (16 * h + i) * 32);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) b.sg[i] = wp[(36 + 8 * h + i) * 32];
-    b.qh0 = wp[(32 + 2 * h) * 32];
-    b.qh1 = wp[(33 + 2 * h) * 32];
-    b.sc = wp[(52 + h) * 32];
-    b.dw = wp[54 * 32];
+    for (int i = 0; i < 8; ++i) b.sg[i] = ldw(wp + (36 + 8 * h + i) * 32);
+    b.qh0 = ldw(wp + (32 + 2 * h) * 32);
+    b.qh1 = ldw(wp + (33 + 2 * h) * 32);
+    b.sc = ldw(wp + (52 + h) * 32);
+    b.dw = ldw(wp + 54 * 32);
 }
 
 // block h of pair p of tile t (P pairs a tile): at one column counted in blocks from the tile's first pair,
@@ -407,6 +434,7 @@ _MMA_SOURCE = r"""
 #define PDL __PDL__
 #define GROUP __GROUP__
 #define CONV __CONV__
+#define EVICT __EVICT__
 """ + CUDA_HELPERS + CONV_STAGE + r"""
 #define BIAS 0x4B400000
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
@@ -470,7 +498,7 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
             const int h = kb & 1;
             const uint4* wb = w + (size_t)(tile * P + (kb >> 1)) * (55 * 8) + gq;  // word j at wb[8 j]
             const uint4* wq = wb + 8 * (16 * h + (t >> 1));  // qs word 2 j + t / 2 at wq[16 j]
-            const uint4 sc = wb[8 * (52 + h)], dd = wb[8 * 54];
+            const uint4 sc = ldw4(wb + 8 * (52 + h)), dd = ldw4(wb + 8 * 54);
             const int2* xb8 = reinterpret_cast<const int2*>(xl + kb * 64);  // sub-block j at xb8[4 j]
             const float* xdb0 = xd0 + kb * 8;
             const float* xdb1 = xd1 + kb * 8;
@@ -489,7 +517,7 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 if ((j & 3) == 0) {
-                    const uint4 qh = wb[8 * (32 + 2 * h + (j >> 2))];
+                    const uint4 qh = ldw4(wb + 8 * (32 + 2 * h + (j >> 2)));
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
                         const unsigned bits = part(qh, r) >> (2 * t);
@@ -497,7 +525,7 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
                         qb[r] = (bits >> 1) & 0x01010101u;
                     }
                 }
-                const uint4 qs = wq[16 * j], sg = wb[8 * (36 + 8 * h + j)];
+                const uint4 qs = ldw4(wq + 16 * j), sg = ldw4(wb + 8 * (36 + 8 * h + j));
                 const int2 xb = __ldg(xb8 + 4 * j);
                 // [qs byte 2t or 2t + 1, qh bit, 0, 0] (the top bytes sign-replicate a 0 or 1 byte)
                 const unsigned selj = (4 + (j & 3)) * 0x10u + (0xC + (j & 3)) * 0x1100u;
@@ -748,11 +776,13 @@ def _ctas_per_sm(s: IlSchedule, columns: int, in_features: int, smem: int = 228 
     return max(1, min(smem // (s.smem_bytes(columns, in_features) + 1024), threads // (32 * s.warps), regs))
 
 
-def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, conv: bool = False) -> str:
+def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, conv: bool = False,
+                  evict: bool = False) -> str:
     """The CUDA source; its launch bounds ask for the CTAs an SM holds by registers, threads and tables.
     `pdl`: launched as a programmatic dependent launch (`_launch`), it loads its weights and tables before
     waiting for the previous kernel, and lets the next one launch after its last tile's main loop.
-    `conv` (bf16 out): the GDN decode conv in its epilogue (`CONV_STAGE`, `lane_conv`)."""
+    `conv` (bf16 out): the GDN decode conv in its epilogue (`CONV_STAGE`, `lane_conv`). `evict`: weight
+    loads evict-first in L2 (`evict_first`)."""
     source = _MMA_SOURCE if s.kernel == "il_mma" else _SOURCE
     if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
         raise QuantKernelError("the il32 conv builds write bf16")
@@ -761,7 +791,7 @@ def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False,
             .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns, 0)))
             .replace("__COPIES__", str(s.copies))
             .replace("__PDL__", str(int(pdl))).replace("__GROUP__", str(s.group))
-            .replace("__AHEAD__", str(s.ahead)))
+            .replace("__AHEAD__", str(s.ahead)).replace("__EVICT__", str(int(evict))))
 
 
 @functools.cache
@@ -776,10 +806,28 @@ def _smem_sm(device: torch.device) -> int:
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 228 * 1024)
 
 
+# Weight loads marked evict-first in L2 and not allocated in L1 (`EVICT` in the CUDA C of the il32, q4il and
+# q6il GEMVs): a weight byte is read once a round, the small kernels' vectors and norm weights again each
+# round.
+# Off until timed in the graphed rounds; NINFER_EVICT_FIRST=0 / 1 for A/B, or the kernels that take it joined
+# by ":" (of il, il_mma, q4il, q6il).
+EVICT_FIRST: frozenset[str] = frozenset()
+
+
+def evict_first(kernel: str) -> bool:
+    """Whether the NVRTC GEMV `kernel` (il, il_mma, q4il, q6il) builds its weight loads evict-first
+    (`EVICT_FIRST`, NINFER_EVICT_FIRST)."""
+    forced = os.environ.get("NINFER_EVICT_FIRST", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return kernel in (forced.split(":") if forced else EVICT_FIRST)
+
+
 @functools.cache
-def _compiled(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, conv: bool = False):
+def _compiled(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, conv: bool = False,
+              evict: bool = False):
     name = "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s, pdl, conv), name)
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s, pdl, conv, evict), name)
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -896,7 +944,7 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
     # one build for every split count
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], s if s.splits == 1 else replace(s, splits=1), pdl,
-                       conv is not None)
+                       conv is not None, evict=evict_first(s.kernel))
     _launch(kernel, ctas, 32 * s.warps, smem, args, pdl)
     return y
 

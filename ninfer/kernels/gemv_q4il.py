@@ -39,6 +39,7 @@ from ninfer.kernels.gemv_il import (
     _smem_optin,
     check_call,
     conv_arguments,
+    evict_first,
     lane_conv,
 )
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
@@ -71,7 +72,14 @@ def unpack_q4il(words: torch.Tensor, out_features: int, in_features: int) -> tor
 ASYNC_COPY = r"""
 #if STAGES
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
+#if EVICT
+    unsigned long long pol;  // the weights evict-first in L2 (gemv_il.CUDA_HELPERS' ldw)
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+                 :: "r"(dst), "l"(src), "l"(pol) : "memory");
+#else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+#endif
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // every group but the STAGES - 1 newest landed (this lane's copies)
@@ -90,7 +98,13 @@ _SOURCE = r"""
 #define CONV __CONV__
 #define STAGES __STAGES__
 #define CLUSTER __CLUSTER__
+#define EVICT __EVICT__
 """ + CUDA_HELPERS + CONV_STAGE + CLUSTER_HELPERS + TILE_STORE + ASYNC_COPY + r"""
+#if STAGES
+#define WLD(p) (*(p))  // a weight word from the warp's slot in shared memory
+#else
+#define WLD(p) ldw4(p)
+#endif
 #if STAGES
 // STAGES 2: each warp copies its next block into one of its two slots in shared memory (cp.async) while it
 // works on the other: a block's 35 lines from word 35h (its qs and scales, in one run) and its d | dmin line
@@ -225,9 +239,10 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
             const int h = kb & 1;
             const uint4* wb = w + (size_t)(tile * P + (kb >> 1)) * (72 * 8) + gq;  // word j at wb[8 j]
             const uint4* blk = wb + 8 * 35 * h;
-            const uint4 dd = wb[8 * (70 + h)];  // with the block's other loads: one DRAM round trip a block
+            // with the block's other loads: one DRAM round trip a block
+            const uint4 dd = ldw4(wb + 8 * (70 + h));
 #endif
-            const uint4 s0 = blk[8 * 32], s1 = blk[8 * 33], s2 = blk[8 * 34];
+            const uint4 s0 = WLD(blk + 8 * 32), s1 = WLD(blk + 8 * 33), s2 = WLD(blk + 8 * 34);
             const float x0 = __ldg(xd0 + kb), x1 = __ldg(xd1 + kb);
             // 6-bit scales of sub-blocks 0..3 / 4..7, a byte each
             unsigned sl[4], sh[4];
@@ -240,7 +255,7 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
             int ilo[4][2] = {{0, 0}, {0, 0}, {0, 0}, {0, 0}}, ihi[4][2] = {{0, 0}, {0, 0}, {0, 0}, {0, 0}};
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const uint4 qa = blk[8 * (8 * i + 2 * t)], qb = blk[8 * (8 * i + 2 * t + 1)];
+                const uint4 qa = WLD(blk + 8 * (8 * i + 2 * t)), qb = WLD(blk + 8 * (8 * i + 2 * t + 1));
                 const int2 xlo = __ldg(reinterpret_cast<const int2*>(xl + kb * 64 + 16 * i));
                 const int2 xhi = __ldg(reinterpret_cast<const int2*>(xl + kb * 64 + 16 * i + 8));
                 int cl0[4] = {0, 0, 0, 0}, cl1[4] = {0, 0, 0, 0};
@@ -317,10 +332,11 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 
 
 def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
-                  conv: bool = False, staged: bool = False, cluster: int = 1) -> str:
+                  conv: bool = False, staged: bool = False, cluster: int = 1, evict: bool = False) -> str:
     """`conv` (bf16 out): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`).
     `staged`: each warp's next block copied into shared memory while it works on one (the STAGES build).
-    `cluster` > 1: clusters of that many CTAs share each tile (`lane_layout.CLUSTER_HELPERS`; not staged)."""
+    `cluster` > 1: clusters of that many CTAs share each tile (`lane_layout.CLUSTER_HELPERS`; not staged).
+    `evict`: weight loads and copies evict-first in L2 (`gemv_il.evict_first`)."""
     if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
         raise QuantKernelError("the q4il conv builds write bf16")
     if cluster > 1 and staged:
@@ -329,7 +345,8 @@ def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[i
     return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
             .replace("__CONV__", str(int(conv))).replace("__STAGES__", "2" if staged else "0")
             .replace("__WARPS__", str(warps)).replace("__CTAS__", str(ctas))
-            .replace("__PDL__", str(int(pdl))).replace("__CLUSTER__", str(cluster)))
+            .replace("__PDL__", str(int(pdl))).replace("__CLUSTER__", str(cluster))
+            .replace("__EVICT__", str(int(evict))))
 
 
 def smem_bytes(in_features: int, warps: int, staged: bool = False, cluster: int = 1) -> int:
@@ -417,9 +434,9 @@ def q4il_cluster(tiles: int, sms: int, shape: tuple[int, int], columns: int,
 
 @functools.cache
 def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], conv: bool = False,
-              staged: bool = False, cluster: int = 1):
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, conv, staged, cluster),
-                                        "q4k_il_mma")
+              staged: bool = False, cluster: int = 1, evict: bool = False):
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, conv, staged, cluster,
+                                                      evict), "q4k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -446,7 +463,8 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
         staged = cluster == 1 and q4il_staged(n)
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
-    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged, cluster)
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged, cluster,
+                       evict=evict_first("q4il"))
     _launch(kernel, cluster * min(tiles, shape[1] * sms // cluster), 32 * shape[0],
             smem_bytes(k, shape[0], staged, cluster),
             [words, xa.words, xa.d, y, out_features, k, y.stride(0), *conv_arguments(conv)], pdl)

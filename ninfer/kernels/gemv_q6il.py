@@ -34,7 +34,7 @@ import os
 
 import torch
 
-from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, _launch, _smem_optin, check_call
+from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, _launch, _smem_optin, check_call, evict_first
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference
 from ninfer.kernels.lane_layout import TILE_STORE, LaneLayout, builds
 from ninfer.kernels.triton_support import pdl_enabled
@@ -71,6 +71,7 @@ _SOURCE = r"""
 #define NCOL __NCOL__
 #define WARPS __WARPS__
 #define PDL __PDL__
+#define EVICT __EVICT__
 """ + CUDA_HELPERS + TILE_STORE + r"""
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
@@ -113,15 +114,17 @@ q6k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
         for (int kb = wid; kb < nblk; kb += WARPS) {
             const uint4* wb = w + (size_t)(tile * P + (kb >> 1)) * (105 * 8) + gq;  // word j at wb[8 j]
             const uint4* blk = wb + 8 * 52 * (kb & 1);
-            const uint4 dd = wb[8 * 104];
+            const uint4 dd = ldw4(wb + 8 * 104);
             int isum[4][2] = {{0, 0}, {0, 0}, {0, 0}, {0, 0}};
 #pragma unroll
             for (int n = 0; n < 2; ++n) {
-                const uint4 sc0 = blk[8 * (48 + 2 * n)], sc1 = blk[8 * (49 + 2 * n)];  // scales 8n, 8n + 4..
+                // scales 8n, 8n + 4..
+                const uint4 sc0 = ldw4(blk + 8 * (48 + 2 * n)), sc1 = ldw4(blk + 8 * (49 + 2 * n));
 #pragma unroll
                 for (int s = 0; s < 2; ++s) {
-                    const uint4 qa = blk[8 * (16 * n + 4 * s + t)], qb = blk[8 * (16 * n + 8 + 4 * s + t)];
-                    const uint4 qh = blk[8 * (32 + 8 * n + 4 * s + t)];
+                    const uint4 qa = ldw4(blk + 8 * (16 * n + 4 * s + t));
+                    const uint4 qb = ldw4(blk + 8 * (16 * n + 8 + 4 * s + t));
+                    const uint4 qh = ldw4(blk + 8 * (32 + 8 * n + 4 * s + t));
 #pragma unroll
                     for (int q = 0; q < 4; ++q) {
                         const int step = kb * 16 + 8 * n + 2 * q + s;
@@ -167,9 +170,10 @@ q6k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 """
 
 
-def kernel_source(columns: int, out_kind: int, pdl: bool = False) -> str:
+def kernel_source(columns: int, out_kind: int, pdl: bool = False, evict: bool = False) -> str:
     return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
-            .replace("__WARPS__", str(WARPS)).replace("__PDL__", str(int(pdl))))
+            .replace("__WARPS__", str(WARPS)).replace("__PDL__", str(int(pdl)))
+            .replace("__EVICT__", str(int(evict))))
 
 
 def smem_bytes(in_features: int) -> int:
@@ -178,8 +182,8 @@ def smem_bytes(in_features: int) -> int:
 
 
 @functools.cache
-def _compiled(columns: int, out_kind: int, pdl: bool):
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl), "q6k_il_mma")
+def _compiled(columns: int, out_kind: int, pdl: bool, evict: bool = False):
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, evict), "q6k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -195,7 +199,7 @@ def gemv_q6il(words: torch.Tensor, xa: QuantizedActivation, out_features: int) -
     ctas = min(tiles, 2 * props.multi_processor_count)
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
-    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl)
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, evict=evict_first("q6il"))
     _launch(kernel, ctas, 32 * WARPS, smem_bytes(k), [words, xa.words, xa.d, y, out_features, k, y.stride(0)],
             pdl)
     return y

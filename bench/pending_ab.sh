@@ -4,8 +4,9 @@
 # (their builds are on branch s55-before-wait) and added `ahead0`; sessions 47-54's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
-#   bash bench/pending_ab.sh evict     # the NVRTC GEMVs' weight loads evict-first in L2: their GPU twin tests
-#                                      # under it; IQ3_S and Q4_K rounds at 1, 2, 8 lanes, off vs on (~7 min)
+#   bash bench/pending_ab.sh evict2    # the NVRTC GEMVs' weight loads not kept in L1 (NINFER_EVICT=1), also
+#                                      # evict-first in L2 (2), Q4_K's head alone at 2: rounds (~7 min)
+#   bash bench/pending_ab.sh evict     # (run in session 56) level 2's GPU twin tests; both types at 0 / 2
 #   bash bench/pending_ab.sh ahead0    # the dp4a il32 kernel's first block after its wait vs before (IQ3_S
 #                                      # rounds at 1, 2, 8 lanes); q4il unstaged vs staged at 1-2 lanes (~4 min)
 #   bash bench/pending_ab.sh cluster   # q4il's cluster GPU tests; its clusters (default at 1-2 columns on an H200)
@@ -32,7 +33,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -75,18 +76,18 @@ phase() {
       sweep ahead0_q4_k q4_k 200 NINFER_Q4IL_STAGED=1,NINFER_Q4IL_STAGED=0 --lanes 1,2
       ;;
     evict)
-      # the NVRTC GEMVs' weight loads evict-first in L2 (gemv_il.evict_first): their GPU twin tests under it,
-      # then both types' rounds
-      NINFER_EVICT_FIRST=1 step pytest 240 "$PY" -m pytest -m gpu -n 8 -p xdist --dist worksteal -v -rfE -k \
+      # the NVRTC GEMVs' weight loads not kept in L1 and evict-first in L2 (gemv_il.evict_level 2): their GPU
+      # twin tests under it, then both types' rounds (session 56, H100: IQ3_S 1 lane -0.15 ms, Q4_K +0.08)
+      NINFER_EVICT=2 step pytest 240 "$PY" -m pytest -m gpu -n 8 -p xdist --dist worksteal -v -rfE -k \
         "twin or clusters or every_width" tests/test_gemv_il.py tests/test_gemv_q4il.py tests/test_gemv_q6il.py
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-      sweep evict_iq3_s iq3_s 200 NINFER_EVICT_FIRST=0,NINFER_EVICT_FIRST=1 --lanes 1,2,8
-      sweep evict_q4_k q4_k 200 NINFER_EVICT_FIRST=0,NINFER_EVICT_FIRST=1 --lanes 1,2,8
+      sweep evict_iq3_s iq3_s 200 NINFER_EVICT=0,NINFER_EVICT=2 --lanes 1,2,8
+      sweep evict_q4_k q4_k 200 NINFER_EVICT=0,NINFER_EVICT=2 --lanes 1,2,8
       ;;
     evict2)
-      # which kernels gain from it (session 56, H100: IQ3_S 1 lane -0.15 ms, Q4_K +0.08)
-      sweep evict2_iq3_s iq3_s 240 NINFER_EVICT_FIRST=0,NINFER_EVICT_FIRST=il:il_mma,NINFER_EVICT_FIRST=1 --lanes 1,8
-      sweep evict2_q4_k q4_k 240 NINFER_EVICT_FIRST=0,NINFER_EVICT_FIRST=q6il,NINFER_EVICT_FIRST=q4il --lanes 1,2
+      # which hint gains where: not kept in L1 alone (1) against both (2); Q4_K's head alone at 2
+      sweep evict2_iq3_s iq3_s 240 NINFER_EVICT=0,NINFER_EVICT=1,NINFER_EVICT=2 --lanes 1,8
+      sweep evict2_q4_k q4_k 240 NINFER_EVICT=0,NINFER_EVICT=1,NINFER_EVICT=q6il=2 --lanes 1,2
       ;;
     trace)
       for wtype in q4_k iq3_s; do

@@ -92,13 +92,13 @@ def sm90_sass(built: str | bytes) -> tuple[str, str]:
 
 def source_of(kernel: str, columns: int, warps: int, regs: int, group: int, il=gemv_il,
               conv: bool = False, staged: bool = False, q4il=gemv_q4il, cluster: int = 1,
-              ahead: int = 1, evict: bool = False) -> tuple[str, str]:
+              ahead: int = 1, evict: int = 0) -> tuple[str, str]:
     """(the CUDA C the engine builds, its entry name), programmatic launch on, bf16 output; `il` / `q4il`:
     the gemv_il / gemv_q4il module the kernels come from; `conv`: the build with the GDN conv epilogue
     (il32, q4il); `staged`: q4il's build with each warp's next block staged; `cluster`: q4il's build in
     clusters of that many CTAs a tile (5 warps × 3 CTAs an SM, as the 27B's 5120-row matrices take them);
-    `ahead`: the dp4a il32 kernel's blocks loaded before the wait (0 or 1); `evict`: the weight loads
-    evict-first in L2 (`gemv_il.evict_first`)."""
+    `ahead`: the dp4a il32 kernel's blocks loaded before the wait (0 or 1); `evict`: the weight loads'
+    cache hints (`gemv_il.evict_level`)."""
     if kernel in ("il", "il_mma"):
         s = (il.IlSchedule(warps, kernel="il_mma", regs=regs, group=group) if kernel == "il_mma"
              else il.IlSchedule(warps, group=group, regs=regs, ahead=ahead))
@@ -189,7 +189,8 @@ def main() -> None:
                    help="wavefronts a 32-bit shared load takes (bank conflicts; default: 2 for the dp4a "
                         "kernel's 16 copies of the grid, whose loads nearly always meet a two-way conflict, "
                         "else 1)")
-    p.add_argument("--evict", action="store_true", help="the weight loads evict-first in L2")
+    p.add_argument("--evict", type=int, default=0, choices=(0, 1, 2),
+                   help="the weight loads' cache hints: 1 not kept in L1, 2 also evict-first in L2")
     p.add_argument("--cubin", action="store_true",
                    help="NVRTC builds the sm_90 cubin itself, as on the device (CUDA 13's NVRTC: Triton's "
                         "ptxas cannot read its PTX); registers from cuobjdump -res-usage")

@@ -187,15 +187,15 @@ def test_the_q4il_and_q6il_kernels(case, columns):
 
 
 def evicting(source: str) -> str:
-    """The build with its weight loads evict-first in L2 (`gemv_il.evict_first`; the emulation loads them as
-    `__ldg`, which aborts on a shared-memory address)."""
+    """The build with its weight loads' cache hints at their strongest (`gemv_il.evict_level` 2; the emulation
+    loads them as `__ldg`, which aborts on a shared-memory address)."""
     assert source.startswith("\n#define OUT_KIND") and "#define EVICT 0\n" in source
-    return source.replace("#define EVICT 0\n", "#define EVICT 1\n", 1)
+    return source.replace("#define EVICT 0\n", "#define EVICT 2\n", 1)
 
 
 @pytest.mark.parametrize("columns", [1, 2, 4])
-def test_the_evict_first_builds_compute_the_same_bits(columns):
-    """EVICT 1 (the weight loads through `ldw` / `ldw4`, q4il's copies with an L2 policy): every kernel the
+def test_the_evicting_builds_compute_the_same_bits(columns):
+    """EVICT 2 (the weight loads through `ldw` / `ldw4`, q4il's copies with an L2 policy): every kernel the
     same bits as its plain build — the il32 kernel of this width, q4il unstaged, staged (its loads from the
     warp's slots stay shared-memory loads) and in clusters, the q6il head."""
     n, k = 72, 1536

@@ -146,27 +146,36 @@ __device__ __forceinline__ float f16_lo(unsigned v) {
 __device__ __forceinline__ float f16_hi(unsigned v) {
     float f; asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h;}" : "=f"(f) : "r"(v)); return f;
 }
-// weight loads (EVICT 1: marked evict-first in L2 and not kept in L1 — each weight byte is read once a round,
-// so what the small kernels reuse between launches may stay in L2; EVICT 0: plain loads)
+// weight loads (each weight byte is read once a round): EVICT 0 plain, 1 not kept in L1, 2 also marked
+// evict-first in L2 (what the small kernels reuse between launches may stay there)
 #ifndef EVICT
 #define EVICT 0
 #endif
 __device__ __forceinline__ uint4 ldw4(const uint4* p) {
-#if EVICT
+#if EVICT == 2
     uint4 v; unsigned long long pol;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
     asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+    return v;
+#elif EVICT == 1
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 #else
     return *p;
 #endif
 }
 __device__ __forceinline__ unsigned ldw(const unsigned* p) {
-#if EVICT
+#if EVICT == 2
     unsigned v; unsigned long long pol;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
     asm("ld.global.nc.L1::no_allocate.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(pol));
+    return v;
+#elif EVICT == 1
+    unsigned v;
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
 #else
     return *p;
@@ -777,12 +786,12 @@ def _ctas_per_sm(s: IlSchedule, columns: int, in_features: int, smem: int = 228 
 
 
 def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, conv: bool = False,
-                  evict: bool = False) -> str:
+                  evict: int = 0) -> str:
     """The CUDA source; its launch bounds ask for the CTAs an SM holds by registers, threads and tables.
     `pdl`: launched as a programmatic dependent launch (`_launch`), it loads its weights and tables before
     waiting for the previous kernel, and lets the next one launch after its last tile's main loop.
-    `conv` (bf16 out): the GDN decode conv in its epilogue (`CONV_STAGE`, `lane_conv`). `evict`: weight
-    loads evict-first in L2 (`evict_first`)."""
+    `conv` (bf16 out): the GDN decode conv in its epilogue (`CONV_STAGE`, `lane_conv`). `evict`: the weight
+    loads' cache hints (`evict_level`)."""
     source = _MMA_SOURCE if s.kernel == "il_mma" else _SOURCE
     if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
         raise QuantKernelError("the il32 conv builds write bf16")
@@ -791,7 +800,7 @@ def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False,
             .replace("__WARPS__", str(s.warps)).replace("__MIN_CTAS__", str(_ctas_per_sm(s, columns, 0)))
             .replace("__COPIES__", str(s.copies))
             .replace("__PDL__", str(int(pdl))).replace("__GROUP__", str(s.group))
-            .replace("__AHEAD__", str(s.ahead)).replace("__EVICT__", str(int(evict))))
+            .replace("__AHEAD__", str(s.ahead)).replace("__EVICT__", str(evict)))
 
 
 @functools.cache
@@ -806,26 +815,26 @@ def _smem_sm(device: torch.device) -> int:
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 228 * 1024)
 
 
-# Weight loads marked evict-first in L2 and not allocated in L1 (`EVICT` in the CUDA C of the il32, q4il and
-# q6il GEMVs): a weight byte is read once a round, the small kernels' vectors and norm weights again each
-# round.
-# Off until timed in the graphed rounds; NINFER_EVICT_FIRST=0 / 1 for A/B, or the kernels that take it joined
-# by ":" (of il, il_mma, q4il, q6il).
-EVICT_FIRST: frozenset[str] = frozenset()
+# The weight loads' cache hints by kernel (`EVICT` in the CUDA C of the il32, q4il and q6il GEMVs): 1 not
+# allocated in L1, 2 also evict-first in L2 (a weight byte is read once a round, the small kernels' vectors
+# and norm weights again each round); 0 plain loads, as for a kernel not named. Off until timed in the graphed
+# rounds; NINFER_EVICT=N sets every kernel's, NINFER_EVICT=il=2:q6il=1 some (of il, il_mma, q4il, q6il).
+EVICT: dict[str, int] = {}
 
 
-def evict_first(kernel: str) -> bool:
-    """Whether the NVRTC GEMV `kernel` (il, il_mma, q4il, q6il) builds its weight loads evict-first
-    (`EVICT_FIRST`, NINFER_EVICT_FIRST)."""
-    forced = os.environ.get("NINFER_EVICT_FIRST", "")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return kernel in (forced.split(":") if forced else EVICT_FIRST)
+def evict_level(kernel: str) -> int:
+    """The cache hints of NVRTC GEMV `kernel`'s weight loads (il, il_mma, q4il, q6il): `EVICT`,
+    NINFER_EVICT."""
+    forced = os.environ.get("NINFER_EVICT", "")
+    if forced.isdigit():
+        return int(forced)
+    levels = dict(item.split("=") for item in forced.split(":")) if forced else EVICT
+    return int(levels.get(kernel, 0))
 
 
 @functools.cache
 def _compiled(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, conv: bool = False,
-              evict: bool = False):
+              evict: int = 0):
     name = "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"
     kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s, pdl, conv, evict), name)
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
@@ -944,7 +953,7 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
     # one build for every split count
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], s if s.splits == 1 else replace(s, splits=1), pdl,
-                       conv is not None, evict=evict_first(s.kernel))
+                       conv is not None, evict=evict_level(s.kernel))
     _launch(kernel, ctas, 32 * s.warps, smem, args, pdl)
     return y
 

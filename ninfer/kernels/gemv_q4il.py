@@ -39,7 +39,7 @@ from ninfer.kernels.gemv_il import (
     _smem_optin,
     check_call,
     conv_arguments,
-    evict_first,
+    evict_level,
     lane_conv,
 )
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
@@ -72,7 +72,7 @@ def unpack_q4il(words: torch.Tensor, out_features: int, in_features: int) -> tor
 ASYNC_COPY = r"""
 #if STAGES
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
-#if EVICT
+#if EVICT == 2
     unsigned long long pol;  // the weights evict-first in L2 (gemv_il.CUDA_HELPERS' ldw)
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
@@ -332,11 +332,11 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 
 
 def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
-                  conv: bool = False, staged: bool = False, cluster: int = 1, evict: bool = False) -> str:
+                  conv: bool = False, staged: bool = False, cluster: int = 1, evict: int = 0) -> str:
     """`conv` (bf16 out): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`).
     `staged`: each warp's next block copied into shared memory while it works on one (the STAGES build).
     `cluster` > 1: clusters of that many CTAs share each tile (`lane_layout.CLUSTER_HELPERS`; not staged).
-    `evict`: weight loads and copies evict-first in L2 (`gemv_il.evict_first`)."""
+    `evict`: the weight loads' and copies' cache hints (`gemv_il.evict_level`)."""
     if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
         raise QuantKernelError("the q4il conv builds write bf16")
     if cluster > 1 and staged:
@@ -346,7 +346,7 @@ def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[i
             .replace("__CONV__", str(int(conv))).replace("__STAGES__", "2" if staged else "0")
             .replace("__WARPS__", str(warps)).replace("__CTAS__", str(ctas))
             .replace("__PDL__", str(int(pdl))).replace("__CLUSTER__", str(cluster))
-            .replace("__EVICT__", str(int(evict))))
+            .replace("__EVICT__", str(evict)))
 
 
 def smem_bytes(in_features: int, warps: int, staged: bool = False, cluster: int = 1) -> int:
@@ -434,7 +434,7 @@ def q4il_cluster(tiles: int, sms: int, shape: tuple[int, int], columns: int,
 
 @functools.cache
 def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], conv: bool = False,
-              staged: bool = False, cluster: int = 1, evict: bool = False):
+              staged: bool = False, cluster: int = 1, evict: int = 0):
     kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, conv, staged, cluster,
                                                       evict), "q4k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
@@ -464,7 +464,7 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged, cluster,
-                       evict=evict_first("q4il"))
+                       evict=evict_level("q4il"))
     _launch(kernel, cluster * min(tiles, shape[1] * sms // cluster), 32 * shape[0],
             smem_bytes(k, shape[0], staged, cluster),
             [words, xa.words, xa.d, y, out_features, k, y.stride(0), *conv_arguments(conv)], pdl)

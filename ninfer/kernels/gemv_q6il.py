@@ -34,7 +34,7 @@ import os
 
 import torch
 
-from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, _launch, _smem_optin, check_call, evict_first
+from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, _launch, _smem_optin, check_call, evict_level
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference
 from ninfer.kernels.lane_layout import TILE_STORE, LaneLayout, builds
 from ninfer.kernels.triton_support import pdl_enabled
@@ -170,10 +170,10 @@ q6k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 """
 
 
-def kernel_source(columns: int, out_kind: int, pdl: bool = False, evict: bool = False) -> str:
+def kernel_source(columns: int, out_kind: int, pdl: bool = False, evict: int = 0) -> str:
     return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
             .replace("__WARPS__", str(WARPS)).replace("__PDL__", str(int(pdl)))
-            .replace("__EVICT__", str(int(evict))))
+            .replace("__EVICT__", str(evict)))
 
 
 def smem_bytes(in_features: int) -> int:
@@ -182,7 +182,7 @@ def smem_bytes(in_features: int) -> int:
 
 
 @functools.cache
-def _compiled(columns: int, out_kind: int, pdl: bool, evict: bool = False):
+def _compiled(columns: int, out_kind: int, pdl: bool, evict: int = 0):
     kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, evict), "q6k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
@@ -199,7 +199,7 @@ def gemv_q6il(words: torch.Tensor, xa: QuantizedActivation, out_features: int) -
     ctas = min(tiles, 2 * props.multi_processor_count)
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
-    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, evict=evict_first("q6il"))
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, evict=evict_level("q6il"))
     _launch(kernel, ctas, 32 * WARPS, smem_bytes(k), [words, xa.words, xa.d, y, out_features, k, y.stride(0)],
             pdl)
     return y

@@ -4,6 +4,8 @@
 # (their builds are on branch s55-before-wait) and added `ahead0`; sessions 47-54's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
+#   bash bench/pending_ab.sh evict3    # the default hints (il32 kernels at 2) against none: IQ3_S rounds at 1
+#                                      # and 8 lanes, the 4-column step (~4 min)
 #   bash bench/pending_ab.sh evict2    # the NVRTC GEMVs' weight loads not kept in L1 (NINFER_EVICT=1), also
 #                                      # evict-first in L2 (2), Q4_K's head alone at 2: rounds (~7 min)
 #   bash bench/pending_ab.sh evict     # (run in session 56) level 2's GPU twin tests; both types at 0 / 2
@@ -33,7 +35,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -83,6 +85,11 @@ phase() {
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
       sweep evict_iq3_s iq3_s 200 NINFER_EVICT=0,NINFER_EVICT=2 --lanes 1,2,8
       sweep evict_q4_k q4_k 200 NINFER_EVICT=0,NINFER_EVICT=2 --lanes 1,2,8
+      ;;
+    evict3)
+      # the default (the il32 kernels at 2, q4il and the head plain) against none: IQ3_S rounds, 4 columns
+      sweep evict3_iq3_s iq3_s 200 NINFER_EVICT=0,NINFER_EVICT=il=2:il_mma=2 --lanes 1,8
+      sweep evict3_c4 iq3_s 120 NINFER_EVICT=0,NINFER_EVICT=il=2:il_mma=2 --columns 4
       ;;
     evict2)
       # which hint gains where: not kept in L1 alone (1) against both (2); Q4_K's head alone at 2

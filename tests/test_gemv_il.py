@@ -358,6 +358,20 @@ def test_the_dp4a_kernel_loads_its_first_block_before_or_after_its_wait(monkeypa
         gemv_il.IlSchedule(10, kernel="il_mma", ahead=0)
 
 
+def test_the_weight_loads_cache_hints_by_kernel(monkeypatch):
+    """`evict_level`: the il32 kernels' weight loads at 2 by default, q4il's and the head's plain;
+    NINFER_EVICT one level for every kernel or some kernels' own; the level reaches the build's `EVICT`."""
+    kernels = ("il", "il_mma", "q4il", "q6il")
+    monkeypatch.delenv("NINFER_EVICT", raising=False)
+    assert [gemv_il.evict_level(k) for k in kernels] == [2, 2, 0, 0]
+    monkeypatch.setenv("NINFER_EVICT", "1")
+    assert [gemv_il.evict_level(k) for k in kernels] == [1, 1, 1, 1]
+    monkeypatch.setenv("NINFER_EVICT", "q6il=2:il=1")
+    assert [gemv_il.evict_level(k) for k in kernels] == [1, 0, 0, 2]
+    source = gemv_il.kernel_source(1, 1, gemv_il.il_schedule(1, 5120), evict=2)
+    assert "#define EVICT 2\n" in source and "ldw(wp + " in source
+
+
 def test_only_few_long_tiles_are_split():
     """`mma_splits`: a tile's blocks go to several CTAs only where the tiles are fewer than the CTA slots and
     each warp keeps two blocks or more a piece (the 27B's down projection: 160 tiles of 68 blocks, 264 slots

@@ -817,9 +817,12 @@ def _smem_sm(device: torch.device) -> int:
 
 # The weight loads' cache hints by kernel (`EVICT` in the CUDA C of the il32, q4il and q6il GEMVs): 1 not
 # allocated in L1, 2 also evict-first in L2 (a weight byte is read once a round, the small kernels' vectors
-# and norm weights again each round); 0 plain loads, as for a kernel not named. Off until timed in the graphed
-# rounds; NINFER_EVICT=N sets every kernel's, NINFER_EVICT=il=2:q6il=1 some (of il, il_mma, q4il, q6il).
-EVICT: dict[str, int] = {}
+# and norm weights again each round); 0 plain loads, as for a kernel not named. NINFER_EVICT=N sets every
+# kernel's, NINFER_EVICT=il=2:q6il=1 some (of il, il_mma, q4il, q6il). Session 56 (H100, graphed rounds, A B B
+# A): every kernel at 2, IQ3_S 1 lane 6.178 → 6.031 ms, 8 lanes 8.149 → 8.058, 2 lanes even; Q4_K (q4il's
+# copies, which skip L1 anyway, and the q6il head) 1 lane 6.453 → 6.528, 2 lanes 6.626 → 6.699: the il32
+# kernels take it, q4il and the head not.
+EVICT: dict[str, int] = {"il": 2, "il_mma": 2}
 
 
 def evict_level(kernel: str) -> int:

@@ -368,6 +368,10 @@ def test_the_weight_loads_cache_hints_by_kernel(monkeypatch):
     assert [gemv_il.evict_level(k) for k in kernels] == [1, 1, 1, 1]
     monkeypatch.setenv("NINFER_EVICT", "q6il=2:il=1")
     assert [gemv_il.evict_level(k) for k in kernels] == [1, 0, 0, 2]
+    for wrong in ("3", "il", "il=2:q6il", "il=first"):
+        monkeypatch.setenv("NINFER_EVICT", wrong)
+        with pytest.raises(gemv_il.QuantKernelError, match="NINFER_EVICT"):
+            gemv_il.evict_level("il")
     source = gemv_il.kernel_source(1, 1, gemv_il.il_schedule(1, 5120), evict=2)
     assert "#define EVICT 2\n" in source and "ldw(wp + " in source
 

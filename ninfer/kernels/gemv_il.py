@@ -829,9 +829,12 @@ def evict_level(kernel: str) -> int:
     """The cache hints of NVRTC GEMV `kernel`'s weight loads (il, il_mma, q4il, q6il): `EVICT`,
     NINFER_EVICT."""
     forced = os.environ.get("NINFER_EVICT", "")
-    if forced.isdigit():
+    if forced in ("0", "1", "2"):
         return int(forced)
-    levels = dict(item.split("=") for item in forced.split(":")) if forced else EVICT
+    levels = dict(item.split("=", 1) for item in forced.split(":") if "=" in item) if forced else EVICT
+    if forced and (len(levels) != forced.count(":") + 1 or not set(levels.values()) <= {"0", "1", "2"}):
+        raise QuantKernelError(f"NINFER_EVICT={forced}: a level 0, 1 or 2 for every kernel, or kernel=level "
+                               "pairs joined by ':' (il=2:q6il=1)")
     return int(levels.get(kernel, 0))
 
 

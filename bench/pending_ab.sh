@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 55 ran its `ahead` / `ahead_iq` phases on an H100
-# (their builds are on branch s55-before-wait) and added `ahead0`; sessions 47-54's phases stay to rerun.
+# $OUT/<phase>/, the settings' table printed last). Session 56 ran `evict` and `ahead0` on an H100 and left
+# `evict3` / `evict2` to run (H200 first); sessions 47-55's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
 #   bash bench/pending_ab.sh evict3    # the default hints (il32 kernels at 2) against none: IQ3_S rounds at 1
@@ -9,8 +9,9 @@
 #   bash bench/pending_ab.sh evict2    # the NVRTC GEMVs' weight loads not kept in L1 (NINFER_EVICT=1), also
 #                                      # evict-first in L2 (2), Q4_K's head alone at 2: rounds (~7 min)
 #   bash bench/pending_ab.sh evict     # (run in session 56) level 2's GPU twin tests; both types at 0 / 2
-#   bash bench/pending_ab.sh ahead0    # the dp4a il32 kernel's first block after its wait vs before (IQ3_S
-#                                      # rounds at 1, 2, 8 lanes); q4il unstaged vs staged at 1-2 lanes (~4 min)
+#   bash bench/pending_ab.sh ahead0    # (run in session 56: before the wait wins) the dp4a il32 kernel's first
+#                                      # block after its wait vs before (IQ3_S rounds at 1, 2, 8 lanes); q4il
+#                                      # unstaged vs staged at 1-2 lanes (~4 min)
 #   bash bench/pending_ab.sh cluster   # q4il's cluster GPU tests; its clusters (default at 1-2 columns on an H200)
 #                                      # vs none at 1-8 lanes and 4 columns (~4 min)
 #   bash bench/pending_ab.sh gaps      # decode rounds' sync-free test; the suite's rounds (each graph's GPU time,

@@ -476,7 +476,7 @@ def compile_for_sm90() -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ninfer.kernels import gemv_rows, gemv_rows_iq, gemv_rows_q6k
+    from ninfer.kernels import gdn_decode, gemv_rows, gemv_rows_iq, gemv_rows_q6k
 
     failures = []
 
@@ -538,6 +538,13 @@ def compile_for_sm90() -> list[str]:
                 build(paged_attention._paged_decode_kernel, decode,
                       {"FMT": paged_attention.KERNEL_KV_CODES[name], "D": 256, "G": 6, "GPAD": 16,
                        "KB": fmt.key_bytes, "TB": fmt.token_bytes, "SPLITS": 16}, 4)
+            recurrence = {"y_ptr": "*fp32", "a_ptr": f"*{ty}", "b_ptr": f"*{ty}", "alog_ptr": "*fp32",
+                          "dtb_ptr": "*fp32", "state_ptr": "*fp32", "slot_ptr": "*i64", "o_ptr": "*fp32",
+                          "all_ptr": "*fp32", **ints("C", "Hv", "s_ab", "s_at", "s_ss", "s_sh")}
+            for evict in (0, 1):  # the GDN decode recurrence, its state evict-first in L2 or not
+                build(gdn_decode._recurrent_kernel, recurrence,
+                      {"T": 1, "HK": 16, "DK": 128, "DV": 128, "BLOCK_V": 16, "STORE_ALL": False,
+                       "EVICT": evict}, 1)
             conv = {"cw_ptr": "*fp32", "cs_ptr": "*fp32", "slot_ptr": "*i32", "co_ptr": "*fp32",
                     **ints("C", "s_cs")}
             gemv = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "y_ptr": f"*{ty}",

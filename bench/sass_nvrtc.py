@@ -92,21 +92,23 @@ def sm90_sass(built: str | bytes) -> tuple[str, str]:
 
 def source_of(kernel: str, columns: int, warps: int, regs: int, group: int, il=gemv_il,
               conv: bool = False, staged: bool = False, q4il=gemv_q4il, cluster: int = 1,
-              ahead: int = 1, evict: int = 0) -> tuple[str, str]:
+              ahead: int = 1, evict: int | None = None) -> tuple[str, str]:
     """(the CUDA C the engine builds, its entry name), programmatic launch on, bf16 output; `il` / `q4il`:
     the gemv_il / gemv_q4il module the kernels come from; `conv`: the build with the GDN conv epilogue
     (il32, q4il); `staged`: q4il's build with each warp's next block staged; `cluster`: q4il's build in
     clusters of that many CTAs a tile (5 warps × 3 CTAs an SM, as the 27B's 5120-row matrices take them);
     `ahead`: the dp4a il32 kernel's blocks loaded before the wait (0 or 1); `evict`: the weight loads'
-    cache hints (`gemv_il.evict_level`)."""
+    cache hints (default: the engine's, `gemv_il.evict_level`)."""
+    evict = gemv_il.evict_level(kernel) if evict is None else evict
+    hints = (evict,) if evict else ()  # (a file from before session 56 builds no hints)
     if kernel in ("il", "il_mma"):
         s = (il.IlSchedule(warps, kernel="il_mma", regs=regs, group=group) if kernel == "il_mma"
              else il.IlSchedule(warps, group=group, regs=regs, ahead=ahead))
-        return (il.kernel_source(columns, 1, s, True, conv, evict),
+        return (il.kernel_source(columns, 1, s, True, conv, *hints),
                 "iq3s_il_mma" if kernel == "il_mma" else "iq3s_il_gemv")
     if kernel == "q4il":
         shape = q4il.SHAPES[1] if cluster > 1 else q4il.SHAPES[0]
-        return q4il.kernel_source(columns, 1, True, shape, conv, staged, cluster, evict), "q4k_il_mma"
+        return q4il.kernel_source(columns, 1, True, shape, conv, staged, cluster, *hints), "q4k_il_mma"
     return gemv_q6il.kernel_source(columns, 1, True, evict), "q6k_il_mma"
 
 
@@ -138,7 +140,8 @@ def same_build(path: Path, kernel: str, a, sass: str) -> None:
     other = load(path)
     q4il = q4il_on(other) if kernel == "q4il" else gemv_q4il
     resources, theirs = sm90_sass(nvrtc_build(*source_of(kernel, a.columns, a.warps, a.regs, a.group, other,
-                                                         a.conv, a.staged, q4il), a.cubin))
+                                                         a.conv, a.staged, q4il, a.cluster, a.ahead, a.evict),
+                                              a.cubin))
     print(f"{path}:", "; ".join(line.split(":", 1)[-1].strip() for line in resources.splitlines()
                                  if "registers" in line or "spill" in line))
     print("the same SASS" if instructions(theirs) == instructions(sass) else "a different SASS")
@@ -189,8 +192,9 @@ def main() -> None:
                    help="wavefronts a 32-bit shared load takes (bank conflicts; default: 2 for the dp4a "
                         "kernel's 16 copies of the grid, whose loads nearly always meet a two-way conflict, "
                         "else 1)")
-    p.add_argument("--evict", type=int, default=0, choices=(0, 1, 2),
-                   help="the weight loads' cache hints: 1 not kept in L1, 2 also evict-first in L2")
+    p.add_argument("--evict", type=int, default=None, choices=(0, 1, 2),
+                   help="the weight loads' cache hints: 0 plain, 1 not kept in L1, 2 also evict-first in L2 "
+                        "(default: the engine's)")
     p.add_argument("--cubin", action="store_true",
                    help="NVRTC builds the sm_90 cubin itself, as on the device (CUDA 13's NVRTC: Triton's "
                         "ptxas cannot read its PTX); registers from cuobjdump -res-usage")

@@ -359,11 +359,12 @@ def test_the_dp4a_kernel_loads_its_first_block_before_or_after_its_wait(monkeypa
 
 
 def test_the_weight_loads_cache_hints_by_kernel(monkeypatch):
-    """`evict_level`: the il32 kernels' weight loads at 2 by default, q4il's and the head's plain;
-    NINFER_EVICT one level for every kernel or some kernels' own; the level reaches the build's `EVICT`."""
+    """`evict_level`: the dp4a il32 kernel's weight loads at 2 by default, q4il's at 1, the tensor-core il32
+    kernel's and the head's plain; NINFER_EVICT one level for every kernel or some kernels' own; the level
+    reaches the build's `EVICT`."""
     kernels = ("il", "il_mma", "q4il", "q6il")
     monkeypatch.delenv("NINFER_EVICT", raising=False)
-    assert [gemv_il.evict_level(k) for k in kernels] == [2, 2, 0, 0]
+    assert [gemv_il.evict_level(k) for k in kernels] == [2, 0, 1, 0]
     monkeypatch.setenv("NINFER_EVICT", "1")
     assert [gemv_il.evict_level(k) for k in kernels] == [1, 1, 1, 1]
     monkeypatch.setenv("NINFER_EVICT", "q6il=2:il=1")

@@ -44,7 +44,8 @@ RECURRENT_WARPS = 4
 CONV_BLOCK_C = 256
 # The recurrence's state read and written evict-first in L2: each lane's state (6.3 MB a layer of the 27B in
 # fp32) is touched once a round, the small kernels' vectors again each round (as the il32 weights' loads,
-# gemv_il.EVICT, session 56). Off until timed; NINFER_GDN_STATE_EVICT=0 / 1 for A/B.
+# gemv_il.EVICT). Off: even on the H200 (session 57, graphed rounds on the lanes' own slots, both types at 1
+# and 8 lanes within 0.01 ms); NINFER_GDN_STATE_EVICT=0 / 1 for A/B.
 STATE_EVICT = False
 
 

@@ -818,11 +818,12 @@ def _smem_sm(device: torch.device) -> int:
 # The weight loads' cache hints by kernel (`EVICT` in the CUDA C of the il32, q4il and q6il GEMVs): 1 not
 # allocated in L1, 2 also evict-first in L2 (a weight byte is read once a round, the small kernels' vectors
 # and norm weights again each round); 0 plain loads, as for a kernel not named. NINFER_EVICT=N sets every
-# kernel's, NINFER_EVICT=il=2:q6il=1 some (of il, il_mma, q4il, q6il). Session 56 (H100, graphed rounds, A B B
-# A): every kernel at 2, IQ3_S 1 lane 6.178 → 6.031 ms, 8 lanes 8.149 → 8.058, 2 lanes even; Q4_K (q4il's
-# copies, which skip L1 anyway, and the q6il head) 1 lane 6.453 → 6.528, 2 lanes 6.626 → 6.699: the il32
-# kernels take it, q4il and the head not.
-EVICT: dict[str, int] = {"il": 2, "il_mma": 2}
+# kernel's, NINFER_EVICT=il=2:q6il=1 some (of il, il_mma, q4il, q6il). Graphed rounds, A B B A, min of two
+# (gpu-notes "Session 57"): on the H200 the dp4a il32 kernel at 2 takes IQ3_S's 1-lane round 5.307 -> 5.212 ms
+# (2 and 8 lanes even; at 1 5.218), the tensor-core one at 2 costs its 4-column step 7.274 -> 7.355 and 8
+# lanes 8.051 -> 8.164; q4il at 1 takes Q4_K's 1-lane round 5.299 -> 5.272, 8 lanes 7.934 -> 7.887 (4
+# columns even; at 2 it lost on the H100, session 56); the q6il head at 1 or 2 is even.
+EVICT: dict[str, int] = {"il": 2, "q4il": 1}
 
 
 def evict_level(kernel: str) -> int:

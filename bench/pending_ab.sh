@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 56 ran `evict` and `ahead0` on an H100 and left
-# `evict3` / `evict2` to run (H200 first); sessions 47-55's phases stay to rerun.
+# $OUT/<phase>/, the settings' table printed last). Session 57 ran `suites`, `evict3` and evict2's settings on
+# an H200 (the defaults now: the dp4a il32 kernel at 2, q4il at 1); sessions 47-56's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
-#   bash bench/pending_ab.sh evict3    # the default hints (il32 kernels at 2) against none: IQ3_S rounds at 1
-#                                      # and 8 lanes, the 4-column step (~4 min)
-#   bash bench/pending_ab.sh evict2    # the NVRTC GEMVs' weight loads not kept in L1 (NINFER_EVICT=1), also
-#                                      # evict-first in L2 (2), Q4_K's head alone at 2; the GDN state
-#                                      # evict-first (NINFER_GDN_STATE_EVICT=1): rounds (~9 min)
+#   bash bench/pending_ab.sh evict3    # (run in session 57) both il32 kernels at 2 against none: IQ3_S rounds
+#                                      # at 1 and 8 lanes, the 4-column step (~2 min)
+#   bash bench/pending_ab.sh evict2    # (its settings run in session 57) every NVRTC GEMV's weight loads not
+#                                      # kept in L1 (NINFER_EVICT=1), also evict-first in L2 (2), Q4_K's head
+#                                      # alone at 2; the GDN state evict-first (NINFER_GDN_STATE_EVICT=1)
 #   bash bench/pending_ab.sh evict     # (run in session 56) level 2's GPU twin tests; both types at 0 / 2
 #   bash bench/pending_ab.sh ahead0    # (run in session 56: before the wait wins) the dp4a il32 kernel's first
 #                                      # block after its wait vs before (IQ3_S rounds at 1, 2, 8 lanes); q4il
@@ -89,7 +89,7 @@ phase() {
       sweep evict_q4_k q4_k 200 NINFER_EVICT=0,NINFER_EVICT=2 --lanes 1,2,8
       ;;
     evict3)
-      # the default (the il32 kernels at 2, q4il and the head plain) against none: IQ3_S rounds, 4 columns
+      # both il32 kernels at 2 (session 56's default) against none: IQ3_S rounds, 4 columns
       sweep evict3_iq3_s iq3_s 200 NINFER_EVICT=0,NINFER_EVICT=il=2:il_mma=2 --lanes 1,8
       sweep evict3_c4 iq3_s 120 NINFER_EVICT=0,NINFER_EVICT=il=2:il_mma=2 --columns 4
       ;;

@@ -8,7 +8,7 @@
 #                                      # at 1 and 8 lanes, the 4-column step (~2 min)
 #   bash bench/pending_ab.sh evict2    # (its settings run in session 57) every NVRTC GEMV's weight loads not
 #                                      # kept in L1 (NINFER_EVICT=1), also evict-first in L2 (2), Q4_K's head
-#                                      # alone at 2; the GDN state evict-first (NINFER_GDN_STATE_EVICT=1)
+#                                      # alone at 2 (~5 min)
 #   bash bench/pending_ab.sh evict     # (run in session 56) level 2's GPU twin tests; both types at 0 / 2
 #   bash bench/pending_ab.sh ahead0    # (run in session 56: before the wait wins) the dp4a il32 kernel's first
 #                                      # block after its wait vs before (IQ3_S rounds at 1, 2, 8 lanes); q4il
@@ -97,9 +97,6 @@ phase() {
       # which hint gains where: not kept in L1 alone (1) against both (2); Q4_K's head alone at 2
       sweep evict2_iq3_s iq3_s 240 NINFER_EVICT=0,NINFER_EVICT=1,NINFER_EVICT=2 --lanes 1,8
       sweep evict2_q4_k q4_k 240 NINFER_EVICT=0,NINFER_EVICT=1,NINFER_EVICT=q6il=2 --lanes 1,2
-      # the GDN recurrence's state evict-first too (gdn_decode.state_evict), both types at 1 and 8 lanes
-      sweep evict2_state_iq3_s iq3_s 150 NINFER_GDN_STATE_EVICT=0,NINFER_GDN_STATE_EVICT=1 --lanes 1,8
-      sweep evict2_state_q4_k q4_k 150 NINFER_GDN_STATE_EVICT=0,NINFER_GDN_STATE_EVICT=1 --lanes 1,8
       ;;
     trace)
       for wtype in q4_k iq3_s; do

@@ -263,6 +263,7 @@ EMULATED = {
     std::memcpy(emu_cluster_smem[0] + ((char*)p - emu_smem), &v, 4);
 }""",
     # weight loads, evict-first or not: global memory only
+    "evict_first": "inline unsigned long long evict_first() { return 0; }",
     "ldw4": "inline uint4 ldw4(const uint4* p) { return __ldg(p); }",
     "ldw": "inline unsigned ldw(const unsigned* p) { return __ldg(p); }",
     "cp_async16": "inline void cp_async16(unsigned dst, const void* src) { emu_cp_async(dst, src); }",

@@ -151,10 +151,17 @@ __device__ __forceinline__ float f16_hi(unsigned v) {
 #ifndef EVICT
 #define EVICT 0
 #endif
+#if EVICT == 2
+__device__ __forceinline__ unsigned long long evict_first() {  // an L2 policy: what it brings in goes first
+    unsigned long long pol;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+#endif
 __device__ __forceinline__ uint4 ldw4(const uint4* p) {
 #if EVICT == 2
-    uint4 v; unsigned long long pol;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    uint4 v;
+    const unsigned long long pol = evict_first();
     asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
     return v;
@@ -169,8 +176,8 @@ __device__ __forceinline__ uint4 ldw4(const uint4* p) {
 }
 __device__ __forceinline__ unsigned ldw(const unsigned* p) {
 #if EVICT == 2
-    unsigned v; unsigned long long pol;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    unsigned v;
+    const unsigned long long pol = evict_first();
     asm("ld.global.nc.L1::no_allocate.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(v) : "l"(p), "l"(pol));
     return v;
 #elif EVICT == 1

@@ -73,8 +73,7 @@ ASYNC_COPY = r"""
 #if STAGES
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {
 #if EVICT == 2
-    unsigned long long pol;  // the weights evict-first in L2 (gemv_il.CUDA_HELPERS' ldw)
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+    const unsigned long long pol = evict_first();  // the weights evict-first in L2, as ldw's
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
                  :: "r"(dst), "l"(src), "l"(pol) : "memory");
 #else

@@ -4,6 +4,9 @@
 # an H200 (the defaults now: the dp4a il32 kernel at 2, q4il at 1); sessions 47-56's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
+#   bash bench/pending_ab.sh next      # each GEMV asks the next one's first weight bytes into L2 as its CTAs
+#                                      # finish (NINFER_NEXT_PREFETCH=KB): its GPU test; both types' rounds at
+#                                      # 1 and 8 lanes, IQ3_S's 4-column step, at 0 / 2 / 8 MiB (~6 min)
 #   bash bench/pending_ab.sh evict3    # (run in session 57) both il32 kernels at 2 against none: IQ3_S rounds
 #                                      # at 1 and 8 lanes, the 4-column step (~2 min)
 #   bash bench/pending_ab.sh evict2    # (its settings run in session 57) every NVRTC GEMV's weight loads not
@@ -37,7 +40,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="next, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -87,6 +90,16 @@ phase() {
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
       sweep evict_iq3_s iq3_s 200 NINFER_EVICT=0,NINFER_EVICT=2 --lanes 1,2,8
       sweep evict_q4_k q4_k 200 NINFER_EVICT=0,NINFER_EVICT=2 --lanes 1,2,8
+      ;;
+    next)
+      step pytest 240 "$PY" -m pytest -m gpu -n 4 -p xdist --dist worksteal -v -rfE -k "next_gemvs" \
+        tests/test_gemv_il.py
+      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
+      sweep next_iq3_s iq3_s 240 NINFER_NEXT_PREFETCH=0,NINFER_NEXT_PREFETCH=2048,NINFER_NEXT_PREFETCH=8192 \
+        --lanes 1,8
+      sweep next_c4 iq3_s 150 NINFER_NEXT_PREFETCH=0,NINFER_NEXT_PREFETCH=2048,NINFER_NEXT_PREFETCH=8192 --columns 4
+      sweep next_q4_k q4_k 240 NINFER_NEXT_PREFETCH=0,NINFER_NEXT_PREFETCH=2048,NINFER_NEXT_PREFETCH=8192 \
+        --lanes 1,8
       ;;
     evict3)
       # both il32 kernels at 2 (session 56's default) against none: IQ3_S rounds, 4 columns

@@ -54,6 +54,9 @@ PRELUDE = r"""
 #define __cluster_dims__(...)
 #define __restrict__ __restrict
 
+// bytes asked into L2 by a launch's `prefetch_l2`s (HostKernel.prefetched)
+extern "C" { std::atomic<unsigned long long> emu_prefetched{0}; }
+
 struct dim3_ { unsigned x, y, z; };
 struct uint4 { unsigned x, y, z, w; };
 struct int4 { int x, y, z, w; };
@@ -266,6 +269,15 @@ EMULATED = {
     "evict_first": "inline unsigned long long evict_first() { return 0; }",
     "ldw4": "inline uint4 ldw4(const uint4* p) { return __ldg(p); }",
     "ldw": "inline unsigned ldw(const unsigned* p) { return __ldg(p); }",
+    # the next GEMV's weights asked into L2: counted, each a 16-byte multiple at a 16-byte aligned address
+    "prefetch_l2": """inline void prefetch_l2(const char* p, unsigned bytes) {
+    if ((reinterpret_cast<std::uintptr_t>(p) | bytes) % 16 || bytes == 0) {
+        std::fprintf(stderr, "cuda_cpu: a bulk prefetch of %u bytes at %p: not 16-byte multiples\\n",
+                     bytes, p);
+        std::abort();
+    }
+    emu_prefetched += bytes;
+}""",
     "cp_async16": "inline void cp_async16(unsigned dst, const void* src) { emu_cp_async(dst, src); }",
     "cp_async_commit": "inline void cp_async_commit() { emu_cp_commit(); }",
     "cp_async_wait_stages": "inline void cp_async_wait_stages() { emu_cp_wait(STAGES - 1); }",
@@ -436,4 +448,7 @@ class HostKernel:
                 values.append(ctypes.c_int(a))
         ptrs = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
                                                    for v in values])
+        counter = ctypes.c_ulonglong.in_dll(self._lib, "emu_prefetched")
+        counter.value = 0
         self._lib.emu_launch(grid, block, shared_mem, ptrs)
+        self.prefetched = counter.value  # bytes its `prefetch_l2`s asked for

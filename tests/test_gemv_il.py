@@ -520,6 +520,38 @@ def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, lanes, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("columns", [1, 2, 4, 8])
+def test_the_next_gemvs_weights_asked_into_l2_on_gpu(columns, monkeypatch):
+    """NINFER_NEXT_PREFETCH=KB (`next_prefetch`): a round of an il32, a q4il and a q6il GEMV, each prefetching
+    the next one's first bytes (a few KiB, or more than the whole tensor: all of it) as its CTAs finish —
+    eager and captured in a CUDA graph, the same bits as without."""
+    from ninfer.kernels import gemv_il as gemv_il_module
+    from ninfer.kernels import gemv_q4il, gemv_q6il
+    from ninfer.kernels.gemv_q8 import quantize_activation
+
+    k = 5120
+    words = [repack_il32(random_gguf_weight("iq3_s", 16480, k, "cuda")),
+             gemv_q4il.repack_q4il(random_gguf_weight("q4_k", 5120, k, "cuda")),
+             gemv_q6il.repack_q6il(random_gguf_weight("q6_k", 8192, k, "cuda"))]
+    s = gemv_il_module.il_schedule(columns, k, 16480, 256)
+    calls = [lambda w, xa: gemv_il_module.gemv_il(w, xa, 16480, s),
+             lambda w, xa: gemv_q4il.gemv_q4il(w, xa, 5120), lambda w, xa: gemv_q6il.gemv_q6il(w, xa, 8192)]
+    xa = quantize_activation(torch.randn(columns, k, device="cuda", dtype=torch.bfloat16), group=256)
+    monkeypatch.setenv("NINFER_NEXT_PREFETCH", "0")
+    want = [call(w, xa) for call, w in zip(calls, words, strict=True)]
+    for kb in ("4", "1048576"):
+        monkeypatch.setenv("NINFER_NEXT_PREFETCH", kb)
+        for _ in range(2):
+            assert all(torch.equal(call(w, xa), y) for call, w, y in zip(calls, words, want, strict=True)), kb
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = [call(w, xa) for call, w in zip(calls, words, strict=True)]
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(captured, want, strict=True)), kb
+
+
+@pytest.mark.gpu
 def test_split_il32_calls_leave_the_adding_kernels_workspace_zero():
     """The split tensor-core il32 kernel stores its pieces' sums in slots it leaves behind; the split-K
     kernels that add into a zeroed workspace (here gemv_frag on the 27B's q4_k gate|up) must not find them
@@ -587,3 +619,24 @@ def test_lane_conv_takes_one_token_a_lane_up_to_its_column_limit(monkeypatch):
     assert gemv_il.lane_conv(nine, rows(9), n) is None  # past the GEMVs' 8 columns
     monkeypatch.setenv("NINFER_LANE_CONV", "0")
     assert gemv_il.lane_conv(one, rows(1), n) is None
+
+
+def test_the_next_gemv_is_the_one_launched_after_it_last_time(monkeypatch):
+    """`next_prefetch`: each call notes its words as the next of the previous call's (a new order replaces the
+    old), and with NINFER_NEXT_PREFETCH=KB returns its own next words and min(KB KiB, their bytes) rounded
+    down to 16; none while off (the order still learned), for the first call, or once the next words are
+    gone."""
+    monkeypatch.setattr(gemv_il, "_after", {})
+    monkeypatch.setattr(gemv_il, "_latest", [None])
+    a, b, c = torch.zeros(1000, dtype=torch.int32), torch.zeros(30, dtype=torch.uint8), torch.zeros(8000)
+    monkeypatch.setenv("NINFER_NEXT_PREFETCH", "0")
+    assert [gemv_il.next_prefetch(w) for w in (a, b, c)] == [[], [], []]
+    monkeypatch.setenv("NINFER_NEXT_PREFETCH", "2")
+    got = [gemv_il.next_prefetch(w) for w in (a, b, c, a)]
+    assert got[0][0] is b and got[0][1] == 16  # 30 bytes, to a 16-byte multiple
+    assert got[1][0] is c and got[1][1] == 2048
+    assert got[2][0] is a and got[2][1] == 2048 and got[3][0] is b
+    gemv_il.next_prefetch(c)  # a -> c now
+    assert gemv_il.next_prefetch(a)[0] is c
+    del c, got
+    assert gemv_il.next_prefetch(a) == []  # (a again: nothing noted) its next is gone

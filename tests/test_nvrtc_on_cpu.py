@@ -319,14 +319,19 @@ def launches_on_the_cpu(monkeypatch):
     two CTAs, the H200's shared memory, no PDL, the CUDA-only check of a call left out."""
     import types
 
-    monkeypatch.setattr(gemv_il, "_compiled", lambda columns, kind, s, pdl=False, conv=False, evict=False:
-                        HostKernel(gemv_il.kernel_source(columns, kind, s, False, conv, evict),
+    monkeypatch.setattr(gemv_il, "_compiled", lambda columns, kind, s, pdl=False, conv=False, evict=False,
+                        prefetch=False:
+                        HostKernel(gemv_il.kernel_source(columns, kind, s, False, conv, evict, prefetch),
                                    "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"))
-    monkeypatch.setattr(gemv_q4il, "_compiled", lambda columns, kind, pdl, shape, *build, evict=False:
-                        HostKernel(gemv_q4il.kernel_source(columns, kind, False, shape, *build, evict=evict),
-                                   "q4k_il_mma"))
+    monkeypatch.setattr(gemv_q4il, "_compiled", lambda columns, kind, pdl, shape, *build, evict=False,
+                        prefetch=False:
+                        HostKernel(gemv_q4il.kernel_source(columns, kind, False, shape, *build, evict=evict,
+                                                           prefetch=prefetch), "q4k_il_mma"))
+    monkeypatch.setattr(gemv_q6il, "_compiled", lambda columns, kind, pdl, evict=False, prefetch=False:
+                        HostKernel(gemv_q6il.kernel_source(columns, kind, False, evict, prefetch),
+                                   "q6k_il_mma"))
     launch = lambda kernel, ctas, threads, smem, args, pdl: kernel((ctas,), (threads,), args, smem)  # noqa: E731
-    for module in (gemv_il, gemv_q4il):
+    for module in (gemv_il, gemv_q4il, gemv_q6il):
         monkeypatch.setattr(module, "_launch", launch)
         monkeypatch.setattr(module, "pdl_enabled", lambda: False)
         monkeypatch.setattr(module, "check_call", lambda kind, words, xa, group: None)
@@ -382,3 +387,40 @@ def test_gemv_q4il_takes_clusters_where_they_pay(launches_on_the_cpu, monkeypatc
     assert rel(y, gemv_q8_reference(raw, "q4_k", xa, n)) < FP32_BOUND
     assert builds[-1][-1] == (2 if columns <= gemv_q4il.CLUSTER_COLUMNS else 1)
 
+
+
+@pytest.mark.parametrize("columns", [1, 4])
+def test_the_next_gemvs_weights_asked_into_l2(launches_on_the_cpu, monkeypatch, columns):
+    """NINFER_NEXT_PREFETCH=KB: a round of GEMVs (il32 — the dp4a kernel at one column, the tensor-core one
+    at four — then q4il, then the q6il head) run twice; from the second on, each launches its NEXT build with
+    the words of the GEMV launched after it last time and a 16-byte multiple of their first bytes as its last
+    arguments (the emulated prefetch does nothing): the same bits as with it off."""
+    n, k = 72, 1536
+    raws = [random_gguf_weight(fmt, n, k) for fmt in ("iq3_s", "q4_k", "q6_k")]
+    words = [gemv_il.repack_il32(raws[0]), gemv_q4il.repack_q4il(raws[1]), gemv_q6il.repack_q6il(raws[2])]
+    calls = [lambda w, xa, n: gemv_il.gemv_il(w, xa, n, gemv_il.il_schedule(columns, k, n, 256)),
+             gemv_q4il.gemv_q4il, gemv_q6il.gemv_q6il]
+    launched = []
+    for module in (gemv_il, gemv_q4il, gemv_q6il):
+        monkeypatch.setattr(module, "_launch", lambda kernel, ctas, threads, smem, args, pdl: (
+            kernel((ctas,), (threads,), args, smem), launched.append((args, kernel.prefetched))))
+    monkeypatch.setattr(gemv_il, "_after", {})
+    monkeypatch.setattr(gemv_il, "_latest", [None])
+    xa = activation(columns, k, 256)
+    monkeypatch.setenv("NINFER_NEXT_PREFETCH", "0")
+    plain = [call(w, xa, n) for call, w in zip(calls, words, strict=True)]
+    monkeypatch.setenv("NINFER_NEXT_PREFETCH", "8")
+    launched.clear()
+    for _ in range(2):
+        for call, w, want in zip(calls, words, plain, strict=True):
+            assert torch.equal(call(w, xa, n), want)
+    # (with it off the round was learned all the same: each call took its next)
+    assert len(launched) == 6
+    for (a, prefetched), w in zip(launched, [words[1], words[2], words[0]] * 2, strict=True):
+        assert a[-2] is w and a[-1] == min(8 * 1024, w.numel() * w.element_size()) & ~15
+        assert prefetched == a[-1]  # the CTAs' shares, each a 16-byte multiple, add up to it
+    with_next = len(launched[0][0])
+    monkeypatch.setenv("NINFER_NEXT_PREFETCH", "0")
+    launched.clear()
+    assert torch.equal(calls[0](words[0], xa, n), plain[0])
+    assert len(launched[0][0]) == with_next - 2 and launched[0][1] == 0

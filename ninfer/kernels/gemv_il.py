@@ -39,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -188,6 +189,28 @@ __device__ __forceinline__ unsigned ldw(const unsigned* p) {
     return *p;
 #endif
 }
+// the next GEMV's first weight bytes asked into L2 as this one's CTAs finish their last tile (NEXT 1, the
+// arguments `next_prefetch` gives): CTA b one bulk prefetch of a 16-byte multiple share (sm_90; before that
+// nothing)
+#ifndef NEXT
+#define NEXT 0
+#endif
+#if NEXT
+#define NEXT_PARAMS , const char* __restrict__ next_w, unsigned next_bytes
+__device__ __forceinline__ void prefetch_l2(const char* p, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+#endif
+}
+#define NEXT_PREFETCH(last)                                                                               \
+    if ((last) && threadIdx.x == 0) {                                                                     \
+        const unsigned share_ = (next_bytes / gridDim.x + 15u) & ~15u, at_ = blockIdx.x * share_;         \
+        if (at_ < next_bytes) prefetch_l2(next_w + at_, min(share_, next_bytes - at_));                   \
+    }
+#else
+#define NEXT_PARAMS
+#define NEXT_PREFETCH(last)
+#endif
 __device__ __forceinline__ out_t to_out(float v) {
 #if OUT_KIND == 0
     return v;
@@ -333,7 +356,7 @@ __device__ __forceinline__ void dot_block(const Blk& b, int h, int sb0, const in
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
              const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y, int ring
-             CONV_PARAMS)
+             CONV_PARAMS NEXT_PARAMS)
 {
     CONV_ARGS
     extern __shared__ unsigned smem[];
@@ -395,6 +418,7 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 #if PDL
         if (t + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
 #endif
+        NEXT_PREFETCH(t + gridDim.x >= tiles)
         if (WARPS == 1) {
             const int row = t * 32 + lane;
             if (row < N) {
@@ -470,7 +494,8 @@ __device__ __forceinline__ unsigned mul_hi(unsigned a, unsigned b) {
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS)
 iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
             const unsigned* __restrict__ grid, out_t* __restrict__ y, int N, int K, int stride_y,
-            int splits, float* __restrict__ part_sums, int* __restrict__ counts, int ring CONV_PARAMS)
+            int splits, float* __restrict__ part_sums, int* __restrict__ counts, int ring CONV_PARAMS
+            NEXT_PARAMS)
 {
     CONV_ARGS
     // split-K (`splits` > 1): item i is piece i % splits of tile i / splits, a run of its blocks; each
@@ -606,6 +631,7 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
 #if PDL
         if (item + gridDim.x >= items) asm volatile("griddepcontrol.launch_dependents;");
 #endif
+        NEXT_PREFETCH(item + gridDim.x >= items)
         // rows 4 gq + r, columns 2t, 2t + 1: summed over the warps through shared memory
         float* rk = red + (k * WARPS + wid) * (32 * 8);
 #pragma unroll
@@ -793,13 +819,14 @@ def _ctas_per_sm(s: IlSchedule, columns: int, in_features: int, smem: int = 228 
 
 
 def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, conv: bool = False,
-                  evict: int = 0) -> str:
+                  evict: int = 0, prefetch: bool = False) -> str:
     """The CUDA source; its launch bounds ask for the CTAs an SM holds by registers, threads and tables.
     `pdl`: launched as a programmatic dependent launch (`_launch`), it loads its weights and tables before
     waiting for the previous kernel, and lets the next one launch after its last tile's main loop.
     `conv` (bf16 out): the GDN decode conv in its epilogue (`CONV_STAGE`, `lane_conv`). `evict`: the weight
-    loads' cache hints (`evict_level`)."""
-    source = _MMA_SOURCE if s.kernel == "il_mma" else _SOURCE
+    loads' cache hints (`evict_level`). `prefetch`: the next GEMV's first weight bytes asked into L2 at the
+    end (`next_prefetch`)."""
+    source = with_prefetch(_MMA_SOURCE if s.kernel == "il_mma" else _SOURCE, prefetch)
     if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
         raise QuantKernelError("the il32 conv builds write bf16")
     return (source.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
@@ -846,11 +873,46 @@ def evict_level(kernel: str) -> int:
     return int(levels.get(kernel, 0))
 
 
+# The next GEMV's first weight bytes asked into L2 by this one's CTAs as each finishes its last tile (one
+# `cp.async.bulk.prefetch.L2` a CTA, sm_90): the next kernel's first loads after its programmatic-launch wait
+# then find L2 instead of HBM, whose bandwidth lies idle in a GEMV's tail and the small kernels after it.
+# NINFER_NEXT_PREFETCH=KB sets how many (0: none, the builds as without). "Next" is the GEMV launched after
+# this one the last time: a decode round's order is fixed, and the rounds run before a graph is captured
+# teach it.
+NEXT_PREFETCH_KB = 0
+_after: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # data_ptr -> (these words, the next GEMV's words)
+_latest: list[weakref.ref | None] = [None]
+
+
+def next_prefetch(words: torch.Tensor) -> list:
+    """The GEMV of `words` is about to launch: note it as the next of the one launched before it, and return
+    its kernel's last arguments (the next GEMV's words, how many of their first bytes to prefetch; a 16-byte
+    multiple), or none where prefetching is off, the GPU older than sm_90, or no next GEMV known."""
+    before = _latest[0]() if _latest[0] is not None else None
+    if before is not None and before.data_ptr() != words.data_ptr():
+        _after[before.data_ptr()] = (weakref.ref(before), weakref.ref(words))
+    _latest[0] = weakref.ref(words)
+    kb = int(os.environ.get("NINFER_NEXT_PREFETCH", NEXT_PREFETCH_KB))
+    if kb <= 0 or (words.is_cuda and torch.cuda.get_device_capability(words.device)[0] < 9):
+        return []
+    these, following = _after.get(words.data_ptr(), (None, None))
+    following = following() if these is not None and these() is not None else None
+    if following is None or following.device != words.device:
+        return []
+    size = min(kb * 1024, following.numel() * following.element_size()) & ~15
+    return [following, size] if size else []
+
+
+def with_prefetch(source: str, prefetch: bool) -> str:
+    """A GEMV's CUDA source as the NEXT build (`next_prefetch`'s two arguments last) or as it is."""
+    return "#define NEXT 1\n" + source if prefetch else source
+
+
 @functools.cache
 def _compiled(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, conv: bool = False,
-              evict: int = 0):
+              evict: int = 0, prefetch: bool = False):
     name = "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s, pdl, conv, evict), name)
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s, pdl, conv, evict, prefetch), name)
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -963,11 +1025,12 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
         else:
             args += [s.splits, *work]
             ctas = min(tiles * s.splits, _launch_shape(words.device, s, n, k))
-    args += [ring, *conv_arguments(conv)]
+    following = next_prefetch(words)
+    args += [ring, *conv_arguments(conv), *following]
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
     # one build for every split count
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], s if s.splits == 1 else replace(s, splits=1), pdl,
-                       conv is not None, evict=evict_level(s.kernel))
+                       conv is not None, evict=evict_level(s.kernel), prefetch=bool(following))
     _launch(kernel, ctas, 32 * s.warps, smem, args, pdl)
     return y
 

@@ -41,6 +41,8 @@ from ninfer.kernels.gemv_il import (
     conv_arguments,
     evict_level,
     lane_conv,
+    next_prefetch,
+    with_prefetch,
 )
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
 from ninfer.kernels.gguf_matmul import QuantKernelError, dense_out, dequantize_rows
@@ -147,7 +149,7 @@ __device__ __forceinline__ void mma_u8s8(int (&c)[4], unsigned a0, unsigned a1, 
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, CTAS) CLUSTER_DIMS
 q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
-           out_t* __restrict__ y, int N, int K, int stride_y CONV_PARAMS)
+           out_t* __restrict__ y, int N, int K, int stride_y CONV_PARAMS NEXT_PARAMS)
 {
     CONV_ARGS
     // CTA c takes tiles c, c + gridDim.x, ..., its warps a tile's blocks wid, wid + WARPS, ...; in clusters
@@ -309,6 +311,7 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #if PDL
         if (tile + gridDim.x / CLUSTER >= tiles) asm volatile("griddepcontrol.launch_dependents;");
 #endif
+        NEXT_PREFETCH(tile + gridDim.x / CLUSTER >= tiles)
         if (it == 0) cluster_wait();
         store_cluster_tile(red, sums + (it & 1) * (CLUSTER * 256), acc, wid, gq, t, rank, tile, N, y, stride_y
 #if CONV
@@ -319,6 +322,7 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #if PDL
         if (tile + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
 #endif
+        NEXT_PREFETCH(tile + gridDim.x >= tiles)
         store_tile(red, acc, wid, gq, t, tile, N, y, stride_y
 #if CONV
                    , cv
@@ -331,17 +335,20 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 
 
 def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
-                  conv: bool = False, staged: bool = False, cluster: int = 1, evict: int = 0) -> str:
+                  conv: bool = False, staged: bool = False, cluster: int = 1, evict: int = 0,
+                  prefetch: bool = False) -> str:
     """`conv` (bf16 out): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`).
     `staged`: each warp's next block copied into shared memory while it works on one (the STAGES build).
     `cluster` > 1: clusters of that many CTAs share each tile (`lane_layout.CLUSTER_HELPERS`; not staged).
-    `evict`: the weight loads' and copies' cache hints (`gemv_il.evict_level`)."""
+    `evict`: the weight loads' and copies' cache hints (`gemv_il.evict_level`). `prefetch`: the next GEMV's
+    first weight bytes asked into L2 at the end (`gemv_il.next_prefetch`)."""
     if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
         raise QuantKernelError("the q4il conv builds write bf16")
     if cluster > 1 and staged:
         raise QuantKernelError("the q4il cluster builds are not staged")
     warps, ctas = shape
-    return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
+    return (with_prefetch(_SOURCE, prefetch).replace("__OUT_KIND__", str(out_kind))
+            .replace("__NCOL__", str(columns))
             .replace("__CONV__", str(int(conv))).replace("__STAGES__", "2" if staged else "0")
             .replace("__WARPS__", str(warps)).replace("__CTAS__", str(ctas))
             .replace("__PDL__", str(int(pdl))).replace("__CLUSTER__", str(cluster))
@@ -433,9 +440,9 @@ def q4il_cluster(tiles: int, sms: int, shape: tuple[int, int], columns: int,
 
 @functools.cache
 def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], conv: bool = False,
-              staged: bool = False, cluster: int = 1, evict: int = 0):
+              staged: bool = False, cluster: int = 1, evict: int = 0, prefetch: bool = False):
     kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, conv, staged, cluster,
-                                                      evict), "q4k_il_mma")
+                                                      evict, prefetch), "q4k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -462,11 +469,12 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
         staged = cluster == 1 and q4il_staged(n)
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
+    following = next_prefetch(words)
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged, cluster,
-                       evict=evict_level("q4il"))
+                       evict=evict_level("q4il"), prefetch=bool(following))
     _launch(kernel, cluster * min(tiles, shape[1] * sms // cluster), 32 * shape[0],
             smem_bytes(k, shape[0], staged, cluster),
-            [words, xa.words, xa.d, y, out_features, k, y.stride(0), *conv_arguments(conv)], pdl)
+            [words, xa.words, xa.d, y, out_features, k, y.stride(0), *conv_arguments(conv), *following], pdl)
     return y
 
 

@@ -34,7 +34,16 @@ import os
 
 import torch
 
-from ninfer.kernels.gemv_il import _OUT_KINDS, CUDA_HELPERS, _launch, _smem_optin, check_call, evict_level
+from ninfer.kernels.gemv_il import (
+    _OUT_KINDS,
+    CUDA_HELPERS,
+    _launch,
+    _smem_optin,
+    check_call,
+    evict_level,
+    next_prefetch,
+    with_prefetch,
+)
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference
 from ninfer.kernels.lane_layout import TILE_STORE, LaneLayout, builds
 from ninfer.kernels.triton_support import pdl_enabled
@@ -84,7 +93,7 @@ __device__ __forceinline__ void mma_u8s8(int (&c)[4], unsigned a0, unsigned a1, 
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, 2)
 q6k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
-           out_t* __restrict__ y, int N, int K, int stride_y)
+           out_t* __restrict__ y, int N, int K, int stride_y NEXT_PARAMS)
 {
     extern __shared__ int smem[];
     const int K4 = K >> 2, K16 = K >> 4, nblk = K >> 8, P = (K + 511) >> 9, tiles = (N + 31) >> 5;
@@ -164,14 +173,17 @@ q6k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #if PDL
         if (tile + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
 #endif
+        NEXT_PREFETCH(tile + gridDim.x >= tiles)
         store_tile(red, acc, wid, gq, t, tile, N, y, stride_y);
     }
 }
 """
 
 
-def kernel_source(columns: int, out_kind: int, pdl: bool = False, evict: int = 0) -> str:
-    return (_SOURCE.replace("__OUT_KIND__", str(out_kind)).replace("__NCOL__", str(columns))
+def kernel_source(columns: int, out_kind: int, pdl: bool = False, evict: int = 0,
+                  prefetch: bool = False) -> str:
+    return (with_prefetch(_SOURCE, prefetch).replace("__OUT_KIND__", str(out_kind))
+            .replace("__NCOL__", str(columns))
             .replace("__WARPS__", str(WARPS)).replace("__PDL__", str(int(pdl)))
             .replace("__EVICT__", str(evict)))
 
@@ -182,8 +194,8 @@ def smem_bytes(in_features: int) -> int:
 
 
 @functools.cache
-def _compiled(columns: int, out_kind: int, pdl: bool, evict: int = 0):
-    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, evict), "q6k_il_mma")
+def _compiled(columns: int, out_kind: int, pdl: bool, evict: int = 0, prefetch: bool = False):
+    kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, evict, prefetch), "q6k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -199,9 +211,10 @@ def gemv_q6il(words: torch.Tensor, xa: QuantizedActivation, out_features: int) -
     ctas = min(tiles, 2 * props.multi_processor_count)
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
-    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, evict=evict_level("q6il"))
-    _launch(kernel, ctas, 32 * WARPS, smem_bytes(k), [words, xa.words, xa.d, y, out_features, k, y.stride(0)],
-            pdl)
+    following = next_prefetch(words)
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, evict=evict_level("q6il"), prefetch=bool(following))
+    _launch(kernel, ctas, 32 * WARPS, smem_bytes(k),
+            [words, xa.words, xa.d, y, out_features, k, y.stride(0), *following], pdl)
     return y
 
 

@@ -7,6 +7,7 @@
 #   bash bench/pending_ab.sh next      # each GEMV asks the next one's first weight bytes into L2 as its CTAs
 #                                      # finish (NINFER_NEXT_PREFETCH=KB): its GPU test; both types' rounds at
 #                                      # 1 and 8 lanes, IQ3_S's 4-column step, at 0 / 2 / 8 MiB (~6 min)
+#   bash bench/pending_ab.sh nextsize  # 8 MiB against 16, 32 and 64 (~5 min)
 #   bash bench/pending_ab.sh evict3    # (run in session 57) both il32 kernels at 2 against none: IQ3_S rounds
 #                                      # at 1 and 8 lanes, the 4-column step (~2 min)
 #   bash bench/pending_ab.sh evict2    # (its settings run in session 57) every NVRTC GEMV's weight loads not
@@ -40,7 +41,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="next, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="next, nextsize, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -100,6 +101,14 @@ phase() {
       sweep next_c4 iq3_s 150 NINFER_NEXT_PREFETCH=0,NINFER_NEXT_PREFETCH=2048,NINFER_NEXT_PREFETCH=8192 --columns 4
       sweep next_q4_k q4_k 240 NINFER_NEXT_PREFETCH=0,NINFER_NEXT_PREFETCH=2048,NINFER_NEXT_PREFETCH=8192 \
         --lanes 1,8
+      ;;
+    nextsize)
+      # how much: 8 MiB against 16, 32, 64 (the next GEMV's bytes cap it)
+      sweep size_iq3_s iq3_s 240 NINFER_NEXT_PREFETCH=8192,NINFER_NEXT_PREFETCH=16384,NINFER_NEXT_PREFETCH=32768,\
+NINFER_NEXT_PREFETCH=65536 --lanes 1,8
+      sweep size_q4_k q4_k 240 NINFER_NEXT_PREFETCH=8192,NINFER_NEXT_PREFETCH=16384,NINFER_NEXT_PREFETCH=32768,\
+NINFER_NEXT_PREFETCH=65536 --lanes 1,8
+      sweep size_c4 iq3_s 120 NINFER_NEXT_PREFETCH=8192,NINFER_NEXT_PREFETCH=32768 --columns 4
       ;;
     evict3)
       # both il32 kernels at 2 (session 56's default) against none: IQ3_S rounds, 4 columns

@@ -41,7 +41,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="next, nextsize, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="next, nextsize, nextfine, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -109,6 +109,14 @@ NINFER_NEXT_PREFETCH=65536 --lanes 1,8
       sweep size_q4_k q4_k 240 NINFER_NEXT_PREFETCH=8192,NINFER_NEXT_PREFETCH=16384,NINFER_NEXT_PREFETCH=32768,\
 NINFER_NEXT_PREFETCH=65536 --lanes 1,8
       sweep size_c4 iq3_s 120 NINFER_NEXT_PREFETCH=8192,NINFER_NEXT_PREFETCH=32768 --columns 4
+      ;;
+    nextfine)
+      # 4 / 8 / 12 MiB; at 8 MiB none from the GEMV that runs the GDN conv of 2-8 lanes (the recurrence's state
+      # traffic comes next)
+      sweep fine_iq3_s iq3_s 240 NINFER_NEXT_PREFETCH=4096,NINFER_NEXT_PREFETCH=8192,NINFER_NEXT_PREFETCH=12288,\
+NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_CONV_LANES=1 --lanes 1,8
+      sweep fine_q4_k q4_k 240 NINFER_NEXT_PREFETCH=4096,NINFER_NEXT_PREFETCH=8192,NINFER_NEXT_PREFETCH=12288,\
+NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_CONV_LANES=1 --lanes 1,8
       ;;
     evict3)
       # both il32 kernels at 2 (session 56's default) against none: IQ3_S rounds, 4 columns

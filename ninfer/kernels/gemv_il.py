@@ -884,15 +884,19 @@ _after: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # data_ptr -> (these wo
 _latest: list[weakref.ref | None] = [None]
 
 
-def next_prefetch(words: torch.Tensor) -> list:
+def next_prefetch(words: torch.Tensor, conv_lanes: int = 0) -> list:
     """The GEMV of `words` is about to launch: note it as the next of the one launched before it, and return
     its kernel's last arguments (the next GEMV's words, how many of their first bytes to prefetch; a 16-byte
-    multiple), or none where prefetching is off, the GPU older than sm_90, or no next GEMV known."""
+    multiple), or none where prefetching is off, the GPU older than sm_90, or no next GEMV known.
+    `conv_lanes`: the lanes of the GDN conv the GEMV runs in its epilogue (the recurrence runs next); above
+    NINFER_NEXT_PREFETCH_CONV_LANES none either (an A/B)."""
     before = _latest[0]() if _latest[0] is not None else None
     if before is not None and before.data_ptr() != words.data_ptr():
         _after[before.data_ptr()] = (weakref.ref(before), weakref.ref(words))
     _latest[0] = weakref.ref(words)
     kb = int(os.environ.get("NINFER_NEXT_PREFETCH", NEXT_PREFETCH_KB))
+    if conv_lanes > int(os.environ.get("NINFER_NEXT_PREFETCH_CONV_LANES", MAX_COLUMNS)):
+        return []
     if kb <= 0 or (words.is_cuda and torch.cuda.get_device_capability(words.device)[0] < 9):
         return []
     these, following = _after.get(words.data_ptr(), (None, None))
@@ -1025,7 +1029,7 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
         else:
             args += [s.splits, *work]
             ctas = min(tiles * s.splits, _launch_shape(words.device, s, n, k))
-    following = next_prefetch(words)
+    following = next_prefetch(words, n if conv is not None else 0)
     args += [ring, *conv_arguments(conv), *following]
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
     # one build for every split count

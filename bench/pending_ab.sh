@@ -111,12 +111,16 @@ NINFER_NEXT_PREFETCH=65536 --lanes 1,8
       sweep size_c4 iq3_s 120 NINFER_NEXT_PREFETCH=8192,NINFER_NEXT_PREFETCH=32768 --columns 4
       ;;
     nextfine)
-      # 4 / 8 / 12 MiB; at 8 MiB none from the GEMV that runs the GDN conv of 2-8 lanes (the recurrence's state
+      # 4 / 8 MiB; at 8 MiB none from the GEMV that runs the GDN conv of 2-8 lanes (the recurrence's state
       # traffic comes next)
-      sweep fine_iq3_s iq3_s 240 NINFER_NEXT_PREFETCH=4096,NINFER_NEXT_PREFETCH=8192,NINFER_NEXT_PREFETCH=12288,\
+      sweep fine_iq3_s iq3_s 200 NINFER_NEXT_PREFETCH=4096,NINFER_NEXT_PREFETCH=8192,\
 NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_CONV_LANES=1 --lanes 1,8
-      sweep fine_q4_k q4_k 240 NINFER_NEXT_PREFETCH=4096,NINFER_NEXT_PREFETCH=8192,NINFER_NEXT_PREFETCH=12288,\
+      sweep fine_q4_k q4_k 200 NINFER_NEXT_PREFETCH=4096,NINFER_NEXT_PREFETCH=8192,\
 NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_CONV_LANES=1 --lanes 1,8
+      # the fixture models' greedy runs and the prefetch's own test under the default
+      step pytest 150 "$PY" -m pytest -m gpu -n 8 -p xdist --dist worksteal -v -rfE -k "greedy or next_gemvs" \
+        tests/test_gemv_il.py tests/test_kernels_gpu.py tests/test_models_quantized.py tests/test_graph_decode.py
+      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
       ;;
     evict3)
       # both il32 kernels at 2 (session 56's default) against none: IQ3_S rounds, 4 columns

@@ -879,7 +879,7 @@ def evict_level(kernel: str) -> int:
 # NINFER_NEXT_PREFETCH=KB sets how many (0: none, the builds as without). "Next" is the GEMV launched after
 # this one the last time: a decode round's order is fixed, and the rounds run before a graph is captured
 # teach it.
-NEXT_PREFETCH_KB = 0
+NEXT_PREFETCH_KB = 8192
 _after: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # data_ptr -> (these words, the next GEMV's words)
 _latest: list[weakref.ref | None] = [None]
 

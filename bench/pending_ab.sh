@@ -112,11 +112,13 @@ NINFER_NEXT_PREFETCH=65536 --lanes 1,8
       ;;
     nextfine)
       # 4 / 8 MiB; at 8 MiB none from the GEMV that runs the GDN conv of 2-8 lanes (the recurrence's state
-      # traffic comes next)
+      # traffic comes next), or the recurrence's state evict-first (what was prefetched may stay)
       sweep fine_iq3_s iq3_s 200 NINFER_NEXT_PREFETCH=4096,NINFER_NEXT_PREFETCH=8192,\
-NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_CONV_LANES=1 --lanes 1,8
+NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_CONV_LANES=1,NINFER_NEXT_PREFETCH=8192+NINFER_GDN_STATE_EVICT=1 \
+        --lanes 1,8
       sweep fine_q4_k q4_k 200 NINFER_NEXT_PREFETCH=4096,NINFER_NEXT_PREFETCH=8192,\
-NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_CONV_LANES=1 --lanes 1,8
+NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_CONV_LANES=1,NINFER_NEXT_PREFETCH=8192+NINFER_GDN_STATE_EVICT=1 \
+        --lanes 1,8
       # the fixture models' greedy runs and the prefetch's own test under the default
       step pytest 150 "$PY" -m pytest -m gpu -n 8 -p xdist --dist worksteal -v -rfE -k "greedy or next_gemvs" \
         tests/test_gemv_il.py tests/test_kernels_gpu.py tests/test_models_quantized.py tests/test_graph_decode.py

@@ -541,8 +541,10 @@ def compile_for_sm90() -> list[str]:
             recurrence = {"y_ptr": "*fp32", "a_ptr": f"*{ty}", "b_ptr": f"*{ty}", "alog_ptr": "*fp32",
                           "dtb_ptr": "*fp32", "state_ptr": "*fp32", "slot_ptr": "*i64", "o_ptr": "*fp32",
                           "all_ptr": "*fp32", **ints("C", "Hv", "s_ab", "s_at", "s_ss", "s_sh")}
-            build(gdn_decode._recurrent_kernel, recurrence,  # the GDN decode recurrence at one lane's shape
-                  {"T": 1, "HK": 16, "DK": 128, "DV": 128, "BLOCK_V": 16, "STORE_ALL": False}, 1)
+            for evict in (0, 1):  # the GDN decode recurrence, its state evict-first in L2 or not
+                build(gdn_decode._recurrent_kernel, recurrence,
+                      {"T": 1, "HK": 16, "DK": 128, "DV": 128, "BLOCK_V": 16, "STORE_ALL": False,
+                       "EVICT": evict}, 1)
             conv = {"cw_ptr": "*fp32", "cs_ptr": "*fp32", "slot_ptr": "*i32", "co_ptr": "*fp32",
                     **ints("C", "s_cs")}
             gemv = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "y_ptr": f"*{ty}",

@@ -94,6 +94,24 @@ def test_multi_position_states_match_reference(state_dtype, B, T):
     assert torch.equal(out.states[:, -1], mine["state_slots"][slot_ids.long()])
 
 
+@needs_triton
+def test_the_state_read_evict_first_gives_the_same_bits(monkeypatch):
+    """NINFER_GDN_STATE_EVICT=1 (`gdn_decode.state_evict`): the recurrence's state read and written with an L2
+    hint, the same outputs and slots bit for bit."""
+    gen = torch.Generator().manual_seed(14)
+    layer = make_layer(gen, 2, 3, 1, 2, 16, 64, slots=5, state_dtype=torch.float32)
+    slot_ids = torch.tensor([4, 1], dtype=torch.int32)
+    runs = []
+    for hint in ("0", "1"):
+        monkeypatch.setenv("NINFER_GDN_STATE_EVICT", hint)
+        assert ninfer.kernels.gdn_decode.state_evict() == (hint == "1")
+        mine = cloned(layer)
+        runs.append((gdn_decode(**mine, slot_ids=slot_ids, num_key_heads=1, return_all_states=True), mine))
+    (plain, slots), (hinted, hinted_slots) = runs
+    assert torch.equal(plain.output, hinted.output) and torch.equal(plain.states, hinted.states)
+    assert torch.equal(slots["state_slots"], hinted_slots["state_slots"])
+
+
 def test_wrong_geometry_is_a_user_error():
     gen = torch.Generator().manual_seed(1)
     layer = make_layer(gen, 1, 1, 2, 4, 16, 16, slots=2)

@@ -21,6 +21,7 @@ Layouts: mixed_qkv `[B, T, C]` with C = q (Hk·Dk) | k (Hk·Dk) | v (Hv·Dv), va
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,18 @@ RECURRENT_BLOCK_V = 32
 RECURRENT_WARPS_ONE_LANE = 1
 RECURRENT_WARPS = 4
 CONV_BLOCK_C = 256
+# The recurrence's state read and written evict-first in L2: each lane's state (6.3 MB a layer of the 27B in
+# fp32) is touched once a round, the small kernels' vectors again each round (as the il32 weights' loads,
+# gemv_il.EVICT). Off: even on the H200 (session 57, graphed rounds on the lanes' own slots, both types at 1
+# and 8 lanes within 0.01 ms); NINFER_GDN_STATE_EVICT=0 / 1 for A/B.
+STATE_EVICT = False
+
+
+def state_evict() -> bool:
+    """Whether the recurrence reads and writes its state evict-first (`STATE_EVICT`,
+    NINFER_GDN_STATE_EVICT)."""
+    forced = os.environ.get("NINFER_GDN_STATE_EVICT", "")
+    return forced == "1" if forced in ("0", "1") else STATE_EVICT
 
 
 class GdnKernelError(NinferError):
@@ -251,12 +264,13 @@ def _recurrent_kernel(
     y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr, all_ptr,
     C, Hv, s_ab, s_at, s_ss, s_sh,
     T: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-    STORE_ALL: tl.constexpr, PDL: tl.constexpr = 0,
+    STORE_ALL: tl.constexpr, PDL: tl.constexpr = 0, EVICT: tl.constexpr = 0,
 ):
     """The state and the head's constants load before the programmatic-launch wait (the kernel ahead, the
     conv or the projection that ran it, writes neither; every kernel before that one has finished). The
     positions are unrolled, the next one's inputs loading while one is used, and a position's Sᵀk and Sᵀq
-    are one reduction of the decayed state: o = Sᵀq after the update is decay·Sᵀq + δ·(k·q)."""
+    are one reduction of the decayed state: o = Sᵀq after the update is decay·Sᵀq + δ·(k·q). EVICT: the
+    state read and written evict-first in L2 (`STATE_EVICT`)."""
     lane = tl.program_id(0)
     h = tl.program_id(1)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -264,7 +278,10 @@ def _recurrent_kernel(
     kh = h // (Hv // HK)
     slot = tl.load(slot_ptr + lane).to(tl.int64)
     sp = state_ptr + slot * s_ss + h * s_sh + offs_k[:, None] * DV + offs_v[None, :]
-    S = tl.load(sp).to(tl.float32)
+    if EVICT:
+        S = tl.load(sp, eviction_policy="evict_first").to(tl.float32)
+    else:
+        S = tl.load(sp).to(tl.float32)
     neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + h).to(tl.float32)
     pdl_start(PDL)
@@ -288,7 +305,10 @@ def _recurrent_kernel(
             tl.store(ap, S.to(all_ptr.dtype.element_ty))
         if t + 1 < T:
             q, k, v, av, bv = qn, kn, vn, an, bn
-    tl.store(sp, S.to(state_ptr.dtype.element_ty))
+    if EVICT:
+        tl.store(sp, S.to(state_ptr.dtype.element_ty), eviction_policy="evict_first")
+    else:
+        tl.store(sp, S.to(state_ptr.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -359,6 +379,6 @@ def gdn_decode(
         y, a, b, a_log, dt_bias, state_slots, slot_ids, out, states if states is not None else out,
         C, Hv, a.stride(0), a.stride(1), state_slots.stride(0), state_slots.stride(1), T=T,
         HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states, **pdl_options(y),
-        **warps,
+        EVICT=state_evict(), **warps,
     )
     return GdnDecodeResult(out, states, convs)

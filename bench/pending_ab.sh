@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 57 ran `suites`, `evict3` and evict2's settings on
-# an H200 (the defaults now: the dp4a il32 kernel at 2, q4il at 1); sessions 47-56's phases stay to rerun.
+# $OUT/<phase>/, the settings' table printed last). Session 58 ran `next` and `nextsize` on an H100 (the
+# prefetch of the next GEMV's weights, off until the H200's suites); session 57 ran `suites`, `evict3` and
+# evict2's settings on an H200; sessions 47-56's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
-#   bash bench/pending_ab.sh next      # each GEMV asks the next one's first weight bytes into L2 as its CTAs
-#                                      # finish (NINFER_NEXT_PREFETCH=KB): its GPU test; both types' rounds at
-#                                      # 1 and 8 lanes, IQ3_S's 4-column step, at 0 / 2 / 8 MiB (~6 min)
-#   bash bench/pending_ab.sh nextsize  # 8 MiB against 16, 32 and 64 (~5 min)
+#   NINFER_NEXT_PREFETCH=8192 bash bench/pending_ab.sh suites
+#                                      # (first, on an H200) the targets with the next GEMV's weights prefetched
+#   bash bench/pending_ab.sh nextfine  # 4 against 8 MiB; at 8 MiB none from the GEMV that runs the GDN conv of
+#                                      # 2-8 lanes, or the recurrence's state evict-first; the fixtures' greedy
+#                                      # runs with it (~6 min)
+#   bash bench/pending_ab.sh next      # (run in session 58, H100) each GEMV asks the next one's first weight
+#                                      # bytes into L2 as its CTAs finish (NINFER_NEXT_PREFETCH=KB): its GPU
+#                                      # test; both types' rounds at 1 and 8 lanes, IQ3_S's 4-column step, at
+#                                      # 0 / 2 / 8 MiB (~4 min)
+#   bash bench/pending_ab.sh nextsize  # (run in session 58, H100) 8 MiB against 16, 32 and 64 (~3 min)
 #   bash bench/pending_ab.sh evict3    # (run in session 57) both il32 kernels at 2 against none: IQ3_S rounds
 #                                      # at 1 and 8 lanes, the 4-column step (~2 min)
 #   bash bench/pending_ab.sh evict2    # (its settings run in session 57) every NVRTC GEMV's weight loads not
@@ -119,8 +126,8 @@ NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_CONV_LANES=1,NINFER_NEXT_PREFETCH
       sweep fine_q4_k q4_k 200 NINFER_NEXT_PREFETCH=4096,NINFER_NEXT_PREFETCH=8192,\
 NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_CONV_LANES=1,NINFER_NEXT_PREFETCH=8192+NINFER_GDN_STATE_EVICT=1 \
         --lanes 1,8
-      # the fixture models' greedy runs and the prefetch's own test under the default
-      step pytest 150 "$PY" -m pytest -m gpu -n 8 -p xdist --dist worksteal -v -rfE -k "greedy or next_gemvs" \
+      # the fixture models' greedy runs with it, and its own test
+      NINFER_NEXT_PREFETCH=8192 step pytest 150 "$PY" -m pytest -m gpu -n 8 -p xdist --dist worksteal -v -rfE -k "greedy or next_gemvs" \
         tests/test_gemv_il.py tests/test_kernels_gpu.py tests/test_models_quantized.py tests/test_graph_decode.py
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
       ;;

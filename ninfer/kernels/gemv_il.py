@@ -878,8 +878,10 @@ def evict_level(kernel: str) -> int:
 # then find L2 instead of HBM, whose bandwidth lies idle in a GEMV's tail and the small kernels after it.
 # NINFER_NEXT_PREFETCH=KB sets how many (0: none, the builds as without). "Next" is the GEMV launched after
 # this one the last time: a decode round's order is fixed, and the rounds run before a graph is captured
-# teach it.
-NEXT_PREFETCH_KB = 8192
+# teach it. On an H100 (gpu-notes "Session 58"), 8192 KB took the graphed rounds -3.0 % (IQ3_S) / -3.5 %
+# (Q4_K) at one lane, -2.6 / -2.0 % at eight, -2.0 % at four columns (2, 16, 32, 64 MB less or slower); off
+# until the H200's suites: its C = 8 / C = 1 margins (0.5 / 0.9 %) are below what those rounds take from it.
+NEXT_PREFETCH_KB = 0
 _after: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # data_ptr -> (these words, the next GEMV's words)
 _latest: list[weakref.ref | None] = [None]
 

@@ -8,8 +8,8 @@
 #   NINFER_NEXT_PREFETCH=8192 bash bench/pending_ab.sh suites
 #                                      # (first, on an H200) the targets with the next GEMV's weights prefetched
 #   bash bench/pending_ab.sh nextfine  # 4 against 8 MiB; at 8 MiB none from the GEMV that runs the GDN conv of
-#                                      # 2-8 lanes, or the recurrence's state evict-first; the fixtures' greedy
-#                                      # runs with it (~6 min)
+#                                      # 2-8 lanes, the recurrence's state evict-first, or spread over the next
+#                                      # launch's first tiles; the fixtures' greedy runs with it (~7 min)
 #   bash bench/pending_ab.sh next      # (run in session 58, H100) each GEMV asks the next one's first weight
 #                                      # bytes into L2 as its CTAs finish (NINFER_NEXT_PREFETCH=KB): its GPU
 #                                      # test; both types' rounds at 1 and 8 lanes, IQ3_S's 4-column step, at
@@ -119,13 +119,14 @@ NINFER_NEXT_PREFETCH=65536 --lanes 1,8
       ;;
     nextfine)
       # 4 / 8 MiB; at 8 MiB none from the GEMV that runs the GDN conv of 2-8 lanes (the recurrence's state
-      # traffic comes next), or the recurrence's state evict-first (what was prefetched may stay)
+      # traffic comes next), the recurrence's state evict-first (what was prefetched may stay), or the 8 MiB
+      # spread over the starts of the tiles the next launch starts on
       sweep fine_iq3_s iq3_s 200 NINFER_NEXT_PREFETCH=4096,NINFER_NEXT_PREFETCH=8192,\
-NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_CONV_LANES=1,NINFER_NEXT_PREFETCH=8192+NINFER_GDN_STATE_EVICT=1 \
-        --lanes 1,8
+NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_CONV_LANES=1,NINFER_NEXT_PREFETCH=8192+NINFER_GDN_STATE_EVICT=1,\
+NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_SPREAD=1 --lanes 1,8
       sweep fine_q4_k q4_k 200 NINFER_NEXT_PREFETCH=4096,NINFER_NEXT_PREFETCH=8192,\
-NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_CONV_LANES=1,NINFER_NEXT_PREFETCH=8192+NINFER_GDN_STATE_EVICT=1 \
-        --lanes 1,8
+NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_CONV_LANES=1,NINFER_NEXT_PREFETCH=8192+NINFER_GDN_STATE_EVICT=1,\
+NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_SPREAD=1 --lanes 1,8
       # the fixture models' greedy runs with it, and its own test
       NINFER_NEXT_PREFETCH=8192 step pytest 150 "$PY" -m pytest -m gpu -n 8 -p xdist --dist worksteal -v -rfE -k "greedy or next_gemvs" \
         tests/test_gemv_il.py tests/test_kernels_gpu.py tests/test_models_quantized.py tests/test_graph_decode.py

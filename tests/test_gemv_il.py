@@ -623,20 +623,33 @@ def test_lane_conv_takes_one_token_a_lane_up_to_its_column_limit(monkeypatch):
 
 def test_the_next_gemv_is_the_one_launched_after_it_last_time(monkeypatch):
     """`next_prefetch`: each call notes its words as the next of the previous call's (a new order replaces the
-    old), and with NINFER_NEXT_PREFETCH=KB returns its own next words and min(KB KiB, their bytes) rounded
-    down to 16; none while off (the order still learned), for the first call, or once the next words are
-    gone."""
+    old), and with NINFER_NEXT_PREFETCH=KB returns its own next words with runs of 16-byte multiples over
+    their first min(KB KiB, bytes): one a CTA, or (NINFER_NEXT_PREFETCH_SPREAD=1) a share at the start of
+    each tile the next launch starts on; none while off (the order still learned), for the first call, or
+    once the next words are gone."""
     monkeypatch.setattr(gemv_il, "_after", {})
     monkeypatch.setattr(gemv_il, "_latest", [None])
+    monkeypatch.setattr(gemv_il, "_first", {})
+    monkeypatch.delenv("NINFER_NEXT_PREFETCH_SPREAD", raising=False)
     a, b, c = torch.zeros(1000, dtype=torch.int32), torch.zeros(30, dtype=torch.uint8), torch.zeros(8000)
+    geometry = {id(a): (3, 1, 1), id(b): (2, 1, 1), id(c): (4, 4, 2)}  # CTAs, tiles, tiles started on
+    call = lambda w: gemv_il.next_prefetch(w, *geometry[id(w)])  # noqa: E731
     monkeypatch.setenv("NINFER_NEXT_PREFETCH", "0")
-    assert [gemv_il.next_prefetch(w) for w in (a, b, c)] == [[], [], []]
+    assert [call(w) for w in (a, b, c)] == [[], [], []]
     monkeypatch.setenv("NINFER_NEXT_PREFETCH", "2")
-    got = [gemv_il.next_prefetch(w) for w in (a, b, c, a)]
-    assert got[0][0] is b and got[0][1] == 16  # 30 bytes, to a 16-byte multiple
-    assert got[1][0] is c and got[1][1] == 2048
-    assert got[2][0] is a and got[2][1] == 2048 and got[3][0] is b
-    gemv_il.next_prefetch(c)  # a -> c now
-    assert gemv_il.next_prefetch(a)[0] is c
+    got = [call(w) for w in (a, b, c, a)]
+    # [next words, cut at, stride, run, runs]: 30 bytes -> 16, one run; 2048 bytes on 2 / 4 / 3 CTAs
+    assert got[0][0] is b and got[0][1:] == [16, 16, 16, 1]
+    assert got[1][0] is c and got[1][1:] == [2048, 1024, 1024, 2]
+    assert got[2][0] is a and got[2][1:] == [2048, 512, 512, 4] and got[3][0] is b
+    assert got[3][1:] == [16, 16, 16, 1]
+    monkeypatch.setenv("NINFER_NEXT_PREFETCH_SPREAD", "1")
+    # c's 32,000 bytes are 4 tiles of 8,000, its launch starts on 2: 1,024 bytes at the start of each
+    assert call(b)[1:] == [32000, 8000, 1024, 2]
+    call(c)
+    assert call(a)[1:] == [16, 16, 16, 1]  # b: one tile of 16 bytes
+    monkeypatch.delenv("NINFER_NEXT_PREFETCH_SPREAD")
+    call(c)  # a -> c now
+    assert call(a)[0] is c
     del c, got
-    assert gemv_il.next_prefetch(a) == []  # (a again: nothing noted) its next is gone
+    assert call(a) == []  # (a again: nothing noted) its next is gone

@@ -389,12 +389,15 @@ def test_gemv_q4il_takes_clusters_where_they_pay(launches_on_the_cpu, monkeypatc
 
 
 
+@pytest.mark.parametrize("spread", ["0", "1"])
 @pytest.mark.parametrize("columns", [1, 4])
-def test_the_next_gemvs_weights_asked_into_l2(launches_on_the_cpu, monkeypatch, columns):
+def test_the_next_gemvs_weights_asked_into_l2(launches_on_the_cpu, monkeypatch, columns, spread):
     """NINFER_NEXT_PREFETCH=KB: a round of GEMVs (il32 — the dp4a kernel at one column, the tensor-core one
     at four — then q4il, then the q6il head) run twice; from the second on, each launches its NEXT build with
-    the words of the GEMV launched after it last time and a 16-byte multiple of their first bytes as its last
-    arguments (the emulated prefetch does nothing): the same bits as with it off."""
+    the words of the GEMV launched after it last time and runs over their first bytes as its last arguments:
+    the CTAs' prefetches (emulated: counted, each a 16-byte multiple) cover those runs, as one prefix or
+    (NINFER_NEXT_PREFETCH_SPREAD=1) at the start of each tile the next launch starts on; the same bits as
+    with it off."""
     n, k = 72, 1536
     raws = [random_gguf_weight(fmt, n, k) for fmt in ("iq3_s", "q4_k", "q6_k")]
     words = [gemv_il.repack_il32(raws[0]), gemv_q4il.repack_q4il(raws[1]), gemv_q6il.repack_q6il(raws[2])]
@@ -406,6 +409,8 @@ def test_the_next_gemvs_weights_asked_into_l2(launches_on_the_cpu, monkeypatch, 
             kernel((ctas,), (threads,), args, smem), launched.append((args, kernel.prefetched))))
     monkeypatch.setattr(gemv_il, "_after", {})
     monkeypatch.setattr(gemv_il, "_latest", [None])
+    monkeypatch.setattr(gemv_il, "_first", {})
+    monkeypatch.setenv("NINFER_NEXT_PREFETCH_SPREAD", spread)
     xa = activation(columns, k, 256)
     monkeypatch.setenv("NINFER_NEXT_PREFETCH", "0")
     plain = [call(w, xa, n) for call, w in zip(calls, words, strict=True)]
@@ -416,11 +421,19 @@ def test_the_next_gemvs_weights_asked_into_l2(launches_on_the_cpu, monkeypatch, 
             assert torch.equal(call(w, xa, n), want)
     # (with it off the round was learned all the same: each call took its next)
     assert len(launched) == 6
+    tiles = -(-n // 32)
     for (a, prefetched), w in zip(launched, [words[1], words[2], words[0]] * 2, strict=True):
-        assert a[-2] is w and a[-1] == min(8 * 1024, w.numel() * w.element_size()) & ~15
-        assert prefetched == a[-1]  # the CTAs' shares, each a 16-byte multiple, add up to it
+        nxt, cut, stride, run, runs = a[-5:]
+        size = min(8 * 1024, w.numel() * w.element_size())
+        assert nxt is w
+        if spread == "1":  # a share at the start of each tile the next launch starts on (2 or 3 here)
+            assert cut == w.numel() * w.element_size() and stride == cut // tiles and runs in (2, 3)
+            assert run == (-(-size // runs) + 15) & ~15
+        else:  # the prefix, one run a CTA
+            assert cut == size and stride == run and runs == -(-size // run)
+        assert prefetched == sum(min(run, cut - r * stride) for r in range(runs))
     with_next = len(launched[0][0])
     monkeypatch.setenv("NINFER_NEXT_PREFETCH", "0")
     launched.clear()
     assert torch.equal(calls[0](words[0], xa, n), plain[0])
-    assert len(launched[0][0]) == with_next - 2 and launched[0][1] == 0
+    assert len(launched[0][0]) == with_next - 5 and launched[0][1] == 0

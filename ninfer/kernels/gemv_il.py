@@ -190,23 +190,25 @@ __device__ __forceinline__ unsigned ldw(const unsigned* p) {
 #endif
 }
 // the next GEMV's first weight bytes asked into L2 as this one's CTAs finish their last tile (NEXT 1, the
-// arguments `next_prefetch` gives): CTA b one bulk prefetch of a 16-byte multiple share (sm_90; before that
-// nothing)
+// arguments `next_prefetch` gives): runs of `next_run` bytes `next_stride` apart, cut at `next_bytes`; CTA b
+// asks for runs b, b + gridDim.x, ..., one bulk prefetch each (16-byte multiples; sm_90, before that nothing)
 #ifndef NEXT
 #define NEXT 0
 #endif
 #if NEXT
-#define NEXT_PARAMS , const char* __restrict__ next_w, unsigned next_bytes
+#define NEXT_PARAMS , const char* __restrict__ next_w, unsigned next_bytes, unsigned next_stride, \
+                    unsigned next_run, unsigned next_runs
 __device__ __forceinline__ void prefetch_l2(const char* p, unsigned bytes) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 #endif
 }
 #define NEXT_PREFETCH(last)                                                                               \
-    if ((last) && threadIdx.x == 0) {                                                                     \
-        const unsigned share_ = (next_bytes / gridDim.x + 15u) & ~15u, at_ = blockIdx.x * share_;         \
-        if (at_ < next_bytes) prefetch_l2(next_w + at_, min(share_, next_bytes - at_));                   \
-    }
+    if ((last) && threadIdx.x == 0)                                                                       \
+        for (unsigned r_ = blockIdx.x; r_ < next_runs; r_ += gridDim.x) {                                 \
+            const unsigned at_ = r_ * next_stride;                                                        \
+            if (at_ < next_bytes) prefetch_l2(next_w + at_, min(next_run, next_bytes - at_));             \
+        }
 #else
 #define NEXT_PARAMS
 #define NEXT_PREFETCH(last)
@@ -886,16 +888,22 @@ _after: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # data_ptr -> (these wo
 _latest: list[weakref.ref | None] = [None]
 
 
-def next_prefetch(words: torch.Tensor, conv_lanes: int = 0) -> list:
-    """The GEMV of `words` is about to launch: note it as the next of the one launched before it, and return
-    its kernel's last arguments (the next GEMV's words, how many of their first bytes to prefetch; a 16-byte
-    multiple), or none where prefetching is off, the GPU older than sm_90, or no next GEMV known.
-    `conv_lanes`: the lanes of the GDN conv the GEMV runs in its epilogue (the recurrence runs next); above
-    NINFER_NEXT_PREFETCH_CONV_LANES none either (an A/B)."""
+_first: dict[int, tuple[int, int]] = {}  # data_ptr -> (tiles, tiles its launch's first round starts on)
+
+
+def next_prefetch(words: torch.Tensor, ctas: int, tiles: int, first_tiles: int, conv_lanes: int = 0) -> list:
+    """The GEMV of `words` (`tiles` tiles stored one after another; its `ctas` CTAs start on `first_tiles` of
+    them) is about to launch: note it as the next of the one launched before it, and return its kernel's last
+    arguments — the next GEMV's words, the bytes to cut at, and runs (stride, bytes, count) of 16-byte
+    multiples: the next words' first KB as one run a CTA, or with NINFER_NEXT_PREFETCH_SPREAD=1 a share at the
+    start of each tile the next launch starts on — or none where prefetching is off, the GPU older than
+    sm_90, or no next GEMV known. `conv_lanes`: the lanes of the GDN conv the GEMV runs in its epilogue (the
+    recurrence runs next); above NINFER_NEXT_PREFETCH_CONV_LANES none either (an A/B)."""
     before = _latest[0]() if _latest[0] is not None else None
     if before is not None and before.data_ptr() != words.data_ptr():
         _after[before.data_ptr()] = (weakref.ref(before), weakref.ref(words))
     _latest[0] = weakref.ref(words)
+    _first[words.data_ptr()] = (tiles, first_tiles)
     kb = int(os.environ.get("NINFER_NEXT_PREFETCH", NEXT_PREFETCH_KB))
     if conv_lanes > int(os.environ.get("NINFER_NEXT_PREFETCH_CONV_LANES", MAX_COLUMNS)):
         return []
@@ -905,12 +913,20 @@ def next_prefetch(words: torch.Tensor, conv_lanes: int = 0) -> list:
     following = following() if these is not None and these() is not None else None
     if following is None or following.device != words.device:
         return []
-    size = min(kb * 1024, following.numel() * following.element_size()) & ~15
-    return [following, size] if size else []
+    total = following.numel() * following.element_size() & ~15
+    size = min(kb * 1024, total)
+    if size < 16:
+        return []
+    their_tiles, their_first = _first.get(following.data_ptr(), (0, 0))
+    stride = total // their_tiles if their_tiles else 0
+    if os.environ.get("NINFER_NEXT_PREFETCH_SPREAD") == "1" and stride and stride % 16 == 0:
+        return [following, total, stride, min(stride, (-(-size // their_first) + 15) & ~15), their_first]
+    run = (-(-size // ctas) + 15) & ~15
+    return [following, size, run, run, -(-size // run)]
 
 
 def with_prefetch(source: str, prefetch: bool) -> str:
-    """A GEMV's CUDA source as the NEXT build (`next_prefetch`'s two arguments last) or as it is."""
+    """A GEMV's CUDA source as the NEXT build (`next_prefetch`'s arguments last) or as it is."""
     return "#define NEXT 1\n" + source if prefetch else source
 
 
@@ -1023,6 +1039,7 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
                                "layout (NINFER_IQ3S_IL=0)")
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     args = [words, xa.words, xa.d, _tables(words.device)[1], y, out_features, k, y.stride(0)]
+    pieces = 1
     if s.kernel == "il_mma":
         work = (split_workspace(words.device, s.splits * n * tiles * 32, tiles, slots=True)
                 if s.splits > 1 else None)
@@ -1030,8 +1047,9 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
             args += [1, y, y]
         else:
             args += [s.splits, *work]
+            pieces = s.splits
             ctas = min(tiles * s.splits, _launch_shape(words.device, s, n, k))
-    following = next_prefetch(words, n if conv is not None else 0)
+    following = next_prefetch(words, ctas, tiles, -(-ctas // pieces), n if conv is not None else 0)
     args += [ring, *conv_arguments(conv), *following]
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
     # one build for every split count

@@ -469,10 +469,11 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
         staged = cluster == 1 and q4il_staged(n)
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
-    following = next_prefetch(words, n if conv is not None else 0)
+    ctas = cluster * min(tiles, shape[1] * sms // cluster)
+    following = next_prefetch(words, ctas, tiles, ctas // cluster, n if conv is not None else 0)
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged, cluster,
                        evict=evict_level("q4il"), prefetch=bool(following))
-    _launch(kernel, cluster * min(tiles, shape[1] * sms // cluster), 32 * shape[0],
+    _launch(kernel, ctas, 32 * shape[0],
             smem_bytes(k, shape[0], staged, cluster),
             [words, xa.words, xa.d, y, out_features, k, y.stride(0), *conv_arguments(conv), *following], pdl)
     return y

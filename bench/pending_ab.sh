@@ -128,8 +128,8 @@ NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_SPREAD=1 --lanes 1,8
 NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_CONV_LANES=1,NINFER_NEXT_PREFETCH=8192+NINFER_GDN_STATE_EVICT=1,\
 NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_SPREAD=1 --lanes 1,8
       # the fixture models' greedy runs with it, and its own test
-      NINFER_NEXT_PREFETCH=8192 step pytest 150 "$PY" -m pytest -m gpu -n 8 -p xdist --dist worksteal -v -rfE -k "greedy or next_gemvs" \
-        tests/test_gemv_il.py tests/test_kernels_gpu.py tests/test_models_quantized.py tests/test_graph_decode.py
+      NINFER_NEXT_PREFETCH=8192 step pytest 150 "$PY" -m pytest -m gpu -n 8 -p xdist --dist worksteal -v -rfE \
+        -k "greedy or next_gemvs" tests/test_gemv_il.py tests/test_kernels_gpu.py tests/test_models_quantized.py tests/test_graph_decode.py
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
       ;;
     evict3)

@@ -523,8 +523,9 @@ def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, lanes, monkeypatch):
 @pytest.mark.parametrize("columns", [1, 2, 4, 8])
 def test_the_next_gemvs_weights_asked_into_l2_on_gpu(columns, monkeypatch):
     """NINFER_NEXT_PREFETCH=KB (`next_prefetch`): a round of an il32, a q4il and a q6il GEMV, each prefetching
-    the next one's first bytes (a few KiB, or more than the whole tensor: all of it) as its CTAs finish —
-    eager and captured in a CUDA graph, the same bits as without."""
+    the next one's first bytes (a few KiB, or more than the whole tensor: all of it; as one prefix or spread
+    over the next launch's first tiles) as its CTAs finish — eager and captured in a CUDA graph, the same
+    bits as without."""
     from ninfer.kernels import gemv_il as gemv_il_module
     from ninfer.kernels import gemv_q4il, gemv_q6il
     from ninfer.kernels.gemv_q8 import quantize_activation
@@ -539,8 +540,9 @@ def test_the_next_gemvs_weights_asked_into_l2_on_gpu(columns, monkeypatch):
     xa = quantize_activation(torch.randn(columns, k, device="cuda", dtype=torch.bfloat16), group=256)
     monkeypatch.setenv("NINFER_NEXT_PREFETCH", "0")
     want = [call(w, xa) for call, w in zip(calls, words, strict=True)]
-    for kb in ("4", "1048576"):
+    for kb, spread in (("4", "0"), ("1048576", "0"), ("8192", "1")):
         monkeypatch.setenv("NINFER_NEXT_PREFETCH", kb)
+        monkeypatch.setenv("NINFER_NEXT_PREFETCH_SPREAD", spread)
         for _ in range(2):
             assert all(torch.equal(call(w, xa), y) for call, w, y in zip(calls, words, want, strict=True)), kb
         graph = torch.cuda.CUDAGraph()

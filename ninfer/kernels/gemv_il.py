@@ -875,8 +875,8 @@ def evict_level(kernel: str) -> int:
     return int(levels.get(kernel, 0))
 
 
-# The next GEMV's first weight bytes asked into L2 by this one's CTAs as each finishes its last tile (one
-# `cp.async.bulk.prefetch.L2` a CTA, sm_90): the next kernel's first loads after its programmatic-launch wait
+# The next GEMV's first weight bytes asked into L2 by this one's CTAs as each finishes its last tile (a
+# `cp.async.bulk.prefetch.L2` a run, sm_90): the next kernel's first loads after its programmatic-launch wait
 # then find L2 instead of HBM, whose bandwidth lies idle in a GEMV's tail and the small kernels after it.
 # NINFER_NEXT_PREFETCH=KB sets how many (0: none, the builds as without). "Next" is the GEMV launched after
 # this one the last time: a decode round's order is fixed, and the rounds run before a graph is captured
@@ -886,8 +886,6 @@ def evict_level(kernel: str) -> int:
 NEXT_PREFETCH_KB = 0
 _after: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # data_ptr -> (these words, the next GEMV's words)
 _latest: list[weakref.ref | None] = [None]
-
-
 _first: dict[int, tuple[int, int]] = {}  # data_ptr -> (tiles, tiles its launch's first round starts on)
 
 

@@ -5,8 +5,9 @@
 # evict2's settings on an H200; sessions 47-56's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
-#   NINFER_NEXT_PREFETCH=8192 bash bench/pending_ab.sh suites
-#                                      # (first, on an H200) the targets with the next GEMV's weights prefetched
+#   NINFER_NEXT_PREFETCH=8192 bash bench/pending_ab.sh suites nextfine
+#                                      # (first, on an H200, ~9 min) the targets with the next GEMV's weights
+#                                      # prefetched, then nextfine (its settings set the variable themselves)
 #   bash bench/pending_ab.sh nextfine  # 4 against 8 MiB; at 8 MiB none from the GEMV that runs the GDN conv of
 #                                      # 2-8 lanes, the recurrence's state evict-first, or spread over the next
 #                                      # launch's first tiles; the fixtures' greedy runs with it (~7 min)

@@ -894,18 +894,18 @@ def next_prefetch(words: torch.Tensor, ctas: int, tiles: int, first_tiles: int, 
     them) is about to launch: note it as the next of the one launched before it, and return its kernel's last
     arguments — the next GEMV's words, the bytes to cut at, and runs (stride, bytes, count) of 16-byte
     multiples: the next words' first KB as one run a CTA, or with NINFER_NEXT_PREFETCH_SPREAD=1 a share at the
-    start of each tile the next launch starts on — or none where prefetching is off, the GPU older than
-    sm_90, or no next GEMV known. `conv_lanes`: the lanes of the GDN conv the GEMV runs in its epilogue (the
-    recurrence runs next); above NINFER_NEXT_PREFETCH_CONV_LANES none either (an A/B)."""
+    start of each tile the next launch starts on — or none where prefetching is off (nothing noted then),
+    the GPU older than sm_90, or no next GEMV known. `conv_lanes`: the lanes of the GDN conv the GEMV runs
+    in its epilogue (the recurrence runs next); above NINFER_NEXT_PREFETCH_CONV_LANES none either (an A/B)."""
+    kb = int(os.environ.get("NINFER_NEXT_PREFETCH", NEXT_PREFETCH_KB))
+    if kb <= 0 or (words.is_cuda and torch.cuda.get_device_capability(words.device)[0] < 9):
+        return []  # (nothing learned either: the rounds before a capture teach it once it is on)
     before = _latest[0]() if _latest[0] is not None else None
     if before is not None and before.data_ptr() != words.data_ptr():
         _after[before.data_ptr()] = (weakref.ref(before), weakref.ref(words))
     _latest[0] = weakref.ref(words)
     _first[words.data_ptr()] = (tiles, first_tiles)
-    kb = int(os.environ.get("NINFER_NEXT_PREFETCH", NEXT_PREFETCH_KB))
     if conv_lanes > int(os.environ.get("NINFER_NEXT_PREFETCH_CONV_LANES", MAX_COLUMNS)):
-        return []
-    if kb <= 0 or (words.is_cuda and torch.cuda.get_device_capability(words.device)[0] < 9):
         return []
     these, following = _after.get(words.data_ptr(), (None, None))
     following = following() if these is not None and these() is not None else None

@@ -918,9 +918,14 @@ def next_prefetch(words: torch.Tensor, ctas: int, tiles: int, first_tiles: int, 
     their_tiles, their_first = _first.get(following.data_ptr(), (0, 0))
     stride = total // their_tiles if their_tiles else 0
     if os.environ.get("NINFER_NEXT_PREFETCH_SPREAD") == "1" and stride and stride % 16 == 0:
-        return [following, total, stride, min(stride, (-(-size // their_first) + 15) & ~15), their_first]
-    run = (-(-size // ctas) + 15) & ~15
+        return [following, total, stride, min(stride, _share16(size, their_first)), their_first]
+    run = _share16(size, ctas)
     return [following, size, run, run, -(-size // run)]
+
+
+def _share16(size: int, parts: int) -> int:
+    """One of `parts` shares of `size` bytes, rounded up to a 16-byte multiple (a bulk prefetch's unit)."""
+    return (-(-size // parts) + 15) & ~15
 
 
 def with_prefetch(source: str, prefetch: bool) -> str:

@@ -8,6 +8,9 @@
 #   NINFER_NEXT_PREFETCH=8192 bash bench/pending_ab.sh suites nextfine
 #                                      # (first, on an H200, ~9 min) the targets with the next GEMV's weights
 #                                      # prefetched, then nextfine (its settings set the variable themselves)
+#   bash bench/pending_ab.sh nextkernels  # the suites with it off, on for every NVRTC GEMV, and on for all but
+#                                      # the tensor-core il32 kernel (IQ3_S; Q4_K off / on), then IQ3_S's
+#                                      # 4-column step and 1-8 lanes as graphed rounds under the three (~5 min)
 #   bash bench/pending_ab.sh nextfine  # 4 against 8 MiB; at 8 MiB none from the GEMV that runs the GDN conv of
 #                                      # 2-8 lanes, the recurrence's state evict-first, or spread over the next
 #                                      # launch's first tiles; the fixtures' greedy runs with it (~7 min)
@@ -49,7 +52,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="next, nextsize, nextfine, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -132,6 +135,21 @@ NINFER_NEXT_PREFETCH=8192+NINFER_NEXT_PREFETCH_SPREAD=1 --lanes 1,8
       NINFER_NEXT_PREFETCH=8192 step pytest 150 "$PY" -m pytest -m gpu -n 8 -p xdist --dist worksteal -v -rfE \
         -k "greedy or next_gemvs" tests/test_gemv_il.py tests/test_kernels_gpu.py tests/test_models_quantized.py tests/test_graph_decode.py
       grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
+      ;;
+    nextkernels)
+      # session 59 (H100 suites): on everywhere, IQ3_S's 4-column step +3 % and C = 4 -2.2 % (the tensor-core
+      # il32 kernel at 4 columns) where everything else gains; the same without that kernel's prefetch
+      for setting in 0 8192 il=8192:q4il=8192:q6il=8192; do
+        for wtype in iq3_s q4_k; do
+          [ "$wtype" = q4_k ] && [ "${setting#il=}" != "$setting" ] && continue  # (Q4_K: no il32 GEMV)
+          NINFER_NEXT_PREFETCH=$setting WTYPES=$wtype SUITE_TIMEOUT_S=150 OUT=$OUT/suite_${setting//[=:]/_} \
+            bash bench/gpu_bench.sh 2>&1 | grep -E "^== |tg128 \(|4-column|decode C=|C=8 / C=1"
+        done
+      done
+      sweep kernels_c4 iq3_s 120 NINFER_NEXT_PREFETCH=0,NINFER_NEXT_PREFETCH=8192,\
+NINFER_NEXT_PREFETCH=il=8192:q4il=8192:q6il=8192 --columns 4
+      sweep kernels_lanes iq3_s 200 NINFER_NEXT_PREFETCH=0,NINFER_NEXT_PREFETCH=8192,\
+NINFER_NEXT_PREFETCH=il=8192:q4il=8192:q6il=8192 --lanes 1,2,4,8
       ;;
     evict3)
       # both il32 kernels at 2 (session 56's default) against none: IQ3_S rounds, 4 columns

@@ -628,14 +628,16 @@ def test_the_next_gemv_is_the_one_launched_after_it_last_time(monkeypatch):
     old), and with NINFER_NEXT_PREFETCH=KB returns its own next words with runs of 16-byte multiples over
     their first min(KB KiB, bytes): one a CTA, or (NINFER_NEXT_PREFETCH_SPREAD=1) a share at the start of
     each tile the next launch starts on; none while off (nothing learned), through the first round, or
-    once the next words are gone."""
+    once the next words are gone; NINFER_NEXT_PREFETCH=kernel=KB pairs: runs for those kernels alone, the
+    order learned from every kernel's calls."""
     monkeypatch.setattr(gemv_il, "_after", {})
     monkeypatch.setattr(gemv_il, "_latest", [None])
     monkeypatch.setattr(gemv_il, "_first", {})
     monkeypatch.delenv("NINFER_NEXT_PREFETCH_SPREAD", raising=False)
     a, b, c = torch.zeros(1000, dtype=torch.int32), torch.zeros(30, dtype=torch.uint8), torch.zeros(8000)
     geometry = {id(a): (3, 1, 1), id(b): (2, 1, 1), id(c): (4, 4, 2)}  # CTAs, tiles, tiles started on
-    call = lambda w: gemv_il.next_prefetch(w, *geometry[id(w)])  # noqa: E731
+    kernel = {id(a): "il", id(b): "il_mma", id(c): "q4il"}
+    call = lambda w: gemv_il.next_prefetch(kernel[id(w)], w, *geometry[id(w)])  # noqa: E731
     monkeypatch.setenv("NINFER_NEXT_PREFETCH", "0")
     assert [call(w) for w in (a, b, c)] == [[], [], []]
     monkeypatch.setenv("NINFER_NEXT_PREFETCH", "2")
@@ -651,7 +653,17 @@ def test_the_next_gemv_is_the_one_launched_after_it_last_time(monkeypatch):
     call(c)
     assert call(a)[1:] == [16, 16, 16, 1]  # b: one tile of 16 bytes
     monkeypatch.delenv("NINFER_NEXT_PREFETCH_SPREAD")
-    call(c)  # a -> c now
+    monkeypatch.setenv("NINFER_NEXT_PREFETCH", "q4il=2:il=1")
+    got = [call(w) for w in (a, b, c)]
+    assert got[0][0] is b and got[1] == [] and got[2][0] is a and got[2][1:] == [2048, 512, 512, 4]
+    monkeypatch.setenv("NINFER_NEXT_PREFETCH", "il_mma=2")  # b's next (c) learned while b's own was off
+    assert call(b)[0] is c
+    for wrong in ("q4il", "q4il=-1", "mma=2", "il=2:q4il"):
+        monkeypatch.setenv("NINFER_NEXT_PREFETCH", wrong)
+        with pytest.raises(gemv_il.QuantKernelError, match="NINFER_NEXT_PREFETCH"):
+            call(a)
+    monkeypatch.setenv("NINFER_NEXT_PREFETCH", "2")
+    call(a), call(c)  # a -> c now
     assert call(a)[0] is c
     del c, got
     assert call(a) == []  # (a again: nothing noted) its next is gone

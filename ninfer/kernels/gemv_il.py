@@ -851,6 +851,30 @@ def _smem_sm(device: torch.device) -> int:
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", 228 * 1024)
 
 
+KERNELS = ("il", "il_mma", "q4il", "q6il")  # the NVRTC GEMVs, as their settings name them
+
+
+def _by_kernel(variable: str, defaults: dict[str, int], what: str, example: str,
+               allowed: set[int] | None = None) -> dict[str, int]:
+    """A setting of each NVRTC GEMV from environment `variable`: one value for every kernel, kernel=value
+    pairs joined by ':' for some (the others 0), or `defaults` where it is unset. `allowed`: the values it
+    may take (None: any integer ≥ 0)."""
+    forced = os.environ.get(variable, "")
+    if not forced:
+        return defaults
+    pairs = ([item.split("=", 1) for item in forced.split(":")] if "=" in forced
+             else [[kernel, forced] for kernel in KERNELS])
+    try:
+        values = {kernel: int(value) for kernel, value in pairs}
+    except ValueError:
+        values = {}
+    if (len(values) != len(pairs) or not set(values) <= set(KERNELS)
+            or any(v < 0 or (allowed is not None and v not in allowed) for v in values.values())):
+        raise QuantKernelError(f"{variable}={forced}: {what} for every kernel, or kernel=value pairs joined "
+                               f"by ':' ({example}; the kernels: {', '.join(KERNELS)})")
+    return values
+
+
 # The weight loads' cache hints by kernel (`EVICT` in the CUDA C of the il32, q4il and q6il GEMVs): 1 not
 # allocated in L1, 2 also evict-first in L2 (a weight byte is read once a round, the small kernels' vectors
 # and norm weights again each round); 0 plain loads, as for a kernel not named. NINFER_EVICT=N sets every
@@ -865,47 +889,46 @@ EVICT: dict[str, int] = {"il": 2, "q4il": 1}
 def evict_level(kernel: str) -> int:
     """The cache hints of NVRTC GEMV `kernel`'s weight loads (il, il_mma, q4il, q6il): `EVICT`,
     NINFER_EVICT."""
-    forced = os.environ.get("NINFER_EVICT", "")
-    if forced in ("0", "1", "2"):
-        return int(forced)
-    levels = dict(item.split("=", 1) for item in forced.split(":") if "=" in item) if forced else EVICT
-    if forced and (len(levels) != forced.count(":") + 1 or not set(levels.values()) <= {"0", "1", "2"}):
-        raise QuantKernelError(f"NINFER_EVICT={forced}: a level 0, 1 or 2 for every kernel, or kernel=level "
-                               "pairs joined by ':' (il=2:q6il=1)")
-    return int(levels.get(kernel, 0))
+    levels = _by_kernel("NINFER_EVICT", EVICT, "a level 0, 1 or 2", "il=2:q6il=1", {0, 1, 2})
+    return levels.get(kernel, 0)
 
 
 # The next GEMV's first weight bytes asked into L2 by this one's CTAs as each finishes its last tile (a
 # `cp.async.bulk.prefetch.L2` a run, sm_90): the next kernel's first loads after its programmatic-launch wait
 # then find L2 instead of HBM, whose bandwidth lies idle in a GEMV's tail and the small kernels after it.
-# NINFER_NEXT_PREFETCH=KB sets how many (0: none, the builds as without). "Next" is the GEMV launched after
-# this one the last time: a decode round's order is fixed, and the rounds run before a graph is captured
-# teach it. On an H100 (gpu-notes "Session 58"), 8192 KB took the graphed rounds -3.0 % (IQ3_S) / -3.5 %
-# (Q4_K) at one lane, -2.6 / -2.0 % at eight, -2.0 % at four columns (2, 16, 32, 64 MB less or slower); off
-# until the H200's suites: its C = 8 / C = 1 margins (0.5 / 0.9 %) are below what those rounds take from it.
-NEXT_PREFETCH_KB = 0
+# NINFER_NEXT_PREFETCH=KB sets how many for every kernel, =il=8192:q4il=8192 some kernels' (the others' builds
+# as without), `NEXT_PREFETCH` where unset. "Next" is the GEMV launched after this one the last time: a decode
+# round's order is fixed, and the rounds run before a graph is captured teach it. On an H100 (gpu-notes
+# "Sessions 58, 59"), 8192 KB took the graphed rounds -3.0 % (IQ3_S) / -3.5 % (Q4_K) at one lane (2, 16, 32,
+# 64 MB less or slower) and the suites' tg128 +2.9 / +3.6 %, C = 8 +0.6 / +2.1 %, Q4_K's 4-column step -2.6 %;
+# but IQ3_S's 4-column step +3 % and C = 4 -2.2 % (the tensor-core il32 kernel at 4 columns). Off until the
+# H200's suites: there C = 8 / C = 1 had 0.5 / 0.9 % to spare, and these take 2.2 / 1.4 % from it.
+NEXT_PREFETCH: dict[str, int] = {}
 _after: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # data_ptr -> (these words, the next GEMV's words)
 _latest: list[weakref.ref | None] = [None]
 _first: dict[int, tuple[int, int]] = {}  # data_ptr -> (tiles, tiles its launch's first round starts on)
 
 
-def next_prefetch(words: torch.Tensor, ctas: int, tiles: int, first_tiles: int, conv_lanes: int = 0) -> list:
-    """The GEMV of `words` (`tiles` tiles stored one after another; its `ctas` CTAs start on `first_tiles` of
-    them) is about to launch: note it as the next of the one launched before it, and return its kernel's last
-    arguments — the next GEMV's words, the bytes to cut at, and runs (stride, bytes, count) of 16-byte
-    multiples: the next words' first KB as one run a CTA, or with NINFER_NEXT_PREFETCH_SPREAD=1 a share at the
-    start of each tile the next launch starts on — or none where prefetching is off (nothing noted then),
-    the GPU older than sm_90, or no next GEMV known. `conv_lanes`: the lanes of the GDN conv the GEMV runs
-    in its epilogue (the recurrence runs next); above NINFER_NEXT_PREFETCH_CONV_LANES none either (an A/B)."""
-    kb = int(os.environ.get("NINFER_NEXT_PREFETCH", NEXT_PREFETCH_KB))
-    if kb <= 0 or (words.is_cuda and torch.cuda.get_device_capability(words.device)[0] < 9):
+def next_prefetch(kernel: str, words: torch.Tensor, ctas: int, tiles: int, first_tiles: int,
+                  conv_lanes: int = 0) -> list:
+    """NVRTC GEMV `kernel` (of `KERNELS`) of `words` (`tiles` tiles stored one after another; its `ctas` CTAs
+    start on `first_tiles` of them) is about to launch: note it as the next of the one launched before it, and
+    return its kernel's last arguments — the next GEMV's words, the bytes to cut at, and runs (stride, bytes,
+    count) of 16-byte multiples: the next words' first KB as one run a CTA, or with
+    NINFER_NEXT_PREFETCH_SPREAD=1 a share at the start of each tile the next launch starts on — or none where
+    prefetching is off for this kernel (off for every kernel: nothing noted either), the GPU older than sm_90,
+    or no next GEMV known. `conv_lanes`: the lanes of the GDN conv the GEMV runs in its epilogue (the
+    recurrence runs next); above NINFER_NEXT_PREFETCH_CONV_LANES none either (an A/B)."""
+    kbs = _by_kernel("NINFER_NEXT_PREFETCH", NEXT_PREFETCH, "KB", "il=8192:q4il=8192")
+    if not any(kbs.values()) or (words.is_cuda and torch.cuda.get_device_capability(words.device)[0] < 9):
         return []  # (nothing learned either: the rounds before a capture teach it once it is on)
     before = _latest[0]() if _latest[0] is not None else None
     if before is not None and before.data_ptr() != words.data_ptr():
         _after[before.data_ptr()] = (weakref.ref(before), weakref.ref(words))
     _latest[0] = weakref.ref(words)
     _first[words.data_ptr()] = (tiles, first_tiles)
-    if conv_lanes > int(os.environ.get("NINFER_NEXT_PREFETCH_CONV_LANES", MAX_COLUMNS)):
+    kb = kbs.get(kernel, 0)
+    if kb <= 0 or conv_lanes > int(os.environ.get("NINFER_NEXT_PREFETCH_CONV_LANES", MAX_COLUMNS)):
         return []
     these, following = _after.get(words.data_ptr(), (None, None))
     following = following() if these is not None and these() is not None else None
@@ -1052,7 +1075,7 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
             args += [s.splits, *work]
             pieces = s.splits
             ctas = min(tiles * s.splits, _launch_shape(words.device, s, n, k))
-    following = next_prefetch(words, ctas, tiles, -(-ctas // pieces), n if conv is not None else 0)
+    following = next_prefetch(s.kernel, words, ctas, tiles, -(-ctas // pieces), n if conv is not None else 0)
     args += [ring, *conv_arguments(conv), *following]
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
     # one build for every split count

@@ -470,7 +470,7 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
     ctas = cluster * min(tiles, shape[1] * sms // cluster)
-    following = next_prefetch(words, ctas, tiles, ctas // cluster, n if conv is not None else 0)
+    following = next_prefetch("q4il", words, ctas, tiles, ctas // cluster, n if conv is not None else 0)
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged, cluster,
                        evict=evict_level("q4il"), prefetch=bool(following))
     _launch(kernel, ctas, 32 * shape[0],

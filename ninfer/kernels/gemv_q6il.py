@@ -211,7 +211,7 @@ def gemv_q6il(words: torch.Tensor, xa: QuantizedActivation, out_features: int) -
     ctas = min(tiles, 2 * props.multi_processor_count)
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
-    following = next_prefetch(words, ctas, tiles, ctas)
+    following = next_prefetch("q6il", words, ctas, tiles, ctas)
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, evict=evict_level("q6il"), prefetch=bool(following))
     _launch(kernel, ctas, 32 * WARPS, smem_bytes(k),
             [words, xa.words, xa.d, y, out_features, k, y.stride(0), *following], pdl)

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 58 ran `next` and `nextsize` on an H100 (the
-# prefetch of the next GEMV's weights, off until the H200's suites); session 57 ran `suites`, `evict3` and
-# evict2's settings on an H200; sessions 47-56's phases stay to rerun.
+# $OUT/<phase>/, the settings' table printed last). Session 59 ran `gpu nextfine`, the suites with the next
+# GEMV's prefetch off / on and `nextkernels` on H100s (the prefetch on by default since, but for the
+# tensor-core il32 kernel); session 58 ran `next` and `nextsize` on an H100; session 57 ran `suites`, `evict3`
+# and evict2's settings on an H200; sessions 47-56's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
-#   NINFER_NEXT_PREFETCH=8192 bash bench/pending_ab.sh suites nextfine
-#                                      # (first, on an H200, ~9 min) the targets with the next GEMV's weights
-#                                      # prefetched, then nextfine (its settings set the variable themselves)
-#   bash bench/pending_ab.sh nextkernels  # the suites with it off, on for every NVRTC GEMV, and on for all but
-#                                      # the tensor-core il32 kernel (IQ3_S; Q4_K off / on), then IQ3_S's
-#                                      # 4-column step and 1-8 lanes as graphed rounds under the three (~5 min)
-#   bash bench/pending_ab.sh nextfine  # 4 against 8 MiB; at 8 MiB none from the GEMV that runs the GDN conv of
-#                                      # 2-8 lanes, the recurrence's state evict-first, or spread over the next
-#                                      # launch's first tiles; the fixtures' greedy runs with it (~7 min)
+#   bash bench/pending_ab.sh nextkernels  # (first, on an H200; run in session 59 on an H100, ~6.5 min) the
+#                                      # suites with the next GEMV's prefetch off, on for every NVRTC GEMV, and
+#                                      # on for all but the tensor-core il32 kernel (main's default since; IQ3_S;
+#                                      # Q4_K off / on), then IQ3_S's 4-column step and 1-8 lanes as graphed
+#                                      # rounds under the three
+#   bash bench/pending_ab.sh nextfine  # (run in session 59, H100) 4 against 8 MiB; at 8 MiB none from the
+#                                      # GEMV that runs the GDN conv of 2-8 lanes, the recurrence's state
+#                                      # evict-first, or spread over the next launch's first tiles; the
+#                                      # fixtures' greedy runs with it (~7 min)
 #   bash bench/pending_ab.sh next      # (run in session 58, H100) each GEMV asks the next one's first weight
 #                                      # bytes into L2 as its CTAs finish (NINFER_NEXT_PREFETCH=KB): its GPU
 #                                      # test; both types' rounds at 1 and 8 lanes, IQ3_S's 4-column step, at

@@ -662,6 +662,10 @@ def test_the_next_gemv_is_the_one_launched_after_it_last_time(monkeypatch):
         monkeypatch.setenv("NINFER_NEXT_PREFETCH", wrong)
         with pytest.raises(gemv_il.QuantKernelError, match="NINFER_NEXT_PREFETCH"):
             call(a)
+    monkeypatch.delenv("NINFER_NEXT_PREFETCH")  # the default: 8 MiB from il, q4il and q6il, none from il_mma
+    got = [call(w) for w in (a, b, c)]
+    # (c's next is b: the round before ended c, b)
+    assert got[0][0] is b and got[1] == [] and got[2][0] is b and got[2][1:] == [16, 16, 16, 1]
     monkeypatch.setenv("NINFER_NEXT_PREFETCH", "2")
     call(a), call(c)  # a -> c now
     assert call(a)[0] is c

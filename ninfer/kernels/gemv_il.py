@@ -896,14 +896,15 @@ def evict_level(kernel: str) -> int:
 # The next GEMV's first weight bytes asked into L2 by this one's CTAs as each finishes its last tile (a
 # `cp.async.bulk.prefetch.L2` a run, sm_90): the next kernel's first loads after its programmatic-launch wait
 # then find L2 instead of HBM, whose bandwidth lies idle in a GEMV's tail and the small kernels after it.
-# NINFER_NEXT_PREFETCH=KB sets how many for every kernel, =il=8192:q4il=8192 some kernels' (the others' builds
-# as without), `NEXT_PREFETCH` where unset. "Next" is the GEMV launched after this one the last time: a decode
-# round's order is fixed, and the rounds run before a graph is captured teach it. On an H100 (gpu-notes
-# "Sessions 58, 59"), 8192 KB took the graphed rounds -3.0 % (IQ3_S) / -3.5 % (Q4_K) at one lane (2, 16, 32,
-# 64 MB less or slower) and the suites' tg128 +2.9 / +3.6 %, C = 8 +0.6 / +2.1 %, Q4_K's 4-column step -2.6 %;
-# but IQ3_S's 4-column step +3 % and C = 4 -2.2 % (the tensor-core il32 kernel at 4 columns). Off until the
-# H200's suites: there C = 8 / C = 1 had 0.5 / 0.9 % to spare, and these take 2.2 / 1.4 % from it.
-NEXT_PREFETCH: dict[str, int] = {}
+# NINFER_NEXT_PREFETCH=KB sets how many for every kernel, =il=8192:q4il=8192 some kernels' (the others'
+# builds as without, 0 none), `NEXT_PREFETCH` where unset. "Next" is the GEMV launched after this one the
+# last time: a decode round's order is fixed, and the rounds run before a graph is captured teach it.
+# H100, graphed rounds (gpu-notes "Sessions 58, 59"): 8 MiB is the best size (2, 16, 32, 64 less or
+# slower); IQ3_S 1 / 2 lanes -2.9 / -2.3 %, Q4_K 1 lane -3.5 %, 8 lanes -2.0 %; the suites' tg128 +2.9 /
+# +3.6 %. The tensor-core il32 kernel's own (il_mma: 3-8 columns) costs IQ3_S's 4-column step and 4 lanes
+# +1.8 / +2.4 % and gains 8 lanes 0.3 %: left out, those rounds hold. Untimed on the H200: there C = 8 /
+# C = 1 had 0.5 / 0.9 % to spare, and the 1-lane gain takes ~2.7 / ~1.4 % from it (8 lanes gain less).
+NEXT_PREFETCH: dict[str, int] = {"il": 8192, "q4il": 8192, "q6il": 8192}
 _after: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # data_ptr -> (these words, the next GEMV's words)
 _latest: list[weakref.ref | None] = [None]
 _first: dict[int, tuple[int, int]] = {}  # data_ptr -> (tiles, tiles its launch's first round starts on)

@@ -11,6 +11,7 @@
 #                                      # on for all but the tensor-core il32 kernel (main's default since; IQ3_S;
 #                                      # Q4_K off / on), then IQ3_S's 4-column step and 1-8 lanes as graphed
 #                                      # rounds under the three
+#   bash bench/pending_ab.sh lanetrace # both types' graphed rounds by kernel name at 1 and 8 lanes (~3 min)
 #   bash bench/pending_ab.sh nextfine  # (run in session 59, H100) 4 against 8 MiB; at 8 MiB none from the
 #                                      # GEMV that runs the GDN conv of 2-8 lanes, the recurrence's state
 #                                      # evict-first, or spread over the next launch's first tiles; the
@@ -53,7 +54,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -161,6 +162,16 @@ NINFER_NEXT_PREFETCH=il=8192:q4il=8192:q6il=8192 --lanes 1,2,4,8
       # which hint gains where: not kept in L1 alone (1) against both (2); Q4_K's head alone at 2
       sweep evict2_iq3_s iq3_s 240 NINFER_EVICT=0,NINFER_EVICT=1,NINFER_EVICT=2 --lanes 1,8
       sweep evict2_q4_k q4_k 240 NINFER_EVICT=0,NINFER_EVICT=1,NINFER_EVICT=q6il=2 --lanes 1,2
+      ;;
+    lanetrace)
+      # the graphed rounds' kernels by name at one and at eight lanes (busy µs a profiled round): what the
+      # 8-lane round spends beyond the 1-lane one, kernel by kernel (C = 8 / C = 1)
+      for wtype in iq3_s q4_k; do
+        for lanes in 1 8; do
+          step "lanetrace_${wtype}_$lanes" 150 "$PY" bench/step_profile.py --wtype "$wtype" --prompt 512 \
+            --timeline --steps 4 --lanes "$lanes"
+        done
+      done
       ;;
     trace)
       for wtype in q4_k iq3_s; do

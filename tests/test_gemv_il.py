@@ -666,6 +666,9 @@ def test_the_next_gemv_is_the_one_launched_after_it_last_time(monkeypatch):
     got = [call(w) for w in (a, b, c)]
     # (c's next is b: the round before ended c, b)
     assert got[0][0] is b and got[1] == [] and got[2][0] is b and got[2][1:] == [16, 16, 16, 1]
+    monkeypatch.setattr(gemv_il, "wide_memory", lambda device: True)  # an H200's SMs: q4il's alone
+    got = [call(w) for w in (a, b, c)]
+    assert got[0] == [] and got[1] == [] and got[2][0] is a and got[2][1:] == [4000, 1008, 1008, 4]
     monkeypatch.setenv("NINFER_NEXT_PREFETCH", "2")
     call(a), call(c)  # a -> c now
     assert call(a)[0] is c

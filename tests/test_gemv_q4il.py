@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import kernels_only, needs_triton, ptx_mma_m16n8k32, word_bytes
 
-from ninfer.kernels import gemv_q4il, gguf_matmul
+from ninfer.kernels import gemv_il, gemv_q4il, gguf_matmul
 from ninfer.kernels.gemv_q4il import (
     LAYOUT,
     PAIR_WORDS,
@@ -165,8 +165,9 @@ def test_the_cluster_rule(monkeypatch):
 
 
 def test_clusters_pay_on_devices_with_clusters_and_bandwidth_to_an_sm(monkeypatch):
-    """Compute capability 9+ and ≥ 30 GB/s of memory bandwidth an SM: the H200 (4.8 TB/s on 132 SMs) yes, the
-    H100 (3.35 TB/s) and an RTX 4090 (1 TB/s, 8.9) no."""
+    """Compute capability 9+ and ≥ 30 GB/s of memory bandwidth an SM (`gemv_il.wide_memory`, which also picks
+    the next GEMV's prefetch): the H200 (4.8 TB/s on 132 SMs) yes, the H100 (3.35 TB/s) and an RTX 4090 (1
+    TB/s, 8.9) no."""
     import types
 
     def props(major, clock_khz, bus_bits, sms):
@@ -177,10 +178,14 @@ def test_clusters_pay_on_devices_with_clusters_and_bandwidth_to_an_sm(monkeypatc
                "4090": props(8, 10_501_000, 384, 128)}
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: devices[device])
     gemv_q4il.clusters_pay.cache_clear()
+    gemv_il.wide_memory.cache_clear()
     try:
         assert [gemv_q4il.clusters_pay(d) for d in devices] == [True, False, False]
+        assert [gemv_il.wide_memory(d) for d in devices] == [True, False, False]
+        assert not gemv_il.wide_memory(torch.device("cpu"))
     finally:
         gemv_q4il.clusters_pay.cache_clear()
+        gemv_il.wide_memory.cache_clear()
 
 
 def test_the_staged_build_by_default(monkeypatch):

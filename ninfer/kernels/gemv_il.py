@@ -897,14 +897,32 @@ def evict_level(kernel: str) -> int:
 # `cp.async.bulk.prefetch.L2` a run, sm_90): the next kernel's first loads after its programmatic-launch wait
 # then find L2 instead of HBM, whose bandwidth lies idle in a GEMV's tail and the small kernels after it.
 # NINFER_NEXT_PREFETCH=KB sets how many for every kernel, =il=8192:q4il=8192 some kernels' (the others'
-# builds as without, 0 none), `NEXT_PREFETCH` where unset. "Next" is the GEMV launched after this one the
-# last time: a decode round's order is fixed, and the rounds run before a graph is captured teach it.
-# H100, graphed rounds (gpu-notes "Sessions 58, 59"): 8 MiB is the best size (2, 16, 32, 64 less or
-# slower); IQ3_S 1 / 2 lanes -2.9 / -2.3 %, Q4_K 1 lane -3.5 %, 8 lanes -2.0 %; the suites' tg128 +2.9 /
-# +3.6 %. The tensor-core il32 kernel's own (il_mma: 3-8 columns) costs IQ3_S's 4-column step and 4 lanes
-# +1.8 / +2.4 % and gains 8 lanes 0.3 %: left out, those rounds hold. Untimed on the H200: there C = 8 /
-# C = 1 had 0.5 / 0.9 % to spare, and the 1-lane gain takes ~2.7 / ~1.4 % from it (8 lanes gain less).
+# builds as without, 0 none); where unset, `NEXT_PREFETCH_WIDE` on a GPU whose SMs each have at least
+# WIDE_GBS_PER_SM of its memory bandwidth (`wide_memory`: the H200), `NEXT_PREFETCH` on others (the H100).
+# "Next" is the GEMV launched after this one the last time: a decode round's order is fixed, and the rounds
+# run before a graph is captured teach it. Graphed rounds, A B B A (gpu-notes "Sessions 58-60"): 8 MiB is the
+# best size (2, 16, 32, 64 less or slower). H100: IQ3_S 1 / 2 lanes -2.9 / -2.3 %, Q4_K 1 lane -3.5 %, 8
+# lanes -2.0 %, the suites' tg128 +2.9 / +3.6 %; the tensor-core il32 kernel's own (il_mma: 3-8 columns)
+# costs IQ3_S's 4-column step and 4 lanes +1.8 / +2.4 %: left out. H200: q4il's takes Q4_K's 1 lane 5.263 ->
+# 5.188 ms and 8 lanes 8.488 -> 8.390 (tg128 185.8 -> 189.0); the dp4a il32 kernel's costs IQ3_S's 1 lane
+# 5.209 -> 5.258 (8 lanes even); the head's is even at both.
 NEXT_PREFETCH: dict[str, int] = {"il": 8192, "q4il": 8192, "q6il": 8192}
+NEXT_PREFETCH_WIDE: dict[str, int] = {"q4il": 8192}
+WIDE_GBS_PER_SM = 30.0
+
+
+@functools.cache
+def wide_memory(device: torch.device) -> bool:
+    """Whether CUDA `device`'s SMs each have at least WIDE_GBS_PER_SM of its memory bandwidth (memory clock ×
+    bus width, double data rate): the H200 (4.8 TB/s on 132 SMs, 36 GB/s) yes, the H100 (3.35 TB/s, 25) and
+    consumer cards no. Not CUDA: no."""
+    if isinstance(device, torch.device) and device.type != "cuda":
+        return False
+    props = torch.cuda.get_device_properties(device)
+    bandwidth = 2 * getattr(props, "memory_clock_rate", 0) * 1e3 * getattr(props, "memory_bus_width", 0) / 8
+    return bandwidth / props.multi_processor_count >= WIDE_GBS_PER_SM * 1e9
+
+
 _after: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # data_ptr -> (these words, the next GEMV's words)
 _latest: list[weakref.ref | None] = [None]
 _first: dict[int, tuple[int, int]] = {}  # data_ptr -> (tiles, tiles its launch's first round starts on)
@@ -920,7 +938,8 @@ def next_prefetch(kernel: str, words: torch.Tensor, ctas: int, tiles: int, first
     prefetching is off for this kernel (off for every kernel: nothing noted either), the GPU older than sm_90,
     or no next GEMV known. `conv_lanes`: the lanes of the GDN conv the GEMV runs in its epilogue (the
     recurrence runs next); above NINFER_NEXT_PREFETCH_CONV_LANES none either (an A/B)."""
-    kbs = _by_kernel("NINFER_NEXT_PREFETCH", NEXT_PREFETCH, "KB", "il=8192:q4il=8192")
+    defaults = NEXT_PREFETCH_WIDE if wide_memory(words.device) else NEXT_PREFETCH
+    kbs = _by_kernel("NINFER_NEXT_PREFETCH", defaults, "KB", "il=8192:q4il=8192")
     if not any(kbs.values()) or (words.is_cuda and torch.cuda.get_device_capability(words.device)[0] < 9):
         return []  # (nothing learned either: the rounds before a capture teach it once it is on)
     before = _latest[0]() if _latest[0] is not None else None

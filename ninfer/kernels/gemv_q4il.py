@@ -42,6 +42,7 @@ from ninfer.kernels.gemv_il import (
     evict_level,
     lane_conv,
     next_prefetch,
+    wide_memory,
     with_prefetch,
 )
 from ninfer.kernels.gemv_q8 import QuantizedActivation, gemv_q8_reference, quantize_activation_cached
@@ -401,23 +402,19 @@ def q4il_staged(columns: int) -> bool:
 
 
 # Clusters of CTAs a tile by default: CLUSTER CTAs at up to CLUSTER_COLUMNS columns where an SM's share of the
-# HBM is at least CLUSTER_GBS_PER_SM. The graphed Q4_K rounds of the 27B with clusters of 2 on its 5120-row
-# projections (gpu-notes "Session 51"): H200 (4.8 TB/s on 132 SMs, 36 GB/s an SM) 1 / 2 lanes 5.375 / 5.636 →
-# 5.281 / 5.552 ms, down alone 18.9 → 16.5 µs at one column; H100 (3.35 TB/s, 25 GB/s an SM) 6.560 / 6.736 →
-# 6.687 / 6.897, down alone even (21.8).
+# HBM is at least `gemv_il.WIDE_GBS_PER_SM` (`gemv_il.wide_memory`). The graphed Q4_K rounds of the 27B with
+# clusters of 2 on its 5120-row projections (gpu-notes "Session 51"): H200 (4.8 TB/s on 132 SMs, 36 GB/s an
+# SM) 1 / 2 lanes 5.375 / 5.636 → 5.281 / 5.552 ms, down alone 18.9 → 16.5 µs at one column; H100 (3.35 TB/s,
+# 25 GB/s an SM) 6.560 / 6.736 → 6.687 / 6.897, down alone even (21.8).
 CLUSTER = 2
 CLUSTER_COLUMNS = 2
-CLUSTER_GBS_PER_SM = 30.0
 
 
 @functools.cache
 def clusters_pay(device: torch.device) -> bool:
-    """Whether `device` takes the default clusters: thread-block clusters (compute capability 9+) and at
-    least CLUSTER_GBS_PER_SM of memory bandwidth an SM (memory clock × bus width, double data rate)."""
-    props = torch.cuda.get_device_properties(device)
-    bandwidth = 2 * getattr(props, "memory_clock_rate", 0) * 1e3 * getattr(props, "memory_bus_width", 0) / 8
-    per_sm = bandwidth / props.multi_processor_count
-    return getattr(props, "major", 0) >= 9 and per_sm >= CLUSTER_GBS_PER_SM * 1e9
+    """Whether `device` takes the default clusters: thread-block clusters (compute capability 9+) and an SM's
+    share of the memory bandwidth at least `gemv_il.WIDE_GBS_PER_SM` (`gemv_il.wide_memory`)."""
+    return getattr(torch.cuda.get_device_properties(device), "major", 0) >= 9 and wide_memory(device)
 
 
 def q4il_cluster(tiles: int, sms: int, shape: tuple[int, int], columns: int,

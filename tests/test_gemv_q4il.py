@@ -69,8 +69,11 @@ def test_the_kernels_integer_recipe_gives_the_twin(n, k, columns):
     xw = xa.words.numpy().astype(np.int64)[last] & 0xFFFFFFFF
     xd = xa.d.numpy().astype(np.float64)[last]
     sums = xq.reshape(8, k // 32, 32).sum(-1)
-    hi, lo = sums >> 6, sums & 63  # the prologue's split: 64 hi + lo
+    hi, lo = sums >> 6, sums & 63  # each 32's sum as its producer splits it: 64 hi + lo
     assert np.all((hi >= -64) & (hi < 64)) and np.array_equal(64 * hi + lo, sums)
+    split = xa.s.numpy().astype(np.int64)[last].reshape(8, k // 256, 2, 8)  # what the kernel reads
+    assert np.array_equal(split[:, :, 0], hi.reshape(8, k // 256, 8))
+    assert np.array_equal(split[:, :, 1], lo.reshape(8, k // 256, 8))
 
     def packed(v, j0):  # bytes j0..j0 + 3 of a block's 8 values as a word: [8 columns, blocks]
         b = v.reshape(8, k // 256, 8)[..., j0 : j0 + 4] & 0xFF

@@ -106,8 +106,9 @@ def run_lane(name: str, source_of, words, xa, n: int, warps: int, smem: int, sou
              dtype=torch.float32, conv=None, ctas: int = 2):
     columns = xa.q.shape[0]
     y = torch.full((columns, n), float("nan"), dtype=dtype)
+    sums = [xa.s] if name == "q4k_il_mma" else []  # (q4il reads each 32 inputs' sums as the producer wrote)
     HostKernel(source_of(source), name)((ctas,), (32 * warps,), [
-        words, xa.words, xa.d, y, n, xa.q.shape[1], y.stride(0), *gemv_il.conv_arguments(conv)], smem)
+        words, xa.words, xa.d, *sums, y, n, xa.q.shape[1], y.stride(0), *gemv_il.conv_arguments(conv)], smem)
     return y
 
 
@@ -117,7 +118,7 @@ def q4il_case(columns: int, n: int = 72, k: int = 1536, source_of=same, dtype=to
     raw = random_gguf_weight("q4_k", n, k) if raw is None else raw
     xa = activation(columns, k, 256)
     y = run_lane("q4k_il_mma", source_of, gemv_q4il.repack_q4il(raw), xa, n, shape[0],
-                 gemv_q4il.smem_bytes(k, shape[0], staged, cluster),
+                 gemv_q4il.smem_bytes(shape[0], staged, cluster),
                  gemv_q4il.kernel_source(columns, OUT_KINDS[dtype], False, shape, conv is not None, staged,
                                          cluster), dtype, conv, 2 * cluster)
     return y, gemv_q8_reference(raw, "q4_k", xa, n)
@@ -238,7 +239,7 @@ def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same):
         raw = random_gguf_weight("q4_k", n, k)
         warps, ctas = gemv_q4il.SHAPES[1]
         ys = [run_lane("q4k_il_mma", source_of if cv else same, gemv_q4il.repack_q4il(raw), xa, n, warps,
-                       gemv_q4il.smem_bytes(k, warps),
+                       gemv_q4il.smem_bytes(warps),
                        gemv_q4il.kernel_source(columns, 1, False, (warps, ctas), cv is not None),
                        torch.bfloat16, cv) for cv in (conv, None)]
     return ys[0], conv, before, ys[1]

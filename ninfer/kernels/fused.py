@@ -321,6 +321,8 @@ def _block(n: int) -> int:
 def int8_buffers(out: torch.Tensor, quantize: bool, group: int = 32) -> tuple[torch.Tensor, ...]:
     """Where a kernel writes the int8 activation of its `[T, N]` output `out` (gemv_q8's format, `group`
     values a scale), or placeholders (any pointer) when it does not quantise."""
+    from ninfer.kernels.gemv_q8 import empty_sums
+
     if not quantize:
         return out, out, out
     T, N = out.shape
@@ -329,7 +331,7 @@ def int8_buffers(out: torch.Tensor, quantize: bool, group: int = 32) -> tuple[to
                                f"256), got {N}")
     return (torch.empty((T, N), dtype=torch.int8, device=out.device),
             torch.empty((T, N // group), dtype=torch.float32, device=out.device),
-            torch.empty((T, N // group), dtype=torch.float32, device=out.device))
+            empty_sums(T, N, group, out.device))
 
 
 def remember_int8(out: torch.Tensor, buffers: tuple[torch.Tensor, ...]) -> None:

@@ -16,12 +16,14 @@ the high ones): lane t takes qs words 8i + 2t and 8i + 2t + 1 (inputs 8t..8t + 7
 k slots 4t..4t + 3 and 16 + 4t..16 + 4t + 3 of an `mma.m16n8k32.u8.s8` (the activation words at the same
 inputs as its B operand: a permutation of k that A and B share), the low nibbles `& 0x0F0F0F0F`, the high ones
 `& 0xF0F0F0F0` (16 × the value: no shift); per row and column the integer sums 16·Σ sc·dot of the low and Σ
-sc·dot of the high sub-blocks, sc the 6-bit scale by a prmt. The min term Σ_j m_j·Σx_j takes four dp4a: each
-CTA stages the activation's per-32 sums split as 64·hi + lo (both int8) in shared memory, and the packed
-6-bit mins are dp4a operands as they are. One float expression a block: `xd·(d/16·isum − dmin·msum)`
-(activation per 256). A CTA takes whole tiles; its warps share a tile's blocks and add their sums through
-shared memory. Cutting tiles across CTAs (a fixed split, or stream-K runs over the last rounds' tiles) was
-slower at every 27B shape (session 35): each cut piece waits on an atomic and its fixup's reads.
+sc·dot of the high sub-blocks, sc the 6-bit scale by a prmt. The min term Σ_j m_j·Σx_j takes four dp4a: the
+activation's producer wrote its per-32 sums split as 64·hi + lo (both int8, `QuantizedActivation.s` at group
+256; each CTA summed them itself until session 60, ~0.1 ms of a graphed 1-lane Q4_K round and 1.2 ms of an
+8-lane one on an H100), and the packed 6-bit mins are dp4a operands as they are. One float expression a
+block: `xd·(d/16·isum − dmin·msum)` (activation per 256). A CTA takes whole tiles; its warps share a tile's
+blocks and add their sums through shared memory. Cutting tiles across CTAs (a fixed split, or stream-K runs
+over the last rounds' tiles) was slower at every 27B shape (session 35): each cut piece waits on an atomic and
+its fixup's reads.
 """
 
 from __future__ import annotations
@@ -150,15 +152,18 @@ __device__ __forceinline__ void mma_u8s8(int (&c)[4], unsigned a0, unsigned a1, 
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, CTAS) CLUSTER_DIMS
 q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float* __restrict__ xd,
-           out_t* __restrict__ y, int N, int K, int stride_y CONV_PARAMS NEXT_PARAMS)
+           const int4* __restrict__ xsum, out_t* __restrict__ y, int N, int K, int stride_y CONV_PARAMS
+           NEXT_PARAMS)
 {
     CONV_ARGS
     // CTA c takes tiles c, c + gridDim.x, ..., its warps a tile's blocks wid, wid + WARPS, ...; in clusters
     // (CLUSTER > 1) cluster c = blockIdx.x / CLUSTER the tiles c, c + gridDim.x / CLUSTER, ..., and warp
     // wid of its CTA rank r the blocks r·WARPS + wid, + CLUSTER·WARPS, ...
-    extern __shared__ int4 xs[];  // per block and column: bytes {hi j0..3, hi j4..7, lo j0..3, lo j4..7}
+    // xsum: per column and block the activation's sums over each 32 inputs as its producer wrote them
+    // (`QuantizedActivation.s` at group 256), bytes {hi j0..7, lo j0..7}, Σ = 64 hi + lo (int8 both)
+    extern __shared__ float4 smem[];
     const int K4 = K >> 2, nblk = K >> 8, P = (nblk + 1) >> 1, tiles = (N + 31) >> 5;
-    float* red = reinterpret_cast<float*>(xs + nblk * 8);  // [WARPS][32 rows][8 columns] partial sums
+    float* red = reinterpret_cast<float*>(smem);  // [WARPS][32 rows][8 columns] partial sums
 #if STAGES
     // the warp's two slots after the sums; its first block asked for before the wait (weights are not the
     // previous kernel's output)
@@ -177,41 +182,13 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the activation is the previous kernel's output
 #endif
-    // the activation's sum over each 32 inputs, s = 64 hi + lo (hi in -64..63, lo in 0..63: int8 both); four
-    // items a thread at a time, their loads first (a K = 17408 activation of 8 columns is 4352 items)
-    signed char* xsb = reinterpret_cast<signed char*>(xs);
-    const int total = (K >> 5) * NCOL;
-    for (int i0 = threadIdx.x; i0 < total; i0 += 4 * WARPS * 32) {
-        int4 u[4], v[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {  // past the end: the last item again (the same bytes stored twice)
-            const int i = min(i0 + q * WARPS * 32, total - 1);
-            const int4* src = reinterpret_cast<const int4*>(xw + (i % NCOL) * K4 + (i / NCOL) * 8);
-            u[q] = src[0];
-            v[q] = src[1];
-        }
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const int i = min(i0 + q * WARPS * 32, total - 1), sb = i / NCOL;
-            int s = dp4a(0x01010101u, u[q].x, 0);
-            s = dp4a(0x01010101u, u[q].y, s);
-            s = dp4a(0x01010101u, u[q].z, s);
-            s = dp4a(0x01010101u, u[q].w, s);
-            s = dp4a(0x01010101u, v[q].x, s);
-            s = dp4a(0x01010101u, v[q].y, s);
-            s = dp4a(0x01010101u, v[q].z, s);
-            s = dp4a(0x01010101u, v[q].w, s);
-            signed char* o = xsb + ((sb >> 3) * 8 + i % NCOL) * 16 + (sb & 7);
-            o[0] = (signed char)(s >> 6);
-            o[8] = (signed char)(s & 63);
-        }
-    }
-    __syncthreads();
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
     const int* xl = xw + min((int)gq, NCOL - 1) * K4 + 2 * t;  // B words of inputs 8t.. of a 32: xl[i / 4]
     const int c0 = min(2 * (int)t, NCOL - 1), c1 = min(2 * (int)t + 1, NCOL - 1);
     const float* xd0 = xd + c0 * nblk;
     const float* xd1 = xd + c1 * nblk;
+    const int4* xsum0 = xsum + c0 * nblk;
+    const int4* xsum1 = xsum + c1 * nblk;
 #if CLUSTER > 1
     float* sums = red + WARPS * 32 * 8;
     int it = 0;  // this CTA's tiles so far
@@ -287,7 +264,7 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
                     }
                 }
             }
-            const int4 xs0 = xs[kb * 8 + c0], xs1 = xs[kb * 8 + c1];
+            const int4 xs0 = __ldg(xsum0 + kb), xs1 = __ldg(xsum1 + kb);
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 // 6-bit mins of sub-blocks 0..3 / 4..7, a byte each: Σ m_j·(64 hi_j + lo_j) by four dp4a
@@ -356,10 +333,10 @@ def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[i
             .replace("__EVICT__", str(evict)))
 
 
-def smem_bytes(in_features: int, warps: int, staged: bool = False, cluster: int = 1) -> int:
-    """The activation's split per-32 sums of 8 columns and the warps' partial sums; staged, each warp's two
-    slots of a block (2 × 4.5 KB); in clusters, two sets of every rank's sums of a tile (rank 0's)."""
-    return (in_features // 256 * 8 * 16 + warps * 32 * 8 * 4 + (warps * 2 * 288 * 16 if staged else 0)
+def smem_bytes(warps: int, staged: bool = False, cluster: int = 1) -> int:
+    """The warps' partial sums; staged, each warp's two slots of a block (2 × 4.5 KB); in clusters, two sets
+    of every rank's sums of a tile (rank 0's)."""
+    return (warps * 32 * 8 * 4 + (warps * 2 * 288 * 16 if staged else 0)
             + (2 * cluster * 256 * 4 if cluster > 1 else 0))
 
 
@@ -456,6 +433,9 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     n, k = xa.q.shape
     LAYOUT.check(words, out_features, k, "q4il")
     check_call("q4il", words, xa, 256)
+    if xa.s.dtype != torch.int8 or xa.s.shape != (n, k // 16) or not xa.s.is_contiguous():
+        raise QuantKernelError(f"the q4il GEMV reads each 32 inputs' sums as int8 [{n}, {k // 16}] (the "
+                               f"activation's s at group 256), got {xa.s.dtype} {list(xa.s.shape)}")
     tiles = LAYOUT.shape(out_features, k)[0]
     sms = torch.cuda.get_device_properties(words.device).multi_processor_count
     if cluster is None:
@@ -470,9 +450,9 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     following = next_prefetch("q4il", words, ctas, tiles, ctas // cluster, n if conv is not None else 0)
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged, cluster,
                        evict=evict_level("q4il"), prefetch=bool(following))
-    _launch(kernel, ctas, 32 * shape[0],
-            smem_bytes(k, shape[0], staged, cluster),
-            [words, xa.words, xa.d, y, out_features, k, y.stride(0), *conv_arguments(conv), *following], pdl)
+    _launch(kernel, ctas, 32 * shape[0], smem_bytes(shape[0], staged, cluster),
+            [words, xa.words, xa.d, xa.s, y, out_features, k, y.stride(0), *conv_arguments(conv), *following],
+            pdl)
     return y
 
 

@@ -43,7 +43,9 @@ EMULATE_DP4A = INTERPRET  # pass as the dp4a EMULATE argument: PTX cannot run in
 class QuantizedActivation:
     """`x [n, K]` as int8 codes `q` (contiguous; kernels read `q.view(torch.int32)` `[n, K/4]`), fp32 scale
     `d [n, K/32]` per 32 values, `s = d·Σq` per 32 values (for formats with mins) and the original dtype.
-    (`quantize_activation_reference(x, 256)`: d and s per 256 values, for `gemv_il`'s group-256 kernel.)"""
+    (`quantize_activation_reference(x, 256)`: d per 256 values, for the group-256 kernels, and `s` int8
+    `[n, K/16]`: each 32 values' Σq as 64·hi + lo (hi in -64..63, lo in 0..63), a block of 256's eight hi
+    then its eight lo — `gemv_q4il`'s min term reads them as its producer wrote them.)"""
 
     q: torch.Tensor
     d: torch.Tensor
@@ -90,8 +92,20 @@ def quantize_activation_reference(x: torch.Tensor, group: int = QBLOCK) -> Quant
     d = amax / torch.full_like(amax, 127.0)
     safe = torch.where(d == 0, torch.ones_like(d), d)
     q = torch.round(xb / safe[..., None]).clamp(-127, 127).to(torch.int8)
-    s = d * q.sum(-1, dtype=torch.int32).float()
+    if group == QBLOCK:
+        s = d * q.sum(-1, dtype=torch.int32).float()
+    else:  # each 32's Σq split, a block's eight hi then its eight lo
+        sums = q.reshape(n, k // 256, 8, 32).sum(-1, dtype=torch.int32)
+        s = torch.cat([sums >> 6, sums & 63], -1).to(torch.int8).reshape(n, k // 16)
     return QuantizedActivation(q.reshape(n, k).contiguous(), d.contiguous(), s.contiguous(), x.dtype)
+
+
+def empty_sums(rows: int, features: int, group: int, device: torch.device) -> torch.Tensor:
+    """A `QuantizedActivation`'s `s` to fill: fp32 `[rows, features/32]` at group 32, int8
+    `[rows, features/16]` at 256."""
+    if group == QBLOCK:
+        return torch.empty((rows, features // QBLOCK), dtype=torch.float32, device=device)
+    return torch.empty((rows, features // 16), dtype=torch.int8, device=device)
 
 
 if HAVE_TRITON:
@@ -113,8 +127,9 @@ if HAVE_TRITON:
     @jit
     def quantize_groups(v, row, blk, ok, K, q_ptr, d_ptr, s_ptr, GROUP: tl.constexpr = 32):
         """Store the int8 activation of groups `blk` [G] of row `row` (`v` [G, GROUP] fp32, zero where not
-        `ok`): codes into q [n, K], d and d·Σq into [n, K/GROUP] (what `quantize_activation_reference` gives;
-        the fused norm / SwiGLU kernels call this on their rounded outputs)."""
+        `ok`): codes into q [n, K], d into [n, K/GROUP], and at GROUP 32 d·Σq into [n, K/32], at 256 each
+        32's Σq as hi and lo bytes into [n, K/16] (what `quantize_activation_reference` gives; the fused
+        norm / SwiGLU kernels call this on their rounded outputs)."""
         nb = K // GROUP
         amax = tl_max(tl.abs(v), 1)
         d = tl.math.div_rn(amax, 127.0)
@@ -125,7 +140,13 @@ if HAVE_TRITON:
         cols = blk[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         tl.store(q_ptr + row.to(tl.int64) * K + cols, q.to(tl.int8), mask=ok)
         tl.store(d_ptr + row.to(tl.int64) * nb + blk, d, mask=blk < nb)
-        tl.store(s_ptr + row.to(tl.int64) * nb + blk, d * tl_sum(q, 1).to(tl.float32), mask=blk < nb)
+        if GROUP == 32:
+            tl.store(s_ptr + row.to(tl.int64) * nb + blk, d * tl_sum(q, 1).to(tl.float32), mask=blk < nb)
+        else:
+            sums = tl_sum(tl.reshape(q, [q.shape[0], 8, 32]), 2)  # [G, 8]: each 32's Σq
+            at = s_ptr + row.to(tl.int64) * (K // 16) + blk[:, None] * 16 + tl.arange(0, 8)[None, :]
+            tl.store(at, (sums >> 6).to(tl.int8), mask=(blk < nb)[:, None])
+            tl.store(at + 8, (sums & 63).to(tl.int8), mask=(blk < nb)[:, None])
 
     @jit
     def _quantize_activation_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_xm, BLOCKS: tl.constexpr,
@@ -154,7 +175,7 @@ def quantize_activation(x: torch.Tensor, blocks_per_program: int = 8, group: int
     blocks = max(1, blocks_per_program * QBLOCK // group)
     q = torch.empty((n, k), dtype=torch.int8, device=x.device)
     d = torch.empty((n, nb), dtype=torch.float32, device=x.device)
-    s = torch.empty((n, nb), dtype=torch.float32, device=x.device)
+    s = empty_sums(n, k, group, x.device)
     _quantize_activation_kernel[(n, -(-nb // blocks))](x, q, d, s, k, x.stride(0), BLOCKS=blocks, GROUP=group,
                                                        **pdl_options(x))
     return QuantizedActivation(q, d, s, x.dtype)

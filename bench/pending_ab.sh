@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 59 ran `gpu nextfine`, the suites with the next
-# GEMV's prefetch off / on and `nextkernels` on H100s (the prefetch on by default since, but for the
-# tensor-core il32 kernel); session 58 ran `next` and `nextsize` on an H100; session 57 ran `suites`, `evict3`
-# and evict2's settings on an H200; sessions 47-56's phases stay to rerun.
+# $OUT/<phase>/, the settings' table printed last). Session 60 ran `nextkernels`, `lanetrace`, `suites` and
+# `gpu` on an H200 (the prefetch by the GPU's bandwidth per SM since), `trace` on an H100; session 59 ran
+# `gpu nextfine` and `nextkernels` on H100s; session 58 `next` and `nextsize` on an H100; session 57 `suites`,
+# `evict3` and evict2's settings on an H200; sessions 47-56's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
-#   bash bench/pending_ab.sh nextkernels  # (first, on an H200; run in session 59 on an H100, ~6.5 min) the
+#   bash bench/pending_ab.sh nextkernels  # (run in session 60 on an H200, 7.3 min; in 59 on an H100) the
 #                                      # suites with the next GEMV's prefetch off, on for every NVRTC GEMV, and
 #                                      # on for all but the tensor-core il32 kernel (main's default since; IQ3_S;
 #                                      # Q4_K off / on), then IQ3_S's 4-column step and 1-8 lanes as graphed
@@ -47,7 +47,8 @@
 #                                      # 9B: default allocator, expandable segments; the 27B), stranded bytes
 #                                      # by site (~6 min)
 #   bash bench/pending_ab.sh gpu       # every GPU-marked test, 14 at a time (~4 min)
-#   bash bench/pending_ab.sh suites    # both suites (gpu_bench.sh) under the defaults as they stand
+#   bash bench/pending_ab.sh suites    # both suites (gpu_bench.sh) under the defaults as they stand (first on
+#                                      # an H200: session 60's q4il sums from the producers are untimed there)
 #
 # A setting becomes a default only where its graphed rounds gain (min of two replays, A B B A); a faster
 # 1-lane round alone lowers C = 8 / C = 1.

@@ -11,6 +11,9 @@
 #                                      # on for all but the tensor-core il32 kernel (main's default since; IQ3_S;
 #                                      # Q4_K off / on), then IQ3_S's 4-column step and 1-8 lanes as graphed
 #                                      # rounds under the three
+#   bash bench/pending_ab.sh q4after   # (after `suites`) q4il staged at every width, in clusters at every width,
+#                                      # against the defaults, now that its CTAs no longer sum the activation
+#                                      # (Q4_K rounds, ~5 min on an H100)
 #   bash bench/pending_ab.sh lanetrace # both types' graphed rounds by kernel name at 1 and 8 lanes (~3 min)
 #   bash bench/pending_ab.sh nextfine  # (run in session 59, H100) 4 against 8 MiB; at 8 MiB none from the
 #                                      # GEMV that runs the GDN conv of 2-8 lanes, the recurrence's state
@@ -55,7 +58,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -163,6 +166,13 @@ NINFER_NEXT_PREFETCH=il=8192:q4il=8192:q6il=8192 --lanes 1,2,4,8
       # which hint gains where: not kept in L1 alone (1) against both (2); Q4_K's head alone at 2
       sweep evict2_iq3_s iq3_s 240 NINFER_EVICT=0,NINFER_EVICT=1,NINFER_EVICT=2 --lanes 1,8
       sweep evict2_q4_k q4_k 240 NINFER_EVICT=0,NINFER_EVICT=1,NINFER_EVICT=q6il=2 --lanes 1,2
+      ;;
+    q4after)
+      # with the activation sums from the producers (session 60) q4il starts its math right after the wait:
+      # do staging at 8 columns (off since session 50: +0.03 ms then) and clusters past 2 columns (8: +0.4 ms
+      # in session 52) still lose? Q4_K's graphed rounds, the default against each forced on
+      sweep q4after_staged q4_k 200 NINFER_Q4IL_STAGED=,NINFER_Q4IL_STAGED=1 --lanes 1,4,8
+      sweep q4after_cluster q4_k 200 NINFER_Q4IL_CLUSTER=,NINFER_Q4IL_CLUSTER=2 --lanes 1,2,4,8
       ;;
     lanetrace)
       # the graphed rounds' kernels by name at one and at eight lanes (busy µs a profiled round): what the

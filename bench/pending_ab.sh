@@ -14,6 +14,10 @@
 #   bash bench/pending_ab.sh q4after   # (after `suites`) q4il staged at every width, in clusters at every width,
 #                                      # against the defaults, now that its CTAs no longer sum the activation
 #                                      # (Q4_K rounds, ~5 min on an H100)
+#   bash bench/pending_ab.sh skips     # the graphed rounds without the recurrence, the gated norm, both, the
+#                                      # norms, SwiGLU: what each small kernel costs (both types, 1 / 8 lanes)
+#   bash bench/pending_ab.sh normone   # the decode norm a program a group of 256 vs 512 columns (Q4_K)
+#   bash bench/pending_ab.sh recur     # the recurrence's tiles, the conv GEMV's prefetch off (Q4_K, 1 / 8 lanes)
 #   bash bench/pending_ab.sh lanetrace # both types' graphed rounds by kernel name at 1 and 8 lanes (~3 min)
 #   bash bench/pending_ab.sh nextfine  # (run in session 59, H100) 4 against 8 MiB; at 8 MiB none from the
 #                                      # GEMV that runs the GDN conv of 2-8 lanes, the recurrence's state
@@ -58,7 +62,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -173,6 +177,31 @@ NINFER_NEXT_PREFETCH=il=8192:q4il=8192:q6il=8192 --lanes 1,2,4,8
       # in session 52) still lose? Q4_K's graphed rounds, the default against each forced on
       sweep q4after_staged q4_k 200 NINFER_Q4IL_STAGED=,NINFER_Q4IL_STAGED=1 --lanes 1,4,8
       sweep q4after_cluster q4_k 200 NINFER_Q4IL_CLUSTER=,NINFER_Q4IL_CLUSTER=2 --lanes 1,2,4,8
+      ;;
+    skips)
+      # what each small kernel still costs the graphed rounds (left out: outputs wrong, an upper bound on what
+      # fusing it away could gain; session 37's last sweep: the recurrence 0.36 ms, the norms 0.15, the gated
+      # norm nothing), Q4_K then IQ3_S at 1 and 8 lanes
+      for wtype in q4_k iq3_s; do
+        sweep "skips_$wtype" "$wtype" 280 skip=,skip=gdn_decode._recurrent_kernel,\
+skip=fused._gated_norm_heads_kernel,skip=gdn_decode._recurrent_kernel:fused._gated_norm_heads_kernel,\
+skip=fused._norm_kernel,skip=fused._swiglu_kernel --lanes 1,8
+      done
+      ;;
+    recur)
+      # the recurrence's tiles again (value columns : warps a program, at 1 and 8 lanes alike; the defaults
+      # 16:1 at one lane, 32:4 at more) and the conv GEMV's prefetch of the next GEMV's weights off at one lane
+      # too (its 8 MiB meet the recurrence's state loads), Q4_K
+      sweep recur_q4_k q4_k 280 NINFER_NEXT_PREFETCH_CONV_LANES=8,gdn=16:1:256,gdn=32:4:256,gdn=8:1:256,\
+gdn=32:1:256,gdn=32:2:256,gdn=64:4:256,NINFER_NEXT_PREFETCH_CONV_LANES=0 --lanes 1,8
+      ;;
+    normone)
+      # the decode norm quantising in groups of 256 a program a group (rows of 32: 5 barriers) against 512
+      # columns as [2, 256] (17): its GPU tests, Q4_K's graphed rounds (IQ3_S's norms, groups of 32, cost
+      # a third of Q4_K's in session 61's skips)
+      step normone_tests 200 "$PY" -m pytest -q -m gpu -x tests/test_fused_ops.py tests/test_kernels_gpu.py \
+        -k "norm or int8 or fused or producer"
+      sweep normone_q4_k q4_k 200 NINFER_NORM_ONE_GROUP=0,NINFER_NORM_ONE_GROUP=1 --lanes 1,2,8
       ;;
     lanetrace)
       # the graphed rounds' kernels by name at one and at eight lanes (busy µs a profiled round): what the

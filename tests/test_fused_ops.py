@@ -194,6 +194,38 @@ def test_int8_activation_made_in_the_same_launch(gen, op, width, group):
         fused.swiglu(a[:, :40], b[:, :40], quantize=True)
 
 
+def test_decode_norm_takes_a_program_a_group_of_256_at_few_rows(monkeypatch):
+    """A program a group of 256 up to NORM_ONE_GROUP_ROWS split rows; NINFER_NORM_ONE_GROUP=0 / 1 never /
+    always."""
+    monkeypatch.delenv("NINFER_NORM_ONE_GROUP", raising=False)
+    most = fused.NORM_ONE_GROUP_ROWS
+    assert fused.norm_one_group(1) and fused.norm_one_group(most) and not fused.norm_one_group(most + 1)
+    monkeypatch.setenv("NINFER_NORM_ONE_GROUP", "0")
+    assert not fused.norm_one_group(1)
+    monkeypatch.setenv("NINFER_NORM_ONE_GROUP", "1")
+    assert fused.norm_one_group(8)
+
+
+@pytest.mark.parametrize("one_group", ["0", "1"])
+def test_decode_norm_in_groups_of_256_either_way(gen, monkeypatch, one_group):
+    """The decode add + RMSNorm quantising in groups of 256 a program a group (held as rows of 32) or
+    NORM_CHUNK columns a program (as [2, 256]): the same output, residual and int8 activation bytes as the
+    references, over rows whose groups differ in scale."""
+    from ninfer.kernels import gemv_q8
+
+    monkeypatch.setenv("NINFER_NORM_ONE_GROUP", one_group)
+    x = _randn(gen, 2, 1024, dtype=torch.bfloat16) * torch.linspace(0.1, 8.0, 1024)
+    r, w = _randn(gen, 2, 1024, dtype=torch.bfloat16), _randn(gen, 1024)
+    out, res = fused.add_rms_norm(x.to(torch.bfloat16), r, w, 1e-6, True, quantize=True, group=256)
+    want_out, want_res = fused.add_rms_norm(x.to(torch.bfloat16), r, w, 1e-6, True)
+    assert torch.equal(res, want_res)
+    _close(out, want_out)
+    made = gemv_q8._MEMO.result
+    want = gemv_q8.quantize_activation_reference(out, 256)
+    assert torch.equal(made.q, want.q) and torch.equal(made.d, want.d) and torch.equal(made.s, want.s)
+    gemv_q8._MEMO.clear()
+
+
 @pytest.mark.parametrize("dims", [(3, 8, 64), (2, 48, 128)])  # the 27B's: 48 value heads of 128
 @pytest.mark.parametrize("group", [32, 256])
 @pytest.mark.parametrize("order", ["none", "heads", "tiled"])
@@ -494,9 +526,10 @@ def compile_for_sm90() -> list[str]:
         norm = {"x_ptr": f"*{ty}", "r_ptr": f"*{ty}", "w_ptr": "*fp32", "out_ptr": f"*{ty}",
                 "res_out_ptr": f"*{ty}", **int8, **ints("N", "H", "sx0", "sx1", "sr0", "sr1", "so0", "so1"),
                 **ints("sro0", "sro1"), "eps": "fp32"}
-        for res, group in ((True, 32), (True, 256), (False, 32)):  # QUANT with the residual
+        # QUANT with the residual; a program a group of 256 (decode)
+        for res, group, chunk in ((True, 32, 1024), (True, 256, 1024), (True, 256, 256), (False, 32, 8192)):
             flags = {"HAS_RES": res, "HAS_W": True, "ZERO_CENTRED": res, "QUANT": res, "BLOCK": 8192,
-                     "CHUNK": 1024 if res else 8192, "GROUP": group}
+                     "CHUNK": chunk, "GROUP": group}
             build(fused._norm_kernel, norm, flags, 16)
         rows = {"o_ptr": "*fp32", "z_ptr": f"*{ty}", "w_ptr": "*fp32", "out_ptr": f"*{ty}",
                 "scatter_ptr": "*i64"}

@@ -7,6 +7,8 @@ views (the split outputs of a merged projection). The models reach these through
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ninfer.errors import NinferError
@@ -68,7 +70,7 @@ def _row_warps(block: int) -> int:
 
 
 if HAVE_TRITON:
-    from ninfer.kernels.gemv_q8 import quantize_groups
+    from ninfer.kernels.gemv_q8 import quantize_group_rows, quantize_groups
 
     @jit
     def _quantize_row(v, row, g0, ok, N, q_ptr, d_ptr, s_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr = 32):
@@ -117,8 +119,11 @@ if HAVE_TRITON:
         (so that a one-row decode step's norm runs on N / CHUNK SMs, not one). QUANT (H = 1): the output's
         int8 activation too (q, d, s; GROUP values a scale). Rows are held as [groups, GROUP] tiles, the
         int8 activation's groups, so quantising needs no reshape (a layout conversion through shared
-        memory). The norm weight (a constant) is loaded before the PDL wait, its latency hidden."""
-        W: tl.constexpr = GROUP if BLOCK >= GROUP else BLOCK
+        memory) — except where CHUNK is one group of 256 (decode): then as rows of 32, as at GROUP 32, and
+        the group quantised as those rows (`quantize_group_rows`). The norm weight (a constant) is loaded
+        before the PDL wait, its latency hidden."""
+        ONE: tl.constexpr = QUANT and GROUP == 256 and CHUNK == 256
+        W: tl.constexpr = 32 if ONE else GROUP if BLOCK >= GROUP else BLOCK
         group = tl.program_id(1) * (CHUNK // W) + tl.arange(0, CHUNK // W)
         chunk = group[:, None] * W + tl.arange(0, W)[None, :]
         ok = chunk < N
@@ -141,7 +146,9 @@ if HAVE_TRITON:
             y = y * w
         y = _round(y, out_ptr.dtype.element_ty)
         tl.store(out_ptr + t * so0 + h * so1 + cols, y, mask=ok)
-        if QUANT:  # W = GROUP (N a multiple of GROUP)
+        if ONE:
+            quantize_group_rows(y.to(tl.float32), i, tl.program_id(1), N, q_ptr, d_ptr, s_ptr)
+        elif QUANT:  # W = GROUP (N a multiple of GROUP)
             quantize_groups(tl.where(ok, y.to(tl.float32), 0.0), i, group, ok, N, q_ptr, d_ptr, s_ptr, GROUP)
 
     @jit
@@ -312,6 +319,19 @@ def _rows3(x: torch.Tensor, what: str) -> torch.Tensor:
 
 NORM_CHUNK = 512  # columns per program where a norm's rows are split (bench/fused_timing.py: 2.6 µs vs 6.0)
 NORM_SPLIT_ROWS = 16  # split rows when there are at most this many
+# Up to this many rows quantised in groups of 256 (q4il's activations), a program a group, held as rows of
+# 32 (the group's reductions to scalars, `quantize_group_rows`), instead of NORM_CHUNK columns as [2, 256]
+# tiles, whose reductions and reshape crossed the program's 16 warps (17 barriers against 5). The 27B Q4_K's
+# graphed rounds (H100, session 61): 1 lane 6.074 -> 6.044 ms, 2 lanes 6.243 -> 6.225, but 8 lanes 7.170 ->
+# 7.277 (twice the programs, each reading its whole row for the sum). NINFER_NORM_ONE_GROUP=0 / 1: never /
+# at any count of split rows, for A/B.
+NORM_ONE_GROUP_ROWS = 2
+
+
+def norm_one_group(rows: int) -> bool:
+    """Whether the decode norm of `rows` rows quantising in groups of 256 runs a program a group."""
+    forced = os.environ.get("NINFER_NORM_ONE_GROUP", "")
+    return forced == "1" if forced in ("0", "1") else rows <= NORM_ONE_GROUP_ROWS
 
 
 def _block(n: int) -> int:
@@ -367,7 +387,10 @@ def add_rms_norm(
     if T * H:
         block = _block(N)
         # a few rows (decode): each row over several programs, each re-reading the row for its sum
-        chunk = min(block, NORM_CHUNK) if T * H <= NORM_SPLIT_ROWS else block
+        chunk = block
+        if T * H <= NORM_SPLIT_ROWS:
+            one = quantize and group == 256 and norm_one_group(T * H)
+            chunk = 256 if one else min(block, NORM_CHUNK)
         _norm_kernel[(T * H, -(-N // chunk))](
             x3, r3, weight, o3, ro3, *q8, N, H, x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
             o3.stride(0), o3.stride(1), ro3.stride(0), ro3.stride(1), eps, HAS_RES=residual is not None,

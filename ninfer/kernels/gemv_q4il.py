@@ -363,8 +363,9 @@ def q4il_shape(tiles: int, sms: int) -> tuple[int, int]:
 
 # Columns up to which q4il stages its blocks by default: the 27B Q4_K graphed rounds on the H200 −0.03 ms at
 # one lane, −0.10 at two and at one lane of 4 positions, −0.08 at four lanes, +0.03 at eight (gpu-notes
-# "Session 50").
-STAGED_COLUMNS = 4
+# "Session 50", when every CTA still summed the activation after its wait); with the producers' sums, eight
+# lanes on their own slots −0.17 ms and the rest even (H100, session 61).
+STAGED_COLUMNS = 8
 
 
 def q4il_staged(columns: int) -> bool:

@@ -149,6 +149,26 @@ if HAVE_TRITON:
             tl.store(at + 8, (sums & 63).to(tl.int8), mask=(blk < nb)[:, None])
 
     @jit
+    def quantize_group_rows(v, row, blk, K, q_ptr, d_ptr, s_ptr):
+        """`quantize_groups` at GROUP 256 of one group `blk` held as 8 rows of 32 (`v` [8, 32] fp32): the same
+        bytes, its scale a scalar and each 32's Σq a row's sum, so a program whose rows of 32 are each in one
+        warp reduces the group's maximum across warps once and its sums in none (held as [1, 256], every
+        reduction and the per-32 reshape crossed warps: the 27B's decode norm took 17 barriers, not 5)."""
+        amax = tl_max(tl_max(tl.abs(v), 1), 0)
+        d = tl.math.div_rn(amax, 127.0)
+        safe = tl.where(d == 0.0, 1.0, d)
+        r = (tl.math.div_rn(v, safe) + 12582912.0) - 12582912.0  # round half to even, as quantize_groups
+        q = tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int32)
+        sub = tl.arange(0, 8)
+        tl.store(q_ptr + row.to(tl.int64) * K + blk * 256 + sub[:, None] * 32 + tl.arange(0, 32)[None, :],
+                 q.to(tl.int8))
+        tl.store(d_ptr + row.to(tl.int64) * (K // 256) + blk, d)
+        sums = tl_sum(q, 1)
+        at = s_ptr + row.to(tl.int64) * (K // 16) + blk * 16 + sub
+        tl.store(at, (sums >> 6).to(tl.int8))
+        tl.store(at + 8, (sums & 63).to(tl.int8))
+
+    @jit
     def _quantize_activation_kernel(x_ptr, q_ptr, d_ptr, s_ptr, K, stride_xm, BLOCKS: tl.constexpr,
                                     GROUP: tl.constexpr = 32, PDL: tl.constexpr = 0):
         pdl_start(PDL)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 60 ran `nextkernels`, `lanetrace`, `suites` and
-# `gpu` on an H200 (the prefetch by the GPU's bandwidth per SM since), `trace` on an H100; session 59 ran
+# $OUT/<phase>/, the settings' table printed last). Session 61 ran `suites q4after`, `skips`, `recur`,
+# `normone`, `gpu` and `small` on H100s (no H200 came); session 60 `nextkernels`, `lanetrace`, `suites` and `gpu` on
+# an H200 (the prefetch by the GPU's bandwidth per SM since), `trace` on an H100; session 59 ran
 # `gpu nextfine` and `nextkernels` on H100s; session 58 `next` and `nextsize` on an H100; session 57 `suites`,
 # `evict3` and evict2's settings on an H200; sessions 47-56's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
@@ -11,13 +12,18 @@
 #                                      # on for all but the tensor-core il32 kernel (main's default since; IQ3_S;
 #                                      # Q4_K off / on), then IQ3_S's 4-column step and 1-8 lanes as graphed
 #                                      # rounds under the three
-#   bash bench/pending_ab.sh q4after   # (after `suites`) q4il staged at every width, in clusters at every width,
-#                                      # against the defaults, now that its CTAs no longer sum the activation
-#                                      # (Q4_K rounds, ~5 min on an H100)
-#   bash bench/pending_ab.sh skips     # the graphed rounds without the recurrence, the gated norm, both, the
-#                                      # norms, SwiGLU: what each small kernel costs (both types, 1 / 8 lanes)
-#   bash bench/pending_ab.sh normone   # the decode norm a program a group of 256 vs 512 columns (Q4_K)
-#   bash bench/pending_ab.sh recur     # the recurrence's tiles, the conv GEMV's prefetch off (Q4_K, 1 / 8 lanes)
+#   bash bench/pending_ab.sh q4after   # (run in session 61, H100: staged at 8 columns gains, the default
+#                                      # since) q4il staged at every width, in clusters at every width, against
+#                                      # the defaults, now that its CTAs no longer sum the activation (~5 min)
+#   bash bench/pending_ab.sh skips     # (run in session 61, H100, ~5 min) the graphed rounds without the
+#                                      # recurrence, the gated norm, both, the norms, SwiGLU: what each small
+#                                      # kernel costs (both types, 1 / 8 lanes)
+#   bash bench/pending_ab.sh small     # (run in session 61, H100: four warps the default since) the gated
+#                                      # norm's warps; the norm a group a program at 4 columns (loses)
+#   bash bench/pending_ab.sh normone   # (run in session 61, H100: the default at 1-2 rows since) the decode
+#                                      # norm a program a group of 256 against 512 columns a program (Q4_K)
+#   bash bench/pending_ab.sh recur     # (run in session 61, H100: the defaults stay) the recurrence's tiles,
+#                                      # the conv GEMV's prefetch off (Q4_K, 1 / 8 lanes)
 #   bash bench/pending_ab.sh lanetrace # both types' graphed rounds by kernel name at 1 and 8 lanes (~3 min)
 #   bash bench/pending_ab.sh nextfine  # (run in session 59, H100) 4 against 8 MiB; at 8 MiB none from the
 #                                      # GEMV that runs the GDN conv of 2-8 lanes, the recurrence's state
@@ -62,7 +68,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -194,6 +200,14 @@ skip=fused._norm_kernel,skip=fused._swiglu_kernel --lanes 1,8
       # too (its 8 MiB meet the recurrence's state loads), Q4_K
       sweep recur_q4_k q4_k 280 NINFER_NEXT_PREFETCH_CONV_LANES=8,gdn=16:1:256,gdn=32:4:256,gdn=8:1:256,\
 gdn=32:1:256,gdn=32:2:256,gdn=64:4:256,NINFER_NEXT_PREFETCH_CONV_LANES=0 --lanes 1,8
+      ;;
+    small)
+      # the two-head gated norm on 1 / 2 / 4 warps (one: ~840 instructions in a chain; more: fewer
+      # each, 11-13 barriers; Q4_K's costs it 0.056 ms a 1-lane round, IQ3_S's a head a program 0.012); the
+      # decode norm a program a group of 256 at one lane's 4 positions (default: 1-2 rows only)
+      sweep small_gated q4_k 200 NINFER_GATED_NORM_WARPS=1,NINFER_GATED_NORM_WARPS=2,NINFER_GATED_NORM_WARPS=4 \
+        --lanes 1,8
+      sweep small_norm4 q4_k 120 NINFER_NORM_ONE_GROUP=,NINFER_NORM_ONE_GROUP=1 --columns 4
       ;;
     normone)
       # the decode norm quantising in groups of 256 a program a group (rows of 32: 5 barriers) against 512

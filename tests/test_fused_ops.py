@@ -206,6 +206,17 @@ def test_decode_norm_takes_a_program_a_group_of_256_at_few_rows(monkeypatch):
     assert fused.norm_one_group(8)
 
 
+def test_gated_norm_heads_warps(monkeypatch):
+    """The several-head gated norm's warps: GATED_HEADS_WARPS unless NINFER_GATED_NORM_WARPS names 1, 2, 4
+    or 8."""
+    monkeypatch.delenv("NINFER_GATED_NORM_WARPS", raising=False)
+    assert fused.gated_heads_warps() == fused.GATED_HEADS_WARPS == 4
+    monkeypatch.setenv("NINFER_GATED_NORM_WARPS", "2")
+    assert fused.gated_heads_warps() == 2
+    monkeypatch.setenv("NINFER_GATED_NORM_WARPS", "3")
+    assert fused.gated_heads_warps() == 4
+
+
 @pytest.mark.parametrize("one_group", ["0", "1"])
 def test_decode_norm_in_groups_of_256_either_way(gen, monkeypatch, one_group):
     """The decode add + RMSNorm quantising in groups of 256 a program a group (held as rows of 32) or
@@ -214,10 +225,10 @@ def test_decode_norm_in_groups_of_256_either_way(gen, monkeypatch, one_group):
     from ninfer.kernels import gemv_q8
 
     monkeypatch.setenv("NINFER_NORM_ONE_GROUP", one_group)
-    x = _randn(gen, 2, 1024, dtype=torch.bfloat16) * torch.linspace(0.1, 8.0, 1024)
+    x = (_randn(gen, 2, 1024) * torch.linspace(0.1, 8.0, 1024)).to(torch.bfloat16)
     r, w = _randn(gen, 2, 1024, dtype=torch.bfloat16), _randn(gen, 1024)
-    out, res = fused.add_rms_norm(x.to(torch.bfloat16), r, w, 1e-6, True, quantize=True, group=256)
-    want_out, want_res = fused.add_rms_norm(x.to(torch.bfloat16), r, w, 1e-6, True)
+    out, res = fused.add_rms_norm(x, r, w, 1e-6, True, quantize=True, group=256)
+    want_out, want_res = fused.add_rms_norm(x, r, w, 1e-6, True)
     assert torch.equal(res, want_res)
     _close(out, want_out)
     made = gemv_q8._MEMO.result
@@ -538,7 +549,7 @@ def compile_for_sm90() -> list[str]:
             build(fused._gated_norm_kernel, {**rows, **rest}, {"SCATTER": scatter, "QUANT": scatter,
                                                                "BLOCK": 128, "GROUP": 32}, 1)
             build(fused._gated_norm_heads_kernel, {**rows, "gather_ptr": "*i64", **rest},
-                  {"SCATTER": scatter, "BLOCK": 128, "HEADS": 2}, 2)
+                  {"SCATTER": scatter, "BLOCK": 128, "HEADS": 2}, fused.GATED_HEADS_WARPS)
         rotary = {"x_ptr": f"*{ty}", "w_ptr": "*fp32", "out_ptr": f"*{ty}", "x2_ptr": f"*{ty}",
                   "w2_ptr": "*fp32", "out2_ptr": f"*{ty}", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
                   **ints("D", "H", "H2", "R", "sx0", "sx1", "sx20", "sx21", "sc0", "ss0"), "eps": "fp32"}

@@ -406,6 +406,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bo
     return add_rms_norm(x, None, weight, eps, zero_centred)[0]
 
 
+# Warps of a `_gated_norm_heads_kernel` program (a group of 256 over heads of 128 or fewer): on one warp (as
+# `_row_warps` gives 256 columns) each thread ran a ~840-instruction chain with nothing to hide its latency;
+# four issue ~510 each and meet 13 barriers. The 27B Q4_K's graphed rounds (H100, session 61): 1 lane 6.044 ->
+# 6.000 ms (two warps 6.013), 8 lanes on their own slots 7.831 -> 7.796.
+GATED_HEADS_WARPS = 4
+
+
+def gated_heads_warps() -> int:
+    """`GATED_HEADS_WARPS`, or NINFER_GATED_NORM_WARPS (1, 2, 4 or 8) for A/B."""
+    forced = os.environ.get("NINFER_GATED_NORM_WARPS", "")
+    return int(forced) if forced in ("1", "2", "4", "8") else GATED_HEADS_WARPS
+
+
 def gated_rms_norm(
     o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
     scatter: torch.Tensor | None = None, quantize: bool = False, group: int = 32,
@@ -442,7 +455,7 @@ def gated_rms_norm(
         if heads > 1:
             _gated_norm_heads_kernel[(T * H // heads,)](
                 o3, z3, weight, out, dest, o3 if gather is None else gather, *q8, N, H, *strides, eps,
-                SCATTER=scatter is not None, BLOCK=block, HEADS=heads, **_extra(o, _row_warps(block * heads)))
+                SCATTER=scatter is not None, BLOCK=block, HEADS=heads, **_extra(o, gated_heads_warps()))
         else:
             _gated_norm_kernel[(T * H,)](o3, z3, weight, out, dest, *q8, N, H, *strides, eps,
                                          SCATTER=scatter is not None, QUANT=quantize, BLOCK=block,

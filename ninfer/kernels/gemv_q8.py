@@ -152,7 +152,7 @@ if HAVE_TRITON:
     def quantize_group_rows(v, row, blk, K, q_ptr, d_ptr, s_ptr):
         """`quantize_groups` at GROUP 256 of one group `blk` held as 8 rows of 32 (`v` [8, 32] fp32): the same
         bytes, its scale a scalar and each 32's Σq a row's sum, so a program whose rows of 32 are each in one
-        warp reduces the group's maximum across warps once and its sums in none (held as [1, 256], every
+        warp reduces the group's maximum across warps once and its sums in none (held as [groups, 256], every
         reduction and the per-32 reshape crossed warps: the 27B's decode norm took 17 barriers, not 5)."""
         amax = tl_max(tl_max(tl.abs(v), 1), 0)
         d = tl.math.div_rn(amax, 127.0)

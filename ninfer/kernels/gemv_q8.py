@@ -125,18 +125,27 @@ if HAVE_TRITON:
                                              dtype=tl.int32, is_pure=True, pack=1)
 
     @jit
+    def _scale(amax):
+        """A group's scale from its largest magnitude, and the divisor its codes take (1 where it is 0)."""
+        d = tl.math.div_rn(amax, 127.0)
+        return d, tl.where(d == 0.0, 1.0, d)
+
+    @jit
+    def _codes(v, safe):
+        """int8 codes of v / safe as int32: round half to even — adding and removing 1.5·2^23 leaves the
+        nearest integer (|v| <= 127) — then clamped to ±127."""
+        r = (tl.math.div_rn(v, safe) + 12582912.0) - 12582912.0
+        return tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int32)
+
+    @jit
     def quantize_groups(v, row, blk, ok, K, q_ptr, d_ptr, s_ptr, GROUP: tl.constexpr = 32):
         """Store the int8 activation of groups `blk` [G] of row `row` (`v` [G, GROUP] fp32, zero where not
         `ok`): codes into q [n, K], d into [n, K/GROUP], and at GROUP 32 d·Σq into [n, K/32], at 256 each
         32's Σq as hi and lo bytes into [n, K/16] (what `quantize_activation_reference` gives; the fused
         norm / SwiGLU kernels call this on their rounded outputs)."""
         nb = K // GROUP
-        amax = tl_max(tl.abs(v), 1)
-        d = tl.math.div_rn(amax, 127.0)
-        safe = tl.where(d == 0.0, 1.0, d)
-        # round half to even: adding and removing 1.5·2^23 leaves the nearest integer (|v| <= 127)
-        r = (tl.math.div_rn(v, safe[:, None]) + 12582912.0) - 12582912.0
-        q = tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int32)
+        d, safe = _scale(tl_max(tl.abs(v), 1))
+        q = _codes(v, safe[:, None])
         cols = blk[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         tl.store(q_ptr + row.to(tl.int64) * K + cols, q.to(tl.int8), mask=ok)
         tl.store(d_ptr + row.to(tl.int64) * nb + blk, d, mask=blk < nb)
@@ -154,11 +163,8 @@ if HAVE_TRITON:
         bytes, its scale a scalar and each 32's Σq a row's sum, so a program whose rows of 32 are each in one
         warp reduces the group's maximum across warps once and its sums in none (held as [groups, 256], every
         reduction and the per-32 reshape crossed warps: the 27B's decode norm took 17 barriers, not 5)."""
-        amax = tl_max(tl_max(tl.abs(v), 1), 0)
-        d = tl.math.div_rn(amax, 127.0)
-        safe = tl.where(d == 0.0, 1.0, d)
-        r = (tl.math.div_rn(v, safe) + 12582912.0) - 12582912.0  # round half to even, as quantize_groups
-        q = tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int32)
+        d, safe = _scale(tl_max(tl_max(tl.abs(v), 1), 0))
+        q = _codes(v, safe)
         sub = tl.arange(0, 8)
         tl.store(q_ptr + row.to(tl.int64) * K + blk * 256 + sub[:, None] * 32 + tl.arange(0, 32)[None, :],
                  q.to(tl.int8))

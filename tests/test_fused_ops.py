@@ -577,11 +577,13 @@ def compile_for_sm90() -> list[str]:
             decode = {"q_ptr": f"*{ty}", "kv_ptr": "*u8", "kv16_ptr": "*i16", "pt_ptr": "*i32",
                       "lane_ptr": "*i32", "len_ptr": "*i32", "levels_ptr": "*fp32", "acc_ptr": "*fp32",
                       "ml_ptr": "*fp32", **ints("Hq", "Hkv", "pt_stride", "pages_per_split"), "scale": "fp32"}
-            for name in ("int8", "rk4v4"):
+            # its pages asked into L2 before the wait (`prefetch.global.L2`) or not
+            for name, prefetch in (("int8", False), ("rk4v4", False), ("bf16", True), ("rk4v4", True)):
                 fmt = kv_quant.kv_format(name, 256)
                 build(paged_attention._paged_decode_kernel, decode,
                       {"FMT": paged_attention.KERNEL_KV_CODES[name], "D": 256, "G": 6, "GPAD": 16,
-                       "KB": fmt.key_bytes, "TB": fmt.token_bytes, "SPLITS": 16}, 4)
+                       "KB": fmt.key_bytes, "TB": fmt.token_bytes, "SPLITS": 16,
+                       "PREFETCH": paged_attention.PREFETCH_BYTES * prefetch}, 4)
             recurrence = {"y_ptr": "*fp32", "a_ptr": f"*{ty}", "b_ptr": f"*{ty}", "alog_ptr": "*fp32",
                           "dtb_ptr": "*fp32", "state_ptr": "*fp32", "slot_ptr": "*i64", "o_ptr": "*fp32",
                           "all_ptr": "*fp32", **ints("C", "Hv", "s_ab", "s_at", "s_ss", "s_sh")}

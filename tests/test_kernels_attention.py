@@ -116,6 +116,15 @@ def test_output_gate_in_the_merge_launch(dtype, dim, group, monkeypatch):
         paged_decode_attention(q, storage, tables, lane_ids, seq_lens, fmt, gate=gate[:, :64])
 
 
+def test_decode_pages_asked_into_l2_up_to_a_budget(monkeypatch):
+    monkeypatch.delenv("NINFER_ATTN_PREFETCH_MIB", raising=False)
+    assert ninfer.kernels.paged_attention.decode_prefetch() == ninfer.kernels.paged_attention.PREFETCH_BYTES
+    monkeypatch.setenv("NINFER_ATTN_PREFETCH_MIB", "64")
+    assert ninfer.kernels.paged_attention.decode_prefetch() == 64 << 20
+    monkeypatch.setenv("NINFER_ATTN_PREFETCH_MIB", "0")
+    assert ninfer.kernels.paged_attention.decode_prefetch() == 0
+
+
 def test_mismatched_pool_is_a_user_error():
     fmt = kv_quant.kv_format("int8", 64)
     storage = torch.zeros(2, 2, 64, 100, dtype=torch.uint8)

@@ -326,8 +326,9 @@ def test_gdn_conv_in_the_projection_on_gpu(fmt):
             assert not torch.equal(slots, want_slots)  # untouched: gdn_decode runs the conv
 
 
-@pytest.mark.parametrize("name", ["bf16", "int8", "rk8v4", "rk4v4"])
-def test_paged_attention_on_gpu(name):
+def _paged_case(name):
+    """Three sequences of 1000, 64 and 333 tokens over shuffled pages of random K/V, 24 query heads on 4 KV
+    heads: (q, storage, page tables, lane ids, lengths, format)."""
     fmt = kv_quant.kv_format(name, 256)
     lens = [1000, 64, 333]
     pages = sum(-(-n // 64) for n in lens)
@@ -342,10 +343,32 @@ def test_paged_attention_on_gpu(name):
                                                torch.randn(4, 64, 256, device="cuda"))
     ids = torch.tensor([2, 0, 1], dtype=torch.int32, device="cuda")
     seq = torch.tensor([lens[2], lens[0], lens[1]], dtype=torch.int32, device="cuda")
-    q = torch.randn(3, 24, 256, device="cuda")
-    ref = paged_decode_attention_reference(q, storage, tables, ids, seq, fmt)
-    out = paged_decode_attention(q, storage, tables, ids, seq, fmt)
+    return torch.randn(3, 24, 256, device="cuda"), storage, tables, ids, seq, fmt
+
+
+@pytest.mark.parametrize("name", ["bf16", "int8", "rk8v4", "rk4v4"])
+def test_paged_attention_on_gpu(name):
+    case = _paged_case(name)
+    ref = paged_decode_attention_reference(*case)
+    out = paged_decode_attention(*case)
     assert rel(out, ref) < 5e-3  # tf32 dots: H200 measured 3e-4..1.1e-3
+
+
+@pytest.mark.parametrize("name", ["bf16", "rk4v4"])
+def test_paged_attention_pages_asked_into_l2_on_gpu(name, monkeypatch):
+    """The programs' pages asked into L2 before their PDL wait (a hint) change no bit; in a graph either.
+    (The case's rows: 3 × 1000 tokens × 4 KV heads × 1,024 bytes at most, under the default budget.)"""
+    case = _paged_case(name)
+    monkeypatch.setenv("NINFER_ATTN_PREFETCH_MIB", "0")
+    plain = paged_decode_attention(*case)
+    monkeypatch.delenv("NINFER_ATTN_PREFETCH_MIB")
+    assert torch.equal(paged_decode_attention(*case), plain)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = paged_decode_attention(*case)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, plain)
 
 
 @pytest.mark.parametrize("name", ["bf16", "int8", "rk8v4", "rk4v4"])

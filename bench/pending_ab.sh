@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 61 ran `suites q4after`, `skips`, `recur`,
+# $OUT/<phase>/, the settings' table printed last). Session 62 ran `suites gpu`, `contend` and `attnpf` on
+# H100s (no H200 came; `attnpf` before the prefetch's byte cap); session 61 ran `suites q4after`, `skips`, `recur`,
 # `normone`, `gpu` and `small` on H100s (no H200 came); session 60 `nextkernels`, `lanetrace`, `suites` and `gpu` on
 # an H200 (the prefetch by the GPU's bandwidth per SM since), `trace` on an H100; session 59 ran
 # `gpu nextfine` and `nextkernels` on H100s; session 58 `next` and `nextsize` on an H100; session 57 `suites`,
@@ -18,6 +19,11 @@
 #   bash bench/pending_ab.sh skips     # (run in session 61, H100, ~5 min) the graphed rounds without the
 #                                      # recurrence, the gated norm, both, the norms, SwiGLU: what each small
 #                                      # kernel costs (both types, 1 / 8 lanes)
+#   bash bench/pending_ab.sh attnpf    # the decode attention's pages asked into L2 before its wait
+#                                      # (NINFER_ATTN_PREFETCH_MIB=0 / default / 64): GPU tests, rounds at 512
+#                                      # and 16K (~5 min)
+#   bash bench/pending_ab.sh contend   # Q4_K's graphed rounds with and without the norms, under the next
+#                                      # GEMV's prefetch off and q4il unstaged: what slows its norms (~3 min)
 #   bash bench/pending_ab.sh small     # (run in session 61, H100: four warps the default since) the gated
 #                                      # norm's warps; the norm a group a program at 4 columns (loses)
 #   bash bench/pending_ab.sh normone   # (run in session 61, H100: the default at 1-2 rows since) the decode
@@ -68,7 +74,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -208,6 +214,28 @@ gdn=32:1:256,gdn=32:2:256,gdn=64:4:256,NINFER_NEXT_PREFETCH_CONV_LANES=0 --lanes
       sweep small_gated q4_k 200 NINFER_GATED_NORM_WARPS=1,NINFER_GATED_NORM_WARPS=2,NINFER_GATED_NORM_WARPS=4 \
         --lanes 1,8
       sweep small_norm4 q4_k 120 NINFER_NORM_ONE_GROUP=,NINFER_NORM_ONE_GROUP=1 --columns 4
+      ;;
+    attnpf)
+      # each decode attention program asks its pages into L2 before its PDL wait (9 µs an attention layer at
+      # 512 tokens on the chain, its bytes < 1 µs; session 62: the 4-column step -0.046 ms, the rest even; on
+      # since, capped at PREFETCH_BYTES a launch): the GPU tests, Q4_K's rounds at 1 / 8 lanes, IQ3_S's
+      # 4-column step, Q4_K's 1-lane round at 16K tokens
+      step attnpf_tests 150 "$PY" -m pytest -q -m gpu tests/test_kernels_gpu.py -k paged
+      sweep attnpf_q4_k q4_k 200 NINFER_ATTN_PREFETCH_MIB=0,NINFER_ATTN_PREFETCH_MIB= --lanes 1,8
+      sweep attnpf_c4 iq3_s 120 NINFER_ATTN_PREFETCH_MIB=0,NINFER_ATTN_PREFETCH_MIB= --columns 4
+      # (the round on the lane's own slot at 16K tokens: its "own slots" row; the default budget asks nothing
+      # there, 64 MiB all of a layer's pages)
+      sweep attnpf_16k q4_k 240 NINFER_ATTN_PREFETCH_MIB=,NINFER_ATTN_PREFETCH_MIB=64 --prompt 16384 \
+        --max-context 16520 --lanes 1
+      ;;
+    contend)
+      # what slows the decode norm before q4il (0.18 ms of Q4_K's 1-lane round, IQ3_S's 0.07; q4il's CTAs made
+      # to fit beside it cost more, session 62): the norms left out or not, with the next GEMV's prefetch
+      # off, with q4il's first block not staged before its wait (session 62 also ran NINFER_NORM_LATE=1, the
+      # norm letting the next kernel launch at its end: +0.18 ms, IQ3_S +0.24; the knob is gone)
+      sweep contend_q4_k q4_k 280 skip=,skip=fused._norm_kernel,NINFER_NEXT_PREFETCH=0,\
+NINFER_NEXT_PREFETCH=0+skip=fused._norm_kernel,NINFER_Q4IL_STAGED=0,NINFER_Q4IL_STAGED=0+skip=fused._norm_kernel \
+        --lanes 1,8
       ;;
     normone)
       # the decode norm quantising in groups of 256 a program a group (rows of 32: 5 barriers) against 512

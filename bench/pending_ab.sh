@@ -19,6 +19,7 @@
 #   bash bench/pending_ab.sh skips     # (run in session 61, H100, ~5 min) the graphed rounds without the
 #                                      # recurrence, the gated norm, both, the norms, SwiGLU: what each small
 #                                      # kernel costs (both types, 1 / 8 lanes)
+#   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
 #   bash bench/pending_ab.sh attnpf    # the decode attention's pages asked into L2 before its wait
 #                                      # (NINFER_ATTN_PREFETCH_MIB=0 / default / 64): GPU tests, rounds at 512
 #                                      # and 16K (~5 min)
@@ -74,7 +75,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="h200, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -214,6 +215,13 @@ gdn=32:1:256,gdn=32:2:256,gdn=64:4:256,NINFER_NEXT_PREFETCH_CONV_LANES=0 --lanes
       sweep small_gated q4_k 200 NINFER_GATED_NORM_WARPS=1,NINFER_GATED_NORM_WARPS=2,NINFER_GATED_NORM_WARPS=4 \
         --lanes 1,8
       sweep small_norm4 q4_k 120 NINFER_NORM_ONE_GROUP=,NINFER_NORM_ONE_GROUP=1 --columns 4
+      ;;
+    h200)
+      # the first H200 since session 60: both suites on today's code, then how much q4il asks of the next GEMV
+      # there (8 MiB since session 58, sized on an H100; the H200 asks twice the bytes in flight), Q4_K
+      WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=200 OUT=$OUT bash bench/gpu_bench.sh
+      sweep h200_size q4_k 200 NINFER_NEXT_PREFETCH=q4il=8192,NINFER_NEXT_PREFETCH=q4il=4096,\
+NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
       ;;
     attnpf)
       # each decode attention program asks its pages into L2 before its PDL wait (9 µs an attention layer at

@@ -152,6 +152,13 @@ def _run_pages(n, pages_per_split, SPLITS: tl.constexpr):
 
 
 @jit
+def _run_of(n, sp, pages_per_split, SPLITS: tl.constexpr):
+    """(first, last + 1) page of split sp's run of a sequence of n tokens (an empty run past its pages)."""
+    per = _run_pages(n, pages_per_split, SPLITS)
+    return sp * per, tl.minimum((n + 63) // 64, sp * per + per)
+
+
+@jit
 def _ask_pages(kv_ptr, pt_ptr, lane_ptr, len_ptr, Hkv, pt_stride, pages_per_split, TB: tl.constexpr,
                SPLITS: tl.constexpr, LIMIT: tl.constexpr):
     """Ask the rows of this program's run of pages into L2 (PTX `prefetch.global.L2`, a hint: nothing waits
@@ -162,9 +169,7 @@ def _ask_pages(kv_ptr, pt_ptr, lane_ptr, len_ptr, Hkv, pt_stride, pages_per_spli
     h = tl.program_id(1)
     lane = tl.load(lane_ptr + b).to(tl.int64)
     n = tl.load(len_ptr + b)
-    per = _run_pages(n, pages_per_split, SPLITS)
-    first = tl.program_id(2) * per
-    last = tl.minimum((n + 63) // 64, first + per)
+    first, last = _run_of(n, tl.program_id(2), pages_per_split, SPLITS)
     if n.to(tl.int64) * tl.num_programs(0) * Hkv * TB > LIMIT:
         last = first
     at = tl.minimum(tl.arange(0, LINES) * 128, TB - 1)[None, :]
@@ -190,9 +195,7 @@ def _paged_decode_kernel(
     sp = tl.program_id(2)
     lane = tl.load(lane_ptr + b).to(tl.int64)
     n = tl.load(len_ptr + b)
-    per = _run_pages(n, pages_per_split, SPLITS)
-    first = sp * per
-    last = tl.minimum((n + 63) // 64, first + per)
+    first, last = _run_of(n, sp, pages_per_split, SPLITS)
     g = tl.arange(0, GPAD)
     g_ok = g < G
     d = tl.arange(0, D)[None, :]

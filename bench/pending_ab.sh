@@ -19,9 +19,6 @@
 #   bash bench/pending_ab.sh skips     # (run in session 61, H100, ~5 min) the graphed rounds without the
 #                                      # recurrence, the gated norm, both, the norms, SwiGLU: what each small
 #                                      # kernel costs (both types, 1 / 8 lanes)
-#   bash bench/pending_ab.sh statepf   # the conv GEMV asks the lanes' recurrent state slots into L2
-#                                      # (NINFER_STATE_PREFETCH_MIB=0 / default / 32): GPU tests, both types'
-#                                      # rounds at 1, 2, 8 lanes (~5 min)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
 #   bash bench/pending_ab.sh attnpf    # the decode attention's pages asked into L2 before its wait
 #                                      # (NINFER_ATTN_PREFETCH_MIB=0 / default / 64): GPU tests, rounds at 512
@@ -78,7 +75,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="statepf, h200, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="h200, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -218,16 +215,6 @@ gdn=32:1:256,gdn=32:2:256,gdn=64:4:256,NINFER_NEXT_PREFETCH_CONV_LANES=0 --lanes
       sweep small_gated q4_k 200 NINFER_GATED_NORM_WARPS=1,NINFER_GATED_NORM_WARPS=2,NINFER_GATED_NORM_WARPS=4 \
         --lanes 1,8
       sweep small_norm4 q4_k 120 NINFER_NORM_ONE_GROUP=,NINFER_NORM_ONE_GROUP=1 --columns 4
-      ;;
-    statepf)
-      # the lanes' recurrent state slots asked into L2 by the GEMV that runs their conv, as its CTAs finish
-      # (the recurrence loads them before its wait; budget 8 MiB: one or two lanes of the 27B, 32 MiB every
-      # width): the conv epilogue's GPU tests with it, both types' rounds at 1, 2 and 8 lanes
-      step statepf_tests 200 "$PY" -m pytest -q -m gpu tests/test_gemv_il.py -k "conv_in_the_gemvs"
-      sweep statepf_q4_k q4_k 200 NINFER_STATE_PREFETCH_MIB=0,NINFER_STATE_PREFETCH_MIB=,\
-NINFER_STATE_PREFETCH_MIB=32 --lanes 1,2,8
-      sweep statepf_iq3_s iq3_s 200 NINFER_STATE_PREFETCH_MIB=0,NINFER_STATE_PREFETCH_MIB=,\
-NINFER_STATE_PREFETCH_MIB=32 --lanes 1,2,8
       ;;
     h200)
       # the first H200 since session 60: both suites on today's code, then how much q4il asks of the next GEMV

@@ -54,16 +54,8 @@ PRELUDE = r"""
 #define __cluster_dims__(...)
 #define __restrict__ __restrict
 
-// bytes asked into L2 by a launch's `prefetch_l2`s (HostKernel.prefetched), and where (HostKernel.runs)
+// bytes asked into L2 by a launch's `prefetch_l2`s (HostKernel.prefetched)
 extern "C" { std::atomic<unsigned long long> emu_prefetched{0}; }
-std::mutex emu_runs_mutex;
-std::vector<std::pair<std::uintptr_t, unsigned>> emu_runs;
-extern "C" unsigned long long emu_run_count() { return emu_runs.size(); }
-extern "C" void emu_run(unsigned long long i, unsigned long long* at, unsigned* bytes) {
-    *at = emu_runs[i].first;
-    *bytes = emu_runs[i].second;
-}
-extern "C" void emu_runs_clear() { emu_runs.clear(); }
 
 struct dim3_ { unsigned x, y, z; };
 struct uint4 { unsigned x, y, z, w; };
@@ -285,8 +277,6 @@ EMULATED = {
         std::abort();
     }
     emu_prefetched += bytes;
-    std::lock_guard<std::mutex> lock(emu_runs_mutex);
-    emu_runs.emplace_back(reinterpret_cast<std::uintptr_t>(p), bytes);
 }""",
     "cp_async16": "inline void cp_async16(unsigned dst, const void* src) { emu_cp_async(dst, src); }",
     "cp_async_commit": "inline void cp_async_commit() { emu_cp_commit(); }",
@@ -442,7 +432,6 @@ class HostKernel:
         self._lib = ctypes.CDLL(str(lib))
         self._lib.emu_launch.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_ulong,
                                          ctypes.POINTER(ctypes.c_void_p)]
-        self._lib.emu_run_count.restype = ctypes.c_ulonglong
 
     def __call__(self, grid, block, args, shared_mem: int = 0) -> None:
         grid = grid[0] if isinstance(grid, tuple) else grid
@@ -461,11 +450,5 @@ class HostKernel:
                                                    for v in values])
         counter = ctypes.c_ulonglong.in_dll(self._lib, "emu_prefetched")
         counter.value = 0
-        self._lib.emu_runs_clear()
         self._lib.emu_launch(grid, block, shared_mem, ptrs)
         self.prefetched = counter.value  # bytes its `prefetch_l2`s asked for
-        self.runs = []  # and each one's (address, bytes), in no particular order
-        at, size = ctypes.c_ulonglong(), ctypes.c_uint()
-        for i in range(self._lib.emu_run_count()):
-            self._lib.emu_run(ctypes.c_ulonglong(i), ctypes.byref(at), ctypes.byref(size))
-            self.runs.append((at.value, size.value))

@@ -500,10 +500,9 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
                                              ("q4il", 4), ("q4il", 8)])
 def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, lanes, monkeypatch):
     """The 27B's GDN input projection at one token a lane runs the decode conv of its first 10240 outputs in
-    its epilogue (`lane_conv`, NINFER_LANE_CONV_COLUMNS=8; NINFER_LANE_CONV=0 turns it off), asking the
-    lanes' 3 MiB recurrent state slots into L2 (NINFER_STATE_PREFETCH_MIB=32: at every width): the output
-    the same bits as without, each lane's conv output and slot as `conv_epilogue_store`'s arithmetic on
-    them, the other slots untouched, the state slots too."""
+    its epilogue (`lane_conv`, NINFER_LANE_CONV_COLUMNS=8; NINFER_LANE_CONV=0 turns it off): the output the
+    same bits as without, each lane's conv output and slot as `conv_epilogue_store`'s arithmetic on them,
+    the other slots untouched."""
     from ninfer.kernels import gemv_q4il
     from ninfer.kernels.gdn_decode import ConvEpilogue
 
@@ -514,15 +513,10 @@ def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, lanes, monkeypatch):
                      else (gemv_q4il.repack_q4il(raw), gemv_q4il.q4il_matmul))
     x = torch.randn(lanes, k, device="cuda").to(torch.bfloat16)
     ids = torch.randperm(lanes + 2)[:lanes].cuda()  # int64, as the decode graphs'
-    monkeypatch.setenv("NINFER_STATE_PREFETCH_MIB", "32")
-    state = torch.randn(lanes + 2, 48, 128, 128, device="cuda")
-    kept = state.clone()
-    conv = ConvEpilogue.of(torch.randn(c, 4, device="cuda"), torch.randn(lanes + 2, c, 3, device="cuda"), ids,
-                           state)
+    conv = ConvEpilogue.of(torch.randn(c, 4, device="cuda"), torch.randn(lanes + 2, c, 3, device="cuda"), ids)
     before = conv.slots.clone()
     y = lane_conv_on_and_off(monkeypatch, matmul, words, x, n, conv)
     assert_conv_ran(y, conv, before, atol=1e-5)
-    assert torch.equal(state, kept)
 
 
 @pytest.mark.gpu
@@ -593,35 +587,6 @@ def test_a_linear_asks_its_producer_for_its_kernels_grouping(monkeypatch):
     assert MergedLinear.activation_group(merged) == 256
     monkeypatch.setenv("NINFER_IL_GROUP", "32")
     assert Linear.activation_group(il32) == 32
-
-
-def test_the_conv_gemvs_ask_the_lanes_state_slots_within_the_budget(monkeypatch):
-    """`state_prefetch`: a conv with state slots of 16-byte multiples gives their stride, a lane's bytes and
-    a CTA's 16-byte share of them, while the lanes' slots come to at most `STATE_PREFETCH_BYTES`
-    (NINFER_STATE_PREFETCH_MIB another budget, 0 none); no bytes without state or for slots of odd sizes."""
-    from ninfer.kernels.gdn_decode import ConvEpilogue
-
-    monkeypatch.delenv("NINFER_STATE_PREFETCH_MIB", raising=False)
-    c = 64
-
-    def conv_of(lanes: int, state) -> ConvEpilogue:
-        return ConvEpilogue.of(torch.randn(c, 4), torch.randn(lanes + 1, c, 3), torch.arange(lanes), state)
-
-    state = torch.randn(4, 48, 128, 128)  # the 27B's fp32 slots: 3 MiB a lane
-    lane = 48 * 128 * 128 * 4
-    assert gemv_il.STATE_PREFETCH_BYTES == 8 << 20
-    args = gemv_il.state_prefetch(conv_of(2, state), 515)
-    assert args[0] is state and args[1:3] == [lane, lane]
-    assert args[3] % 16 == 0 and args[3] * 515 >= lane > args[3] * 514
-    assert gemv_il.state_prefetch(conv_of(3, state), 515)[2] == 0  # 9 MiB
-    monkeypatch.setenv("NINFER_STATE_PREFETCH_MIB", "9")
-    assert gemv_il.state_prefetch(conv_of(3, state), 515)[2] == lane
-    monkeypatch.setenv("NINFER_STATE_PREFETCH_MIB", "0")
-    assert gemv_il.state_prefetch(conv_of(1, state), 515)[2] == 0
-    monkeypatch.delenv("NINFER_STATE_PREFETCH_MIB")
-    assert gemv_il.state_prefetch(conv_of(1, None), 515)[1:] == [0, 0, 0]
-    assert gemv_il.state_prefetch(conv_of(1, torch.randn(2, 3, 5)), 8)[2] == 0  # 60 bytes a lane
-    assert len(gemv_il.conv_arguments(conv_of(1, state), 8)) == 7 + 4
 
 
 def test_lane_conv_takes_one_token_a_lane_up_to_its_column_limit(monkeypatch):

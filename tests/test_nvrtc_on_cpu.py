@@ -33,15 +33,6 @@ def activation(columns: int, k: int, group: int):
     return quantize_activation_reference(x, group)
 
 
-LAUNCHED: list[HostKernel] = []  # run_il's and run_lane's kernels, the latest last (their prefetches)
-
-
-def host_launch(source: str, name: str, ctas: int, threads: int, args: list, smem: int) -> None:
-    kernel = HostKernel(source, name)
-    kernel((ctas,), (threads,), args, smem)
-    LAUNCHED.append(kernel)
-
-
 def run_il(source_of, words, xa, n, s: gemv_il.IlSchedule, ctas: int, ring: int, dtype=torch.float32,
            conv=None):
     """One launch of il32 schedule s (its source from `source_of(source)`; `conv`: the CONV build running
@@ -59,8 +50,8 @@ def run_il(source_of, words, xa, n, s: gemv_il.IlSchedule, ctas: int, ring: int,
         name = "iq3s_il_mma"
     else:
         name = "iq3s_il_gemv"
-    host_launch(source, name, ctas, 32 * s.warps, args + [ring, *gemv_il.conv_arguments(conv, ctas)],
-                s.smem_bytes(columns, k, ring))
+    HostKernel(source, name)((ctas,), (32 * s.warps,), args + [ring, *gemv_il.conv_arguments(conv)],
+                             s.smem_bytes(columns, k, ring))
     return y, counts
 
 
@@ -116,9 +107,8 @@ def run_lane(name: str, source_of, words, xa, n: int, warps: int, smem: int, sou
     columns = xa.q.shape[0]
     y = torch.full((columns, n), float("nan"), dtype=dtype)
     sums = [xa.s] if name == "q4k_il_mma" else []  # (q4il reads each 32 inputs' sums as the producer wrote)
-    host_launch(source_of(source), name, ctas, 32 * warps, [
-        words, xa.words, xa.d, *sums, y, n, xa.q.shape[1], y.stride(0), *gemv_il.conv_arguments(conv, ctas)],
-        smem)
+    HostKernel(source_of(source), name)((ctas,), (32 * warps,), [
+        words, xa.words, xa.d, *sums, y, n, xa.q.shape[1], y.stride(0), *gemv_il.conv_arguments(conv)], smem)
     return y
 
 
@@ -231,14 +221,12 @@ def test_the_evicting_builds_compute_the_same_bits(columns):
 def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same):
     """The il32 (dp4a at 1-2 columns, tensor cores from 3 with `splits` pieces a tile) or q4il GEMV running
     the GDN decode conv of its first outputs in its epilogue (`CONV_STAGE`), column m lane m's token: (y, the
-    conv, its slots before, y of the build without the conv). The conv carries recurrent state slots of
-    1,536 bytes a lane, for the CONV build to ask into L2 (`LAUNCHED[-2].runs`)."""
+    conv, its slots before, y of the build without the conv)."""
     from ninfer.kernels.gdn_decode import ConvEpilogue
 
     n, k, c = 96, 768, 72  # channels across a tile's end
     ids = torch.randperm(columns + 2)[:columns]  # the lanes' slots out of order; int64, as the decode graphs'
-    conv = ConvEpilogue.of(torch.randn(c, 4), torch.randn(columns + 2, c, 3), ids,
-                           torch.randn(columns + 2, 3, 8, 16))
+    conv = ConvEpilogue.of(torch.randn(c, 4), torch.randn(columns + 2, c, 3), ids)
     before = conv.slots.clone()
     conv.out.fill_(float("nan"))
     xa = activation(columns, k, 256)
@@ -267,18 +255,6 @@ def test_the_gdn_conv_in_a_gemvs_epilogue(kind, columns, splits):
     y, conv, before, plain = conv_case(kind, columns, splits)
     assert_conv_ran(y, conv, before)
     assert torch.equal(y, plain) and not y.isnan().any()
-    assert slots_asked(LAUNCHED[-2].runs, conv)
-
-
-def slots_asked(runs: list[tuple[int, int]], conv) -> bool:
-    """Whether a CONV build's prefetches (`HostKernel.runs`) cover each lane's recurrent state slot exactly,
-    every byte once."""
-    lane = conv.state[0].numel() * 4
-    slots = [conv.state[int(i)].data_ptr() for i in conv.slot_ids]
-    runs = sorted(runs)
-    apart = all(a + n <= b for (a, n), (b, _) in zip(runs, runs[1:], strict=False))
-    inside = all(any(s <= a and a + n <= s + lane for s in slots) for a, n in runs)
-    return apart and inside and sum(n for _, n in runs) == lane * len(slots)
 
 
 # plausible slips, each in one kernel's source: the test above must see every one
@@ -303,9 +279,6 @@ MUTATIONS = {
                                              "QBlock{b.tile + 2 * (int)gridDim.x,"),
     "conv: the slot not moved on": ("conv", "cp[0] = s1;", "cp[0] = s0;"),
     "conv: every lane on the first's slot": ("conv", "cv.slot_ids[m * cv.step]", "cv.slot_ids[0]"),
-    "conv: every lane's state asked from the first's slot": ("conv_prefetch", "cslot[m_ * ids_step]",
-                                                              "cslot[0]"),
-    "conv: a CTA's state run asked twice": ("conv_prefetch", "blockIdx.x * rs_run,", "0 * rs_run,"),
     "conv: a split tile's conv left out": ("conv_split", "conv_store(cv, m, tile * 32 + row, to_out(v));",
                                             "(void)0;"),
 }
@@ -327,10 +300,6 @@ def test_a_slip_in_a_kernel_fails(name):
         s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1)
         y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
-    elif kind == "conv_prefetch":
-        _, conv, _, _ = conv_case("q4il", 4, source_of=mutate)
-        assert not slots_asked(LAUNCHED[-2].runs, conv)
-        return
     elif kind in ("conv", "conv_split"):
         y, conv, before, _ = conv_case("il", 4, 3 if kind == "conv_split" else 1, source_of=mutate)
         with pytest.raises(AssertionError):

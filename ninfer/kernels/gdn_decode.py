@@ -66,23 +66,19 @@ class ConvEpilogue:
     its input to do in its epilogue: column m of that GEMV is lane m's token; outputs 0..C-1 are the conv
     channels; lane m's conv slot `slot_ids[m]` of `slots` `[S, C, 3]` moves on by that input and `out`
     `[M, C]` (fp32) gets silu(conv), what `gdn_decode` then reads instead of running its conv (`conv_done`).
-    `applied` is set by the GEMV that did it (`gguf_matmul.quant_matmul`: rows kernels without split-K).
-    `state`: the layer's recurrent state slots `[S, Hv, Dk, Dv]`, which the NVRTC GEMVs ask into L2 for the
-    recurrence after them (`gemv_il.state_prefetch`)."""
+    `applied` is set by the GEMV that did it (`gguf_matmul.quant_matmul`: rows kernels without split-K)."""
 
     weight: torch.Tensor  # [C, 4] fp32, contiguous
     slots: torch.Tensor  # [S, C, 3], the layer's conv slots (unit stride along the taps)
     slot_ids: torch.Tensor  # [M] int32
     out: torch.Tensor  # [M, C] fp32
     applied: bool = False
-    state: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, weight: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
-           state: torch.Tensor | None = None) -> ConvEpilogue:
+    def of(cls, weight: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor) -> ConvEpilogue:
         C = slots.shape[1]
         return cls(weight.float().contiguous(), slots, slot_ids,
-                   torch.empty((slot_ids.shape[0], C), dtype=torch.float32, device=slots.device), state=state)
+                   torch.empty((slot_ids.shape[0], C), dtype=torch.float32, device=slots.device))
 
     @property
     def channels(self) -> int:

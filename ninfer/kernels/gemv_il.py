@@ -195,14 +195,14 @@ __device__ __forceinline__ unsigned ldw(const unsigned* p) {
 #ifndef NEXT
 #define NEXT 0
 #endif
+#if NEXT
+#define NEXT_PARAMS , const char* __restrict__ next_w, unsigned next_bytes, unsigned next_stride, \
+                    unsigned next_run, unsigned next_runs
 __device__ __forceinline__ void prefetch_l2(const char* p, unsigned bytes) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 #endif
 }
-#if NEXT
-#define NEXT_PARAMS , const char* __restrict__ next_w, unsigned next_bytes, unsigned next_stride, \
-                    unsigned next_run, unsigned next_runs
 #define NEXT_PREFETCH(last)                                                                               \
     if ((last) && threadIdx.x == 0)                                                                       \
         for (unsigned r_ = blockIdx.x; r_ < next_runs; r_ += gridDim.x) {                                 \
@@ -231,18 +231,9 @@ __device__ __forceinline__ out_t to_out(float v) {
 CONV_STAGE = r"""
 #if CONV
 // the kernels' last parameters (`conv_arguments`): weights [C, 4], slots, slot ids, the conv's output
-// [NCOL, C], C, the slots' stride, the slot ids' step in 32-bit words (1: int32, 2: int64); the recurrence's
-// state slots, their stride in bytes, the bytes of a lane's slot to ask into L2 (0: none) and a CTA's run
+// [NCOL, C], C, the slots' stride, the slot ids' step in 32-bit words (1: int32, 2: int64)
 #define CONV_PARAMS , const float4* __restrict__ cw, float* __restrict__ cs, const int* __restrict__ cslot, \
-    float* __restrict__ co, int conv_c, int s_cs, int ids_step, const char* __restrict__ rs, unsigned s_rs, \
-    unsigned rs_bytes, unsigned rs_run
-// the lanes' recurrent state slots, which the recurrence after this GEMV loads before its wait, asked into
-// L2 as a CTA finishes its last tile: run blockIdx.x of each lane's slot (sm_90, before that nothing)
-#define CONV_PREFETCH(last)                                                                               \
-    if ((last) && threadIdx.x == 0 && blockIdx.x * rs_run < rs_bytes)                                     \
-        for (int m_ = 0; m_ < NCOL; ++m_)                                                                 \
-            prefetch_l2(rs + (size_t)cslot[m_ * ids_step] * s_rs + blockIdx.x * rs_run,                   \
-                        min(rs_run, rs_bytes - blockIdx.x * rs_run));
+    float* __restrict__ co, int conv_c, int s_cs, int ids_step
 struct ConvArgs {
     const float4* w; float* slots; const int* slot_ids; float* out; int c; int s_cs; int step;
 };
@@ -262,7 +253,6 @@ __device__ __forceinline__ void conv_store(const ConvArgs& cv, int m, int row, o
 #else
 #define CONV_PARAMS
 #define CONV_ARGS
-#define CONV_PREFETCH(last)
 #endif
 """
 
@@ -431,7 +421,6 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
         if (t + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
 #endif
         NEXT_PREFETCH(t + gridDim.x >= tiles)
-        CONV_PREFETCH(t + gridDim.x >= tiles)
         if (WARPS == 1) {
             const int row = t * 32 + lane;
             if (row < N) {
@@ -645,7 +634,6 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
         if (item + gridDim.x >= items) asm volatile("griddepcontrol.launch_dependents;");
 #endif
         NEXT_PREFETCH(item + gridDim.x >= items)
-        CONV_PREFETCH(item + gridDim.x >= items)
         // rows 4 gq + r, columns 2t, 2t + 1: summed over the warps through shared memory
         float* rk = red + (k * WARPS + wid) * (32 * 8);
 #pragma unroll
@@ -1067,37 +1055,12 @@ def lane_conv(conv, x: torch.Tensor, out_features: int):
     return conv if ok else None
 
 
-# The lanes' recurrent state slots asked into L2 by the GEMV that runs their conv (`CONV_PREFETCH`; the
-# recurrence after it loads them before its wait) where they come to at most STATE_PREFETCH_BYTES (the 27B's
-# fp32 state is 3 MiB a lane and layer: one or two lanes); NINFER_STATE_PREFETCH_MIB=N another budget, 0 none.
-STATE_PREFETCH_BYTES = 8 << 20
-
-
-def state_prefetch(conv, ctas: int) -> list:
-    """A CONV build's state arguments (`CONV_PARAMS`' last four) for a launch of `ctas` CTAs: the state
-    slots, their stride in bytes, a lane's slot bytes and a CTA's 16-byte-multiple share of them — or
-    bytes 0 where the conv has no state, its lanes' slots come to more than the budget or are not whole
-    16-byte runs."""
-    forced = os.environ.get("NINFER_STATE_PREFETCH_MIB", "")
-    budget = int(forced) << 20 if forced.isdigit() else STATE_PREFETCH_BYTES
-    state = conv.state
-    if state is None:
-        return [conv.out, 0, 0, 0]
-    lane = state[0].numel() * state.element_size()
-    stride = state.stride(0) * state.element_size()
-    if (lane * conv.slot_ids.shape[0] > budget or not state[0].is_contiguous() or lane % 16 or stride % 16
-            or state.data_ptr() % 16 or stride >= 1 << 31):
-        return [state, 0, 0, 0]
-    return [state, stride, lane, _share16(lane, ctas)]
-
-
-def conv_arguments(conv, ctas: int) -> list:
-    """A CONV build's last arguments (`CONV_STAGE`) for a launch of `ctas` CTAs, the conv marked as run; none
-    without one."""
+def conv_arguments(conv) -> list:
+    """A CONV build's last arguments (`CONV_STAGE`), the conv marked as run; none without one."""
     if conv is None:
         return []
     conv.applied = True
-    return [*conv.launch_args(), conv.slot_ids.element_size() // 4, *state_prefetch(conv, ctas)]
+    return [*conv.launch_args(), conv.slot_ids.element_size() // 4]
 
 
 def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
@@ -1133,7 +1096,7 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
             pieces = s.splits
             ctas = min(tiles * s.splits, _launch_shape(words.device, s, n, k))
     following = next_prefetch(s.kernel, words, ctas, tiles, -(-ctas // pieces), n if conv is not None else 0)
-    args += [ring, *conv_arguments(conv, ctas), *following]
+    args += [ring, *conv_arguments(conv), *following]
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
     # one build for every split count
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], s if s.splits == 1 else replace(s, splits=1), pdl,

@@ -290,7 +290,6 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
         if (tile + gridDim.x / CLUSTER >= tiles) asm volatile("griddepcontrol.launch_dependents;");
 #endif
         NEXT_PREFETCH(tile + gridDim.x / CLUSTER >= tiles)
-        CONV_PREFETCH(tile + gridDim.x / CLUSTER >= tiles)
         if (it == 0) cluster_wait();
         store_cluster_tile(red, sums + (it & 1) * (CLUSTER * 256), acc, wid, gq, t, rank, tile, N, y, stride_y
 #if CONV
@@ -302,7 +301,6 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
         if (tile + gridDim.x >= tiles) asm volatile("griddepcontrol.launch_dependents;");
 #endif
         NEXT_PREFETCH(tile + gridDim.x >= tiles)
-        CONV_PREFETCH(tile + gridDim.x >= tiles)
         store_tile(red, acc, wid, gq, t, tile, N, y, stride_y
 #if CONV
                    , cv
@@ -454,8 +452,7 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged, cluster,
                        evict=evict_level("q4il"), prefetch=bool(following))
     _launch(kernel, ctas, 32 * shape[0], smem_bytes(shape[0], staged, cluster),
-            [words, xa.words, xa.d, xa.s, y, out_features, k, y.stride(0), *conv_arguments(conv, ctas),
-             *following],
+            [words, xa.words, xa.d, xa.s, y, out_features, k, y.stride(0), *conv_arguments(conv), *following],
             pdl)
     return y
 

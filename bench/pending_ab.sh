@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 62 ran `suites gpu`, `contend` and `attnpf` on
+# $OUT/<phase>/, the settings' table printed last). Session 63 ran `attnpf` (the byte cap: even) and a
+# `statepf` phase on H100s (the conv GEMVs asking the lanes' state slots into L2: slower, reverted; commit
+# 132ec74 has both); session 62 ran `suites gpu`, `contend` and `attnpf` on
 # H100s (no H200 came; `attnpf` before the prefetch's byte cap); session 61 ran `suites q4after`, `skips`, `recur`,
 # `normone`, `gpu` and `small` on H100s (no H200 came); session 60 `nextkernels`, `lanetrace`, `suites` and `gpu` on
 # an H200 (the prefetch by the GPU's bandwidth per SM since), `trace` on an H100; session 59 ran
@@ -20,7 +22,7 @@
 #                                      # recurrence, the gated norm, both, the norms, SwiGLU: what each small
 #                                      # kernel costs (both types, 1 / 8 lanes)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
-#   bash bench/pending_ab.sh attnpf    # the decode attention's pages asked into L2 before its wait
+#   bash bench/pending_ab.sh attnpf    # (run in session 63, H100: even) the decode attention's pages asked into L2 before its wait
 #                                      # (NINFER_ATTN_PREFETCH_MIB=0 / default / 64): GPU tests, rounds at 512
 #                                      # and 16K (~5 min)
 #   bash bench/pending_ab.sh contend   # Q4_K's graphed rounds with and without the norms, under the next

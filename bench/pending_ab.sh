@@ -22,9 +22,9 @@
 #                                      # recurrence, the gated norm, both, the norms, SwiGLU: what each small
 #                                      # kernel costs (both types, 1 / 8 lanes)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
-#   bash bench/pending_ab.sh attnpf    # (run in session 63, H100: even) the decode attention's pages asked into L2 before its wait
-#                                      # (NINFER_ATTN_PREFETCH_MIB=0 / default / 64): GPU tests, rounds at 512
-#                                      # and 16K (~5 min)
+#   bash bench/pending_ab.sh attnpf    # (run in session 63, H100: even) the decode attention's pages asked
+#                                      # into L2 before its wait (NINFER_ATTN_PREFETCH_MIB=0 / default / 64):
+#                                      # GPU tests, rounds at 512 and 16K (~5 min)
 #   bash bench/pending_ab.sh contend   # Q4_K's graphed rounds with and without the norms, under the next
 #                                      # GEMV's prefetch off and q4il unstaged: what slows its norms (~3 min)
 #   bash bench/pending_ab.sh small     # (run in session 61, H100: four warps the default since) the gated

@@ -53,15 +53,15 @@ def complete(url: str, ids, stream: bool = False) -> tuple[str, int, str]:
 def served(request, tmp_path_factory):
     """(GPU server, prompts, name -> the in-process engine's text, -> that text up to the fragile step)."""
     from ninfer.artifact import open_artifact
+    from ninfer.engine.engine import EngineConfig
     from ninfer.models import load_model
 
     artifact = convert_tiny(tmp_path_factory.mktemp("serve-gpu") / "tiny.ninfer", request.param)
     prompts = reference_prompts()
-    # the weights as the server's engine keeps them on CUDA (`EngineConfig.keeps_quantized_weights`): GGUF
-    # matrices resident, same-input projections merged (the bf16 file's too: one matmul over the merged
-    # rows, whose rounding a bf16 file's dense Linears do not share)
+    # the weights as the server's engine keeps them on CUDA (GGUF matrices resident, same-input projections
+    # merged, the bf16 file's too: one matmul over the merged rows, whose rounding dense Linears do not share)
     model = load_model(open_artifact(artifact), dtype=torch.bfloat16, device="cuda", load_mtp=False,
-                       quantized_weights=True)
+                       quantized_weights=EngineConfig(device="cuda").keeps_quantized_weights)
     tokens, margins = greedy_with_margins(model, "cuda", "bfloat16", "bf16", prompts, N_TOKENS)
     # the margins come from eager rounds (graph replays hide their logits); the graphs give the same tokens
     assert greedy_logits(model, "cuda", "bfloat16", "bf16", prompts, N_TOKENS)[0] == tokens

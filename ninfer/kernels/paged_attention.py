@@ -57,7 +57,9 @@ KERNEL_KV_CODES = {"bf16": 0, "int8": 1, "rk8v4": 2, "rk4v4": 3}
 # through L2 meanwhile), the page table and lengths by the round's first kernels, so the loads after the wait
 # meet L2, not DRAM — where a launch's pages come to at most PREFETCH_BYTES (a long context's would flush
 # L2 and be read twice; 0: never). H100, the 27B's graphed rounds at 512 tokens (session 62): IQ3_S's
-# 4-column step 7.652 -> 7.606 ms (twice), Q4_K's 1 and 8 lanes even. NINFER_ATTN_PREFETCH_MIB=N for A/B.
+# 4-column step 7.652 -> 7.606 ms (twice), Q4_K's 1 and 8 lanes even; with this cap (session 63, another
+# H100) even everywhere, 64 MiB at 16K no better: a hint kept, nothing depends on it.
+# NINFER_ATTN_PREFETCH_MIB=N for A/B.
 PREFETCH_BYTES = 16 << 20
 
 

@@ -22,9 +22,6 @@
 #                                      # recurrence, the gated norm, both, the norms, SwiGLU: what each small
 #                                      # kernel costs (both types, 1 / 8 lanes)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
-#   bash bench/pending_ab.sh slots     # q4il staged with 3 slots a warp at 5 × 3 (two blocks in flight after
-#                                      # the wait, not one): its GPU twin tests, gate|up alone, Q4_K rounds at
-#                                      # 1-8 lanes and 4 columns (~5 min)
 #   bash bench/pending_ab.sh attnpf    # (run in session 63, H100: even) the decode attention's pages asked
 #                                      # into L2 before its wait (NINFER_ATTN_PREFETCH_MIB=0 / default / 64):
 #                                      # GPU tests, rounds at 512 and 16K (~5 min)
@@ -80,7 +77,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="h200, slots, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="h200, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -227,19 +224,6 @@ gdn=32:1:256,gdn=32:2:256,gdn=64:4:256,NINFER_NEXT_PREFETCH_CONV_LANES=0 --lanes
       WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=200 OUT=$OUT bash bench/gpu_bench.sh
       sweep h200_size q4_k 200 NINFER_NEXT_PREFETCH=q4il=8192,NINFER_NEXT_PREFETCH=q4il=4096,\
 NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
-      ;;
-    slots)
-      # an SM's share of the H200's bandwidth asks ~1.45x the H100's bytes in flight; q4il keeps one block a
-      # warp in flight (staged, 2 slots). 3 slots: two after the wait (only 5 x 3 fits them: gate|up)
-      NINFER_Q4IL_SLOTS=3 step pytest 240 "$PY" -m pytest -m gpu -n 4 -p xdist --dist worksteal -v -rfE \
-        -k "twin_on_gpu" tests/test_gemv_q4il.py
-      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-      for slots in 2 3; do
-        NINFER_Q4IL_SLOTS=$slots step "alone_$slots" 150 "$PY" bench/q4il_timing.py --shapes 34816x5120 \
-          --widths 1,2,4,8 --ctas 5x3 --staged
-      done
-      sweep slots_q4_k q4_k 240 NINFER_Q4IL_SLOTS=2,NINFER_Q4IL_SLOTS=3 --lanes 1,2,4,8
-      sweep slots_c4 q4_k 120 NINFER_Q4IL_SLOTS=2,NINFER_Q4IL_SLOTS=3 --columns 4
       ;;
     attnpf)
       # each decode attention program asks its pages into L2 before its PDL wait (9 µs an attention layer at

@@ -92,14 +92,13 @@ def sm90_sass(built: str | bytes) -> tuple[str, str]:
 
 def source_of(kernel: str, columns: int, warps: int, regs: int, group: int, il=gemv_il,
               conv: bool = False, staged: bool = False, q4il=gemv_q4il, cluster: int = 1,
-              ahead: int = 1, evict: int | None = None, slots: int = 2) -> tuple[str, str]:
+              ahead: int = 1, evict: int | None = None) -> tuple[str, str]:
     """(the CUDA C the engine builds, its entry name), programmatic launch on, bf16 output; `il` / `q4il`:
     the gemv_il / gemv_q4il module the kernels come from; `conv`: the build with the GDN conv epilogue
     (il32, q4il); `staged`: q4il's build with each warp's next block staged; `cluster`: q4il's build in
     clusters of that many CTAs a tile (5 warps × 3 CTAs an SM, as the 27B's 5120-row matrices take them);
     `ahead`: the dp4a il32 kernel's blocks loaded before the wait (0 or 1); `evict`: the weight loads'
-    cache hints (default: the engine's, `gemv_il.evict_level`); `slots`: the staged q4il build's slots a
-    warp (3: at 5 warps × 3 CTAs, the shape they fit)."""
+    cache hints (default: the engine's, `gemv_il.evict_level`)."""
     evict = gemv_il.evict_level(kernel) if evict is None else evict
     hints = (evict,) if evict else ()  # (a file from before session 56 builds no hints)
     if kernel in ("il", "il_mma"):
@@ -108,10 +107,8 @@ def source_of(kernel: str, columns: int, warps: int, regs: int, group: int, il=g
         return (il.kernel_source(columns, 1, s, True, conv, *hints),
                 "iq3s_il_mma" if kernel == "il_mma" else "iq3s_il_gemv")
     if kernel == "q4il":
-        shape = q4il.SHAPES[1] if cluster > 1 or slots != 2 else q4il.SHAPES[0]
-        more = {"slots": slots} if slots != 2 else {}  # (a file from before session 64 has no slots)
-        return (q4il.kernel_source(columns, 1, True, shape, conv, staged, cluster, *hints, **more),
-                "q4k_il_mma")
+        shape = q4il.SHAPES[1] if cluster > 1 else q4il.SHAPES[0]
+        return q4il.kernel_source(columns, 1, True, shape, conv, staged, cluster, *hints), "q4k_il_mma"
     return gemv_q6il.kernel_source(columns, 1, True, evict), "q6k_il_mma"
 
 
@@ -143,8 +140,7 @@ def same_build(path: Path, kernel: str, a, sass: str) -> None:
     other = load(path)
     q4il = q4il_on(other) if kernel == "q4il" else gemv_q4il
     resources, theirs = sm90_sass(nvrtc_build(*source_of(kernel, a.columns, a.warps, a.regs, a.group, other,
-                                                         a.conv, a.staged, q4il, a.cluster, a.ahead, a.evict,
-                                                         a.slots),
+                                                         a.conv, a.staged, q4il, a.cluster, a.ahead, a.evict),
                                               a.cubin))
     print(f"{path}:", "; ".join(line.split(":", 1)[-1].strip() for line in resources.splitlines()
                                  if "registers" in line or "spill" in line))
@@ -187,7 +183,6 @@ def main() -> None:
     p.add_argument("--conv", action="store_true", help="il32, q4il: the build with the GDN conv epilogue")
     p.add_argument("--staged", action="store_true", help="q4il: each warp's next block staged")
     p.add_argument("--cluster", type=int, default=1, help="q4il: clusters of this many CTAs a tile")
-    p.add_argument("--slots", type=int, default=2, choices=(2, 3), help="q4il staged: slots a warp")
     p.add_argument("--ahead", type=int, default=1, choices=(0, 1),
                    help="il (dp4a): the blocks loaded before the wait")
     p.add_argument("--shapes", default="",
@@ -205,7 +200,7 @@ def main() -> None:
                         "ptxas cannot read its PTX); registers from cuobjdump -res-usage")
     a = p.parse_args()
     source, name = source_of(a.kernel, a.columns, a.warps, a.regs, a.group, conv=a.conv, staged=a.staged,
-                             cluster=a.cluster, ahead=a.ahead, evict=a.evict, slots=a.slots)
+                             cluster=a.cluster, ahead=a.ahead, evict=a.evict)
     resources, sass = sm90_sass(nvrtc_build(source, name, a.cubin))
     print("\n".join(line for line in resources.splitlines() if "registers" in line or "spill" in line))
     body = loop_body(sass, {"il": "IDP", "il_mma": "IMMA", "q4il": "IMMA"}.get(a.kernel, ""))

@@ -203,21 +203,6 @@ def test_the_staged_build_by_default(monkeypatch):
     assert staged(8)
 
 
-def test_three_slots_a_warp_only_where_they_fit(monkeypatch):
-    """NINFER_Q4IL_SLOTS=3: three slots a warp where the CTA shape's CTAs still fit an SM's shared memory (the
-    H200's 228 KB: 5 × 3 yes, 8 × 2 and 4 × 4 no), two elsewhere and by default; other values rejected by
-    the source."""
-    sm = 228 * 1024
-    monkeypatch.delenv("NINFER_Q4IL_SLOTS", raising=False)
-    assert [gemv_q4il.q4il_slots(shape, sm) for shape in gemv_q4il.SHAPES] == [gemv_q4il.STAGED_SLOTS] * 3
-    monkeypatch.setenv("NINFER_Q4IL_SLOTS", "3")
-    assert [gemv_q4il.q4il_slots(shape, sm) for shape in ((8, 2), (5, 3), (4, 4))] == [2, 3, 2]
-    assert gemv_q4il.q4il_slots((5, 3), 200 * 1024) == 2
-    assert "#define STAGES 3" in gemv_q4il.kernel_source(1, 1, shape=(5, 3), staged=True, slots=3)
-    with pytest.raises(QuantKernelError, match="2 or 3"):
-        gemv_q4il.kernel_source(1, 1, shape=(5, 3), staged=True, slots=4)
-
-
 def test_q4k_matrices_of_many_rows_take_the_layout(monkeypatch):
     """q4_k matrices of ≥ 5120 rows on CUDA where the kernel compiles; NINFER_Q4K_IL=0 none, =N those of
     ≥ N rows (1: every one)."""

@@ -113,16 +113,14 @@ def run_lane(name: str, source_of, words, xa, n: int, warps: int, smem: int, sou
 
 
 def q4il_case(columns: int, n: int = 72, k: int = 1536, source_of=same, dtype=torch.float32,
-              shape=gemv_q4il.SHAPES[1], staged: bool = False, raw=None, cluster: int = 1, conv=None,
-              slots: int = 2):
-    """q4il over random q4_k rows on two CTAs, or on two clusters of `cluster` CTAs (staged: `slots` a
-    warp)."""
+              shape=gemv_q4il.SHAPES[1], staged: bool = False, raw=None, cluster: int = 1, conv=None):
+    """q4il over random q4_k rows on two CTAs, or on two clusters of `cluster` CTAs."""
     raw = random_gguf_weight("q4_k", n, k) if raw is None else raw
     xa = activation(columns, k, 256)
     y = run_lane("q4k_il_mma", source_of, gemv_q4il.repack_q4il(raw), xa, n, shape[0],
-                 gemv_q4il.smem_bytes(shape[0], staged, cluster, slots),
+                 gemv_q4il.smem_bytes(shape[0], staged, cluster),
                  gemv_q4il.kernel_source(columns, OUT_KINDS[dtype], False, shape, conv is not None, staged,
-                                         cluster, slots=slots), dtype, conv, 2 * cluster)
+                                         cluster), dtype, conv, 2 * cluster)
     return y, gemv_q8_reference(raw, "q4_k", xa, n)
 
 
@@ -134,20 +132,19 @@ def q6il_case(columns: int, n: int = 72, k: int = 1536, source_of=same, dtype=to
     return y, gemv_q8_reference(raw, "q6_k", xa, n)
 
 
-@pytest.mark.parametrize("slots", [2, 3])
 @pytest.mark.parametrize("shape", gemv_q4il.SHAPES)
 @pytest.mark.parametrize("columns", [1, 4, 8])
-def test_the_q4il_kernel_on_staged_blocks(columns, shape, slots):
-    """`staged`: each warp's next one or two blocks copied into its two or three slots in shared memory
-    (cp.async, landing here only at the copying lane's wait) while it works on the remaining one, its stream
-    across the CTA's tiles: the same bits as the unstaged build, within a tile's blocks, over 7 tiles on 2
-    CTAs (200 × 2560), and with warps that have no block (40 × 768: 3 blocks)."""
+def test_the_q4il_kernel_on_staged_blocks(columns, shape):
+    """`staged`: each warp's next block copied into one of its two slots in shared memory (cp.async, landing
+    here only at the copying lane's wait) while it works on the other, its stream across the CTA's tiles: the
+    same bits as the unstaged build, within a tile's blocks, over 7 tiles on 2 CTAs (200 × 2560), and with
+    warps that have no block (40 × 768: 3 blocks)."""
     for n, k in ((200, 2560), (40, 768)):
         raw = random_gguf_weight("q4_k", n, k)
         torch.manual_seed(1)
         plain, want = q4il_case(columns, n, k, shape=shape, raw=raw)
         torch.manual_seed(1)
-        staged, _ = q4il_case(columns, n, k, shape=shape, staged=True, raw=raw, slots=slots)
+        staged, _ = q4il_case(columns, n, k, shape=shape, staged=True, raw=raw)
         assert rel(plain, want) < FP32_BOUND
         assert torch.equal(staged, plain), (n, k)
 
@@ -270,12 +267,8 @@ MUTATIONS = {
     "q6il: the scale unsigned": ("q6il", "0x8880u | (unsigned)", "0x0000u | (unsigned)"),
     "q4il staged: a block read before it landed": ("q4il_staged", "            cp_async_wait_stages();\n",
                                                    ""),
-    "q4il staged: the slot being filled read": ("q4il_staged", "slots + (n % STAGES) * (16 * SLOT_CHUNKS)",
-                                                 "slots + ((n + 1) % STAGES) * (16 * SLOT_CHUNKS)"),
-    "q4il 3 slots: the next block's slot refilled": ("q4il_staged3", "((n + STAGES - 1) % STAGES)",
-                                                     "((n + 1) % STAGES)"),
-    "q4il 3 slots: the second block over the first": ("q4il_staged3", "w, slot0 + s * (16 * SLOT_CHUNKS),",
-                                                      "w, slot0,"),
+    "q4il staged: the slot being filled read": ("q4il_staged", "slots + (n & 1) * (16 * SLOT_CHUNKS)",
+                                                 "slots + ((n + 1) & 1) * (16 * SLOT_CHUNKS)"),
     "q4il clusters: a rank's sums left out": ("q4il_cluster", "r < CLUSTER; ++r) v += set",
                                               "r < CLUSTER - 1; ++r) v += set"),
     "q4il clusters: every rank on the same blocks": ("q4il_cluster", "kb = rank * WARPS + wid;", "kb = wid;"),
@@ -312,8 +305,8 @@ def test_a_slip_in_a_kernel_fails(name):
         with pytest.raises(AssertionError):
             assert_conv_ran(y, conv, before)
         return
-    elif kind in ("q4il_staged", "q4il_staged3"):  # 7 tiles on 2 CTAs
-        y, want = q4il_case(4, 200, 2560, source_of=mutate, staged=True, slots=3 if kind[-1] == "3" else 2)
+    elif kind == "q4il_staged":  # 7 tiles on 2 CTAs
+        y, want = q4il_case(4, 200, 2560, source_of=mutate, staged=True)
     elif kind == "q4il_cluster":  # 7 tiles on 2 clusters of 2
         y, want = q4il_case(4, 200, 2560, source_of=mutate, cluster=2)
     else:
@@ -332,9 +325,9 @@ def launches_on_the_cpu(monkeypatch):
                         HostKernel(gemv_il.kernel_source(columns, kind, s, False, conv, evict, prefetch),
                                    "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"))
     monkeypatch.setattr(gemv_q4il, "_compiled", lambda columns, kind, pdl, shape, *build, evict=False,
-                        prefetch=False, slots=2:
+                        prefetch=False:
                         HostKernel(gemv_q4il.kernel_source(columns, kind, False, shape, *build, evict=evict,
-                                                           prefetch=prefetch, slots=slots), "q4k_il_mma"))
+                                                           prefetch=prefetch), "q4k_il_mma"))
     monkeypatch.setattr(gemv_q6il, "_compiled", lambda columns, kind, pdl, evict=False, prefetch=False:
                         HostKernel(gemv_q6il.kernel_source(columns, kind, False, evict, prefetch),
                                    "q6k_il_mma"))
@@ -344,8 +337,7 @@ def launches_on_the_cpu(monkeypatch):
         monkeypatch.setattr(module, "pdl_enabled", lambda: False)
         monkeypatch.setattr(module, "check_call", lambda kind, words, xa, group: None)
     monkeypatch.setattr(gemv_il, "_launch_shape", lambda device, s, n, k: 2)
-    for module in (gemv_il, gemv_q4il):
-        monkeypatch.setattr(module, "_smem_sm", lambda device: 228 * 1024)
+    monkeypatch.setattr(gemv_il, "_smem_sm", lambda device: 228 * 1024)
     monkeypatch.setattr(gemv_il, "_smem_optin", lambda device: 227 * 1024)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
         multi_processor_count=1))

@@ -39,7 +39,6 @@ from ninfer.kernels.gemv_il import (
     CUDA_HELPERS,
     _launch,
     _smem_optin,
-    _smem_sm,
     check_call,
     conv_arguments,
     evict_level,
@@ -111,10 +110,9 @@ _SOURCE = r"""
 #define WLD(p) ldw4(p)
 #endif
 #if STAGES
-// STAGES 2 or 3: each warp copies its next STAGES - 1 blocks into its slots in shared memory (cp.async) while
-// it works on the block in the remaining one: a block's 35 lines from word 35h (its qs and scales, in one
-// run) and its d | dmin line (70 + h), 128 bytes a line of the tile's 32 rows, 288 16-byte chunks, chunk c at
-// byte 16c of the slot.
+// STAGES 2: each warp copies its next block into one of its two slots in shared memory (cp.async) while it
+// works on the other: a block's 35 lines from word 35h (its qs and scales, in one run) and its d | dmin line
+// (70 + h), 128 bytes a line of the tile's 32 rows, 288 16-byte chunks, chunk c at byte 16c of the slot.
 #define SLOT_CHUNKS 288
 // the warp's blocks in the order it works on them: block kb of tile `tile` (kb = wid, += WARPS below nblk;
 // tiles blockIdx.x, += gridDim.x; tile == tiles: none left)
@@ -167,16 +165,15 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
     const int K4 = K >> 2, nblk = K >> 8, P = (nblk + 1) >> 1, tiles = (N + 31) >> 5;
     float* red = reinterpret_cast<float*>(smem);  // [WARPS][32 rows][8 columns] partial sums
 #if STAGES
-    // the warp's STAGES slots after the sums; its first block asked for before the wait (weights are not the
-    // previous kernel's output; more before it lengthened the kernel ahead on the chain, gpu-notes
-    // "Session 55"), the rest of the first STAGES - 1 just after it
+    // the warp's two slots after the sums; its first block asked for before the wait (weights are not the
+    // previous kernel's output)
     const char* slots = reinterpret_cast<const char*>(red + WARPS * 32 * 8)
-                        + (threadIdx.x >> 5) * (STAGES * 16 * SLOT_CHUNKS);
+                        + (threadIdx.x >> 5) * (2 * 16 * SLOT_CHUNKS);
     const unsigned slot0 = (unsigned)__cvta_generic_to_shared(slots);
     QBlock ahead = QBlock{(int)threadIdx.x >> 5 < nblk ? (int)blockIdx.x : tiles, (int)threadIdx.x >> 5};
     stage_qblock(ahead, tiles, P, w, slot0, threadIdx.x & 31);
     cp_async_commit();
-    unsigned n = 0;  // the warp's blocks so far: block n sits in slot n % STAGES
+    int n = 0;  // the warp's blocks so far: block n sits in slot n % 2
 #endif
 #if CLUSTER > 1
     const int rank = (int)blockIdx.x % CLUSTER;
@@ -184,14 +181,6 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #endif
 #if PDL
     asm volatile("griddepcontrol.wait;" ::: "memory");  // the activation is the previous kernel's output
-#endif
-#if STAGES > 2
-#pragma unroll
-    for (int s = 1; s < STAGES - 1; ++s) {
-        ahead = next_qblock(ahead, tiles, nblk);
-        stage_qblock(ahead, tiles, P, w, slot0 + s * (16 * SLOT_CHUNKS), threadIdx.x & 31);
-        cp_async_commit();
-    }
 #endif
     const unsigned lane = threadIdx.x & 31, wid = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
     const int* xl = xw + min((int)gq, NCOL - 1) * K4 + 2 * t;  // B words of inputs 8t.. of a 32: xl[i / 4]
@@ -216,14 +205,14 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
         for (int kb = wid; kb < nblk; kb += WARPS) {
 #endif
 #if STAGES
-            // the block STAGES - 1 on into the slot the last one left (read by every lane before the barrier
-            // that ended it), then this one landed and seen by the whole warp
+            // the next block into the other slot (read by every lane before the barrier that ended the last
+            // block), then this one landed and seen by the whole warp
             ahead = next_qblock(ahead, tiles, nblk);
-            stage_qblock(ahead, tiles, P, w, slot0 + ((n + STAGES - 1) % STAGES) * (16 * SLOT_CHUNKS), lane);
+            stage_qblock(ahead, tiles, P, w, slot0 + ((n + 1) & 1) * (16 * SLOT_CHUNKS), lane);
             cp_async_commit();
             cp_async_wait_stages();
             __syncwarp();
-            const uint4* blk = reinterpret_cast<const uint4*>(slots + (n % STAGES) * (16 * SLOT_CHUNKS)) + gq;
+            const uint4* blk = reinterpret_cast<const uint4*>(slots + (n & 1) * (16 * SLOT_CHUNKS)) + gq;
             const uint4 dd = blk[8 * 35];
 #else
             const int h = kb & 1;
@@ -292,7 +281,7 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
                 }
             }
 #if STAGES
-            __syncwarp();  // every lane done with slot n % STAGES: block n + STAGES may land there
+            __syncwarp();  // every lane done with slot n % 2: the block after next may land there
             ++n;
 #endif
         }
@@ -325,10 +314,9 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 
 def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
                   conv: bool = False, staged: bool = False, cluster: int = 1, evict: int = 0,
-                  prefetch: bool = False, slots: int = 2) -> str:
+                  prefetch: bool = False) -> str:
     """`conv` (bf16 out): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`).
-    `staged`: each warp's next `slots` - 1 blocks copied into shared memory while it works on one (the STAGES
-    build, 2 or 3 slots a warp).
+    `staged`: each warp's next block copied into shared memory while it works on one (the STAGES build).
     `cluster` > 1: clusters of that many CTAs share each tile (`lane_layout.CLUSTER_HELPERS`; not staged).
     `evict`: the weight loads' and copies' cache hints (`gemv_il.evict_level`). `prefetch`: the next GEMV's
     first weight bytes asked into L2 at the end (`gemv_il.next_prefetch`)."""
@@ -336,21 +324,19 @@ def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[i
         raise QuantKernelError("the q4il conv builds write bf16")
     if cluster > 1 and staged:
         raise QuantKernelError("the q4il cluster builds are not staged")
-    if slots not in (2, 3):
-        raise QuantKernelError(f"{slots} slots a warp: the staged q4il builds take 2 or 3")
     warps, ctas = shape
     return (with_prefetch(_SOURCE, prefetch).replace("__OUT_KIND__", str(out_kind))
             .replace("__NCOL__", str(columns))
-            .replace("__CONV__", str(int(conv))).replace("__STAGES__", str(slots) if staged else "0")
+            .replace("__CONV__", str(int(conv))).replace("__STAGES__", "2" if staged else "0")
             .replace("__WARPS__", str(warps)).replace("__CTAS__", str(ctas))
             .replace("__PDL__", str(int(pdl))).replace("__CLUSTER__", str(cluster))
             .replace("__EVICT__", str(evict)))
 
 
-def smem_bytes(warps: int, staged: bool = False, cluster: int = 1, slots: int = 2) -> int:
-    """The warps' partial sums; staged, each warp's `slots` slots of a block (4.5 KB each); in clusters, two
-    sets of every rank's sums of a tile (rank 0's)."""
-    return (warps * 32 * 8 * 4 + (warps * slots * 288 * 16 if staged else 0)
+def smem_bytes(warps: int, staged: bool = False, cluster: int = 1) -> int:
+    """The warps' partial sums; staged, each warp's two slots of a block (2 × 4.5 KB); in clusters, two sets
+    of every rank's sums of a tile (rank 0's)."""
+    return (warps * 32 * 8 * 4 + (warps * 2 * 288 * 16 if staged else 0)
             + (2 * cluster * 256 * 4 if cluster > 1 else 0))
 
 
@@ -393,22 +379,6 @@ def q4il_staged(columns: int) -> bool:
     return columns <= STAGED_COLUMNS
 
 
-# Slots a warp of the staged build (STAGED_SLOTS - 1 blocks in flight while it works on one); 3 only where the
-# CTA shape's slots fit an SM's shared memory (5 × 3: 3 × 73 KB; not 8 × 2 or 4 × 4). An SM's share of the
-# H200's bandwidth asks ~1.45× the H100's bytes in flight (`gemv_il.wide_memory`).
-STAGED_SLOTS = 2
-
-
-def q4il_slots(shape: tuple[int, int], sm_bytes: int) -> int:
-    """Slots a warp for a staged call of CTA `shape` on an SM of `sm_bytes` shared memory: `STAGED_SLOTS`
-    (NINFER_Q4IL_SLOTS=2 / 3 instead), 2 where that many do not fit `shape[1]` CTAs an SM (1 KB reserved a
-    CTA)."""
-    forced = os.environ.get("NINFER_Q4IL_SLOTS", "")
-    slots = int(forced) if forced in ("2", "3") else STAGED_SLOTS
-    fits = shape[1] * (smem_bytes(shape[0], True, 1, slots) + 1024) <= sm_bytes
-    return slots if fits else 2
-
-
 # Clusters of CTAs a tile by default: CLUSTER CTAs at up to CLUSTER_COLUMNS columns where an SM's share of the
 # HBM is at least `gemv_il.WIDE_GBS_PER_SM` (`gemv_il.wide_memory`). The graphed Q4_K rounds of the 27B with
 # clusters of 2 on its 5120-row projections (gpu-notes "Session 51"): H200 (4.8 TB/s on 132 SMs, 36 GB/s an
@@ -445,9 +415,9 @@ def q4il_cluster(tiles: int, sms: int, shape: tuple[int, int], columns: int,
 
 @functools.cache
 def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], conv: bool = False,
-              staged: bool = False, cluster: int = 1, evict: int = 0, prefetch: bool = False, slots: int = 2):
+              staged: bool = False, cluster: int = 1, evict: int = 0, prefetch: bool = False):
     kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, conv, staged, cluster,
-                                                      evict, prefetch, slots), "q4k_il_mma")
+                                                      evict, prefetch), "q4k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -475,14 +445,13 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     shape = shape or q4il_shape(tiles, sms)
     if staged is None:
         staged = cluster == 1 and q4il_staged(n)
-    slots = q4il_slots(shape, _smem_sm(words.device)) if staged else 2
     y = torch.empty((n, out_features), dtype=xa.dtype, device=words.device)
     pdl = pdl_enabled()
     ctas = cluster * min(tiles, shape[1] * sms // cluster)
     following = next_prefetch("q4il", words, ctas, tiles, ctas // cluster, n if conv is not None else 0)
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged, cluster,
-                       evict=evict_level("q4il"), prefetch=bool(following), slots=slots)
-    _launch(kernel, ctas, 32 * shape[0], smem_bytes(shape[0], staged, cluster, slots),
+                       evict=evict_level("q4il"), prefetch=bool(following))
+    _launch(kernel, ctas, 32 * shape[0], smem_bytes(shape[0], staged, cluster),
             [words, xa.words, xa.d, xa.s, y, out_features, k, y.stride(0), *conv_arguments(conv), *following],
             pdl)
     return y

@@ -22,6 +22,8 @@
 #   bash bench/pending_ab.sh skips     # (run in session 61, H100, ~5 min) the graphed rounds without the
 #                                      # recurrence, the gated norm, both, the norms, SwiGLU: what each small
 #                                      # kernel costs (both types, 1 / 8 lanes)
+#   bash bench/pending_ab.sh dataflow  # a chain of 64 fp16 GEMVs a launch each (plain, PDL) against one
+#                                      # dataflow kernel (bench/dataflow_chain.py; ~2 min)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
 #   bash bench/pending_ab.sh attnpf    # (run in session 63, H100: even) the decode attention's pages asked
 #                                      # into L2 before its wait (NINFER_ATTN_PREFETCH_MIB=0 / default / 64):
@@ -78,7 +80,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="h200, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="dataflow, h200, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -218,6 +220,13 @@ gdn=32:1:256,gdn=32:2:256,gdn=64:4:256,NINFER_NEXT_PREFETCH_CONV_LANES=0 --lanes
       sweep small_gated q4_k 200 NINFER_GATED_NORM_WARPS=1,NINFER_GATED_NORM_WARPS=2,NINFER_GATED_NORM_WARPS=4 \
         --lanes 1,8
       sweep small_norm4 q4_k 120 NINFER_NORM_ONE_GROUP=,NINFER_NORM_ONE_GROUP=1 --columns 4
+      ;;
+    dataflow)
+      # a chain of 64 dependent fp16 GEMVs (the 27B's row counts, 16 layers of four) as a launch each (plain, PDL)
+      # against one persistent kernel whose warps start the next GEMV's rows on the input chunks already
+      # written (bench/dataflow_chain.py): what the launch boundaries cost, the inner loop the same
+      step dataflow 280 "$PY" bench/dataflow_chain.py --rpw 2,4 --unroll 2,4
+      cat "$OUT/dataflow.log"
       ;;
     h200)
       # the first H200 since session 60: both suites on today's code, then how much q4il asks of the next GEMV

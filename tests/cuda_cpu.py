@@ -135,6 +135,29 @@ inline void emu_cp_wait(int pending) {
 }
 
 inline void __syncthreads() { emu_cta->wait(); }
+// warp-wide exchanges through the warp's operand slots (a barrier of its threads before and after)
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int mask) {
+    static_assert(sizeof(T) == 4, "cuda_cpu: 32-bit shuffles only");
+    const unsigned lane = threadIdx.x & 31u;
+    EmuWarp& w = *emu_warp;
+    std::memcpy(&w.a[lane][0], &v, 4);
+    w.bar.wait();
+    T r;
+    std::memcpy(&r, &w.a[lane ^ (unsigned)mask][0], 4);
+    w.bar.wait();
+    return r;
+}
+inline unsigned __ballot_sync(unsigned, int p) {
+    const unsigned lane = threadIdx.x & 31u;
+    EmuWarp& w = *emu_warp;
+    w.a[lane][0] = p != 0;
+    w.bar.wait();
+    unsigned r = 0;
+    for (int i = 0; i < w.bar.expected; ++i) r |= w.a[i][0] << i;
+    w.bar.wait();
+    return r;
+}
+inline int __ffs(unsigned v) { return v ? __builtin_ctz(v) + 1 : 0; }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp->bar.wait(); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 template <class T> inline T __ldg(const T* p) {  // ld.global.nc: never shared memory
@@ -146,7 +169,9 @@ template <class T> inline T __ldg(const T* p) {  // ld.global.nc: never shared m
 }
 template <class T> inline T __ldcg(const T* p) {
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    return *(const volatile T*)p;
+    T v;
+    std::memcpy(&v, (const void*)p, sizeof(T));
+    return v;
 }
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
@@ -278,6 +303,7 @@ EMULATED = {
     }
     emu_prefetched += bytes;
 }""",
+    "ld_acquire": "inline int ld_acquire(const int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }",
     "cp_async16": "inline void cp_async16(unsigned dst, const void* src) { emu_cp_async(dst, src); }",
     "cp_async_commit": "inline void cp_async_commit() { emu_cp_commit(); }",
     "cp_async_wait_stages": "inline void cp_async_wait_stages() { emu_cp_wait(STAGES - 1); }",

@@ -1,0 +1,49 @@
+"""`bench/dataflow_chain.py`'s CUDA C on the CPU (`cuda_cpu`): the chain of GEMVs a launch each and as one
+dataflow launch (every CTA at once: its warps wait on each other's counters) give torch's chain."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cuda_cpu import HostKernel  # noqa: E402
+
+from bench.dataflow_chain import Chain, source  # noqa: E402
+
+SHAPES = [(512, 256), (256, 512), (768, 256), (256, 768)]
+CTAS, WARPS = 3, 2
+
+
+def _chain_on_cpu(dataflow: bool, rpw: int, unroll: int) -> Chain:
+    chain = Chain(SHAPES, "cpu", seed=rpw * 10 + unroll)
+    text = source(WARPS, 1, rpw, unroll, dataflow, pdl=False)
+    # every CTA at once (the emulator runs a cluster's CTAs together): the dataflow form's warps wait on
+    # items of other CTAs
+    kernel = HostKernel(f"#define CLUSTER {CTAS}\n" + text, "chain_gemv")
+    if dataflow:
+        kernel((CTAS,), (32 * WARPS,), [chain.table, chain.acts, chain.counts, 0, len(SHAPES)])
+    else:
+        for layer in range(len(SHAPES)):
+            kernel((CTAS,), (32 * WARPS,), [chain.table, chain.acts, chain.counts, layer, layer + 1])
+    return chain
+
+
+def _error(chain: Chain) -> float:
+    ref = chain.reference()
+    return ((chain.out.float() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("dataflow", [False, True], ids=["launches", "dataflow"])
+@pytest.mark.parametrize("rpw,unroll", [(4, 4), (2, 3)])
+def test_chain_matches_torch(dataflow, rpw, unroll):
+    chain = _chain_on_cpu(dataflow, rpw, unroll)
+    # fp16 outputs of fp32 sums, as the reference rounds them: only summation order differs
+    assert _error(chain) < 2e-3
+    if dataflow:  # every output chunk counted by each of its items
+        assert (chain.counts == 256 // rpw).all()
+

@@ -17,7 +17,9 @@ weights of UNROLL chunks loaded before their inputs are asked for. In dataflow f
 one to its output chunk's counter (release), and a warp asks for the counters of up to 32 chunks at once
 (acquire, one lane a chunk) before reading those inputs (`ld.global.cg`: written during the kernel); items
 are dealt to warps in order, GEMV by GEMV, so an item only waits on earlier ones: no deadlock while every CTA
-is resident (the grid is the SMs × CTAs an SM).
+is resident (the grid is the SMs × CTAs an SM). A third form, one launch whose warps wait for a GEMV's whole
+input before its first chunk, is the persistent kernel with a grid barrier between GEMVs: what the launches
+alone cost, apart from the overlap.
 
     python3 bench/dataflow_chain.py --layers 16              # a GPU: check against torch, time both forms
     python3 bench/dataflow_chain.py --rpw 2,4 --unroll 2,4
@@ -122,7 +124,9 @@ chain_gemv(const long long* __restrict__ table, unsigned short* acts, int* count
             }
 #endif
 #if DATAFLOW
-            while (known < min(c0 + UNROLL, chunks)) known = poll(ready, known, chunks, 256 / RPW, lane);
+            // DATAFLOW 2: the whole input first (a grid barrier between GEMVs, without the launches)
+            while (known < (DATAFLOW == 2 ? chunks : min(c0 + UNROLL, chunks)))
+                known = poll(ready, known, chunks, 256 / RPW, lane);
 #endif
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
@@ -155,12 +159,13 @@ chain_gemv(const long long* __restrict__ table, unsigned short* acts, int* count
 """
 
 
-def source(warps: int = 8, min_ctas: int = 2, rpw: int = 4, unroll: int = 4, dataflow: bool = False,
+def source(warps: int = 8, min_ctas: int = 2, rpw: int = 4, unroll: int = 4, dataflow: int = 0,
            pdl: bool = False) -> str:
-    """The CUDA C of one build (`chain_gemv`)."""
+    """The CUDA C of one build (`chain_gemv`); `dataflow` 1: one launch, each chunk when written, 2: one
+    launch, each GEMV's whole input first."""
     if 256 % rpw:
         raise ValueError(f"rows a warp item ({rpw}) must divide the 256-row chunk")
-    values = {"WARPS": warps, "MIN_CTAS": min_ctas, "RPW": rpw, "UNROLL": unroll, "DATAFLOW": int(dataflow),
+    values = {"WARPS": warps, "MIN_CTAS": min_ctas, "RPW": rpw, "UNROLL": unroll, "DATAFLOW": dataflow,
               "PDL": int(pdl)}
     text = SOURCE
     for key, value in values.items():
@@ -206,8 +211,8 @@ class Chain:
         return x
 
 
-def run(kernel, chain: Chain, ctas: int, warps: int, dataflow: bool, pdl: bool) -> None:
-    """The chain once: one launch (dataflow, counters zeroed first) or a launch a GEMV."""
+def run(kernel, chain: Chain, ctas: int, warps: int, dataflow: int, pdl: bool) -> None:
+    """The chain once: one launch (`dataflow` 1 or 2, counters zeroed first) or a launch a GEMV."""
     if dataflow:
         chain.counts.zero_()
         kernel(grid=(ctas, 1, 1), block=(32 * warps, 1, 1),
@@ -273,7 +278,8 @@ def main() -> int:
     rows = []
     for rpw in (int(v) for v in args.rpw.split(",")):
         for unroll in (int(v) for v in args.unroll.split(",")):
-            forms = {"launches": (False, False), "launches + PDL": (False, True), "dataflow": (True, False)}
+            forms = {"launches": (0, False), "launches + PDL": (0, True), "one launch, barriers": (2, False),
+                     "dataflow": (1, False)}
             kernels = {}
             for name, (dataflow, pdl) in forms.items():
                 kernels[name] = torch.cuda._compile_kernel(
@@ -286,7 +292,7 @@ def main() -> int:
                     raise SystemExit(f"{name} (rpw {rpw}, unroll {unroll}): relative error {err:.2e} against "
                                      "torch")
             times = {name: [] for name in forms}
-            for name in list(forms) + list(reversed(forms)):  # A B C C B A
+            for name in list(forms) + list(reversed(forms)):  # A B C D D C B A
                 dataflow, pdl = forms[name]
                 times[name].append(_graph_ms(lambda k=kernels[name], d=dataflow, q=pdl:
                                              run(k, chain, ctas, args.warps, d, q)))

@@ -23,7 +23,8 @@
 #                                      # recurrence, the gated norm, both, the norms, SwiGLU: what each small
 #                                      # kernel costs (both types, 1 / 8 lanes)
 #   bash bench/pending_ab.sh dataflow  # a chain of 64 fp16 GEMVs a launch each (plain, PDL) against one
-#                                      # dataflow kernel (bench/dataflow_chain.py; ~2 min)
+#                                      # launch with barriers and one dataflow launch (bench/dataflow_chain.py;
+#                                      # ~2 min)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
 #   bash bench/pending_ab.sh attnpf    # (run in session 63, H100: even) the decode attention's pages asked
 #                                      # into L2 before its wait (NINFER_ATTN_PREFETCH_MIB=0 / default / 64):
@@ -224,7 +225,8 @@ gdn=32:1:256,gdn=32:2:256,gdn=64:4:256,NINFER_NEXT_PREFETCH_CONV_LANES=0 --lanes
     dataflow)
       # a chain of 64 dependent fp16 GEMVs (the 27B's row counts, 16 layers of four) as a launch each (plain, PDL)
       # against one persistent kernel whose warps start the next GEMV's rows on the input chunks already
-      # written (bench/dataflow_chain.py): what the launch boundaries cost, the inner loop the same
+      # written, and one whose warps wait for each GEMV's whole input (bench/dataflow_chain.py): what the launch
+      # boundaries cost, the inner loop the same
       step dataflow 280 "$PY" bench/dataflow_chain.py --rpw 2,4 --unroll 2,4
       cat "$OUT/dataflow.log"
       ;;

@@ -1,5 +1,6 @@
 """`bench/dataflow_chain.py`'s CUDA C on the CPU (`cuda_cpu`): the chain of GEMVs a launch each and as one
-dataflow launch (every CTA at once: its warps wait on each other's counters) give torch's chain."""
+launch (every CTA at once: its warps wait on each other's counters, chunk by chunk or for a whole input) give
+torch's chain."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ SHAPES = [(512, 256), (256, 512), (768, 256), (256, 768)]
 CTAS, WARPS = 3, 2
 
 
-def _chain_on_cpu(dataflow: bool, rpw: int, unroll: int) -> Chain:
+def _chain_on_cpu(dataflow: int, rpw: int, unroll: int) -> Chain:
     chain = Chain(SHAPES, "cpu", seed=rpw * 10 + unroll)
     text = source(WARPS, 1, rpw, unroll, dataflow, pdl=False)
     # every CTA at once (the emulator runs a cluster's CTAs together): the dataflow form's warps wait on
@@ -38,7 +39,7 @@ def _error(chain: Chain) -> float:
     return ((chain.out.float() - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("dataflow", [False, True], ids=["launches", "dataflow"])
+@pytest.mark.parametrize("dataflow", [0, 1, 2], ids=["launches", "dataflow", "barriers"])
 @pytest.mark.parametrize("rpw,unroll", [(4, 4), (2, 3)])
 def test_chain_matches_torch(dataflow, rpw, unroll):
     chain = _chain_on_cpu(dataflow, rpw, unroll)

@@ -125,8 +125,11 @@ chain_gemv(const long long* __restrict__ table, unsigned short* acts, int* count
 #endif
 #if DATAFLOW
             // DATAFLOW 2: the whole input first (a grid barrier between GEMVs, without the launches)
-            while (known < (DATAFLOW == 2 ? chunks : min(c0 + UNROLL, chunks)))
+            while (known < (DATAFLOW == 2 ? chunks : min(c0 + UNROLL, chunks))) {
+                const int was = known;
                 known = poll(ready, known, chunks, 256 / RPW, lane);
+                if (known == was) __nanosleep(64);  // fewer polls in L2 while the producers stream
+            }
 #endif
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {

@@ -158,6 +158,7 @@ inline unsigned __ballot_sync(unsigned, int p) {
     return r;
 }
 inline int __ffs(unsigned v) { return v ? __builtin_ctz(v) + 1 : 0; }
+inline void __nanosleep(unsigned) { std::this_thread::yield(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp->bar.wait(); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 template <class T> inline T __ldg(const T* p) {  // ld.global.nc: never shared memory

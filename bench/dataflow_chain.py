@@ -51,6 +51,13 @@ SOURCE = r"""
 #define DATAFLOW __DATAFLOW__
 #define PDL __PDL__
 """ + CUDA_HELPERS + r"""
+#if PDL == 2
+// the next GEMV's first weight bytes asked into L2 as a launch's warps finish (as the engine's GEMVs do,
+// sessions 58-60)
+__device__ __forceinline__ void prefetch_l2(const char* p, unsigned bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}
+#endif
 __device__ __forceinline__ int ld_acquire(const int* p) {
     int v; asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
@@ -142,7 +149,15 @@ chain_gemv(const long long* __restrict__ table, unsigned short* acts, int* count
             }
         }
 #if PDL
-        if (l == last - 1 && i + nwarps >= base + items) asm volatile("griddepcontrol.launch_dependents;");
+        if (l == last - 1 && i + nwarps >= base + items) {
+            asm volatile("griddepcontrol.launch_dependents;");
+#if PDL == 2
+            // 4 KB a warp of the next GEMV's first 8 MiB
+            const char* next = reinterpret_cast<const char*>(table[5 * last]);
+            const long long at = 4096ll * warp, size = 2 * table[5 * last + 1] * table[5 * last + 2];
+            if (next && lane == 0 && at < min(size, 8ll << 20)) prefetch_l2(next + at, 4096);
+#endif
+        }
 #endif
 #pragma unroll
         for (int j = 0; j < RPW; ++j) {
@@ -163,9 +178,10 @@ chain_gemv(const long long* __restrict__ table, unsigned short* acts, int* count
 
 
 def source(warps: int = 8, min_ctas: int = 2, rpw: int = 4, unroll: int = 4, dataflow: int = 0,
-           pdl: bool = False) -> str:
+           pdl: int = 0) -> str:
     """The CUDA C of one build (`chain_gemv`); `dataflow` 1: one launch, each chunk when written, 2: one
-    launch, each GEMV's whole input first."""
+    launch, each GEMV's whole input first; `pdl` 1: launched early, its first weights before the wait, 2:
+    that and the next GEMV's first 8 MiB asked into L2 at the end."""
     if 256 % rpw:
         raise ValueError(f"rows a warp item ({rpw}) must divide the 256-row chunk")
     values = {"WARPS": warps, "MIN_CTAS": min_ctas, "RPW": rpw, "UNROLL": unroll, "DATAFLOW": dataflow,
@@ -214,7 +230,7 @@ class Chain:
         return x
 
 
-def run(kernel, chain: Chain, ctas: int, warps: int, dataflow: int, pdl: bool) -> None:
+def run(kernel, chain: Chain, ctas: int, warps: int, dataflow: int, pdl: int) -> None:
     """The chain once: one launch (`dataflow` 1 or 2, counters zeroed first) or a launch a GEMV."""
     if dataflow:
         chain.counts.zero_()
@@ -222,7 +238,8 @@ def run(kernel, chain: Chain, ctas: int, warps: int, dataflow: int, pdl: bool) -
                args=[chain.table, chain.acts, chain.counts, 0, len(chain.shapes)])
         return
     for layer in range(len(chain.shapes)):
-        _launch(kernel, ctas, 32 * warps, 0, [chain.table, chain.acts, chain.counts, layer, layer + 1], pdl)
+        _launch(kernel, ctas, 32 * warps, 0, [chain.table, chain.acts, chain.counts, layer, layer + 1],
+                bool(pdl))
 
 
 def _graph_ms(fn, replays: int = 20) -> float:
@@ -281,8 +298,8 @@ def main() -> int:
     rows = []
     for rpw in (int(v) for v in args.rpw.split(",")):
         for unroll in (int(v) for v in args.unroll.split(",")):
-            forms = {"launches": (0, False), "launches + PDL": (0, True), "one launch, barriers": (2, False),
-                     "dataflow": (1, False)}
+            forms = {"launches": (0, 0), "launches + PDL": (0, 1), "+ next GEMV's 8 MiB into L2": (0, 2),
+                     "one launch, barriers": (2, 0), "dataflow": (1, 0)}
             kernels = {}
             for name, (dataflow, pdl) in forms.items():
                 kernels[name] = torch.cuda._compile_kernel(
@@ -295,7 +312,7 @@ def main() -> int:
                     raise SystemExit(f"{name} (rpw {rpw}, unroll {unroll}): relative error {err:.2e} against "
                                      "torch")
             times = {name: [] for name in forms}
-            for name in list(forms) + list(reversed(forms)):  # A B C D D C B A
+            for name in list(forms) + list(reversed(forms)):  # A B C D E E D C B A
                 dataflow, pdl = forms[name]
                 times[name].append(_graph_ms(lambda k=kernels[name], d=dataflow, q=pdl:
                                              run(k, chain, ctas, args.warps, d, q)))

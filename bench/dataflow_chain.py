@@ -138,14 +138,16 @@ chain_gemv(const long long* __restrict__ table, unsigned short* acts, int* count
                 if (known == was) __nanosleep(64);  // fewer polls in L2 while the producers stream
             }
 #endif
+            uint4 xv[UNROLL];  // every input of the group asked for at once (one L2 round trip, not UNROLL)
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+                xv[u] = c0 + u < chunks ? __ldcg(x + (c0 + u) * 32 + lane) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
-                if (c0 + u >= chunks) break;
-                const uint4 xv = __ldcg(x + (c0 + u) * 32 + lane);
-                const float xf[8] = {f16_lo(xv.x), f16_hi(xv.x), f16_lo(xv.y), f16_hi(xv.y),
-                                     f16_lo(xv.z), f16_hi(xv.z), f16_lo(xv.w), f16_hi(xv.w)};
+                const float xf[8] = {f16_lo(xv[u].x), f16_hi(xv[u].x), f16_lo(xv[u].y), f16_hi(xv[u].y),
+                                     f16_lo(xv[u].z), f16_hi(xv[u].z), f16_lo(xv[u].w), f16_hi(xv[u].w)};
 #pragma unroll
-                for (int j = 0; j < RPW; ++j) acc[j] += dot8(wv[u][j], xf);
+                for (int j = 0; j < RPW; ++j) acc[j] += dot8(wv[u][j], xf);  // (past the end: zeros)
             }
         }
 #if PDL

@@ -50,6 +50,7 @@ SOURCE = r"""
 #define UNROLL __UNROLL__
 #define DATAFLOW __DATAFLOW__
 #define PDL __PDL__
+#define SYNC __SYNC__
 """ + CUDA_HELPERS + r"""
 #if PDL == 2
 // the next GEMV's first weight bytes asked into L2 as a launch's warps finish (as the engine's GEMVs do,
@@ -61,12 +62,21 @@ __device__ __forceinline__ void prefetch_l2(const char* p, unsigned bytes) {
 __device__ __forceinline__ int ld_acquire(const int* p) {
     int v; asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
+// SYNC 1, the light forms: polls relaxed and one acquire fence after them (an acquire load invalidates L1
+// each time: CCTL.IVALL), the count a release reduction (not MEMBAR.SC + atomic)
+__device__ __forceinline__ int ld_relaxed(const int* p) {
+    int v; asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+__device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ void red_release_add(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
 
 // the first chunk at or after `known` whose counter has not reached `target` (chunks past the end count as
 // written): one acquire load a lane, 32 chunks a call
 __device__ __forceinline__ int poll(const int* cnt, int known, int chunks, int target, unsigned lane) {
     const int c = known + (int)lane;
-    const bool ok = c >= chunks || ld_acquire(cnt + c) >= target;
+    const bool ok = c >= chunks || (SYNC ? ld_relaxed(cnt + c) : ld_acquire(cnt + c)) >= target;
     const unsigned m = __ballot_sync(0xffffffffu, ok);
     __syncwarp();  // what the lanes' acquires saw, seen by the whole warp
     const int run = m == 0xffffffffu ? 32 : __ffs(~m) - 1;
@@ -136,6 +146,9 @@ chain_gemv(const long long* __restrict__ table, unsigned short* acts, int* count
                 const int was = known;
                 known = poll(ready, known, chunks, 256 / RPW, lane);
                 if (known == was) __nanosleep(64);  // fewer polls in L2 while the producers stream
+#if SYNC
+                else fence_acq_rel();
+#endif
             }
 #endif
             uint4 xv[UNROLL];  // every input of the group asked for at once (one L2 round trip, not UNROLL)
@@ -170,8 +183,12 @@ chain_gemv(const long long* __restrict__ table, unsigned short* acts, int* count
 #if DATAFLOW
         __syncwarp();
         if (lane == 0) {  // the item's rows written: one more of its chunk's 256 / RPW items
+#if SYNC
+            red_release_add(counts + table[5 * l + 4] + (row0 >> 8), 1);
+#else
             __threadfence();
             atomicAdd(counts + table[5 * l + 4] + (row0 >> 8), 1);
+#endif
         }
 #endif
     }
@@ -180,14 +197,15 @@ chain_gemv(const long long* __restrict__ table, unsigned short* acts, int* count
 
 
 def source(warps: int = 8, min_ctas: int = 2, rpw: int = 4, unroll: int = 4, dataflow: int = 0,
-           pdl: int = 0) -> str:
+           pdl: int = 0, sync: int = 0) -> str:
     """The CUDA C of one build (`chain_gemv`); `dataflow` 1: one launch, each chunk when written, 2: one
     launch, each GEMV's whole input first; `pdl` 1: launched early, its first weights before the wait, 2:
-    that and the next GEMV's first 8 MiB asked into L2 at the end."""
+    that and the next GEMV's first 8 MiB asked into L2 at the end; `sync` 1: the light release / acquire
+    forms (SYNC)."""
     if 256 % rpw:
         raise ValueError(f"rows a warp item ({rpw}) must divide the 256-row chunk")
     values = {"WARPS": warps, "MIN_CTAS": min_ctas, "RPW": rpw, "UNROLL": unroll, "DATAFLOW": dataflow,
-              "PDL": int(pdl)}
+              "PDL": pdl, "SYNC": sync}
     text = SOURCE
     for key, value in values.items():
         text = text.replace(f"__{key}__", str(value))
@@ -300,12 +318,14 @@ def main() -> int:
     rows = []
     for rpw in (int(v) for v in args.rpw.split(",")):
         for unroll in (int(v) for v in args.unroll.split(",")):
-            forms = {"launches": (0, 0), "launches + PDL": (0, 1), "+ next GEMV's 8 MiB into L2": (0, 2),
-                     "one launch, barriers": (2, 0), "dataflow": (1, 0)}
+            forms = {"launches": (0, 0, 0), "launches + PDL": (0, 1, 0),
+                     "+ next GEMV's 8 MiB into L2": (0, 2, 0), "one launch, barriers": (2, 0, 0),
+                     "dataflow": (1, 0, 0), "one launch, barriers, light sync": (2, 0, 1),
+                     "dataflow, light sync": (1, 0, 1)}
             kernels = {}
-            for name, (dataflow, pdl) in forms.items():
+            for name, (dataflow, pdl, sync) in forms.items():
                 kernels[name] = torch.cuda._compile_kernel(
-                    source(args.warps, args.min_ctas, rpw, unroll, dataflow, pdl), "chain_gemv")
+                    source(args.warps, args.min_ctas, rpw, unroll, dataflow, pdl, sync), "chain_gemv")
                 chain.acts[chain.shapes[0][1]:].zero_()
                 run(kernels[name], chain, ctas, args.warps, dataflow, pdl)
                 torch.cuda.synchronize()
@@ -314,8 +334,8 @@ def main() -> int:
                     raise SystemExit(f"{name} (rpw {rpw}, unroll {unroll}): relative error {err:.2e} against "
                                      "torch")
             times = {name: [] for name in forms}
-            for name in list(forms) + list(reversed(forms)):  # A B C D E E D C B A
-                dataflow, pdl = forms[name]
+            for name in list(forms) + list(reversed(forms)):  # A … G G … A
+                dataflow, pdl, _ = forms[name]
                 times[name].append(_graph_ms(lambda k=kernels[name], d=dataflow, q=pdl:
                                              run(k, chain, ctas, args.warps, d, q)))
             for name in forms:

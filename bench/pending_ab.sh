@@ -227,12 +227,12 @@ gdn=32:1:256,gdn=32:2:256,gdn=64:4:256,NINFER_NEXT_PREFETCH_CONV_LANES=0 --lanes
       # against one persistent kernel whose warps start the next GEMV's rows on the input chunks already
       # written, and one whose warps wait for each GEMV's whole input (bench/dataflow_chain.py): what the launch
       # boundaries cost, the inner loop the same
-      step dataflow 280 "$PY" bench/dataflow_chain.py --rpw 2,4 --unroll 2,4
-      cat "$OUT/dataflow.log"
-      # shorter GEMVs (16-32 MB: the boundaries a larger share), four warps a CTA and four CTAs an SM
+      # (session 65, H100: the dataflow and barrier forms slower than the PDL launches at every setting; then
+      # the light release / acquire forms added)
+      step dataflow 200 "$PY" bench/dataflow_chain.py --rpw 2,4 --unroll 4
+      # shorter GEMVs (16-32 MB: the boundaries a larger share)
       step dataflow_small 150 "$PY" bench/dataflow_chain.py --inner 1536,3072 --layers 32
-      step dataflow_w4 150 "$PY" bench/dataflow_chain.py --warps 4 --min-ctas 4
-      cat "$OUT/dataflow_small.log" "$OUT/dataflow_w4.log"
+      cat "$OUT/dataflow.log" "$OUT/dataflow_small.log"
       ;;
     h200)
       # the first H200 since session 60: both suites on today's code, then how much q4il asks of the next GEMV

@@ -305,6 +305,11 @@ EMULATED = {
     emu_prefetched += bytes;
 }""",
     "ld_acquire": "inline int ld_acquire(const int* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }",
+    "ld_relaxed": "inline int ld_relaxed(const int* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }",
+    "fence_acq_rel": "inline void fence_acq_rel() { std::atomic_thread_fence(std::memory_order_acq_rel); }",
+    "red_release_add": """inline void red_release_add(int* p, int v) {
+    __atomic_fetch_add(p, v, __ATOMIC_RELEASE);
+}""",
     "cp_async16": "inline void cp_async16(unsigned dst, const void* src) { emu_cp_async(dst, src); }",
     "cp_async_commit": "inline void cp_async_commit() { emu_cp_commit(); }",
     "cp_async_wait_stages": "inline void cp_async_wait_stages() { emu_cp_wait(STAGES - 1); }",

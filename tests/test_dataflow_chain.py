@@ -20,9 +20,9 @@ SHAPES = [(512, 256), (256, 512), (768, 256), (256, 768)]
 CTAS, WARPS = 3, 2
 
 
-def _chain_on_cpu(dataflow: int, rpw: int, unroll: int) -> Chain:
+def _chain_on_cpu(dataflow: int, rpw: int, unroll: int, sync: int = 0) -> Chain:
     chain = Chain(SHAPES, "cpu", seed=rpw * 10 + unroll)
-    text = source(WARPS, 1, rpw, unroll, dataflow, pdl=False)
+    text = source(WARPS, 1, rpw, unroll, dataflow, pdl=0, sync=sync)
     # every CTA at once (the emulator runs a cluster's CTAs together): the dataflow form's warps wait on
     # items of other CTAs
     kernel = HostKernel(f"#define CLUSTER {CTAS}\n" + text, "chain_gemv")
@@ -39,10 +39,11 @@ def _error(chain: Chain) -> float:
     return ((chain.out.float() - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("dataflow", [0, 1, 2], ids=["launches", "dataflow", "barriers"])
+@pytest.mark.parametrize("dataflow,sync", [(0, 0), (1, 0), (2, 0), (1, 1), (2, 1)],
+                         ids=["launches", "dataflow", "barriers", "dataflow-light", "barriers-light"])
 @pytest.mark.parametrize("rpw,unroll", [(4, 4), (2, 3)])
-def test_chain_matches_torch(dataflow, rpw, unroll):
-    chain = _chain_on_cpu(dataflow, rpw, unroll)
+def test_chain_matches_torch(dataflow, sync, rpw, unroll):
+    chain = _chain_on_cpu(dataflow, rpw, unroll, sync)
     # fp16 outputs of fp32 sums, as the reference rounds them: only summation order differs
     assert _error(chain) < 2e-3
     if dataflow:  # every output chunk counted by each of its items

@@ -314,7 +314,8 @@ def main() -> int:
     ctas = sms * args.min_ctas
     copy = _copy_tbs(dev)
     print(f"{torch.cuda.get_device_name(dev)}: {len(chain.shapes)} GEMVs, {chain.bytes / 1e9:.2f} GB, "
-          f"copy {copy:.2f} TB/s (floor {chain.bytes / copy / 1e9:.3f} ms), grid {ctas} × {args.warps} warps")
+          f"a 1 GiB copy {copy:.2f} TB/s (read + write: a read-only stream may pass it), grid {ctas} × "
+          f"{args.warps} warps")
     rows = []
     for rpw in (int(v) for v in args.rpw.split(",")):
         for unroll in (int(v) for v in args.unroll.split(",")):

@@ -8,21 +8,27 @@ launch boundary (~4 µs on the H200, gpu-notes "Session 60"); every overlap trie
 structure lost (sessions 45, 55, 62-64). A persistent kernel with a grid barrier between GEMVs keeps the tail
 (a GEMV needs its whole input). With readiness counters per 256 inputs instead, a warp that finishes its rows
 of GEMV l takes rows of GEMV l + 1 and works through the input chunks already written while GEMV l's last
-rows are still streaming — if that recovers most of the boundary's cost, the decode step is worth rebuilding
-that way (its norms too: an RMSNorm's scale is one number a column that commutes with the GEMV after it).
+rows are still streaming — if that recovered most of the boundary's cost, the decode step would be worth
+rebuilding that way (its norms too: an RMSNorm's scale is one number a column that commutes with the GEMV
+after it).
 
-The inner loop is the same in both forms: fp16 weights `[n, k]` row-major, fp16 activations, fp32 sums; a
+Measured (session 65, H100; gpu-notes "Session 65"): it does not. The PDL launches are the fastest form at
+every setting (26.9 µs a GEMV on the 27B-sized chain); the dataflow launch is 2.6 µs a GEMV slower, one launch
+with a barrier between GEMVs 2.8-6.6 µs, and the light release / acquire forms slower still: the
+synchronisation costs more than the launch boundary it replaces.
+
+The inner loop is the same in every form: fp16 weights `[n, k]` row-major, fp16 activations, fp32 sums; a
 warp item is RPW rows over all k, a lane takes 8 inputs of every 256-input chunk (one 16-byte load a row), the
 weights of UNROLL chunks loaded before their inputs are asked for. In dataflow form each finished item adds
-one to its output chunk's counter (release), and a warp asks for the counters of up to 32 chunks at once
-(acquire, one lane a chunk) before reading those inputs (`ld.global.cg`: written during the kernel); items
-are dealt to warps in order, GEMV by GEMV, so an item only waits on earlier ones: no deadlock while every CTA
-is resident (the grid is the SMs × CTAs an SM). A third form, one launch whose warps wait for a GEMV's whole
-input before its first chunk, is the persistent kernel with a grid barrier between GEMVs: what the launches
-alone cost, apart from the overlap.
+one to its output chunk's counter (a fence, then an atomic; SYNC 1: a release reduction), and a warp asks for
+the counters of up to 32 chunks at once (acquire loads, one lane a chunk; SYNC 1: relaxed loads and a fence
+after them) before reading those inputs (`ld.global.cg`: written during the kernel); items are dealt to
+warps in order, GEMV by GEMV, so an item only waits on earlier ones: no deadlock while every CTA is resident
+(the grid is the SMs × CTAs an SM). The barrier form is the same launch whose warps wait for a GEMV's whole
+input before its first chunk: what the launches alone cost, apart from the overlap.
 
-    python3 bench/dataflow_chain.py --layers 16              # a GPU: check against torch, time both forms
-    python3 bench/dataflow_chain.py --rpw 2,4 --unroll 2,4
+    python3 bench/dataflow_chain.py --layers 16              # a GPU: check against torch, time every form
+    python3 bench/dataflow_chain.py --rpw 2,4 --unroll 2,4 --inner 1536,3072
 
 `tests/test_dataflow_chain.py` runs the CUDA C on the CPU (`tests/cuda_cpu.py`, every CTA at once).
 """

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 64 ran a `slots` phase on an H100 (q4il staged
-# with three slots a warp: slower from two columns, reverted; commit ba077c2 has both). Session 63 ran
+# $OUT/<phase>/, the settings' table printed last). Session 65 ran `dataflow` twice on H100s (one persistent
+# kernel with chunk counters against the PDL launches: slower). Session 64 ran a `slots` phase on an H100
+# (q4il staged with three slots a warp: slower from two columns, reverted; commit ba077c2 has both). Session 63 ran
 # `attnpf` (the byte cap: even) and a `statepf` phase on H100s (the conv GEMVs asking the lanes' state slots
 # into L2: slower, reverted; commit 132ec74 has both); session 62 ran `suites gpu`, `contend` and `attnpf` on
 # H100s (no H200 came; `attnpf` before the prefetch's byte cap); session 61 ran `suites q4after`, `skips`, `recur`,
@@ -22,9 +23,9 @@
 #   bash bench/pending_ab.sh skips     # (run in session 61, H100, ~5 min) the graphed rounds without the
 #                                      # recurrence, the gated norm, both, the norms, SwiGLU: what each small
 #                                      # kernel costs (both types, 1 / 8 lanes)
-#   bash bench/pending_ab.sh dataflow  # a chain of 64 fp16 GEMVs a launch each (plain, PDL) against one
-#                                      # launch with barriers and one dataflow launch (bench/dataflow_chain.py;
-#                                      # ~2 min)
+#   bash bench/pending_ab.sh dataflow  # (run in session 65, H100: the launches win) a chain of 64 fp16 GEMVs
+#                                      # a launch each (plain, PDL) against one launch with barriers and one
+#                                      # dataflow launch (bench/dataflow_chain.py; ~1 min)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
 #   bash bench/pending_ab.sh attnpf    # (run in session 63, H100: even) the decode attention's pages asked
 #                                      # into L2 before its wait (NINFER_ATTN_PREFETCH_MIB=0 / default / 64):
@@ -227,8 +228,8 @@ gdn=32:1:256,gdn=32:2:256,gdn=64:4:256,NINFER_NEXT_PREFETCH_CONV_LANES=0 --lanes
       # against one persistent kernel whose warps start the next GEMV's rows on the input chunks already
       # written, and one whose warps wait for each GEMV's whole input (bench/dataflow_chain.py): what the launch
       # boundaries cost, the inner loop the same
-      # (session 65, H100: the dataflow and barrier forms slower than the PDL launches at every setting; then
-      # the light release / acquire forms added)
+      # (run in session 65 on H100s: the PDL launches fastest at every setting, dataflow +2.6 µs a GEMV, the
+      # barriers +2.8-6.6, the light release / acquire forms slower still)
       step dataflow 200 "$PY" bench/dataflow_chain.py --rpw 2,4 --unroll 4
       # shorter GEMVs (16-32 MB: the boundaries a larger share)
       step dataflow_small 150 "$PY" bench/dataflow_chain.py --inner 1536,3072 --layers 32

@@ -79,7 +79,7 @@ __device__ __forceinline__ void red_release_add(int* p, int v) {
 }
 
 // the first chunk at or after `known` whose counter has not reached `target` (chunks past the end count as
-// written): one acquire load a lane, 32 chunks a call
+// written): one load a lane (acquire; SYNC 1: relaxed), 32 chunks a call
 __device__ __forceinline__ int poll(const int* cnt, int known, int chunks, int target, unsigned lane) {
     const int c = known + (int)lane;
     const bool ok = c >= chunks || (SYNC ? ld_relaxed(cnt + c) : ld_acquire(cnt + c)) >= target;

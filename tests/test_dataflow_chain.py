@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cuda_cpu import HostKernel  # noqa: E402
 
-from bench.dataflow_chain import Chain, source  # noqa: E402
+from bench.dataflow_chain import Chain, run, source  # noqa: E402
 
 SHAPES = [(512, 256), (256, 512), (768, 256), (256, 768)]
 CTAS, WARPS = 3, 2
@@ -25,12 +25,7 @@ def _chain_on_cpu(dataflow: int, rpw: int, unroll: int, sync: int = 0) -> Chain:
     text = source(WARPS, 1, rpw, unroll, dataflow, pdl=0, sync=sync)
     # every CTA at once (the emulator runs a cluster's CTAs together): the dataflow form's warps wait on
     # items of other CTAs
-    kernel = HostKernel(f"#define CLUSTER {CTAS}\n" + text, "chain_gemv")
-    if dataflow:
-        kernel((CTAS,), (32 * WARPS,), [chain.table, chain.acts, chain.counts, 0, len(SHAPES)])
-    else:
-        for layer in range(len(SHAPES)):
-            kernel((CTAS,), (32 * WARPS,), [chain.table, chain.acts, chain.counts, layer, layer + 1])
+    run(HostKernel(f"#define CLUSTER {CTAS}\n" + text, "chain_gemv"), chain, CTAS, WARPS, dataflow, pdl=0)
     return chain
 
 

@@ -2,9 +2,10 @@
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
 # $OUT/<phase>/, the settings' table printed last). Session 65 ran `dataflow` twice on H100s (one persistent
 # kernel with chunk counters against the PDL launches: slower). Session 64 ran a `slots` phase on an H100
-# (q4il staged with three slots a warp: slower from two columns, reverted; commit ba077c2 has both). Session 63 ran
-# `attnpf` (the byte cap: even) and a `statepf` phase on H100s (the conv GEMVs asking the lanes' state slots
-# into L2: slower, reverted; commit 132ec74 has both); session 62 ran `suites gpu`, `contend` and `attnpf` on
+# (q4il staged with three slots a warp: slower from two columns, reverted; commit ba077c2 has both).
+# Session 63 ran `attnpf` (the byte cap: even) and a `statepf` phase on H100s (the conv GEMVs asking the
+# lanes' state slots into L2: slower, reverted; commit 132ec74 has both); session 62 ran `suites gpu`,
+# `contend` and `attnpf` on
 # H100s (no H200 came; `attnpf` before the prefetch's byte cap); session 61 ran `suites q4after`, `skips`, `recur`,
 # `normone`, `gpu` and `small` on H100s (no H200 came); session 60 `nextkernels`, `lanetrace`, `suites` and `gpu` on
 # an H200 (the prefetch by the GPU's bandwidth per SM since), `trace` on an H100; session 59 ran

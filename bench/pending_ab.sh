@@ -28,6 +28,9 @@
 #                                      # a launch each (plain, PDL) against one launch with barriers and one
 #                                      # dataflow launch (bench/dataflow_chain.py; ~1 min)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
+#   bash bench/pending_ab.sh h200b     # on an H200: sessions 61-63's H100 defaults against their alternatives
+#                                      # (the one-group norm, the gated norm's warps, the page prefetch, q4il
+#                                      # staged at 8 columns; ~7 min)
 #   bash bench/pending_ab.sh attnpf    # (run in session 63, H100: even) the decode attention's pages asked
 #                                      # into L2 before its wait (NINFER_ATTN_PREFETCH_MIB=0 / default / 64):
 #                                      # GPU tests, rounds at 512 and 16K (~5 min)
@@ -242,6 +245,14 @@ gdn=32:1:256,gdn=32:2:256,gdn=64:4:256,NINFER_NEXT_PREFETCH_CONV_LANES=0 --lanes
       WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=200 OUT=$OUT bash bench/gpu_bench.sh
       sweep h200_size q4_k 200 NINFER_NEXT_PREFETCH=q4il=8192,NINFER_NEXT_PREFETCH=q4il=4096,\
 NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
+      ;;
+    h200b)
+      # the defaults sessions 61-63 chose on H100s, each against its alternative on the H200 (one model load a
+      # type): the norm a program a group at 1-2 rows (H100 -0.03 ms), the gated norm on four warps (-0.044),
+      # the decode attention's page prefetch (even), q4il staged at 8 columns (8 lanes -0.17)
+      sweep h200b_q4_k q4_k 280 NINFER_NORM_ONE_GROUP=,NINFER_NORM_ONE_GROUP=0,NINFER_GATED_NORM_WARPS=1,\
+NINFER_ATTN_PREFETCH_MIB=0,NINFER_Q4IL_STAGED=0 --lanes 1,8
+      sweep h200b_iq3_s iq3_s 200 NINFER_ATTN_PREFETCH_MIB=,NINFER_ATTN_PREFETCH_MIB=0 --columns 4
       ;;
     attnpf)
       # each decode attention program asks its pages into L2 before its PDL wait (9 µs an attention layer at

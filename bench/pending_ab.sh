@@ -28,8 +28,6 @@
 #                                      # a launch each (plain, PDL) against one launch with barriers and one
 #                                      # dataflow launch (bench/dataflow_chain.py; ~1 min)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
-#   bash bench/pending_ab.sh l2ahead   # q4il's warps asking their later blocks into L2 (0-3 blocks): the GPU
-#                                      # test, down and the output projections alone, Q4_K rounds (~8 min)
 #   bash bench/pending_ab.sh h200b     # on an H200: sessions 61-63's H100 defaults against their alternatives
 #                                      # (the one-group norm, the gated norm's warps, the page prefetch, q4il
 #                                      # staged at 8 columns; ~7 min)
@@ -247,18 +245,6 @@ gdn=32:1:256,gdn=32:2:256,gdn=64:4:256,NINFER_NEXT_PREFETCH_CONV_LANES=0 --lanes
       WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=200 OUT=$OUT bash bench/gpu_bench.sh
       sweep h200_size q4_k 200 NINFER_NEXT_PREFETCH=q4il=8192,NINFER_NEXT_PREFETCH=q4il=4096,\
 NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
-      ;;
-    l2ahead)
-      # q4il's warps asking later blocks of their tile into L2 (NINFER_Q4IL_L2AHEAD; the 5120-row projections
-      # hold one block a warp in flight, ~6 MB where the H200 wants ~7): the GPU test, down and the output
-      # projection alone (staged 8 x 2, clusters of 2 on 5 x 3), Q4_K's rounds at 1 / 8 lanes
-      step l2ahead_tests 200 "$PY" -m pytest -q -m gpu tests/test_gemv_q4il.py -k l2
-      for a in 0 1 2 3; do
-        NINFER_Q4IL_L2AHEAD=$a step "l2ahead_alone_$a" 150 "$PY" bench/q4il_timing.py \
-          --shapes 5120x17408,5120x6144 --widths 1,2 --ctas 8x2,5x3 --staged --clusters 2
-      done
-      sweep l2ahead_q4_k q4_k 280 NINFER_Q4IL_L2AHEAD=0,NINFER_Q4IL_L2AHEAD=1,NINFER_Q4IL_L2AHEAD=2,\
-NINFER_Q4IL_L2AHEAD=1:all --lanes 1,8
       ;;
     h200b)
       # the defaults sessions 61-63 chose on H100s, each against its alternative on the H200 (one model load a

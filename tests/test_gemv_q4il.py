@@ -203,25 +203,6 @@ def test_the_staged_build_by_default(monkeypatch):
     assert staged(8)
 
 
-def test_the_l2_ahead_rule(monkeypatch):
-    """`L2AHEAD` blocks (none by default) for launches whose tiles leave CTA slots idle (down's 160 tiles on
-    264, or as 160 clusters on 198), none for those that fill them; NINFER_Q4IL_L2AHEAD=N those launches,
-    N:all every launch; anything else named as an error."""
-    rule = gemv_q4il.q4il_l2ahead
-    monkeypatch.delenv("NINFER_Q4IL_L2AHEAD", raising=False)
-    assert rule(160, 264) == gemv_q4il.L2AHEAD == 0
-    monkeypatch.setenv("NINFER_Q4IL_L2AHEAD", "2")
-    assert (rule(160, 264), rule(160, 396 // 2), rule(1088, 396), rule(264, 264)) == (2, 2, 0, 0)
-    monkeypatch.setenv("NINFER_Q4IL_L2AHEAD", "1:all")
-    assert (rule(160, 264), rule(1088, 396)) == (1, 1)
-    monkeypatch.setenv("NINFER_Q4IL_L2AHEAD", "0")
-    assert rule(160, 264) == 0
-    for bad in ("4", "1:some", "x"):
-        monkeypatch.setenv("NINFER_Q4IL_L2AHEAD", bad)
-        with pytest.raises(QuantKernelError, match="NINFER_Q4IL_L2AHEAD"):
-            rule(160, 264)
-
-
 def test_q4k_matrices_of_many_rows_take_the_layout(monkeypatch):
     """q4_k matrices of ≥ 5120 rows on CUDA where the kernel compiles; NINFER_Q4K_IL=0 none, =N those of
     ≥ N rows (1: every one)."""
@@ -355,32 +336,6 @@ def test_gemv_q4il_in_clusters_on_gpu(n, k):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("n", "k"), [(5120, 17408), (5120, 6144), (1040, 5120)])
-def test_gemv_q4il_asking_blocks_into_l2_on_gpu(monkeypatch, n, k):
-    """NINFER_Q4IL_L2AHEAD=1..3 on every launch: unstaged, staged and in clusters of 2, the same bits as
-    without (the bulk prefetches are hints), eager and in a CUDA graph."""
-    from ninfer.kernels.gemv_q4il import gemv_q4il
-    from ninfer.kernels.gemv_q8 import quantize_activation
-
-    words = repack_q4il(random_gguf_weight("q4_k", n, k, "cuda"))
-    for width in (1, 2, 4, 8):
-        xa = quantize_activation(torch.randn(width, k, device="cuda", dtype=torch.bfloat16), group=256)
-        for build in ({"shape": (8, 2), "staged": False}, {"shape": (8, 2), "staged": True},
-                      {"shape": (5, 3), "cluster": 2}):
-            monkeypatch.setenv("NINFER_Q4IL_L2AHEAD", "0")
-            plain = gemv_q4il(words, xa, n, **build)
-            for ahead in ("1:all", "2:all", "3:all"):
-                monkeypatch.setenv("NINFER_Q4IL_L2AHEAD", ahead)
-                assert torch.equal(gemv_q4il(words, xa, n, **build), plain), (width, build, ahead)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = gemv_q4il(words, xa, n, **build)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(captured, plain), (width, build)
 
 
 def test_errors_name_the_problem():

@@ -194,38 +194,6 @@ def evicting(source: str) -> str:
     return source.replace("#define EVICT 0\n", "#define EVICT 2\n", 1)
 
 
-@pytest.mark.parametrize("ahead", [1, 2])
-def test_q4il_asks_its_warps_later_blocks_into_l2(ahead):
-    """L2AHEAD: each warp asks the block `ahead` past the newest it has loaded (staged: the one it stages)
-    into L2, a block at a time within its tile — the same bits as without, and the bulk prefetches (emulated:
-    counted, 16-byte multiples) exactly those blocks' 35 + 1 lines, over 7 tiles of 9 blocks (an odd count)
-    on two CTAs of 5 warps, unstaged, staged, and on two clusters of two."""
-    n, k, columns = 200, 2304, 2
-    raw = random_gguf_weight("q4_k", n, k)
-    words = gemv_q4il.repack_q4il(raw)
-    xa = activation(columns, k, 256)
-    tiles, nblk = -(-n // 32), k // 256
-    for staged, cluster, shape in ((False, 1, gemv_q4il.SHAPES[1]), (True, 1, gemv_q4il.SHAPES[1]),
-                                   (False, 2, gemv_q4il.SHAPES[2])):
-        runs = []
-        for l2ahead in (0, ahead):
-            source = gemv_q4il.kernel_source(columns, OUT_KINDS[torch.float32], False, shape, False, staged,
-                                             cluster, l2ahead=l2ahead)
-            y = torch.full((columns, n), float("nan"))
-            kernel = HostKernel(source, "q4k_il_mma")
-            kernel((2 * cluster,), (32 * shape[0],), [words, xa.words, xa.d, xa.s, y, n, k, y.stride(0)],
-                   gemv_q4il.smem_bytes(shape[0], staged, cluster))
-            runs.append((y, kernel.prefetched))
-        (plain, none), (asked, prefetched) = runs
-        assert none == 0
-        assert torch.equal(asked, plain), (staged, cluster)
-        assert rel(plain, gemv_q8_reference(raw, "q4_k", xa, n)) < FP32_BOUND
-        step = cluster * shape[0]  # a warp's blocks in a tile: first, first + step, ...
-        far = (ahead + staged) * step
-        blocks = sum(1 for first in range(step) for kb in range(first, nblk, step) if kb + far < nblk)
-        assert prefetched == tiles * blocks * 36 * 128, (staged, cluster)
-
-
 @pytest.mark.parametrize("columns", [1, 2, 4])
 def test_the_evicting_builds_compute_the_same_bits(columns):
     """EVICT 2 (the weight loads through `ldw` / `ldw4`, q4il's copies with an L2 policy): every kernel the
@@ -357,9 +325,9 @@ def launches_on_the_cpu(monkeypatch):
                         HostKernel(gemv_il.kernel_source(columns, kind, s, False, conv, evict, prefetch),
                                    "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"))
     monkeypatch.setattr(gemv_q4il, "_compiled", lambda columns, kind, pdl, shape, *build, evict=False,
-                        prefetch=False, l2ahead=0:
+                        prefetch=False:
                         HostKernel(gemv_q4il.kernel_source(columns, kind, False, shape, *build, evict=evict,
-                                                           prefetch=prefetch, l2ahead=l2ahead), "q4k_il_mma"))
+                                                           prefetch=prefetch), "q4k_il_mma"))
     monkeypatch.setattr(gemv_q6il, "_compiled", lambda columns, kind, pdl, evict=False, prefetch=False:
                         HostKernel(gemv_q6il.kernel_source(columns, kind, False, evict, prefetch),
                                    "q6k_il_mma"))

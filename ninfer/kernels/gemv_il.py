@@ -195,14 +195,14 @@ __device__ __forceinline__ unsigned ldw(const unsigned* p) {
 #ifndef NEXT
 #define NEXT 0
 #endif
+#if NEXT
+#define NEXT_PARAMS , const char* __restrict__ next_w, unsigned next_bytes, unsigned next_stride, \
+                    unsigned next_run, unsigned next_runs
 __device__ __forceinline__ void prefetch_l2(const char* p, unsigned bytes) {
 #if __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 #endif
 }
-#if NEXT
-#define NEXT_PARAMS , const char* __restrict__ next_w, unsigned next_bytes, unsigned next_stride, \
-                    unsigned next_run, unsigned next_runs
 #define NEXT_PREFETCH(last)                                                                               \
     if ((last) && threadIdx.x == 0)                                                                       \
         for (unsigned r_ = blockIdx.x; r_ < next_runs; r_ += gridDim.x) {                                 \

@@ -103,7 +103,6 @@ _SOURCE = r"""
 #define STAGES __STAGES__
 #define CLUSTER __CLUSTER__
 #define EVICT __EVICT__
-#define L2AHEAD __L2AHEAD__
 """ + CUDA_HELPERS + CONV_STAGE + CLUSTER_HELPERS + TILE_STORE + ASYNC_COPY + r"""
 #if STAGES
 #define WLD(p) (*(p))  // a weight word from the warp's slot in shared memory
@@ -134,18 +133,6 @@ __device__ __forceinline__ void stage_qblock(QBlock b, int tiles, int P, const u
         const int c = lane + 32 * q;
         cp_async16(slot + 16 * c, c < 280 ? pair + 8 * 35 * h + c : pair + 8 * (70 + h) + (c - 280));
     }
-}
-#endif
-#if L2AHEAD
-// block kb of tile `tile` asked into L2 by the warp's lane 0 (its qs and scales run, its d | dmin line): the
-// block the warp takes L2AHEAD blocks after the newest it has loaded or staged, so that one comes from L2 —
-// one more block a warp in flight without a register or a byte of shared memory
-__device__ __forceinline__ void l2_block(const uint4* __restrict__ w, int tile, int kb, int P,
-                                         unsigned lane) {
-    if (lane != 0) return;
-    const char* pair = reinterpret_cast<const char*>(w + (size_t)(tile * P + (kb >> 1)) * (72 * 8));
-    prefetch_l2(pair + 35 * 128 * (kb & 1), 35 * 128);
-    prefetch_l2(pair + 128 * (70 + (kb & 1)), 128);
 }
 #endif
 __device__ __forceinline__ unsigned part(const uint4& v, int i) {
@@ -216,12 +203,6 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 #pragma unroll
         for (int r = 0; r < 4; ++r) { acc[r][0] = 0.f; acc[r][1] = 0.f; }
         for (int kb = wid; kb < nblk; kb += WARPS) {
-#endif
-#if L2AHEAD
-            {   // (staged: the newest is the block staged below, one on; in clusters CLUSTER · WARPS apart)
-                const int far = kb + (L2AHEAD + (STAGES ? 1 : 0)) * CLUSTER * WARPS;
-                if (far < nblk) l2_block(w, tile, far, P, lane);
-            }
 #endif
 #if STAGES
             // the next block into the other slot (read by every lane before the barrier that ended the last
@@ -333,13 +314,12 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 
 def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
                   conv: bool = False, staged: bool = False, cluster: int = 1, evict: int = 0,
-                  prefetch: bool = False, l2ahead: int = 0) -> str:
+                  prefetch: bool = False) -> str:
     """`conv` (bf16 out): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`).
     `staged`: each warp's next block copied into shared memory while it works on one (the STAGES build).
     `cluster` > 1: clusters of that many CTAs share each tile (`lane_layout.CLUSTER_HELPERS`; not staged).
     `evict`: the weight loads' and copies' cache hints (`gemv_il.evict_level`). `prefetch`: the next GEMV's
-    first weight bytes asked into L2 at the end (`gemv_il.next_prefetch`). `l2ahead`: each warp asks the
-    block it takes that many after the newest it has asked for into L2 (`q4il_l2ahead`)."""
+    first weight bytes asked into L2 at the end (`gemv_il.next_prefetch`)."""
     if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
         raise QuantKernelError("the q4il conv builds write bf16")
     if cluster > 1 and staged:
@@ -350,7 +330,7 @@ def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[i
             .replace("__CONV__", str(int(conv))).replace("__STAGES__", "2" if staged else "0")
             .replace("__WARPS__", str(warps)).replace("__CTAS__", str(ctas))
             .replace("__PDL__", str(int(pdl))).replace("__CLUSTER__", str(cluster))
-            .replace("__EVICT__", str(evict)).replace("__L2AHEAD__", str(l2ahead)))
+            .replace("__EVICT__", str(evict)))
 
 
 def smem_bytes(warps: int, staged: bool = False, cluster: int = 1) -> int:
@@ -433,31 +413,11 @@ def q4il_cluster(tiles: int, sms: int, shape: tuple[int, int], columns: int,
     return (max(fits), cluster) if fits else (shape, 1)
 
 
-# Blocks each warp asks into L2 ahead of the newest it has loaded or staged (`l2_block` in the CUDA C), in the
-# launches whose tiles leave CTA slots idle: the 27B's 5120-row projections, one tile a CTA, ~6 MB in flight
-# at one block a warp where the H200's 4.8 TB/s at ~1.5 µs of latency wants ~7 (down alone 18.9 µs where its
-# bytes take 12; its clusters, twice the warps a tile, 16.5: gpu-notes "Session 51"). None until timed.
-L2AHEAD = 0
-
-
-def q4il_l2ahead(tiles: int, slots: int) -> int:
-    """Blocks a warp asks into L2 ahead in a launch of `tiles` tiles on `slots` CTA slots (clusters counted
-    as one): `L2AHEAD` where the tiles leave slots idle, else none; NINFER_Q4IL_L2AHEAD=N (0-3) those
-    launches N, N:all every launch."""
-    forced = os.environ.get("NINFER_Q4IL_L2AHEAD", "")
-    count, _, scope = forced.partition(":")
-    if forced and (count not in ("0", "1", "2", "3") or scope not in ("", "all")):
-        raise QuantKernelError(f"NINFER_Q4IL_L2AHEAD={forced}: 0-3 blocks, optionally ':all' (every launch)")
-    ahead = int(count) if forced else L2AHEAD
-    return ahead if scope == "all" or tiles < slots else 0
-
-
 @functools.cache
 def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], conv: bool = False,
-              staged: bool = False, cluster: int = 1, evict: int = 0, prefetch: bool = False,
-              l2ahead: int = 0):
+              staged: bool = False, cluster: int = 1, evict: int = 0, prefetch: bool = False):
     kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, conv, staged, cluster,
-                                                      evict, prefetch, l2ahead), "q4k_il_mma")
+                                                      evict, prefetch), "q4k_il_mma")
     kernel.set_shared_memory_config(_smem_optin(torch.device("cuda", torch.cuda.current_device())))
     return kernel
 
@@ -490,8 +450,7 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     ctas = cluster * min(tiles, shape[1] * sms // cluster)
     following = next_prefetch("q4il", words, ctas, tiles, ctas // cluster, n if conv is not None else 0)
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged, cluster,
-                       evict=evict_level("q4il"), prefetch=bool(following),
-                       l2ahead=q4il_l2ahead(tiles, shape[1] * sms // cluster))
+                       evict=evict_level("q4il"), prefetch=bool(following))
     _launch(kernel, ctas, 32 * shape[0], smem_bytes(shape[0], staged, cluster),
             [words, xa.words, xa.d, xa.s, y, out_features, k, y.stride(0), *conv_arguments(conv), *following],
             pdl)

@@ -32,7 +32,7 @@
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
 #   bash bench/pending_ab.sh h200b     # on an H200: sessions 61-63's H100 defaults against their alternatives
 #                                      # (the one-group norm, the gated norm's warps, the page prefetch, q4il
-#                                      # staged at 8 columns; ~7 min)
+#                                      # staged at 8 columns; ~5 min)
 #   bash bench/pending_ab.sh attnpf    # (run in session 63, H100: even) the decode attention's pages asked
 #                                      # into L2 before its wait (NINFER_ATTN_PREFETCH_MIB=0 / default / 64):
 #                                      # GPU tests, rounds at 512 and 16K (~5 min)

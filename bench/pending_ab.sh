@@ -32,6 +32,9 @@
 #   bash bench/pending_ab.sh h200b     # on an H200: sessions 61-63's H100 defaults against their alternatives
 #                                      # (the one-group norm, the gated norm's warps, the page prefetch, q4il
 #                                      # staged at 8 columns; ~5 min)
+#   bash bench/pending_ab.sh prologue  # a decode graph's first launches as two kernels (the RoPE tables, the
+#                                      # round's addresses) against PyTorch's eleven: their GPU tests, both
+#                                      # types' graphed rounds at 1 / 8 lanes (~4 min)
 #   bash bench/pending_ab.sh attnpf    # (run in session 63, H100: even) the decode attention's pages asked
 #                                      # into L2 before its wait (NINFER_ATTN_PREFETCH_MIB=0 / default / 64):
 #                                      # GPU tests, rounds at 512 and 16K (~5 min)
@@ -87,7 +90,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="dataflow, h200, h200b, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="dataflow, h200, h200b, prologue, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -254,6 +257,14 @@ NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
       sweep h200b_q4_k q4_k 280 NINFER_NORM_ONE_GROUP=,NINFER_NORM_ONE_GROUP=0,NINFER_GATED_NORM_WARPS=1,\
 NINFER_ATTN_PREFETCH_MIB=0,NINFER_Q4IL_STAGED=0 --lanes 1,8
       sweep h200b_iq3_s iq3_s 200 NINFER_ATTN_PREFETCH_MIB=,NINFER_ATTN_PREFETCH_MIB=0 --columns 4
+      ;;
+    prologue)
+      # NINFER_ROUND_KERNELS=0: the RoPE tables and GraphDecodeContext.begin()'s addresses as PyTorch's ops
+      # (5 + 6 launches at the start of every decode graph, none under PDL) instead of one kernel each
+      step prologue_tests 200 "$PY" -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_graph_decode.py \
+        -k "round_inputs or graph or lookahead"
+      sweep prologue_q4_k q4_k 200 NINFER_ROUND_KERNELS=0,NINFER_ROUND_KERNELS=1 --lanes 1,8
+      sweep prologue_iq3_s iq3_s 150 NINFER_ROUND_KERNELS=0,NINFER_ROUND_KERNELS=1 --lanes 1
       ;;
     attnpf)
       # each decode attention program asks its pages into L2 before its PDL wait (9 µs an attention layer at

@@ -106,6 +106,38 @@ def test_norm_rotary_matches_reference(gen, dtype, head_dim, rotary_dim, section
     _close(fused.norm_rotary(x, None, cos, sin, 1e-6), reference.apply_rotary(x, cos, sin))
 
 
+@pytest.mark.parametrize(("rotary_dim", "theta"), [(64, 1e7), (128, 1e6), (64, 5e5), (6, 1e4)])
+def test_rope_tables_match_reference(gen, rotary_dim, theta):
+    """The rotate-half tables of text positions in one launch: the reference's angles (fp32 pos·freq) and
+    cos / sin, at positions up to 2^18 (angles up to ~2.6e5 rad) and a run at the start."""
+    positions = torch.cat([torch.arange(5), torch.randint(0, 1 << 18, (40,), generator=gen)])
+    inv_freq = reference.rope_inv_freq(rotary_dim, theta)
+    got, want = fused.rope_cos_sin(positions, inv_freq), reference.rope_cos_sin(positions, inv_freq)
+    # measured over 200 seeds (the interpreter's numpy cos / sin against PyTorch's, both fp32): ≤ 6.0e-8
+    # apart, one ulp; allowed: one ulp at 1
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=2.0**-23)
+    assert torch.equal(ops.mrope_cos_sin(positions, rotary_dim, theta)[0], got[0])
+    assert got[0].shape == (45, rotary_dim)
+
+
+def test_decode_rows_match_reference(gen):
+    """A decode round's addresses in one launch: page ids through the page tables, in-page offsets, int32
+    lanes and lengths, each lane's GDN slot (lanes of T rows: the first row's)."""
+    tables = torch.randint(0, 1000, (9, 12), generator=gen, dtype=torch.int32)
+    for lanes, T in ((5, 1), (3, 4), (1, 1)):
+        N = lanes * T
+        lane = torch.randint(0, 9, (lanes,), generator=gen).repeat_interleave(T)
+        pos = (torch.randint(0, 700, (lanes,), generator=gen)[:, None] + torch.arange(T)).flatten()
+        slot = torch.randint(0, 20, (lanes,), generator=gen).repeat_interleave(T)
+        inputs = torch.stack([torch.randint(0, 100, (N,), generator=gen), pos, lane, pos + 1, slot])
+        got = kv_write.decode_rows(inputs, tables, T)
+        want = kv_write.decode_rows_reference(inputs, tables, T)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+        assert want[4].shape == (lanes,) and want[2].dtype == torch.int32
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_norm_rotary_pair_is_two_norm_rotaries(gen, dtype):
     """Queries and keys (strided views of one merged output, their own norm weights) in one launch: each the
@@ -420,7 +452,8 @@ REFERENCE_FORMS = {"add_rms_norm": fused.add_rms_norm_reference, "rms_norm": ref
                    "norm_rotary_pair": lambda q, wq, k, wk, cos, sin, eps: (
                        fused.norm_rotary_reference(q, wq, cos, sin, eps),
                        fused.norm_rotary_reference(k, wk, cos, sin, eps)),
-                   "swiglu": reference.swiglu, "sigmoid_gate_mul": fused.sigmoid_gate_mul_reference}
+                   "swiglu": reference.swiglu, "sigmoid_gate_mul": fused.sigmoid_gate_mul_reference,
+                   "rope_cos_sin": reference.rope_cos_sin}
 NOT_LAUNCHES = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                 torch.ops.aten.empty_like.default, torch.ops.aten.lift_fresh.default}
 
@@ -502,10 +535,10 @@ def test_decode_step_launch_count(q4km, monkeypatch, capsys):
     with capsys.disabled():
         print(f"\ndecode step launches: before {before}, per layer {layers_before}; "
               f"after {after}, per layer {layers_after} (layer types {plain.cfg.layer_types})")
-    # measured: before 267, per layer [50, 51, 51, 72]; after 75, per layer [10, 10, 11, 10] (layer 2: q|k|v
+    # measured: before 267, per layer [50, 51, 51, 72]; after 71, per layer [10, 10, 11, 10] (layer 2: q|k|v
     # in q6_k apart from z|a|b in q4_k; the attention layer's queries and keys normed in one launch). The
-    # rest of a step (embedding lookup: here the CPU stand-in of the quantized row decode, ~20 ops; RoPE
-    # tables ~10) is the same before and after.
+    # rest of a step: the embedding lookup (here the CPU stand-in of the quantized row decode, ~20 ops, the
+    # same before and after) and the RoPE tables (5 ops before, one launch after: 75 → 71).
     assert max(layers_after) <= 11 and layers_after[3] <= 10 and sum(layers_after) * 4 < sum(layers_before)
 
 
@@ -568,6 +601,13 @@ def compile_for_sm90() -> list[str]:
                      **ints("H", "sk0", "sk1", "sv0", "sv1")}
             build(kv_write._kv_write_kernel, write,
                   {"D": 256, "TB": kv_quant.kv_format(name, 256).token_bytes, "FMT": code}, 4)
+        if ty == "bf16":  # the rope tables; a decode round's addresses (their PDL prologue)
+            build(fused._rope_kernel, {"pos_ptr": "*i64", "freq_ptr": "*fp32", "cos_ptr": "*fp32",
+                                       "sin_ptr": "*fp32", **ints("F", "s_pos")}, {"BLOCK": 32}, 1)
+            rows = dict.fromkeys(("in_ptr", "pages_ptr", "offs_ptr", "slots_ptr"), "*i64")
+            build(kv_write._decode_rows_kernel, {**rows, "table_ptr": "*i32", "lanes_ptr": "*i32",
+                                                 "lens_ptr": "*i32", **ints("N", "s_table")},
+                  {"T": 4, "PAGE": 64, "BLOCK": 32}, 1)
         merge = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": f"*{ty}",
                  "gate_ptr": f"*{ty}", **int8, **ints("Hq", "pages_per_split", "s_gate")}
         for gate, group in ((True, 32), (True, 256), (False, 32)):  # paged attention's merge, the output gate

@@ -346,6 +346,28 @@ def _paged_case(name):
     return torch.randn(3, 24, 256, device="cuda"), storage, tables, ids, seq, fmt
 
 
+def test_decode_round_inputs_on_gpu():
+    """A decode graph's first launches: the rope tables (libdevice's cos / sin against PyTorch's CUDA ones,
+    angles up to ~2.6e5 rad) and the round's addresses (exactly the reference's)."""
+    from ninfer.kernels import fused, kv_write, reference
+
+    positions = torch.cat([torch.arange(5), torch.randint(0, 1 << 18, (300,))]).cuda()
+    for rotary_dim, theta in ((64, 1e7), (128, 1e4)):
+        inv_freq = reference.rope_inv_freq(rotary_dim, theta).cuda()
+        got, want = fused.rope_cos_sin(positions, inv_freq), reference.rope_cos_sin(positions, inv_freq)
+        for g, w in zip(got, want, strict=True):  # one ulp at 1 at most (the CPU interpreter: ≤ 6e-8)
+            torch.testing.assert_close(g, w, rtol=0, atol=2.0**-23)
+    tables = torch.randint(0, 5000, (9, 300), dtype=torch.int32, device="cuda")
+    for lanes, T in ((8, 1), (4, 4)):
+        lane = torch.randperm(9)[:lanes].repeat_interleave(T)
+        pos = (torch.randint(0, 16000, (lanes,))[:, None] + torch.arange(T)).flatten()
+        slot = torch.randint(0, 20, (lanes,)).repeat_interleave(T)
+        inputs = torch.stack([torch.randint(0, 1000, (lanes * T,)), pos, lane, pos + 1, slot]).cuda()
+        got = kv_write.decode_rows(inputs, tables, T)
+        for g, w in zip(got, kv_write.decode_rows_reference(inputs, tables, T), strict=True):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+
+
 @pytest.mark.parametrize("name", ["bf16", "int8", "rk8v4", "rk4v4"])
 def test_paged_attention_on_gpu(name):
     case = _paged_case(name)

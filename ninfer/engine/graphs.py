@@ -20,9 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.engine.gdn_mix import SHORT_SPAN, decode_conv, decode_mix
-from ninfer.engine.kv_pool import PAGE_TOKENS, KvPool
+from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.state_pool import GdnStatePool
 from ninfer.kernels.gdn_decode import ConvEpilogue, gdn_decode
+from ninfer.kernels.kv_write import decode_rows
 from ninfer.kernels.paged_attention import paged_decode_attention
 from ninfer.models.context import GdnState, SequenceSpan
 
@@ -64,14 +65,11 @@ class GraphDecodeContext:
         return self.inputs.shape[1] // self.positions
 
     def begin(self) -> None:
-        """Per forward, on the device: page id and in-page row of every new token; each lane's GDN slot; the
-        rows' lanes and lengths as the attention kernels take them (int32: converted once, not in every
-        attention layer)."""
-        lanes, pos = self.inputs[_LANE], self.inputs[_POS]
-        self._write_pages = self._kv.page_tables[lanes, pos // PAGE_TOKENS].long()
-        self._write_offsets = pos % PAGE_TOKENS
-        self._lane_slots = self.inputs[_SLOT][:: self.positions].contiguous()
-        self._lanes, self._lens = lanes.to(torch.int32), self.inputs[_LEN].to(torch.int32)
+        """Per forward, on the device (one launch on CUDA, `kv_write.decode_rows`): page id and in-page row of
+        every new token; each lane's GDN slot; the rows' lanes and lengths as the attention kernels take them
+        (int32: converted once, not in every attention layer)."""
+        (self._write_pages, self._write_offsets, self._lanes, self._lens,
+         self._lane_slots) = decode_rows(self.inputs, self._kv.page_tables, self.positions)
 
     def attention(self, kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.gated_attention(kv_layer, q, k, v, None)

@@ -28,6 +28,13 @@ def runs_on(t: torch.Tensor) -> bool:
     return HAVE_TRITON and triton_runs_on(t)
 
 
+def round_kernels(t: torch.Tensor) -> bool:
+    """Whether a decode round's first launches, the RoPE tables (`rope_cos_sin`) and the round's addresses
+    (`kv_write.decode_rows`), take their one-launch kernels: where `runs_on(t)`, unless NINFER_ROUND_KERNELS=0
+    (PyTorch's five and six launches, for A/B)."""
+    return runs_on(t) and os.environ.get("NINFER_ROUND_KERNELS", "1") != "0"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # References: compositions of the plain-PyTorch ops, in the order the models ran them before fusion
 
@@ -220,6 +227,23 @@ if HAVE_TRITON:
         whole = tl.arange(0, HEADS * BLOCK) < HEADS * BLOCK  # every column: BLOCK = N
         _quantize_row(tl.reshape(y, [HEADS * BLOCK]).to(tl.float32), t, g, whole, H * N, q_ptr, d_ptr, s_ptr,
                       HEADS * BLOCK, HEADS * BLOCK)
+
+    @jit
+    def _rope_kernel(pos_ptr, freq_ptr, cos_ptr, sin_ptr, F, s_pos, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = 0):
+        """Row t: the angles pos[t]·freq[j] (fp32, as PyTorch multiplies them) and their cos and sin
+        (libdevice's, as PyTorch's CUDA ops), each at columns j and F + j (the rotate-half tables)."""
+        pdl_start(PDL)
+        t = tl.program_id(0)
+        j = tl.arange(0, BLOCK)
+        ok = j < F
+        angle = tl.load(pos_ptr + t * s_pos).to(tl.float32) * tl.load(freq_ptr + j, mask=ok, other=0.0)
+        c, s = tl.cos(angle), tl.sin(angle)
+        row = t * 2 * F + j
+        tl.store(cos_ptr + row, c, mask=ok)
+        tl.store(cos_ptr + row + F, c, mask=ok)
+        tl.store(sin_ptr + row, s, mask=ok)
+        tl.store(sin_ptr + row + F, s, mask=ok)
 
     @jit
     def _norm_rotary_kernel(x_ptr, w_ptr, out_ptr, x2_ptr, w2_ptr, out2_ptr, cos_ptr, sin_ptr, D, H, H2, R,
@@ -482,6 +506,22 @@ def norm_rotary(
     """Per-head RMSNorm (none when weight is None) + rotate-half RoPE on the first cos.shape[-1] dims of
     x [T, H, D]; cos/sin [T, R] fp32 (`reference.mrope_cos_sin`). One launch; out contiguous."""
     return norm_rotary_pair(x, weight, x[:, :0], weight, cos, sin, eps, zero_centred)[0]
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[T, 2F]` fp32 of positions `[T]` (integer) and inverse frequencies `[F]` fp32: what
+    `reference.mrope_cos_sin` gives for text positions (the outer product, the frequencies repeated for both
+    halves, cos and sin: five launches in PyTorch) in one launch."""
+    if positions.dim() != 1 or inv_freq.dim() != 1 or inv_freq.dtype != torch.float32:
+        raise FusedKernelError(f"rope_cos_sin takes positions [T] and fp32 inverse frequencies [F], got "
+                               f"{tuple(positions.shape)} and {inv_freq.dtype} {tuple(inv_freq.shape)}")
+    T, F = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty((T, 2 * F), dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if T * F:
+        _rope_kernel[(T,)](positions, inv_freq.contiguous(), cos, sin, F, positions.stride(0),
+                           BLOCK=_block(F), **_extra(positions, 1))
+    return cos, sin
 
 
 def norm_rotary_pair(

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from ninfer.kernels import fused
 from ninfer.kernels.kv_quant import INT8_GROUP, KvFormat
+from ninfer.kernels.paged_attention import PAGE_TOKENS
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, pdl_options, pdl_start, tl, tl_max, triton_runs_on
 
 WRITE_CODES = {"bf16": 0, "fp32": 1, "int8": 2}
@@ -73,6 +75,55 @@ if HAVE_TRITON:
             half: tl.constexpr = D + D // 32
             _int8_part(k, kv8_ptr + row, kv16_ptr + (row + D) // 2, D)
             _int8_part(v, kv8_ptr + row + half, kv16_ptr + (row + half + D) // 2, D)
+
+
+    @jit
+    def _decode_rows_kernel(in_ptr, table_ptr, pages_ptr, offs_ptr, lanes_ptr, lens_ptr, slots_ptr, N,
+                            s_table, T: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr = 0):
+        """Rows i of the `[5, N]` int64 inputs (token id, position, lane, length, GDN slot): the page and
+        in-page offset of position i, the lane and length as int32, and each lane's slot (its first row of
+        T)."""
+        pdl_start(PDL)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < N
+        pos = tl.load(in_ptr + N + i, mask=ok, other=0)
+        lane = tl.load(in_ptr + 2 * N + i, mask=ok, other=0)
+        page = tl.load(table_ptr + lane * s_table + pos // PAGE, mask=ok, other=0)
+        tl.store(pages_ptr + i, page.to(tl.int64), mask=ok)
+        tl.store(offs_ptr + i, pos % PAGE, mask=ok)
+        tl.store(lanes_ptr + i, lane.to(tl.int32), mask=ok)
+        tl.store(lens_ptr + i, tl.load(in_ptr + 3 * N + i, mask=ok, other=0).to(tl.int32), mask=ok)
+        first = ok & (i % T == 0)
+        tl.store(slots_ptr + i // T, tl.load(in_ptr + 4 * N + i, mask=first, other=0), mask=first)
+
+
+def decode_rows_reference(inputs: torch.Tensor, page_tables: torch.Tensor, positions: int
+                          ) -> tuple[torch.Tensor, ...]:
+    """What a decode round's kernels take from its `[5, N]` int64 inputs (rows: token id, position, lane,
+    length, GDN slot; N = lanes × `positions`, lane-major): each row's page id (int64) and in-page offset
+    (`KvPool.locate`'s), its lane and length as int32 (the attention kernels'), and each lane's slot."""
+    lanes, pos = inputs[2], inputs[1]
+    pages = page_tables[lanes, pos // PAGE_TOKENS].long()
+    return (pages, pos % PAGE_TOKENS, lanes.to(torch.int32), inputs[3].to(torch.int32),
+            inputs[4][::positions].contiguous())
+
+
+def decode_rows(inputs: torch.Tensor, page_tables: torch.Tensor, positions: int) -> tuple[torch.Tensor, ...]:
+    """`decode_rows_reference` in one launch where Triton takes the tensors (PyTorch's indexing and
+    conversions are six)."""
+    if not fused.round_kernels(inputs) or inputs.dtype != torch.int64 or not inputs.is_contiguous():
+        return decode_rows_reference(inputs, page_tables, positions)
+    N = inputs.shape[1]
+    pages, offsets = torch.empty_like(inputs[0]), torch.empty_like(inputs[0])
+    lanes, lens = (torch.empty(N, dtype=torch.int32, device=inputs.device) for _ in range(2))
+    slots = torch.empty(N // positions, dtype=torch.int64, device=inputs.device)
+    if N:
+        block = max(16, min(1024, 1 << (N - 1).bit_length()))
+        _decode_rows_kernel[(-(-N // block),)](inputs, page_tables, pages, offsets, lanes, lens, slots, N,
+                                                page_tables.stride(0), T=positions, PAGE=PAGE_TOKENS,
+                                                BLOCK=block, **pdl_options(inputs))
+    return pages, offsets, lanes, lens, slots
 
 
 def write_kv(storage: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,

@@ -19,7 +19,6 @@ from ninfer.kernels.reference import (  # noqa: F401  (re-exported: no fused for
     gdn_recurrent,
     l2_norm,
     mrope_axis_of_frequency,
-    mrope_cos_sin,
     rope_inv_freq,
     rotate_half,
 )
@@ -75,6 +74,23 @@ def norm_rotary_pair(
         return fused.norm_rotary_pair(q, wq, k, wk, cos.contiguous(), sin.contiguous(), eps)
     return (fused.norm_rotary_reference(q, wq, cos, sin, eps),
             fused.norm_rotary_reference(k, wk, cos, sin, eps))
+
+
+def mrope_cos_sin(
+    positions: torch.Tensor, rotary_dim: int, theta: float,
+    sections: tuple[int, ...] | list[int] | None = None, interleaved: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.mrope_cos_sin`; text positions `[T]` in one launch on CUDA (`rope_cos_sin`)."""
+    if positions.dim() == 1:
+        return rope_cos_sin(positions, reference.inv_freq_on(rotary_dim, theta, positions.device))
+    return reference.mrope_cos_sin(positions, rotary_dim, theta, sections, interleaved)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[T, 2F]` fp32 of positions `[T]` and inverse frequencies `[F]` (rotate-half tables)."""
+    if fused.round_kernels(positions) and positions.dim() == 1 and inv_freq.dtype == torch.float32:
+        return fused.rope_cos_sin(positions, inv_freq)
+    return reference.rope_cos_sin(positions, inv_freq)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, group: int = 32) -> torch.Tensor:

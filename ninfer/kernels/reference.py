@@ -47,7 +47,7 @@ def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
 
 
 @functools.cache
-def _inv_freq_on(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+def inv_freq_on(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
     """`rope_inv_freq` made once per device: no host-to-device copy per forward (CUDA-graph capture)."""
     return rope_inv_freq(rotary_dim, theta).to(device)
 
@@ -67,14 +67,21 @@ def mrope_cos_sin(
     t. Not interleaved (Qwen2-VL): contiguous blocks t | h | w. The frequencies are then repeated for the
     two halves, as rotate-half expects.
     """
-    inv_freq = _inv_freq_on(rotary_dim, theta, positions.device)
-    pos = positions.to(torch.float32)
-    if pos.dim() == 1:
-        freqs = pos[:, None] * inv_freq[None, :]
-    else:
-        per_axis = pos[:, :, None] * inv_freq[None, None, :]  # [3, T, F]
-        axis = mrope_axis_of_frequency(rotary_dim // 2, sections, interleaved).to(positions.device)
-        freqs = per_axis.gather(0, axis[None, None, :].expand(1, pos.shape[1], -1))[0]
+    inv_freq = inv_freq_on(rotary_dim, theta, positions.device)
+    if positions.dim() == 1:
+        return rope_cos_sin(positions, inv_freq)
+    per_axis = positions.to(torch.float32)[:, :, None] * inv_freq[None, None, :]  # [3, T, F]
+    axis = mrope_axis_of_frequency(rotary_dim // 2, sections, interleaved).to(positions.device)
+    return _cos_sin(per_axis.gather(0, axis[None, None, :].expand(1, positions.shape[1], -1))[0])
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 2F] fp32 of positions [T] and inverse frequencies [F] (fp32 angles pos·freq)."""
+    return _cos_sin(positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :])
+
+
+def _cos_sin(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotate-half tables of angles [T, F]: each repeated for both halves."""
     freqs = torch.cat([freqs, freqs], dim=-1)
     return freqs.cos(), freqs.sin()
 

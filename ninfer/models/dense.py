@@ -92,13 +92,6 @@ def rope_inv_freq(cfg: DenseConfig, factors: torch.Tensor | None) -> torch.Tenso
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
-def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, head_dim] (frequencies repeated for both halves, rotate-half convention)."""
-    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
-    freqs = torch.cat([freqs, freqs], dim=-1)
-    return freqs.cos(), freqs.sin()
-
-
 class DenseAttention(nn.Module):
     def __init__(self, source: WeightSource, prefix: str, cfg: DenseConfig, kv_layer: int, dtype, device):
         super().__init__()
@@ -179,7 +172,7 @@ class DenseModel(nn.Module):
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds.to(self.dtype)
         if positions.dim() == 2:  # [3, T] multimodal positions: dense models use the text axis
             positions = positions[0]
-        cos, sin = rope_tables(self.inv_freq, positions)
+        cos, sin = ops.rope_cos_sin(positions, self.inv_freq)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, ctx)

@@ -265,6 +265,7 @@ NINFER_ATTN_PREFETCH_MIB=0,NINFER_Q4IL_STAGED=0 --lanes 1,8
         -k "round_inputs or graph or lookahead"
       sweep prologue_q4_k q4_k 200 NINFER_ROUND_KERNELS=0,NINFER_ROUND_KERNELS=1 --lanes 1,8
       sweep prologue_iq3_s iq3_s 150 NINFER_ROUND_KERNELS=0,NINFER_ROUND_KERNELS=1 --lanes 1
+      step prologue_argmax 60 "$PY" bench/argmax_timing.py  # the greedy argmax and the logits' cast
       ;;
     attnpf)
       # each decode attention program asks its pages into L2 before its PDL wait (9 µs an attention layer at

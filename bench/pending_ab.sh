@@ -260,9 +260,10 @@ NINFER_ATTN_PREFETCH_MIB=0,NINFER_Q4IL_STAGED=0 --lanes 1,8
       ;;
     prologue)
       # NINFER_ROUND_KERNELS=0: the RoPE tables and GraphDecodeContext.begin()'s addresses as PyTorch's ops
-      # (5 + 6 launches at the start of every decode graph, none under PDL) instead of one kernel each
+      # (5 + 6 launches at the start of every decode graph, none under PDL) instead of one kernel each (the
+      # embedding's gather inside its decode launch either way: not in the A/B)
       step prologue_tests 200 "$PY" -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_graph_decode.py \
-        -k "round_inputs or graph or lookahead"
+        -k "round_inputs or embedding_rows or graph or lookahead"
       sweep prologue_q4_k q4_k 200 NINFER_ROUND_KERNELS=0,NINFER_ROUND_KERNELS=1 --lanes 1,8
       sweep prologue_iq3_s iq3_s 150 NINFER_ROUND_KERNELS=0,NINFER_ROUND_KERNELS=1 --lanes 1
       step prologue_argmax 60 "$PY" bench/argmax_timing.py  # the greedy argmax and the logits' cast

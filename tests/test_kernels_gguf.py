@@ -13,6 +13,7 @@ from ninfer.errors import NinferError
 from ninfer.kernels.gguf_matmul import (
     KERNEL_FORMATS,
     SCHEDULES,
+    dequantize_rows,
     quant_matmul,
     quant_matmul_reference,
 )
@@ -65,6 +66,23 @@ def test_kernel_matches_gguf_py(fmt):
         # fp16 dot operands (weights and activations rounded to 2^-11): measured 9e-5..4e-4 over the nine
         # formats and both kernels; bound 1e-3. dequant_mm on CPU decodes to fp32: far below.
         assert rel_err(out, ref) < 1e-3, (fmt, width, schedule, rel_err(out, ref))
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt", KERNEL_FORMATS)
+def test_dequantize_rows_gathers_in_the_launch(fmt):
+    """An embedding lookup: the rows asked for (repeats, any order, past one 16-row tile), decoded where they
+    lie, are gguf-py's rows exactly (fp32 out); the same through the CPU path."""
+    gen = torch.Generator().manual_seed(FORMATS[fmt].ggml_type)
+    cols = 512 if FORMATS[fmt].block_elems == 256 else 96
+    raw = random_gguf_rows(fmt, 40, cols, gen)
+    ids = torch.tensor([39, 0, 7, 7, *torch.randint(0, 40, (15,), generator=gen).tolist()])
+    want = gguf_py_dense(raw, fmt, 40, cols)[ids].float()
+    got = dequantize_rows(raw, fmt, 40, cols, torch.float32, rows=ids)
+    assert torch.equal(got, want)
+    with pytest.MonkeyPatch.context() as m:
+        m.delenv("NINFER_TRITON_ON_CPU")
+        assert torch.equal(dequantize_rows(raw, fmt, 40, cols, torch.float32, rows=ids), want)
 
 
 @needs_triton

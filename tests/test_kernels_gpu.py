@@ -346,6 +346,17 @@ def _paged_case(name):
     return torch.randn(3, 24, 256, device="cuda"), storage, tables, ids, seq, fmt
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "iq3_s", "q6_k", "q8_0"])
+def test_embedding_rows_gathered_in_the_launch_on_gpu(fmt):
+    """`dequantize_rows(rows=)` (the quantized embedding lookup) equals the gathered rows decoded apart."""
+    from ninfer.kernels.gguf_matmul import dequantize_rows
+
+    raw = random_gguf_weight(fmt, 1000, 5120, "cuda")
+    ids = torch.randint(0, 1000, (37,), device="cuda")
+    want = dequantize_rows(raw.index_select(0, ids), fmt, 37, 5120)
+    assert torch.equal(dequantize_rows(raw, fmt, 1000, 5120, rows=ids), want)
+
+
 def test_decode_round_inputs_on_gpu():
     """A decode graph's first launches: the rope tables (libdevice's cos / sin against PyTorch's CUDA ones,
     angles up to ~2.6e5 rad) and the round's addresses (exactly the reference's)."""

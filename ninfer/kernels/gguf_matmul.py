@@ -995,35 +995,45 @@ def quant_matmul(
 
 
 @jit
-def _dequant_rows_kernel(w_ptr, out_ptr, grid_ptr, levels_ptr, N, K, row_bytes,
+def _dequant_rows_kernel(w_ptr, out_ptr, grid_ptr, levels_ptr, rows_ptr, N, K, row_bytes,
                          FMT: tl.constexpr, QK: tl.constexpr, BB: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr = False):
+    """Output row n from weight row n, or (GATHER) from weight row rows_ptr[n]."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (offs_n < N)[:, None] & (kk < K)[None, :]
-    b = w_ptr + offs_n.to(tl.int64)[:, None] * row_bytes + ((kk // QK) * BB)[None, :]
+    src = tl.load(rows_ptr + offs_n, mask=offs_n < N, other=0) if GATHER else offs_n
+    b = w_ptr + src.to(tl.int64)[:, None] * row_bytes + ((kk // QK) * BB)[None, :]
     wt = _dequant_tile(b, (kk % QK)[None, :], mask, grid_ptr, levels_ptr, FMT)
     tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * K + kk[None, :], wt.to(out_ptr.dtype.element_ty),
              mask=mask)
 
 
 def dequantize_rows(raw: torch.Tensor, format: str, out_features: int, in_features: int,
-                    dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
+                    dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
     """The dense `[out_features, in_features]` weight in `dtype`, decoded on the weight's device (a transient
-    for prefill matmuls; the resident weight stays in its GGUF bytes); into `out` where given (its dtype)."""
+    for prefill matmuls; the resident weight stays in its GGUF bytes); into `out` where given (its dtype).
+    `rows` (integer `[n]` on the device): only those rows, `[n, in_features]`, gathered in the same launch
+    (an embedding lookup)."""
     format = format.removeprefix(GGUF_PREFIX)
     check_weight(raw, format, out_features, in_features)
-    if not (HAVE_TRITON and triton_runs_on(raw)):
+    kernel = HAVE_TRITON and triton_runs_on(raw)
+    if rows is not None and not kernel:
+        raw, out_features, rows = raw.index_select(0, rows.long()), rows.shape[0], None
+    if not kernel:
         name = GGUF_PREFIX + format
         value = dequantize(raw.cpu().reshape(-1), name, (out_features, in_features))
         return value.to(raw.device, dtype) if out is None else out.copy_(value)
     fmt = FORMATS[format]
-    out = dense_out(out, out_features, in_features, dtype, raw.device)
+    n = out_features if rows is None else rows.shape[0]
+    out = dense_out(out, n, in_features, dtype, raw.device)
     grid_u8, _, levels = _tables(raw.device)
     block_n, block_k = 16, 256
-    _dequant_rows_kernel[(triton_cdiv(out_features, block_n), triton_cdiv(in_features, block_k))](
-        raw, out, grid_u8, levels, out_features, in_features, raw.shape[1],
-        FMT=FORMAT_CODES[format], QK=fmt.block_elems, BB=fmt.block_bytes, BLOCK_N=block_n, BLOCK_K=block_k)
+    _dequant_rows_kernel[(triton_cdiv(n, block_n), triton_cdiv(in_features, block_k))](
+        raw, out, grid_u8, levels, raw if rows is None else rows, n, in_features, raw.shape[1],
+        FMT=FORMAT_CODES[format], QK=fmt.block_elems, BB=fmt.block_bytes, BLOCK_N=block_n, BLOCK_K=block_k,
+        GATHER=rows is not None)
     return out
 
 

@@ -357,8 +357,8 @@ class Embedding(nn.Module):
             return self.weight.index_select(0, ids.to(device=self.weight.device, dtype=torch.long))
         from ninfer.kernels.gguf_matmul import dequantize_rows
 
-        rows = self.raw.index_select(0, ids.to(device=self.raw.device, dtype=torch.long))
-        return dequantize_rows(rows, self.format, rows.shape[0], self.dim, self.dtype)
+        return dequantize_rows(self.raw, self.format, self.num_rows, self.dim, self.dtype,
+                               rows=ids.to(device=self.raw.device, dtype=torch.long))
 
     def as_output_head(self, x: torch.Tensor) -> torch.Tensor:
         """`x [..., hidden] -> [..., vocab]` logits through this table (a tied output head)."""

@@ -35,6 +35,7 @@
 #   bash bench/pending_ab.sh prologue  # a decode graph's first launches as two kernels (the RoPE tables, the
 #                                      # round's addresses) against PyTorch's eleven: their GPU tests, both
 #                                      # types' graphed rounds at 1 / 8 lanes (~4 min)
+#   bash bench/pending_ab.sh prologue1 # the same at its cheapest: Q4_K's 1-lane round, the argmax (~2 min)
 #   bash bench/pending_ab.sh attnpf    # (run in session 63, H100: even) the decode attention's pages asked
 #                                      # into L2 before its wait (NINFER_ATTN_PREFETCH_MIB=0 / default / 64):
 #                                      # GPU tests, rounds at 512 and 16K (~5 min)
@@ -90,7 +91,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="dataflow, h200, h200b, prologue, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="dataflow, h200, h200b, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -267,6 +268,11 @@ NINFER_ATTN_PREFETCH_MIB=0,NINFER_Q4IL_STAGED=0 --lanes 1,8
       sweep prologue_q4_k q4_k 200 NINFER_ROUND_KERNELS=0,NINFER_ROUND_KERNELS=1 --lanes 1,8
       sweep prologue_iq3_s iq3_s 150 NINFER_ROUND_KERNELS=0,NINFER_ROUND_KERNELS=1 --lanes 1
       step prologue_argmax 60 "$PY" bench/argmax_timing.py  # the greedy argmax and the logits' cast
+      ;;
+    prologue1)
+      # the prologue A/B at its cheapest (~2 min): Q4_K's 1-lane graphed round, the argmax and cast
+      sweep prologue1_q4_k q4_k 150 NINFER_ROUND_KERNELS=0,NINFER_ROUND_KERNELS=1
+      step prologue1_argmax 40 "$PY" bench/argmax_timing.py
       ;;
     attnpf)
       # each decode attention program asks its pages into L2 before its PDL wait (9 µs an attention layer at

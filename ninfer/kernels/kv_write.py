@@ -76,7 +76,6 @@ if HAVE_TRITON:
             _int8_part(k, kv8_ptr + row, kv16_ptr + (row + D) // 2, D)
             _int8_part(v, kv8_ptr + row + half, kv16_ptr + (row + half + D) // 2, D)
 
-
     @jit
     def _decode_rows_kernel(in_ptr, table_ptr, pages_ptr, offs_ptr, lanes_ptr, lens_ptr, slots_ptr, N,
                             s_table, T: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,

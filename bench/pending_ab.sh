@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 66 ran an `l2ahead` phase on an H100 (q4il's warps
-# asking their later blocks into L2: slower, the 1-lane Q4_K round +0.28 ms; reverted, commit 847d3fd has
-# both). Session 65 ran `dataflow` twice on H100s (one persistent kernel with chunk counters against the PDL
+# $OUT/<phase>/, the settings' table printed last). Session 67 got no machine (its `prologue` / `prologue1`
+# phases wait: the decode graphs' first launches as two kernels against PyTorch's eleven). Session 66 ran an
+# `l2ahead` phase on an H100 (q4il's warps asking their later blocks into L2: slower, the 1-lane Q4_K round
+# +0.28 ms; reverted, commit 847d3fd has both). Session 65 ran `dataflow` twice on H100s (one persistent kernel with chunk counters against the PDL
 # launches: slower). Session 64 ran a `slots` phase on an H100 (q4il staged with three slots a warp: slower
 # from two columns, reverted; commit ba077c2 has both). Session 63 ran `attnpf` (the byte cap: even) and a
 # `statepf` phase on H100s (the conv GEMVs asking the lanes' state slots into L2: slower, reverted; commit

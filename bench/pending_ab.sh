@@ -3,8 +3,8 @@
 # $OUT/<phase>/, the settings' table printed last). Session 67 got no machine (its `prologue` / `prologue1`
 # phases wait: the decode graphs' first launches as two kernels against PyTorch's eleven). Session 66 ran an
 # `l2ahead` phase on an H100 (q4il's warps asking their later blocks into L2: slower, the 1-lane Q4_K round
-# +0.28 ms; reverted, commit 847d3fd has both). Session 65 ran `dataflow` twice on H100s (one persistent kernel with chunk counters against the PDL
-# launches: slower). Session 64 ran a `slots` phase on an H100 (q4il staged with three slots a warp: slower
+# +0.28 ms; reverted, commit 847d3fd has both). Session 65 ran `dataflow` twice on H100s (one persistent
+# kernel with chunk counters against the PDL launches: slower). Session 64 ran a `slots` phase on an H100 (q4il staged with three slots a warp: slower
 # from two columns, reverted; commit ba077c2 has both). Session 63 ran `attnpf` (the byte cap: even) and a
 # `statepf` phase on H100s (the conv GEMVs asking the lanes' state slots into L2: slower, reverted; commit
 # 132ec74 has both); session 62 ran `suites gpu`, `contend` and `attnpf` on H100s (no H200 came; `attnpf`

@@ -1018,10 +1018,9 @@ def dequantize_rows(raw: torch.Tensor, format: str, out_features: int, in_featur
     (an embedding lookup)."""
     format = format.removeprefix(GGUF_PREFIX)
     check_weight(raw, format, out_features, in_features)
-    kernel = HAVE_TRITON and triton_runs_on(raw)
-    if rows is not None and not kernel:
-        raw, out_features, rows = raw.index_select(0, rows.long()), rows.shape[0], None
-    if not kernel:
+    if not (HAVE_TRITON and triton_runs_on(raw)):
+        if rows is not None:
+            raw, out_features = raw.index_select(0, rows.long()), rows.shape[0]
         name = GGUF_PREFIX + format
         value = dequantize(raw.cpu().reshape(-1), name, (out_features, in_features))
         return value.to(raw.device, dtype) if out is None else out.copy_(value)

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 67 got no machine (its `prologue` / `prologue1`
-# phases wait: the decode graphs' first launches as two kernels against PyTorch's eleven). Session 66 ran an
-# `l2ahead` phase on an H100 (q4il's warps asking their later blocks into L2: slower, the 1-lane Q4_K round
-# +0.28 ms; reverted, commit 847d3fd has both). Session 65 ran `dataflow` twice on H100s (one persistent
-# kernel with chunk counters against the PDL launches: slower). Session 64 ran a `slots` phase on an H100 (q4il staged with three slots a warp: slower
-# from two columns, reverted; commit ba077c2 has both). Session 63 ran `attnpf` (the byte cap: even) and a
+# $OUT/<phase>/, the settings' table printed last). Session 68 ran `suites prologue`, `h200b`, `h200c`, `gpu`
+# and `lanetrace` on an H200 (the round's two first kernels gain 0.012-0.026 ms; every default holds there).
+# Session 67 got no machine. Session 66 ran an `l2ahead` phase on an H100 (q4il's warps asking their later
+# blocks into L2: slower, the 1-lane Q4_K round +0.28 ms; reverted, commit 847d3fd has both). Session 65 ran
+# `dataflow` twice on H100s (one persistent kernel with chunk counters against the PDL launches: slower).
+# Session 64 ran a `slots` phase on an H100 (q4il staged with three slots a warp: slower from two columns,
+# reverted; commit ba077c2 has both). Session 63 ran `attnpf` (the byte cap: even) and a
 # `statepf` phase on H100s (the conv GEMVs asking the lanes' state slots into L2: slower, reverted; commit
 # 132ec74 has both); session 62 ran `suites gpu`, `contend` and `attnpf` on H100s (no H200 came; `attnpf`
 # before the prefetch's byte cap); session 61 ran `suites q4after`, `skips`, `recur`, `normone`, `gpu` and
@@ -30,12 +31,15 @@
 #                                      # a launch each (plain, PDL) against one launch with barriers and one
 #                                      # dataflow launch (bench/dataflow_chain.py; ~1 min)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
-#   bash bench/pending_ab.sh h200b     # on an H200: sessions 61-63's H100 defaults against their alternatives
-#                                      # (the one-group norm, the gated norm's warps, the page prefetch, q4il
-#                                      # staged at 8 columns; ~5 min)
-#   bash bench/pending_ab.sh prologue  # a decode graph's first launches as two kernels (the RoPE tables, the
-#                                      # round's addresses) against PyTorch's eleven: their GPU tests, both
-#                                      # types' graphed rounds at 1 / 8 lanes (~4 min)
+#   bash bench/pending_ab.sh h200c     # (run in session 68, H200: the defaults stay) q4il's prefetch at 4-32
+#                                      # MiB, IQ3_S's kernels' prefetch at 1 / 8 lanes (~2.5 min)
+#   bash bench/pending_ab.sh h200b     # (run in session 68, H200: the defaults hold) sessions 61-63's H100
+#                                      # defaults against their alternatives (the one-group norm, the gated
+#                                      # norm's warps, the page prefetch, q4il staged at 8 columns; ~2 min)
+#   bash bench/pending_ab.sh prologue  # (run in session 68, H200: the two kernels gain, the default) a decode
+#                                      # graph's first launches as two kernels (the RoPE tables, the round's
+#                                      # addresses) against PyTorch's eleven: their GPU tests, both types'
+#                                      # graphed rounds at 1 / 8 lanes (~4 min)
 #   bash bench/pending_ab.sh prologue1 # the same at its cheapest: Q4_K's 1-lane round, the argmax (~2 min)
 #   bash bench/pending_ab.sh attnpf    # (run in session 63, H100: even) the decode attention's pages asked
 #                                      # into L2 before its wait (NINFER_ATTN_PREFETCH_MIB=0 / default / 64):
@@ -92,7 +96,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="dataflow, h200, h200b, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="dataflow, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -251,6 +255,14 @@ gdn=32:1:256,gdn=32:2:256,gdn=64:4:256,NINFER_NEXT_PREFETCH_CONV_LANES=0 --lanes
       WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=200 OUT=$OUT bash bench/gpu_bench.sh
       sweep h200_size q4_k 200 NINFER_NEXT_PREFETCH=q4il=8192,NINFER_NEXT_PREFETCH=q4il=4096,\
 NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
+      ;;
+    h200c)
+      # (session 68) the H200 without the suites: q4il's next-GEMV prefetch at 4-32 MiB (Q4_K), and IQ3_S's
+      # C = 8 / C = 1 (4.959x, short): the il kernels' and the head's prefetch, off on the H200, at 1 / 8 lanes
+      sweep h200c_q4_k q4_k 200 NINFER_NEXT_PREFETCH=q4il=8192,NINFER_NEXT_PREFETCH=q4il=4096,\
+NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
+      sweep h200c_iq3_s iq3_s 260 NINFER_NEXT_PREFETCH=q4il=8192,NINFER_NEXT_PREFETCH=il=8192,\
+NINFER_NEXT_PREFETCH=il_mma=8192,NINFER_NEXT_PREFETCH=q6il=8192,NINFER_NEXT_PREFETCH=il=8192:il_mma=8192 --lanes 1,8
       ;;
     h200b)
       # the defaults sessions 61-63 chose on H100s, each against its alternative on the H200 (one model load a

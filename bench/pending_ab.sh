@@ -30,6 +30,9 @@
 #   bash bench/pending_ab.sh dataflow  # (run in session 65, H100: the launches win) a chain of 64 fp16 GEMVs
 #                                      # a launch each (plain, PDL) against one launch with barriers and one
 #                                      # dataflow launch (bench/dataflow_chain.py; ~1 min)
+#   bash bench/pending_ab.sh argmax    # a greedy round's argmax inside the decode graph against torch's
+#                                      # after it (NINFER_GRAPH_ARGMAX=0): GPU tests, Q4_K tg128 A B A B
+#                                      # in the engine's loop (~3 min)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
 #   bash bench/pending_ab.sh h200c     # (run in session 68, H200: the defaults stay) q4il's prefetch at 4-32
 #                                      # MiB, IQ3_S's kernels' prefetch at 1 / 8 lanes (~2.5 min)
@@ -96,7 +99,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="dataflow, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="dataflow, argmax, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -255,6 +258,21 @@ gdn=32:1:256,gdn=32:2:256,gdn=64:4:256,NINFER_NEXT_PREFETCH_CONV_LANES=0 --lanes
       WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=200 OUT=$OUT bash bench/gpu_bench.sh
       sweep h200_size q4_k 200 NINFER_NEXT_PREFETCH=q4il=8192,NINFER_NEXT_PREFETCH=q4il=4096,\
 NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
+      ;;
+    argmax)
+      # (session 68) a greedy round's argmax inside the decode graph (the head's cast with each 2,048-column
+      # chunk's maximum in one launch, the rows' choice in a second) against torch's cast in the graph and its
+      # memset + reduction after it (NINFER_GRAPH_ARGMAX=0): the GPU tests, then Q4_K's tg128 in the engine's
+      # own loop (ninfer-bench, a process a setting, A B A B; ~3 min)
+      step argmax_tests 200 "$PY" -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_graph_decode.py \
+        -k "argmax or graph or lookahead"
+      for run in 1 2; do
+        for v in 0 1; do
+          step "argmax_tg_${v}_$run" 150 env NINFER_GRAPH_ARGMAX=$v "$PY" -m ninfer.cli.bench --synthetic 27b \
+            --wtype q4_k -p 512 -n 128 -r 5
+        done
+      done
+      grep -H "tg128" "$OUT"/argmax_tg_*.log
       ;;
     h200c)
       # (session 68) the H200 without the suites: q4il's next-GEMV prefetch at 4-32 MiB (Q4_K), and IQ3_S's

@@ -139,6 +139,39 @@ def test_decode_rows_match_reference(gen):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [2048, 64])
+def test_logits_argmax_is_torch_argmax(gen, monkeypatch, dtype, block):
+    """The head's fp32 logits and each row's argmax below the sample vocab in two launches: the cast bit for
+    bit, and torch.argmax's choice — the first of equal maxima (across chunks too), −0 equal to +0, NaN above
+    every number, the columns past the vocab never chosen, a row of −inf its first column."""
+    monkeypatch.setattr(fused, "ARGMAX_BLOCK", block)
+    T, N, vocab = 6, 5000, 4901
+    logits = _randn(gen, T, N, dtype=dtype, scale=4.0)
+    top = torch.randint(0, vocab, (2,), generator=gen).sort().values
+    logits[0, top] = 50.0  # a tie: the first wins (another chunk when apart by a block)
+    logits[1, vocab:] = 99.0  # past the vocab (the head's padded rows): never chosen
+    logits[2, torch.randint(0, vocab, (2,), generator=gen)] = float("nan")
+    logits[3] = -1.0
+    logits[3, [700, 800]] = torch.tensor([-0.0, 0.0], dtype=dtype)
+    logits[4] = float("-inf")
+    got, ids = fused.logits_argmax(logits, vocab)
+    want = logits.float()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))  # bits: NaN and −0 too
+    assert torch.equal(ids, want[:, :vocab].argmax(dim=-1))
+    assert ids[0] == top[0] and ids[1] < vocab and ids[3] == 700 and ids[4] == 0
+    assert torch.equal(fused.logits_argmax(logits)[1], want.argmax(dim=-1))  # every column
+
+
+def test_logits_argmax_checks_its_vocab(gen):
+    logits = _randn(gen, 2, 40)
+    for vocab in (0, 41):
+        with pytest.raises(fused.FusedKernelError, match="vocab"):
+            fused.logits_argmax(logits, vocab)
+    got, ids = ops.logits_argmax(logits[:, ::2], 7)  # strided columns: PyTorch's ops
+    assert torch.equal(ids, logits[:, ::2][:, :7].argmax(-1)) and torch.equal(got, logits[:, ::2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_norm_rotary_pair_is_two_norm_rotaries(gen, dtype):
     """Queries and keys (strided views of one merged output, their own norm weights) in one launch: each the
     single-tensor kernel's result bit for bit."""
@@ -608,6 +641,13 @@ def compile_for_sm90() -> list[str]:
             build(kv_write._decode_rows_kernel, {**rows, "table_ptr": "*i32", "lanes_ptr": "*i32",
                                                  "lens_ptr": "*i32", **ints("N", "s_table")},
                   {"T": 4, "PAGE": 64, "BLOCK": 32}, 1)
+        keys = {"key_ptr": "*i32", "col_ptr": "*i32"}  # the head's cast and argmax, both passes
+        build(fused._logits_argmax_kernel, {"x_ptr": f"*{ty}", "out_ptr": "*fp32", **keys,
+                                            **ints("N", "V", "sx", "so", "CHUNKS")},
+              {"BLOCK": fused.ARGMAX_BLOCK}, 4)
+        if ty == "bf16":
+            build(fused._argmax_chunks_kernel, {**keys, "ids_ptr": "*i64", "CHUNKS": "i32"},
+                  {"BLOCK": 128}, 1)
         merge = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": f"*{ty}",
                  "gate_ptr": f"*{ty}", **int8, **ints("Hq", "pages_per_split", "s_gate")}
         for gate, group in ((True, 32), (True, 256), (False, 32)):  # paged attention's merge, the output gate

@@ -171,6 +171,35 @@ def test_prepare_builds_every_size_once_and_rounds_reuse_them(tiny):
     assert logits.shape[0] == 3 and graphs._graphs == built
     graphs.prepare()
     assert all(graphs._graphs[k] is built[k] for k in built)
+    with pytest.raises(ValueError, match="argmax over None columns"):
+        graphs.prepare(100)  # the built graphs' argmax bound cannot change
+
+
+def test_greedy_ids_come_from_the_graph(tiny, monkeypatch):
+    """A graphed round's greedy tokens are the graph's own argmax below the sample vocab (the engine's
+    `greedy_ids`), every row's at a verification shape; other logits or bounds get a fresh argmax."""
+    from ninfer.engine.runner import ModelRunner
+    from ninfer.engine.scheduler import Round, WorkItem
+
+    kv = KvPool(tiny.cache_spec, "fp32", 8 * 64, MAX_LANES, 256)
+    states = GdnStatePool(tiny.cache_spec, MAX_LANES)
+    runner = ModelRunner(tiny, kv, states, decode_graphs=True)
+    vocab = tiny.vocab_size - 37
+    runner.graphs.prepare(vocab)
+    for lane in range(3):
+        kv.assign(lane, kv.reserve(1))
+    for T in (1, 3):
+        items = [WorkItem(None, lane, tuple(tokens(T, 9 + lane)), 4 * T, True) for lane in range(3)]
+        logits = runner.run(Round(items, [], []), all_rows=T > 1)
+        ids = runner.greedy_ids(logits, vocab)
+        assert torch.equal(ids, logits[:, :vocab].argmax(-1)) and ids.shape == (3 * T,)
+        assert ids is runner.graphs.ids  # the graph's tensor, no new argmax
+        assert torch.equal(runner.greedy_ids(logits, None), logits.argmax(-1))
+        assert torch.equal(runner.greedy_ids(logits.clone(), vocab), ids)
+    monkeypatch.setenv("NINFER_GRAPH_ARGMAX", "0")  # the A/B's other side: the argmax after the graph
+    logits = runner.run(Round(items[:1], [], []), all_rows=True)
+    assert runner.graphs.ids is None and torch.equal(runner.greedy_ids(logits, vocab),
+                                                     logits[:, :vocab].argmax(-1))
 
 
 def prefill_lanes(model, pools: Pools, lengths: dict[int, int]) -> dict[int, int]:
@@ -301,8 +330,9 @@ def test_graph_region_has_no_host_sync(model, triton_on_cpu):
     graphs._stage(ctx.inputs, [[1, 2, 3], [63, 5, 64], [0, 1, 2], [64, 6, 65], [0, 1, 2]])
     graphs._forward(ctx)  # the warm-up before capture (fills the kernels' cached device tables)
     with NoHostSync():
-        logits = graphs._forward(ctx)
+        logits, ids = graphs._forward(ctx)
     assert logits.shape == (4, VOCAB) and torch.isfinite(logits).all()
+    assert torch.equal(ids, logits.argmax(-1))
 
 
 @pytest.mark.gpu
@@ -325,6 +355,7 @@ def test_cuda_graph_replay_equals_eager(kv_dtype):
         want = pools["eager"][2].run(lanes, toks, at)
         got = pools["graph"][2].run(lanes, toks, at)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert torch.equal(pools["graph"][2].ids, got.argmax(-1))  # the graph's own argmax
         assert rel(got, want) < 1e-5  # the same kernels on the same inputs: equal up to atomics' order
         for lane in lanes:
             pos[lane] += 1

@@ -379,6 +379,24 @@ def test_decode_round_inputs_on_gpu():
             assert g.dtype == w.dtype and torch.equal(g, w)
 
 
+def test_logits_argmax_on_gpu():
+    """The head's cast and argmax as a decode graph ends them: torch's cast bit for bit and torch.argmax's
+    choice on CUDA, the 27B's vocabulary at 1 and 8 rows, ties, NaN, the padded columns past the vocab."""
+    from ninfer.kernels import fused
+
+    N, vocab = 248_320, 248_077
+    for T in (1, 8):
+        logits = (torch.randn(T, N, device="cuda") * 6).bfloat16()
+        logits[0, [1000, 200_000]] = 80.0  # a tie across chunks: the first
+        logits[-1, vocab:] = 99.0  # never chosen
+        if T > 1:
+            logits[1, [5, 77_777]] = float("nan")
+        got, ids = fused.logits_argmax(logits, vocab)
+        want = logits.float()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        assert torch.equal(ids, want[:, :vocab].argmax(-1)) and ids[0] == 1000
+
+
 @pytest.mark.parametrize("name", ["bf16", "int8", "rk8v4", "rk4v4"])
 def test_paged_attention_on_gpu(name):
     case = _paged_case(name)

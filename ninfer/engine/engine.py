@@ -178,6 +178,7 @@ class Engine:
             self.sample_vocab = min(self.tokenizer.vocab_size, model.vocab_size)
         except Exception:  # an artifact without tokenizer resources still serves token ids
             pass
+        self._prepare_graphs()
 
     @classmethod
     def from_model(cls, model, config: EngineConfig, eos_ids: tuple[int, ...] = ()) -> Engine:
@@ -186,6 +187,7 @@ class Engine:
         engine = cls.__new__(cls)
         engine.artifact = None
         engine._setup(model, config, eos_ids)
+        engine._prepare_graphs()
         return engine
 
     def _setup(self, model, config: EngineConfig, eos_ids: tuple[int, ...]) -> None:
@@ -216,8 +218,6 @@ class Engine:
                          config.device)
         self.states = GdnStatePool(self.spec, config.max_concurrency, config.gdn_state_fp16, config.device)
         self.runner = ModelRunner(model, self.kv, self.states, config.device, decode_graphs=graphs)
-        if self.runner.graphs is not None:
-            self.runner.graphs.prepare()
         timeout = config.pending_timeout_ms / 1000 if config.pending_timeout_ms else None
         limits = SchedulerLimits(config.max_concurrency, config.max_context, config.max_pending_requests,
                                  timeout, config.prefill_chunk)
@@ -237,6 +237,11 @@ class Engine:
         # the sampled tokens' way to the host, one per lane (pinned on CUDA, so the copy is asynchronous)
         self._host_ids = torch.empty(config.max_concurrency, dtype=torch.long,
                                      pin_memory=config.device.startswith("cuda"))
+
+    def _prepare_graphs(self) -> None:
+        """Capture the decode graphs now (the argmax over the sampled vocabulary), not in the first round."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.prepare(self.sample_vocab)
 
     # -- public ----------------------------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -345,11 +350,10 @@ class Engine:
         greedy = self._all_plain_greedy(rnd)
         host_logits = device_ids = None
         if logits is not None:
-            logits = logits[:, : self.sample_vocab]
-            if greedy:  # argmax on the device: only the token ids cross to the host
-                device_ids = logits.argmax(dim=-1)
-            else:
-                host_logits = logits.cpu()  # sampling (seeded generators, penalties) runs on the host
+            if greedy:  # argmax on the device (the decode graph's own): only the token ids cross to the host
+                device_ids = self.runner.greedy_ids(logits, self.sample_vocab)
+            else:  # sampling (seeded generators, penalties) runs on the host
+                host_logits = logits[:, : self.sample_vocab].cpu()
         sampled = [i for i, it in enumerate(rnd.items) if it.sample]
         rest_rows = [i for i in sampled if i not in done]  # the rows of `logits`, in order
         if not sampled:
@@ -405,7 +409,7 @@ class Engine:
         items = [replace(rnd.items[r], token_ids=(0,), start=rnd.items[r].start + 1) for r in keep]
         feed = tokens if len(keep) == len(rnd.items) else tokens[index_on(tokens.device, keep)]
         logits = self.runner.run(Round(items, [], []), device_ids=feed)
-        self._ahead = _Lookahead(items, logits[:, : self.sample_vocab].argmax(dim=-1))
+        self._ahead = _Lookahead(items, self.runner.greedy_ids(logits, self.sample_vocab))
 
     def _ends_after(self, item: WorkItem) -> bool:
         """The item's request ends with the token this round samples for it (or is gone already)."""

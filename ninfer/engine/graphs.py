@@ -3,16 +3,19 @@
 A round of B decode items of T tokens each (T = 1: plain decode; 2..SHORT_SPAN: the verification shape of
 speculative decoding, logits of every position) replays the graph of (the smallest captured size ≥ B, T)
 (sizes 1, 2, 4, 8, then multiples of 8), padded with the scratch lane (`KvPool.scratch_lane`,
-`GdnStatePool.scratch_slot`) whose rows are dropped. Everything a round changes (token ids, positions, lanes,
-lengths, GDN slots) lives in static device tensors filled by one host-to-device copy before `replay()`; the
-captured region never reads a tensor on the host. The same `GraphDecodeContext` runs eagerly where nothing is
-captured (CPU), which is how the CPU tests check it against `PagedBatchContext`. The engine captures every
-size's one-token graph at start (`prepare`); verification shapes on first use.
+`GdnStatePool.scratch_slot`) whose rows are dropped. A graph ends with its rows' fp32 logits and their argmax
+below the sample vocab (`ops.logits_argmax`: a greedy round's tokens need no launch after it). Everything a
+round changes (token ids, positions, lanes, lengths, GDN slots) lives in static device tensors filled by one
+host-to-device copy before `replay()`; the captured region never reads a tensor on the host. The same
+`GraphDecodeContext` runs eagerly where nothing is captured (CPU), which is how the CPU tests check it against
+`PagedBatchContext`. The engine captures every size's one-token graph at start (`prepare`); verification
+shapes on first use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.state_pool import GdnStatePool
 from ninfer.kernels.gdn_decode import ConvEpilogue, gdn_decode
 from ninfer.kernels.kv_write import decode_rows
+from ninfer.kernels.ops import logits_argmax
 from ninfer.kernels.paged_attention import paged_decode_attention
 from ninfer.models.context import GdnState, SequenceSpan
 
@@ -109,6 +113,7 @@ class _Captured:
     graph: object | None  # torch.cuda.CUDAGraph, or None when run eagerly
     ctx: GraphDecodeContext
     logits: torch.Tensor | None  # the graph's static output [size, vocab]
+    ids: torch.Tensor | None = None  # and each row's argmax below DecodeGraphs.vocab [size]
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,8 @@ class DecodeGraphs:
         with self._on_device():
             self._copied = torch.cuda.Event() if pin else None  # the last staged copy left the pinned buffer
         self._padding = (0, 0, kv.scratch_lane, 1, states.scratch_slot)
+        self.vocab: int | None = None  # the argmax's columns (`prepare`; None: all)
+        self.ids: torch.Tensor | None = None  # the last round's argmax (`run_spans`)
         self._graphs: dict[tuple[int, int], _Captured] = {}
         self._pool = None
         self.records: list[CaptureRecord] = []
@@ -149,9 +156,14 @@ class DecodeGraphs:
         on_gpu = self.kv.device.type == "cuda"
         return torch.cuda.device(self.kv.device) if on_gpu else contextlib.nullcontext()
 
-    def prepare(self) -> None:
+    def prepare(self, vocab: int | None = None) -> None:
         """Build (on CUDA: capture) the one-token graph of every batch size now, as the engine does at start,
-        so no decode round waits on a capture and the memory ledger shows the graphs' pool from the start."""
+        so no decode round waits on a capture and the memory ledger shows the graphs' pool from the start;
+        their argmax over the first `vocab` logit columns (None: all)."""
+        if self._graphs and vocab != self.vocab:
+            raise ValueError(f"decode graphs captured with an argmax over {self.vocab} columns, "
+                             f"asked for {vocab}")
+        self.vocab = vocab
         with self._on_device():
             for n in self.sizes:
                 if (n, 1) not in self._graphs:
@@ -173,7 +185,8 @@ class DecodeGraphs:
         """Logits fp32 `[B·T, vocab]` (lane-major) of B items of T tokens each (lane, tokens from start);
         `device_ids` (`[B·T]` on the pools' device): the tokens themselves, `token_ids` then only give T.
         Captured: a view of the graph's static output, valid until that graph's next replay (every caller
-        reads it first: argmax queued on the stream, or copied to the host), no copy of the logits a round."""
+        reads it first: argmax queued on the stream, or copied to the host), no copy of the logits a round.
+        `self.ids` is then the rows' argmax below `vocab`, as long-lived."""
         B, T = len(lanes), len(token_ids[0])
         n = self.padded_size(B)
         rows = [[t for ids in token_ids for t in ids], [p for s in starts for p in range(s, s + T)],
@@ -185,9 +198,12 @@ class DecodeGraphs:
             if device_ids is not None:  # in stream order after the staged copy, before the replay
                 entry.ctx.inputs[_IDS, : B * T].copy_(device_ids)
             if entry.graph is None:
-                return self._forward(entry.ctx)[: B * T]
-            entry.graph.replay()
-            return entry.logits[: B * T]
+                logits, ids = self._forward(entry.ctx)
+            else:
+                entry.graph.replay()
+                logits, ids = entry.logits, entry.ids
+            self.ids = ids[: B * T] if ids is not None else None
+            return logits[: B * T]
 
     def _stage(self, inputs: torch.Tensor, rows: list[list[int]]) -> None:
         """One host-to-device copy of a round's inputs into a graph's static `[5, n]` block (padding rows
@@ -204,11 +220,16 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.record()
 
-    def _forward(self, ctx: GraphDecodeContext) -> torch.Tensor:
+    def _forward(self, ctx: GraphDecodeContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 logits of the block's rows and their argmax below `vocab` (None with NINFER_GRAPH_ARGMAX=0:
+        the engine's argmax after the graph)."""
         with torch.inference_mode():
             ctx.begin()
             hidden = self.model.forward(ctx.inputs[_IDS], ctx.inputs[_POS], ctx)
-            return self.model.compute_logits(hidden).float()
+            logits = self.model.compute_logits(hidden)
+            if os.environ.get("NINFER_GRAPH_ARGMAX") == "0":  # A/B: the argmax after the graph, as before
+                return logits.float(), None
+            return logits_argmax(logits, self.vocab)
 
     def _build(self, n: int, positions: int = 1) -> _Captured:
         ctx = GraphDecodeContext(torch.zeros(5, n * positions, dtype=torch.long, device=self.kv.device),
@@ -241,10 +262,10 @@ class DecodeGraphs:
         before = torch.cuda.memory_reserved(self.kv.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(ctx)
+            logits, ids = self._forward(ctx)
         torch.cuda.synchronize()
         grown = torch.cuda.memory_reserved(self.kv.device) - before
         record = CaptureRecord(n, time.perf_counter() - started, grown, ctx.positions)
         self.records.append(record)
         self._log(record.line())
-        return _Captured(graph, ctx, logits)
+        return _Captured(graph, ctx, logits, ids)

@@ -24,6 +24,7 @@ class ModelRunner:
         self.gdn_kernels: bool | None = None  # None: GDN mixing on the kernels on CUDA only
         # rounds of one-token decode items through DecodeGraphs (captured on CUDA, eager elsewhere)
         self.graphs = DecodeGraphs(model, kv, states) if decode_graphs else None
+        self._graph_ids: tuple[torch.Tensor, torch.Tensor] | None = None  # (the logits run gave, argmax)
 
     def install(self, rnd: Round) -> None:
         """Apply the scheduler's lane changes: forget released lanes, map and zero admitted ones."""
@@ -50,14 +51,16 @@ class ModelRunner:
         row order, already on the device (a decode round launched before the tokens that feed it reached the
         host); the items' `token_ids` then only give their lengths."""
         self.install(rnd)
+        self._graph_ids = None
         if not rnd.items:
             return None
         if self.graphs is not None and self._graph_shape(rnd, all_rows):
             items = rnd.items
             logits = self.graphs.run_spans([it.lane for it in items], [list(it.token_ids) for it in items],
                                            [it.start for it in items], device_ids)
-            T = len(rnd.items[0].token_ids)
-            return logits if all_rows or T == 1 else logits[T - 1 :: T]
+            if self.graphs.ids is not None:  # one token an item, or all rows: every row's
+                self._graph_ids = (logits, self.graphs.ids)
+            return logits
         ids, positions, spans, last_rows = [], [], [], []
         row = 0
         for item in rnd.items:
@@ -79,3 +82,10 @@ class ModelRunner:
         if not last_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)]).float()
+
+    def greedy_ids(self, logits: torch.Tensor, vocab: int | None) -> torch.Tensor:
+        """Each row's argmax over the first `vocab` columns of `logits` (None: all), on the device: where
+        `logits` is what the last `run` returned from a decode graph, the graph's own (no launch now)."""
+        if self._graph_ids is not None and self._graph_ids[0] is logits and self.graphs.vocab == vocab:
+            return self._graph_ids[1]
+        return logits[:, :vocab].argmax(dim=-1)

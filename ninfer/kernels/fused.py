@@ -246,6 +246,39 @@ if HAVE_TRITON:
         tl.store(sin_ptr + row + F, s, mask=ok)
 
     @jit
+    def _logits_argmax_kernel(x_ptr, out_ptr, key_ptr, col_ptr, N, V, sx, so, CHUNKS,
+                              BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+        """Row r, chunk c of BLOCK columns: x's fp32 copy (all N columns) into out, and among the columns
+        below V the largest value's order key (`_order_key`) and first column, at [r, c] of key / col."""
+        pdl_start(PDL)
+        r, c = tl.program_id(0), tl.program_id(1)
+        cols = c * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + r * sx + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * so + cols, x, mask=cols < N)
+        key = tl.where(cols < V, _order_key(x), -2147483647)  # below every number's key
+        best = tl.max(key, 0)
+        tl.store(key_ptr + r * CHUNKS + c, best)
+        tl.store(col_ptr + r * CHUNKS + c, tl.min(tl.where(key == best, cols, 2147483647), 0))
+
+    @jit
+    def _order_key(x):
+        """int32 keys in the order of fp32 x as argmax compares them: −0 as +0, NaN above every number."""
+        bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        return tl.where(x != x, 0x7FFFFFFF, key)
+
+    @jit
+    def _argmax_chunks_kernel(key_ptr, col_ptr, ids_ptr, CHUNKS, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+        """Row r's argmax from its chunks' best keys and first columns: the first column of the best key."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        c = tl.arange(0, BLOCK)
+        key = tl.load(key_ptr + r * CHUNKS + c, mask=c < CHUNKS, other=-2147483647)
+        col = tl.load(col_ptr + r * CHUNKS + c, mask=c < CHUNKS, other=2147483647)
+        best = tl.max(key, 0)
+        tl.store(ids_ptr + r, tl.min(tl.where(key == best, col, 2147483647), 0).to(tl.int64))
+
+    @jit
     def _norm_rotary_kernel(x_ptr, w_ptr, out_ptr, x2_ptr, w2_ptr, out2_ptr, cos_ptr, sin_ptr, D, H, H2, R,
                             sx0, sx1, sx20, sx21, sc0, ss0, eps, HAS_W: tl.constexpr,
                             ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
@@ -522,6 +555,29 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
         _rope_kernel[(T,)](positions, inv_freq.contiguous(), cos, sin, F, positions.stride(0),
                            BLOCK=_block(F), **_extra(positions, 1))
     return cos, sin
+
+
+ARGMAX_BLOCK = 2048  # logits columns a program: the 27B's 248,320 in 122 programs a row
+
+
+def logits_argmax(logits: torch.Tensor, vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits `[T, N]` of the head's `logits` (any float dtype, unit column stride) and each row's argmax
+    over its first `vocab` columns (default all; the first of equal maxima, NaN above every number, as
+    `torch.argmax`), int64 `[T]`, in two launches: the cast with each chunk's maximum, then the rows' choice
+    (PyTorch: the cast, then a memset and a reduction after it)."""
+    T, N = _rows2(logits, "logits_argmax's logits").shape
+    vocab = N if vocab is None else vocab
+    if not 0 < vocab <= N:
+        raise FusedKernelError(f"logits_argmax: vocab {vocab} must be in 1..{N}")
+    out = torch.empty((T, N), dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, dtype=torch.long, device=logits.device)
+    chunks = -(-N // ARGMAX_BLOCK)
+    keys = torch.empty((2, T, chunks), dtype=torch.int32, device=logits.device)
+    if T:
+        _logits_argmax_kernel[(T, chunks)](logits, out, keys[0], keys[1], N, vocab, logits.stride(0),
+                                           out.stride(0), chunks, BLOCK=ARGMAX_BLOCK, **_extra(logits, 4))
+        _argmax_chunks_kernel[(T,)](keys[0], keys[1], ids, chunks, BLOCK=_block(chunks), **_extra(logits, 1))
+    return out, ids
 
 
 def norm_rotary_pair(

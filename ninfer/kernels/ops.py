@@ -93,6 +93,14 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     return reference.rope_cos_sin(positions, inv_freq)
 
 
+def logits_argmax(logits: torch.Tensor, vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits `[T, N]` and each row's argmax over its first `vocab` columns (default all), int64."""
+    if fused.runs_on(logits) and logits.dim() == 2 and logits.stride(-1) == 1:
+        return fused.logits_argmax(logits, vocab)
+    out = logits.float()
+    return out, out[:, :vocab].argmax(dim=-1)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, group: int = 32) -> torch.Tensor:
     """`silu(gate)·up`; gate and up may be the two halves of a merged gate|up output."""
     if fused.runs_on(gate) and gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1:

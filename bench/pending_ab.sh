@@ -268,8 +268,8 @@ NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
         -k "argmax or graph or lookahead"
       for run in 1 2; do
         for v in 0 1; do
-          step "argmax_tg_${v}_$run" 150 env NINFER_GRAPH_ARGMAX=$v "$PY" -m ninfer.cli.bench --synthetic 27b \
-            --wtype q4_k -p 512 -n 128 -r 5
+          step "argmax_tg_${v}_$run" 150 env NINFER_GRAPH_ARGMAX=$v "$PY" -m ninfer.cli.bench --device cuda \
+            --synthetic 27b --wtype q4_k -p 512 -n 128 -r 5
         done
       done
       grep -H "tg128" "$OUT"/argmax_tg_*.log

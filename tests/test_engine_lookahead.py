@@ -58,6 +58,42 @@ def test_lookahead_gives_the_plain_engines_tokens_and_frees_everything():
     assert engine.kv.allocator.free_pages == free0 and engine.scheduler.busy_lanes == 0
 
 
+def test_lookahead_tokens_survive_a_replay_before_they_are_read():
+    """A decode graph's argmax is its static output (`ModelRunner.greedy_ids`), overwritten by a replay:
+    a round that runs other items before it reads the lookahead's tokens (lanes that joined the decoders)
+    must not read them overwritten. Here every run writes its argmax into one shared buffer, as a replay of
+    the same graph would (without the copy the round takes first, g1's tokens went wrong from its fifth)."""
+    engine = make_engine(True)
+    runner, run = engine.runner, engine.runner.run
+    static = torch.full((16,), -1, dtype=torch.long)
+    last = [None]
+
+    def replaying(rnd, all_rows=False, device_ids=None):
+        logits = run(rnd, all_rows, device_ids)
+        if logits is not None:
+            static[: logits.shape[0]] = logits[:, : engine.sample_vocab].argmax(-1)
+        last[0] = logits
+        return logits
+
+    def graph_ids(logits, vocab):
+        return static[: logits.shape[0]] if logits is last[0] else logits[:, :vocab].argmax(-1)
+
+    runner.run, runner.greedy_ids = replaying, graph_ids
+    assert joining(engine) == joining(make_engine(False))
+
+
+def joining(engine: Engine) -> dict:
+    """Greedy requests that arrive while another decodes greedily: with the lookahead, the rounds they join
+    run their prefill beside the decoder's lookahead tokens."""
+    handles = [engine.submit(req("g1", prompt(20, 4), max_tokens=40, temperature=0))]
+    for arrival in range(3):
+        for _ in range(5):
+            engine.step(engine.scheduler.schedule())
+        handles.append(engine.submit(req(f"j{arrival}", prompt(12 + arrival, 5 + arrival), max_tokens=12,
+                                         temperature=0)))
+    return drive(engine, handles)
+
+
 def test_lookahead_past_an_end_of_sequence_token_is_dropped():
     ids = prompt(25, 14)
     greedy = SamplingParams(max_tokens=12, temperature=0.0)

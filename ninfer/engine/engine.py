@@ -346,6 +346,8 @@ class Engine:
         ahead, self._ahead = self._ahead, None
         done = ahead.rows(rnd) if ahead is not None else {}
         rest = [it for i, it in enumerate(rnd.items) if i not in done]
+        if done and rest:  # the lookahead's tokens are a decode graph's output: running `rest` may replay it
+            ahead = replace(ahead, ids=ahead.ids.clone())
         logits = self.runner.run(Round(rest, rnd.admitted, rnd.released))
         greedy = self._all_plain_greedy(rnd)
         host_logits = device_ids = None

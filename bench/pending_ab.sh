@@ -33,6 +33,8 @@
 #   bash bench/pending_ab.sh argmax    # a greedy round's argmax inside the decode graph against torch's
 #                                      # after it (NINFER_GRAPH_ARGMAX=0): GPU tests, Q4_K tg128 A B A B
 #                                      # in the engine's loop (~3 min)
+#   bash bench/pending_ab.sh tglead    # the plain bench's Q4_K tg128 at bf16 / fp32 compute, the Q4_K suite
+#                                      # at fp32: why the plain bench decodes ~1.2 % faster (~3 min)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
 #   bash bench/pending_ab.sh h200c     # (run in session 68, H200: the defaults stay) q4il's prefetch at 4-32
 #                                      # MiB, IQ3_S's kernels' prefetch at 1 / 8 lanes (~2.5 min)
@@ -99,7 +101,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="dataflow, argmax, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="dataflow, argmax, tglead, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -273,6 +275,17 @@ NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
         done
       done
       grep -H "tg128" "$OUT"/argmax_tg_*.log
+      ;;
+    tglead)
+      # (session 68's lead) the plain bench's Q4_K tg128 (fp32 compute, one lane, 640 tokens) 198.2-198.5
+      # against the suite's 195.9 (bf16, 8 lanes, ~16.6K): the plain bench at both dtypes, then the Q4_K suite
+      # at fp32 (~3 min)
+      for dt in bfloat16 float32; do
+        step "tglead_$dt" 150 "$PY" -m ninfer.cli.bench --device cuda --synthetic 27b --wtype q4_k --dtype "$dt" \
+          -p 512 -n 128 -r 5
+      done
+      WTYPES=q4_k DTYPE=float32 SUITE_TIMEOUT_S=200 OUT=$OUT bash bench/gpu_bench.sh
+      grep -H "tg128" "$OUT"/tglead_*.log
       ;;
     h200c)
       # (session 68) the H200 without the suites: q4il's next-GEMV prefetch at 4-32 MiB (Q4_K), and IQ3_S's

@@ -245,6 +245,8 @@ if HAVE_TRITON:
         tl.store(sin_ptr + row, s, mask=ok)
         tl.store(sin_ptr + row + F, s, mask=ok)
 
+    NO_KEY = tl.constexpr(-2147483647)  # below every number's `_order_key` (columns past the vocab)
+
     @jit
     def _logits_argmax_kernel(x_ptr, out_ptr, key_ptr, col_ptr, N, V, sx, so, CHUNKS,
                               BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
@@ -255,10 +257,9 @@ if HAVE_TRITON:
         cols = c * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + r * sx + cols, mask=cols < N, other=0.0).to(tl.float32)
         tl.store(out_ptr + r * so + cols, x, mask=cols < N)
-        key = tl.where(cols < V, _order_key(x), -2147483647)  # below every number's key
-        best = tl.max(key, 0)
+        best, first = _first_best(tl.where(cols < V, _order_key(x), NO_KEY), cols)
         tl.store(key_ptr + r * CHUNKS + c, best)
-        tl.store(col_ptr + r * CHUNKS + c, tl.min(tl.where(key == best, cols, 2147483647), 0))
+        tl.store(col_ptr + r * CHUNKS + c, first)
 
     @jit
     def _order_key(x):
@@ -268,15 +269,20 @@ if HAVE_TRITON:
         return tl.where(x != x, 0x7FFFFFFF, key)
 
     @jit
+    def _first_best(key, col):
+        """The largest of `key` and the smallest `col` among its holders."""
+        best = tl.max(key, 0)
+        return best, tl.min(tl.where(key == best, col, 2147483647), 0)
+
+    @jit
     def _argmax_chunks_kernel(key_ptr, col_ptr, ids_ptr, CHUNKS, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
         """Row r's argmax from its chunks' best keys and first columns: the first column of the best key."""
         pdl_start(PDL)
         r = tl.program_id(0)
         c = tl.arange(0, BLOCK)
-        key = tl.load(key_ptr + r * CHUNKS + c, mask=c < CHUNKS, other=-2147483647)
-        col = tl.load(col_ptr + r * CHUNKS + c, mask=c < CHUNKS, other=2147483647)
-        best = tl.max(key, 0)
-        tl.store(ids_ptr + r, tl.min(tl.where(key == best, col, 2147483647), 0).to(tl.int64))
+        key = tl.load(key_ptr + r * CHUNKS + c, mask=c < CHUNKS, other=NO_KEY)
+        col = tl.load(col_ptr + r * CHUNKS + c, mask=c < CHUNKS, other=0)
+        tl.store(ids_ptr + r, _first_best(key, col)[1].to(tl.int64))
 
     @jit
     def _norm_rotary_kernel(x_ptr, w_ptr, out_ptr, x2_ptr, w2_ptr, out2_ptr, cos_ptr, sin_ptr, D, H, H2, R,

@@ -36,7 +36,8 @@
 #   bash bench/pending_ab.sh tglead    # the plain bench's Q4_K tg128 at bf16 / fp32 compute, the Q4_K suite
 #                                      # at fp32: why the plain bench decodes ~1.2 % faster (~3 min)
 #   bash bench/pending_ab.sh skips8    # IQ3_S's graphed rounds at 1 / 8 lanes without the norms, the
-#                                      # recurrence, the decode attention, SwiGLU, the gated norm (~3 min)
+#                                      # recurrence, the decode attention, SwiGLU, the gated norm; the
+#                                      # norm's columns a program (~4 min)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
 #   bash bench/pending_ab.sh h200c     # (run in session 68, H200: the defaults stay) q4il's prefetch at 4-32
 #                                      # MiB, IQ3_S's kernels' prefetch at 1 / 8 lanes (~2.5 min)
@@ -231,10 +232,11 @@ skip=fused._norm_kernel,skip=fused._swiglu_kernel --lanes 1,8
       ;;
     skips8)
       # (session 69) what each small kernel costs IQ3_S's 8-lane round on the H200 (C = 8 / C = 1 asks 0.11 ms
-      # of it; session 61's H100 sweep put the norms at 0.28-0.42 ms there against 0.07 at one lane)
+      # of it; session 61's H100 sweep put the norms at 0.28-0.42 ms there against 0.07 at one lane); the decode
+      # norm's columns a program (512; 8192: a program a row) at 8 rows
       sweep skips8_iq3_s iq3_s 280 skip=,skip=fused._norm_kernel,skip=gdn_decode._recurrent_kernel,\
 skip=paged_attention._paged_decode_kernel:paged_attention._merge_splits_kernel,skip=fused._swiglu_kernel,\
-skip=fused._gated_norm_heads_kernel --lanes 1,8
+skip=fused._gated_norm_heads_kernel,norm=1024,norm=2048,norm=8192 --lanes 1,8
       ;;
     recur)
       # the recurrence's tiles again (value columns : warps a program, at 1 and 8 lanes alike; the defaults

@@ -233,10 +233,12 @@ skip=fused._norm_kernel,skip=fused._swiglu_kernel --lanes 1,8
     skips8)
       # (session 69) what each small kernel costs IQ3_S's 8-lane round on the H200 (C = 8 / C = 1 asks 0.11 ms
       # of it; session 61's H100 sweep put the norms at 0.28-0.42 ms there against 0.07 at one lane); the decode
-      # norm's columns a program (512; 8192: a program a row) at 8 rows
+      # norm's columns a program (512, 1024) and a program a row from 3 rows (NINFER_NORM_SPLIT_ROWS=2), also at
+      # the 4-column step
       sweep skips8_iq3_s iq3_s 280 skip=,skip=fused._norm_kernel,skip=gdn_decode._recurrent_kernel,\
 skip=paged_attention._paged_decode_kernel:paged_attention._merge_splits_kernel,skip=fused._swiglu_kernel,\
-skip=fused._gated_norm_heads_kernel,norm=1024,norm=2048,norm=8192 --lanes 1,8
+skip=fused._gated_norm_heads_kernel,norm=1024,NINFER_NORM_SPLIT_ROWS=2 --lanes 1,8
+      sweep skips8_iq3_s_4 iq3_s 120 NINFER_NORM_SPLIT_ROWS=,NINFER_NORM_SPLIT_ROWS=2 --columns 4
       ;;
     recur)
       # the recurrence's tiles again (value columns : warps a program, at 1 and 8 lanes alike; the defaults

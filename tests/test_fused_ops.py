@@ -271,6 +271,15 @@ def test_decode_norm_takes_a_program_a_group_of_256_at_few_rows(monkeypatch):
     assert fused.norm_one_group(8)
 
 
+def test_decode_norm_splits_rows_up_to_a_count(monkeypatch):
+    """Each row over several programs up to NORM_SPLIT_ROWS rows, a program a row beyond;
+    NINFER_NORM_SPLIT_ROWS moves the count (A/B)."""
+    monkeypatch.delenv("NINFER_NORM_SPLIT_ROWS", raising=False)
+    assert fused.norm_split_rows() == fused.NORM_SPLIT_ROWS
+    monkeypatch.setenv("NINFER_NORM_SPLIT_ROWS", "2")
+    assert fused.norm_split_rows() == 2
+
+
 def test_gated_norm_heads_warps(monkeypatch):
     """The several-head gated norm's warps: GATED_HEADS_WARPS unless NINFER_GATED_NORM_WARPS names 1, 2, 4
     or 8."""

@@ -381,7 +381,7 @@ def _rows3(x: torch.Tensor, what: str) -> torch.Tensor:
 
 
 NORM_CHUNK = 512  # columns per program where a norm's rows are split (bench/fused_timing.py: 2.6 µs vs 6.0)
-NORM_SPLIT_ROWS = 16  # split rows when there are at most this many
+NORM_SPLIT_ROWS = 16  # split rows when there are at most this many (NINFER_NORM_SPLIT_ROWS for A/B)
 # Up to this many rows quantised in groups of 256 (q4il's activations), a program a group, held as rows of
 # 32 (the group's reductions to scalars, `quantize_group_rows`), instead of NORM_CHUNK columns as [2, 256]
 # tiles, whose reductions and reshape crossed the program's 16 warps (17 barriers against 5). The 27B Q4_K's
@@ -395,6 +395,11 @@ def norm_one_group(rows: int) -> bool:
     """Whether the decode norm of `rows` rows quantising in groups of 256 runs a program a group."""
     forced = os.environ.get("NINFER_NORM_ONE_GROUP", "")
     return forced == "1" if forced in ("0", "1") else rows <= NORM_ONE_GROUP_ROWS
+
+
+def norm_split_rows() -> int:
+    """Up to how many rows the decode norm runs each row over several programs (beyond: a program a row)."""
+    return int(os.environ.get("NINFER_NORM_SPLIT_ROWS", NORM_SPLIT_ROWS))
 
 
 def _block(n: int) -> int:
@@ -451,7 +456,7 @@ def add_rms_norm(
         block = _block(N)
         # a few rows (decode): each row over several programs, each re-reading the row for its sum
         chunk = block
-        if T * H <= NORM_SPLIT_ROWS:
+        if T * H <= norm_split_rows():
             one = quantize and group == 256 and norm_one_group(T * H)
             chunk = 256 if one else min(block, NORM_CHUNK)
         _norm_kernel[(T * H, -(-N // chunk))](

@@ -36,8 +36,7 @@
 #   bash bench/pending_ab.sh tglead    # the plain bench's Q4_K tg128 at bf16 / fp32 compute, the Q4_K suite
 #                                      # at fp32: why the plain bench decodes ~1.2 % faster (~3 min)
 #   bash bench/pending_ab.sh skips8    # IQ3_S's graphed rounds at 1 / 8 lanes without the norms, the
-#                                      # recurrence, the decode attention, SwiGLU, the gated norm; the
-#                                      # norm's columns a program (~4 min)
+#                                      # recurrence; the norm's columns a program, a program a row (~5 min)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
 #   bash bench/pending_ab.sh h200c     # (run in session 68, H200: the defaults stay) q4il's prefetch at 4-32
 #                                      # MiB, IQ3_S's kernels' prefetch at 1 / 8 lanes (~2.5 min)
@@ -231,13 +230,13 @@ skip=fused._norm_kernel,skip=fused._swiglu_kernel --lanes 1,8
       done
       ;;
     skips8)
-      # (session 69) what each small kernel costs IQ3_S's 8-lane round on the H200 (C = 8 / C = 1 asks 0.11 ms
-      # of it; session 61's H100 sweep put the norms at 0.28-0.42 ms there against 0.07 at one lane); the decode
-      # norm's columns a program (512, 1024) and a program a row from 3 rows (NINFER_NORM_SPLIT_ROWS=2), also at
-      # the 4-column step
+      # (session 69) what the norms and the recurrence cost IQ3_S's 8-lane round (C = 8 / C = 1 asks 0.11 ms of
+      # it; session 61's H100 sweep put the norms at 0.28-0.42 ms there against 0.07 at one lane), the decode
+      # norm at 1,024 columns a program and a program a row from 3 rows (NINFER_NORM_SPLIT_ROWS=2), also at the
+      # 4-column step; first the GPU test of the graphs captured again after a clear (~5 min)
+      step skips8_tests 120 "$PY" -m pytest -q -m gpu tests/test_graph_decode.py -k replay_equals_eager
       sweep skips8_iq3_s iq3_s 280 skip=,skip=fused._norm_kernel,skip=gdn_decode._recurrent_kernel,\
-skip=paged_attention._paged_decode_kernel:paged_attention._merge_splits_kernel,skip=fused._swiglu_kernel,\
-skip=fused._gated_norm_heads_kernel,norm=1024,NINFER_NORM_SPLIT_ROWS=2 --lanes 1,8
+norm=1024,NINFER_NORM_SPLIT_ROWS=2 --lanes 1,8
       sweep skips8_iq3_s_4 iq3_s 120 NINFER_NORM_SPLIT_ROWS=,NINFER_NORM_SPLIT_ROWS=2 --columns 4
       ;;
     recur)

@@ -348,7 +348,7 @@ def env_sweep(engine, a, settings: list[str]) -> dict[str, float]:
                 environ.setdefault(name, os.environ.get(name))
                 os.environ[name] = value
         triton_support.reread_launch_settings()
-        engine.runner.graphs._graphs.clear()  # captured again under the new setting
+        engine.runner.graphs.clear()  # captured again under the new setting
         decode_steps(engine, a.prompt, 2, False, a.columns)
         ms = replay_ms(engine, a.columns)
         out.setdefault(setting, []).append(ms)

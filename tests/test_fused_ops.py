@@ -274,7 +274,7 @@ def test_decode_norm_takes_a_program_a_group_of_256_at_few_rows(monkeypatch):
 def test_decode_norm_splits_rows_up_to_a_count(monkeypatch):
     """Each row over several programs up to NORM_SPLIT_ROWS rows, a program a row beyond;
     NINFER_NORM_SPLIT_ROWS moves the count (A/B)."""
-    monkeypatch.delenv("NINFER_NORM_SPLIT_ROWS", raising=False)
+    monkeypatch.setenv("NINFER_NORM_SPLIT_ROWS", "")  # set empty: the default (a sweep's baseline)
     assert fused.norm_split_rows() == fused.NORM_SPLIT_ROWS
     monkeypatch.setenv("NINFER_NORM_SPLIT_ROWS", "2")
     assert fused.norm_split_rows() == 2

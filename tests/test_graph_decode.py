@@ -359,8 +359,15 @@ def test_cuda_graph_replay_equals_eager(kv_dtype):
         assert rel(got, want) < 1e-5  # the same kernels on the same inputs: equal up to atomics' order
         for lane in lanes:
             pos[lane] += 1
-    assert sorted(pools["graph"][2]._graphs) == [(1, 1), (2, 1), (4, 1), (8, 1)]
-    assert all(r.seconds > 0 and r.pool_bytes >= 0 for r in pools["graph"][2].records)
+    graphs = pools["graph"][2]
+    assert sorted(graphs._graphs) == [(1, 1), (2, 1), (4, 1), (8, 1)]
+    assert all(r.seconds > 0 and r.pool_bytes >= 0 for r in graphs.records)
+    # captured again after a clear while the last round's outputs (`got`) live on (step_profile's sweeps)
+    graphs.clear()
+    want = pools["eager"][2].run([0, 1], [7, 8], [pos[0], pos[1]])
+    again = graphs.run([0, 1], [7, 8], [pos[0], pos[1]])
+    assert graphs._graphs[2, 1].graph is not None and graphs.capture and len(graphs.records) == 1
+    assert torch.equal(again.argmax(-1), want.argmax(-1)) and rel(again, want) < 1e-5 and got.shape[0] == 6
 
 
 def test_engine_decode_rounds_through_graphs_same_tokens(tiny):

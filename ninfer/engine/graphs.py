@@ -169,6 +169,16 @@ class DecodeGraphs:
                 if (n, 1) not in self._graphs:
                     self._build(n)
 
+    def clear(self) -> None:
+        """Drop every graph, to be captured again on use (under another launch setting: `bench/`'s sweeps),
+        with the last round's argmax; later captures take a new memory pool, since a tensor of the old one
+        may outlive its graphs (the caller's logits) and torch asserts on capturing into a pool whose graphs
+        are all gone while its memory is not."""
+        self._graphs.clear()
+        self.records.clear()
+        self.ids = None
+        self._pool = None
+
     def padded_size(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)
 

@@ -399,7 +399,7 @@ def norm_one_group(rows: int) -> bool:
 
 def norm_split_rows() -> int:
     """Up to how many rows the decode norm runs each row over several programs (beyond: a program a row)."""
-    return int(os.environ.get("NINFER_NORM_SPLIT_ROWS", NORM_SPLIT_ROWS))
+    return int(os.environ.get("NINFER_NORM_SPLIT_ROWS") or NORM_SPLIT_ROWS)
 
 
 def _block(n: int) -> int:

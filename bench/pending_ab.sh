@@ -37,6 +37,7 @@
 #                                      # at fp32: why the plain bench decodes ~1.2 % faster (~3 min)
 #   bash bench/pending_ab.sh skips8    # IQ3_S's graphed rounds at 1 / 8 lanes without the norms, the
 #                                      # recurrence; the norm's columns a program, a program a row (~5 min)
+#   bash bench/pending_ab.sh norm8     # the same at its cheapest: 8 lanes, a program a row or not (~3 min)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
 #   bash bench/pending_ab.sh h200c     # (run in session 68, H200: the defaults stay) q4il's prefetch at 4-32
 #                                      # MiB, IQ3_S's kernels' prefetch at 1 / 8 lanes (~2.5 min)
@@ -103,7 +104,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="dataflow, argmax, tglead, skips8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="dataflow, argmax, tglead, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -238,6 +239,13 @@ skip=fused._norm_kernel,skip=fused._swiglu_kernel --lanes 1,8
       sweep skips8_iq3_s iq3_s 280 skip=,skip=fused._norm_kernel,skip=gdn_decode._recurrent_kernel,\
 norm=1024,NINFER_NORM_SPLIT_ROWS=2 --lanes 1,8
       sweep skips8_iq3_s_4 iq3_s 120 NINFER_NORM_SPLIT_ROWS=,NINFER_NORM_SPLIT_ROWS=2 --columns 4
+      ;;
+    norm8)
+      # skips8 at its cheapest (~3 min): the recapture's GPU test, IQ3_S's 8-lane round with the decode norm a
+      # program a row from 3 rows against the default and without the norms
+      step norm8_tests 90 "$PY" -m pytest -q -m gpu tests/test_graph_decode.py -k replay_equals_eager
+      sweep norm8_iq3_s iq3_s 200 NINFER_NORM_SPLIT_ROWS=,NINFER_NORM_SPLIT_ROWS=2,skip=fused._norm_kernel \
+        --lanes 8
       ;;
     recur)
       # the recurrence's tiles again (value columns : warps a program, at 1 and 8 lanes alike; the defaults

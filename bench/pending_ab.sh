@@ -38,6 +38,7 @@
 #   bash bench/pending_ab.sh skips8    # IQ3_S's graphed rounds at 1 / 8 lanes without the norms, the
 #                                      # recurrence; the norm's columns a program, a program a row (~5 min)
 #   bash bench/pending_ab.sh norm8     # the same at its cheapest: 8 lanes, a program a row or not (~3 min)
+#   bash bench/pending_ab.sh tglead2   # Q4_K tg128 under engines of 1 / 8 lanes and 640 / 16,576 tokens (~4 min)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
 #   bash bench/pending_ab.sh h200c     # (run in session 68, H200: the defaults stay) q4il's prefetch at 4-32
 #                                      # MiB, IQ3_S's kernels' prefetch at 1 / 8 lanes (~2.5 min)
@@ -104,7 +105,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="dataflow, argmax, tglead, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="dataflow, argmax, tglead, tglead2, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -306,6 +307,12 @@ NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
       done
       WTYPES=q4_k DTYPE=float32 SUITE_TIMEOUT_S=200 OUT=$OUT bash bench/gpu_bench.sh
       grep -H "tg128" "$OUT"/tglead_*.log
+      ;;
+    tglead2)
+      # (session 69) tglead on an H100: the plain bench bf16 162.87 / fp32 161.51, the suite at fp32 160.5 — not
+      # the dtype. The engine's shape then: 1 / 8 lanes at 640 / 16,576 tokens' context, one process (~4 min)
+      step tglead2 300 "$PY" bench/tg_engine.py --wtype q4_k --shapes 1:640,8:640,1:16576,8:16576
+      tail -7 "$OUT/tglead2.log"
       ;;
     h200c)
       # (session 68) the H200 without the suites: q4il's next-GEMV prefetch at 4-32 MiB (Q4_K), and IQ3_S's

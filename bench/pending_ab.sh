@@ -243,10 +243,12 @@ norm=1024,NINFER_NORM_SPLIT_ROWS=2 --lanes 1,8
       ;;
     norm8)
       # skips8 at its cheapest (~3 min): the recapture's GPU test, IQ3_S's 8-lane round with the decode norm a
-      # program a row from 3 rows against the default and without the norms
+      # program a row from 3 rows (sm_90 build: 2,784 instructions, 25 barriers, 126 registers — likely
+      # slower), a program a group of 256 (808, 6, 40; slower on an H100 in session 61), the default (512
+      # columns: 968, 14, 61) and without the norms
       step norm8_tests 90 "$PY" -m pytest -q -m gpu tests/test_graph_decode.py -k replay_equals_eager
-      sweep norm8_iq3_s iq3_s 200 NINFER_NORM_SPLIT_ROWS=,NINFER_NORM_SPLIT_ROWS=2,skip=fused._norm_kernel \
-        --lanes 8
+      sweep norm8_iq3_s iq3_s 240 NINFER_NORM_SPLIT_ROWS=,NINFER_NORM_SPLIT_ROWS=2,NINFER_NORM_ONE_GROUP=1,\
+skip=fused._norm_kernel --lanes 8
       ;;
     recur)
       # the recurrence's tiles again (value columns : warps a program, at 1 and 8 lanes alike; the defaults

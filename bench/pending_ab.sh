@@ -2,8 +2,8 @@
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
 # $OUT/<phase>/, the settings' table printed last). Session 69 ran `skips8 tglead` on an H100 (the sweep hit
 # the recapture bug fixed since: `DecodeGraphs.clear`; tglead: not the dtype). Session 68 ran `suites
-# prologue`, `h200b`, `h200c`, `gpu` and `lanetrace` on an H200 (the round's two first kernels gain 0.012-0.026 ms; every default holds there).
-# Session 67 got no machine. Session 66 ran an `l2ahead` phase on an H100 (q4il's warps asking their later
+# prologue`, `h200b`, `h200c`, `gpu` and `lanetrace` on an H200 (the round's two first kernels gain
+# 0.012-0.026 ms; every default holds there). Session 67 got no machine. Session 66 ran an `l2ahead` phase on an H100 (q4il's warps asking their later
 # blocks into L2: slower, the 1-lane Q4_K round +0.28 ms; reverted, commit 847d3fd has both). Session 65 ran
 # `dataflow` twice on H100s (one persistent kernel with chunk counters against the PDL launches: slower).
 # Session 64 ran a `slots` phase on an H100 (q4il staged with three slots a warp: slower from two columns,

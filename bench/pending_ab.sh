@@ -3,18 +3,18 @@
 # $OUT/<phase>/, the settings' table printed last). Session 69 ran `skips8 tglead` on an H100 (the sweep hit
 # the recapture bug fixed since: `DecodeGraphs.clear`; tglead: not the dtype). Session 68 ran `suites
 # prologue`, `h200b`, `h200c`, `gpu` and `lanetrace` on an H200 (the round's two first kernels gain
-# 0.012-0.026 ms; every default holds there). Session 67 got no machine. Session 66 ran an `l2ahead` phase on an H100 (q4il's warps asking their later
-# blocks into L2: slower, the 1-lane Q4_K round +0.28 ms; reverted, commit 847d3fd has both). Session 65 ran
-# `dataflow` twice on H100s (one persistent kernel with chunk counters against the PDL launches: slower).
-# Session 64 ran a `slots` phase on an H100 (q4il staged with three slots a warp: slower from two columns,
-# reverted; commit ba077c2 has both). Session 63 ran `attnpf` (the byte cap: even) and a
-# `statepf` phase on H100s (the conv GEMVs asking the lanes' state slots into L2: slower, reverted; commit
-# 132ec74 has both); session 62 ran `suites gpu`, `contend` and `attnpf` on H100s (no H200 came; `attnpf`
-# before the prefetch's byte cap); session 61 ran `suites q4after`, `skips`, `recur`, `normone`, `gpu` and
-# `small` on H100s (no H200 came); session 60 `nextkernels`, `lanetrace`, `suites` and `gpu` on an H200 (the
-# prefetch by the GPU's bandwidth per SM since), `trace` on an H100; session 59 ran `gpu nextfine` and
-# `nextkernels` on H100s; session 58 `next` and `nextsize` on an H100; session 57 `suites`, `evict3` and
-# evict2's settings on an H200; sessions 47-56's phases stay to rerun.
+# 0.012-0.026 ms; every default holds there). Session 67 got no machine. Session 66 ran an `l2ahead` phase on
+# an H100 (q4il's warps asking their later blocks into L2: slower, the 1-lane Q4_K round +0.28 ms; reverted,
+# commit 847d3fd has both). Session 65 ran `dataflow` twice on H100s (one persistent kernel with chunk
+# counters against the PDL launches: slower). Session 64 ran a `slots` phase on an H100 (q4il staged with
+# three slots a warp: slower from two columns, reverted; commit ba077c2 has both). Session 63 ran `attnpf`
+# (the byte cap: even) and a `statepf` phase on H100s (the conv GEMVs asking the lanes' state slots into L2:
+# slower, reverted; commit 132ec74 has both); session 62 ran `suites gpu`, `contend` and `attnpf` on H100s (no
+# H200 came; `attnpf` before the prefetch's byte cap); session 61 ran `suites q4after`, `skips`, `recur`,
+# `normone`, `gpu` and `small` on H100s (no H200 came); session 60 `nextkernels`, `lanetrace`, `suites` and
+# `gpu` on an H200 (the prefetch by the GPU's bandwidth per SM since), `trace` on an H100; session 59 ran `gpu
+# nextfine` and `nextkernels` on H100s; session 58 `next` and `nextsize` on an H100; session 57 `suites`,
+# `evict3` and evict2's settings on an H200; sessions 47-56's phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
 #   bash bench/pending_ab.sh nextkernels  # (run in session 60 on an H200, 7.3 min; in 59 on an H100) the

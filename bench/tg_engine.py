@@ -3,7 +3,10 @@ engine sized for a server (the suite's: 8 lanes, ~16.6K tokens) costs a lone sho
 plain bench's engine (1 lane, prompt + generated tokens). Session 68's lead: the plain bench's Q4_K tg128
 198.2-198.5 against the suite's 195.9 on the H200.
 
-    python3 bench/tg_engine.py --wtype q4_k --shapes 1:640,8:640,1:16576,8:16576 [--dtype bfloat16] [-r 3]
+    python3 bench/tg_engine.py --wtype q4_k --shapes 1:640,8:640,1:16576,8:16576,1:16576:8 [-r 3]
+
+A shape's optional third field caps the decode attention's splits (`paged_attention.DECODE_SPLITS`, 64) for
+that engine's graphs: a 16K engine's lone 512-token chat launches 64 splits a KV head, 5 of them with pages.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ninfer.cli.bench import bench_prompt, run_once, summarise  # noqa: E402
 from ninfer.engine.engine import Engine, EngineConfig  # noqa: E402
 from ninfer.engine.synthetic import synthetic_model  # noqa: E402
+from ninfer.kernels import paged_attention  # noqa: E402
 
 
 def main() -> int:
@@ -28,7 +32,7 @@ def main() -> int:
     p.add_argument("--synthetic", default="27b")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--shapes", default="1:640,8:640,1:16576,8:16576",
-                   help="LANES:MAX_CONTEXT, comma-separated")
+                   help="LANES:MAX_CONTEXT[:SPLITS], comma-separated")
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--repetitions", type=int, default=3)
@@ -40,9 +44,12 @@ def main() -> int:
                             quantized_weights=on_gpu)
     vocab = model.vocab_size
     shapes = [tuple(map(int, s.split(":"))) for s in a.shapes.split(",")]
-    results: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
+    results: dict[tuple[int, ...], list[float]] = {s: [] for s in shapes}
+    default_splits = paged_attention.DECODE_SPLITS
     for r in range(a.rounds):
-        for lanes, ctx in shapes if r % 2 == 0 else shapes[::-1]:
+        for shape in shapes if r % 2 == 0 else shapes[::-1]:
+            lanes, ctx, *splits = shape
+            paged_attention.DECODE_SPLITS = splits[0] if splits else default_splits  # read at capture
             # KV for the context, or for every lane's chat at once (as the suite sizes its engine)
             kv = max(ctx, lanes * (a.n_prompt + a.n_gen + 64))
             config = EngineConfig(max_concurrency=lanes, max_context=ctx, kv_capacity=kv, device=a.device,
@@ -51,9 +58,9 @@ def main() -> int:
             run_once(engine, bench_prompt(vocab, 16, seed=-1), 2)  # warm-up
             for rep in range(a.repetitions):
                 ev, _ = run_once(engine, bench_prompt(vocab, a.n_prompt, seed=rep), a.n_gen)
-                results[lanes, ctx].append(ev.decode_tok_per_s)
-            mean, _ = summarise(results[lanes, ctx][-a.repetitions:])
-            print(f"  pass {r}: {lanes} lanes, context {ctx}: tg{a.n_gen} {mean:.2f} tok/s", flush=True)
+                results[shape].append(ev.decode_tok_per_s)
+            mean, _ = summarise(results[shape][-a.repetitions:])
+            print(f"  pass {r}: {label(shape)}: tg{a.n_gen} {mean:.2f} tok/s", flush=True)
             del engine
             gc.collect()
             if on_gpu:
@@ -61,10 +68,16 @@ def main() -> int:
     runs = f"{a.rounds}×{a.repetitions}"
     print(f"\n| engine ({a.wtype}, {a.dtype}) | tg{a.n_gen} tok/s (mean ± std of {runs}) |")
     print("|---|---|")
-    for (lanes, ctx), samples in results.items():
+    for shape, samples in results.items():
         mean, std = summarise(samples)
-        print(f"| {lanes} lanes, context {ctx:,} | {mean:.2f} ± {std:.2f} |")
+        print(f"| {label(shape)} | {mean:.2f} ± {std:.2f} |")
+    paged_attention.DECODE_SPLITS = default_splits
     return 0
+
+
+def label(shape: tuple[int, ...]) -> str:
+    lanes, ctx, *splits = shape
+    return f"{lanes} lanes, context {ctx:,}" + (f", at most {splits[0]} splits" if splits else "")
 
 
 if __name__ == "__main__":

@@ -3,16 +3,19 @@ engine sized for a server (the suite's: 8 lanes, ~16.6K tokens) costs a lone sho
 plain bench's engine (1 lane, prompt + generated tokens). Session 68's lead: the plain bench's Q4_K tg128
 198.2-198.5 against the suite's 195.9 on the H200.
 
-    python3 bench/tg_engine.py --wtype q4_k --shapes 1:640,8:640,1:16576,8:16576,1:16576:8 [-r 3]
+    python3 bench/tg_engine.py --wtype q4_k --shapes 1:640,8:640,1:16576,8:16576,8:16576:8,8:16576:w [-r 3]
 
 A shape's optional third field caps the decode attention's splits (`paged_attention.DECODE_SPLITS`, 64) for
-that engine's graphs: a 16K engine's lone 512-token chat launches 64 splits a KV head, 5 of them with pages.
+that engine's graphs: a 16K engine's lone 512-token chat launches 64 splits a KV head, 5 of them with pages;
+`w` instead gives the engine graphs of page tables 16 and 64 pages wide beside its own
+(`graphs.GRAPH_WIDTHS`; NINFER_GRAPH_WIDTHS=16,64), the chat's rounds replaying the 16-page ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 from pathlib import Path
 
@@ -32,7 +35,7 @@ def main() -> int:
     p.add_argument("--synthetic", default="27b")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--shapes", default="1:640,8:640,1:16576,8:16576",
-                   help="LANES:MAX_CONTEXT[:SPLITS], comma-separated")
+                   help="LANES:MAX_CONTEXT[:SPLITS|w], comma-separated")
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--repetitions", type=int, default=3)
@@ -43,13 +46,17 @@ def main() -> int:
     model = synthetic_model(a.synthetic, getattr(torch, a.dtype), a.device, wtype=a.wtype,
                             quantized_weights=on_gpu)
     vocab = model.vocab_size
-    shapes = [tuple(map(int, s.split(":"))) for s in a.shapes.split(",")]
-    results: dict[tuple[int, ...], list[float]] = {s: [] for s in shapes}
+    shapes = [tuple(s.split(":")) for s in a.shapes.split(",")]
+    results: dict[tuple[str, ...], list[float]] = {s: [] for s in shapes}
     default_splits = paged_attention.DECODE_SPLITS
+    widths = os.environ.get("NINFER_GRAPH_WIDTHS")
     for r in range(a.rounds):
         for shape in shapes if r % 2 == 0 else shapes[::-1]:
-            lanes, ctx, *splits = shape
-            paged_attention.DECODE_SPLITS = splits[0] if splits else default_splits  # read at capture
+            lanes, ctx, *extra = shape
+            lanes, ctx = int(lanes), int(ctx)
+            split = extra and extra[0].isdigit()
+            paged_attention.DECODE_SPLITS = int(extra[0]) if split else default_splits  # read at capture
+            set_env("NINFER_GRAPH_WIDTHS", "16,64" if extra and not split else widths)
             # KV for the context, or for every lane's chat at once (as the suite sizes its engine)
             kv = max(ctx, lanes * (a.n_prompt + a.n_gen + 64))
             config = EngineConfig(max_concurrency=lanes, max_context=ctx, kv_capacity=kv, device=a.device,
@@ -72,12 +79,23 @@ def main() -> int:
         mean, std = summarise(samples)
         print(f"| {label(shape)} | {mean:.2f} ± {std:.2f} |")
     paged_attention.DECODE_SPLITS = default_splits
+    set_env("NINFER_GRAPH_WIDTHS", widths)
     return 0
 
 
-def label(shape: tuple[int, ...]) -> str:
-    lanes, ctx, *splits = shape
-    return f"{lanes} lanes, context {ctx:,}" + (f", at most {splits[0]} splits" if splits else "")
+def set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def label(shape: tuple[str, ...]) -> str:
+    lanes, ctx, *extra = shape
+    more = ""
+    if extra:
+        more = f", at most {extra[0]} splits" if extra[0].isdigit() else ", graphs of 16 / 64 / all pages"
+    return f"{lanes} lanes, context {int(ctx):,}" + more
 
 
 if __name__ == "__main__":

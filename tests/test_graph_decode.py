@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ninfer.engine.graphs import DecodeGraphs, GraphDecodeContext, capture_sizes
+from ninfer.engine import graphs as graphs_module
+from ninfer.engine.graphs import DecodeGraphs, GraphDecodeContext, capture_sizes, graph_widths
 from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.paged_context import PagedBatchContext
 from ninfer.engine.state_pool import GdnStatePool
@@ -164,7 +165,7 @@ def test_prepare_builds_every_size_once_and_rounds_reuse_them(tiny):
     graphs = DecodeGraphs(tiny, kv, states, capture=False)
     graphs.prepare()
     built = dict(graphs._graphs)
-    assert sorted(built) == [(1, 1), (2, 1), (4, 1), (8, 1)]
+    assert sorted(built) == [(1, 1, 4), (2, 1, 4), (4, 1, 4), (8, 1, 4)]  # (batch, positions, width)
     for lane in range(3):
         kv.assign(lane, kv.reserve(1))
     logits = graphs.run([0, 1, 2], tokens(3, 7), [0, 0, 0])
@@ -257,7 +258,29 @@ def test_graph_context_equals_paged_context_tiny(tiny):
     rounds = [[2], [0, 1, 2], [4, 3, 0, 2, 1], [1, 0, 3], [0]]
     # measured 1.6e-6: SDPA vs the per-lane reference attention, the GDN ops in another order
     graphs = compare_rounds(tiny, lengths, rounds, tol=1e-5)
-    assert sorted(graphs._graphs) == [(1, 1), (4, 1), (8, 1)]
+    assert sorted(graphs._graphs) == [(1, 1, 5), (4, 1, 5), (8, 1, 5)]
+
+
+def test_graph_widths(monkeypatch):
+    monkeypatch.setattr(graphs_module, "GRAPH_WIDTHS", (16, 64))
+    assert graph_widths(260) == [16, 64, 260] and graph_widths(64) == [16, 64] and graph_widths(10) == [10]
+    monkeypatch.setenv("NINFER_GRAPH_WIDTHS", "2,300")
+    assert graph_widths(260) == [2, 260]
+    monkeypatch.setenv("NINFER_GRAPH_WIDTHS", "")
+    assert graph_widths(260) == [260]
+
+
+def test_rounds_take_the_narrowest_page_table_width(tiny, monkeypatch):
+    """With graphs of 2-page tables beside the pool's 5: a round whose items all end within 128 tokens
+    replays the narrow graph (the attention's view of the tables stops there), any other the full one; the
+    logits equal PagedBatchContext's either way."""
+    monkeypatch.setenv("NINFER_GRAPH_WIDTHS", "2")
+    lengths = {0: 63, 1: 64, 2: 127, 3: 5, 4: 130, 5: 40}
+    rounds = [[2], [0, 1, 2], [4, 3, 0, 2, 1], [1, 0, 3], [0]]  # the last rows at 128, 129, 131, 67, 67
+    graphs = compare_rounds(tiny, lengths, rounds, tol=1e-5)
+    assert sorted(graphs._graphs) == [(1, 1, 2), (4, 1, 2), (4, 1, 5), (8, 1, 5)]
+    assert graphs._graphs[1, 1, 2].ctx.page_tables.shape[1] == 2
+    assert graphs._graphs[4, 1, 5].ctx.page_tables.shape == graphs.kv.page_tables.shape
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "rk8v4"])
@@ -266,6 +289,14 @@ def test_graph_context_kernels_equal_paged_context(model, triton_on_cpu, kv_dtyp
     lengths = {0: 63, 1: 64, 2: 5}
     # measured 1.6e-6 for both (rk8v4: both sides decode the same stored bytes)
     compare_rounds(model, lengths, [[1, 0, 2], [0, 2]], tol=1e-5, kv_dtype=kv_dtype)
+
+
+def test_graph_context_kernels_at_a_narrow_width(model, triton_on_cpu, monkeypatch):
+    """The attention kernel over a one-page view of the tables (one split) where lane 2's round fits it, over
+    the whole (three splits) otherwise."""
+    monkeypatch.setenv("NINFER_GRAPH_WIDTHS", "1")
+    graphs = compare_rounds(model, {0: 63, 1: 64, 2: 5}, [[1, 0, 2], [2], [0, 2]], tol=1e-5)
+    assert sorted(graphs._graphs) == [(1, 1, 1), (2, 1, 5), (4, 1, 5)]
 
 
 def compare_spans(model, lengths: dict[int, int], rounds: list[list[int]], T: int, tol: float,
@@ -299,7 +330,7 @@ def compare_spans(model, lengths: dict[int, int], rounds: list[list[int]], T: in
 def test_graph_context_verification_spans_tiny(tiny):
     # 4-token spans of 1, 3 and 2 lanes (padded to 1, 4, 2); lane 2's second span crosses into a new page
     graphs = compare_spans(tiny, {0: 30, 1: 64, 2: 61}, [[2], [0, 1, 2], [1, 2]], T=4, tol=1e-5)
-    assert sorted(graphs._graphs) == [(1, 4), (2, 4), (4, 4)]
+    assert sorted(graphs._graphs) == [(1, 4, 5), (2, 4, 5), (4, 4, 5)]
 
 
 def test_graph_context_verification_spans_kernels(model, triton_on_cpu):
@@ -336,12 +367,14 @@ def test_graph_region_has_no_host_sync(model, triton_on_cpu):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_dtype", ["bf16", "rk8v4"])
-def test_cuda_graph_replay_equals_eager(kv_dtype):
-    """Captured and replayed on CUDA vs the same context run eagerly, over rounds of 1, 3, 5 and 2 lanes."""
+@pytest.mark.parametrize(("kv_dtype", "widths"), [("bf16", ""), ("rk8v4", ""), ("bf16", "1")])
+def test_cuda_graph_replay_equals_eager(kv_dtype, widths, monkeypatch):
+    """Captured and replayed on CUDA vs the same context run eagerly, over rounds of 1, 3, 5 and 2 lanes;
+    with `widths` "1" the graphs see one page of the tables (one attention split), the eager rounds five."""
     model = synthetic_model("tiny", device="cuda").eval()
     pools = {}
     for mode in ("eager", "graph"):
+        monkeypatch.setenv("NINFER_GRAPH_WIDTHS", widths if mode == "graph" else "")
         torch.manual_seed(0)
         kv = KvPool(model.cache_spec, kv_dtype, 64 * 40, MAX_LANES, 320, device="cuda")
         states = GdnStatePool(model.cache_spec, MAX_LANES, device="cuda")
@@ -360,13 +393,14 @@ def test_cuda_graph_replay_equals_eager(kv_dtype):
         for lane in lanes:
             pos[lane] += 1
     graphs = pools["graph"][2]
-    assert sorted(graphs._graphs) == [(1, 1), (2, 1), (4, 1), (8, 1)]
+    width = 1 if widths else 5  # every round ends within the first page
+    assert sorted(graphs._graphs) == [(1, 1, width), (2, 1, width), (4, 1, width), (8, 1, width)]
     assert all(r.seconds > 0 and r.pool_bytes >= 0 for r in graphs.records)
     # captured again after a clear while the last round's outputs (`got`) live on (step_profile's sweeps)
     graphs.clear()
     want = pools["eager"][2].run([0, 1], [7, 8], [pos[0], pos[1]])
     again = graphs.run([0, 1], [7, 8], [pos[0], pos[1]])
-    assert graphs._graphs[2, 1].graph is not None and graphs.capture and len(graphs.records) == 1
+    assert graphs._graphs[2, 1, width].graph is not None and graphs.capture and len(graphs.records) == 1
     assert torch.equal(again.argmax(-1), want.argmax(-1)) and rel(again, want) < 1e-5 and got.shape[0] == 6
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.engine.gdn_mix import SHORT_SPAN, decode_conv, decode_mix
-from ninfer.engine.kv_pool import KvPool
+from ninfer.engine.kv_pool import PAGE_TOKENS, KvPool, pages_for
 from ninfer.engine.state_pool import GdnStatePool
 from ninfer.kernels.gdn_decode import ConvEpilogue, gdn_decode
 from ninfer.kernels.kv_write import decode_rows
@@ -33,6 +33,20 @@ from ninfer.models.context import GdnState, SequenceSpan
 
 # rows of the static input block: token id, position, lane (page-table row), sequence length, GDN slot
 _IDS, _POS, _LANE, _LEN, _SLOT = range(5)
+# Page-table widths (pages) below the pool's own for which each decode shape gets graphs of its own: a round
+# whose items all end within a width replays the narrowest such graph, whose decode attention splits the
+# context over that width (`paged_attention.decode_splits`) rather than the server's whole max context — a
+# 16K-token table gives a lone 512-token chat 64 splits a KV head, 5 of them with pages. ()
+# captures the full width alone. NINFER_GRAPH_WIDTHS=16,64 (pages; empty: none) for A/B.
+GRAPH_WIDTHS: tuple[int, ...] = ()
+
+
+def graph_widths(full: int) -> list[int]:
+    """The page-table widths decode graphs are captured for, narrowest first, ending with `full` (the pool's
+    width): `GRAPH_WIDTHS` below it, or NINFER_GRAPH_WIDTHS's."""
+    forced = os.environ.get("NINFER_GRAPH_WIDTHS")
+    widths = GRAPH_WIDTHS if forced is None else tuple(int(w) for w in forced.split(",") if w.strip())
+    return sorted({w for w in widths if 0 < w < full} | {full})
 
 
 def capture_sizes(max_lanes: int) -> list[int]:
@@ -54,9 +68,12 @@ class GraphDecodeContext:
     lane) with the slot tensor. No host synchronisation anywhere.
     """
 
-    def __init__(self, inputs: torch.Tensor, kv: KvPool, states: GdnStatePool, positions: int = 1):
+    def __init__(self, inputs: torch.Tensor, kv: KvPool, states: GdnStatePool, positions: int = 1,
+                 width: int | None = None):
         self.inputs = inputs
         self.positions = positions
+        # the attention's view of the page tables: every row's sequence ends within its first `width` pages
+        self.page_tables = kv.page_tables if width is None else kv.page_tables[:, :width]
         self._kv = kv
         self._states = states
         # rows only (lanes and lengths are tensors): the GDN hook means no model reads them
@@ -84,7 +101,7 @@ class GraphDecodeContext:
         (the optional hook of `models.qwen3_5.GatedAttention`; `group`: the output Linear's int8 activation
         grouping); no gate: `attention`'s `[T, Hq, D]`."""
         self._kv.write(kv_layer, (self._write_pages, self._write_offsets), k, v)
-        return paged_decode_attention(q, self._kv.storage[kv_layer], self._kv.page_tables, self._lanes,
+        return paged_decode_attention(q, self._kv.storage[kv_layer], self.page_tables, self._lanes,
                                       self._lens, self._kv.fmt, gate=gate, group=group)
 
     def gdn_mix(self, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -122,11 +139,12 @@ class CaptureRecord:
     seconds: float
     pool_bytes: int  # growth of the shared graph memory pool (reserved bytes) during this capture
     positions: int = 1
+    context: int = 0  # tokens its page-table view covers
 
     def line(self) -> str:
         shape = f"{self.batch}" if self.positions == 1 else f"{self.batch} x {self.positions} positions"
-        return (f"cuda graph: decode batch {shape} captured in {self.seconds:.2f} s, "
-                f"graph pool +{self.pool_bytes / 2**20:.0f} MiB")
+        return (f"cuda graph: decode batch {shape} up to {self.context:,} tokens captured in "
+                f"{self.seconds:.2f} s, graph pool +{self.pool_bytes / 2**20:.0f} MiB")
 
 
 class DecodeGraphs:
@@ -139,6 +157,7 @@ class DecodeGraphs:
         self.states = states
         self.capture = kv.device.type == "cuda" if capture is None else capture
         self.sizes = capture_sizes(kv.scratch_lane)  # scratch_lane == max lanes
+        self.widths = graph_widths(kv.page_tables.shape[1])
         pin = kv.device.type == "cuda"
         self._host = torch.zeros(5 * self.sizes[-1] * SHORT_SPAN, dtype=torch.long, pin_memory=pin)
         with self._on_device():
@@ -146,7 +165,7 @@ class DecodeGraphs:
         self._padding = (0, 0, kv.scratch_lane, 1, states.scratch_slot)
         self.vocab: int | None = None  # the argmax's columns (`prepare`; None: all)
         self.ids: torch.Tensor | None = None  # the last round's argmax (`run_spans`)
-        self._graphs: dict[tuple[int, int], _Captured] = {}
+        self._graphs: dict[tuple[int, int, int], _Captured] = {}  # (batch, positions, width)
         self._pool = None
         self.records: list[CaptureRecord] = []
         self._log = log if log is not None else (lambda line: print(line, file=sys.stderr))
@@ -165,9 +184,10 @@ class DecodeGraphs:
                              f"asked for {vocab}")
         self.vocab = vocab
         with self._on_device():
-            for n in self.sizes:
-                if (n, 1) not in self._graphs:
-                    self._build(n)
+            for width in self.widths:
+                for n in self.sizes:
+                    if (n, 1, width) not in self._graphs:
+                        self._build(n, 1, width)
 
     def clear(self) -> None:
         """Drop every graph, to be captured again on use (under another launch setting: `bench/`'s sweeps),
@@ -202,8 +222,10 @@ class DecodeGraphs:
         rows = [[t for ids in token_ids for t in ids], [p for s in starts for p in range(s, s + T)],
                 [lane for lane in lanes for _ in range(T)]]
         rows += [[p + 1 for p in rows[1]], rows[2]]
+        need = pages_for(max(starts, default=0) + T)
+        width = next((w for w in self.widths if w >= need), self.widths[-1])
         with self._on_device():
-            entry = self._graphs.get((n, T)) or self._build(n, T)
+            entry = self._graphs.get((n, T, width)) or self._build(n, T, width)
             self._stage(entry.ctx.inputs, rows)
             if device_ids is not None:  # in stream order after the staged copy, before the replay
                 entry.ctx.inputs[_IDS, : B * T].copy_(device_ids)
@@ -241,9 +263,9 @@ class DecodeGraphs:
                 return logits.float(), None
             return logits_argmax(logits, self.vocab)
 
-    def _build(self, n: int, positions: int = 1) -> _Captured:
+    def _build(self, n: int, positions: int, width: int) -> _Captured:
         ctx = GraphDecodeContext(torch.zeros(5, n * positions, dtype=torch.long, device=self.kv.device),
-                                 self.kv, self.states, positions)
+                                 self.kv, self.states, positions, width)
         entry = _Captured(None, ctx, None)
         if self.capture:
             try:
@@ -252,7 +274,7 @@ class DecodeGraphs:
                 self._log(f"cuda graph: capture of decode batch {n}x{positions} failed "
                           f"({str(exc).splitlines()[0]}); decode rounds run eagerly from now on")
                 self.capture = False
-        self._graphs[n, positions] = entry
+        self._graphs[n, positions, width] = entry
         return entry
 
     def _capture(self, n: int, ctx: GraphDecodeContext) -> _Captured:
@@ -275,7 +297,8 @@ class DecodeGraphs:
             logits, ids = self._forward(ctx)
         torch.cuda.synchronize()
         grown = torch.cuda.memory_reserved(self.kv.device) - before
-        record = CaptureRecord(n, time.perf_counter() - started, grown, ctx.positions)
+        record = CaptureRecord(n, time.perf_counter() - started, grown, ctx.positions,
+                               ctx.page_tables.shape[1] * PAGE_TOKENS)
         self.records.append(record)
         self._log(record.line())
         return _Captured(graph, ctx, logits, ids)

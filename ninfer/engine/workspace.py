@@ -92,10 +92,10 @@ def cpu_workspace() -> Workspace:
 
 def measure_workspace(model, spec: CacheSpec, *, kv_dtype: str, gdn_state_fp16: bool, lanes: int,
                       prefill_chunk: int, graphs: bool, device: torch.device,
-                      meter: Meter | None = None) -> Workspace:
+                      meter: Meter | None = None, graph_widths: int = 1) -> Workspace:
     """Run the widest round and a round of `lanes` decode rows over throwaway pools on `device`; their
-    growth of reserved memory (`meter`, CUDA's by default) is the workspace. Token ids are 1..; no pool of
-    the engine's is touched."""
+    growth of reserved memory (`meter`, CUDA's by default) is the workspace, the decode graphs' captured for
+    `graph_widths` page-table widths each. Token ids are 1..; no pool of the engine's is touched."""
     meter = meter or CudaMeter(device)
     first = pages_for(prefill_chunk + 1)  # lane 0 decodes after its chunk; the others hold 2 tokens
     kv = KvPool(spec, kv_dtype, (first + lanes - 1) * PAGE_TOKENS, lanes, first * PAGE_TOKENS, device)
@@ -118,7 +118,8 @@ def measure_workspace(model, spec: CacheSpec, *, kv_dtype: str, gdn_state_fp16: 
             runner.run(Round(decode, [], []))
             # every other graph's fp32 logits and the largest one's padding rows stay in the pool too, and
             # the pool, private, starts its own segments
-            planned = meter.grown() + (sum(capture_sizes(lanes)) - lanes) * vocab * 4 + POOL_SEGMENTS
+            rows = sum(capture_sizes(lanes)) * graph_widths - lanes
+            planned = meter.grown() + rows * vocab * 4 + POOL_SEGMENTS
     except torch.OutOfMemoryError as exc:
         raise EngineConfigError(
             f"a round of a {prefill_chunk}-token prefill chunk beside {lanes - 1} decode rows does not fit "

@@ -44,22 +44,24 @@ class RowCounter(FakeHybridModel):
         return super().forward(input_ids, positions, ctx)
 
 
-@pytest.mark.parametrize("graphs", [True, False])
-def test_measure_runs_the_widest_round_then_a_decode_round(graphs):
+@pytest.mark.parametrize(("graphs", "widths"), [(True, 1), (True, 2), (False, 1)])
+def test_measure_runs_the_widest_round_then_a_decode_round(graphs, widths):
     from ninfer.kernels import gguf_matmul
 
     model = RowCounter()
     meter = ScriptedMeter([7 * MIB, 3 * MIB], other=5 * MIB, slack=2 * MIB)
     gguf_matmul.dense_piece(torch.device("cpu"), torch.float32, 4, 8)  # an earlier engine's
     ws = measure_workspace(model, model.cache_spec, kv_dtype="bf16", gdn_state_fp16=False, lanes=3,
-                           prefill_chunk=130, graphs=graphs, device=torch.device("cpu"), meter=meter)
+                           prefill_chunk=130, graphs=graphs, device=torch.device("cpu"), meter=meter,
+                           graph_widths=widths)
     widest = model.rounds[0]
     assert widest[0] == 130 + 2 and widest[1] == list(range(130)) + [0, 0]  # the chunk beside 2 decode rows
     assert (ws.activations, ws.other, ws.slack) == (7 * MIB, 5 * MIB, 2 * MIB)
     if graphs:
         assert model.rounds[1] == (3, [130, 1, 1])  # every lane decodes after its first round
-        # graphs of 1, 2 and 4 rows: 4 rows of logits beyond the 3 measured, the pool's own segments
-        assert ws.graphs == 3 * MIB + 4 * 97 * 4 + POOL_SEGMENTS
+        # graphs of 1, 2 and 4 rows at each page-table width: 4 (11) rows of logits beyond the 3 measured,
+        # the pool's own segments
+        assert ws.graphs == 3 * MIB + (7 * widths - 3) * 97 * 4 + POOL_SEGMENTS
         assert meter.begun == 2
     else:
         assert len(model.rounds) == 1 and ws.graphs == 0 and meter.begun == 1

@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 69 ran `skips8 tglead` on an H100 (the sweep hit
-# the recapture bug fixed since: `DecodeGraphs.clear`; tglead: not the dtype). Session 68 ran `suites
-# prologue`, `h200b`, `h200c`, `gpu` and `lanetrace` on an H200 (the round's two first kernels gain
-# 0.012-0.026 ms; every default holds there). Session 67 got no machine. Session 66 ran an `l2ahead` phase on
-# an H100 (q4il's warps asking their later blocks into L2: slower, the 1-lane Q4_K round +0.28 ms; reverted,
-# commit 847d3fd has both). Session 65 ran `dataflow` twice on H100s (one persistent kernel with chunk
-# counters against the PDL launches: slower). Session 64 ran a `slots` phase on an H100 (q4il staged with
-# three slots a warp: slower from two columns, reverted; commit ba077c2 has both). Session 63 ran `attnpf`
-# (the byte cap: even) and a `statepf` phase on H100s (the conv GEMVs asking the lanes' state slots into L2:
-# slower, reverted; commit 132ec74 has both); session 62 ran `suites gpu`, `contend` and `attnpf` on H100s (no
-# H200 came; `attnpf` before the prefetch's byte cap); session 61 ran `suites q4after`, `skips`, `recur`,
-# `normone`, `gpu` and `small` on H100s (no H200 came); session 60 `nextkernels`, `lanetrace`, `suites` and
-# `gpu` on an H200 (the prefetch by the GPU's bandwidth per SM since), `trace` on an H100; session 59 ran `gpu
-# nextfine` and `nextkernels` on H100s; session 58 `next` and `nextsize` on an H100; session 57 `suites`,
-# `evict3` and evict2's settings on an H200; sessions 47-56's phases stay to rerun.
+# $OUT/<phase>/, the settings' table printed last). Session 70 got no machine (`norm8 tglead2` wait). Session
+# 69 ran `skips8 tglead` on an H100 (the sweep hit the recapture bug fixed since: `DecodeGraphs.clear`;
+# tglead: not the dtype). Session 68 ran `suites prologue`, `h200b`, `h200c`, `gpu` and `lanetrace` on an H200
+# (the round's two first kernels gain 0.012-0.026 ms; every default holds there). Session 67 got no machine.
+# Session 66 ran an `l2ahead` phase on an H100 (q4il's warps asking their later blocks into L2: slower, the
+# 1-lane Q4_K round +0.28 ms; reverted, commit 847d3fd has both). Session 65 ran `dataflow` twice on H100s
+# (one persistent kernel with chunk counters against the PDL launches: slower). Session 64 ran a `slots` phase
+# on an H100 (q4il staged with three slots a warp: slower from two columns, reverted; commit ba077c2 has
+# both). Session 63 ran `attnpf` (the byte cap: even) and a `statepf` phase on H100s (the conv GEMVs asking
+# the lanes' state slots into L2: slower, reverted; commit 132ec74 has both); session 62 ran `suites gpu`,
+# `contend` and `attnpf` on H100s (no H200 came; `attnpf` before the prefetch's byte cap); session 61 ran
+# `suites q4after`, `skips`, `recur`, `normone`, `gpu` and `small` on H100s (no H200 came); session 60
+# `nextkernels`, `lanetrace`, `suites` and `gpu` on an H200 (the prefetch by the GPU's bandwidth per SM
+# since), `trace` on an H100; session 59 ran `gpu nextfine` and `nextkernels` on H100s; session 58 `next` and
+# `nextsize` on an H100; session 57 `suites`, `evict3` and evict2's settings on an H200; sessions 47-56's
+# phases stay to rerun.
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
 #   bash bench/pending_ab.sh nextkernels  # (run in session 60 on an H200, 7.3 min; in 59 on an H100) the
@@ -39,7 +40,8 @@
 #   bash bench/pending_ab.sh skips8    # IQ3_S's graphed rounds at 1 / 8 lanes without the norms, the
 #                                      # recurrence; the norm's columns a program, a program a row (~5 min)
 #   bash bench/pending_ab.sh norm8     # the same at its cheapest: 8 lanes, a program a row or not (~3 min)
-#   bash bench/pending_ab.sh tglead2   # Q4_K tg128 under engines of 1 / 8 lanes and 640 / 16,576 tokens (~4 min)
+#   bash bench/pending_ab.sh tglead2   # Q4_K tg128 under the plain bench's engine and the suite's, the latter
+#                                      # at 8 splits at most and with graphs by page-table width (~5 min)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
 #   bash bench/pending_ab.sh h200c     # (run in session 68, H200: the defaults stay) q4il's prefetch at 4-32
 #                                      # MiB, IQ3_S's kernels' prefetch at 1 / 8 lanes (~2.5 min)
@@ -313,11 +315,11 @@ NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
       ;;
     tglead2)
       # (session 69) tglead on an H100: the plain bench bf16 162.87 / fp32 161.51, the suite at fp32 160.5 — not
-      # the dtype. The engine's shape then: 1 / 8 lanes at 640 / 16,576 tokens' context, a 16K engine with its
-      # decode attention at 8 splits at most (64: 5 of them hold a 512-token chat's pages), and one with graphs
-      # of 16- and 64-page tables beside its own (graphs.GRAPH_WIDTHS); one process (~4 min; session 70 ran
-      # the 1:640, 8:16576 and 8:16576:w shapes, add 8:640 and 8:16576:8 to split the cause)
-      step tglead2 420 "$PY" bench/tg_engine.py --wtype q4_k --shapes 1:640,8:16576,8:16576:w
+      # the dtype. The engine's shape then: 1 lane at 640 tokens' context (the plain bench's), 8 lanes at
+      # 16,576 (the suite's), the latter with its decode attention at 8 splits at most (64: 5 of them hold a
+      # 512-token chat's pages) and with graphs of 16- and 64-page tables beside its own (graphs.GRAPH_WIDTHS,
+      # off by default until this runs); one process (~5 min; untimed: sessions 69-70 got no machine for it)
+      step tglead2 480 "$PY" bench/tg_engine.py --wtype q4_k --shapes 1:640,8:16576,8:16576:8,8:16576:w
       tail -8 "$OUT/tglead2.log"
       ;;
     h200c)

@@ -1,9 +1,10 @@
 """Decode rounds as CUDA graphs: one captured forward (embedding → layers → norm → logits) per batch shape.
 
 A round of B decode items of T tokens each (T = 1: plain decode; 2..SHORT_SPAN: the verification shape of
-speculative decoding, logits of every position) replays the graph of (the smallest captured size ≥ B, T)
-(sizes 1, 2, 4, 8, then multiples of 8), padded with the scratch lane (`KvPool.scratch_lane`,
-`GdnStatePool.scratch_slot`) whose rows are dropped. A graph ends with its rows' fp32 logits and their argmax
+speculative decoding, logits of every position) replays the graph of (the smallest captured size ≥ B, T,
+the narrowest page-table width its items end within: `GRAPH_WIDTHS`) (sizes 1, 2, 4, 8, then multiples of
+8), padded with the scratch lane (`KvPool.scratch_lane`, `GdnStatePool.scratch_slot`) whose rows are
+dropped. A graph ends with its rows' fp32 logits and their argmax
 below the sample vocab (`ops.logits_argmax`: a greedy round's tokens need no launch after it). Everything a
 round changes (token ids, positions, lanes, lengths, GDN slots) lives in static device tensors filled by one
 host-to-device copy before `replay()`; the captured region never reads a tensor on the host. The same
@@ -36,8 +37,8 @@ _IDS, _POS, _LANE, _LEN, _SLOT = range(5)
 # Page-table widths (pages) below the pool's own for which each decode shape gets graphs of its own: a round
 # whose items all end within a width replays the narrowest such graph, whose decode attention splits the
 # context over that width (`paged_attention.decode_splits`) rather than the server's whole max context — a
-# 16K-token table gives a lone 512-token chat 64 splits a KV head, 5 of them with pages. ()
-# captures the full width alone. NINFER_GRAPH_WIDTHS=16,64 (pages; empty: none) for A/B.
+# 16K-token table gives a lone 512-token chat 64 splits a KV head, 5 of them with pages. Empty: the full
+# width alone (untimed on a GPU so far). NINFER_GRAPH_WIDTHS=16,64 (pages; empty: none) for A/B.
 GRAPH_WIDTHS: tuple[int, ...] = ()
 
 

@@ -1,16 +1,15 @@
 """Decode rounds as CUDA graphs: one captured forward (embedding → layers → norm → logits) per batch shape.
 
 A round of B decode items of T tokens each (T = 1: plain decode; 2..SHORT_SPAN: the verification shape of
-speculative decoding, logits of every position) replays the graph of (the smallest captured size ≥ B, T,
-the narrowest page-table width its items end within: `GRAPH_WIDTHS`) (sizes 1, 2, 4, 8, then multiples of
-8), padded with the scratch lane (`KvPool.scratch_lane`, `GdnStatePool.scratch_slot`) whose rows are
-dropped. A graph ends with its rows' fp32 logits and their argmax
-below the sample vocab (`ops.logits_argmax`: a greedy round's tokens need no launch after it). Everything a
-round changes (token ids, positions, lanes, lengths, GDN slots) lives in static device tensors filled by one
-host-to-device copy before `replay()`; the captured region never reads a tensor on the host. The same
-`GraphDecodeContext` runs eagerly where nothing is captured (CPU), which is how the CPU tests check it against
-`PagedBatchContext`. The engine captures every size's one-token graph at start (`prepare`); verification
-shapes on first use.
+speculative decoding, logits of every position) replays the graph of (the smallest captured size ≥ B, T, the
+narrowest page-table width its items end within: `GRAPH_WIDTHS`) (sizes 1, 2, 4, 8, then multiples of 8),
+padded with the scratch lane (`KvPool.scratch_lane`, `GdnStatePool.scratch_slot`) whose rows are dropped. A
+graph ends with its rows' fp32 logits and their argmax below the sample vocab (`ops.logits_argmax`: a greedy
+round's tokens need no launch after it). Everything a round changes (token ids, positions, lanes, lengths, GDN
+slots) lives in static device tensors filled by one host-to-device copy before `replay()`; the captured region
+never reads a tensor on the host. The same `GraphDecodeContext` runs eagerly where nothing is captured (CPU),
+which is how the CPU tests check it against `PagedBatchContext`. The engine captures every size's one-token
+graph at start (`prepare`); verification shapes on first use.
 """
 
 from __future__ import annotations

@@ -599,7 +599,8 @@ def compile_for_sm90() -> list[str]:
     failures = []
 
     def build(fn, sig, const, warps):
-        const = {**const, "PDL": 2 if ty == "bf16" else 0}  # the PDL prologue (pdl_start) on one dtype
+        if "PDL" in fn.arg_names:  # the PDL prologue (pdl_start) on one dtype
+            const = {**const, "PDL": 2 if ty == "bf16" else 0}
         try:
             triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(const, "constexpr")}, const),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -675,11 +676,16 @@ def compile_for_sm90() -> list[str]:
                        "PREFETCH": paged_attention.PREFETCH_BYTES * prefetch}, 4)
             recurrence = {"y_ptr": "*fp32", "a_ptr": f"*{ty}", "b_ptr": f"*{ty}", "alog_ptr": "*fp32",
                           "dtb_ptr": "*fp32", "state_ptr": "*fp32", "slot_ptr": "*i64", "o_ptr": "*fp32",
-                          "all_ptr": "*fp32", **ints("C", "Hv", "s_ab", "s_at", "s_ss", "s_sh")}
-            for evict in (0, 1):  # the GDN decode recurrence, its state evict-first in L2 or not
+                          "all_ptr": "*fp32", "pk_ptr": "*fp32", "pd_ptr": "*fp32", "pg_ptr": "*fp32",
+                          **ints("C", "Hv", "s_ab", "s_at", "s_ss", "s_sh")}
+            # the GDN decode recurrence, its state evict-first in L2 or not, or its write deferred
+            for evict, defer in ((0, 0), (1, 0), (0, 1)):
                 build(gdn_decode._recurrent_kernel, recurrence,
                       {"T": 1, "HK": 16, "DK": 128, "DV": 128, "BLOCK_V": 16, "STORE_ALL": False,
-                       "EVICT": evict}, 1)
+                       "EVICT": evict, "DEFER": defer}, 1)
+            pending = {"pk_ptr": "*fp32", "pd_ptr": "*fp32", "pg_ptr": "*fp32", "state_ptr": "*fp32",
+                       "slot_ptr": "*i32", **ints("Hv", "s_ss", "s_sh", "tiles")}
+            build(gdn_decode._pending_kernel, pending, {"HK": 16, "DK": 128, "DV": 128, "BLOCK_V": 32}, 4)
             conv = {"cw_ptr": "*fp32", "cs_ptr": "*fp32", "slot_ptr": "*i32", "co_ptr": "*fp32",
                     **ints("C", "s_cs")}
             gemv = {"w_ptr": "*i32", "xw_ptr": "*i32", "xd_ptr": "*fp32", "y_ptr": f"*{ty}",

@@ -367,14 +367,17 @@ def test_graph_region_has_no_host_sync(model, triton_on_cpu):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("kv_dtype", "widths"), [("bf16", ""), ("rk8v4", ""), ("bf16", "1")])
-def test_cuda_graph_replay_equals_eager(kv_dtype, widths, monkeypatch):
+@pytest.mark.parametrize(("kv_dtype", "widths", "side"),
+                         [("bf16", "", "0"), ("rk8v4", "", "0"), ("bf16", "1", "0"), ("bf16", "", "1")])
+def test_cuda_graph_replay_equals_eager(kv_dtype, widths, side, monkeypatch):
     """Captured and replayed on CUDA vs the same context run eagerly, over rounds of 1, 3, 5 and 2 lanes;
-    with `widths` "1" the graphs see one page of the tables (one attention split), the eager rounds five."""
+    with `widths` "1" the graphs see one page of the tables (one attention split), the eager rounds five;
+    with `side` "1" the graphs write the GDN states on a side stream (`gdn_decode.state_side`)."""
     model = synthetic_model("tiny", device="cuda").eval()
     pools = {}
     for mode in ("eager", "graph"):
         monkeypatch.setenv("NINFER_GRAPH_WIDTHS", widths if mode == "graph" else "")
+        monkeypatch.setenv("NINFER_GDN_STATE_SIDE", side if mode == "graph" else "0")
         torch.manual_seed(0)
         kv = KvPool(model.cache_spec, kv_dtype, 64 * 40, MAX_LANES, 320, device="cuda")
         states = GdnStatePool(model.cache_spec, MAX_LANES, device="cuda")
@@ -392,6 +395,8 @@ def test_cuda_graph_replay_equals_eager(kv_dtype, widths, monkeypatch):
         assert rel(got, want) < 1e-5  # the same kernels on the same inputs: equal up to atomics' order
         for lane in lanes:
             pos[lane] += 1
+    for eager, graphed in zip(pools["eager"][1].recurrent, pools["graph"][1].recurrent, strict=True):
+        assert rel(graphed, eager) < 1e-5  # the states the rounds left (the side stream's writes joined)
     graphs = pools["graph"][2]
     width = 1 if widths else 5  # every round ends within the first page
     assert sorted(graphs._graphs) == [(1, 1, width), (2, 1, width), (4, 1, width), (8, 1, width)]

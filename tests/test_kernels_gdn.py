@@ -112,6 +112,39 @@ def test_the_state_read_evict_first_gives_the_same_bits(monkeypatch):
     assert torch.equal(slots["state_slots"], hinted_slots["state_slots"])
 
 
+@needs_triton
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("conv_done", [False, True])
+@pytest.mark.parametrize("programs", [0, 3])
+def test_a_deferred_state_write_gives_the_fused_steps_bits(state_dtype, conv_done, programs):
+    """`gdn_decode(defer_state=True)` leaves the slots as they were and the same outputs; `apply_pending`
+    (a tile a program, or 3 programs looping over 24 tiles) then writes the fused kernel's slots bit for bit —
+    two lanes of two key heads × four value heads (k shared by two value heads), one slot untouched."""
+    gen = torch.Generator().manual_seed(23)
+    layer = make_layer(gen, 2, 1, 2, 4, 16, 32, slots=4, state_dtype=state_dtype)
+    if conv_done:  # the conv's output as the projection's epilogue leaves it
+        layer["mixed_qkv"] = torch.nn.functional.silu(layer["mixed_qkv"])
+    slot_ids = torch.tensor([3, 0], dtype=torch.int32)
+    fused, deferred = cloned(layer), cloned(layer)
+    want = gdn_decode(**fused, slot_ids=slot_ids, num_key_heads=2, conv_done=conv_done)
+    got = gdn_decode(**deferred, slot_ids=slot_ids, num_key_heads=2, conv_done=conv_done, defer_state=True)
+    assert want.pending is None and got.pending is not None
+    assert torch.equal(got.output, want.output)
+    assert torch.equal(deferred["state_slots"], layer["state_slots"])  # nothing written yet
+    assert torch.equal(deferred["conv_slots"], fused["conv_slots"])
+    assert not torch.equal(fused["state_slots"][3], layer["state_slots"][3])
+    ninfer.kernels.gdn_decode.apply_pending(got.pending, programs=programs)
+    assert torch.equal(deferred["state_slots"], fused["state_slots"])
+    assert torch.equal(deferred["state_slots"][1], layer["state_slots"][1])
+
+
+def test_a_deferred_state_write_takes_one_position():
+    gen = torch.Generator().manual_seed(24)
+    layer = make_layer(gen, 1, 2, 1, 2, 16, 32, slots=2)
+    with pytest.raises(NinferError, match="one position a lane"):
+        gdn_decode(**layer, slot_ids=torch.tensor([1], dtype=torch.int32), num_key_heads=1, defer_state=True)
+
+
 def test_wrong_geometry_is_a_user_error():
     gen = torch.Generator().manual_seed(1)
     layer = make_layer(gen, 1, 1, 2, 4, 16, 16, slots=2)

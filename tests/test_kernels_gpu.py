@@ -7,7 +7,7 @@ import torch
 from simple_context import single_thread
 
 from ninfer.kernels import kv_quant
-from ninfer.kernels.gdn_decode import gdn_decode, gdn_decode_reference
+from ninfer.kernels.gdn_decode import apply_pending, gdn_decode, gdn_decode_reference
 from ninfer.kernels.gemv_q8 import Q8_FORMATS, gemv_q8_reference, quantize_activation_reference
 from ninfer.kernels.gguf_matmul import FMA_FORMATS, KERNEL_FORMATS, quant_matmul, random_gguf_weight
 from ninfer.kernels.paged_attention import paged_decode_attention, paged_decode_attention_reference
@@ -294,6 +294,26 @@ def test_gdn_decode_on_gpu(state_dtype):
     assert rel(out.states.float(), ref.states.float()) < tol
     assert rel(inputs["state_slots"].float(), ref_in["state_slots"].float()) < tol
     assert torch.equal(inputs["conv_slots"], ref_in["conv_slots"])
+    # one position a lane, the state write deferred to `apply_pending` (on another stream, as the decode
+    # graphs run it), at 3 lanes and at 8 (eight lanes' tiles): the fused step's outputs and slots bit for bit
+    for lanes in (3, 8):
+        ids = torch.randperm(8, device="cuda")[:lanes].to(torch.int32)
+        step = dict(inputs, mixed_qkv=torch.randn(lanes, 1, C, device="cuda", dtype=torch.bfloat16),
+                    a=torch.randn(lanes, 1, Hv, device="cuda"), b=torch.randn(lanes, 1, Hv, device="cuda"),
+                    conv_slots=torch.randn(8, C, 3, device="cuda"),
+                    state_slots=(torch.randn(8, Hv, D, D, device="cuda") * 0.1).to(state_dtype))
+        fused, deferred = ({k: v.clone() for k, v in step.items()} for _ in range(2))
+        want = gdn_decode(**fused, slot_ids=ids, num_key_heads=Hk)
+        got = gdn_decode(**deferred, slot_ids=ids, num_key_heads=Hk, defer_state=True)
+        assert torch.equal(deferred["state_slots"], step["state_slots"])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            apply_pending(got.pending)
+        torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(got.output, want.output)
+        assert torch.equal(deferred["state_slots"], fused["state_slots"])
+        assert torch.equal(deferred["conv_slots"], fused["conv_slots"])
 
 
 @pytest.mark.parametrize("fmt", ["q4_k", "iq3_s"])

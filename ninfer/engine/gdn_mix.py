@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.engine.state_pool import GdnStatePool
-from ninfer.kernels.gdn_decode import ConvEpilogue, gdn_decode
+from ninfer.kernels.gdn_decode import ConvEpilogue, apply_pending, gdn_decode
 from ninfer.kernels.gdn_prefill import gdn_prefill, prefill_gates, prefill_qkv
 from ninfer.models.context import SequenceSpan
 
@@ -61,13 +61,22 @@ class GdnMixPlan:
 
 
 def decode_mix(states: GdnStatePool, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor,
-               b: torch.Tensor, params, slot_ids: torch.Tensor, conv_done: bool = False) -> torch.Tensor:
+               b: torch.Tensor, params, slot_ids: torch.Tensor, conv_done: bool = False,
+               side: torch.cuda.Stream | None = None) -> torch.Tensor:
     """B one-token spans in one `gdn_decode` call: mixed_qkv [B, C], a/b [B, Hv] -> o [B, Hv, Dv] fp32.
     No host synchronisation (the slot ids stay on the device): safe inside a CUDA graph. `conv_done`:
-    mixed_qkv is the conv's output already (`decode_conv`'s epilogue ran in the input projection)."""
+    mixed_qkv is the conv's output already (`decode_conv`'s epilogue ran in the input projection). `side`:
+    a CUDA stream that writes the recurrent states (`gdn_decode.apply_pending`) after the recurrence, beside
+    the kernels that follow it on this one; the caller joins it before anything reads the slots again."""
     result = gdn_decode(mixed_qkv[:, None], a[:, None], b[:, None], params.conv_weight, params.a_log,
                         params.dt_bias, states.conv[gdn_layer], states.recurrent[gdn_layer], slot_ids,
-                        params.num_key_heads, conv_done=conv_done)
+                        params.num_key_heads, conv_done=conv_done, defer_state=side is not None)
+    if result.pending is not None:
+        side.wait_stream(torch.cuda.current_stream(side.device))
+        with torch.cuda.stream(side):
+            apply_pending(result.pending)
+        for t in result.pending.tensors():  # not reused by this stream's later allocations before it runs
+            t.record_stream(side)
     return result.output[:, 0]
 
 

@@ -25,7 +25,7 @@ import torch
 from ninfer.engine.gdn_mix import SHORT_SPAN, decode_conv, decode_mix
 from ninfer.engine.kv_pool import PAGE_TOKENS, KvPool, pages_for
 from ninfer.engine.state_pool import GdnStatePool
-from ninfer.kernels.gdn_decode import ConvEpilogue, gdn_decode
+from ninfer.kernels.gdn_decode import ConvEpilogue, gdn_decode, state_side
 from ninfer.kernels.kv_write import decode_rows
 from ninfer.kernels.ops import logits_argmax
 from ninfer.kernels.paged_attention import paged_decode_attention
@@ -69,7 +69,7 @@ class GraphDecodeContext:
     """
 
     def __init__(self, inputs: torch.Tensor, kv: KvPool, states: GdnStatePool, positions: int = 1,
-                 width: int | None = None):
+                 width: int | None = None, state_side: bool = False):
         self.inputs = inputs
         self.positions = positions
         # the attention's view of the page tables: every row's sequence ends within its first `width` pages
@@ -80,6 +80,9 @@ class GraphDecodeContext:
         self.spans = [SequenceSpan(i, 1, 0, -1) for i in range(inputs.shape[1])]
         self._write_pages = self._write_offsets = self._lane_slots = None
         self._lanes = self._lens = None
+        # one-position rounds: the recurrent states' writes on a stream of their own
+        # (`gdn_decode.state_side`), joined in `end`
+        self._side = torch.cuda.Stream(kv.device) if state_side and positions == 1 else None
 
     @property
     def batch(self) -> int:
@@ -91,6 +94,11 @@ class GraphDecodeContext:
         (int32: converted once, not in every attention layer)."""
         (self._write_pages, self._write_offsets, self._lanes, self._lens,
          self._lane_slots) = decode_rows(self.inputs, self._kv.page_tables, self.positions)
+
+    def end(self) -> None:
+        """Per forward, after its last kernel: the GDN state writes left on the side stream joined to it."""
+        if self._side is not None:
+            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
 
     def attention(self, kv_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.gated_attention(kv_layer, q, k, v, None)
@@ -107,7 +115,8 @@ class GraphDecodeContext:
     def gdn_mix(self, gdn_layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 params, conv_done: bool = False) -> torch.Tensor:
         if self.positions == 1:
-            return decode_mix(self._states, gdn_layer, mixed_qkv, a, b, params, self._lane_slots, conv_done)
+            return decode_mix(self._states, gdn_layer, mixed_qkv, a, b, params, self._lane_slots, conv_done,
+                              self._side)
         if conv_done:
             raise ValueError("the GDN conv ran in the projection of a several-position span")
         shape = (self.batch, self.positions)
@@ -159,6 +168,7 @@ class DecodeGraphs:
         self.sizes = capture_sizes(kv.scratch_lane)  # scratch_lane == max lanes
         self.widths = graph_widths(kv.page_tables.shape[1])
         pin = kv.device.type == "cuda"
+        self.state_side = pin and state_side()  # GDN states written on a side stream (read again by clear)
         self._host = torch.zeros(5 * self.sizes[-1] * SHORT_SPAN, dtype=torch.long, pin_memory=pin)
         with self._on_device():
             self._copied = torch.cuda.Event() if pin else None  # the last staged copy left the pinned buffer
@@ -198,6 +208,7 @@ class DecodeGraphs:
         self.records.clear()
         self.ids = None
         self._pool = None
+        self.state_side = self.kv.device.type == "cuda" and state_side()
 
     def padded_size(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)
@@ -260,12 +271,15 @@ class DecodeGraphs:
             hidden = self.model.forward(ctx.inputs[_IDS], ctx.inputs[_POS], ctx)
             logits = self.model.compute_logits(hidden)
             if os.environ.get("NINFER_GRAPH_ARGMAX") == "0":  # A/B: the argmax after the graph, as before
-                return logits.float(), None
-            return logits_argmax(logits, self.vocab)
+                out = logits.float(), None
+            else:
+                out = logits_argmax(logits, self.vocab)
+            ctx.end()
+            return out
 
     def _build(self, n: int, positions: int, width: int) -> _Captured:
         ctx = GraphDecodeContext(torch.zeros(5, n * positions, dtype=torch.long, device=self.kv.device),
-                                 self.kv, self.states, positions, width)
+                                 self.kv, self.states, positions, width, self.state_side)
         entry = _Captured(None, ctx, None)
         if self.capture:
             try:

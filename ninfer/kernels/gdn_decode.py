@@ -56,6 +56,32 @@ def state_evict() -> bool:
     return forced == "1" if forced in ("0", "1") else STATE_EVICT
 
 
+# The recurrence's state write off the decode chain (`gdn_decode(defer_state=True)`): the recurrence writes
+# its outputs and, instead of the state, the normalised k, δ and the decay of each lane and head
+# (`PendingState`, a few KB); `apply_pending` then reads the state again and writes decay·S + k ⊗ δ, which a
+# CUDA graph can run on a side stream beside the next kernels (`GraphDecodeContext`), joined at the round's
+# end. Why: under PDL a kernel's successor waits until its last write is visible, so the state's write (6.3 MB
+# a layer a lane of the 27B in fp32) sits on the chain (session 61, H100: the recurrence 0.30 / 1.03 ms of the
+# 1- / 8-lane Q4_K round). Off until timed; NINFER_GDN_STATE_SIDE=1 turns it on,
+# NINFER_GDN_STATE_SIDE_PROGRAMS=N caps the update's programs (0: one a tile).
+STATE_SIDE = False
+STATE_SIDE_PROGRAMS = 0
+
+
+def state_side() -> bool:
+    """Whether graphed decode rounds write the recurrent state off the chain (`STATE_SIDE`,
+    NINFER_GDN_STATE_SIDE)."""
+    forced = os.environ.get("NINFER_GDN_STATE_SIDE", "")
+    return forced == "1" if forced in ("0", "1") else STATE_SIDE
+
+
+def state_side_programs() -> int:
+    """`apply_pending`'s programs at most (`STATE_SIDE_PROGRAMS`, NINFER_GDN_STATE_SIDE_PROGRAMS; 0: a tile
+    each)."""
+    forced = os.environ.get("NINFER_GDN_STATE_SIDE_PROGRAMS", "")
+    return int(forced) if forced.isdigit() else STATE_SIDE_PROGRAMS
+
+
 class GdnKernelError(NinferError):
     """Gated DeltaNet decode inputs of the wrong shape or type."""
 
@@ -90,12 +116,31 @@ class ConvEpilogue:
 
 
 @dataclass(frozen=True)
+class PendingState:
+    """A one-position recurrence whose state write was deferred (`gdn_decode(defer_state=True)`): lane b's
+    slot `slot_ids[b]` of `state_slots` becomes decay[b, h]·S + k[b, h // (Hv/Hk)] ⊗ delta[b, h] when
+    `apply_pending` runs; until then it holds the state before the step."""
+
+    k: torch.Tensor  # [B, Hk, Dk] fp32, L2-normalised
+    delta: torch.Tensor  # [B, Hv, Dv] fp32, β·(v − decay·Sᵀk)
+    decay: torch.Tensor  # [B, Hv] fp32
+    state_slots: torch.Tensor
+    slot_ids: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What `apply_pending` reads (for `Tensor.record_stream` where it runs on another stream)."""
+        return self.k, self.delta, self.decay, self.slot_ids
+
+
+@dataclass(frozen=True)
 class GdnDecodeResult:
-    """Output `[B, T, Hv, Dv]` (fp32); per-position states when asked for."""
+    """Output `[B, T, Hv, Dv]` (fp32); per-position states when asked for; the state write still to do when
+    it was deferred (`pending`, else the slots are up to date)."""
 
     output: torch.Tensor
     states: torch.Tensor | None = None  # [B, T, Hv, Dk, Dv], the slot dtype
     conv_states: torch.Tensor | None = None  # [B, T, C, K-1]
+    pending: PendingState | None = None
 
 
 def gdn_decode_reference(
@@ -261,16 +306,18 @@ def _position(y_ptr, a_ptr, b_ptr, lane, t: tl.constexpr, T: tl.constexpr, C, kh
 
 @jit
 def _recurrent_kernel(
-    y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr, all_ptr,
+    y_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, slot_ptr, o_ptr, all_ptr, pk_ptr, pd_ptr, pg_ptr,
     C, Hv, s_ab, s_at, s_ss, s_sh,
     T: tl.constexpr, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-    STORE_ALL: tl.constexpr, PDL: tl.constexpr = 0, EVICT: tl.constexpr = 0,
+    STORE_ALL: tl.constexpr, PDL: tl.constexpr = 0, EVICT: tl.constexpr = 0, DEFER: tl.constexpr = 0,
 ):
     """The state and the head's constants load before the programmatic-launch wait (the kernel ahead, the
     conv or the projection that ran it, writes neither; every kernel before that one has finished). The
     positions are unrolled, the next one's inputs loading while one is used, and a position's Sᵀk and Sᵀq
     are one reduction of the decayed state: o = Sᵀq after the update is decay·Sᵀq + δ·(k·q). EVICT: the
-    state read and written evict-first in L2 (`STATE_EVICT`)."""
+    state read and written evict-first in L2 (`STATE_EVICT`). DEFER (T = 1): the state stays; the update's
+    inputs go out instead (`PendingState`: k by the first program of its key head, δ and the decay — the
+    latter once a value column, so no scalar store — by every program), for `_pending_kernel`."""
     lane = tl.program_id(0)
     h = tl.program_id(1)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -299,15 +346,44 @@ def _recurrent_kernel(
         sk, sq = tl.reduce((S * k[:, None], S * q[:, None]), 0, _add_pairs)
         delta = (v - decay * sk) * beta
         tl.store(o_ptr + ((lane * T + t) * Hv + h) * DV + offs_v, decay * sq + delta * tl_sum(k * q, axis=0))
-        S = S * decay + k[:, None] * delta[None, :]
+        if DEFER:
+            # (a tensor mask: the interpreter rejects a scalar one)
+            lead = offs_k * 0 + tl.program_id(2) + h % (Hv // HK) == 0
+            tl.store(pk_ptr + (lane * HK + kh) * DK + offs_k, k, mask=lead)
+            tl.store(pd_ptr + (lane * Hv + h) * DV + offs_v, delta)
+            tl.store(pg_ptr + (lane * Hv + h) * DV + offs_v, decay + tl.zeros([BLOCK_V], dtype=tl.float32))
+        else:
+            S = S * decay + k[:, None] * delta[None, :]
         if STORE_ALL:
             ap = all_ptr + (((lane * T + t) * Hv + h) * DK + offs_k[:, None]) * DV + offs_v[None, :]
             tl.store(ap, S.to(all_ptr.dtype.element_ty))
         if t + 1 < T:
             q, k, v, av, bv = qn, kn, vn, an, bn
-    if EVICT:
-        tl.store(sp, S.to(state_ptr.dtype.element_ty), eviction_policy="evict_first")
-    else:
+    if not DEFER:
+        if EVICT:
+            tl.store(sp, S.to(state_ptr.dtype.element_ty), eviction_policy="evict_first")
+        else:
+            tl.store(sp, S.to(state_ptr.dtype.element_ty))
+
+
+@jit
+def _pending_kernel(pk_ptr, pd_ptr, pg_ptr, state_ptr, slot_ptr, Hv, s_ss, s_sh, tiles,
+                    HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr):
+    """S ← decay·S + k ⊗ δ for each (lane, value head, BLOCK_V value columns) tile, the programs looping over
+    the tiles: the fp32 arithmetic of `_recurrent_kernel`'s own update on the values it left (`PendingState`),
+    so the slots come out as the fused kernel's."""
+    offs_k = tl.arange(0, DK)
+    for tile in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        lane = tile // (Hv * (DV // BLOCK_V))
+        h = tile // (DV // BLOCK_V) % Hv
+        offs_v = tile % (DV // BLOCK_V) * BLOCK_V + tl.arange(0, BLOCK_V)
+        slot = tl.load(slot_ptr + lane).to(tl.int64)
+        sp = state_ptr + slot * s_ss + h * s_sh + offs_k[:, None] * DV + offs_v[None, :]
+        S = tl.load(sp).to(tl.float32)
+        k = tl.load(pk_ptr + (lane * HK + h // (Hv // HK)) * DK + offs_k)
+        delta = tl.load(pd_ptr + (lane * Hv + h) * DV + offs_v)
+        decay = tl.load(pg_ptr + (lane * Hv + h) * DV + offs_v)
+        S = S * decay[None, :] + k[:, None] * delta[None, :]
         tl.store(sp, S.to(state_ptr.dtype.element_ty))
 
 
@@ -336,16 +412,19 @@ def gdn_decode(
     mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
     a_log: torch.Tensor, dt_bias: torch.Tensor, conv_slots: torch.Tensor, state_slots: torch.Tensor,
     slot_ids: torch.Tensor, num_key_heads: int, return_all_states: bool = False, conv_done: bool = False,
+    defer_state: bool = False,
 ) -> GdnDecodeResult:
     """One decode step (T positions per lane) of a GDN layer; conv and recurrent slots updated in place.
 
     Runs the two Triton launches where Triton can run, else `gdn_decode_reference`. Output fp32.
     `conv_done` (one position a lane): mixed_qkv is the conv's output already (a `ConvEpilogue` ran it and
-    moved the conv slots on): only the recurrence runs.
+    moved the conv slots on): only the recurrence runs. `defer_state` (one position a lane): where the
+    kernels run, the recurrent slots keep the state before the step and the result's `pending` holds what
+    `apply_pending` needs to write it (the reference path updates them at once: `pending` None).
     """
     _check(mixed_qkv, a, b, conv_weight, conv_slots, state_slots, slot_ids, num_key_heads)
-    if conv_done and (mixed_qkv.shape[1] != 1 or return_all_states):
-        raise GdnKernelError("conv_done takes one position a lane and no per-position states")
+    if (conv_done or defer_state) and (mixed_qkv.shape[1] != 1 or return_all_states):
+        raise GdnKernelError("conv_done and defer_state take one position a lane and no per-position states")
     B, T, C = mixed_qkv.shape
     Hv, Dk, Dv = state_slots.shape[1:]
     usable = (HAVE_TRITON and triton_runs_on(mixed_qkv) and conv_slots.stride(2) == 1
@@ -375,10 +454,31 @@ def gdn_decode(
     one = B == 1
     block_v = min(RECURRENT_BLOCK_V_ONE_LANE if one else RECURRENT_BLOCK_V, Dv)
     warps = {} if dev.type == "cpu" else {"num_warps": RECURRENT_WARPS_ONE_LANE if one else RECURRENT_WARPS}
+    pending = None
+    if defer_state:
+        fp32 = {"dtype": torch.float32, "device": dev}
+        pending = PendingState(torch.empty((B, num_key_heads, Dk), **fp32), torch.empty((B, Hv, Dv), **fp32),
+                               torch.empty((B, Hv, Dv), **fp32), state_slots, slot_ids)
     _recurrent_kernel[(B, Hv, -(-Dv // block_v))](
         y, a, b, a_log, dt_bias, state_slots, slot_ids, out, states if states is not None else out,
+        *(pending.tensors()[:3] if pending else (out, out, out)),
         C, Hv, a.stride(0), a.stride(1), state_slots.stride(0), state_slots.stride(1), T=T,
         HK=num_key_heads, DK=Dk, DV=Dv, BLOCK_V=block_v, STORE_ALL=return_all_states, **pdl_options(y),
-        EVICT=state_evict(), **warps,
+        EVICT=state_evict(), DEFER=defer_state, **warps,
     )
-    return GdnDecodeResult(out, states, convs)
+    return GdnDecodeResult(out, states, convs, pending)
+
+
+def apply_pending(pending: PendingState, programs: int | None = None) -> None:
+    """Write a deferred recurrence's states into their slots (one launch, plain: it waits for the recurrence
+    that left them), at most `programs` programs (default `state_side_programs()`; 0: one a tile)."""
+    B, Hv, Dv = pending.delta.shape
+    Hk, Dk = pending.k.shape[1:]
+    block_v = min(RECURRENT_BLOCK_V, Dv)
+    tiles = B * Hv * (Dv // block_v)
+    cap = state_side_programs() if programs is None else programs
+    warps = {} if pending.delta.device.type == "cpu" else {"num_warps": RECURRENT_WARPS}
+    _pending_kernel[(min(tiles, cap) if cap > 0 else tiles,)](
+        *pending.tensors()[:3], pending.state_slots, pending.slot_ids, Hv, pending.state_slots.stride(0),
+        pending.state_slots.stride(1), tiles, HK=Hk, DK=Dk, DV=Dv, BLOCK_V=block_v, **warps,
+    )

@@ -13,6 +13,8 @@ runs two small launches per layer:
 At one position a lane the conv can instead run in the epilogue of the GEMV that makes its input (the
 merged input projection's rows kernels: `ConvEpilogue`, `conv_epilogue_store`), one launch and one round
 trip through memory fewer a layer; `gdn_decode(conv_done=True)` then runs only the recurrence.
+At one position a lane the recurrence can also leave its state write to a third launch (`defer_state`:
+`PendingState`, `apply_pending`) that a decode graph runs on a side stream, off the chain (`STATE_SIDE`).
 Layouts: mixed_qkv `[B, T, C]` with C = q (Hk·Dk) | k (Hk·Dk) | v (Hv·Dv), value heads in grouped order
 (value head h reads key head h // (Hv/Hk)); conv slots `[slots, C, K-1]` (oldest input first, as
 `reference.causal_conv1d`); recurrent slots `[slots, Hv, Dk, Dv]`; `slot_ids` int32 `[B]`.

@@ -157,9 +157,8 @@ def replay_ms(engine, columns: int, replays: int = 40, lanes: int = 1, context: 
     than the round it stands for); with `context` > 0 lane i reads `context` tokens of its own pages and
     GDN slot i, as the suite's rounds do."""
     graphs, kv = engine.runner.graphs, engine.runner.graphs.kv
-    key = graphs.padded_size(lanes), columns
-    with graphs._on_device(), torch.inference_mode():
-        entry = graphs._graphs.get(key) or graphs._build(*key)  # not captured yet with --no-rate
+    with graphs._on_device(), torch.inference_mode():  # (not captured yet with --no-rate)
+        entry = graphs.entry(graphs.padded_size(lanes), columns, context + columns)
     n = entry.ctx.inputs.shape[1] // columns
     rows = [[] for _ in range(5)]
     if context:

@@ -395,8 +395,9 @@ def test_cuda_graph_replay_equals_eager(kv_dtype, widths, side, monkeypatch):
         assert rel(got, want) < 1e-5  # the same kernels on the same inputs: equal up to atomics' order
         for lane in lanes:
             pos[lane] += 1
+    real = slice(0, pools["eager"][1].scratch_slot)  # (the scratch slot takes the captures and padding rows)
     for eager, graphed in zip(pools["eager"][1].recurrent, pools["graph"][1].recurrent, strict=True):
-        assert rel(graphed, eager) < 1e-5  # the states the rounds left (the side stream's writes joined)
+        assert rel(graphed[real], eager[real]) < 1e-5  # the states the rounds left (side stream joined)
     graphs = pools["graph"][2]
     width = 1 if widths else 5  # every round ends within the first page
     assert sorted(graphs._graphs) == [(1, 1, width), (2, 1, width), (4, 1, width), (8, 1, width)]

@@ -233,10 +233,8 @@ class DecodeGraphs:
         rows = [[t for ids in token_ids for t in ids], [p for s in starts for p in range(s, s + T)],
                 [lane for lane in lanes for _ in range(T)]]
         rows += [[p + 1 for p in rows[1]], rows[2]]
-        need = pages_for(max(starts, default=0) + T)
-        width = next((w for w in self.widths if w >= need), self.widths[-1])
         with self._on_device():
-            entry = self._graphs.get((n, T, width)) or self._build(n, T, width)
+            entry = self.entry(n, T, max(starts, default=0) + T)
             self._stage(entry.ctx.inputs, rows)
             if device_ids is not None:  # in stream order after the staged copy, before the replay
                 entry.ctx.inputs[_IDS, : B * T].copy_(device_ids)
@@ -276,6 +274,12 @@ class DecodeGraphs:
                 out = logits_argmax(logits, self.vocab)
             ctx.end()
             return out
+
+    def entry(self, n: int, positions: int, tokens: int) -> _Captured:
+        """The graph of n items of `positions` tokens whose sequences end within `tokens` tokens: of the
+        narrowest page-table width they fit (built, on CUDA captured, on first use)."""
+        width = next((w for w in self.widths if w >= pages_for(tokens)), self.widths[-1])
+        return self._graphs.get((n, positions, width)) or self._build(n, positions, width)
 
     def _build(self, n: int, positions: int, width: int) -> _Captured:
         ctx = GraphDecodeContext(torch.zeros(5, n * positions, dtype=torch.long, device=self.kv.device),

@@ -41,7 +41,7 @@
 #                                      # recurrence; the norm's columns a program, a program a row (~5 min)
 #   bash bench/pending_ab.sh norm8     # the same at its cheapest: 8 lanes, a program a row or not (~3 min)
 #   bash bench/pending_ab.sh side      # the GDN state write on a side stream of the decode graph: its GPU
-#                                      # tests, both types' rounds at 1 / 8 lanes off / on / on with fewer
+#                                      # tests, both types' rounds at 1 / 8 lanes off / on / on with 132
 #                                      # programs (~5 min)
 #   bash bench/pending_ab.sh tglead2   # Q4_K tg128 under the plain bench's engine and the suite's, the latter
 #                                      # at 8 splits at most and with graphs by page-table width (~5 min)
@@ -320,16 +320,14 @@ NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
       # (session 71) the GDN recurrence's state write off the decode chain: the recurrence leaves k, δ and the
       # decay, a side stream of the graph writes the states (gdn_decode.STATE_SIDE, off until this runs). Its
       # GPU tests (the deferred write bit for bit, graph replays with it against eager rounds), then both
-      # types' graphed rounds at 1 / 8 lanes off, on (a program a tile), on with 132 / 33 programs (~5 min)
+      # types' graphed rounds at 1 / 8 lanes off, on (a program a tile), on with 132 programs (~5 min)
       step side_tests 200 "$PY" -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_graph_decode.py \
         -k "gdn_decode_on_gpu or graph_replay"
       grep -E "passed|failed|error" "$OUT/side_tests.log" | tail -3
-      sweep side_q4_k q4_k 220 NINFER_GDN_STATE_SIDE=0,NINFER_GDN_STATE_SIDE=1,\
-NINFER_GDN_STATE_SIDE=1+NINFER_GDN_STATE_SIDE_PROGRAMS=132,NINFER_GDN_STATE_SIDE=1+NINFER_GDN_STATE_SIDE_PROGRAMS=33 \
-        --lanes 1,8
-      sweep side_iq3_s iq3_s 220 NINFER_GDN_STATE_SIDE=0,NINFER_GDN_STATE_SIDE=1,\
-NINFER_GDN_STATE_SIDE=1+NINFER_GDN_STATE_SIDE_PROGRAMS=132,NINFER_GDN_STATE_SIDE=1+NINFER_GDN_STATE_SIDE_PROGRAMS=33 \
-        --lanes 1,8
+      sweep side_q4_k q4_k 200 NINFER_GDN_STATE_SIDE=0,NINFER_GDN_STATE_SIDE=1,\
+NINFER_GDN_STATE_SIDE=1+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
+      sweep side_iq3_s iq3_s 200 NINFER_GDN_STATE_SIDE=0,NINFER_GDN_STATE_SIDE=1,\
+NINFER_GDN_STATE_SIDE=1+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
       ;;
     tglead2)
       # (session 69) tglead on an H100: the plain bench bf16 162.87 / fp32 161.51, the suite at fp32 160.5 — not

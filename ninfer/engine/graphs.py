@@ -168,7 +168,7 @@ class DecodeGraphs:
         self.sizes = capture_sizes(kv.scratch_lane)  # scratch_lane == max lanes
         self.widths = graph_widths(kv.page_tables.shape[1])
         pin = kv.device.type == "cuda"
-        self.state_side = pin and state_side()  # GDN states written on a side stream (read again by clear)
+        self.state_side = pin and state_side()  # GDN states written on a side stream (clear reads it again)
         self._host = torch.zeros(5 * self.sizes[-1] * SHORT_SPAN, dtype=torch.long, pin_memory=pin)
         with self._on_device():
             self._copied = torch.cuda.Event() if pin else None  # the last staged copy left the pinned buffer

@@ -119,13 +119,13 @@ class ConvEpilogue:
 
 @dataclass(frozen=True)
 class PendingState:
-    """A one-position recurrence whose state write was deferred (`gdn_decode(defer_state=True)`): lane b's
-    slot `slot_ids[b]` of `state_slots` becomes decay[b, h]·S + k[b, h // (Hv/Hk)] ⊗ delta[b, h] when
+    """A one-position recurrence whose state write was deferred (`gdn_decode(defer_state=True)`): head h of
+    lane b's slot `slot_ids[b]` of `state_slots` becomes decay·S + k[b, h // (Hv/Hk)] ⊗ delta[b, h] when
     `apply_pending` runs; until then it holds the state before the step."""
 
     k: torch.Tensor  # [B, Hk, Dk] fp32, L2-normalised
     delta: torch.Tensor  # [B, Hv, Dv] fp32, β·(v − decay·Sᵀk)
-    decay: torch.Tensor  # [B, Hv] fp32
+    decay: torch.Tensor  # [B, Hv, Dv] fp32, the head's decay repeated along its value columns
     state_slots: torch.Tensor
     slot_ids: torch.Tensor
 

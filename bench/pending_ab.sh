@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 70 got no machine (`norm8 tglead2` wait). Session
+# $OUT/<phase>/, the settings' table printed last). Session 71 ran `side` on an H100 (the GPU tests pass but
+# the replay test's state check, since fixed; the sweeps stopped on step_profile's stale graph key, fixed).
+# Session 70 got no machine (`norm8 tglead2` wait). Session
 # 69 ran `skips8 tglead` on an H100 (the sweep hit the recapture bug fixed since: `DecodeGraphs.clear`;
 # tglead: not the dtype). Session 68 ran `suites prologue`, `h200b`, `h200c`, `gpu` and `lanetrace` on an H200
 # (the round's two first kernels gain 0.012-0.026 ms; every default holds there). Session 67 got no machine.

@@ -45,11 +45,12 @@ class RowCounter(FakeHybridModel):
 
 
 @pytest.mark.parametrize(("graphs", "widths"), [(True, 1), (True, 2), (False, 1)])
-def test_measure_runs_the_widest_round_then_a_decode_round(graphs, widths):
+def test_measure_runs_the_widest_round_then_a_decode_round(graphs, widths, monkeypatch):
     from ninfer.kernels import gguf_matmul
 
     model = RowCounter()
     meter = ScriptedMeter([7 * MIB, 3 * MIB], other=5 * MIB, slack=2 * MIB)
+    monkeypatch.setenv("NINFER_GDN_STATE_SIDE", "0")
     gguf_matmul.dense_piece(torch.device("cpu"), torch.float32, 4, 8)  # an earlier engine's
     ws = measure_workspace(model, model.cache_spec, kv_dtype="bf16", gdn_state_fp16=False, lanes=3,
                            prefill_chunk=130, graphs=graphs, device=torch.device("cpu"), meter=meter,
@@ -67,6 +68,21 @@ def test_measure_runs_the_widest_round_then_a_decode_round(graphs, widths):
         assert len(model.rounds) == 1 and ws.graphs == 0 and meter.begun == 1
     assert ws.total == ws.activations + ws.graphs + ws.other + ws.slack
     assert not gguf_matmul._DENSE_PIECES  # let go before the widest round, which makes its own (measured)
+
+
+def test_the_side_streams_deferred_state_writes_are_planned(monkeypatch):
+    model = RowCounter()
+    spec = model.cache_spec
+    ws = {}
+    for side in ("0", "1"):
+        monkeypatch.setenv("NINFER_GDN_STATE_SIDE", side)
+        ws[side] = measure_workspace(model, spec, kv_dtype="bf16", gdn_state_fp16=False, lanes=3,
+                                     prefill_chunk=130, graphs=True, device=torch.device("cpu"),
+                                     meter=ScriptedMeter([7 * MIB, 3 * MIB], other=0))
+    # every GDN layer's k [Hk, Dk], δ and decay [Hv, Dv] in fp32 for each of the widest graph's 3 lanes
+    per_lane = (2 * 8 + 2 * 2 * 8) * 4
+    assert ws["1"].graphs - ws["0"].graphs == spec.num_gdn_layers * 3 * per_lane > 0
+    assert ws["1"].activations == ws["0"].activations
 
 
 def test_a_widest_round_out_of_memory_names_the_flags():

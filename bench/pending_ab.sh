@@ -34,7 +34,7 @@
 #   bash bench/pending_ab.sh dataflow  # (run in session 65, H100: the launches win) a chain of 64 fp16 GEMVs
 #                                      # a launch each (plain, PDL) against one launch with barriers and one
 #                                      # dataflow launch (bench/dataflow_chain.py; ~1 min)
-#   bash bench/pending_ab.sh argmax    # a greedy round's argmax inside the decode graph against torch's
+#   bash bench/pending_ab.sh argmax    # (run in session 72, H100: inside +0.2 %, the default stays) a greedy round's argmax inside the decode graph against torch's
 #                                      # after it (NINFER_GRAPH_ARGMAX=0): GPU tests, Q4_K tg128 A B A B
 #                                      # in the engine's loop (~3 min)
 #   bash bench/pending_ab.sh tglead    # the plain bench's Q4_K tg128 at bf16 / fp32 compute, the Q4_K suite
@@ -42,10 +42,13 @@
 #   bash bench/pending_ab.sh skips8    # IQ3_S's graphed rounds at 1 / 8 lanes without the norms, the
 #                                      # recurrence; the norm's columns a program, a program a row (~5 min)
 #   bash bench/pending_ab.sh norm8     # the same at its cheapest: 8 lanes, a program a row or not (~3 min)
-#   bash bench/pending_ab.sh side      # the GDN state write on a side stream of the decode graph: its GPU
+#   bash bench/pending_ab.sh defaults72  # session 72's defaults (the side stream at 1 lane, graphs of 16 / 64
+#                                      # pages) against session 71's: GPU tests, tg128 in the suite's engine
+#                                      # (both types, alternating in one process; ~4 min)
+#   bash bench/pending_ab.sh side      # (run in session 72, H100: 1 lane gains) the GDN state write on a side stream of the decode graph: its GPU
 #                                      # tests, both types' rounds at 1 / 8 lanes off / on / on with 132
 #                                      # programs (~5 min)
-#   bash bench/pending_ab.sh tglead2   # Q4_K tg128 under the plain bench's engine and the suite's, the latter
+#   bash bench/pending_ab.sh tglead2   # (run in session 72, H100: the widths +0.26 %, the default) Q4_K tg128 under the plain bench's engine and the suite's, the latter
 #                                      # at 8 splits at most and with graphs by page-table width (~5 min)
 #   bash bench/pending_ab.sh h200      # on an H200: both suites, q4il's next-GEMV prefetch at 4-32 MiB (~6 min)
 #   bash bench/pending_ab.sh h200c     # (run in session 68, H200: the defaults stay) q4il's prefetch at 4-32
@@ -319,17 +322,30 @@ NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
       grep -H "tg128" "$OUT"/tglead_*.log
       ;;
     side)
-      # (session 71) the GDN recurrence's state write off the decode chain: the recurrence leaves k, δ and the
-      # decay, a side stream of the graph writes the states (gdn_decode.STATE_SIDE, off until this runs). Its
+      # (session 71; run in 72 on an H100: gains at 1 lane, loses at 8 — the default at 1 lane since) the GDN
+      # recurrence's state write off the decode chain: the recurrence leaves k, δ and the decay, a side stream
+      # of the graph writes the states (gdn_decode.STATE_SIDE_LANES; 0 off, 8 every graph here). Its
       # GPU tests (the deferred write bit for bit, graph replays with it against eager rounds), then both
       # types' graphed rounds at 1 / 8 lanes off, on (a program a tile), on with 132 programs (~5 min)
       step side_tests 200 "$PY" -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_graph_decode.py \
         -k "gdn_decode_on_gpu or graph_replay"
       grep -E "passed|failed|error" "$OUT/side_tests.log" | tail -3
-      sweep side_q4_k q4_k 200 NINFER_GDN_STATE_SIDE=0,NINFER_GDN_STATE_SIDE=1,\
-NINFER_GDN_STATE_SIDE=1+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
-      sweep side_iq3_s iq3_s 200 NINFER_GDN_STATE_SIDE=0,NINFER_GDN_STATE_SIDE=1,\
-NINFER_GDN_STATE_SIDE=1+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
+      sweep side_q4_k q4_k 200 NINFER_GDN_STATE_SIDE=0,NINFER_GDN_STATE_SIDE=8,\
+NINFER_GDN_STATE_SIDE=8+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
+      sweep side_iq3_s iq3_s 200 NINFER_GDN_STATE_SIDE=0,NINFER_GDN_STATE_SIDE=8,\
+NINFER_GDN_STATE_SIDE=8+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
+      ;;
+    defaults72)
+      # (session 72) the defaults it set — the GDN state on a side stream at one lane, graphs of 16 / 64 pages —
+      # against session 71's: their GPU tests, then each type's tg128 in the suite's engine (8 lanes, 16,576
+      # tokens), old and new alternating in one process (~4 min)
+      step defaults72_tests 150 "$PY" -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_graph_decode.py \
+        -k "gdn_decode_on_gpu or graph_replay"
+      grep -E "passed|failed|error" "$OUT/defaults72_tests.log" | tail -3
+      step defaults72_q4_k 200 "$PY" bench/tg_engine.py --wtype q4_k --shapes 8:16576:o,8:16576,1:640
+      tail -5 "$OUT/defaults72_q4_k.log"
+      step defaults72_iq3_s 200 "$PY" bench/tg_engine.py --wtype iq3_s --shapes 8:16576:o,8:16576
+      tail -4 "$OUT/defaults72_iq3_s.log"
       ;;
     tglead2)
       # (session 69) tglead on an H100: the plain bench bf16 162.87 / fp32 161.51, the suite at fp32 160.5 — not

@@ -8,7 +8,9 @@ plain bench's engine (1 lane, prompt + generated tokens). Session 68's lead: the
 A shape's optional third field caps the decode attention's splits (`paged_attention.DECODE_SPLITS`, 64) for
 that engine's graphs: a 16K engine's lone 512-token chat launches 64 splits a KV head, 5 of them with pages;
 `w` instead gives the engine graphs of page tables 16 and 64 pages wide beside its own
-(`graphs.GRAPH_WIDTHS`; NINFER_GRAPH_WIDTHS=16,64), the chat's rounds replaying the 16-page ones.
+(`graphs.GRAPH_WIDTHS`; NINFER_GRAPH_WIDTHS=16,64), the chat's rounds replaying the 16-page ones; `o` the
+engine as it was before session 72's defaults (graphs of its own width only, the GDN state written in the
+recurrence: NINFER_GRAPH_WIDTHS= NINFER_GDN_STATE_SIDE=0).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def main() -> int:
     p.add_argument("--synthetic", default="27b")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--shapes", default="1:640,8:640,1:16576,8:16576",
-                   help="LANES:MAX_CONTEXT[:SPLITS|w], comma-separated")
+                   help="LANES:MAX_CONTEXT[:SPLITS|w|o], comma-separated")
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--repetitions", type=int, default=3)
@@ -49,14 +51,16 @@ def main() -> int:
     shapes = [tuple(s.split(":")) for s in a.shapes.split(",")]
     results: dict[tuple[str, ...], list[float]] = {s: [] for s in shapes}
     default_splits = paged_attention.DECODE_SPLITS
-    widths = os.environ.get("NINFER_GRAPH_WIDTHS")
+    widths, side = os.environ.get("NINFER_GRAPH_WIDTHS"), os.environ.get("NINFER_GDN_STATE_SIDE")
     for r in range(a.rounds):
         for shape in shapes if r % 2 == 0 else shapes[::-1]:
             lanes, ctx, *extra = shape
             lanes, ctx = int(lanes), int(ctx)
             split = extra and extra[0].isdigit()
             paged_attention.DECODE_SPLITS = int(extra[0]) if split else default_splits  # read at capture
-            set_env("NINFER_GRAPH_WIDTHS", "16,64" if extra and not split else widths)
+            old = extra == ["o"]
+            set_env("NINFER_GRAPH_WIDTHS", "" if old else "16,64" if extra and not split else widths)
+            set_env("NINFER_GDN_STATE_SIDE", "0" if old else side)
             # KV for the context, or for every lane's chat at once (as the suite sizes its engine)
             kv = max(ctx, lanes * (a.n_prompt + a.n_gen + 64))
             config = EngineConfig(max_concurrency=lanes, max_context=ctx, kv_capacity=kv, device=a.device,
@@ -80,6 +84,7 @@ def main() -> int:
         print(f"| {label(shape)} | {mean:.2f} ± {std:.2f} |")
     paged_attention.DECODE_SPLITS = default_splits
     set_env("NINFER_GRAPH_WIDTHS", widths)
+    set_env("NINFER_GDN_STATE_SIDE", side)
     return 0
 
 
@@ -93,7 +98,9 @@ def set_env(name: str, value: str | None) -> None:
 def label(shape: tuple[str, ...]) -> str:
     lanes, ctx, *extra = shape
     more = ""
-    if extra:
+    if extra == ["o"]:
+        more = ", session 71's graphs (own width, state in the recurrence)"
+    elif extra:
         more = f", at most {extra[0]} splits" if extra[0].isdigit() else ", graphs of 16 / 64 / all pages"
     return f"{lanes} lanes, context {int(ctx):,}" + more
 

@@ -368,11 +368,11 @@ def test_graph_region_has_no_host_sync(model, triton_on_cpu):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("kv_dtype", "widths", "side"),
-                         [("bf16", "", "0"), ("rk8v4", "", "0"), ("bf16", "1", "0"), ("bf16", "", "1")])
+                         [("bf16", "", "0"), ("rk8v4", "", "0"), ("bf16", "1", "0"), ("bf16", "", "8")])
 def test_cuda_graph_replay_equals_eager(kv_dtype, widths, side, monkeypatch):
     """Captured and replayed on CUDA vs the same context run eagerly, over rounds of 1, 3, 5 and 2 lanes;
     with `widths` "1" the graphs see one page of the tables (one attention split), the eager rounds five;
-    with `side` "1" the graphs write the GDN states on a side stream (`gdn_decode.state_side`)."""
+    with `side` "8" every graph writes the GDN states on a side stream (`gdn_decode.state_side`)."""
     model = synthetic_model("tiny", device="cuda").eval()
     pools = {}
     for mode in ("eager", "graph"):

@@ -74,15 +74,17 @@ def test_the_side_streams_deferred_state_writes_are_planned(monkeypatch):
     model = RowCounter()
     spec = model.cache_spec
     ws = {}
-    for side in ("0", "1"):
+    for side in ("0", "1", "8"):
         monkeypatch.setenv("NINFER_GDN_STATE_SIDE", side)
         ws[side] = measure_workspace(model, spec, kv_dtype="bf16", gdn_state_fp16=False, lanes=3,
                                      prefill_chunk=130, graphs=True, device=torch.device("cpu"),
                                      meter=ScriptedMeter([7 * MIB, 3 * MIB], other=0))
-    # every GDN layer's k [Hk, Dk], δ and decay [Hv, Dv] in fp32 for each of the widest graph's 3 lanes
-    per_lane = (2 * 8 + 2 * 2 * 8) * 4
-    assert ws["1"].graphs - ws["0"].graphs == spec.num_gdn_layers * 3 * per_lane > 0
-    assert ws["1"].activations == ws["0"].activations
+    # every GDN layer's k [Hk, Dk], δ and decay [Hv, Dv] in fp32 for each lane of the widest graph that
+    # defers: 1 lane, or all 4 (3 padded) of the widest graph
+    per_layer_lane = (2 * 8 + 2 * 2 * 8) * 4
+    assert ws["1"].graphs - ws["0"].graphs == spec.num_gdn_layers * per_layer_lane > 0
+    assert ws["8"].graphs - ws["0"].graphs == spec.num_gdn_layers * 4 * per_layer_lane
+    assert ws["8"].activations == ws["0"].activations
 
 
 def test_a_widest_round_out_of_memory_names_the_flags():

@@ -36,9 +36,10 @@ _IDS, _POS, _LANE, _LEN, _SLOT = range(5)
 # Page-table widths (pages) below the pool's own for which each decode shape gets graphs of its own: a round
 # whose items all end within a width replays the narrowest such graph, whose decode attention splits the
 # context over that width (`paged_attention.decode_splits`) rather than the server's whole max context — a
-# 16K-token table gives a lone 512-token chat 64 splits a KV head, 5 of them with pages. Empty: the full
-# width alone (untimed on a GPU so far). NINFER_GRAPH_WIDTHS=16,64 (pages; empty: none) for A/B.
-GRAPH_WIDTHS: tuple[int, ...] = ()
+# 16K-token table gives a lone 512-token chat 64 splits a KV head, 5 of them with pages. Session 72 (H100,
+# `bench/tg_engine.py`, Q4_K tg128 under the suite's 8-lane 16,576-token engine): 164.53 → 164.95 tok/s with
+# 16 / 64 (the plain bench's 1-lane 640-token engine 165.51). NINFER_GRAPH_WIDTHS=16,64 (pages; empty: none).
+GRAPH_WIDTHS: tuple[int, ...] = (16, 64)
 
 
 def graph_widths(full: int) -> list[int]:
@@ -168,7 +169,8 @@ class DecodeGraphs:
         self.sizes = capture_sizes(kv.scratch_lane)  # scratch_lane == max lanes
         self.widths = graph_widths(kv.page_tables.shape[1])
         pin = kv.device.type == "cuda"
-        self.state_side = pin and state_side()  # GDN states written on a side stream (clear reads it again)
+        # graphs of at most this many lanes write the GDN states on a side stream (clear reads it again)
+        self.state_side = state_side() if pin else 0
         self._host = torch.zeros(5 * self.sizes[-1] * SHORT_SPAN, dtype=torch.long, pin_memory=pin)
         with self._on_device():
             self._copied = torch.cuda.Event() if pin else None  # the last staged copy left the pinned buffer
@@ -208,7 +210,7 @@ class DecodeGraphs:
         self.records.clear()
         self.ids = None
         self._pool = None
-        self.state_side = self.kv.device.type == "cuda" and state_side()
+        self.state_side = state_side() if self.kv.device.type == "cuda" else 0
 
     def padded_size(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)
@@ -283,7 +285,7 @@ class DecodeGraphs:
 
     def _build(self, n: int, positions: int, width: int) -> _Captured:
         ctx = GraphDecodeContext(torch.zeros(5, n * positions, dtype=torch.long, device=self.kv.device),
-                                 self.kv, self.states, positions, width, self.state_side)
+                                 self.kv, self.states, positions, width, n <= self.state_side)
         entry = _Captured(None, ctx, None)
         if self.capture:
             try:

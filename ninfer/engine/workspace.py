@@ -6,7 +6,7 @@ one of `max_concurrency` decode rows. The first one's growth of the allocator's 
 activation workspace (with the buffer prefill matmuls make their dense weight pieces in, which stays); the
 second's, plus the logits each smaller decode graph keeps, plans the decode graphs' memory pool (a captured
 round holds what the eager one allocated, the intermediates shared across captures of one pool; with the GDN
-state written on a side stream, the widest capture also keeps every layer's deferred write). The device
+state written on a side stream, the widest such capture also keeps every layer's deferred write). The device
 memory that neither this process's allocator nor anything else here holds — the CUDA context, other
 processes — is counted too, and so is the allocator's slack: free bytes it keeps in segments that also hold
 live blocks (the weights' loading leaves them, freed temporaries beside kept tensors), which later small
@@ -122,8 +122,8 @@ def measure_workspace(model, spec: CacheSpec, *, kv_dtype: str, gdn_state_fp16: 
             # the pool, private, starts its own segments
             rows = sum(capture_sizes(lanes)) * graph_widths - lanes
             planned = meter.grown() + rows * vocab * 4 + POOL_SEGMENTS
-            if state_side():
-                planned += pending_state_bytes(spec, lanes)
+            side = [n for n in capture_sizes(lanes) if n <= state_side()]
+            planned += pending_state_bytes(spec, side[-1]) if side else 0
     except torch.OutOfMemoryError as exc:
         raise EngineConfigError(
             f"a round of a {prefill_chunk}-token prefill chunk beside {lanes - 1} decode rows does not fit "
@@ -136,7 +136,7 @@ def measure_workspace(model, spec: CacheSpec, *, kv_dtype: str, gdn_state_fp16: 
 
 def pending_state_bytes(spec: CacheSpec, lanes: int) -> int:
     """The deferred GDN state writes a capture of `lanes` rows keeps to its end when they run on a side
-    stream (`gdn_decode.state_side`): every GDN layer's k, δ and decay in fp32, which the allocator cannot
-    reuse before the capture ends since another stream reads them."""
+    stream (graphs of at most `gdn_decode.state_side()` rows): every GDN layer's k, δ and decay in fp32,
+    which the allocator cannot reuse before the capture ends since another stream reads them."""
     per_lane = spec.gdn_key_heads * spec.gdn_key_dim + 2 * spec.gdn_value_heads * spec.gdn_value_dim
     return spec.num_gdn_layers * lanes * per_lane * 4

@@ -14,7 +14,8 @@ At one position a lane the conv can instead run in the epilogue of the GEMV that
 merged input projection's rows kernels: `ConvEpilogue`, `conv_epilogue_store`), one launch and one round
 trip through memory fewer a layer; `gdn_decode(conv_done=True)` then runs only the recurrence.
 At one position a lane the recurrence can also leave its state write to a third launch (`defer_state`:
-`PendingState`, `apply_pending`) that a decode graph runs on a side stream, off the chain (`STATE_SIDE`).
+`PendingState`, `apply_pending`) that a decode graph runs on a side stream, off the chain
+(`STATE_SIDE_LANES`).
 Layouts: mixed_qkv `[B, T, C]` with C = q (Hk·Dk) | k (Hk·Dk) | v (Hv·Dv), value heads in grouped order
 (value head h reads key head h // (Hv/Hk)); conv slots `[slots, C, K-1]` (oldest input first, as
 `reference.causal_conv1d`); recurrent slots `[slots, Hv, Dk, Dv]`; `slot_ids` int32 `[B]`.
@@ -64,17 +65,19 @@ def state_evict() -> bool:
 # CUDA graph can run on a side stream beside the next kernels (`GraphDecodeContext`), joined at the round's
 # end. Why: under PDL a kernel's successor waits until its last write is visible, so the state's write (6.3 MB
 # a layer a lane of the 27B in fp32) sits on the chain (session 61, H100: the recurrence 0.30 / 1.03 ms of the
-# 1- / 8-lane Q4_K round). Off until timed; NINFER_GDN_STATE_SIDE=1 turns it on,
+# 1- / 8-lane Q4_K round). Timed in session 72 (H100, graphed rounds): at 1 lane Q4_K −0.055 ms, IQ3_S −0.018
+# ms; at 8 lanes +0.08 / +0.19 ms (the update's programs beside the GEMVs cost more than the write saved) — so
+# only rounds of at most `STATE_SIDE_LANES` lanes defer. NINFER_GDN_STATE_SIDE=N sets it (0: never),
 # NINFER_GDN_STATE_SIDE_PROGRAMS=N caps the update's programs (0: one a tile).
-STATE_SIDE = False
+STATE_SIDE_LANES = 1
 STATE_SIDE_PROGRAMS = 0
 
 
-def state_side() -> bool:
-    """Whether graphed decode rounds write the recurrent state off the chain (`STATE_SIDE`,
-    NINFER_GDN_STATE_SIDE)."""
+def state_side() -> int:
+    """The most lanes a graphed one-position decode round has for it to write the recurrent state off the
+    chain (`STATE_SIDE_LANES`, NINFER_GDN_STATE_SIDE; 0: none)."""
     forced = os.environ.get("NINFER_GDN_STATE_SIDE", "")
-    return forced == "1" if forced in ("0", "1") else STATE_SIDE
+    return int(forced) if forced.isdigit() else STATE_SIDE_LANES
 
 
 def state_side_programs() -> int:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 71 ran `side` on an H100 (the GPU tests pass but
+# $OUT/<phase>/, the settings' table printed last). Session 72 ran `side`, `tglead2`, `argmax`, `defaults72`
+# and `norm8` on H100s (the side stream at 1 lane and graphs of 16 / 64 pages the defaults since; argmax
+# inside the graph +0.2 %; the norm's defaults hold). Session 71 ran `side` on an H100 (the GPU tests pass but
 # the replay test's state check, since fixed; the sweeps stopped on step_profile's stale graph key, fixed).
 # Session 70 got no machine (`norm8 tglead2` wait). Session
 # 69 ran `skips8 tglead` on an H100 (the sweep hit the recapture bug fixed since: `DecodeGraphs.clear`;
@@ -41,7 +43,7 @@
 #                                      # at fp32: why the plain bench decodes ~1.2 % faster (~3 min)
 #   bash bench/pending_ab.sh skips8    # IQ3_S's graphed rounds at 1 / 8 lanes without the norms, the
 #                                      # recurrence; the norm's columns a program, a program a row (~5 min)
-#   bash bench/pending_ab.sh norm8     # the same at its cheapest: 8 lanes, a program a row or not (~3 min)
+#   bash bench/pending_ab.sh norm8     # (run in session 72, H100: the defaults hold) the same at its cheapest: 8 lanes, a program a row or not (~3 min)
 #   bash bench/pending_ab.sh defaults72  # session 72's defaults (the side stream at 1 lane, graphs of 16 / 64
 #                                      # pages) against session 71's: GPU tests, tg128 in the suite's engine
 #                                      # (both types, alternating in one process; ~4 min)
@@ -116,7 +118,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="side, dataflow, argmax, tglead, tglead2, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="defaults72, side, dataflow, argmax, tglead, tglead2, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}

@@ -11,7 +11,7 @@ from test_engine_fake_model import FakeHybridModel
 from ninfer.engine.engine import Engine, EngineConfig
 from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.memory import GIB, MIB, MemoryLedger, plan_kv_capacity
-from ninfer.engine.workspace import POOL_SEGMENTS, measure_workspace
+from ninfer.engine.workspace import POOL_SEGMENTS, measure_workspace, segment_bytes
 from ninfer.errors import EngineConfigError
 
 
@@ -61,13 +61,24 @@ def test_measure_runs_the_widest_round_then_a_decode_round(graphs, widths, monke
     if graphs:
         assert model.rounds[1] == (3, [130, 1, 1])  # every lane decodes after its first round
         # graphs of 1, 2 and 4 rows at each page-table width: 4 (11) rows of logits beyond the 3 measured,
-        # the pool's own segments
-        assert ws.graphs == 3 * MIB + (7 * widths - 3) * 97 * 4 + POOL_SEGMENTS
+        # a few KB that share one small segment; the pool's own segments
+        assert ws.graphs == 3 * MIB + 2 * MIB + POOL_SEGMENTS
         assert meter.begun == 2
     else:
         assert len(model.rounds) == 1 and ws.graphs == 0 and meter.begun == 1
     assert ws.total == ws.activations + ws.graphs + ws.other + ws.slack
     assert not gguf_matmul._DENSE_PIECES  # let go before the widest round, which makes its own (measured)
+
+
+def test_kept_blocks_take_whole_segments():
+    row = 248_320 * 4  # a row of the 27B's fp32 logits: 0.95 MiB, from the small segments
+    one_width = [row * n for n in (1, 2, 4)]  # the graphs beside the measured 8-lane round
+    assert segment_bytes(one_width) == 2 * MIB + 20 * MIB
+    # three widths (session 72 on an H100: the graphs' pool 70 MiB where 62 were planned by their bytes, 35)
+    three = [row * n for n in (1, 2, 4, 1, 2, 4, 8, 1, 2, 4, 8)]
+    assert segment_bytes(three) == 4 * MIB + 40 * MIB > sum(three)
+    assert segment_bytes([9 * MIB, 9 * MIB, 2 * MIB, 2 * MIB]) == 40 * MIB  # 9 + 9 + 2, then 2: first fit
+    assert segment_bytes([11 * MIB + 1]) == 12 * MIB and segment_bytes([]) == 0
 
 
 def test_the_side_streams_deferred_state_writes_are_planned(monkeypatch):

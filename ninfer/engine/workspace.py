@@ -120,8 +120,10 @@ def measure_workspace(model, spec: CacheSpec, *, kv_dtype: str, gdn_state_fp16: 
             runner.run(Round(decode, [], []))
             # every other graph's fp32 logits and the largest one's padding rows stay in the pool too, and
             # the pool, private, starts its own segments
-            rows = sum(capture_sizes(lanes)) * graph_widths - lanes
-            planned = meter.grown() + rows * vocab * 4 + POOL_SEGMENTS
+            sizes = capture_sizes(lanes)
+            kept = sizes * graph_widths + [sizes[-1] - lanes]
+            kept.remove(sizes[-1])  # the measured round's logits
+            planned = meter.grown() + segment_bytes([n * vocab * 4 for n in kept if n]) + POOL_SEGMENTS
             side = [n for n in capture_sizes(lanes) if n <= state_side()]
             planned += pending_state_bytes(spec, side[-1]) if side else 0
     except torch.OutOfMemoryError as exc:
@@ -132,6 +134,27 @@ def measure_workspace(model, spec: CacheSpec, *, kv_dtype: str, gdn_state_fp16: 
     finally:
         del runner, kv, states
     return Workspace(activations, planned, meter.other(), meter.slack())
+
+
+def segment_bytes(blocks: list[int]) -> int:
+    """The caching allocator's segments that blocks of these sizes, kept together, take: those of ≤ 1 MiB
+    come from 2 MiB segments, those up to 10 MiB from 20 MiB ones (largest first, each into the first that
+    has room), larger ones from a segment each of their size rounded up to 2 MiB — so three widths' graphs'
+    logits of the 27B (1.9-7.6 MiB each) take whole 20 MiB segments, more than their bytes."""
+    total, small, free = 0, 0, []
+    for size in sorted(blocks, reverse=True):
+        size = -(-size // 512) * 512
+        if size <= 1 << 20:
+            small += size
+        elif size <= 10 << 20:
+            room = next((i for i, left in enumerate(free) if left >= size), None)
+            if room is None:
+                free.append(20 << 20)
+                total, room = total + (20 << 20), len(free) - 1
+            free[room] -= size
+        else:
+            total += -(-size // (2 << 20)) * (2 << 20)
+    return total + -(-small // (2 << 20)) * (2 << 20)
 
 
 def pending_state_bytes(spec: CacheSpec, lanes: int) -> int:

@@ -47,6 +47,8 @@
 #   bash bench/pending_ab.sh defaults72  # session 72's defaults (the side stream at 1 lane, graphs of 16 / 64
 #                                      # pages) against session 71's: GPU tests, tg128 in the suite's engine
 #                                      # (both types, alternating in one process; ~4 min)
+#   bash bench/pending_ab.sh side2     # the side stream at 2 and 4 lanes: graphs of up to 1 / 2 / 4 lanes
+#                                      # deferring the GDN state write (~3 min)
 #   bash bench/pending_ab.sh side      # (run in session 72, H100: 1 lane gains) the GDN state write on a side stream of the decode graph: its GPU
 #                                      # tests, both types' rounds at 1 / 8 lanes off / on / on with 132
 #                                      # programs (~5 min)
@@ -118,7 +120,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="defaults72, side, dataflow, argmax, tglead, tglead2, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="side2, defaults72, side, dataflow, argmax, tglead, tglead2, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -336,6 +338,13 @@ NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
 NINFER_GDN_STATE_SIDE=8+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
       sweep side_iq3_s iq3_s 200 NINFER_GDN_STATE_SIDE=0,NINFER_GDN_STATE_SIDE=8,\
 NINFER_GDN_STATE_SIDE=8+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
+      ;;
+    side2)
+      # (session 72) the side stream's lane limit between the measured ends (1 lane gains, 8 lose): graphs of
+      # up to 1 / 2 / 4 lanes deferring, both types' rounds at 2 and 4 lanes (~3 min)
+      sweep side2_q4_k q4_k 150 NINFER_GDN_STATE_SIDE=1,NINFER_GDN_STATE_SIDE=2,NINFER_GDN_STATE_SIDE=4 --lanes 2,4
+      sweep side2_iq3_s iq3_s 150 NINFER_GDN_STATE_SIDE=1,NINFER_GDN_STATE_SIDE=2,NINFER_GDN_STATE_SIDE=4 \
+        --lanes 2,4
       ;;
     defaults72)
       # (session 72) the defaults it set — the GDN state on a side stream at one lane, graphs of 16 / 64 pages —

@@ -124,7 +124,7 @@ def measure_workspace(model, spec: CacheSpec, *, kv_dtype: str, gdn_state_fp16: 
             kept = sizes * graph_widths + [sizes[-1] - lanes]
             kept.remove(sizes[-1])  # the measured round's logits
             planned = meter.grown() + segment_bytes([n * vocab * 4 for n in kept if n]) + POOL_SEGMENTS
-            side = [n for n in capture_sizes(lanes) if n <= state_side()]
+            side = [n for n in sizes if n <= state_side()]
             planned += pending_state_bytes(spec, side[-1]) if side else 0
     except torch.OutOfMemoryError as exc:
         raise EngineConfigError(

@@ -169,8 +169,6 @@ class DecodeGraphs:
         self.sizes = capture_sizes(kv.scratch_lane)  # scratch_lane == max lanes
         self.widths = graph_widths(kv.page_tables.shape[1])
         pin = kv.device.type == "cuda"
-        # graphs of at most this many lanes write the GDN states on a side stream (clear reads it again)
-        self.state_side = state_side() if pin else 0
         self._host = torch.zeros(5 * self.sizes[-1] * SHORT_SPAN, dtype=torch.long, pin_memory=pin)
         with self._on_device():
             self._copied = torch.cuda.Event() if pin else None  # the last staged copy left the pinned buffer
@@ -210,7 +208,6 @@ class DecodeGraphs:
         self.records.clear()
         self.ids = None
         self._pool = None
-        self.state_side = state_side() if self.kv.device.type == "cuda" else 0
 
     def padded_size(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)
@@ -284,8 +281,11 @@ class DecodeGraphs:
         return self._graphs.get((n, positions, width)) or self._build(n, positions, width)
 
     def _build(self, n: int, positions: int, width: int) -> _Captured:
+        # graphs of at most `state_side()` lanes write the GDN states on a side stream (read at each capture,
+        # so a sweep's `clear` takes a new setting)
+        side = self.kv.device.type == "cuda" and n <= state_side()
         ctx = GraphDecodeContext(torch.zeros(5, n * positions, dtype=torch.long, device=self.kv.device),
-                                 self.kv, self.states, positions, width, n <= self.state_side)
+                                 self.kv, self.states, positions, width, side)
         entry = _Captured(None, ctx, None)
         if self.capture:
             try:

@@ -47,7 +47,9 @@
 #   bash bench/pending_ab.sh defaults72  # session 72's defaults (the side stream at 1 lane, graphs of 16 / 64
 #                                      # pages) against session 71's: GPU tests, tg128 in the suite's engine
 #                                      # (both types, alternating in one process; ~4 min)
-#   bash bench/pending_ab.sh side2     # the side stream at 2 and 4 lanes: graphs of up to 1 / 2 / 4 lanes
+#   bash bench/pending_ab.sh spans     # the GDN conv of a verification's spans in the GEMV epilogue against
+#                                      # the conv kernel: GPU tests, the 4- and 2-column steps (~5 min)
+#   bash bench/pending_ab.sh side2     # (run in session 73, H100: 4 lanes gain) the side stream at 2 and 4 lanes: graphs of up to 1 / 2 / 4 lanes
 #                                      # deferring the GDN state write (~3 min)
 #   bash bench/pending_ab.sh side      # (run in session 72, H100: 1 lane gains) the GDN state write on a side stream of the decode graph: its GPU
 #                                      # tests, both types' rounds at 1 / 8 lanes off / on / on with 132
@@ -120,7 +122,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="side2, defaults72, side, dataflow, argmax, tglead, tglead2, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="spans, side2, defaults72, side, dataflow, argmax, tglead, tglead2, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -338,6 +340,18 @@ NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
 NINFER_GDN_STATE_SIDE=8+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
       sweep side_iq3_s iq3_s 200 NINFER_GDN_STATE_SIDE=0,NINFER_GDN_STATE_SIDE=8,\
 NINFER_GDN_STATE_SIDE=8+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
+      ;;
+    spans)
+      # (session 73) the GDN conv of a verification's spans in the input projection's epilogue (the il32 and
+      # q4il kernels, gemv_il.LANE_CONV_SPANS) against the conv kernel: its GPU tests, then the graphed
+      # 4-column step of both types and IQ3_S's 2-column one (the dp4a kernel) under each (~5 min)
+      step spans_tests 200 "$PY" -m pytest -q -m gpu -n 8 -p xdist tests/test_gemv_il.py tests/test_graph_decode.py \
+        tests/test_kernels_gpu.py
+        -k "conv or gdn_decode_on_gpu"
+      grep -E "passed|failed|error" "$OUT/spans_tests.log" | tail -3
+      sweep spans_c4_iq3_s iq3_s 150 NINFER_LANE_CONV_SPANS=0,NINFER_LANE_CONV_SPANS=1 --columns 4
+      sweep spans_c2_iq3_s iq3_s 120 NINFER_LANE_CONV_SPANS=0,NINFER_LANE_CONV_SPANS=1 --columns 2
+      sweep spans_c4_q4_k q4_k 120 NINFER_LANE_CONV_SPANS=0,NINFER_LANE_CONV_SPANS=1 --columns 4
       ;;
     side2)
       # (session 72) the side stream's lane limit between the measured ends (1 lane gains, 8 lose): graphs of

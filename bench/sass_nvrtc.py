@@ -10,7 +10,7 @@ slower).
     pip download -q --no-deps nvidia-cuda-nvrtc-cu12 -d /tmp/nvrtc
     python -m zipfile -e /tmp/nvrtc/nvidia_cuda_nvrtc_cu12-*.whl /tmp/nvrtc/x
     NVRTC_LIB=/tmp/nvrtc/x/nvidia/cuda_nvrtc/lib/libnvrtc.so.12 \\
-        python bench/sass_nvrtc.py il_mma --columns 4 --warps 10 [--regs 96] [--dump] [--conv]
+        python bench/sass_nvrtc.py il_mma --columns 4 --warps 10 [--regs 96] [--dump] [--conv [T]]
     python bench/sass_nvrtc.py il --columns 2 --against /tmp/prev.py   # the same build as another gemv_il.py?
 
 NVRTC here is CUDA 12's and the device's torch (2.11+cu130) brings 13.0's; `--cubin` builds as the device does
@@ -180,7 +180,8 @@ def main() -> None:
     p.add_argument("--dump", action="store_true", help="print the block loop's instructions")
     p.add_argument("--against", type=Path,
                    help="il32 kernels, q4il: another gemv_il.py (q4il: on its helpers), built and compared")
-    p.add_argument("--conv", action="store_true", help="il32, q4il: the build with the GDN conv epilogue")
+    p.add_argument("--conv", type=int, nargs="?", const=1, default=0,
+                   help="il32, q4il: the build with the GDN conv epilogue, N positions a lane (1 without N)")
     p.add_argument("--staged", action="store_true", help="q4il: each warp's next block staged")
     p.add_argument("--cluster", type=int, default=1, help="q4il: clusters of this many CTAs a tile")
     p.add_argument("--ahead", type=int, default=1, choices=(0, 1),

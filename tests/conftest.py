@@ -167,16 +167,20 @@ def lane_conv_on_and_off(monkeypatch, matmul, words, x, n: int, conv):
 
 
 def assert_conv_ran(y, conv, before, atol: float = 1e-6) -> None:
-    """Each lane's GDN decode conv of the first C outputs as stored (bf16 `y`, a row a lane),
-    `gdn_decode.conv_epilogue_store`'s arithmetic: silu of the weights against the lane's slot (`before`: the
-    slots before) and its new input, the slot moved on by that input; the other slots untouched."""
+    """Each lane's GDN decode conv of the first C outputs as stored (bf16 `y`, a row a position of a lane,
+    `conv.positions` a lane), `gdn_decode.conv_epilogue_store`'s arithmetic position after position: silu
+    of the weights against the lane's last three inputs (`before`: the slots before) and its new one, the
+    slot moved on by the lane's inputs; the other slots untouched."""
     import torch
 
-    c, ids = conv.channels, conv.slot_ids.tolist()
-    for m, slot in enumerate(ids):
-        window = torch.cat([before[slot], y[m, :c].float()[:, None]], dim=1)  # [C, 4], oldest input first
-        acc = (conv.weight * window).sum(1)
-        torch.testing.assert_close(conv.out[m], acc * torch.sigmoid(acc), rtol=1e-5, atol=atol)
-        assert torch.equal(conv.slots[slot], window[:, 1:]), m
+    c, ids, T = conv.channels, conv.slot_ids.tolist(), conv.positions
+    for lane, slot in enumerate(ids):
+        last = before[slot]
+        for m in range(lane * T, lane * T + T):
+            window = torch.cat([last, y[m, :c].float()[:, None]], dim=1)  # [C, 4], oldest input first
+            acc = (conv.weight * window).sum(1)
+            torch.testing.assert_close(conv.out[m], acc * torch.sigmoid(acc), rtol=1e-5, atol=atol)
+            last = window[:, 1:]
+        assert torch.equal(conv.slots[slot], last), lane
     idle = [i for i in range(before.shape[0]) if i not in ids]
     assert torch.equal(conv.slots[idle], before[idle])

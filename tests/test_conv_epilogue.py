@@ -109,9 +109,41 @@ def test_decode_step_after_the_epilogue_equals_the_plain_step():
                                    conv_done=True).output
     assert torch.equal(after, plain_conv)  # conv_done: the conv slots are left as they are
     assert torch.allclose(ref, got, rtol=1e-5, atol=1e-6)
-    with pytest.raises(NinferError, match="conv_done"):
+    with pytest.raises(NinferError, match="per-position states"):
+        gdn.gdn_decode(done[:, None], a, b, weight, a_log, dt_bias, after, state, ids, Hk, conv_done=True,
+                       return_all_states=True)
+    with pytest.raises(NinferError, match="defer_state takes one position"):
         gdn.gdn_decode(mixed.expand(B, 2, C), a.expand(B, 2, Hv), b.expand(B, 2, Hv), weight, a_log, dt_bias,
-                       conv_slots, state, ids, Hk, conv_done=True)
+                       conv_slots, state, ids, Hk, defer_state=True)
+
+
+def test_a_spans_step_after_the_epilogue_equals_the_plain_step():
+    """T = 3 positions a lane (a verification span, as the il32 / q4il epilogues run its conv): the
+    reference conv over each lane's span, then `gdn_decode(conv_done=True)`, against the plain T-position
+    step — the same outputs, recurrent and conv states."""
+    from ninfer.kernels import reference
+
+    g = torch.Generator().manual_seed(10)
+    B, T, Hk, Hv, Dk, Dv = 2, 3, 1, 2, 16, 8
+    C = 2 * Hk * Dk + Hv * Dv
+    mixed = torch.randn(B, T, C, generator=g)
+    a, b = torch.randn(B, T, Hv, generator=g), torch.randn(B, T, Hv, generator=g)
+    weight = torch.randn(C, 4, generator=g) * 0.3
+    a_log, dt_bias = torch.rand(Hv, generator=g) + 0.5, torch.randn(Hv, generator=g) - 2.0
+    conv_slots = torch.randn(3, C, 3, generator=g)
+    state = torch.randn(3, Hv, Dk, Dv, generator=g) * 0.1
+    ids = torch.tensor([2, 0], dtype=torch.int32)
+    plain_conv, plain_state, fused_state = conv_slots.clone(), state.clone(), state.clone()
+    want = gdn.gdn_decode(mixed, a, b, weight, a_log, dt_bias, plain_conv, plain_state, ids, Hk).output
+    after = conv_slots.clone()
+    done = torch.empty(B, T, C)
+    for lane, slot in enumerate(ids.tolist()):
+        done[lane], after[slot] = reference.causal_conv1d(mixed[lane], weight, conv_slots[slot])
+    assert torch.allclose(after, plain_conv, rtol=1e-6, atol=1e-6) and not torch.equal(after, conv_slots)
+    got = gdn.gdn_decode(done, a, b, weight, a_log, dt_bias, after, fused_state, ids, Hk, conv_done=True)
+    assert torch.allclose(got.output, want, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(fused_state, plain_state, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(fused_state, state)
 
 
 def test_model_decode_with_the_conv_in_the_projection(monkeypatch, tmp_path):

@@ -496,13 +496,14 @@ def test_gemv_il_matches_its_twin_on_gpu(n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("kind", "lanes"), [("il32", 1), ("il32", 2), ("il32", 4), ("il32", 8), ("q4il", 1),
-                                             ("q4il", 4), ("q4il", 8)])
-def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, lanes, monkeypatch):
-    """The 27B's GDN input projection at one token a lane runs the decode conv of its first 10240 outputs in
-    its epilogue (`lane_conv`, NINFER_LANE_CONV_COLUMNS=8; NINFER_LANE_CONV=0 turns it off): the output the
-    same bits as without, each lane's conv output and slot as `conv_epilogue_store`'s arithmetic on them,
-    the other slots untouched."""
+@pytest.mark.parametrize(("kind", "lanes", "positions"), [
+    ("il32", 1, 1), ("il32", 2, 1), ("il32", 4, 1), ("il32", 8, 1), ("q4il", 1, 1), ("q4il", 4, 1),
+    ("q4il", 8, 1), ("il32", 1, 2), ("il32", 1, 4), ("il32", 2, 4), ("q4il", 1, 4), ("q4il", 2, 4)])
+def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, lanes, positions, monkeypatch):
+    """The 27B's GDN input projection at one token a lane, and over a verification's 2-4 positions a lane,
+    runs the decode conv of its first 10240 outputs in its epilogue (`lane_conv`, NINFER_LANE_CONV_COLUMNS=8;
+    NINFER_LANE_CONV=0 turns it off): the output the same bits as without, each lane's conv outputs and slot
+    as `conv_epilogue_store`'s arithmetic on them position after position, the other slots untouched."""
     from ninfer.kernels import gemv_q4il
     from ninfer.kernels.gdn_decode import ConvEpilogue
 
@@ -511,9 +512,10 @@ def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, lanes, monkeypatch):
     raw = random_gguf_weight("iq3_s" if kind == "il32" else "q4_k", n, k, "cuda")
     words, matmul = ((repack_il32(raw), il_matmul) if kind == "il32"
                      else (gemv_q4il.repack_q4il(raw), gemv_q4il.q4il_matmul))
-    x = torch.randn(lanes, k, device="cuda").to(torch.bfloat16)
+    x = torch.randn(lanes * positions, k, device="cuda").to(torch.bfloat16)
     ids = torch.randperm(lanes + 2)[:lanes].cuda()  # int64, as the decode graphs'
-    conv = ConvEpilogue.of(torch.randn(c, 4, device="cuda"), torch.randn(lanes + 2, c, 3, device="cuda"), ids)
+    conv = ConvEpilogue.of(torch.randn(c, 4, device="cuda"), torch.randn(lanes + 2, c, 3, device="cuda"), ids,
+                           positions)
     before = conv.slots.clone()
     y = lane_conv_on_and_off(monkeypatch, matmul, words, x, n, conv)
     assert_conv_ran(y, conv, before, atol=1e-5)
@@ -589,14 +591,16 @@ def test_a_linear_asks_its_producer_for_its_kernels_grouping(monkeypatch):
     assert Linear.activation_group(il32) == 32
 
 
-def test_lane_conv_takes_one_token_a_lane_up_to_its_column_limit(monkeypatch):
-    """`lane_conv` hands the conv to the GEMV for bf16 rows, one a lane of the conv, at most
+def test_lane_conv_takes_a_row_a_position_up_to_its_column_limit(monkeypatch):
+    """`lane_conv` hands the conv to the GEMV for bf16 rows, one a position of the conv's lanes, at most
     `LANE_CONV_COLUMNS` (NINFER_LANE_CONV_COLUMNS another count, at most the GEMVs' 8); never under
-    NINFER_LANE_CONV=0, for a float32 row, or for rows that are not the conv's lanes."""
+    NINFER_LANE_CONV=0, for a float32 row, or for rows that are not the conv's positions; spans of several
+    positions a lane unless NINFER_LANE_CONV_SPANS=0."""
     from ninfer.kernels.gdn_decode import ConvEpilogue
 
     monkeypatch.delenv("NINFER_LANE_CONV", raising=False)
     monkeypatch.delenv("NINFER_LANE_CONV_COLUMNS", raising=False)
+    monkeypatch.delenv("NINFER_LANE_CONV_SPANS", raising=False)
     c, n, k = 64, 96, 256
 
     def conv_of(lanes: int) -> ConvEpilogue:
@@ -619,6 +623,15 @@ def test_lane_conv_takes_one_token_a_lane_up_to_its_column_limit(monkeypatch):
     assert gemv_il.lane_conv(four, rows(4), c - 1) is None  # fewer outputs than conv channels
     monkeypatch.setenv("NINFER_LANE_CONV_COLUMNS", "16")
     assert gemv_il.lane_conv(nine, rows(9), n) is None  # past the GEMVs' 8 columns
+    # a verification's spans: a row a position, T a lane (LANE_CONV_SPANS; NINFER_LANE_CONV_SPANS=0 off)
+    monkeypatch.delenv("NINFER_LANE_CONV_COLUMNS")
+    spans = ConvEpilogue.of(torch.randn(c, 4), torch.randn(3, c, 3), torch.tensor([2, 0]), positions=4)
+    assert spans.positions == 4 and spans.out.shape == (8, c) and gemv_il.LANE_CONV_SPANS
+    assert gemv_il.lane_conv(spans, rows(8), n) is spans
+    assert gemv_il.lane_conv(spans, rows(2), n) is None  # a row a lane, not a position
+    monkeypatch.setenv("NINFER_LANE_CONV_SPANS", "0")
+    assert gemv_il.lane_conv(spans, rows(8), n) is None
+    assert gemv_il.lane_conv(four, rows(4), n) is four  # one position a lane regardless
     monkeypatch.setenv("NINFER_LANE_CONV", "0")
     assert gemv_il.lane_conv(one, rows(1), n) is None
 

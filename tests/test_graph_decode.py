@@ -528,17 +528,10 @@ def test_engine_greedy_same_with_and_without_cuda_graphs():
     assert outs[0] == outs[1]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize(("gguf_name", "layout"), [("model-iq3_s.gguf", "NINFER_IQ3S_IL"),
-                                                   ("model-q4_k_m.gguf", "NINFER_Q4K_IL")])
-def test_captured_rounds_with_the_conv_in_every_lanes_projection(tmp_path, monkeypatch, gguf_name, layout):
-    """The fixture model with its matrices on the il32 / q4il layout, captured rounds of 1-6 lanes (graphs of
-    1, 2, 4 and 8 rows): with NINFER_LANE_CONV_COLUMNS=8 the GDN input projection runs every lane's decode
-    conv in its epilogue, with NINFER_LANE_CONV=0 the conv kernel does; the logits agree and so do the lanes'
-    conv and recurrent states after. The same fp32 arithmetic on the same bf16 inputs: on the H200 the logits
-    and conv states came out identical and the recurrent states within 2.1e-7 (gpu-notes "Session 50"), so
-    the bound (1e-5) leaves a last bit's worth of FMA contraction its room, and a wiring slip (a lane on
-    another's slot) moves them by O(1)."""
+def conv_modes(tmp_path, monkeypatch, gguf_name: str, layout: str, modes: dict, rounds: list) -> dict:
+    """The fixture model with its matrices on the il32 / q4il layout, captured `rounds` ((lanes, positions a
+    lane) each) under each of `modes` (name: environment settings): per mode the rounds' logits, the state
+    pools after, and the set of (lanes, positions) of the convs the il32 / q4il GEMVs ran (0: none)."""
     from conftest import convert_tiny
 
     from ninfer.artifact import open_artifact
@@ -548,35 +541,76 @@ def test_captured_rounds_with_the_conv_in_every_lanes_projection(tmp_path, monke
     monkeypatch.setenv("NINFER_Q4K_IL", "1" if layout == "NINFER_Q4K_IL" else "0")
     art = open_artifact(convert_tiny(tmp_path / "tiny.ninfer", gguf_name))
     model = load_model(art, dtype=torch.bfloat16, device="cuda", load_mtp=False, quantized_weights=True)
-    widths = []  # the lanes of every GEMV launch's conv (0: none), as the il32 / q4il wrappers hand it over
+    shapes = []  # every GEMV launch's conv as the il32 / q4il wrappers hand it over
     arguments = gemv_il.conv_arguments
     for module in (gemv_il, gemv_q4il):
-        monkeypatch.setattr(module, "conv_arguments", lambda conv: (
-            widths.append(0 if conv is None else conv.slot_ids.shape[0]), arguments(conv))[1])
+        monkeypatch.setattr(module, "conv_arguments", lambda conv: (shapes.append(
+            0 if conv is None else (conv.slot_ids.shape[0], conv.positions)), arguments(conv))[1])
     runs = {}
-    for mode, env in (("epilogue", ("NINFER_LANE_CONV_COLUMNS", "8")), ("kernel", ("NINFER_LANE_CONV", "0"))):
-        monkeypatch.delenv("NINFER_LANE_CONV", raising=False)
-        monkeypatch.setenv(*env)
+    for mode, env in modes.items():
+        for name in ("NINFER_LANE_CONV", "NINFER_LANE_CONV_COLUMNS", "NINFER_LANE_CONV_SPANS"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env:
+            monkeypatch.setenv(name, value)
         kv = KvPool(model.cache_spec, "bf16", 64 * 40, MAX_LANES, 320, device="cuda")
         states = GdnStatePool(model.cache_spec, MAX_LANES, device="cuda")
         for lane in range(MAX_LANES):
             kv.assign(lane, kv.reserve(5))
         graphs = DecodeGraphs(model, kv, states, capture=True)
-        widths.clear()
+        shapes.clear()
         pos, logits = dict.fromkeys(range(MAX_LANES), 0), []
-        for r, lanes in enumerate([[0], [0, 1, 2], [4, 5], [3, 0, 2, 1], [5, 4, 3, 2, 1, 0]] * 2):
-            toks = [tokens(1, 70 * r + lane)[0] for lane in lanes]
-            logits.append(graphs.run(lanes, toks, [pos[lane] for lane in lanes]).clone())
+        for r, (lanes, T) in enumerate(rounds):
+            toks = [tokens(T, 70 * r + lane) for lane in lanes]
+            logits.append(graphs.run_spans(lanes, toks, [pos[lane] for lane in lanes]).clone())
             for lane in lanes:
-                pos[lane] += 1
-        runs[mode] = logits, states, set(widths)
-    assert runs["epilogue"][2] >= {1, 2, 4, 8} and runs["kernel"][2] <= {0}
-    mine, ref = runs["epilogue"][1], runs["kernel"][1]
+                pos[lane] += T
+        runs[mode] = logits, states, set(shapes)
+    return runs
+
+
+def assert_modes_agree(runs: dict, mine: str, ref: str, label: str) -> None:
+    """Two `conv_modes` runs' logits, conv and recurrent states (the real lanes') within 1e-5: the same fp32
+    arithmetic on the same bf16 inputs — on the H200 the logits and conv states came out identical and the
+    recurrent states within 2.1e-7 (gpu-notes "Session 50"), so the bound leaves a last bit's worth of FMA
+    contraction its room, and a wiring slip (a lane on another's slot) moves them by O(1)."""
 
     def worst_of(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
         return max(rel(a[:MAX_LANES], b[:MAX_LANES]) for a, b in zip(got, want, strict=True))
 
-    worst = {"logits": worst_of(runs["epilogue"][0], runs["kernel"][0]),
-             "conv": worst_of(mine.conv, ref.conv), "recurrent": worst_of(mine.recurrent, ref.recurrent)}
-    print(f"{gguf_name}: worst relative error, epilogue against kernel: {worst}")
+    a, b = runs[mine][1], runs[ref][1]
+    worst = {"logits": max(rel(x, y) for x, y in zip(runs[mine][0], runs[ref][0], strict=True)),
+             "conv": worst_of(a.conv, b.conv), "recurrent": worst_of(a.recurrent, b.recurrent)}
+    print(f"{label}: worst relative error, {mine} against {ref}: {worst}")
     assert max(worst.values()) < 1e-5
+
+
+LAYOUTS = [("model-iq3_s.gguf", "NINFER_IQ3S_IL"), ("model-q4_k_m.gguf", "NINFER_Q4K_IL")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("gguf_name", "layout"), LAYOUTS)
+def test_captured_rounds_with_the_conv_in_every_lanes_projection(tmp_path, monkeypatch, gguf_name, layout):
+    """Captured rounds of 1-6 lanes (graphs of 1, 2, 4 and 8 rows): with NINFER_LANE_CONV_COLUMNS=8 the GDN
+    input projection runs every lane's decode conv in its epilogue, with NINFER_LANE_CONV=0 the conv kernel
+    does; the logits agree and so do the lanes' conv and recurrent states after."""
+    lanes = [[0], [0, 1, 2], [4, 5], [3, 0, 2, 1], [5, 4, 3, 2, 1, 0]] * 2
+    modes = {"epilogue": [("NINFER_LANE_CONV_COLUMNS", "8")], "kernel": [("NINFER_LANE_CONV", "0")]}
+    runs = conv_modes(tmp_path, monkeypatch, gguf_name, layout, modes, [(each, 1) for each in lanes])
+    assert {(n, 1) for n in (1, 2, 4, 8)} <= runs["epilogue"][2] and runs["kernel"][2] <= {0}
+    assert_modes_agree(runs, "epilogue", "kernel", gguf_name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("gguf_name", "layout"), LAYOUTS)
+def test_captured_verification_rounds_with_the_conv_in_the_projection(tmp_path, monkeypatch, gguf_name,
+                                                                       layout):
+    """Captured verification rounds (one lane of 4 and of 2 positions, two lanes of 4: graphs of 4 and 8
+    columns, a lane of 3 positions beside 2 others: 12 columns, past the GEMVs' 8) with a decode round
+    between: the projection runs each lane's convs over its positions (`LANE_CONV_SPANS`) or the conv
+    kernel does (NINFER_LANE_CONV_SPANS=0); the same logits and states either way."""
+    rounds = [([0], 4), ([1, 2], 4), ([3], 2), ([0, 1, 2], 1), ([2, 0], 4), ([4, 5, 3], 3), ([0], 4)]
+    runs = conv_modes(tmp_path, monkeypatch, gguf_name, layout,
+                      {"spans": [], "kernel": [("NINFER_LANE_CONV_SPANS", "0")]}, rounds)
+    assert {(1, 4), (2, 4), (1, 2)} <= runs["spans"][2]
+    assert not {shape for shape in runs["kernel"][2] if shape and shape[1] > 1}
+    assert_modes_agree(runs, "spans", "kernel", gguf_name)

@@ -39,7 +39,7 @@ def run_il(source_of, words, xa, n, s: gemv_il.IlSchedule, ctas: int, ring: int,
     that `ConvEpilogue`); the output, and the tensor-core kernel's per-tile counts after it."""
     columns, k = xa.q.shape
     source = source_of(gemv_il.kernel_source(columns, OUT_KINDS[dtype], dataclasses.replace(s, splits=1),
-                                              conv=conv is not None))
+                                              conv=gemv_il.conv_positions(conv)))
     tiles = gemv_il.il32_shape(n, k)[0]
     y = torch.full((columns, n), float("nan"), dtype=dtype)
     args = [words, xa.words, xa.d, _tables("cpu")[1], y, n, k, y.stride(0)]
@@ -113,14 +113,17 @@ def run_lane(name: str, source_of, words, xa, n: int, warps: int, smem: int, sou
 
 
 def q4il_case(columns: int, n: int = 72, k: int = 1536, source_of=same, dtype=torch.float32,
-              shape=gemv_q4il.SHAPES[1], staged: bool = False, raw=None, cluster: int = 1, conv=None):
-    """q4il over random q4_k rows on two CTAs, or on two clusters of `cluster` CTAs."""
+              shape=gemv_q4il.SHAPES[1], staged: bool = False, raw=None, cluster: int = 1, conv=None,
+              xa=None):
+    """q4il over random q4_k rows (and activation, unless given) on two CTAs, or on two clusters of `cluster`
+    CTAs."""
     raw = random_gguf_weight("q4_k", n, k) if raw is None else raw
-    xa = activation(columns, k, 256)
+    xa = activation(columns, k, 256) if xa is None else xa
     y = run_lane("q4k_il_mma", source_of, gemv_q4il.repack_q4il(raw), xa, n, shape[0],
                  gemv_q4il.smem_bytes(shape[0], staged, cluster),
-                 gemv_q4il.kernel_source(columns, OUT_KINDS[dtype], False, shape, conv is not None, staged,
-                                         cluster), dtype, conv, 2 * cluster)
+                 gemv_q4il.kernel_source(columns, OUT_KINDS[dtype], False, shape,
+                                         gemv_il.conv_positions(conv), staged, cluster), dtype, conv,
+                 2 * cluster)
     return y, gemv_q8_reference(raw, "q4_k", xa, n)
 
 
@@ -218,15 +221,16 @@ def test_the_evicting_builds_compute_the_same_bits(columns):
     assert torch.equal(q6il_case(columns, source_of=evicting)[0], plain)
 
 
-def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same):
+def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same, positions: int = 1):
     """The il32 (dp4a at 1-2 columns, tensor cores from 3 with `splits` pieces a tile) or q4il GEMV running
-    the GDN decode conv of its first outputs in its epilogue (`CONV_STAGE`), column m lane m's token: (y, the
-    conv, its slots before, y of the build without the conv)."""
+    the GDN decode conv of its first outputs in its epilogue (`CONV_STAGE`), column m position m % T of lane
+    m / T (T `positions`): (y, the conv, its slots before, y of the build without the conv)."""
     from ninfer.kernels.gdn_decode import ConvEpilogue
 
     n, k, c = 96, 768, 72  # channels across a tile's end
-    ids = torch.randperm(columns + 2)[:columns]  # the lanes' slots out of order; int64, as the decode graphs'
-    conv = ConvEpilogue.of(torch.randn(c, 4), torch.randn(columns + 2, c, 3), ids)
+    lanes = columns // positions
+    ids = torch.randperm(lanes + 2)[:lanes]  # the lanes' slots out of order; int64, as the decode graphs'
+    conv = ConvEpilogue.of(torch.randn(c, 4), torch.randn(lanes + 2, c, 3), ids, positions)
     before = conv.slots.clone()
     conv.out.fill_(float("nan"))
     xa = activation(columns, k, 256)
@@ -235,24 +239,30 @@ def conv_case(kind: str, columns: int = 1, splits: int = 1, source_of=same):
         s = dataclasses.replace(gemv_il.il_schedule(columns, k, n, 256), splits=splits)
         ys = [run_il(source_of if cv else same, gemv_il.repack_il32(raw), xa, n, s, 2, 1 if splits > 1 else 2,
                      torch.bfloat16, cv)[0] for cv in (conv, None)]
+    elif kind == "q4il_cluster":
+        raw = random_gguf_weight("q4_k", n, k)
+        ys = [q4il_case(columns, n, k, dtype=torch.bfloat16, shape=gemv_q4il.SHAPES[2], raw=raw, cluster=2,
+                        conv=cv, xa=xa)[0] for cv in (conv, None)]
     else:
         raw = random_gguf_weight("q4_k", n, k)
         warps, ctas = gemv_q4il.SHAPES[1]
         ys = [run_lane("q4k_il_mma", source_of if cv else same, gemv_q4il.repack_q4il(raw), xa, n, warps,
                        gemv_q4il.smem_bytes(warps),
-                       gemv_q4il.kernel_source(columns, 1, False, (warps, ctas), cv is not None),
+                       gemv_q4il.kernel_source(columns, 1, False, (warps, ctas), gemv_il.conv_positions(cv)),
                        torch.bfloat16, cv) for cv in (conv, None)]
     return ys[0], conv, before, ys[1]
 
 
-@pytest.mark.parametrize(("kind", "columns", "splits"), [
-    ("il", 1, 1), ("il", 2, 1), ("il", 4, 1), ("il", 8, 1), ("il", 8, 3), ("q4il", 1, 1), ("q4il", 4, 1),
-    ("q4il", 8, 1)])
-def test_the_gdn_conv_in_a_gemvs_epilogue(kind, columns, splits):
+@pytest.mark.parametrize(("kind", "columns", "splits", "positions"), [
+    ("il", 1, 1, 1), ("il", 2, 1, 1), ("il", 4, 1, 1), ("il", 8, 1, 1), ("il", 8, 3, 1), ("q4il", 1, 1, 1),
+    ("q4il", 4, 1, 1), ("q4il", 8, 1, 1), ("il", 2, 1, 2), ("il", 4, 1, 4), ("il", 8, 1, 4), ("il", 6, 3, 3),
+    ("q4il", 4, 1, 4), ("q4il", 8, 1, 2), ("q4il_cluster", 8, 1, 4)])
+def test_the_gdn_conv_in_a_gemvs_epilogue(kind, columns, splits, positions):
     """Every lane's conv run on its own slot (the dp4a il32 kernel at 1-2 columns, the tensor-core one at 4
-    and 8, whole tiles and split in 3 pieces, q4il at 1, 4, 8); the GEMV's own output the same bits as the
-    build without the conv."""
-    y, conv, before, plain = conv_case(kind, columns, splits)
+    and 8, whole tiles and split in 3 pieces, q4il at 1, 4, 8), also over a verification's positions a lane
+    (2-4; the tensor-core kernel's split tiles, q4il in clusters); the GEMV's own output the same bits as
+    the build without the conv."""
+    y, conv, before, plain = conv_case(kind, columns, splits, positions=positions)
     assert_conv_ran(y, conv, before)
     assert torch.equal(y, plain) and not y.isnan().any()
 
@@ -279,8 +289,13 @@ MUTATIONS = {
                                              "QBlock{b.tile + 2 * (int)gridDim.x,"),
     "conv: the slot not moved on": ("conv", "cp[0] = s1;", "cp[0] = s0;"),
     "conv: every lane on the first's slot": ("conv", "cv.slot_ids[m * cv.step]", "cv.slot_ids[0]"),
-    "conv: a split tile's conv left out": ("conv_split", "conv_store(cv, m, tile * 32 + row, to_out(v));",
-                                            "(void)0;"),
+    "conv: a split tile's conv left out": ("conv_split", "conv_put(cv, m, tile * 32 + row, to_out(v),",
+                                            "if (0) conv_put(cv, m, tile * 32 + row, to_out(v),"),
+    "conv span: every position on the last one's input": ("conv_span", "column(first + p)", "column(m)"),
+    "conv span: the slot left at its first position": ("conv_span", "    cp[0] = s0;\n    cp[1] = s1;\n",
+                                                       "    cp[0] = s1;\n    cp[1] = s2;\n"),
+    "conv span: a split tile's earlier positions from one piece": ("conv_span_split",
+                                                                   "u += __ldcg(ac + p * slot)", "(void)0"),
 }
 
 
@@ -300,8 +315,9 @@ def test_a_slip_in_a_kernel_fails(name):
         s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1)
         y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
-    elif kind in ("conv", "conv_split"):
-        y, conv, before, _ = conv_case("il", 4, 3 if kind == "conv_split" else 1, source_of=mutate)
+    elif kind.startswith("conv"):
+        y, conv, before, _ = conv_case("il", 4, 3 if kind.endswith("split") else 1, source_of=mutate,
+                                       positions=4 if "span" in kind else 1)
         with pytest.raises(AssertionError):
             assert_conv_ran(y, conv, before)
         return

@@ -80,10 +80,12 @@ def decode_mix(states: GdnStatePool, gdn_layer: int, mixed_qkv: torch.Tensor, a:
     return result.output[:, 0]
 
 
-def decode_conv(states: GdnStatePool, gdn_layer: int, params, slot_ids: torch.Tensor) -> ConvEpilogue:
-    """The decode conv of B one-token spans on lanes `slot_ids`, for the input projection's GEMV to run in
-    its epilogue (`gdn_decode.ConvEpilogue`), unless NINFER_CONV_EPILOGUE=0 leaves it to `decode_mix`."""
-    return ConvEpilogue.of(params.conv_weight, states.conv[gdn_layer], slot_ids)
+def decode_conv(states: GdnStatePool, gdn_layer: int, params, slot_ids: torch.Tensor,
+                positions: int = 1) -> ConvEpilogue:
+    """The decode conv of B spans of `positions` tokens on lanes `slot_ids`, for the input projection's GEMV
+    to run in its epilogue (`gdn_decode.ConvEpilogue`), unless NINFER_CONV_EPILOGUE=0 leaves it to
+    `decode_mix`."""
+    return ConvEpilogue.of(params.conv_weight, states.conv[gdn_layer], slot_ids, positions)
 
 
 def span_mix(states: GdnStatePool, gdn_layer: int, slot: int, mixed_qkv: torch.Tensor, a: torch.Tensor,

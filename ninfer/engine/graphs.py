@@ -118,18 +118,17 @@ class GraphDecodeContext:
         if self.positions == 1:
             return decode_mix(self._states, gdn_layer, mixed_qkv, a, b, params, self._lane_slots, conv_done,
                               self._side)
-        if conv_done:
-            raise ValueError("the GDN conv ran in the projection of a several-position span")
         shape = (self.batch, self.positions)
         out = gdn_decode(mixed_qkv.unflatten(0, shape), a.unflatten(0, shape), b.unflatten(0, shape),
                          params.conv_weight, params.a_log, params.dt_bias, self._states.conv[gdn_layer],
-                         self._states.recurrent[gdn_layer], self._lane_slots, params.num_key_heads).output
+                         self._states.recurrent[gdn_layer], self._lane_slots, params.num_key_heads,
+                         conv_done=conv_done).output
         return out.flatten(0, 1)
 
     def gdn_conv(self, gdn_layer: int, params) -> ConvEpilogue | None:
-        """The decode conv for the input projection to run (`models.qwen3_5.GdnParams`); one position a lane
-        only."""
-        return decode_conv(self._states, gdn_layer, params, self._lane_slots) if self.positions == 1 else None
+        """The decode conv for the input projection to run (`models.qwen3_5.GdnParams`) over the round's T
+        positions a lane (the rows kernels run it at one, the il32 and q4il ones at up to 8 columns)."""
+        return decode_conv(self._states, gdn_layer, params, self._lane_slots, self.positions)
 
     def gdn_state(self, gdn_layer: int, span_index: int) -> GdnState:
         raise RuntimeError("GraphDecodeContext mixes GDN layers through gdn_mix; a model asked for gdn_state")

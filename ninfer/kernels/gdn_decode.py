@@ -10,9 +10,10 @@ runs two small launches per layer:
    `S ← exp(g)·S; S ← S + k ⊗ beta·(v − Sᵀk); o = Sᵀq` (positions unrolled), the state held in registers
    between positions and written back once (fp32 or fp16 slots). Optionally every position's state is
    written too, so a verifier can commit the accepted prefix.
-At one position a lane the conv can instead run in the epilogue of the GEMV that makes its input (the
-merged input projection's rows kernels: `ConvEpilogue`, `conv_epilogue_store`), one launch and one round
-trip through memory fewer a layer; `gdn_decode(conv_done=True)` then runs only the recurrence.
+The conv can instead run in the epilogue of the GEMV that makes its input (`ConvEpilogue`: the merged input
+projection's rows kernels at one position a lane, `conv_epilogue_store`; the il32 and q4il kernels at T
+positions too, `gemv_il.CONV_STAGE`), one launch and one round trip through memory fewer a layer;
+`gdn_decode(conv_done=True)` then runs only the recurrence.
 At one position a lane the recurrence can also leave its state write to a third launch (`defer_state`:
 `PendingState`, `apply_pending`) that a decode graph runs on a side stream, off the chain
 (`STATE_SIDE_LANES`).
@@ -93,11 +94,12 @@ class GdnKernelError(NinferError):
 
 @dataclass
 class ConvEpilogue:
-    """The decode conv + SiLU of a GDN layer (`_conv_kernel` for one token a lane), for the GEMV that makes
-    its input to do in its epilogue: column m of that GEMV is lane m's token; outputs 0..C-1 are the conv
-    channels; lane m's conv slot `slot_ids[m]` of `slots` `[S, C, 3]` moves on by that input and `out`
-    `[M, C]` (fp32) gets silu(conv), what `gdn_decode` then reads instead of running its conv (`conv_done`).
-    `applied` is set by the GEMV that did it (`gguf_matmul.quant_matmul`: rows kernels without split-K)."""
+    """The decode conv + SiLU of a GDN layer (`_conv_kernel` for T tokens a lane), for the GEMV that makes
+    its input to do in its epilogue: column m of that GEMV is position m % T of lane m // T; outputs 0..C-1
+    are the conv channels; lane b's conv slot `slot_ids[b]` of `slots` `[S, C, 3]` moves on by its T inputs
+    and `out` `[B·T, C]` (fp32) gets silu(conv), what `gdn_decode` then reads instead of running its conv
+    (`conv_done`). `applied` is set by the GEMV that did it (`gguf_matmul.quant_matmul`: rows kernels
+    without split-K, one position a lane; the il32 and q4il kernels, `gemv_il.lane_conv`)."""
 
     weight: torch.Tensor  # [C, 4] fp32, contiguous
     slots: torch.Tensor  # [S, C, 3], the layer's conv slots (unit stride along the taps)
@@ -106,14 +108,20 @@ class ConvEpilogue:
     applied: bool = False
 
     @classmethod
-    def of(cls, weight: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor) -> ConvEpilogue:
+    def of(cls, weight: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
+           positions: int = 1) -> ConvEpilogue:
         C = slots.shape[1]
         return cls(weight.float().contiguous(), slots, slot_ids,
-                   torch.empty((slot_ids.shape[0], C), dtype=torch.float32, device=slots.device))
+                   torch.empty((slot_ids.shape[0] * positions, C), dtype=torch.float32, device=slots.device))
 
     @property
     def channels(self) -> int:
         return self.slots.shape[1]
+
+    @property
+    def positions(self) -> int:
+        """T, the positions a lane."""
+        return self.out.shape[0] // self.slot_ids.shape[0]
 
     def launch_args(self) -> tuple:
         """The GEMV kernels' conv arguments (cw_ptr, cs_ptr, slot_ptr, co_ptr, C, s_cs)."""
@@ -422,14 +430,16 @@ def gdn_decode(
     """One decode step (T positions per lane) of a GDN layer; conv and recurrent slots updated in place.
 
     Runs the two Triton launches where Triton can run, else `gdn_decode_reference`. Output fp32.
-    `conv_done` (one position a lane): mixed_qkv is the conv's output already (a `ConvEpilogue` ran it and
-    moved the conv slots on): only the recurrence runs. `defer_state` (one position a lane): where the
+    `conv_done`: mixed_qkv is the conv's output already (a `ConvEpilogue` ran it and moved the conv slots
+    on): only the recurrence runs. `defer_state` (one position a lane): where the
     kernels run, the recurrent slots keep the state before the step and the result's `pending` holds what
     `apply_pending` needs to write it (the reference path updates them at once: `pending` None).
     """
     _check(mixed_qkv, a, b, conv_weight, conv_slots, state_slots, slot_ids, num_key_heads)
-    if (conv_done or defer_state) and (mixed_qkv.shape[1] != 1 or return_all_states):
-        raise GdnKernelError("conv_done and defer_state take one position a lane and no per-position states")
+    if (conv_done or defer_state) and return_all_states:
+        raise GdnKernelError("with conv_done or defer_state there are no per-position states")
+    if defer_state and mixed_qkv.shape[1] != 1:
+        raise GdnKernelError("defer_state takes one position a lane")
     B, T, C = mixed_qkv.shape
     Hv, Dk, Dv = state_slots.shape[1:]
     usable = (HAVE_TRITON and triton_runs_on(mixed_qkv) and conv_slots.stride(2) == 1

@@ -225,9 +225,11 @@ __device__ __forceinline__ out_t to_out(float v) {
 
 """
 
-# The epilogue of the il32 and q4il kernels' CONV builds (bf16 columns, one token a lane: `lane_conv`): the
-# GDN decode conv of the first `c` outputs of each column, the arithmetic of `gdn_decode.conv_epilogue_store`
-# on each output as stored.
+# The epilogue of the il32 and q4il kernels' CONV builds (bf16 columns: `lane_conv`): the GDN decode conv of
+# the first `c` outputs of each column, the arithmetic of `gdn_decode.conv_epilogue_store` on each output as
+# stored. CONV is the positions a lane: column m is position m % CONV of lane m / CONV (a verification span
+# at CONV > 1, where the thread of a lane's last column runs its CONV convs in order, the earlier columns'
+# sums made again from the same partial sums in the same order: the same bits as stored).
 CONV_STAGE = r"""
 #if CONV
 // the kernels' last parameters (`conv_arguments`): weights [C, 4], slots, slot ids, the conv's output
@@ -248,6 +250,32 @@ __device__ __forceinline__ void conv_store(const ConvArgs& cv, int m, int row, o
     cp[0] = s1;
     cp[1] = s2;
     cp[2] = x;
+}
+// output `row` of column m, its value y: `conv_store` at one position a lane; at CONV > 1 the thread of a
+// lane's last position runs the lane's convs in order, `column(c)` giving the earlier columns' outputs
+template <class F>
+__device__ __forceinline__ void conv_put(const ConvArgs& cv, int m, int row, out_t y, F column) {
+#if CONV == 1
+    conv_store(cv, m, row, y);
+#else
+    if (row >= cv.c || m % CONV != CONV - 1) return;
+    const int first = m - (CONV - 1);
+    float* cp = cv.slots + (size_t)cv.slot_ids[(m / CONV) * cv.step] * cv.s_cs + row * 3;
+    const float4 w = cv.w[row];
+    float s0 = cp[0], s1 = cp[1], s2 = cp[2];
+#pragma unroll
+    for (int p = 0; p < CONV; ++p) {
+        const float x = __uint_as_float((unsigned)(p == CONV - 1 ? y : column(first + p)) << 16);
+        const float acc = w.x * s0 + w.y * s1 + w.z * s2 + w.w * x;
+        cv.out[(first + p) * cv.c + row] = acc / (1.f + expf(-acc));
+        s0 = s1;
+        s1 = s2;
+        s2 = x;
+    }
+    cp[0] = s0;
+    cp[1] = s1;
+    cp[2] = s2;
+#endif
 }
 #define CONV_ARGS const ConvArgs cv = {cw, cs, cslot, co, conv_c, s_cs, ids_step};
 #else
@@ -428,7 +456,7 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
                 for (int m = 0; m < NCOL; ++m) {
                     y[m * stride_y + row] = to_out(acc[m]);
 #if CONV
-                    conv_store(cv, m, row, to_out(acc[m]));
+                    conv_put(cv, m, row, to_out(acc[m]), [&](int c) { return to_out(acc[c]); });
 #endif
                 }
             }
@@ -447,7 +475,12 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
             for (int s = 0; s < WARPS; ++s) v += red[((j * WARPS + s) * NCOL + m) * 32 + (i & 31)];
             if (row < N) y[m * stride_y + row] = to_out(v);
 #if CONV
-            if (row < N) conv_store(cv, m, row, to_out(v));
+            if (row < N) conv_put(cv, m, row, to_out(v), [&](int c) {
+                float u = 0.f;
+#pragma unroll
+                for (int s = 0; s < WARPS; ++s) u += red[((j * WARPS + s) * NCOL + c) * 32 + (i & 31)];
+                return to_out(u);
+            });
 #endif
         }
         k = 0;
@@ -653,7 +686,12 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
             if (splits == 1) {
                 if (at < N) y[m * stride_y + at] = to_out(v);
 #if CONV
-                if (at < N) conv_store(cv, m, at, to_out(v));
+                if (at < N) conv_put(cv, m, at, to_out(v), [&](int c) {
+                    float u = 0.f;
+#pragma unroll
+                    for (int s = 0; s < WARPS; ++s) u += red[((j * WARPS + s) * 32 + row) * 8 + c];
+                    return to_out(u);
+                });
 #endif
             } else {
                 part_sums[piece * slot + m * tiles * 32 + tile * 32 + row] = v;
@@ -673,7 +711,12 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
                     for (int p = 1; p < splits; ++p) v += __ldcg(at + p * slot);
                     if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
 #if CONV
-                    if (tile * 32 + row < N) conv_store(cv, m, tile * 32 + row, to_out(v));
+                    if (tile * 32 + row < N) conv_put(cv, m, tile * 32 + row, to_out(v), [&](int c) {
+                        const float* ac = part_sums + c * tiles * 32 + tile * 32 + row;
+                        float u = __ldcg(ac);
+                        for (int p = 1; p < splits; ++p) u += __ldcg(ac + p * slot);
+                        return to_out(u);
+                    });
 #endif
                 }
                 if (threadIdx.x == 0) counts[tile] = 0;
@@ -825,7 +868,8 @@ def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False,
     """The CUDA source; its launch bounds ask for the CTAs an SM holds by registers, threads and tables.
     `pdl`: launched as a programmatic dependent launch (`_launch`), it loads its weights and tables before
     waiting for the previous kernel, and lets the next one launch after its last tile's main loop.
-    `conv` (bf16 out): the GDN decode conv in its epilogue (`CONV_STAGE`, `lane_conv`). `evict`: the weight
+    `conv` (bf16 out): the GDN decode conv in its epilogue, its positions a lane (`CONV_STAGE`, `lane_conv`;
+    0 none). `evict`: the weight
     loads' cache hints (`evict_level`). `prefetch`: the next GEMV's first weight bytes asked into L2 at the
     end (`next_prefetch`)."""
     source = with_prefetch(_MMA_SOURCE if s.kernel == "il_mma" else _SOURCE, prefetch)
@@ -977,7 +1021,7 @@ def with_prefetch(source: str, prefetch: bool) -> str:
 
 
 @functools.cache
-def _compiled(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, conv: bool = False,
+def _compiled(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False, conv: int = 0,
               evict: int = 0, prefetch: bool = False):
     name = "iq3s_il_mma" if s.kernel == "il_mma" else "iq3s_il_gemv"
     kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, s, pdl, conv, evict, prefetch), name)
@@ -1033,26 +1077,37 @@ def check_call(kind: str, words: torch.Tensor, xa: QuantizedActivation, group: i
 # −0.06 ms at two lanes, −0.15 at four and eight; Q4_K −0.04 at two, −0.06 at eight; one lane even (gpu-notes
 # "Session 50").
 LANE_CONV_COLUMNS = 8
+# Whether the epilogue also runs the conv of spans of several positions a lane (a verification round: column
+# m position m % T of lane m / T; `CONV_STAGE`), where the layer ran its conv kernel before (session 37, H200:
+# that kernel cost the graphed 4-column IQ3_S step up to 0.23 ms, its launch and a round trip a GDN layer);
+# NINFER_LANE_CONV_SPANS=0 for A/B.
+LANE_CONV_SPANS = True
 
 
 def lane_conv(conv, x: torch.Tensor, out_features: int):
     """`conv` (a `gdn_decode.ConvEpilogue`) where the il32 or the q4il GEMV of x is to run it in its
-    epilogue (x bf16, one row a lane of the conv and at most `LANE_CONV_COLUMNS` of them; fp32 slots
-    `[S, C, 3]` and weights `[C, 4]` contiguous; the graphed 1-lane round −0.045 ms IQ3_S, −0.058 Q4_K on the
-    H200: gpu-notes "Session 46"), else None: the layer runs its conv kernel. NINFER_LANE_CONV=0 turns it
-    off."""
+    epilogue (x bf16, a row a position of the conv's lanes, at most `LANE_CONV_COLUMNS` rows, several
+    positions a lane only with `LANE_CONV_SPANS`; fp32 slots `[S, C, 3]` and weights `[C, 4]` contiguous; the
+    graphed 1-lane round −0.045 ms IQ3_S, −0.058 Q4_K on the H200: gpu-notes "Session 46"), else None: the
+    layer runs its conv kernel. NINFER_LANE_CONV=0 turns it off."""
     if conv is None or os.environ.get("NINFER_LANE_CONV") == "0":
         return None
     most = min(MAX_COLUMNS, int(os.environ.get("NINFER_LANE_CONV_COLUMNS", LANE_CONV_COLUMNS)))
+    spans = os.environ.get("NINFER_LANE_CONV_SPANS", "1" if LANE_CONV_SPANS else "0") != "0"
     rows = x.numel() // x.shape[-1]
-    if (rows != conv.slot_ids.shape[0] or rows > most or x.dtype != torch.bfloat16
-            or conv.channels > out_features):
+    if (rows != conv.out.shape[0] or rows > most or x.dtype != torch.bfloat16
+            or conv.channels > out_features or (conv.positions > 1 and not spans)):
         return None
     slots, weight, ids = conv.slots, conv.weight, conv.slot_ids
     ok = (slots.dtype == weight.dtype == torch.float32 and slots.stride()[1:] == (3, 1)
           and weight.is_contiguous() and ids.dtype in (torch.int32, torch.int64) and ids.is_contiguous()
           and conv.out.is_contiguous())
     return conv if ok else None
+
+
+def conv_positions(conv) -> int:
+    """A CONV build's positions a lane (`CONV_STAGE`): the conv's, 0 without one."""
+    return 0 if conv is None else conv.positions
 
 
 def conv_arguments(conv) -> list:
@@ -1100,7 +1155,7 @@ def gemv_il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     pdl = pdl_enabled() and os.environ.get("NINFER_IL_PDL", "1") != "0"  # =0: A/B without it
     # one build for every split count
     kernel = _compiled(n, _OUT_KINDS[xa.dtype], s if s.splits == 1 else replace(s, splits=1), pdl,
-                       conv is not None, evict=evict_level(s.kernel), prefetch=bool(following))
+                       conv_positions(conv), evict=evict_level(s.kernel), prefetch=bool(following))
     _launch(kernel, ctas, 32 * s.warps, smem, args, pdl)
     return y
 

@@ -41,6 +41,7 @@ from ninfer.kernels.gemv_il import (
     _smem_optin,
     check_call,
     conv_arguments,
+    conv_positions,
     evict_level,
     lane_conv,
     next_prefetch,
@@ -313,9 +314,10 @@ q4k_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float*
 
 
 def kernel_source(columns: int, out_kind: int, pdl: bool = False, shape: tuple[int, int] = SHAPES[0],
-                  conv: bool = False, staged: bool = False, cluster: int = 1, evict: int = 0,
+                  conv: int = 0, staged: bool = False, cluster: int = 1, evict: int = 0,
                   prefetch: bool = False) -> str:
-    """`conv` (bf16 out): the GDN decode conv in the epilogue (`gemv_il.CONV_STAGE`, `gemv_il.lane_conv`).
+    """`conv` (bf16 out): the GDN decode conv in the epilogue, its positions a lane (`gemv_il.CONV_STAGE`,
+    `gemv_il.lane_conv`; 0 none).
     `staged`: each warp's next block copied into shared memory while it works on one (the STAGES build).
     `cluster` > 1: clusters of that many CTAs share each tile (`lane_layout.CLUSTER_HELPERS`; not staged).
     `evict`: the weight loads' and copies' cache hints (`gemv_il.evict_level`). `prefetch`: the next GEMV's
@@ -414,7 +416,7 @@ def q4il_cluster(tiles: int, sms: int, shape: tuple[int, int], columns: int,
 
 
 @functools.cache
-def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], conv: bool = False,
+def _compiled(columns: int, out_kind: int, pdl: bool, shape: tuple[int, int], conv: int = 0,
               staged: bool = False, cluster: int = 1, evict: int = 0, prefetch: bool = False):
     kernel = torch.cuda._compile_kernel(kernel_source(columns, out_kind, pdl, shape, conv, staged, cluster,
                                                       evict, prefetch), "q4k_il_mma")
@@ -449,7 +451,7 @@ def gemv_q4il(words: torch.Tensor, xa: QuantizedActivation, out_features: int,
     pdl = pdl_enabled()
     ctas = cluster * min(tiles, shape[1] * sms // cluster)
     following = next_prefetch("q4il", words, ctas, tiles, ctas // cluster, n if conv is not None else 0)
-    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv is not None, staged, cluster,
+    kernel = _compiled(n, _OUT_KINDS[xa.dtype], pdl, shape, conv_positions(conv), staged, cluster,
                        evict=evict_level("q4il"), prefetch=bool(following))
     _launch(kernel, ctas, 32 * shape[0], smem_bytes(shape[0], staged, cluster),
             [words, xa.words, xa.d, xa.s, y, out_features, k, y.stride(0), *conv_arguments(conv), *following],

@@ -120,9 +120,10 @@ class GdnParams:
     state, updating its conv and recurrent state (and, for speculative verification, keeping the
     per-position states it needs). GPU backends (fused decode, chunked prefill kernels) plug in here;
     without it the layer runs the reference ops span by span. With it a context may also define
-    `gdn_conv(gdn_layer, params) -> kernels.gdn_decode.ConvEpilogue | None` (a forward of one-token
-    spans only): the input projection may then run the conv itself, and where it did (`applied`)
-    `gdn_mix(..., conv_done=True)` gets the conv's output instead of the pre-conv channels.
+    `gdn_conv(gdn_layer, params) -> kernels.gdn_decode.ConvEpilogue | None` (a forward of spans of one
+    length, one token or a verification's few): the input projection may then run the conv itself, and
+    where it did (`applied`) `gdn_mix(..., conv_done=True)` gets the conv's output instead of the pre-conv
+    channels.
     """
 
     conv_weight: torch.Tensor  # [C, K] fp32

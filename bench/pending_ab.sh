@@ -346,8 +346,7 @@ NINFER_GDN_STATE_SIDE=8+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
       # q4il kernels, gemv_il.LANE_CONV_SPANS) against the conv kernel: its GPU tests, then the graphed
       # 4-column step of both types and IQ3_S's 2-column one (the dp4a kernel) under each (~5 min)
       step spans_tests 200 "$PY" -m pytest -q -m gpu -n 8 -p xdist tests/test_gemv_il.py tests/test_graph_decode.py \
-        tests/test_kernels_gpu.py
-        -k "conv or gdn_decode_on_gpu"
+        tests/test_kernels_gpu.py -k "conv or gdn_decode_on_gpu"
       grep -E "passed|failed|error" "$OUT/spans_tests.log" | tail -3
       sweep spans_c4_iq3_s iq3_s 150 NINFER_LANE_CONV_SPANS=0,NINFER_LANE_CONV_SPANS=1 --columns 4
       sweep spans_c2_iq3_s iq3_s 120 NINFER_LANE_CONV_SPANS=0,NINFER_LANE_CONV_SPANS=1 --columns 2

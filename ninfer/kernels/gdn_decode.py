@@ -68,9 +68,11 @@ def state_evict() -> bool:
 # a layer a lane of the 27B in fp32) sits on the chain (session 61, H100: the recurrence 0.30 / 1.03 ms of the
 # 1- / 8-lane Q4_K round). Timed in session 72 (H100, graphed rounds): at 1 lane Q4_K −0.055 ms, IQ3_S −0.018
 # ms; at 8 lanes +0.08 / +0.19 ms (the update's programs beside the GEMVs cost more than the write saved) — so
-# only rounds of at most `STATE_SIDE_LANES` lanes defer. NINFER_GDN_STATE_SIDE=N sets it (0: never),
+# only rounds of at most `STATE_SIDE_LANES` lanes defer. Between (session 73, H100, graphs of up to 1 / 2 / 4
+# lanes deferring): 2 lanes IQ3_S 6.149 / 6.112 / 6.112 ms, Q4_K 6.166 / 6.182 / 6.183; 4 lanes IQ3_S 7.387 /
+# 7.389 / 7.258, Q4_K 6.523 / 6.525 / 6.495 — so up to 4. NINFER_GDN_STATE_SIDE=N sets it (0: never),
 # NINFER_GDN_STATE_SIDE_PROGRAMS=N caps the update's programs (0: one a tile).
-STATE_SIDE_LANES = 1
+STATE_SIDE_LANES = 4
 STATE_SIDE_PROGRAMS = 0
 
 

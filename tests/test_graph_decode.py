@@ -627,7 +627,9 @@ def test_verification_rounds_run_each_lanes_conv_in_the_projection(tmp_path, mon
             capturing = torch.cuda.is_current_stream_capturing()
             before = None if conv is None or capturing else conv.slots.clone()
             y = matmul(words, x, n, conv=conv)
-            if before is not None and conv.applied and conv.positions > 1:
+            ids = conv.slot_ids.tolist() if conv is not None else []
+            # (a capture's warm-up runs every lane on the scratch slot: one slot, several lanes, no order)
+            if before is not None and conv.applied and conv.positions > 1 and len(set(ids)) == len(ids):
                 assert_conv_ran(y, conv, before, atol=1e-5)
                 checked.append((conv.slot_ids.shape[0], conv.positions))
             return y

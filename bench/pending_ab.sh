@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 72 ran `side`, `tglead2`, `argmax`, `defaults72`
+# $OUT/<phase>/, the settings' table printed last). Session 73 ran `suites side2`, `spans`, `suites` and `gpu`
+# on H100s (the side stream up to 4 lanes and the span conv in the epilogue the defaults since; the whole GPU
+# suite 155 passed, the 9B workspace test's graph pool over its plan). Session 72 ran `side`, `tglead2`, `argmax`, `defaults72`
 # and `norm8` on H100s (the side stream at 1 lane and graphs of 16 / 64 pages the defaults since; argmax
 # inside the graph +0.2 %; the norm's defaults hold). Session 71 ran `side` on an H100 (the GPU tests pass but
 # the replay test's state check, since fixed; the sweeps stopped on step_profile's stale graph key, fixed).
@@ -47,7 +49,8 @@
 #   bash bench/pending_ab.sh defaults72  # session 72's defaults (the side stream at 1 lane, graphs of 16 / 64
 #                                      # pages) against session 71's: GPU tests, tg128 in the suite's engine
 #                                      # (both types, alternating in one process; ~4 min)
-#   bash bench/pending_ab.sh spans     # the GDN conv of a verification's spans in the GEMV epilogue against
+#   bash bench/pending_ab.sh spans     # (run in session 73, H100: IQ3_S 2 columns -2 %, 4 columns even) the
+#                                      # GDN conv of a verification's spans in the GEMV epilogue against
 #                                      # the conv kernel: GPU tests, the 4- and 2-column steps (~5 min)
 #   bash bench/pending_ab.sh side2     # (run in session 73, H100: 4 lanes gain) the side stream at 2 and 4 lanes: graphs of up to 1 / 2 / 4 lanes
 #                                      # deferring the GDN state write (~3 min)

@@ -869,9 +869,8 @@ def kernel_source(columns: int, out_kind: int, s: IlSchedule, pdl: bool = False,
     `pdl`: launched as a programmatic dependent launch (`_launch`), it loads its weights and tables before
     waiting for the previous kernel, and lets the next one launch after its last tile's main loop.
     `conv` (bf16 out): the GDN decode conv in its epilogue, its positions a lane (`CONV_STAGE`, `lane_conv`;
-    0 none). `evict`: the weight
-    loads' cache hints (`evict_level`). `prefetch`: the next GEMV's first weight bytes asked into L2 at the
-    end (`next_prefetch`)."""
+    0 none). `evict`: the weight loads' cache hints (`evict_level`). `prefetch`: the next GEMV's first weight
+    bytes asked into L2 at the end (`next_prefetch`)."""
     source = with_prefetch(_MMA_SOURCE if s.kernel == "il_mma" else _SOURCE, prefetch)
     if conv and out_kind != _OUT_KINDS[torch.bfloat16]:
         raise QuantKernelError("the il32 conv builds write bf16")
@@ -1079,7 +1078,8 @@ def check_call(kind: str, words: torch.Tensor, xa: QuantizedActivation, group: i
 LANE_CONV_COLUMNS = 8
 # Whether the epilogue also runs the conv of spans of several positions a lane (a verification round: column
 # m position m % T of lane m / T; `CONV_STAGE`), where the layer ran its conv kernel before (session 37, H200:
-# that kernel cost the graphed 4-column IQ3_S step up to 0.23 ms, its launch and a round trip a GDN layer);
+# that kernel cost the graphed 4-column IQ3_S step up to 0.23 ms). Session 73 (H100, graphed steps): IQ3_S 2
+# columns 6.239 → 6.116 ms, Q4_K 4 columns 6.466 → 6.427, IQ3_S 4 columns even (7.417 / 7.432).
 # NINFER_LANE_CONV_SPANS=0 for A/B.
 LANE_CONV_SPANS = True
 

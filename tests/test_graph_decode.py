@@ -566,6 +566,7 @@ def conv_modes(tmp_path, monkeypatch, gguf_name: str, layout: str, modes: dict, 
             logits.append(graphs.run_spans(lanes, toks, [pos[lane] for lane in lanes]).clone())
             for lane in lanes:
                 pos[lane] += T
+        assert mode in eager or all(entry.graph is not None for entry in graphs._graphs.values())  # captured
         runs[mode] = logits, states, set(shapes)
     return runs
 
@@ -624,12 +625,13 @@ def test_verification_rounds_run_each_lanes_conv_in_the_projection(tmp_path, mon
 
     def checking(matmul):
         def run(words, x, n, conv=None):
-            capturing = torch.cuda.is_current_stream_capturing()
-            before = None if conv is None or capturing else conv.slots.clone()
+            if conv is None or torch.cuda.is_current_stream_capturing():  # (no host reads in a capture)
+                return matmul(words, x, n, conv=conv)
+            before = conv.slots.clone()
             y = matmul(words, x, n, conv=conv)
-            ids = conv.slot_ids.tolist() if conv is not None else []
+            ids = conv.slot_ids.tolist()
             # (a capture's warm-up runs every lane on the scratch slot: one slot, several lanes, no order)
-            if before is not None and conv.applied and conv.positions > 1 and len(set(ids)) == len(ids):
+            if conv.applied and conv.positions > 1 and len(set(ids)) == len(ids):
                 assert_conv_ran(y, conv, before, atol=1e-5)
                 checked.append((conv.slot_ids.shape[0], conv.positions))
             return y

@@ -49,6 +49,8 @@
 #   bash bench/pending_ab.sh defaults72  # session 72's defaults (the side stream at 1 lane, graphs of 16 / 64
 #                                      # pages) against session 71's: GPU tests, tg128 in the suite's engine
 #                                      # (both types, alternating in one process; ~4 min)
+#   bash bench/pending_ab.sh pool      # the 9B workspace test's graph pool at two / one widths, side 4 / 1;
+#                                      # the verification-round graph tests (~4 min)
 #   bash bench/pending_ab.sh spans     # (run in session 73, H100: IQ3_S 2 columns -2 %, 4 columns even) the
 #                                      # GDN conv of a verification's spans in the GEMV epilogue against
 #                                      # the conv kernel: GPU tests, the 4- and 2-column steps (~5 min)
@@ -125,7 +127,7 @@
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="spans, side2, defaults72, side, dataflow, argmax, tglead, tglead2, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="pool, spans, side2, defaults72, side, dataflow, argmax, tglead, tglead2, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -343,6 +345,18 @@ NINFER_NEXT_PREFETCH=q4il=16384,NINFER_NEXT_PREFETCH=q4il=32768 --lanes 1,8
 NINFER_GDN_STATE_SIDE=8+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
       sweep side_iq3_s iq3_s 200 NINFER_GDN_STATE_SIDE=0,NINFER_GDN_STATE_SIDE=8,\
 NINFER_GDN_STATE_SIDE=8+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
+      ;;
+    pool)
+      # (session 73) the 9B workspace test's decode graphs' pool over its plan at two page-table widths (70 / 48
+      # MiB in session 73's whole GPU suite): the test at the default widths, at one (NINFER_GRAPH_WIDTHS=""),
+      # and with the side stream at one lane, each capture's growth printed; then the verification-round graph
+      # tests, whose captured half has not run yet (~4 min)
+      for setting in "" "NINFER_GRAPH_WIDTHS=" "NINFER_GDN_STATE_SIDE=1"; do
+        step "pool_${setting%%=*}" 150 env $setting "$PY" -m pytest -q -m gpu -s tests/test_workspace.py -k auto_kv
+        grep -E "graph pool|memory \(|passed|failed" "$OUT/pool_${setting%%=*}.log" | tail -12
+      done
+      step pool_spans 200 "$PY" -m pytest -q -m gpu -n 4 -p xdist tests/test_graph_decode.py -k "conv or replay"
+      grep -E "passed|failed|error" "$OUT/pool_spans.log" | tail -3
       ;;
     spans)
       # (session 73) the GDN conv of a verification's spans in the input projection's epilogue (the il32 and

@@ -349,13 +349,15 @@ NINFER_GDN_STATE_SIDE=8+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
     pool)
       # (session 73) the 9B workspace test's decode graphs' pool over its plan at two page-table widths (70 / 48
       # MiB in session 73's whole GPU suite): the test at the default widths, at one (NINFER_GRAPH_WIDTHS=""),
-      # and with the side stream at one lane, each capture's growth printed; then the verification-round graph
-      # tests, whose captured half has not run yet (~4 min)
+      # and with the side stream at one lane, each capture's growth printed; then the span conv's GPU tests
+      # (session 73's last epilogue, after a barrier, untested on a GPU) and the verification-round graph tests,
+      # whose captured half has not run yet (~5 min; then `spans` times that epilogue)
       for setting in "" "NINFER_GRAPH_WIDTHS=" "NINFER_GDN_STATE_SIDE=1"; do
         step "pool_${setting%%=*}" 150 env $setting "$PY" -m pytest -q -m gpu -s tests/test_workspace.py -k auto_kv
         grep -E "graph pool|memory \(|passed|failed" "$OUT/pool_${setting%%=*}.log" | tail -12
       done
-      step pool_spans 200 "$PY" -m pytest -q -m gpu -n 4 -p xdist tests/test_graph_decode.py -k "conv or replay"
+      step pool_spans 240 "$PY" -m pytest -q -m gpu -n 8 -p xdist tests/test_graph_decode.py tests/test_gemv_il.py \
+        -k "conv or replay"
       grep -E "passed|failed|error" "$OUT/pool_spans.log" | tail -3
       ;;
     spans)

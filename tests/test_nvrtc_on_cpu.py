@@ -289,13 +289,16 @@ MUTATIONS = {
                                              "QBlock{b.tile + 2 * (int)gridDim.x,"),
     "conv: the slot not moved on": ("conv", "cp[0] = s1;", "cp[0] = s0;"),
     "conv: every lane on the first's slot": ("conv", "cv.slot_ids[m * cv.step]", "cv.slot_ids[0]"),
-    "conv: a split tile's conv left out": ("conv_split", "conv_put(cv, m, tile * 32 + row, to_out(v),",
-                                            "if (0) conv_put(cv, m, tile * 32 + row, to_out(v),"),
-    "conv span: every position on the last one's input": ("conv_span", "column(first + p)", "column(m)"),
+    "conv: a split tile's conv left out": ("conv_split", "conv_store(cv, m, tile * 32 + row, to_out(v));",
+                                            "(void)0;"),
+    "conv span: every position on the last input": ("conv_span", "y[(lane * CONV + p) * stride_y + row]",
+                                                    "y[(lane * CONV + CONV - 1) * stride_y + row]"),
     "conv span: the slot left at its first position": ("conv_span", "    cp[0] = s0;\n    cp[1] = s1;\n",
                                                        "    cp[0] = s1;\n    cp[1] = s2;\n"),
-    "conv span: a split tile's earlier positions from one piece": ("conv_span_split",
-                                                                   "u += __ldcg(ac + p * slot)", "(void)0"),
+    "conv span: every lane on the first's slot": ("conv_span", "cv.slot_ids[lane * cv.step]",
+                                                  "cv.slot_ids[0]"),
+    "conv span: a split tile's spans left out": ("conv_span_split", "conv_spans(cv, tile, N, y, stride_y);",
+                                                 "(void)0;"),
 }
 
 
@@ -315,9 +318,9 @@ def test_a_slip_in_a_kernel_fails(name):
         s = dataclasses.replace(s, splits=2 if kind == "il_mma_split" else 1)
         y = run_il(mutate, words, xa, n, s, 2, 1)[0]
         want = gemv_q8_reference(gemv_il.unpack_il32(words, n, k), "iq3_s", xa, n)
-    elif kind.startswith("conv"):
-        y, conv, before, _ = conv_case("il", 4, 3 if kind.endswith("split") else 1, source_of=mutate,
-                                       positions=4 if "span" in kind else 1)
+    elif kind.startswith("conv"):  # spans: two lanes of 4
+        y, conv, before, _ = conv_case("il", 8 if "span" in kind else 4, 3 if kind.endswith("split") else 1,
+                                       source_of=mutate, positions=4 if "span" in kind else 1)
         with pytest.raises(AssertionError):
             assert_conv_ran(y, conv, before)
         return

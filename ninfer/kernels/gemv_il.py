@@ -227,9 +227,9 @@ __device__ __forceinline__ out_t to_out(float v) {
 
 # The epilogue of the il32 and q4il kernels' CONV builds (bf16 columns: `lane_conv`): the GDN decode conv of
 # the first `c` outputs of each column, the arithmetic of `gdn_decode.conv_epilogue_store` on each output as
-# stored. CONV is the positions a lane: column m is position m % CONV of lane m / CONV (a verification span
-# at CONV > 1, where the thread of a lane's last column runs its CONV convs in order, the earlier columns'
-# sums made again from the same partial sums in the same order: the same bits as stored).
+# stored. CONV is the positions a lane: column m is position m % CONV of lane m / CONV; at CONV > 1 (a
+# verification span) a thread a lane and row runs the lane's CONV convs in order on the outputs as stored,
+# after a barrier (`conv_span`).
 CONV_STAGE = r"""
 #if CONV
 // the kernels' last parameters (`conv_arguments`): weights [C, 4], slots, slot ids, the conv's output
@@ -251,23 +251,22 @@ __device__ __forceinline__ void conv_store(const ConvArgs& cv, int m, int row, o
     cp[1] = s2;
     cp[2] = x;
 }
-// output `row` of column m, its value y: `conv_store` at one position a lane; at CONV > 1 the thread of a
-// lane's last position runs the lane's convs in order, `column(c)` giving the earlier columns' outputs
-template <class F>
-__device__ __forceinline__ void conv_put(const ConvArgs& cv, int m, int row, out_t y, F column) {
-#if CONV == 1
-    conv_store(cv, m, row, y);
-#else
-    if (row >= cv.c || m % CONV != CONV - 1) return;
-    const int first = m - (CONV - 1);
-    float* cp = cv.slots + (size_t)cv.slot_ids[(m / CONV) * cv.step] * cv.s_cs + row * 3;
+#if CONV > 1
+// output `row` of lane `lane`'s CONV columns, read back from y where this CTA stored them (before a
+// barrier): the lane's convs in order, its slot moved on by all of them (the epilogues run it after their
+// stores, apart: the earlier columns' sums made again in the store loop cost the tensor-core kernel's main
+// loop ~10 % more ALU work in ptxas's build, session 73)
+__device__ __forceinline__ void conv_span(const ConvArgs& cv, int lane, int row, const out_t* y,
+                                          int stride_y) {
+    if (row >= cv.c) return;
+    float* cp = cv.slots + (size_t)cv.slot_ids[lane * cv.step] * cv.s_cs + row * 3;
     const float4 w = cv.w[row];
     float s0 = cp[0], s1 = cp[1], s2 = cp[2];
-#pragma unroll
+#pragma unroll 1
     for (int p = 0; p < CONV; ++p) {
-        const float x = __uint_as_float((unsigned)(p == CONV - 1 ? y : column(first + p)) << 16);
+        const float x = __uint_as_float((unsigned)y[(lane * CONV + p) * stride_y + row] << 16);
         const float acc = w.x * s0 + w.y * s1 + w.z * s2 + w.w * x;
-        cv.out[(first + p) * cv.c + row] = acc / (1.f + expf(-acc));
+        cv.out[(lane * CONV + p) * cv.c + row] = acc / (1.f + expf(-acc));
         s0 = s1;
         s1 = s2;
         s2 = x;
@@ -275,8 +274,16 @@ __device__ __forceinline__ void conv_put(const ConvArgs& cv, int m, int row, out
     cp[0] = s0;
     cp[1] = s1;
     cp[2] = s2;
-#endif
 }
+// a 32-row tile's spans once its outputs are stored (every thread of the CTA calls it): a barrier, then a
+// thread a lane and row
+__device__ __forceinline__ void conv_spans(const ConvArgs& cv, int tile, int N, const out_t* y,
+                                           int stride_y) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < 32 * (NCOL / CONV); i += WARPS * 32)
+        if (tile * 32 + (i & 31) < N) conv_span(cv, i >> 5, tile * 32 + (i & 31), y, stride_y);
+}
+#endif
 #define CONV_ARGS const ConvArgs cv = {cw, cs, cslot, co, conv_c, s_cs, ids_step};
 #else
 #define CONV_PARAMS
@@ -455,10 +462,14 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 #pragma unroll
                 for (int m = 0; m < NCOL; ++m) {
                     y[m * stride_y + row] = to_out(acc[m]);
-#if CONV
-                    conv_put(cv, m, row, to_out(acc[m]), [&](int c) { return to_out(acc[c]); });
+#if CONV == 1
+                    conv_store(cv, m, row, to_out(acc[m]));
 #endif
                 }
+#if CONV > 1
+                // (the thread's own stores)
+                for (int lane = 0; lane < NCOL / CONV; ++lane) conv_span(cv, lane, row, y, stride_y);
+#endif
             }
             continue;
         }
@@ -474,15 +485,18 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 #pragma unroll
             for (int s = 0; s < WARPS; ++s) v += red[((j * WARPS + s) * NCOL + m) * 32 + (i & 31)];
             if (row < N) y[m * stride_y + row] = to_out(v);
-#if CONV
-            if (row < N) conv_put(cv, m, row, to_out(v), [&](int c) {
-                float u = 0.f;
-#pragma unroll
-                for (int s = 0; s < WARPS; ++s) u += red[((j * WARPS + s) * NCOL + c) * 32 + (i & 31)];
-                return to_out(u);
-            });
+#if CONV == 1
+            if (row < N) conv_store(cv, m, row, to_out(v));
 #endif
         }
+#if CONV > 1
+        __syncthreads();  // the ring's outputs stored: each lane's convs over its columns
+        for (int i = threadIdx.x; i < k * (NCOL / CONV) * 32; i += WARPS * 32) {
+            const int j = i / ((NCOL / CONV) * 32), lane = (i >> 5) % (NCOL / CONV);
+            const int row = (t - (k - 1 - j) * gridDim.x) * 32 + (i & 31);
+            if (row < N) conv_span(cv, lane, row, y, stride_y);
+        }
+#endif
         k = 0;
         if (t + gridDim.x < tiles) __syncthreads();
     }
@@ -685,18 +699,23 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
             for (int s = 0; s < WARPS; ++s) v += red[((j * WARPS + s) * 32 + row) * 8 + m];
             if (splits == 1) {
                 if (at < N) y[m * stride_y + at] = to_out(v);
-#if CONV
-                if (at < N) conv_put(cv, m, at, to_out(v), [&](int c) {
-                    float u = 0.f;
-#pragma unroll
-                    for (int s = 0; s < WARPS; ++s) u += red[((j * WARPS + s) * 32 + row) * 8 + c];
-                    return to_out(u);
-                });
+#if CONV == 1
+                if (at < N) conv_store(cv, m, at, to_out(v));
 #endif
             } else {
                 part_sums[piece * slot + m * tiles * 32 + tile * 32 + row] = v;
             }
         }
+#if CONV > 1
+        if (splits == 1) {
+            __syncthreads();  // the ring's outputs stored: each lane's convs over its columns
+            for (int i = threadIdx.x; i < k * 32 * (NCOL / CONV); i += WARPS * 32) {
+                const int j = i / (32 * (NCOL / CONV)), lane = (i >> 5) % (NCOL / CONV), row = i & 31;
+                const int at = (tile - (k - 1 - j) * (int)gridDim.x) * 32 + row;
+                if (at < N) conv_span(cv, lane, at, y, stride_y);
+            }
+        }
+#endif
         if (splits > 1) {
             __threadfence();
             __syncthreads();
@@ -710,15 +729,13 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
                     float v = __ldcg(at);
                     for (int p = 1; p < splits; ++p) v += __ldcg(at + p * slot);
                     if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
-#if CONV
-                    if (tile * 32 + row < N) conv_put(cv, m, tile * 32 + row, to_out(v), [&](int c) {
-                        const float* ac = part_sums + c * tiles * 32 + tile * 32 + row;
-                        float u = __ldcg(ac);
-                        for (int p = 1; p < splits; ++p) u += __ldcg(ac + p * slot);
-                        return to_out(u);
-                    });
+#if CONV == 1
+                    if (tile * 32 + row < N) conv_store(cv, m, tile * 32 + row, to_out(v));
 #endif
                 }
+#if CONV > 1
+                conv_spans(cv, tile, N, y, stride_y);  // (every thread of the CTA is here: last_piece is its)
+#endif
                 if (threadIdx.x == 0) counts[tile] = 0;
             }
         }

@@ -66,15 +66,13 @@ __device__ __forceinline__ void cluster_finish(const float* set, int rank, int t
 #pragma unroll
         for (int r = 0; r < CLUSTER; ++r) v += set[r * 256 + i];
         if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
-#if defined(CONV) && CONV
-        if (tile * 32 + row < N) conv_put(cv, m, tile * 32 + row, to_out(v), [&](int c) {
-            float u = 0.f;
-#pragma unroll
-            for (int r = 0; r < CLUSTER; ++r) u += set[r * 256 + c * 32 + row];
-            return to_out(u);
-        });
+#if defined(CONV) && CONV == 1
+        if (tile * 32 + row < N) conv_store(cv, m, tile * 32 + row, to_out(v));
 #endif
     }
+#if defined(CONV) && CONV > 1
+    conv_spans(cv, tile, N, y, stride_y);
+#endif
 }
 #else
 #define CLUSTER_DIMS
@@ -116,12 +114,13 @@ __device__ __forceinline__ void store_tile(float* red, const float (&acc)[4][2],
         const int m = i >> 5, row = i & 31;
         const float v = tile_sum(red, i);
         if (tile * 32 + row < N) y[m * stride_y + tile * 32 + row] = to_out(v);
-#if defined(CONV) && CONV
-        if (tile * 32 + row < N) conv_put(cv, m, tile * 32 + row, to_out(v), [&](int c) {
-            return to_out(tile_sum(red, c * 32 + row));
-        });
+#if defined(CONV) && CONV == 1
+        if (tile * 32 + row < N) conv_store(cv, m, tile * 32 + row, to_out(v));
 #endif
     }
+#if defined(CONV) && CONV > 1
+    conv_spans(cv, tile, N, y, stride_y);
+#endif
     __syncthreads();
 }
 #if defined(CLUSTER) && CLUSTER > 1

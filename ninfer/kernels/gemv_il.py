@@ -1095,9 +1095,9 @@ def check_call(kind: str, words: torch.Tensor, xa: QuantizedActivation, group: i
 LANE_CONV_COLUMNS = 8
 # Whether the epilogue also runs the conv of spans of several positions a lane (a verification round: column
 # m position m % T of lane m / T; `CONV_STAGE`), where the layer ran its conv kernel before (session 37, H200:
-# that kernel cost the graphed 4-column IQ3_S step up to 0.23 ms). Session 73 (H100, graphed steps): IQ3_S 2
-# columns 6.239 → 6.116 ms, Q4_K 4 columns 6.466 → 6.427, IQ3_S 4 columns even (7.417 / 7.432).
-# NINFER_LANE_CONV_SPANS=0 for A/B.
+# that kernel cost the graphed 4-column IQ3_S step up to 0.23 ms). Session 73 (H100, graphed steps, the first
+# build, whose tensor-core main loop had grown: `conv_span`): IQ3_S 2 columns 6.239 → 6.116 ms, Q4_K 4 columns
+# 6.466 → 6.427, IQ3_S 4 columns even (7.417 / 7.432). NINFER_LANE_CONV_SPANS=0 for A/B.
 LANE_CONV_SPANS = True
 
 

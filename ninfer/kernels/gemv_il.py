@@ -468,7 +468,7 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
                 }
 #if CONV > 1
                 // (the thread's own stores)
-                for (int lane = 0; lane < NCOL / CONV; ++lane) conv_span(cv, lane, row, y, stride_y);
+                for (int b = 0; b < NCOL / CONV; ++b) conv_span(cv, b, row, y, stride_y);
 #endif
             }
             continue;
@@ -492,9 +492,9 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 #if CONV > 1
         __syncthreads();  // the ring's outputs stored: each lane's convs over its columns
         for (int i = threadIdx.x; i < k * (NCOL / CONV) * 32; i += WARPS * 32) {
-            const int j = i / ((NCOL / CONV) * 32), lane = (i >> 5) % (NCOL / CONV);
+            const int j = i / ((NCOL / CONV) * 32), b = (i >> 5) % (NCOL / CONV);  // b: the span's lane
             const int row = (t - (k - 1 - j) * gridDim.x) * 32 + (i & 31);
-            if (row < N) conv_span(cv, lane, row, y, stride_y);
+            if (row < N) conv_span(cv, b, row, y, stride_y);
         }
 #endif
         k = 0;
@@ -710,9 +710,9 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
         if (splits == 1) {
             __syncthreads();  // the ring's outputs stored: each lane's convs over its columns
             for (int i = threadIdx.x; i < k * 32 * (NCOL / CONV); i += WARPS * 32) {
-                const int j = i / (32 * (NCOL / CONV)), lane = (i >> 5) % (NCOL / CONV), row = i & 31;
+                const int j = i / (32 * (NCOL / CONV)), b = (i >> 5) % (NCOL / CONV), row = i & 31;
                 const int at = (tile - (k - 1 - j) * (int)gridDim.x) * 32 + row;
-                if (at < N) conv_span(cv, lane, at, y, stride_y);
+                if (at < N) conv_span(cv, b, at, y, stride_y);
             }
         }
 #endif

@@ -9,23 +9,31 @@ import torch
 from test_engine_fake_model import FakeHybridModel
 
 from ninfer.engine.engine import Engine, EngineConfig
-from ninfer.engine.kv_pool import KvPool
+from ninfer.engine.graphs import graph_widths
+from ninfer.engine.kv_pool import KvPool, pages_for
 from ninfer.engine.memory import GIB, MIB, MemoryLedger, plan_kv_capacity
-from ninfer.engine.workspace import POOL_SEGMENTS, measure_workspace, segment_bytes
+from ninfer.engine.workspace import measure_workspace
 from ninfer.errors import EngineConfigError
 
 
 class ScriptedMeter:
-    """Growths handed out in order, one a round; records the rounds' row counts as the model saw them."""
+    """Growths handed out in order, one a round, and the graphs' pool; records the decode graphs it was
+    handed (built as the engine builds them at start: eagerly on the CPU)."""
 
-    def __init__(self, growths: list[int], other: int, slack: int = 0):
+    def __init__(self, growths: list[int], other: int, slack: int = 0, graphs: int = 0):
         self.growths, self.other_bytes, self.slack_bytes, self.begun = list(growths), other, slack, 0
+        self.graph_bytes, self.built = graphs, []
 
     def begin(self) -> None:
         self.begun += 1
 
     def grown(self) -> int:
         return self.growths.pop(0)
+
+    def graphs(self, graphs) -> int:
+        graphs.prepare()
+        self.built = sorted(graphs._graphs)
+        return self.graph_bytes
 
     def other(self) -> int:
         return self.other_bytes
@@ -44,58 +52,31 @@ class RowCounter(FakeHybridModel):
         return super().forward(input_ids, positions, ctx)
 
 
-@pytest.mark.parametrize(("graphs", "widths"), [(True, 1), (True, 2), (False, 1)])
-def test_measure_runs_the_widest_round_then_a_decode_round(graphs, widths, monkeypatch):
+@pytest.mark.parametrize(("graphs", "max_context"), [(True, 600), (True, 4096), (False, 600)])
+def test_measure_runs_the_widest_round_then_captures_the_engines_graphs(graphs, max_context):
     from ninfer.kernels import gguf_matmul
 
     model = RowCounter()
-    meter = ScriptedMeter([7 * MIB, 3 * MIB], other=5 * MIB, slack=2 * MIB)
-    monkeypatch.setenv("NINFER_GDN_STATE_SIDE", "0")
+    meter = ScriptedMeter([7 * MIB], other=5 * MIB, slack=2 * MIB, graphs=48 * MIB)
     gguf_matmul.dense_piece(torch.device("cpu"), torch.float32, 4, 8)  # an earlier engine's
     ws = measure_workspace(model, model.cache_spec, kv_dtype="bf16", gdn_state_fp16=False, lanes=3,
-                           prefill_chunk=130, graphs=graphs, device=torch.device("cpu"), meter=meter,
-                           graph_widths=widths)
+                           prefill_chunk=130, max_context=max_context, graphs=graphs,
+                           device=torch.device("cpu"), meter=meter)
     widest = model.rounds[0]
     assert widest[0] == 130 + 2 and widest[1] == list(range(130)) + [0, 0]  # the chunk beside 2 decode rows
     assert (ws.activations, ws.other, ws.slack) == (7 * MIB, 5 * MIB, 2 * MIB)
     if graphs:
-        assert model.rounds[1] == (3, [130, 1, 1])  # every lane decodes after its first round
-        # graphs of 1, 2 and 4 rows at each page-table width: 4 (11) rows of logits beyond the 3 measured,
-        # a few KB that share one small segment; the pool's own segments
-        assert ws.graphs == 3 * MIB + 2 * MIB + POOL_SEGMENTS
-        assert meter.begun == 2
+        # the one-token graph of every batch size at every page-table width the engine's own table gives
+        # (600 tokens: its 10 pages alone; 4096: narrower ones too), their pool as the meter measured it
+        widths = graph_widths(pages_for(max_context))
+        assert widths[-1] == pages_for(max_context) and (len(widths) > 1 or max_context == 600)
+        assert meter.built == sorted((n, 1, w) for n in (1, 2, 4) for w in widths)
+        assert ws.graphs == 48 * MIB
     else:
-        assert len(model.rounds) == 1 and ws.graphs == 0 and meter.begun == 1
+        assert meter.built == [] and ws.graphs == 0
+    assert len(model.rounds) == 1 and meter.begun == 1
     assert ws.total == ws.activations + ws.graphs + ws.other + ws.slack
     assert not gguf_matmul._DENSE_PIECES  # let go before the widest round, which makes its own (measured)
-
-
-def test_kept_blocks_take_whole_segments():
-    row = 248_320 * 4  # a row of the 27B's fp32 logits: 0.95 MiB, from the small segments
-    one_width = [row * n for n in (1, 2, 4)]  # the graphs beside the measured 8-lane round
-    assert segment_bytes(one_width) == 2 * MIB + 20 * MIB
-    # three widths (session 72 on an H100: the graphs' pool 70 MiB where 62 were planned by their bytes, 35)
-    three = [row * n for n in (1, 2, 4, 1, 2, 4, 8, 1, 2, 4, 8)]
-    assert segment_bytes(three) == 4 * MIB + 40 * MIB > sum(three)
-    assert segment_bytes([9 * MIB, 9 * MIB, 2 * MIB, 2 * MIB]) == 40 * MIB  # 9 + 9 + 2, then 2: first fit
-    assert segment_bytes([11 * MIB + 1]) == 12 * MIB and segment_bytes([]) == 0
-
-
-def test_the_side_streams_deferred_state_writes_are_planned(monkeypatch):
-    model = RowCounter()
-    spec = model.cache_spec
-    ws = {}
-    for side in ("0", "1", "8"):
-        monkeypatch.setenv("NINFER_GDN_STATE_SIDE", side)
-        ws[side] = measure_workspace(model, spec, kv_dtype="bf16", gdn_state_fp16=False, lanes=3,
-                                     prefill_chunk=130, graphs=True, device=torch.device("cpu"),
-                                     meter=ScriptedMeter([7 * MIB, 3 * MIB], other=0))
-    # every GDN layer's k [Hk, Dk], δ and decay [Hv, Dv] in fp32 for each lane of the widest graph that
-    # defers: 1 lane, or all 4 (3 padded) of the widest graph
-    per_layer_lane = (2 * 8 + 2 * 2 * 8) * 4
-    assert ws["1"].graphs - ws["0"].graphs == spec.num_gdn_layers * per_layer_lane > 0
-    assert ws["8"].graphs - ws["0"].graphs == spec.num_gdn_layers * 4 * per_layer_lane
-    assert ws["8"].activations == ws["0"].activations
 
 
 def test_a_widest_round_out_of_memory_names_the_flags():
@@ -107,7 +88,7 @@ def test_a_widest_round_out_of_memory_names_the_flags():
     with pytest.raises(EngineConfigError, match=r"1024-token prefill chunk beside 7 decode rows .*356\.00 MiB"
                        r".*--prefill-chunk or --max-concurrency"):
         measure_workspace(model, model.cache_spec, kv_dtype="bf16", gdn_state_fp16=False, lanes=8,
-                          prefill_chunk=1024, graphs=True, device=torch.device("cpu"),
+                          prefill_chunk=1024, max_context=4096, graphs=True, device=torch.device("cpu"),
                           meter=ScriptedMeter([], 0))
 
 

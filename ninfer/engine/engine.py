@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 from ninfer.engine.api import GenerationRequest, TokenEvent
-from ninfer.engine.graphs import graph_widths
-from ninfer.engine.kv_pool import KvPool, pages_for
+from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.memory import (
     MemoryLedger,
     build_ledger,
@@ -209,8 +208,7 @@ class Engine:
             workspace = measure_workspace(
                 model, self.spec, kv_dtype=config.kv_dtype, gdn_state_fp16=config.gdn_state_fp16,
                 lanes=config.max_concurrency, prefill_chunk=min(config.prefill_chunk, config.max_context),
-                graphs=graphs, device=torch.device(config.device),
-                graph_widths=len(graph_widths(pages_for(config.max_context))))
+                max_context=config.max_context, graphs=graphs, device=torch.device(config.device))
         capacity = plan_kv_capacity(
             config.kv_capacity, spec=self.spec, kv_dtype=config.kv_dtype, device=config.device,
             budget_bytes=budget, weights_bytes=weights, gdn_bytes=gdn_bytes, workspace_bytes=workspace.total,

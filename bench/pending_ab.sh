@@ -347,11 +347,12 @@ NINFER_GDN_STATE_SIDE=8+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
 NINFER_GDN_STATE_SIDE=8+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
       ;;
     pool)
-      # (session 73) the 9B workspace test's decode graphs' pool over its plan at two page-table widths (70 / 48
-      # MiB in session 73's whole GPU suite): the test at the default widths, at one (NINFER_GRAPH_WIDTHS=""),
-      # and with the side stream at one lane, each capture's growth printed; then the span conv's GPU tests
-      # (session 73's last epilogue, after a barrier, untested on a GPU) and the verification-round graph tests,
-      # whose captured half has not run yet (~5 min; then `spans` times that epilogue)
+      # (session 73) the 9B workspace test's decode graphs' pool against its plan at two page-table widths (70 /
+      # 50 MiB in session 74's first run, H100; 48 / 70 at one width, 68 / 67 with the side stream at one lane:
+      # the modelled plan, replaced since by captures over the throwaway pools): the test at the default
+      # widths, at one (NINFER_GRAPH_WIDTHS=""), and with the side stream at one lane, each capture's growth
+      # printed; then the span conv's GPU tests and the verification-round graph tests (20 passed in session
+      # 74's first run; ~3 min)
       for setting in "" "NINFER_GRAPH_WIDTHS=" "NINFER_GDN_STATE_SIDE=1"; do
         step "pool_${setting%%=*}" 150 env $setting "$PY" -m pytest -q -m gpu -s tests/test_workspace.py -k auto_kv
         grep -E "graph pool|memory \(|passed|failed" "$OUT/pool_${setting%%=*}.log" | tail -12

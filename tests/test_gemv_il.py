@@ -595,7 +595,8 @@ def test_lane_conv_takes_a_row_a_position_up_to_its_column_limit(monkeypatch):
     """`lane_conv` hands the conv to the GEMV for bf16 rows, one a position of the conv's lanes, at most
     `LANE_CONV_COLUMNS` (NINFER_LANE_CONV_COLUMNS another count, at most the GEMVs' 8); never under
     NINFER_LANE_CONV=0, for a float32 row, or for rows that are not the conv's positions; spans of several
-    positions a lane unless NINFER_LANE_CONV_SPANS=0."""
+    positions a lane in `span_kernels()`: the dp4a il32 and the q4il GEMVs, not the tensor-core il32 one
+    (NINFER_LANE_CONV_SPANS=0 none, =1 all, or names)."""
     from ninfer.kernels.gdn_decode import ConvEpilogue
 
     monkeypatch.delenv("NINFER_LANE_CONV", raising=False)
@@ -611,29 +612,37 @@ def test_lane_conv_takes_a_row_a_position_up_to_its_column_limit(monkeypatch):
 
     one, four, nine = conv_of(1), conv_of(4), conv_of(9)
     assert gemv_il.LANE_CONV_COLUMNS == 8
-    assert gemv_il.lane_conv(one, rows(1), n) is one
-    assert gemv_il.lane_conv(four, rows(4), n) is four
+    assert gemv_il.lane_conv(one, rows(1), n, "il") is one
+    assert gemv_il.lane_conv(four, rows(4), n, "il") is four
     monkeypatch.setenv("NINFER_LANE_CONV_COLUMNS", "1")
-    assert gemv_il.lane_conv(one, rows(1), n) is one
-    assert gemv_il.lane_conv(four, rows(4), n) is None
+    assert gemv_il.lane_conv(one, rows(1), n, "il") is one
+    assert gemv_il.lane_conv(four, rows(4), n, "il") is None
     monkeypatch.setenv("NINFER_LANE_CONV_COLUMNS", "4")
-    assert gemv_il.lane_conv(four, rows(4), n) is four
-    assert gemv_il.lane_conv(four, rows(3), n) is None  # rows that are not the lanes (a span's positions)
-    assert gemv_il.lane_conv(four, rows(4, torch.float32), n) is None
-    assert gemv_il.lane_conv(four, rows(4), c - 1) is None  # fewer outputs than conv channels
+    assert gemv_il.lane_conv(four, rows(4), n, "il") is four
+    assert gemv_il.lane_conv(four, rows(3), n, "il") is None  # not the lanes (a span's positions)
+    assert gemv_il.lane_conv(four, rows(4, torch.float32), n, "il") is None
+    assert gemv_il.lane_conv(four, rows(4), c - 1, "il") is None  # fewer outputs than conv channels
     monkeypatch.setenv("NINFER_LANE_CONV_COLUMNS", "16")
-    assert gemv_il.lane_conv(nine, rows(9), n) is None  # past the GEMVs' 8 columns
-    # a verification's spans: a row a position, T a lane (LANE_CONV_SPANS; NINFER_LANE_CONV_SPANS=0 off)
+    assert gemv_il.lane_conv(nine, rows(9), n, "il") is None  # past the GEMVs' 8 columns
+    # a verification's spans: a row a position, T a lane (span_kernels(); NINFER_LANE_CONV_SPANS)
     monkeypatch.delenv("NINFER_LANE_CONV_COLUMNS")
     spans = ConvEpilogue.of(torch.randn(c, 4), torch.randn(3, c, 3), torch.tensor([2, 0]), positions=4)
-    assert spans.positions == 4 and spans.out.shape == (8, c) and gemv_il.LANE_CONV_SPANS
-    assert gemv_il.lane_conv(spans, rows(8), n) is spans
-    assert gemv_il.lane_conv(spans, rows(2), n) is None  # a row a lane, not a position
+    assert spans.positions == 4 and spans.out.shape == (8, c)
+    assert gemv_il.lane_conv(spans, rows(8), n, "il") is spans
+    assert gemv_il.lane_conv(spans, rows(8), n, "q4il") is spans
+    assert gemv_il.lane_conv(spans, rows(8), n, "il_mma") is None  # the tensor-core kernel's main loop
+    assert gemv_il.lane_conv(four, rows(4), n, "il_mma") is four  # one position a lane: every kernel
+    assert gemv_il.lane_conv(spans, rows(2), n, "il") is None  # a row a lane, not a position
+    monkeypatch.setenv("NINFER_LANE_CONV_SPANS", "1")
+    assert gemv_il.lane_conv(spans, rows(8), n, "il_mma") is spans
+    monkeypatch.setenv("NINFER_LANE_CONV_SPANS", "il_mma")
+    assert gemv_il.lane_conv(spans, rows(8), n, "il_mma") is spans
+    assert gemv_il.lane_conv(spans, rows(8), n, "il") is None
     monkeypatch.setenv("NINFER_LANE_CONV_SPANS", "0")
-    assert gemv_il.lane_conv(spans, rows(8), n) is None
-    assert gemv_il.lane_conv(four, rows(4), n) is four  # one position a lane regardless
+    assert gemv_il.lane_conv(spans, rows(8), n, "il") is None
+    assert gemv_il.lane_conv(four, rows(4), n, "il") is four  # one position a lane regardless
     monkeypatch.setenv("NINFER_LANE_CONV", "0")
-    assert gemv_il.lane_conv(one, rows(1), n) is None
+    assert gemv_il.lane_conv(one, rows(1), n, "il") is None
 
 
 def test_the_next_gemv_is_the_one_launched_after_it_last_time(monkeypatch):

@@ -608,9 +608,9 @@ def test_captured_rounds_with_the_conv_in_every_lanes_projection(tmp_path, monke
 def test_verification_rounds_run_each_lanes_conv_in_the_projection(tmp_path, monkeypatch, gguf_name, layout):
     """Verification rounds (one lane of 4 and of 2 positions, two lanes of 4: 4 and 8 columns; a decode
     round between; three lanes of 3 positions, 12 columns, past the GEMVs' 8), run eagerly through the decode
-    graphs' context: every il32 / q4il GEMV handed a span's conv runs it (`LANE_CONV_SPANS`), each lane's
-    conv outputs and slot as `conv_epilogue_store`'s arithmetic on that call's own outputs, position after
-    position; then the same rounds captured: logits and states as the eager rounds' (the same kernels).
+    graphs' context: every il32 / q4il GEMV handed a span's conv runs it (NINFER_LANE_CONV_SPANS=1), each
+    lane's conv outputs and slot as `conv_epilogue_store`'s arithmetic on that call's own outputs, position
+    after position; then the same rounds captured: logits and states as the eager rounds' (the same kernels).
     Against the conv kernel's path no bound of a last bit holds over rounds: its SiLU (Triton's) and the
     epilogue's (CUDA's expf and division) round apart in a last bit now and then, and over rounds such a bit
     can move an int8 activation's rounding (session 73, H100, the IQ3_S fixture: four rounds' logits
@@ -641,7 +641,8 @@ def test_verification_rounds_run_each_lanes_conv_in_the_projection(tmp_path, mon
     for name in ("il32", "q4il"):
         monkeypatch.setitem(layouts, name, replaced(layouts[name], matmul=checking(layouts[name].matmul)))
     rounds = [([0], 4), ([1, 2], 4), ([3], 2), ([0, 1, 2], 1), ([2, 0], 4), ([4, 5, 3], 3), ([0], 4)]
-    runs = conv_modes(tmp_path, monkeypatch, gguf_name, layout, {"eager": [], "graphs": []}, rounds,
+    every = [("NINFER_LANE_CONV_SPANS", "1")]  # the tensor-core il32 kernel's too (not by default)
+    runs = conv_modes(tmp_path, monkeypatch, gguf_name, layout, {"eager": every, "graphs": every}, rounds,
                       eager=("eager",))
     assert {(1, 4), (2, 4), (1, 2)} <= set(checked) and {(1, 4), (2, 4), (1, 2)} <= runs["graphs"][2]
     assert all(shape == 0 or shape[0] * shape[1] <= 8 for shape in runs["graphs"][2])

@@ -1093,27 +1093,37 @@ def check_call(kind: str, words: torch.Tensor, xa: QuantizedActivation, group: i
 # −0.06 ms at two lanes, −0.15 at four and eight; Q4_K −0.04 at two, −0.06 at eight; one lane even (gpu-notes
 # "Session 50").
 LANE_CONV_COLUMNS = 8
-# Whether the epilogue also runs the conv of spans of several positions a lane (a verification round: column
-# m position m % T of lane m / T; `CONV_STAGE`), where the layer ran its conv kernel before (session 37, H200:
-# that kernel cost the graphed 4-column IQ3_S step up to 0.23 ms). Session 73 (H100, graphed steps, the first
-# build, whose tensor-core main loop had grown: `conv_span`): IQ3_S 2 columns 6.239 → 6.116 ms, Q4_K 4 columns
-# 6.466 → 6.427, IQ3_S 4 columns even (7.417 / 7.432). NINFER_LANE_CONV_SPANS=0 for A/B.
-LANE_CONV_SPANS = True
+# The NVRTC GEMVs (`KERNELS`' names) whose epilogue also runs the conv of spans of several positions a lane
+# (a verification round: column m position m % T of lane m / T; `CONV_STAGE`), where the layer ran its conv
+# kernel before (session 37, H200: that kernel cost the graphed 4-column IQ3_S step up to 0.23 ms). H100,
+# graphed steps, conv kernel → epilogue: session 73 (the first build, re-summing in the store loop)
+# IQ3_S 2 columns 6.239 → 6.116 ms, Q4_K 4 columns 6.466 → 6.427, IQ3_S 4 columns 7.417 → 7.432; session 74
+# (rebuilt: the outputs read back after a barrier) IQ3_S 2 columns 6.285 → 6.207, Q4_K 4 columns 6.573 →
+# 6.568, IQ3_S 4 columns 7.442 → 7.571 — so not the tensor-core il32 kernel (il_mma, 3-8 columns), whose
+# ALU-bound main loop the CONV build perturbs. NINFER_LANE_CONV_SPANS=0 none, =1 all, or names (il,q4il).
+LANE_CONV_SPANS: tuple[str, ...] = ("il", "q4il")
 
 
-def lane_conv(conv, x: torch.Tensor, out_features: int):
-    """`conv` (a `gdn_decode.ConvEpilogue`) where the il32 or the q4il GEMV of x is to run it in its
-    epilogue (x bf16, a row a position of the conv's lanes, at most `LANE_CONV_COLUMNS` rows, several
-    positions a lane only with `LANE_CONV_SPANS`; fp32 slots `[S, C, 3]` and weights `[C, 4]` contiguous; the
-    graphed 1-lane round −0.045 ms IQ3_S, −0.058 Q4_K on the H200: gpu-notes "Session 46"), else None: the
-    layer runs its conv kernel. NINFER_LANE_CONV=0 turns it off."""
+def span_kernels() -> tuple[str, ...]:
+    """The GEMVs that run a span's conv in their epilogue: `LANE_CONV_SPANS`, or NINFER_LANE_CONV_SPANS's."""
+    forced = os.environ.get("NINFER_LANE_CONV_SPANS")
+    if forced is None:
+        return LANE_CONV_SPANS
+    return {"0": (), "1": KERNELS}.get(forced, tuple(k.strip() for k in forced.split(",") if k.strip()))
+
+
+def lane_conv(conv, x: torch.Tensor, out_features: int, kernel: str):
+    """`conv` (a `gdn_decode.ConvEpilogue`) where the il32 or the q4il GEMV `kernel` (`KERNELS`' name) of x is
+    to run it in its epilogue (x bf16, a row a position of the conv's lanes, at most `LANE_CONV_COLUMNS` rows,
+    several positions a lane only in `span_kernels()`; fp32 slots `[S, C, 3]` and weights `[C, 4]`
+    contiguous; the graphed 1-lane round −0.045 ms IQ3_S, −0.058 Q4_K on the H200: gpu-notes "Session 46"),
+    else None: the layer runs its conv kernel. NINFER_LANE_CONV=0 turns it off."""
     if conv is None or os.environ.get("NINFER_LANE_CONV") == "0":
         return None
     most = min(MAX_COLUMNS, int(os.environ.get("NINFER_LANE_CONV_COLUMNS", LANE_CONV_COLUMNS)))
-    spans = os.environ.get("NINFER_LANE_CONV_SPANS", "1" if LANE_CONV_SPANS else "0") != "0"
     rows = x.numel() // x.shape[-1]
     if (rows != conv.out.shape[0] or rows > most or x.dtype != torch.bfloat16
-            or conv.channels > out_features or (conv.positions > 1 and not spans)):
+            or conv.channels > out_features or (conv.positions > 1 and kernel not in span_kernels())):
         return None
     slots, weight, ids = conv.slots, conv.weight, conv.slot_ids
     ok = (slots.dtype == weight.dtype == torch.float32 and slots.stride()[1:] == (3, 1)
@@ -1259,7 +1269,6 @@ def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int, conv=None
     """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the il32 words: the GEMV on up to 8 columns at a
     time through 16, a matmul over the dequantised weight beyond (prefill); `conv`: a GDN decode conv the
     GEMV may run in its epilogue (`lane_conv`; `conv.applied` says whether it did)."""
-    conv = lane_conv(conv, x, out_features)
     in_features = x.shape[-1]
     x2 = x.reshape(-1, in_features)
     if x2.shape[0] > 2 * MAX_COLUMNS:
@@ -1271,7 +1280,7 @@ def il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int, conv=None
     xa = quantize_activation_cached(x, group)  # the kernel that made x may have quantised it (`il_group`)
     if n <= MAX_COLUMNS:
         s = il_schedule(n, in_features, out_features, group)
-        y = gemv_il(words, xa, out_features, s, conv=conv)
+        y = gemv_il(words, xa, out_features, s, conv=lane_conv(conv, x, out_features, s.kernel))
     else:
         y = torch.cat([gemv_il(words, xa.rows(i, i + MAX_COLUMNS), out_features,
                                il_schedule(min(MAX_COLUMNS, n - i), in_features, out_features, group))

@@ -524,7 +524,7 @@ def dequantize_q4il(words: torch.Tensor, out_features: int, in_features: int,
 def q4il_matmul(words: torch.Tensor, x: torch.Tensor, out_features: int, conv=None) -> torch.Tensor:
     """`x [..., K] @ Wᵀ -> [..., N]` in x's dtype, W the q4il words (`LaneLayout.matmul`; prefill over
     `dequantize_q4il`'s rows); `conv`: `gemv_il.il_matmul`'s."""
-    conv = lane_conv(conv, x, out_features)
+    conv = lane_conv(conv, x, out_features, "q4il")
     if conv is not None:  # 1-8 columns
         y = gemv_q4il(words, quantize_activation_cached(x, 256), out_features, conv=conv)
         return y.reshape(*x.shape[:-1], out_features)

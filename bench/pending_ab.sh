@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 73 ran `suites side2`, `spans`, `suites` and `gpu`
+# $OUT/<phase>/, the settings' table printed last). Session 74 ran `pool` and `pool spans` on H100s (the graphs'
+# pool planned by capturing them since; the tensor-core il32 kernel's span epilogue slower, off). Session 73 ran `suites side2`, `spans`, `suites` and `gpu`
 # on H100s (the side stream up to 4 lanes and the span conv in the epilogue the defaults since; the whole GPU
 # suite 155 passed, the 9B workspace test's graph pool over its plan). Session 72 ran `side`, `tglead2`, `argmax`, `defaults72`
 # and `norm8` on H100s (the side stream at 1 lane and graphs of 16 / 64 pages the defaults since; argmax
@@ -362,7 +363,8 @@ NINFER_GDN_STATE_SIDE=8+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
       grep -E "passed|failed|error" "$OUT/pool_spans.log" | tail -3
       ;;
     spans)
-      # (session 73) the GDN conv of a verification's spans in the input projection's epilogue (the il32 and
+      # (run in sessions 73 and 74, H100: the dp4a kernel's gains, the tensor-core one's loses; =1 is every
+      # kernel's since) the GDN conv of a verification's spans in the input projection's epilogue (the il32 and
       # q4il kernels, gemv_il.LANE_CONV_SPANS) against the conv kernel: its GPU tests, then the graphed
       # 4-column step of both types and IQ3_S's 2-column one (the dp4a kernel) under each (~5 min)
       step spans_tests 200 "$PY" -m pytest -q -m gpu -n 8 -p xdist tests/test_gemv_il.py tests/test_graph_decode.py \

@@ -50,9 +50,9 @@
 #   bash bench/pending_ab.sh defaults72  # session 72's defaults (the side stream at 1 lane, graphs of 16 / 64
 #                                      # pages) against session 71's: GPU tests, tg128 in the suite's engine
 #                                      # (both types, alternating in one process; ~4 min)
-#   bash bench/pending_ab.sh pool      # the 9B workspace test's graph pool at two / one widths, side 4 / 1;
+#   bash bench/pending_ab.sh pool      # (run in session 74, H100) the 9B workspace test's graph pool at two / one widths, side 4 / 1;
 #                                      # the verification-round graph tests (~4 min)
-#   bash bench/pending_ab.sh spans     # (run in session 73, H100: IQ3_S 2 columns -2 %, 4 columns even) the
+#   bash bench/pending_ab.sh spans     # (run in sessions 73-74, H100: IQ3_S 2 columns gains, 4 loses) the
 #                                      # GDN conv of a verification's spans in the GEMV epilogue against
 #                                      # the conv kernel: GPU tests, the 4- and 2-column steps (~5 min)
 #   bash bench/pending_ab.sh side2     # (run in session 73, H100: 4 lanes gain) the side stream at 2 and 4 lanes: graphs of up to 1 / 2 / 4 lanes

@@ -255,21 +255,25 @@ __device__ __forceinline__ void conv_store(const ConvArgs& cv, int m, int row, o
 // output `row` of lane `lane`'s CONV columns, read back from y where this CTA stored them (before a
 // barrier): the lane's convs in order, its slot moved on by all of them (the epilogues run it after their
 // stores, apart: the earlier columns' sums made again in the store loop cost the tensor-core kernel's main
-// loop ~10 % more ALU work in ptxas's build, session 73)
+// loop ~10 % more ALU work in ptxas's build, session 73). Every input is loaded first, with the slot's and
+// the weights' loads in flight beside them: a load a conv between the stores (which may alias y as far as
+// the compiler knows) made a chain of CONV + 2 memory round trips after every tile (session 74).
 __device__ __forceinline__ void conv_span(const ConvArgs& cv, int lane, int row, const out_t* y,
                                           int stride_y) {
     if (row >= cv.c) return;
+    float x[CONV];
+#pragma unroll
+    for (int p = 0; p < CONV; ++p) x[p] = __uint_as_float((unsigned)y[(lane * CONV + p) * stride_y + row] << 16);
     float* cp = cv.slots + (size_t)cv.slot_ids[lane * cv.step] * cv.s_cs + row * 3;
     const float4 w = cv.w[row];
     float s0 = cp[0], s1 = cp[1], s2 = cp[2];
-#pragma unroll 1
+#pragma unroll
     for (int p = 0; p < CONV; ++p) {
-        const float x = __uint_as_float((unsigned)y[(lane * CONV + p) * stride_y + row] << 16);
-        const float acc = w.x * s0 + w.y * s1 + w.z * s2 + w.w * x;
+        const float acc = w.x * s0 + w.y * s1 + w.z * s2 + w.w * x[p];
         cv.out[(lane * CONV + p) * cv.c + row] = acc / (1.f + expf(-acc));
         s0 = s1;
         s1 = s2;
-        s2 = x;
+        s2 = x[p];
     }
     cp[0] = s0;
     cp[1] = s1;

@@ -263,7 +263,8 @@ __device__ __forceinline__ void conv_span(const ConvArgs& cv, int lane, int row,
     if (row >= cv.c) return;
     float x[CONV];
 #pragma unroll
-    for (int p = 0; p < CONV; ++p) x[p] = __uint_as_float((unsigned)y[(lane * CONV + p) * stride_y + row] << 16);
+    for (int p = 0; p < CONV; ++p)
+        x[p] = __uint_as_float((unsigned)y[(lane * CONV + p) * stride_y + row] << 16);
     float* cp = cv.slots + (size_t)cv.slot_ids[lane * cv.step] * cv.s_cs + row * 3;
     const float4 w = cv.w[row];
     float s0 = cp[0], s1 = cp[1], s2 = cp[2];
@@ -1103,8 +1104,9 @@ LANE_CONV_COLUMNS = 8
 # graphed steps, conv kernel → epilogue: session 73 (the first build, re-summing in the store loop)
 # IQ3_S 2 columns 6.239 → 6.116 ms, Q4_K 4 columns 6.466 → 6.427, IQ3_S 4 columns 7.417 → 7.432; session 74
 # (rebuilt: the outputs read back after a barrier) IQ3_S 2 columns 6.285 → 6.207, Q4_K 4 columns 6.573 →
-# 6.568, IQ3_S 4 columns 7.442 → 7.571 — so not the tensor-core il32 kernel (il_mma, 3-8 columns), whose
-# ALU-bound main loop the CONV build perturbs. NINFER_LANE_CONV_SPANS=0 none, =1 all, or names (il,q4il).
+# 6.568, IQ3_S 4 columns 7.442 → 7.571 — so not the tensor-core il32 kernel (il_mma, 3-8 columns); both
+# builds before `conv_span` loaded its inputs together (untimed since). NINFER_LANE_CONV_SPANS=0 none, =1 all,
+# or names (il,q4il).
 LANE_CONV_SPANS: tuple[str, ...] = ("il", "q4il")
 
 

@@ -630,7 +630,7 @@ def test_lane_conv_takes_a_row_a_position_up_to_its_column_limit(monkeypatch):
     assert spans.positions == 4 and spans.out.shape == (8, c)
     assert gemv_il.lane_conv(spans, rows(8), n, "il") is spans
     assert gemv_il.lane_conv(spans, rows(8), n, "q4il") is spans
-    assert gemv_il.lane_conv(spans, rows(8), n, "il_mma") is None  # the tensor-core kernel's main loop
+    assert gemv_il.lane_conv(spans, rows(8), n, "il_mma") is None  # not by default: measured slower
     assert gemv_il.lane_conv(four, rows(4), n, "il_mma") is four  # one position a lane: every kernel
     assert gemv_il.lane_conv(spans, rows(2), n, "il") is None  # a row a lane, not a position
     monkeypatch.setenv("NINFER_LANE_CONV_SPANS", "1")

@@ -508,6 +508,7 @@ def test_the_gdn_conv_in_the_gemvs_epilogue_on_gpu(kind, lanes, positions, monke
     from ninfer.kernels.gdn_decode import ConvEpilogue
 
     monkeypatch.setenv("NINFER_LANE_CONV_COLUMNS", "8")
+    monkeypatch.setenv("NINFER_LANE_CONV_SPANS", "1")  # the tensor-core il32 kernel's span build too
     n, k, c = 16480, 5120, 10240
     raw = random_gguf_weight("iq3_s" if kind == "il32" else "q4_k", n, k, "cuda")
     words, matmul = ((repack_il32(raw), il_matmul) if kind == "il32"

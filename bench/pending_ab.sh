@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 74 ran `pool` and `pool spans` on H100s (the graphs'
+# $OUT/<phase>/, the settings' table printed last). Session 75 ran `spans`, `gpu` and `suites` on H100s (the span
+# conv with its inputs loaded together: the defaults' spans gain, the tensor-core il32 kernel's still loses). Session 74 ran `pool` and `pool spans` on H100s (the graphs'
 # pool planned by capturing them since; the tensor-core il32 kernel's span epilogue slower, off). Session 73 ran `suites side2`, `spans`, `suites` and `gpu`
 # on H100s (the side stream up to 4 lanes and the span conv in the epilogue the defaults since; the whole GPU
 # suite 155 passed, the 9B workspace test's graph pool over its plan). Session 72 ran `side`, `tglead2`, `argmax`, `defaults72`
@@ -52,7 +53,7 @@
 #                                      # (both types, alternating in one process; ~4 min)
 #   bash bench/pending_ab.sh pool      # (run in session 74, H100) the 9B workspace test's graph pool at two / one widths, side 4 / 1;
 #                                      # the verification-round graph tests (~4 min)
-#   bash bench/pending_ab.sh spans     # (run in sessions 73-74, H100: IQ3_S 2 columns gains, 4 loses) the
+#   bash bench/pending_ab.sh spans     # (run in sessions 73-75, H100: IQ3_S 2 columns gains, 4 loses) the
 #                                      # GDN conv of a verification's spans in the GEMV epilogue against
 #                                      # the conv kernel: GPU tests, the 4- and 2-column steps (~5 min)
 #   bash bench/pending_ab.sh side2     # (run in session 73, H100: 4 lanes gain) the side stream at 2 and 4 lanes: graphs of up to 1 / 2 / 4 lanes
@@ -363,7 +364,7 @@ NINFER_GDN_STATE_SIDE=8+NINFER_GDN_STATE_SIDE_PROGRAMS=132 --lanes 1,8
       grep -E "passed|failed|error" "$OUT/pool_spans.log" | tail -3
       ;;
     spans)
-      # (run in sessions 73 and 74, H100: the dp4a kernel's gains, the tensor-core one's loses; =1 is every
+      # (run in sessions 73-75, H100: the dp4a kernel's gains, the tensor-core one's loses; =1 is every
       # kernel's since) the GDN conv of a verification's spans in the input projection's epilogue (the il32 and
       # q4il kernels, gemv_il.LANE_CONV_SPANS) against the conv kernel: its GPU tests, then the graphed
       # 4-column step of both types and IQ3_S's 2-column one (the dp4a kernel) under each (~5 min)

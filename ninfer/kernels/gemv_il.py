@@ -1104,9 +1104,9 @@ LANE_CONV_COLUMNS = 8
 # graphed steps, conv kernel → epilogue: session 73 (the first build, re-summing in the store loop)
 # IQ3_S 2 columns 6.239 → 6.116 ms, Q4_K 4 columns 6.466 → 6.427, IQ3_S 4 columns 7.417 → 7.432; session 74
 # (rebuilt: the outputs read back after a barrier) IQ3_S 2 columns 6.285 → 6.207, Q4_K 4 columns 6.573 →
-# 6.568, IQ3_S 4 columns 7.442 → 7.571 — so not the tensor-core il32 kernel (il_mma, 3-8 columns); both
-# builds before `conv_span` loaded its inputs together (untimed since). NINFER_LANE_CONV_SPANS=0 none, =1 all,
-# or names (il,q4il).
+# 6.568, IQ3_S 4 columns 7.442 → 7.571; session 75 (`conv_span` loading its inputs together) IQ3_S 2 columns
+# 6.302 → 6.210, Q4_K 4 columns 6.568 → 6.524, IQ3_S 4 columns 7.424 → 7.460 — so not the tensor-core il32
+# kernel (il_mma, 3-8 columns). NINFER_LANE_CONV_SPANS=0 none, =1 all, or names (il,q4il).
 LANE_CONV_SPANS: tuple[str, ...] = ("il", "q4il")
 
 

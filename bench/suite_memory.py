@@ -1,0 +1,65 @@
+"""`ninfer-bench --suite issue5` with the caching allocator's bytes printed after each phase: where the
+suite's peak reserved memory passes the engine's plan (gpu-notes "Session 75").
+
+    python3 bench/suite_memory.py --synthetic 27b --wtype iq3_s --device cuda --dtype bfloat16 \
+        --suite issue5 -r 2
+
+Takes `ninfer-bench`'s arguments; prints `[memory] ...` lines (MiB) before and after every phase and request
+drive, and the plan's terms before the suite's memory rows.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ninfer.cli import bench, bench_suite
+
+MIB = 1 << 20
+PHASES = ("phase_short", "phase_step_ratio", "phase_concurrency", "phase_long_prefill", "phase_depth")
+
+
+def report(tag: str) -> None:
+    if not torch.cuda.is_available():
+        print(f"[memory] {tag}", flush=True)
+        return
+    stats = torch.cuda.memory_stats()
+    mib = {"reserved": torch.cuda.memory_reserved(), "peak reserved": torch.cuda.max_memory_reserved(),
+           "allocated": torch.cuda.memory_allocated(), "peak allocated": torch.cuda.max_memory_allocated()}
+    counts = f"segments {stats.get('segment.all.current')}, retries {stats.get('num_alloc_retries')}"
+    print(f"[memory] {tag}: " + ", ".join(f"{k} {v / MIB:,.0f}" for k, v in mib.items()) + ", " + counts,
+          flush=True)
+
+
+def reporting(name: str, fn, before: bool):
+    def wrapped(*args, **kwargs):
+        if before:
+            report(f"before {name}")
+        result = fn(*args, **kwargs)
+        report(f"after {name}")
+        return result
+    return wrapped
+
+
+def plan_first(plan_rows):
+    def wrapped(run) -> None:
+        led = run.engine.memory_ledger()
+        terms = {"weights": led.weights_bytes, "kv": led.kv_bytes, "gdn": led.gdn_bytes,
+                 "workspace": led.workspace_bytes, "slack": led.slack_bytes, "graphs": led.graphs_bytes,
+                 "graphs planned": led.graphs_planned_bytes, "held": led.held_bytes}
+        print("[memory] plan: " + ", ".join(f"{k} {v / MIB:,.0f}" for k, v in terms.items()), flush=True)
+        plan_rows(run)
+    return wrapped
+
+
+def main(argv: list[str]) -> int:
+    for name in PHASES:
+        setattr(bench_suite, name, reporting(name, getattr(bench_suite, name), before=True))
+    bench_suite.drive = reporting("drive", bench_suite.drive, before=False)
+    bench_suite.plan_rows = plan_first(bench_suite.plan_rows)
+    return bench.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

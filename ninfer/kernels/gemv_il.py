@@ -288,6 +288,16 @@ __device__ __forceinline__ void conv_spans(const ConvArgs& cv, int tile, int N, 
     for (int i = threadIdx.x; i < 32 * (NCOL / CONV); i += WARPS * 32)
         if (tile * 32 + (i & 31) < N) conv_span(cv, i >> 5, tile * 32 + (i & 31), y, stride_y);
 }
+// the same for the il32 kernels' ring: its k tiles, the last `last`, each gridDim.x after the one before
+__device__ __forceinline__ void conv_ring_spans(const ConvArgs& cv, int last, int k, int N,
+                                                const out_t* y, int stride_y) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < k * 32 * (NCOL / CONV); i += WARPS * 32) {
+        const int j = i / (32 * (NCOL / CONV)), b = (i >> 5) % (NCOL / CONV);  // b: the span's lane
+        const int row = (last - (k - 1 - j) * (int)gridDim.x) * 32 + (i & 31);
+        if (row < N) conv_span(cv, b, row, y, stride_y);
+    }
+}
 #endif
 #define CONV_ARGS const ConvArgs cv = {cw, cs, cslot, co, conv_c, s_cs, ids_step};
 #else
@@ -495,12 +505,7 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 #endif
         }
 #if CONV > 1
-        __syncthreads();  // the ring's outputs stored: each lane's convs over its columns
-        for (int i = threadIdx.x; i < k * (NCOL / CONV) * 32; i += WARPS * 32) {
-            const int j = i / ((NCOL / CONV) * 32), b = (i >> 5) % (NCOL / CONV);  // b: the span's lane
-            const int row = (t - (k - 1 - j) * gridDim.x) * 32 + (i & 31);
-            if (row < N) conv_span(cv, b, row, y, stride_y);
-        }
+        conv_ring_spans(cv, t, k, N, y, stride_y);  // the ring's outputs stored: each lane's convs
 #endif
         k = 0;
         if (t + gridDim.x < tiles) __syncthreads();
@@ -712,14 +717,7 @@ iq3s_il_mma(const uint4* __restrict__ w, const int* __restrict__ xw, const float
             }
         }
 #if CONV > 1
-        if (splits == 1) {
-            __syncthreads();  // the ring's outputs stored: each lane's convs over its columns
-            for (int i = threadIdx.x; i < k * 32 * (NCOL / CONV); i += WARPS * 32) {
-                const int j = i / (32 * (NCOL / CONV)), b = (i >> 5) % (NCOL / CONV), row = i & 31;
-                const int at = (tile - (k - 1 - j) * (int)gridDim.x) * 32 + row;
-                if (at < N) conv_span(cv, b, at, y, stride_y);
-            }
-        }
+        if (splits == 1) conv_ring_spans(cv, tile, k, N, y, stride_y);  // the ring's outputs stored
 #endif
         if (splits > 1) {
             __threadfence();

@@ -5,7 +5,9 @@ suite's peak reserved memory passes the engine's plan (gpu-notes "Session 75").
         --suite issue5 -r 2
 
 Takes `ninfer-bench`'s arguments; prints `[memory] ...` lines (MiB) before and after every phase and request
-drive, and the plan's terms before the suite's memory rows.
+drive, at each step of the start's measurement (`workspace.CudaMeter`: the emptied cache before the widest
+round, its growth, the graphs' captures, the slack) and after it, and the plan's terms before the suite's
+memory rows.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import torch
 
 from ninfer.cli import bench, bench_suite
+from ninfer.engine import engine, workspace
 
 MIB = 1 << 20
 PHASES = ("phase_short", "phase_step_ratio", "phase_concurrency", "phase_long_prefill", "phase_depth")
@@ -53,7 +56,19 @@ def plan_first(plan_rows):
     return wrapped
 
 
+def around(name: str, fn):
+    def wrapped(*args, **kwargs):
+        report(f"before {name}")
+        result = fn(*args, **kwargs)
+        report(f"after {name}" + (f" = {result / MIB:,.0f}" if isinstance(result, int) else ""))
+        return result
+    return wrapped
+
+
 def main(argv: list[str]) -> int:
+    for name in ("begin", "grown", "graphs", "other", "slack"):
+        setattr(workspace.CudaMeter, name, around(f"meter.{name}", getattr(workspace.CudaMeter, name)))
+    engine.measure_workspace = around("measure_workspace", engine.measure_workspace)
     for name in PHASES:
         setattr(bench_suite, name, reporting(name, getattr(bench_suite, name), before=True))
     bench_suite.drive = reporting("drive", bench_suite.drive, before=False)

@@ -44,7 +44,7 @@ class SuiteSizes:
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     repetitions: int = 2  # pp512 / tg128; the long phases run once
     copy_bytes: int = GIB
-    step_calls: int = 20  # timed calls per shape of the step-ratio phase
+    step_calls: int = 40  # timed calls per shape of the step-ratio phase (the shapes in turn)
 
     @classmethod
     def scaled(cls, scale: float, n_gen: int, concurrency: tuple[int, ...], repetitions: int) -> SuiteSizes:
@@ -181,28 +181,28 @@ def aggregate_decode(engine: Engine, sizes: SuiteSizes, c: int, device: str) -> 
 
 def step_times(engine: Engine, sizes: SuiteSizes, device: str) -> tuple[float, float]:
     """Median seconds of one decode step with 1 column and with 4 columns (one lane's verification shape:
-    4 positions, logits of all 4 rows) at context short_prompt, through the engine's runner."""
+    4 positions, logits of all 4 rows) at context short_prompt, through the engine's runner. The two shapes
+    take turns, so a drift of the GPU's clocks over the phase moves both medians alike (timed one shape
+    after the other, the 1-column median spread ±2 % between runs on one H100: gpu-notes "Session 76")."""
     handle = _submit(engine, "step", sizes.short_prompt, 8, 7)
     while handle.seq.generated < 1:
         rnd = engine.scheduler.schedule()
         if rnd is not None:
             engine.step(rnd)
     seq = handle.seq
-    medians = []
-    for width in (1, 4):
-        item = WorkItem(seq, seq.lane, (seq.tokens[-1],) * width, seq.cached, True)
-        samples = []
-        for k in range(sizes.step_calls + 2):
+    samples = {1: [], 4: []}
+    for k in range(sizes.step_calls + 2):
+        for width, times in samples.items():
+            item = WorkItem(seq, seq.lane, (seq.tokens[-1],) * width, seq.cached, True)
             _sync(device)
             t0 = time.perf_counter()
             engine.runner.run(Round([item], [], []), all_rows=width > 1)
             _sync(device)
             if k >= 2:  # two warm-up calls per shape
-                samples.append(time.perf_counter() - t0)
-        medians.append(statistics.median(samples))
+                times.append(time.perf_counter() - t0)
     handle.cancel()
     drive(engine, [handle], device)
-    return medians[0], medians[1]
+    return statistics.median(samples[1]), statistics.median(samples[4])
 
 
 def memory_rows(engine: Engine, report: SuiteReport, stored_bytes: int | None) -> None:

@@ -183,8 +183,8 @@ def step_times(engine: Engine, sizes: SuiteSizes, device: str) -> tuple[float, f
     """Median seconds of one decode step with 1 column and with 4 columns (one lane's verification shape:
     4 positions, logits of all 4 rows) at context short_prompt, through the engine's runner. The two shapes
     take turns, so whatever drifts over the phase (the GPU's clocks, what L2 holds) moves both medians alike:
-    timed one shape after the other, the 1-column median spread ±2 % between runs on one H100 where tg128
-    held to 0.1 % (gpu-notes "Session 76")."""
+    timed one shape after the other, the 1-column median differed by up to 3 % between three runs on one H100
+    whose tg128 differed by 1.1 % the other way (gpu-notes "Session 76")."""
     handle = _submit(engine, "step", sizes.short_prompt, 8, 7)
     while handle.seq.generated < 1:
         rnd = engine.scheduler.schedule()

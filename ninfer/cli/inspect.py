@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections import Counter
@@ -88,7 +89,7 @@ def _print_text(art: Artifact, info: dict, show_objects: bool) -> None:
         print(f"  use {use['parameter']}: {use['auxiliaries']}")
 
 
-def _body(argv: Sequence[str] | None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = make_parser(
         "ninfer-inspect", "Print a .ninfer artifact's components, formats, bindings and metadata."
     )
@@ -97,7 +98,11 @@ def _body(argv: Sequence[str] | None) -> int:
     p.add_argument(
         "--json", action="store_true", help="print JSON: the summary, plus the full directory with --objects"
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def _body(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(argv)
     art = open_artifact(args.artifact)
     info = summary(art)
     if args.json:

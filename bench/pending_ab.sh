@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 75 ran `spans`, `gpu` and `suites` on H100s (the span
+# $OUT/<phase>/, the settings' table printed last). Session 76 ran no phase (an H100 twice: the memory trace,
+# the IQ3_S suite with fp16 states, the step ratio in turn; the H200 call it kept ready: `suites fp16`). Session 75 ran `spans`, `gpu` and `suites` on H100s (the span
 # conv with its inputs loaded together: the defaults' spans gain, the tensor-core il32 kernel's still loses). Session 74 ran `pool` and `pool spans` on H100s (the graphs'
 # pool planned by capturing them since; the tensor-core il32 kernel's span epilogue slower, off). Session 73 ran `suites side2`, `spans`, `suites` and `gpu`
 # on H100s (the side stream up to 4 lanes and the span conv in the epilogue the defaults since; the whole GPU
@@ -123,13 +124,15 @@
 #   bash bench/pending_ab.sh gpu       # every GPU-marked test, 14 at a time (~4 min)
 #   bash bench/pending_ab.sh suites    # both suites (gpu_bench.sh) under the defaults as they stand (first on
 #                                      # an H200: session 60's q4il sums from the producers are untimed there)
+#   bash bench/pending_ab.sh fp16      # both suites with fp16 GDN states (session 76, H100: IQ3_S's C = 8 /
+#                                      # C = 1 5.28x -> 5.42x; untimed on an H200)
 #
 # A setting becomes a default only where its graphed rounds gain (min of two replays, A B B A); a faster
 # 1-lane round alone lowers C = 8 / C = 1.
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="pool, spans, side2, defaults72, side, dataflow, argmax, tglead, tglead2, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="fp16, pool, spans, side2, defaults72, side, dataflow, argmax, tglead, tglead2, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PY=${PYTHON:-python3}
@@ -555,6 +558,11 @@ NINFER_NEXT_PREFETCH=0+skip=fused._norm_kernel,NINFER_Q4IL_STAGED=0,NINFER_Q4IL_
       ;;
     suites)
       WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh
+      ;;
+    fp16)
+      # both suites with fp16 GDN states (the SPEC's serving line passes --gdn-state-fp16; the default is fp32):
+      # session 76 on an H100, IQ3_S: C = 8 / C = 1 5.28x -> 5.42x
+      WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh --gdn-state-fp16
       ;;
     *)
       echo "unknown phase $1: $PHASES"

@@ -191,16 +191,17 @@ def step_times(engine: Engine, sizes: SuiteSizes, device: str) -> tuple[float, f
         if rnd is not None:
             engine.step(rnd)
     seq = handle.seq
-    samples = {1: [], 4: []}
+    rounds = {width: Round([WorkItem(seq, seq.lane, (seq.tokens[-1],) * width, seq.cached, True)], [], [])
+              for width in (1, 4)}
+    samples = {width: [] for width in rounds}
     for k in range(sizes.step_calls + 2):
-        for width, times in samples.items():
-            item = WorkItem(seq, seq.lane, (seq.tokens[-1],) * width, seq.cached, True)
+        for width, rnd in rounds.items():
             _sync(device)
             t0 = time.perf_counter()
-            engine.runner.run(Round([item], [], []), all_rows=width > 1)
+            engine.runner.run(rnd, all_rows=width > 1)
             _sync(device)
             if k >= 2:  # two warm-up calls per shape
-                times.append(time.perf_counter() - t0)
+                samples[width].append(time.perf_counter() - t0)
     handle.cancel()
     drive(engine, [handle], device)
     return statistics.median(samples[1]), statistics.median(samples[4])

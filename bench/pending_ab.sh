@@ -130,6 +130,7 @@
 # A setting becomes a default only where its graphed rounds gain (min of two replays, A B B A); a faster
 # 1-lane round alone lowers C = 8 / C = 1.
 # Several phases run in one call in their order (`pending_ab.sh staged q4staged`), each under $OUT/<phase>/.
+# `suites` and `fp16` take WTYPES (default both types: `WTYPES=q4_k bash bench/pending_ab.sh suites fp16`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PHASES="fp16, pool, spans, side2, defaults72, side, dataflow, argmax, tglead, tglead2, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
@@ -557,12 +558,12 @@ NINFER_NEXT_PREFETCH=0+skip=fused._norm_kernel,NINFER_Q4IL_STAGED=0,NINFER_Q4IL_
       grep -E "passed|failed" "$OUT/pytest.log" | tail -3
       ;;
     suites)
-      WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh
+      WTYPES="${WTYPES:-iq3_s q4_k}" SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh
       ;;
     fp16)
       # both suites with fp16 GDN states (the SPEC's serving line passes --gdn-state-fp16; the default is fp32):
       # session 76 on an H100, IQ3_S: C = 8 / C = 1 5.28x -> 5.42x
-      WTYPES="iq3_s q4_k" SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh --gdn-state-fp16
+      WTYPES="${WTYPES:-iq3_s q4_k}" SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh --gdn-state-fp16
       ;;
     *)
       echo "unknown phase $1: $PHASES"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 76 ran no phase (an H100 twice: the memory trace,
+# $OUT/<phase>/, the settings' table printed last). Session 77 ran `suites fp16` on two H100s (the second
+# with WTYPES=q4_k: Q4_K's fp16 states on one card, C = 8 +4 %). Session 76 ran no phase (an H100 twice: the memory trace,
 # the IQ3_S suite with fp16 states, the step ratio in turn; the H200 call it kept ready: `suites fp16`). Session 75 ran `spans`, `gpu` and `suites` on H100s (the span
 # conv with its inputs loaded together: the defaults' spans gain, the tensor-core il32 kernel's still loses). Session 74 ran `pool` and `pool spans` on H100s (the graphs'
 # pool planned by capturing them since; the tensor-core il32 kernel's span epilogue slower, off). Session 73 ran `suites side2`, `spans`, `suites` and `gpu`

@@ -137,6 +137,7 @@ cd "$(dirname "$0")/.."
 PHASES="fp16, pool, spans, side2, defaults72, side, dataflow, argmax, tglead, tglead2, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
+PACK=${OUT:+1}  # a device call's $OUT (packed at the end, below)
 PY=${PYTHON:-python3}
 if compgen -G ".whl/*.whl" > /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
@@ -593,3 +594,9 @@ for path in sorted(Path(sys.argv[1]).glob("*/*/step_profile_*.json")):
         cells = [("—" if v is None else f"**{v:.3f}**" if v == best else f"{v:.3f}") for v in values]
         print(f"| {row.strip() or '1 lane'} | " + " | ".join(cells) + " |")
 EOF
+
+# the device tool brings back 8 files of $OUT at most: a run that wrote more leaves them as one archive there
+# (`tar -xzf pending.tar.gz`; session 77 lost a suite's JSON to the count)
+if [ -n "$PACK" ] && [ "$(find "$ROOT" -type f | wc -l)" -gt 8 ]; then
+  tar -czf /tmp/pending.tar.gz -C "$ROOT" . && find "$ROOT" -mindepth 1 -delete && mv /tmp/pending.tar.gz "$ROOT/"
+fi

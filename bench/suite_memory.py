@@ -35,16 +35,6 @@ def report(tag: str) -> None:
           flush=True)
 
 
-def reporting(name: str, fn, before: bool):
-    def wrapped(*args, **kwargs):
-        if before:
-            report(f"before {name}")
-        result = fn(*args, **kwargs)
-        report(f"after {name}")
-        return result
-    return wrapped
-
-
 def plan_first(plan_rows):
     def wrapped(run) -> None:
         led = run.engine.memory_ledger()
@@ -56,9 +46,11 @@ def plan_first(plan_rows):
     return wrapped
 
 
-def around(name: str, fn):
+def around(name: str, fn, before: bool = True):
+    """`fn`, printing the allocator's bytes before it (with `before`) and after it (an int result in MiB)."""
     def wrapped(*args, **kwargs):
-        report(f"before {name}")
+        if before:
+            report(f"before {name}")
         result = fn(*args, **kwargs)
         report(f"after {name}" + (f" = {result / MIB:,.0f}" if isinstance(result, int) else ""))
         return result
@@ -70,8 +62,8 @@ def main(argv: list[str]) -> int:
         setattr(workspace.CudaMeter, name, around(f"meter.{name}", getattr(workspace.CudaMeter, name)))
     engine.measure_workspace = around("measure_workspace", engine.measure_workspace)
     for name in PHASES:
-        setattr(bench_suite, name, reporting(name, getattr(bench_suite, name), before=True))
-    bench_suite.drive = reporting("drive", bench_suite.drive, before=False)
+        setattr(bench_suite, name, around(name, getattr(bench_suite, name)))
+    bench_suite.drive = around("drive", bench_suite.drive, before=False)
     bench_suite.plan_rows = plan_first(bench_suite.plan_rows)
     return bench.main(argv)
 

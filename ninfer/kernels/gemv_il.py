@@ -525,6 +525,11 @@ iq3s_il_gemv(const unsigned* __restrict__ w, const int* __restrict__ xw, const f
 # (both kernels). Each
 # sub-block's mma starts from the int32 bits of 1.5·2^23, so its float view minus 1.5·2^23 is the exact sum
 # (|sum| <= 32·15·127 < 2^22), then scaled by the row's d·(1 + 2·scale) and the column's activation scale.
+# Measured slower (gpu-notes "Session 39"; rebuilt by mistake in session 78: 758 → 703 instructions a block,
+# its ALU pipe busier): at 3-4 columns two sub-blocks an mma (B columns 0-3 one's, 4-7 the next's, so a lane
+# weighs its sums by one sub-block scale a pair) — 7 % fewer instructions, 3-6 % slower alone, the graphed
+# 4-column step 7.34 → 7.64-7.75 ms: this kernel waits on its dependent chains (table load after index, mma
+# after its words, a chained mma's sums), not on issue.
 _MMA_SOURCE = r"""
 #define OUT_KIND __OUT_KIND__
 #define NCOL __NCOL__

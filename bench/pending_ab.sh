@@ -1,31 +1,7 @@
 #!/usr/bin/env bash
 # The A/B runs for a GPU, one or more phases a `device` call (each call under 10 minutes; logs and JSON under
-# $OUT/<phase>/, the settings' table printed last). Session 77 ran `suites fp16` on two H100s (the second
-# with WTYPES=q4_k: Q4_K's fp16 states on one card, C = 8 +4 %). Session 76 ran no phase (an H100 twice: the memory trace,
-# the IQ3_S suite with fp16 states, the step ratio in turn; the H200 call it kept ready: `suites fp16`). Session 75 ran `spans`, `gpu` and `suites` on H100s (the span
-# conv with its inputs loaded together: the defaults' spans gain, the tensor-core il32 kernel's still loses). Session 74 ran `pool` and `pool spans` on H100s (the graphs'
-# pool planned by capturing them since; the tensor-core il32 kernel's span epilogue slower, off). Session 73 ran `suites side2`, `spans`, `suites` and `gpu`
-# on H100s (the side stream up to 4 lanes and the span conv in the epilogue the defaults since; the whole GPU
-# suite 155 passed, the 9B workspace test's graph pool over its plan). Session 72 ran `side`, `tglead2`, `argmax`, `defaults72`
-# and `norm8` on H100s (the side stream at 1 lane and graphs of 16 / 64 pages the defaults since; argmax
-# inside the graph +0.2 %; the norm's defaults hold). Session 71 ran `side` on an H100 (the GPU tests pass but
-# the replay test's state check, since fixed; the sweeps stopped on step_profile's stale graph key, fixed).
-# Session 70 got no machine (`norm8 tglead2` wait). Session
-# 69 ran `skips8 tglead` on an H100 (the sweep hit the recapture bug fixed since: `DecodeGraphs.clear`;
-# tglead: not the dtype). Session 68 ran `suites prologue`, `h200b`, `h200c`, `gpu` and `lanetrace` on an H200
-# (the round's two first kernels gain 0.012-0.026 ms; every default holds there). Session 67 got no machine.
-# Session 66 ran an `l2ahead` phase on an H100 (q4il's warps asking their later blocks into L2: slower, the
-# 1-lane Q4_K round +0.28 ms; reverted, commit 847d3fd has both). Session 65 ran `dataflow` twice on H100s
-# (one persistent kernel with chunk counters against the PDL launches: slower). Session 64 ran a `slots` phase
-# on an H100 (q4il staged with three slots a warp: slower from two columns, reverted; commit ba077c2 has
-# both). Session 63 ran `attnpf` (the byte cap: even) and a `statepf` phase on H100s (the conv GEMVs asking
-# the lanes' state slots into L2: slower, reverted; commit 132ec74 has both); session 62 ran `suites gpu`,
-# `contend` and `attnpf` on H100s (no H200 came; `attnpf` before the prefetch's byte cap); session 61 ran
-# `suites q4after`, `skips`, `recur`, `normone`, `gpu` and `small` on H100s (no H200 came); session 60
-# `nextkernels`, `lanetrace`, `suites` and `gpu` on an H200 (the prefetch by the GPU's bandwidth per SM
-# since), `trace` on an H100; session 59 ran `gpu nextfine` and `nextkernels` on H100s; session 58 `next` and
-# `nextsize` on an H100; session 57 `suites`, `evict3` and evict2's settings on an H200; sessions 47-56's
-# phases stay to rerun.
+# $OUT/<phase>/, the settings' table printed last). Which session ran which phase, on which card, and what
+# came of it: docs/gpu-notes.md, a section a session (a phase's note below says when it last ran).
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
 #   bash bench/pending_ab.sh nextkernels  # (run in session 60 on an H200, 7.3 min; in 59 on an H100) the

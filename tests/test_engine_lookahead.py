@@ -1,6 +1,7 @@
-"""Decode lookahead (`EngineConfig.decode_lookahead`): a greedy decode round launches the next one before its
-tokens reach the host. The tokens, finishes, page accounting and cancellation must be those of the plain
-engine (random hybrid model, CPU)."""
+"""Decode lookahead (`EngineConfig.decode_lookahead`): a decode round launches the next one before its tokens
+reach the host (greedy rounds take the next round's argmax, sampled ones sample its logits at the next step).
+The tokens, finishes, page accounting and cancellation must be those of the plain engine (random hybrid
+model, CPU)."""
 
 from __future__ import annotations
 
@@ -82,16 +83,49 @@ def test_lookahead_tokens_survive_a_replay_before_they_are_read():
     assert joining(engine) == joining(make_engine(False))
 
 
-def joining(engine: Engine) -> dict:
-    """Greedy requests that arrive while another decodes greedily: with the lookahead, the rounds they join
-    run their prefill beside the decoder's lookahead tokens."""
-    handles = [engine.submit(req("g1", prompt(20, 4), max_tokens=40, temperature=0))]
+def joining(engine: Engine, **sampling) -> dict:
+    """Requests that arrive while another decodes (greedy unless `sampling` says): with the lookahead, the
+    rounds they join run their prefill beside the decoder's lookahead outputs."""
+    sampling = sampling or dict(temperature=0)
+    handles = [engine.submit(req("g1", prompt(20, 4), max_tokens=40, **sampling))]
     for arrival in range(3):
         for _ in range(5):
             engine.step(engine.scheduler.schedule())
         handles.append(engine.submit(req(f"j{arrival}", prompt(12 + arrival, 5 + arrival), max_tokens=12,
-                                         temperature=0)))
+                                         **sampling)))
     return drive(engine, handles)
+
+
+# the server's non-thinking preset, seeded per request (the same draws with and without the lookahead)
+PRESET = dict(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5, seed=5)
+
+
+def test_sampled_rounds_look_ahead_and_draw_the_plain_engines_tokens():
+    engine = make_engine(True)
+    launched = count_lookaheads(engine)
+    out = joining(engine, **PRESET)
+    assert out == joining(make_engine(False), **PRESET)
+    assert launched[0] >= 20  # most of g1's 40 rounds: its tokens sampled on the device, fed back there
+    assert len({t for toks, _ in out.values() for t in toks}) > 10  # (sampled, not one repeated token)
+
+
+def test_sampled_lookahead_logits_survive_a_replay_before_they_are_read():
+    """A decode graph's logits are its static output: every run here writes them into one buffer, as a
+    replay of the same graph would; a round that runs joining items before it samples the lookahead's rows
+    must sample them as they were."""
+    engine = make_engine(True)
+    run = engine.runner.run
+    static = torch.empty(16, 97)
+
+    def replaying(rnd, all_rows=False, device_ids=None):
+        logits = run(rnd, all_rows, device_ids)
+        if logits is None:
+            return None
+        static[: logits.shape[0]] = logits
+        return static[: logits.shape[0]]
+
+    engine.runner.run = replaying
+    assert joining(engine, **PRESET) == joining(make_engine(False), **PRESET)
 
 
 def test_lookahead_past_an_end_of_sequence_token_is_dropped():
@@ -137,7 +171,7 @@ def test_a_round_out_of_step_with_the_lookahead_is_refused():
     engine.step(engine.scheduler.schedule())
     seq = h.seq
     planned = WorkItem(seq, seq.lane, (0,), seq.cached + 1, True)
-    ahead = _Lookahead([planned], torch.zeros(1, dtype=torch.long))
+    ahead = _Lookahead([planned], torch.zeros(1, 8), torch.zeros(1, dtype=torch.long))
     assert ahead.rows(Round([WorkItem(seq, seq.lane, (5,), seq.cached + 1, True)], [], [])) == {0: 0}
     with pytest.raises(RuntimeError, match="out of step"):
         ahead.rows(Round([WorkItem(seq, seq.lane, (5,), seq.cached, True)], [], []))

@@ -1,11 +1,21 @@
-"""Sampler: each filter and penalty against a direct computation, seeded reproducibility, distribution."""
+"""Sampler: each filter and penalty against a direct computation, seeded reproducibility, distribution; the
+batched sampler (`sample_rows`) against the single-row reference and the float64 distribution."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ninfer.engine.api import SamplingParams
-from ninfer.engine.sampler import SamplerState, apply_penalties, filter_probs, sample_token, stop_reason
+from ninfer.engine.sampler import (
+    SamplerState,
+    _penalised,
+    apply_penalties,
+    filter_probs,
+    sample_rows,
+    sample_token,
+    stop_reason,
+)
 
 
 def state(prompt: tuple[int, ...] = (), **kw) -> SamplerState:
@@ -98,3 +108,102 @@ def test_stop_reasons():
     assert stop_reason(5, 3, p, eos) == "length"
     assert stop_reason(5, 2, p, eos) is None
     assert stop_reason(2, 1, SamplingParams(ignore_eos=True), eos) is None
+
+
+# one request of each kind the server sends: the presets (thinking, non-thinking with its presence penalty),
+# greedy with and without penalties, every filter, no top_k (the whole vocabulary sorted)
+MIXED = (
+    dict(temperature=1.0, top_p=0.95, top_k=20),
+    dict(temperature=0.7, top_p=0.8, top_k=20, presence_penalty=1.5),
+    dict(temperature=0.0),
+    dict(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4),
+    dict(temperature=1.3, top_p=0.9),
+    dict(temperature=0.8, min_p=0.05, top_k=50, repetition_penalty=1.2),
+    dict(temperature=1.0),
+)
+
+
+def mixed_states(seed: int, vocab: int) -> list[SamplerState]:
+    """MIXED's requests with seeds, prompts and earlier output tokens (some repeated) of their own."""
+    g = torch.Generator().manual_seed(seed)
+    states = []
+    for i, kw in enumerate(MIXED):
+        st = SamplerState(SamplingParams(seed=seed * 10 + i, **kw),
+                          tuple(torch.randint(0, vocab, (12,), generator=g).tolist()))
+        for t in torch.randint(0, vocab // 4, (9,), generator=g).tolist():
+            st.record(t)
+        states.append(st)
+    return states
+
+
+def test_rows_penalties_are_the_reference_arithmetic():
+    states = mixed_states(1, 300)
+    x = torch.randn(len(states), 300, generator=torch.Generator().manual_seed(2)) * 3
+    expected = torch.stack([apply_penalties(row.clone(), st) for row, st in zip(x, states, strict=True)])
+    out = _penalised(x, states)
+    assert torch.equal(out, expected)
+    assert not torch.equal(out, x)  # (not in place)
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_rows_draw_the_single_row_references_tokens(seed):
+    """Same logits, same seeds: `sample_rows` over the batch = `sample_token` row by row, several rounds
+    (each row's generator consumed in the same order), each token then recorded for the penalties."""
+    vocab = 400
+    batch, alone = mixed_states(seed, vocab), mixed_states(seed, vocab)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(6):
+        x = torch.randn(len(batch), vocab, generator=g) * 2.5
+        tokens = sample_rows(x, batch).tolist()
+        assert tokens == [sample_token(row, st) for row, st in zip(x, alone, strict=True)]
+        for t, a, b in zip(tokens, batch, alone, strict=True):
+            a.record(t)
+            b.record(t)
+
+
+def test_rows_pick_the_token_whose_interval_holds_the_draw():
+    """Against float64: the filtered distribution in descending order, its cumulative mass; each sampled
+    row's token is the one whose interval holds the row's uniform number; greedy rows the penalised argmax."""
+    vocab = 500
+    states, twins = mixed_states(6, vocab), mixed_states(6, vocab)
+    x = torch.randn(len(states), vocab, generator=torch.Generator().manual_seed(7)) * 2
+    tokens = sample_rows(x, states).tolist()
+    for row, st, token in zip(x, twins, tokens, strict=True):
+        logits = apply_penalties(row.double().clone(), st)
+        if st.params.greedy:
+            assert token == int(logits.argmax())
+            continue
+        probs, order = torch.sort(filter_probs(logits, st.params), descending=True)
+        cdf = probs.cumsum(0)
+        j = order.tolist().index(token)
+        u = st.uniform()
+        assert probs[j] > 0
+        assert (cdf[j - 1] if j else 0.0) - 1e-6 <= u <= cdf[j] + 1e-6
+
+
+def test_rows_follow_the_filtered_distribution():
+    x = fresh_logits(8, seed=8)
+    params = (SamplingParams(temperature=0.8, top_k=4, seed=11), SamplingParams(top_p=0.7, seed=12))
+    states = [SamplerState(p, ()) for p in params]
+    draws = torch.stack([sample_rows(torch.stack([x, x]), states) for _ in range(4000)])
+    for col, p in enumerate(params):
+        counts = torch.bincount(draws[:, col], minlength=8).float()
+        expected = filter_probs(x, p) * 4000
+        assert (counts[expected == 0] == 0).all()
+        kept = expected > 0
+        assert ((counts[kept] - expected[kept]).abs() < 5 * expected[kept].sqrt() + 5).all()
+
+
+@pytest.mark.gpu
+def test_rows_on_the_gpu_draw_the_cpus_tokens():
+    """The server's batches on the device: the same tokens as on the CPU for the same logits and seeds."""
+    vocab = 248_320  # the 27B's head: the whole-vocabulary sort and the top-20 of each row
+    g = torch.Generator().manual_seed(9)
+    on_cpu, on_gpu = mixed_states(9, vocab), mixed_states(9, vocab)
+    for _ in range(4):
+        x = torch.randn(len(on_cpu), vocab, generator=g) * 3
+        tokens = sample_rows(x, on_cpu)
+        assert sample_rows(x.cuda(), on_gpu).cpu().tolist() == tokens.tolist()
+        for t, a, b in zip(tokens.tolist(), on_cpu, on_gpu, strict=True):
+            a.record(t)
+            b.record(t)

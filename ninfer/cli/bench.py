@@ -1,6 +1,7 @@
 """`ninfer-bench`: prefill (pp) and decode (tg) throughput of a model or of a synthetic model of a geometry.
 
-Each repetition is one request: a random prompt of -p tokens, then -n generated tokens (greedy, eos ignored).
+Each repetition is one request: a random prompt of -p tokens, then -n generated tokens (greedy unless
+--sampling names a preset, eos ignored).
 pp = prompt tokens / prefill time; tg = (n - 1) / time from the first to the last generated token, i.e.
 decode at context p..p+n. One untimed warm-up request runs first.
 `--suite issue5` measures issue 5's whole table in one process instead (`ninfer.cli.bench_suite`).
@@ -25,7 +26,10 @@ from ninfer.engine.api import GenerationRequest, SamplingParams, TokenEvent
 from ninfer.engine.engine import DTYPES, Engine, EngineConfig
 from ninfer.engine.synthetic import GEOMETRIES, WTYPES
 from ninfer.errors import EngineConfigError
+from ninfer.frontend.presets import NON_THINKING_PRESET, THINKING_PRESET
 from ninfer.kernels.kv_quant import KV_DTYPES
+
+SAMPLING = {"greedy": {"temperature": 0.0}, "thinking": THINKING_PRESET, "non-thinking": NON_THINKING_PRESET}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="decode rounds through captured CUDA graphs (default: the engine's default)")
     p.add_argument("--decode-lookahead", action=argparse.BooleanOptionalAction, default=None,
-                   help="greedy decode rounds launch the next round before their tokens reach the host "
+                   help="decode rounds launch the next round before their tokens reach the host "
                         "(EngineConfig.decode_lookahead; default: on CUDA yes, on CPU no)")
     p.add_argument("--suite", choices=SUITES,
                    help="issue5: copy bandwidth, memory, pp512 + tg128, 4-/1-column step, C=1/2/4/8 "
@@ -57,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the suite's concurrency levels (default 1,2,4,8)")
     p.add_argument("--json", type=Path, metavar="PATH", dest="json_path",
                    help="also write the results as JSON to PATH (the suite rewrites it after every row)")
+    p.add_argument("--sampling", choices=tuple(SAMPLING), default="greedy",
+                   help="the generated tokens' sampling: greedy (default) or a Qwen preset as ninfer-serve "
+                        "applies it: thinking (T 1.0, top-p 0.95, top-k 20), non-thinking (T 0.7, top-p 0.8, "
+                        "top-k 20, presence penalty 1.5); seeded")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (default 128)")
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timed repetitions (default 3)")
@@ -106,8 +114,9 @@ def bench_prompt(vocab: int, n: int, seed: int) -> tuple[int, ...]:
     return tuple(torch.randint(0, min(vocab, 4000), (n,), generator=g).tolist())
 
 
-def run_once(engine: Engine, ids: tuple[int, ...], n_gen: int) -> tuple[TokenEvent, list[int]]:
-    params = SamplingParams(max_tokens=n_gen, temperature=0.0, ignore_eos=True)
+def run_once(engine: Engine, ids: tuple[int, ...], n_gen: int, sampling: str = "greedy"
+             ) -> tuple[TokenEvent, list[int]]:
+    params = SamplingParams(max_tokens=n_gen, ignore_eos=True, seed=len(ids), **SAMPLING[sampling])
     handle = engine.submit(GenerationRequest("bench", ids, params))
     tokens: list[int] = []
     while True:  # drive the rounds on this thread: no loop-thread wake-up latency in the numbers
@@ -257,16 +266,17 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
 
 def speed_rows(engine: Engine, args, common: dict) -> list[dict]:
     vocab = getattr(engine.model, "vocab_size", 1000)
-    run_once(engine, bench_prompt(vocab, min(args.n_prompt, 16), seed=-1), 2)  # warm-up
+    run_once(engine, bench_prompt(vocab, min(args.n_prompt, 16), seed=-1), 2, args.sampling)  # warm-up
     pp, tg = [], []
     for r in range(args.repetitions):
-        ev, _ = run_once(engine, bench_prompt(vocab, args.n_prompt, seed=r), args.n_gen)
+        ev, _ = run_once(engine, bench_prompt(vocab, args.n_prompt, seed=r), args.n_gen, args.sampling)
         pp.append(ev.prefill_tok_per_s)
         tg.append(ev.decode_tok_per_s)
     rows = []
     for test, samples in ((f"pp{args.n_prompt}", pp), (f"tg{args.n_gen}", tg)):
         mean, std = summarise(samples)
-        rows.append({**common, "test": test, "tok_per_s": mean, "std": std, "samples": samples})
+        rows.append({**common, "test": test, "tok_per_s": mean, "std": std, "samples": samples,
+                     "sampling": args.sampling})
     return rows
 
 

@@ -143,7 +143,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     )
     eng.add_argument(
         "--decode-lookahead", action=argparse.BooleanOptionalAction, default=None,
-        help="greedy decode rounds launch the next round before their tokens reach the host "
+        help="decode rounds launch the next round before their tokens reach the host "
              "(default: on CUDA yes, on CPU no)",
     )
     eng.add_argument(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ninfer.engine.api import GenerationRequest, TokenEvent
+from ninfer.engine.api import GenerationRequest, SamplingParams, TokenEvent
 from ninfer.engine.kv_pool import KvPool
 from ninfer.engine.memory import (
     MemoryLedger,
@@ -28,7 +28,7 @@ from ninfer.engine.memory import (
     plan_kv_capacity,
 )
 from ninfer.engine.runner import ModelRunner
-from ninfer.engine.sampler import SamplerState, sample_token, stop_reason
+from ninfer.engine.sampler import SamplerState, sample_rows, stop_reason
 from ninfer.engine.scheduler import Round, Scheduler, SchedulerLimits, Sequence, WorkItem
 from ninfer.engine.state_pool import GdnStatePool
 from ninfer.engine.workspace import cpu_workspace, measure_workspace
@@ -65,7 +65,7 @@ class EngineConfig:
     quantized_weights: bool | None = None
     # decode rounds (all one-token items) replay captured CUDA graphs on CUDA; False: eager (--no-cuda-graphs)
     cuda_graphs: bool = True
-    # greedy decode rounds launch the next round before their tokens reach the host; None: on CUDA yes, on
+    # decode rounds launch the next round before their tokens reach the host; None: on CUDA yes, on
     # CPU no (nothing runs meanwhile there) (--decode-lookahead / --no-decode-lookahead)
     decode_lookahead: bool | None = None
 
@@ -137,13 +137,23 @@ class EngineHandle:
                 return
 
 
+# the sampler of an item whose request ended meanwhile (its token is dropped): greedy, no draw
+_ENDED = SamplerState(SamplingParams(temperature=0.0), ())
+
+
 @dataclass
 class _Lookahead:
-    """A greedy decode round already launched on the device, before the round that feeds it was committed:
-    its items (start = the next position, token ids placeholders) and their argmax tokens on the device."""
+    """A decode round already launched on the device, before the round that feeds it was committed: its
+    items (start = the next position, token ids placeholders), their logits rows and their argmax on the
+    device (a decode graph's static outputs, until its next replay)."""
 
     items: list[WorkItem]
+    logits: torch.Tensor
     ids: torch.Tensor
+
+    def detached(self) -> _Lookahead:
+        """Its outputs copied (before a round that may replay their graph)."""
+        return replace(self, logits=self.logits.clone(), ids=self.ids.clone())
 
     def rows(self, rnd: Round) -> dict[int, int]:
         """{index in rnd.items: row in `ids`} of the round's items this lookahead already ran."""
@@ -341,49 +351,35 @@ class Engine:
 
     def step(self, rnd: Round) -> None:
         """Run one planned round and commit its tokens. Items that the previous step's lookahead already ran
-        (`EngineConfig.decode_lookahead`) take its tokens; a greedy decode round launches the next one before
-        its own tokens come back to the host, so the device works while the host commits."""
+        (`EngineConfig.decode_lookahead`) take its logits; a decode round launches the next one before its
+        own tokens come back to the host, so the device works while the host commits."""
         ahead, self._ahead = self._ahead, None
         done = ahead.rows(rnd) if ahead is not None else {}
         rest = [it for i, it in enumerate(rnd.items) if i not in done]
-        if done and rest:  # the lookahead's tokens are a decode graph's output: running `rest` may replay it
-            ahead = replace(ahead, ids=ahead.ids.clone())
+        if done and rest:  # the lookahead's outputs are a decode graph's: running `rest` may replay it
+            ahead = ahead.detached()
         logits = self.runner.run(Round(rest, rnd.admitted, rnd.released))
-        greedy = self._all_plain_greedy(rnd)
-        host_logits = device_ids = None
-        if logits is not None:
-            if greedy:  # argmax on the device (the decode graph's own): only the token ids cross to the host
-                device_ids = self.runner.greedy_ids(logits, self.sample_vocab)
-            else:  # sampling (seeded generators, penalties) runs on the host
-                host_logits = logits[:, : self.sample_vocab].cpu()
         sampled = [i for i, it in enumerate(rnd.items) if it.sample]
-        rest_rows = [i for i in sampled if i not in done]  # the rows of `logits`, in order
-        if not sampled:
-            known = {}
-        elif device_ids is not None or not rest_rows:  # every sampled token is on the device
-            tokens = self._tokens_on_device(sampled, done, ahead, device_ids)
+        known = {}
+        if sampled:
+            tokens = self._sample(rnd, sampled, done, ahead, logits)
             wait = self._copy_to_host(tokens)
-            if greedy and self.config.looks_ahead:
+            if self.config.looks_ahead:
                 self._launch_lookahead(rnd, tokens)
             known = dict(zip(sampled, wait(), strict=True))
-        else:
-            from_ahead = ahead.ids.tolist() if done else []
-            known = {i: from_ahead[row] for i, row in done.items()}
-        self._commit(rnd, known, host_logits, rest_rows)
+        self._commit(rnd, known)
 
-    @staticmethod
-    def _tokens_on_device(sampled: list[int], done: dict[int, int], ahead: _Lookahead | None,
-                          device_ids: torch.Tensor | None) -> torch.Tensor:
-        """The sampled items' tokens in item order on the device: from the lookahead for `done` items, the
-        round's own argmax (`device_ids`, in order) for the rest."""
-        if not done:
-            return device_ids
-        if len(done) == len(sampled) and [done[i] for i in sampled] == list(range(len(ahead.items))):
-            return ahead.ids
-        pool = ahead.ids if device_ids is None else torch.cat([ahead.ids, device_ids])
-        rest = iter(range(len(ahead.items), pool.numel()))
-        order = [done[i] if i in done else next(rest) for i in sampled]
-        return pool[index_on(pool.device, order)]
+    def _sample(self, rnd: Round, sampled: list[int], done: dict[int, int], ahead: _Lookahead | None,
+                logits: torch.Tensor | None) -> torch.Tensor:
+        """The sampled items' tokens in item order, on the logits' device: the decode graph's own argmax where
+        every one is plain greedy, else `sample_rows` over their logits (the lookahead's rows for `done`
+        items, this run's for the rest) — only the token ids cross to the host."""
+        if self._all_plain_greedy(rnd):
+            ids = self.runner.greedy_ids(logits, self.sample_vocab) if logits is not None else None
+            return _rows_in_order(sampled, done, ahead.ids if done else None, ids)
+        rows = _rows_in_order(sampled, done, ahead.logits if done else None, logits)
+        states = [self._samplers.get(id(rnd.items[i].seq), _ENDED) for i in sampled]
+        return sample_rows(rows[:, : self.sample_vocab], states)
 
     def _copy_to_host(self, tokens: torch.Tensor) -> Callable[[], list[int]]:
         """Start copying `tokens` to the host; returns the function that waits for them (a list of ints)."""
@@ -400,9 +396,9 @@ class Engine:
         return wait
 
     def _launch_lookahead(self, rnd: Round, tokens: torch.Tensor) -> None:
-        """A round of only one-token greedy decode items (`tokens`: theirs, on the device) launches the next
-        one, each item one position on and fed its token from the device, except items that end now
-        (max_tokens, cancelled); the next `step` takes its results."""
+        """A round of only one-token decode items (`tokens`: theirs, on the device) launches the next one,
+        each item one position on and fed its token from the device, except items that end now (max_tokens,
+        cancelled); the next `step` samples its logits (its penalties then count this round's tokens)."""
         if not all(len(it.token_ids) == 1 and it.sample for it in rnd.items):
             return
         keep = [r for r, it in enumerate(rnd.items) if not self._ends_after(it)]
@@ -411,17 +407,15 @@ class Engine:
         items = [replace(rnd.items[r], token_ids=(0,), start=rnd.items[r].start + 1) for r in keep]
         feed = tokens if len(keep) == len(rnd.items) else tokens[index_on(tokens.device, keep)]
         logits = self.runner.run(Round(items, [], []), device_ids=feed)
-        self._ahead = _Lookahead(items, self.runner.greedy_ids(logits, self.sample_vocab))
+        self._ahead = _Lookahead(items, logits, self.runner.greedy_ids(logits, self.sample_vocab))
 
     def _ends_after(self, item: WorkItem) -> bool:
         """The item's request ends with the token this round samples for it (or is gone already)."""
         state = self._samplers.get(id(item.seq))
         return state is None or item.seq.cancel_requested or item.seq.generated + 1 >= state.params.max_tokens
 
-    def _commit(self, rnd: Round, known: dict[int, int], host_logits: torch.Tensor | None,
-                rest_rows: list[int]) -> None:
-        """Record every item of the round: its token (`known`: from the device, by item index; else sampled
-        here from its row of `host_logits`, rows in `rest_rows` order) and whether its request ends."""
+    def _commit(self, rnd: Round, known: dict[int, int]) -> None:
+        """Record every item of the round: its token (`known`, by item index) and whether its request ends."""
         self._rounds += 1
         now = time.monotonic()
         with self._lock:
@@ -432,7 +426,7 @@ class Engine:
                 state = self._samplers.get(id(item.seq))
                 if state is None or item.seq.finished:
                     continue
-                token = known[i] if i in known else sample_token(host_logits[rest_rows.index(i)], state)
+                token = known[i]
                 state.record(token)
                 finish = stop_reason(token, item.seq.generated + 1, state.params, self.eos_ids)
                 self.scheduler.commit(item, token, finish, now)
@@ -447,6 +441,20 @@ class Engine:
             if not p.greedy or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 return False
         return True
+
+
+def _rows_in_order(sampled: list[int], done: dict[int, int], ahead_rows: torch.Tensor | None,
+                   run_rows: torch.Tensor | None) -> torch.Tensor:
+    """Rows (token ids or logits) of the round's sampled items in item order: from the lookahead's rows for
+    `done` items (index → row), from this run's (in order) for the rest."""
+    if not done:
+        return run_rows
+    if len(done) == len(sampled) and [done[i] for i in sampled] == list(range(ahead_rows.shape[0])):
+        return ahead_rows
+    pool = ahead_rows if run_rows is None else torch.cat([ahead_rows, run_rows])
+    rest = iter(range(ahead_rows.shape[0], pool.shape[0]))
+    order = [done[i] if i in done else next(rest) for i in sampled]
+    return pool[index_on(pool.device, order)]
 
 
 def index_on(device: torch.device, rows: list[int]) -> torch.Tensor:

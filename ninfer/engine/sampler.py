@@ -1,14 +1,18 @@
 """Token sampling: penalties, temperature, top-k, top-p, min-p, seeded draws, stop conditions.
 
 Order (as vLLM/HF): repetition penalty (prompt + output, HF style), presence/frequency penalties (output
-tokens, OpenAI style), then greedy argmax or temperature → top-k → top-p → min-p → draw from the request's own
-generator, so a seeded request gives the same tokens whatever else shares its batch.
+tokens, OpenAI style), then greedy argmax or temperature → top-k → top-p → min-p → one draw. The draw is an
+inverse-CDF pick over the kept tokens in descending probability with one uniform number from the request's
+own generator (on the host), so a seeded request gives the same tokens whatever else shares its batch.
+`sample_token` is the single-row reference; `sample_rows` does the same for a batch where the logits are (on
+CUDA: on the device, only the token ids cross to the host).
 """
 
 from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +28,7 @@ class SamplerState:
     prompt_ids: tuple[int, ...]
     generator: torch.Generator = field(init=False)
     output_counts: Counter = field(default_factory=Counter)
+    _seen_prompt: dict = field(default_factory=dict, repr=False)  # device -> the prompt's distinct ids
 
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
@@ -31,6 +36,18 @@ class SamplerState:
 
     def record(self, token: int) -> None:
         self.output_counts[token] += 1
+
+    def uniform(self) -> float:
+        """The next draw's number in [0, 1) from the request's generator."""
+        return float(torch.rand((), generator=self.generator))
+
+    def prompt_set(self, device: torch.device) -> torch.Tensor:
+        """The prompt's distinct ids on `device` (the repetition penalty's), made once a device."""
+        ids = self._seen_prompt.get(device)
+        if ids is None:
+            ids = torch.tensor(sorted(set(self.prompt_ids)), dtype=torch.long).to(device)
+            self._seen_prompt[device] = ids
+        return ids
 
 
 def apply_penalties(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
@@ -65,12 +82,86 @@ def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def sample_token(logits: torch.Tensor, state: SamplerState) -> int:
-    """One token from a [vocab] row of logits (not modified)."""
+    """One token from a [vocab] row of logits (not modified): the reference of `sample_rows`."""
     logits = apply_penalties(logits.float().clone(), state)
     if state.params.greedy:
         return int(torch.argmax(logits))
-    probs = filter_probs(logits, state.params)
-    return int(torch.multinomial(probs, 1, generator=state.generator))
+    sorted_p, order = torch.sort(filter_probs(logits, state.params), descending=True)
+    return int(order[_pick(sorted_p[None], torch.tensor([state.uniform()]))[0]])
+
+
+def _pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of `probs` [B, K] (descending, the kept tokens first, zeros after), the index where the
+    cumulative mass first reaches u · total — the last kept index at most (rounding)."""
+    cdf = probs.cumsum(-1)
+    at = (cdf < u[:, None].to(cdf) * cdf[:, -1:]).sum(-1)
+    return torch.minimum(at, (probs > 0).sum(-1) - 1)
+
+
+def sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
+    """Each row's token (int64 `[B]` on logits' device) for rows `[B, vocab]` of logits (not modified) and
+    their requests' states: `sample_token` for a batch in a few batched ops (the candidates: each row's
+    top_k largest logits; every logit where a sampled row has no top_k)."""
+    x = _penalised(logits.float(), states)
+    greedy = [s.params.greedy for s in states]
+    if all(greedy):
+        return x.argmax(-1)
+    vocab, dev = x.shape[-1], x.device
+    rows = [_row_settings(s, vocab) for s in states]
+    k = int(max(r[0] for r in rows))
+    vals, idx = torch.sort(x, descending=True) if k == vocab else torch.topk(x, k)
+    kr, temp, top_p, min_p, u = _on(torch.tensor(rows, dtype=torch.float32).T.contiguous(), dev)
+    vals = vals.masked_fill(torch.arange(k, device=dev) >= kr[:, None], float("-inf"))
+    probs = torch.softmax(vals / temp[:, None], dim=-1)
+    probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None], 0.0)  # mass strictly above
+    probs = probs.masked_fill(probs < min_p[:, None] * probs[:, :1], 0.0)
+    drawn = idx.gather(1, _pick(probs, u)[:, None])[:, 0]
+    if not any(greedy):
+        return drawn
+    return torch.where(_on(torch.tensor(greedy), dev), x.argmax(-1), drawn)
+
+
+def _row_settings(state: SamplerState, vocab: int) -> list[float]:
+    """A row's candidates (k), temperature, top_p (2: off), min_p and the draw's number (a greedy row: one
+    candidate, no draw)."""
+    p = state.params
+    if p.greedy:
+        return [1, 1.0, 2.0, 0.0, 0.0]
+    k = p.top_k if 0 < p.top_k < vocab else vocab
+    return [k, p.temperature, p.top_p if p.top_p < 1.0 else 2.0, p.min_p, state.uniform()]
+
+
+def _penalised(x: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
+    """`x` after each row's penalties (`apply_penalties`' arithmetic), a copy where any row has one."""
+    rep = [(r, s) for r, s in enumerate(states) if s.params.repetition_penalty != 1.0]
+    pf = [(r, s) for r, s in enumerate(states)
+          if s.output_counts and (s.params.presence_penalty or s.params.frequency_penalty)]
+    if not rep and not pf:
+        return x
+    x, dev = x.clone(), x.device
+    if rep:  # HF: every id seen (prompt or output), positive / rp, negative · rp (an id twice: one value)
+        outputs = [_on(torch.tensor(list(s.output_counts), dtype=torch.long), dev) for _, s in rep]
+        seen = [torch.cat([s.prompt_set(dev), out]) for (_, s), out in zip(rep, outputs, strict=True)]
+        row = torch.cat([torch.full_like(ids, r) for (r, _), ids in zip(rep, seen, strict=True)])
+        at = row, torch.cat(seen)
+        rp = _on(torch.tensor([s.params.repetition_penalty for s in states], dtype=torch.float32), dev)[row]
+        vals = x[at]
+        x[at] = torch.where(vals > 0, vals / rp, vals * rp)
+    if pf:  # OpenAI: presence + frequency · count off each output id (distinct within a row), fp32 as there
+        flat = [(r, t, s.params.presence_penalty, s.params.frequency_penalty, c)
+                for r, s in pf for t, c in s.output_counts.items()]
+        row, tok, *terms = zip(*flat, strict=True)
+        presence, frequency, count = (torch.tensor(v, dtype=torch.float32) for v in terms)
+        at = _on(torch.tensor([row, tok], dtype=torch.long), dev)
+        x.index_put_((at[0], at[1]), _on(-(presence + frequency * count), dev), accumulate=True)
+    return x
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to CUDA through pinned memory (queued behind the work in flight)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def stop_reason(token: int, generated: int, params: SamplingParams,

@@ -73,7 +73,7 @@ def filter_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
     if p.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_p, 0) - sorted_p  # mass strictly above each token
+        before = torch.cumsum(sorted_p.double(), 0) - sorted_p  # mass strictly above each token (fp64 sums)
         drop = before >= p.top_p
         probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
     if p.min_p > 0.0:
@@ -92,8 +92,9 @@ def sample_token(logits: torch.Tensor, state: SamplerState) -> int:
 
 def _pick(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row of `probs` [B, K] (descending, the kept tokens first, zeros after), the index where the
-    cumulative mass first reaches u · total — the last kept index at most (rounding)."""
-    cdf = probs.cumsum(-1)
+    cumulative mass first reaches u · total — the last kept index at most (rounding). The sums in fp64: an
+    fp32 scan over a vocabulary is off by more than its tail tokens' mass, and unlike on two devices."""
+    cdf = probs.double().cumsum(-1)
     at = (cdf < u[:, None].to(cdf) * cdf[:, -1:]).sum(-1)
     return torch.minimum(at, (probs > 0).sum(-1) - 1)
 
@@ -113,7 +114,7 @@ def sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.T
     kr, temp, top_p, min_p, u = _on(torch.tensor(rows, dtype=torch.float32).T.contiguous(), dev)
     vals = vals.masked_fill(torch.arange(k, device=dev) >= kr[:, None], float("-inf"))
     probs = torch.softmax(vals / temp[:, None], dim=-1)
-    probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None], 0.0)  # mass strictly above
+    probs = probs.masked_fill(probs.double().cumsum(-1) - probs >= top_p[:, None], 0.0)  # mass strictly above
     probs = probs.masked_fill(probs < min_p[:, None] * probs[:, :1], 0.0)
     drawn = idx.gather(1, _pick(probs, u)[:, None])[:, 0]
     if not any(greedy):

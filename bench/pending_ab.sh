@@ -103,6 +103,9 @@
 #                                      # an H200: session 60's q4il sums from the producers are untimed there)
 #   bash bench/pending_ab.sh fp16      # both suites with fp16 GDN states (session 76, H100: IQ3_S's C = 8 /
 #                                      # C = 1 5.28x -> 5.42x; untimed on an H200)
+#   bash bench/pending_ab.sh sampling  # (run in session 79, H200: the presets 3-4 % under greedy) the sampler's
+#                                      # GPU test; decode with greedy and the presets' sampling at 1 / 4 lanes
+#                                      # (bench/tg_sampling.py, both types; ~4 min)
 #
 # A setting becomes a default only where its graphed rounds gain (min of two replays, A B B A); a faster
 # 1-lane round alone lowers C = 8 / C = 1.
@@ -110,7 +113,7 @@
 # `suites` and `fp16` take WTYPES (default both types: `WTYPES=q4_k bash bench/pending_ab.sh suites fp16`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASES="fp16, pool, spans, side2, defaults72, side, dataflow, argmax, tglead, tglead2, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
+PHASES="sampling, fp16, pool, spans, side2, defaults72, side, dataflow, argmax, tglead, tglead2, skips8, norm8, h200, h200b, h200c, prologue, prologue1, attnpf, contend, small, normone, recur, skips, q4after, lanetrace, next, nextsize, nextfine, nextkernels, evict3, evict2, evict, ahead0, cluster, gaps, trace, alloc, tests, staged, q4staged, conv, memory, workspace, gpu or suites"
 [ $# -gt 0 ] || { echo "phases: $PHASES"; exit 2; }
 ROOT=${OUT:-/tmp/ninfer-pending}
 PACK=${OUT:+1}  # a device call's $OUT (packed at the end, below)
@@ -537,6 +540,13 @@ NINFER_NEXT_PREFETCH=0+skip=fused._norm_kernel,NINFER_Q4IL_STAGED=0,NINFER_Q4IL_
       ;;
     suites)
       WTYPES="${WTYPES:-iq3_s q4_k}" SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh
+      ;;
+    sampling)
+      step pytest 120 "$PY" -m pytest -m gpu -rfE tests/test_sampler.py
+      for w in ${WTYPES:-q4_k iq3_s}; do
+        step "tg_$w" 200 "$PY" bench/tg_sampling.py --wtype "$w"
+        grep "^|" "$OUT/tg_$w.log"
+      done
       ;;
     fp16)
       # both suites with fp16 GDN states (the SPEC's serving line passes --gdn-state-fp16; the default is fp32):

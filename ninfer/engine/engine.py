@@ -28,7 +28,7 @@ from ninfer.engine.memory import (
     plan_kv_capacity,
 )
 from ninfer.engine.runner import ModelRunner
-from ninfer.engine.sampler import SamplerState, sample_rows, stop_reason
+from ninfer.engine.sampler import SamplerState, sample_rows, stop_reason, to_device
 from ninfer.engine.scheduler import Round, Scheduler, SchedulerLimits, Sequence, WorkItem
 from ninfer.engine.state_pool import GdnStatePool
 from ninfer.engine.workspace import cpu_workspace, measure_workspace
@@ -458,13 +458,9 @@ def _rows_in_order(sampled: list[int], done: dict[int, int], ahead_rows: torch.T
 
 
 def index_on(device: torch.device, rows: list[int]) -> torch.Tensor:
-    """`rows` as an index tensor on `device`; on CUDA through pinned memory, so the copy queues behind the
-    rounds in flight instead of waiting for them (a lane ending beside others, the lookahead gathering their
-    tokens, kept the device idle while the host caught up)."""
-    index = torch.tensor(rows, dtype=torch.long)
-    if device.type != "cuda":
-        return index.to(device)
-    return index.pin_memory().to(device, non_blocking=True)
+    """`rows` as an index tensor on `device` (`sampler.to_device`: a lane ending beside others, the lookahead
+    gathering their tokens, must not wait for the rounds in flight)."""
+    return to_device(torch.tensor(rows, dtype=torch.long), device)
 
 
 def eos_token_ids(artifact) -> tuple[int, ...]:

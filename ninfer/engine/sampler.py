@@ -45,7 +45,7 @@ class SamplerState:
         """The prompt's distinct ids on `device` (the repetition penalty's), made once a device."""
         ids = self._seen_prompt.get(device)
         if ids is None:
-            ids = torch.tensor(sorted(set(self.prompt_ids)), dtype=torch.long).to(device)
+            ids = to_device(torch.tensor(sorted(set(self.prompt_ids)), dtype=torch.long), device)
             self._seen_prompt[device] = ids
         return ids
 
@@ -111,7 +111,7 @@ def sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.T
     rows = [_row_settings(s, vocab) for s in states]
     k = int(max(r[0] for r in rows))
     vals, idx = torch.sort(x, descending=True) if k == vocab else torch.topk(x, k)
-    kr, temp, top_p, min_p, u = _on(torch.tensor(rows, dtype=torch.float32).T.contiguous(), dev)
+    kr, temp, top_p, min_p, u = to_device(torch.tensor(rows, dtype=torch.float32).T.contiguous(), dev)
     vals = vals.masked_fill(torch.arange(k, device=dev) >= kr[:, None], float("-inf"))
     probs = torch.softmax(vals / temp[:, None], dim=-1)
     probs = probs.masked_fill(probs.double().cumsum(-1) - probs >= top_p[:, None], 0.0)  # mass strictly above
@@ -119,7 +119,7 @@ def sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.T
     drawn = idx.gather(1, _pick(probs, u)[:, None])[:, 0]
     if not any(greedy):
         return drawn
-    return torch.where(_on(torch.tensor(greedy), dev), x.argmax(-1), drawn)
+    return torch.where(to_device(torch.tensor(greedy), dev), x.argmax(-1), drawn)
 
 
 def _row_settings(state: SamplerState, vocab: int) -> list[float]:
@@ -141,11 +141,12 @@ def _penalised(x: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
         return x
     x, dev = x.clone(), x.device
     if rep:  # HF: every id seen (prompt or output), positive / rp, negative · rp (an id twice: one value)
-        outputs = [_on(torch.tensor(list(s.output_counts), dtype=torch.long), dev) for _, s in rep]
+        outputs = [to_device(torch.tensor(list(s.output_counts), dtype=torch.long), dev) for _, s in rep]
         seen = [torch.cat([s.prompt_set(dev), out]) for (_, s), out in zip(rep, outputs, strict=True)]
         row = torch.cat([torch.full_like(ids, r) for (r, _), ids in zip(rep, seen, strict=True)])
         at = row, torch.cat(seen)
-        rp = _on(torch.tensor([s.params.repetition_penalty for s in states], dtype=torch.float32), dev)[row]
+        rp = torch.tensor([s.params.repetition_penalty for s in states], dtype=torch.float32)
+        rp = to_device(rp, dev)[row]
         vals = x[at]
         x[at] = torch.where(vals > 0, vals / rp, vals * rp)
     if pf:  # OpenAI: presence + frequency · count off each output id (distinct within a row), fp32 as there
@@ -153,15 +154,16 @@ def _penalised(x: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
                 for r, s in pf for t, c in s.output_counts.items()]
         row, tok, *terms = zip(*flat, strict=True)
         presence, frequency, count = (torch.tensor(v, dtype=torch.float32) for v in terms)
-        at = _on(torch.tensor([row, tok], dtype=torch.long), dev)
-        x.index_put_((at[0], at[1]), _on(-(presence + frequency * count), dev), accumulate=True)
+        at = to_device(torch.tensor([row, tok], dtype=torch.long), dev)
+        x.index_put_((at[0], at[1]), to_device(-(presence + frequency * count), dev), accumulate=True)
     return x
 
 
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; to CUDA through pinned memory (queued behind the work in flight)."""
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to CUDA through pinned memory, so the copy queues behind the rounds in
+    flight instead of waiting for them (a plain copy had idled the device while the host caught up)."""
     if device.type != "cuda":
-        return t
+        return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 

@@ -28,7 +28,8 @@ class SamplerState:
     prompt_ids: tuple[int, ...]
     generator: torch.Generator = field(init=False)
     output_counts: Counter = field(default_factory=Counter)
-    _seen_prompt: dict = field(default_factory=dict, repr=False)  # device -> the prompt's distinct ids
+    # device -> the prompt's distinct ids (`prompt_set`)
+    _seen_prompt: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)

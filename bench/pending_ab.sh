@@ -104,8 +104,9 @@
 #   bash bench/pending_ab.sh fp16      # both suites with fp16 GDN states (session 76, H100: IQ3_S's C = 8 /
 #                                      # C = 1 5.28x -> 5.42x; untimed on an H200)
 #   bash bench/pending_ab.sh sampling  # (run in session 79, H200: the presets 3-4 % under greedy) the sampler's
-#                                      # GPU test; decode with greedy and the presets' sampling at 1 / 4 lanes
-#                                      # (bench/tg_sampling.py, both types; ~4 min)
+#                                      # GPU tests; its device time, two kernels against PyTorch's ops
+#                                      # (bench/sampler_timing.py); decode with greedy and the presets' sampling at
+#                                      # 1 / 4 lanes, both samplers (bench/tg_sampling.py, both types; ~6 min)
 #
 # A setting becomes a default only where its graphed rounds gain (min of two replays, A B B A); a faster
 # 1-lane round alone lowers C = 8 / C = 1.
@@ -543,6 +544,8 @@ NINFER_NEXT_PREFETCH=0+skip=fused._norm_kernel,NINFER_Q4IL_STAGED=0,NINFER_Q4IL_
       ;;
     sampling)
       step pytest 120 "$PY" -m pytest -m gpu -rfE tests/test_sampler.py
+      step sampler_timing 120 "$PY" bench/sampler_timing.py
+      grep "^|" "$OUT/sampler_timing.log"
       for w in ${WTYPES:-q4_k iq3_s}; do
         step "tg_$w" 200 "$PY" bench/tg_sampling.py --wtype "$w"
         grep "^|" "$OUT/tg_$w.log"

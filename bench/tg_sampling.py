@@ -8,12 +8,14 @@ costs the round. `--tree DIR` imports ninfer from another checkout (e.g. `git ar
 Session 79 (H200, 512-token prompts, 128 tokens, two requests a row; tok/s Q4_K / IQ3_S): greedy 197.0 /
 191.7 either way; the thinking preset 43.8 / 31.2 on the host → 191.1 / 186.1 on the device, non-thinking
 (with its presence penalty) 34.4 / 26.7 → 188.6 / 183.6; four lanes with the thinking preset 44.4 / 38.1 →
-650.3 / 538.0 (greedy 667.6 / 550.1).
+650.3 / 538.0 (greedy 667.6 / 550.1). Since session 80 each sampled row twice: the sampler's two kernels
+(`ninfer.kernels.sampling`) and its PyTorch ops (NINFER_FUSED_SAMPLER=0).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,8 +70,13 @@ def decode_rate(preset: str, lanes: int, n_gen: int, seed: int) -> float:
 
 
 tag = a.tag or (str(a.tree) if a.tree else "this tree")
-print("| tree | model | sampling | lanes | decode tok/s (two requests) |\n|---|---|---|---|---|")
+print("| tree | model | sampling | sampler | lanes | decode tok/s (two requests) |")
+print("|---|---|---|---|---|---|")
 for preset, lanes in (("greedy", 1), ("thinking", 1), ("non-thinking", 1), ("greedy", 4), ("thinking", 4)):
-    decode_rate(preset, lanes, 8, seed=99)  # warm-up: graphs, the sampler's kernels
-    rates = [decode_rate(preset, lanes, a.n_gen, seed=r) for r in range(2)]
-    print(f"| {tag} | {name} | {preset} | C={lanes} | {' / '.join(f'{r:.1f}' for r in rates)} |", flush=True)
+    # a sampled round's tokens: the two kernels, then PyTorch's ops (NINFER_FUSED_SAMPLER=0), in this process
+    for sampler in ("kernels", "pytorch") if preset != "greedy" else ("-",):
+        os.environ["NINFER_FUSED_SAMPLER"] = "0" if sampler == "pytorch" else "1"
+        decode_rate(preset, lanes, 8, seed=99)  # warm-up: graphs, the sampler's kernels
+        rates = [decode_rate(preset, lanes, a.n_gen, seed=r) for r in range(2)]
+        rates = " / ".join(f"{r:.1f}" for r in rates)
+        print(f"| {tag} | {name} | {preset} | {sampler} | C={lanes} | {rates} |", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import needs_triton
 
 from ninfer.engine.api import SamplingParams
 from ninfer.engine.sampler import (
@@ -16,6 +17,8 @@ from ninfer.engine.sampler import (
     sample_token,
     stop_reason,
 )
+from ninfer.kernels import sampling
+from ninfer.kernels.sampling import draw_top_k
 
 
 def state(prompt: tuple[int, ...] = (), **kw) -> SamplerState:
@@ -121,13 +124,15 @@ MIXED = (
     dict(temperature=0.8, min_p=0.05, top_k=50, repetition_penalty=1.2),
     dict(temperature=1.0),
 )
+# rows the two kernels take (`sampling.draw_top_k`): each bounded by its top_k (≤ sampling.MAX_K) or greedy
+BOUNDED = (*MIXED[:4], MIXED[5], dict(temperature=1.5, top_k=3, frequency_penalty=0.5))
 
 
-def mixed_states(seed: int, vocab: int) -> list[SamplerState]:
-    """MIXED's requests with seeds, prompts and earlier output tokens (some repeated) of their own."""
+def mixed_states(seed: int, vocab: int, kinds: tuple[dict, ...] = MIXED) -> list[SamplerState]:
+    """Requests of `kinds` with seeds, prompts and earlier output tokens (some repeated) of their own."""
     g = torch.Generator().manual_seed(seed)
     states = []
-    for i, kw in enumerate(MIXED):
+    for i, kw in enumerate(kinds):
         st = SamplerState(SamplingParams(seed=seed * 10 + i, **kw),
                           tuple(torch.randint(0, vocab, (12,), generator=g).tolist()))
         for t in torch.randint(0, vocab // 4, (9,), generator=g).tolist():
@@ -195,13 +200,15 @@ def test_rows_follow_the_filtered_distribution():
 
 
 @pytest.mark.gpu
-def test_rows_on_the_gpu_draw_the_cpus_tokens():
-    """The server's batches on the device: the CPU's tokens for the same logits and seeds — or, where two
-    logits of a row are equal (248,320 normal floats hold a few hundred ties) and the two sorts ordered them
-    apart, a token of the same logit."""
+@pytest.mark.parametrize("kinds", [MIXED, BOUNDED], ids=["pytorch", "kernels"])
+def test_rows_on_the_gpu_draw_the_cpus_tokens(kinds):
+    """The server's batches on the device (rows without a top_k: PyTorch's ops; all bounded: the two
+    kernels): the CPU's tokens for the same logits and seeds — or, where two logits of a row are equal
+    (248,320 normal floats hold a few hundred ties) and the two sorts ordered them apart, a token of the same
+    logit."""
     vocab = 248_320  # the 27B's head: the whole-vocabulary sort and the top-20 of each row
     g = torch.Generator().manual_seed(9)
-    on_cpu, on_gpu = mixed_states(9, vocab), mixed_states(9, vocab)
+    on_cpu, on_gpu = mixed_states(9, vocab, kinds), mixed_states(9, vocab, kinds)
     for _ in range(4):
         x = torch.randn(len(on_cpu), vocab, generator=g) * 3
         tokens = sample_rows(x, on_cpu)
@@ -212,3 +219,73 @@ def test_rows_on_the_gpu_draw_the_cpus_tokens():
         for t, a, b in zip(tokens.tolist(), on_cpu, on_gpu, strict=True):
             a.record(t)
             b.record(t)
+
+
+
+@needs_triton
+@pytest.mark.parametrize("chunk", [64, None])  # 64: five chunks a row, the candidates merged across them
+def test_kernels_draw_the_single_row_references_tokens(triton_on_cpu_env, monkeypatch, chunk):
+    """`sample_rows` through its two kernels (Triton's interpreter) over rows with a top_k and greedy rows:
+    `sample_token`'s tokens row by row for several rounds, each token then recorded for the penalties."""
+    calls = []
+
+    def draw(x, settings, k):
+        calls.append(k)
+        return draw_top_k(x, settings, k, chunk=chunk)
+    monkeypatch.setattr(sampling, "draw_top_k", draw)
+    vocab = 300
+    states, twins = mixed_states(13, vocab, BOUNDED), mixed_states(13, vocab, BOUNDED)
+    g = torch.Generator().manual_seed(13)
+    for _ in range(4):
+        x = torch.randn(len(states), vocab, generator=g) * 2.5
+        tokens = sample_rows(x, states).tolist()
+        assert tokens == [sample_token(row, st) for row, st in zip(x, twins, strict=True)]
+        for t, a, b in zip(tokens, states, twins, strict=True):
+            a.record(t)
+            b.record(t)
+    assert calls == [50] * 4
+
+
+@needs_triton
+def test_kernels_take_the_first_of_equal_logits(triton_on_cpu_env):
+    """A greedy row's token is its first column of the largest logit, as `argmax` (ties across chunks and
+    inside one); a top-2 row at a tiny temperature draws between its two equal best with its number."""
+    x = torch.randn(4, 320, generator=torch.Generator().manual_seed(14))
+    x[0, [250, 40, 200]] = 9.0  # chunks 3, 0, 3 of 64 columns
+    x[1, [71, 70]] = 9.0
+    x[[2, 3], 100] = x[[2, 3], 300] = 9.0
+    settings = torch.tensor([[1, 1, 2, 2], [1, 1, 0.01, 0.01], [2] * 4, [0] * 4, [0, 0, 0.25, 0.75]])
+    assert draw_top_k(x, settings, 2, chunk=64).tolist() == [40, 70, 100, 300]
+
+
+def test_kernels_leave_unbounded_rows_to_pytorch(triton_on_cpu_env, monkeypatch):
+    """Rows without a top_k (the whole vocabulary) or with more than MAX_K candidates: not the kernels'."""
+    def draw(*args):
+        raise AssertionError("the kernels took rows they cannot")
+    monkeypatch.setattr(sampling, "draw_top_k", draw)
+    x = torch.randn(2, 200, generator=torch.Generator().manual_seed(15))
+    for kw in (dict(temperature=0.9, top_p=0.9), dict(temperature=0.9, top_k=sampling.MAX_K + 1)):
+        states = [SamplerState(SamplingParams(seed=1, **kw), ()), state(temperature=0.0)]
+        assert sample_rows(x, states).shape == (2,)
+    assert not sampling.takes(x[:, :sampling.MAX_K], sampling.MAX_K)  # k must be below the vocabulary
+
+
+@needs_triton
+def test_kernels_pick_the_token_whose_interval_holds_the_number(triton_on_cpu_env):
+    """Against float64 (`filter_probs`): rows of each filter at numbers across [0, 1) draw the token whose
+    interval of the filtered distribution, in descending order, holds the number."""
+    x = torch.randn(200, generator=torch.Generator().manual_seed(16)) * 2
+    filters = (dict(temperature=0.6, top_k=30), dict(temperature=1.0, top_k=30, top_p=0.7),
+               dict(temperature=1.2, top_k=30, min_p=0.1),
+               dict(temperature=0.9, top_k=5, top_p=0.9, min_p=0.2))
+    numbers = (0.02, 0.3, 0.55, 0.8, 0.97, 0.999)
+    settings = torch.tensor([[kw["top_k"], kw["temperature"], kw.get("top_p", 2.0), kw.get("min_p", 0.0), u]
+                             for kw in filters for u in numbers]).T.contiguous()
+    tokens = draw_top_k(x.expand(settings.shape[1], -1), settings, 30).tolist()
+    for i, kw in enumerate(filters):
+        probs, order = torch.sort(filter_probs(x.double(), SamplingParams(**kw)), descending=True)
+        cdf = probs.cumsum(0)
+        for u, token in zip(numbers, tokens[i * len(numbers):], strict=False):
+            j = order.tolist().index(token)
+            assert probs[j] > 0
+            assert (cdf[j - 1] if j else 0.0) - 1e-6 <= u <= cdf[j] + 1e-6

@@ -5,7 +5,8 @@ tokens, OpenAI style), then greedy argmax or temperature → top-k → top-p →
 inverse-CDF pick over the kept tokens in descending probability with one uniform number from the request's
 own generator (on the host), so a seeded request gives the same tokens whatever else shares its batch.
 `sample_token` is the single-row reference; `sample_rows` does the same for a batch where the logits are (on
-CUDA: on the device, only the token ids cross to the host).
+CUDA: on the device, only the token ids cross to the host; rows of at most `sampling.MAX_K` candidates in two
+kernel launches, `ninfer.kernels.sampling`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ninfer.engine.api import FinishReason, SamplingParams
+from ninfer.kernels import sampling
 
 
 @dataclass
@@ -111,8 +113,11 @@ def sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.T
     vocab, dev = x.shape[-1], x.device
     rows = [_row_settings(s, vocab) for s in states]
     k = int(max(r[0] for r in rows))
+    settings = to_device(torch.tensor(rows, dtype=torch.float32).T.contiguous(), dev)
+    if sampling.takes(x, k):
+        return sampling.draw_top_k(x, settings, k)
     vals, idx = torch.sort(x, descending=True) if k == vocab else torch.topk(x, k)
-    kr, temp, top_p, min_p, u = to_device(torch.tensor(rows, dtype=torch.float32).T.contiguous(), dev)
+    kr, temp, top_p, min_p, u = settings
     vals = vals.masked_fill(torch.arange(k, device=dev) >= kr[:, None], float("-inf"))
     probs = torch.softmax(vals / temp[:, None], dim=-1)
     probs = probs.masked_fill(probs.double().cumsum(-1) - probs >= top_p[:, None], 0.0)  # mass strictly above

@@ -1,0 +1,98 @@
+"""A sampled round's tokens in two launches (`draw_top_k`): each row's top-k candidates, then its draw.
+
+`sampler.sample_rows` takes this where every row keeps at most `MAX_K` candidates (the Qwen presets keep 20;
+greedy rows one) and the kernels run on the logits' device; its batched PyTorch ops (`torch.topk`, softmax,
+the masks, the cumulative sums: some 25 launches a round) are the reference and stay the path elsewhere.
+
+1. `_chunk_top_kernel`, a program per (row, chunk of columns): the chunk's K best columns as int64 keys, the
+   logit's order key (`fused._order_key`: as `torch.argmax` compares) above the column's complement, so equal
+   logits rank their first column first (as `argmax`).
+2. `_draw_kernel`, a program per row: the row's K best of its chunks' candidates, each row's own k of them,
+   then `sample_rows`' arithmetic — ÷ T, softmax, top-p (the mass strictly above a token, fp64), min-p — and
+   the inverse-CDF pick of the row's uniform number over the kept mass (fp64 sums). A greedy row (k = 1)
+   takes its best column.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, triton_runs_on
+
+MAX_K = 64  # candidates a row at most (a power of two); rows asking more, or all (no top_k): PyTorch's
+CANDIDATES = 4096  # a row's chunk candidates at most: the draw's one program holds them all
+
+if HAVE_TRITON:
+    from ninfer.kernels.fused import _order_key
+
+    NO_COLUMN = tl.constexpr(-2147483647)  # the order key of columns past the vocabulary (below every number)
+    PAD = tl.constexpr(-9223372036854775807)  # below every key
+
+    @jit
+    def _chunk_top_kernel(x_ptr, cand_ptr, V, sx, CHUNKS, K: tl.constexpr, CHUNK: tl.constexpr):
+        """Row r, chunk c: the K largest keys of columns [c·CHUNK, (c + 1)·CHUNK) at cand[r, c, :]."""
+        r, c = tl.program_id(0), tl.program_id(1)
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(x_ptr + r * sx + cols, mask=cols < V, other=0.0)
+        key = tl.where(cols < V, _order_key(x), NO_COLUMN)
+        packed = (key.to(tl.int64) << 32) | (2147483647 - cols.to(tl.int64))
+        tl.store(cand_ptr + (r * CHUNKS + c) * K + tl.arange(0, K), tl.topk(packed, K))
+
+    @jit
+    def _draw_kernel(x_ptr, cand_ptr, set_ptr, out_ptr, sx, B, N, K: tl.constexpr, BLOCK: tl.constexpr):
+        """Row r's token from its N chunk candidates and its settings (set[:, r]: k, T, top_p, min_p, u)."""
+        r = tl.program_id(0)
+        i = tl.arange(0, BLOCK)
+        best = tl.topk(tl.load(cand_ptr + r * N + i, mask=i < N, other=PAD), K)
+        cols = (2147483647 - (best & 0xFFFFFFFF)).to(tl.int32)
+        j = tl.arange(0, K)
+        k = tl.load(set_ptr + r)
+        temp = tl.load(set_ptr + B + r)
+        top_p = tl.load(set_ptr + 2 * B + r)
+        min_p = tl.load(set_ptr + 3 * B + r)
+        u = tl.load(set_ptr + 4 * B + r)
+        z = tl.where(j < k, tl.load(x_ptr + r * sx + cols) / temp, float("-inf"))
+        e = tl.exp(z - tl.max(z, 0))
+        p = e / tl.sum(e, 0)
+        p = tl.where(tl.cumsum(p.to(tl.float64), 0) - p >= top_p, 0.0, p)  # the mass strictly above each
+        p = tl.where(p < min_p * tl.max(p, 0), 0.0, p)
+        cdf = tl.cumsum(p.to(tl.float64), 0)
+        at = tl.sum((cdf < u * tl.max(cdf, 0)).to(tl.int32), 0)
+        at = tl.minimum(at, tl.sum((p > 0).to(tl.int32), 0) - 1)
+        tl.store(out_ptr + r, tl.sum(tl.where(j == at, cols, 0), 0).to(tl.int64))
+
+
+def takes(x: torch.Tensor, k: int) -> bool:
+    """Whether `draw_top_k` takes logits `x` `[B, V]` whose rows keep at most k candidates: Triton runs on
+    x's device (with `tl.topk`), 1 ≤ k ≤ MAX_K and k < V; NINFER_FUSED_SAMPLER=0 leaves it off (for A/B)."""
+    return (HAVE_TRITON and hasattr(tl, "topk") and triton_runs_on(x) and x.dim() == 2 and x.stride(-1) == 1
+            and 1 <= k <= min(MAX_K, x.shape[1] - 1) and os.environ.get("NINFER_FUSED_SAMPLER", "1") != "0")
+
+
+def _pow2(n: int) -> int:
+    """The least power of two ≥ n (1 for n ≤ 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def draw_top_k(x: torch.Tensor, settings: torch.Tensor, k: int, chunk: int | None = None) -> torch.Tensor:
+    """Each row's token (int64 `[B]`) from fp32 logits `x` `[B, V]` and `settings` fp32 `[5, B]` on its
+    device (a row's candidates ≤ k, temperature, top_p (≥ 1: off), min_p, its uniform number; a greedy row
+    1, 1, 2, 0, 0), as `sampler.sample_rows` draws them, in two launches. `chunk`: columns a program of the
+    first (a power of two ≥ k; default ≥ 1,024 and few enough chunks for the draw's CANDIDATES)."""
+    B, V = x.shape
+    K = max(_pow2(k), 2)  # tl.topk's k: a power of two above one
+    chunk = chunk or max(K, min(1024, _pow2(V)), _pow2(-(-V * K // CANDIDATES)))
+    if chunk < K or chunk != _pow2(chunk) or -(-V // chunk) * K > CANDIDATES:
+        raise ValueError(f"draw_top_k: chunk {chunk} must be a power of two ≥ {K}, at most {CANDIDATES} "
+                         "candidates a row")
+    chunks = -(-V // chunk)
+    cand = torch.empty((B, chunks, K), dtype=torch.int64, device=x.device)
+    out = torch.empty(B, dtype=torch.int64, device=x.device)
+    if B:
+        _chunk_top_kernel[(B, chunks)](x, cand, V, x.stride(0), chunks, K=K, CHUNK=chunk,
+                                       num_warps=4 if chunk >= 1024 else 1)
+        _draw_kernel[(B,)](x, cand, settings, out, x.stride(0), B, chunks * K, K=K,
+                           BLOCK=_pow2(chunks * K), num_warps=4)
+    return out

@@ -547,7 +547,7 @@ NINFER_NEXT_PREFETCH=0+skip=fused._norm_kernel,NINFER_Q4IL_STAGED=0,NINFER_Q4IL_
       step sampler_timing 120 "$PY" bench/sampler_timing.py
       grep "^|" "$OUT/sampler_timing.log"
       for w in ${WTYPES:-q4_k iq3_s}; do
-        step "tg_$w" 200 "$PY" bench/tg_sampling.py --wtype "$w"
+        step "tg_$w" 320 "$PY" bench/tg_sampling.py --wtype "$w"
         grep "^|" "$OUT/tg_$w.log"
       done
       ;;

@@ -161,7 +161,7 @@ def _penalised(x: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
         row, tok, *terms = zip(*flat, strict=True)
         presence, frequency, count = (torch.tensor(v, dtype=torch.float32) for v in terms)
         at = to_device(torch.tensor([row, tok], dtype=torch.long), dev)
-        x.index_put_((at[0], at[1]), to_device(-(presence + frequency * count), dev), accumulate=True)
+        x[at[0], at[1]] -= to_device(presence + frequency * count, dev)  # (no pair twice: no accumulation)
     return x
 
 

@@ -22,8 +22,9 @@ import torch
 from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, triton_runs_on
 
 MAX_K = 64  # candidates a row at most (a power of two); rows asking more, or all (no top_k): PyTorch's
-# a row's chunk candidates at most: the draw's one program holds them all (H100, the presets' rows: 2,048 →
-# the 27B's row in 61 chunks of 4,096, 25.7 µs a row, 56.7 for eight; 4,096 → 122 of 2,048, 29.0 / 57.3)
+# a row's chunk candidates at most: the draw's one program holds them all (H100, the presets' rows, the two
+# kernels: 2,048 → the 27B's row in 61 chunks of 4,096, 24.6 µs a row, 56.7 for eight; 4,096 → 122 chunks of
+# 2,048 at 4 / 4 warps, 30.7 / 61.0; docs/gpu-notes.md "Session 80")
 CANDIDATES = 2048
 
 if HAVE_TRITON:

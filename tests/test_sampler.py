@@ -142,12 +142,19 @@ def mixed_states(seed: int, vocab: int, kinds: tuple[dict, ...] = MIXED) -> list
 
 
 def test_rows_penalties_are_the_reference_arithmetic():
+    """Bit for bit `apply_penalties`, also after more tokens are recorded (repeats and new ones: the rows'
+    device counts kept in step), never in place."""
     states = mixed_states(1, 300)
-    x = torch.randn(len(states), 300, generator=torch.Generator().manual_seed(2)) * 3
-    expected = torch.stack([apply_penalties(row.clone(), st) for row, st in zip(x, states, strict=True)])
-    out = _penalised(x, states)
-    assert torch.equal(out, expected)
-    assert not torch.equal(out, x)  # (not in place)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(len(states), 300, generator=g) * 3
+        expected = torch.stack([apply_penalties(row.clone(), st) for row, st in zip(x, states, strict=True)])
+        out = _penalised(x, states)
+        assert torch.equal(out, expected)
+        assert not torch.equal(out, x)
+        for st, t in zip(states, torch.randint(0, 150, (len(states),), generator=g).tolist(), strict=True):
+            st.record(t)
+            st.record(t % 75)
 
 
 @pytest.mark.parametrize("seed", [3, 4, 5])

@@ -157,20 +157,23 @@ def test_rows_penalties_are_the_reference_arithmetic():
             st.record(t % 75)
 
 
-@pytest.mark.parametrize("seed", [3, 4, 5])
-def test_rows_draw_the_single_row_references_tokens(seed):
-    """Same logits, same seeds: `sample_rows` over the batch = `sample_token` row by row, several rounds
-    (each row's generator consumed in the same order), each token then recorded for the penalties."""
-    vocab = 400
-    batch, alone = mixed_states(seed, vocab), mixed_states(seed, vocab)
+def assert_rounds_draw_the_references_tokens(batch: list[SamplerState], alone: list[SamplerState], vocab: int,
+                                             rounds: int, seed: int) -> None:
+    """Same logits, same seeds: `sample_rows` over the batch = `sample_token` row by row for each round
+    (each row's generator consumed in the same order), each token then recorded in both for the penalties."""
     g = torch.Generator().manual_seed(seed)
-    for _ in range(6):
+    for _ in range(rounds):
         x = torch.randn(len(batch), vocab, generator=g) * 2.5
         tokens = sample_rows(x, batch).tolist()
         assert tokens == [sample_token(row, st) for row, st in zip(x, alone, strict=True)]
         for t, a, b in zip(tokens, batch, alone, strict=True):
             a.record(t)
             b.record(t)
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_rows_draw_the_single_row_references_tokens(seed):
+    assert_rounds_draw_the_references_tokens(mixed_states(seed, 400), mixed_states(seed, 400), 400, 6, seed)
 
 
 def test_rows_pick_the_token_whose_interval_holds_the_draw():
@@ -240,16 +243,8 @@ def test_kernels_draw_the_single_row_references_tokens(triton_on_cpu_env, monkey
         calls.append(k)
         return draw_top_k(x, settings, k, chunk=chunk)
     monkeypatch.setattr(sampling, "draw_top_k", draw)
-    vocab = 300
-    states, twins = mixed_states(13, vocab, BOUNDED), mixed_states(13, vocab, BOUNDED)
-    g = torch.Generator().manual_seed(13)
-    for _ in range(4):
-        x = torch.randn(len(states), vocab, generator=g) * 2.5
-        tokens = sample_rows(x, states).tolist()
-        assert tokens == [sample_token(row, st) for row, st in zip(x, twins, strict=True)]
-        for t, a, b in zip(tokens, states, twins, strict=True):
-            a.record(t)
-            b.record(t)
+    batch, alone = mixed_states(13, 300, BOUNDED), mixed_states(13, 300, BOUNDED)
+    assert_rounds_draw_the_references_tokens(batch, alone, 300, rounds=4, seed=13)
     assert calls == [50] * 4
 
 

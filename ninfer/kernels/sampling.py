@@ -19,7 +19,10 @@ import os
 
 import torch
 
-from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, triton_runs_on
+from ninfer.kernels.fused import runs_on
+from ninfer.kernels.triton_support import HAVE_TRITON, jit, tl, triton
+
+pow2 = triton.next_power_of_2 if HAVE_TRITON else None
 
 MAX_K = 64  # candidates a row at most (a power of two); rows asking more, or all (no top_k): PyTorch's
 # a row's chunk candidates at most: the draw's one program holds them all (H100, the presets' rows, the two
@@ -70,13 +73,8 @@ if HAVE_TRITON:
 def takes(x: torch.Tensor, k: int) -> bool:
     """Whether `draw_top_k` takes logits `x` `[B, V]` whose rows keep at most k candidates: Triton runs on
     x's device (with `tl.topk`), 1 ≤ k ≤ MAX_K and k < V; NINFER_FUSED_SAMPLER=0 leaves it off (for A/B)."""
-    return (HAVE_TRITON and hasattr(tl, "topk") and triton_runs_on(x) and x.dim() == 2 and x.stride(-1) == 1
+    return (runs_on(x) and hasattr(tl, "topk") and x.dim() == 2 and x.stride(-1) == 1
             and 1 <= k <= min(MAX_K, x.shape[1] - 1) and os.environ.get("NINFER_FUSED_SAMPLER", "1") != "0")
-
-
-def _pow2(n: int) -> int:
-    """The least power of two ≥ n (1 for n ≤ 1)."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def draw_top_k(x: torch.Tensor, settings: torch.Tensor, k: int, chunk: int | None = None) -> torch.Tensor:
@@ -85,9 +83,9 @@ def draw_top_k(x: torch.Tensor, settings: torch.Tensor, k: int, chunk: int | Non
     1, 1, 2, 0, 0), as `sampler.sample_rows` draws them, in two launches. `chunk`: columns a program of the
     first (a power of two ≥ k; default ≥ 1,024 and few enough chunks for the draw's CANDIDATES)."""
     B, V = x.shape
-    K = max(_pow2(k), 2)  # tl.topk's k: a power of two above one
-    chunk = chunk or max(K, min(1024, _pow2(V)), _pow2(-(-V * K // CANDIDATES)))
-    if chunk < K or chunk != _pow2(chunk) or -(-V // chunk) * K > CANDIDATES:
+    K = max(pow2(k), 2)  # tl.topk's k: a power of two above one
+    chunk = chunk or max(K, min(1024, pow2(V)), pow2(-(-V * K // CANDIDATES)))
+    if chunk < K or chunk != pow2(chunk) or -(-V // chunk) * K > CANDIDATES:
         raise ValueError(f"draw_top_k: chunk {chunk} must be a power of two ≥ {K}, at most {CANDIDATES} "
                          "candidates a row")
     chunks = -(-V // chunk)
@@ -97,5 +95,5 @@ def draw_top_k(x: torch.Tensor, settings: torch.Tensor, k: int, chunk: int | Non
         _chunk_top_kernel[(B, chunks)](x, cand, V, x.stride(0), chunks, K=K, CHUNK=chunk,
                                        num_warps=8 if chunk >= 4096 else 4 if chunk >= 1024 else 1)
         _draw_kernel[(B,)](x, cand, settings, out, x.stride(0), B, chunks * K, K=K,
-                           BLOCK=_pow2(chunks * K), num_warps=16 if chunks * K > 1024 else 4)
+                           BLOCK=pow2(chunks * K), num_warps=16 if chunks * K > 1024 else 4)
     return out

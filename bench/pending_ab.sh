@@ -5,8 +5,7 @@
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
 #   bash bench/pending_ab.sh whole     # the output projections asked into L2 whole by the GEMV before them
-#                                      # (NINFER_NEXT_PREFETCH_WHOLE): GPU tests, both types' rounds (~7 min)
-#   bash bench/pending_ab.sh whole2    # the same at IQ3_S's 4 columns; the head's prefetch at 0 / 8 / 32 MiB
+#                                      # (NINFER_NEXT_PREFETCH_WHOLE): GPU tests, both types' rounds (~8 min)
 #   bash bench/pending_ab.sh nextkernels  # (run in session 60 on an H200, 7.3 min; in 59 on an H100) the
 #                                      # suites with the next GEMV's prefetch off, on for every NVRTC GEMV, and
 #                                      # on for all but the tensor-core il32 kernel (main's default since; IQ3_S;
@@ -555,13 +554,7 @@ NINFER_NEXT_PREFETCH=0+skip=fused._norm_kernel,NINFER_Q4IL_STAGED=0,NINFER_Q4IL_
       sweep whole_q4_k q4_k 200 NINFER_NEXT_PREFETCH_WHOLE=0,NINFER_NEXT_PREFETCH_WHOLE=q4il=20480 --lanes 1,8
       sweep whole_iq3_s iq3_s 240 NINFER_NEXT_PREFETCH_WHOLE=0,NINFER_NEXT_PREFETCH_WHOLE=il=16384,\
 NINFER_NEXT_PREFETCH_WHOLE=il=16384:il_mma=16384 --lanes 1,8
-      ;;
-    whole2)
-      # the same for IQ3_S's 4-column step; the head's prefetch of the next round's first GEMV (47 MB of Q4_K,
-      # the graph's end and start between them) at 0 / 8 / 32 MiB
       sweep whole_c4 iq3_s 150 NINFER_NEXT_PREFETCH_WHOLE=0,NINFER_NEXT_PREFETCH_WHOLE=il_mma=16384 --columns 4
-      sweep head_q4_k q4_k 200 NINFER_NEXT_PREFETCH=q4il=8192:q6il=0,NINFER_NEXT_PREFETCH=q4il=8192:q6il=8192,\
-NINFER_NEXT_PREFETCH=q4il=8192:q6il=32768 --lanes 1
       ;;
     sampling)
       step pytest 120 "$PY" -m pytest -m gpu -rfE tests/test_sampler.py

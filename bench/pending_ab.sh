@@ -4,8 +4,6 @@
 # came of it: docs/gpu-notes.md, a section a session (a phase's note below says when it last ran).
 # Prepare on the CPU machine first: `bash bench/device_prep.sh` (carry [".whl", ".fixtures"]).
 #
-#   bash bench/pending_ab.sh whole     # the output projections asked into L2 whole by the GEMV before them
-#                                      # (NINFER_NEXT_PREFETCH_WHOLE): GPU tests, both types' rounds (~8 min)
 #   bash bench/pending_ab.sh nextkernels  # (run in session 60 on an H200, 7.3 min; in 59 on an H100) the
 #                                      # suites with the next GEMV's prefetch off, on for every NVRTC GEMV, and
 #                                      # on for all but the tensor-core il32 kernel (main's default since; IQ3_S;
@@ -543,18 +541,6 @@ NINFER_NEXT_PREFETCH=0+skip=fused._norm_kernel,NINFER_Q4IL_STAGED=0,NINFER_Q4IL_
       ;;
     suites)
       WTYPES="${WTYPES:-iq3_s q4_k}" SUITE_TIMEOUT_S=280 OUT=$OUT bash bench/gpu_bench.sh
-      ;;
-    whole)
-      # the output projections' words asked into L2 whole by the GEMV before them (gemv_il.NEXT_PREFETCH_WHOLE;
-      # the 27B's 5120x6144: Q4_K 17,280 KiB, IQ3_S 13,200) against the kernels' 8 MiB, or none (IQ3_S's
-      # il on the H200): their GPU tests, both types' graphed rounds at 1 / 8 lanes and the 4-column step
-      NINFER_NEXT_PREFETCH_WHOLE=il=16384:il_mma=16384:q4il=20480 step pytest 200 "$PY" -m pytest -m gpu -n 6 \
-        -p xdist --dist worksteal -rfE -k "into_l2 or replay_equals_eager" tests/test_gemv_il.py tests/test_graph_decode.py
-      grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-      sweep whole_q4_k q4_k 200 NINFER_NEXT_PREFETCH_WHOLE=0,NINFER_NEXT_PREFETCH_WHOLE=q4il=20480 --lanes 1,8
-      sweep whole_iq3_s iq3_s 240 NINFER_NEXT_PREFETCH_WHOLE=0,NINFER_NEXT_PREFETCH_WHOLE=il=16384,\
-NINFER_NEXT_PREFETCH_WHOLE=il=16384:il_mma=16384 --lanes 1,8
-      sweep whole_c4 iq3_s 150 NINFER_NEXT_PREFETCH_WHOLE=0,NINFER_NEXT_PREFETCH_WHOLE=il_mma=16384 --columns 4
       ;;
     sampling)
       step pytest 120 "$PY" -m pytest -m gpu -rfE tests/test_sampler.py

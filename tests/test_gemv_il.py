@@ -679,18 +679,6 @@ def test_the_next_gemv_is_the_one_launched_after_it_last_time(monkeypatch):
     monkeypatch.setenv("NINFER_NEXT_PREFETCH", "q4il=2:il=1")
     got = [call(w) for w in (a, b, c)]
     assert got[0][0] is b and got[1] == [] and got[2][0] is a and got[2][1:] == [2048, 512, 512, 4]
-    # NINFER_NEXT_PREFETCH_WHOLE=kernel=KB: the next words whole where they are at most KB KiB, the kernel's
-    # own size otherwise
-    monkeypatch.setenv("NINFER_NEXT_PREFETCH_WHOLE", "q4il=4:il_mma=1")
-    got = [call(w) for w in (a, b, c)]
-    assert got[0][0] is b and got[1] == [] and got[2][0] is a  # c's 32,000 bytes are more than b's 1 KiB
-    assert got[2][1:] == [4000, 1008, 1008, 4]  # a's 4,000 bytes ≤ 4 KiB: all of them
-    monkeypatch.setenv("NINFER_NEXT_PREFETCH_WHOLE", "q4il=3")  # a's are more: q4il's own 2 KiB
-    assert call(a) and call(b) == [] and call(c)[1:] == [2048, 512, 512, 4]
-    monkeypatch.setenv("NINFER_NEXT_PREFETCH_WHOLE", "q4il")
-    with pytest.raises(gemv_il.QuantKernelError, match="NINFER_NEXT_PREFETCH_WHOLE"):
-        call(a)
-    monkeypatch.delenv("NINFER_NEXT_PREFETCH_WHOLE")
     monkeypatch.setenv("NINFER_NEXT_PREFETCH", "il_mma=2")  # b's next (c) learned while b's own was off
     assert call(b)[0] is c
     for wrong in ("q4il", "q4il=-1", "mma=2", "il=2:q4il"):

@@ -977,13 +977,6 @@ def evict_level(kernel: str) -> int:
 NEXT_PREFETCH: dict[str, int] = {"il": 8192, "q4il": 8192, "q6il": 8192}
 NEXT_PREFETCH_WIDE: dict[str, int] = {"q4il": 8192}
 WIDE_GBS_PER_SM = 30.0
-# The next GEMV's words asked into L2 whole where they are at most this many KB (by kernel, as
-# NEXT_PREFETCH; NINFER_NEXT_PREFETCH_WHOLE sets it the same way), its kernel's NEXT_PREFETCH size otherwise.
-# Which those are in a decode round: the output projections (the 27B's 5120x6144: 17.7 MB of Q4_K, 13.5 of
-# IQ3_S), each after the longest stretch of small kernels on the chain — the GDN recurrence and gated norm
-# (~6.5 us on an H100, session 61's trace), the attention's four launches (~14) — while HBM idles, where
-# 8 MiB leaves the larger half of the matrix to be read once the projection has started. Off until timed.
-NEXT_PREFETCH_WHOLE: dict[str, int] = {}
 
 
 @functools.cache
@@ -1008,33 +1001,29 @@ def next_prefetch(kernel: str, words: torch.Tensor, ctas: int, tiles: int, first
     """NVRTC GEMV `kernel` (of `KERNELS`) of `words` (`tiles` tiles stored one after another; its `ctas` CTAs
     start on `first_tiles` of them) is about to launch: note it as the next of the one launched before it, and
     return its kernel's last arguments — the next GEMV's words, the bytes to cut at, and runs (stride, bytes,
-    count) of 16-byte multiples: the next words' first KB (all of them where they are at most
-    `NEXT_PREFETCH_WHOLE`'s KB, NINFER_NEXT_PREFETCH_WHOLE) as one run a CTA, or with
+    count) of 16-byte multiples: the next words' first KB as one run a CTA, or with
     NINFER_NEXT_PREFETCH_SPREAD=1 a share at the start of each tile the next launch starts on — or none where
     prefetching is off for this kernel (off for every kernel: nothing noted either), the GPU older than sm_90,
     or no next GEMV known. `conv_lanes`: the lanes of the GDN conv the GEMV runs in its epilogue (the
     recurrence runs next); above NINFER_NEXT_PREFETCH_CONV_LANES none either (an A/B)."""
     defaults = NEXT_PREFETCH_WIDE if wide_memory(words.device) else NEXT_PREFETCH
     kbs = _by_kernel("NINFER_NEXT_PREFETCH", defaults, "KB", "il=8192:q4il=8192")
-    wholes = _by_kernel("NINFER_NEXT_PREFETCH_WHOLE", NEXT_PREFETCH_WHOLE, "KB", "q4il=20480")
-    if (not any(kbs.values()) and not any(wholes.values())
-            or words.is_cuda and torch.cuda.get_device_capability(words.device)[0] < 9):
+    if not any(kbs.values()) or (words.is_cuda and torch.cuda.get_device_capability(words.device)[0] < 9):
         return []  # (nothing learned either: the rounds before a capture teach it once it is on)
     before = _latest[0]() if _latest[0] is not None else None
     if before is not None and before.data_ptr() != words.data_ptr():
         _after[before.data_ptr()] = (weakref.ref(before), weakref.ref(words))
     _latest[0] = weakref.ref(words)
     _first[words.data_ptr()] = (tiles, first_tiles)
-    kb, whole = kbs.get(kernel, 0), wholes.get(kernel, 0)
-    if (kb <= 0 and whole <= 0
-            or conv_lanes > int(os.environ.get("NINFER_NEXT_PREFETCH_CONV_LANES", MAX_COLUMNS))):
+    kb = kbs.get(kernel, 0)
+    if kb <= 0 or conv_lanes > int(os.environ.get("NINFER_NEXT_PREFETCH_CONV_LANES", MAX_COLUMNS)):
         return []
     these, following = _after.get(words.data_ptr(), (None, None))
     following = following() if these is not None and these() is not None else None
     if following is None or following.device != words.device:
         return []
     total = following.numel() * following.element_size() & ~15
-    size = total if total <= whole * 1024 else min(kb * 1024, total)
+    size = min(kb * 1024, total)
     if size < 16:
         return []
     their_tiles, their_first = _first.get(following.data_ptr(), (0, 0))

@@ -659,12 +659,14 @@ def compile_for_sm90() -> list[str]:
             build(fused._argmax_chunks_kernel, {**keys, "ids_ptr": "*i64", "CHUNKS": "i32"},
                   {"BLOCK": 128}, 1)
             # a sampled round's two kernels (kernels.sampling) at the presets' 20 candidates and at MAX_K
-            for k, chunk in ((32, 4096), (sampling.MAX_K, 8192)):
-                build(sampling._chunk_top_kernel, {"x_ptr": "*fp32", "cand_ptr": "*i64",
-                                                   **ints("V", "sx", "CHUNKS")}, {"K": k, "CHUNK": chunk}, 8)
-                build(sampling._draw_kernel, {"x_ptr": "*fp32", "cand_ptr": "*i64", "set_ptr": "*fp32",
-                                              "out_ptr": "*i64", **ints("sx", "B", "N")},
-                      {"K": k, "BLOCK": sampling.CANDIDATES}, 16)
+            # (the first with the rows' penalties and without)
+            for k, chunk, penalties in ((32, 4096, True), (sampling.MAX_K, 8192, False)):
+                build(sampling._chunk_top_kernel, {"x_ptr": "*fp32", "cand_ptr": "*i64", "set_ptr": "*fp32",
+                                                   "counts_ptr": "*fp32", "seen_ptr": "*u8",
+                                                   **ints("V", "sx", "B", "CHUNKS")},
+                      {"K": k, "CHUNK": chunk, "PENALTIES": penalties}, 8)
+                build(sampling._draw_kernel, {"cand_ptr": "*i64", "set_ptr": "*fp32", "out_ptr": "*i64",
+                                              **ints("B", "N")}, {"K": k, "BLOCK": sampling.CANDIDATES}, 16)
         merge = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "len_ptr": "*i32", "out_ptr": f"*{ty}",
                  "gate_ptr": f"*{ty}", **int8, **ints("Hq", "pages_per_split", "s_gate")}
         for gate, group in ((True, 32), (True, 256), (False, 32)):  # paged attention's merge, the output gate

@@ -3,6 +3,8 @@ batched sampler (`sample_rows`) against the single-row reference and the float64
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import needs_triton
@@ -128,14 +130,15 @@ MIXED = (
 BOUNDED = (*MIXED[:4], MIXED[5], dict(temperature=1.5, top_k=3, frequency_penalty=0.5))
 
 
-def mixed_states(seed: int, vocab: int, kinds: tuple[dict, ...] = MIXED) -> list[SamplerState]:
+def mixed_states(seed: int, vocab: int, kinds: tuple[dict, ...] = MIXED, prompt: int = 12,
+                 outputs: int = 9) -> list[SamplerState]:
     """Requests of `kinds` with seeds, prompts and earlier output tokens (some repeated) of their own."""
     g = torch.Generator().manual_seed(seed)
     states = []
     for i, kw in enumerate(kinds):
         st = SamplerState(SamplingParams(seed=seed * 10 + i, **kw),
-                          tuple(torch.randint(0, vocab, (12,), generator=g).tolist()))
-        for t in torch.randint(0, vocab // 4, (9,), generator=g).tolist():
+                          tuple(torch.randint(0, vocab, (prompt,), generator=g).tolist()))
+        for t in torch.randint(0, vocab // 4, (outputs,), generator=g).tolist():
             st.record(t)
         states.append(st)
     return states
@@ -235,17 +238,32 @@ def test_rows_on_the_gpu_draw_the_cpus_tokens(kinds):
 @needs_triton
 @pytest.mark.parametrize("chunk", [64, None])  # 64: five chunks a row, the candidates merged across them
 def test_kernels_draw_the_single_row_references_tokens(triton_on_cpu_env, monkeypatch, chunk):
-    """`sample_rows` through its two kernels (Triton's interpreter) over rows with a top_k and greedy rows:
-    `sample_token`'s tokens row by row for several rounds, each token then recorded for the penalties."""
+    """`sample_rows` through its two kernels (Triton's interpreter) over rows with a top_k and greedy rows,
+    four of six with penalties (applied by the first kernel): `sample_token`'s tokens row by row for several
+    rounds, each token then recorded for the penalties."""
     calls = []
 
-    def draw(x, settings, k):
-        calls.append(k)
-        return draw_top_k(x, settings, k, chunk=chunk)
+    def draw(x, settings, k, penalties=None):
+        calls.append((k, len(penalties[0])))
+        return draw_top_k(x, settings, k, chunk=chunk, penalties=penalties)
     monkeypatch.setattr(sampling, "draw_top_k", draw)
     batch, alone = mixed_states(13, 300, BOUNDED), mixed_states(13, 300, BOUNDED)
     assert_rounds_draw_the_references_tokens(batch, alone, 300, rounds=4, seed=13)
-    assert calls == [50] * 4
+    assert calls == [(50, 4)] * 4
+
+
+@needs_triton
+def test_kernels_penalise_as_the_reference(triton_on_cpu_env, monkeypatch):
+    """Each penalty alone and together on greedy rows whose prompts and outputs hold a third of the
+    vocabulary (so the penalised ids often decide the argmax), beside a sampled row that sends the round to
+    the kernels: `sample_token`'s tokens over rounds."""
+    monkeypatch.setattr(sampling, "draw_top_k", functools.partial(draw_top_k, chunk=64))
+    kinds = (dict(temperature=0.0, repetition_penalty=1.5), dict(temperature=0.0, repetition_penalty=0.7),
+             dict(temperature=0.0, presence_penalty=1.0), dict(temperature=0.0, frequency_penalty=0.7),
+             dict(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3),
+             dict(temperature=0.9, top_k=8, presence_penalty=2.0))
+    batch, alone = (mixed_states(17, 300, kinds, prompt=100, outputs=160) for _ in range(2))
+    assert_rounds_draw_the_references_tokens(batch, alone, 300, rounds=12, seed=17)
 
 
 @needs_triton
@@ -283,11 +301,13 @@ def test_kernels_pick_the_token_whose_interval_holds_the_number(triton_on_cpu_en
     numbers = (0.02, 0.3, 0.55, 0.8, 0.97, 0.999)
     settings = torch.tensor([[kw["top_k"], kw["temperature"], kw.get("top_p", 2.0), kw.get("min_p", 0.0), u]
                              for kw in filters for u in numbers]).T.contiguous()
-    tokens = draw_top_k(x.expand(settings.shape[1], -1), settings, 30).tolist()
-    for i, kw in enumerate(filters):
-        probs, order = torch.sort(filter_probs(x.double(), SamplingParams(**kw)), descending=True)
-        cdf = probs.cumsum(0)
-        for u, token in zip(numbers, tokens[i * len(numbers):], strict=False):
-            j = order.tolist().index(token)
-            assert probs[j] > 0
-            assert (cdf[j - 1] if j else 0.0) - 1e-6 <= u <= cdf[j] + 1e-6
+    # (and below zero: the second kernel reads the candidates' logits back from their keys)
+    for shift in (0.0, -20.0):
+        tokens = draw_top_k(x.expand(settings.shape[1], -1) + shift, settings, 30).tolist()
+        for i, kw in enumerate(filters):
+            probs, order = torch.sort(filter_probs(x.double(), SamplingParams(**kw)), descending=True)
+            cdf = probs.cumsum(0)
+            for u, token in zip(numbers, tokens[i * len(numbers):], strict=False):
+                j = order.tolist().index(token)
+                assert probs[j] > 0
+                assert (cdf[j - 1] if j else 0.0) - 1e-6 <= u <= cdf[j] + 1e-6

@@ -120,18 +120,22 @@ def sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.T
     """Each row's token (int64 `[B]` on logits' device) for rows `[B, vocab]` of logits (not modified) and
     their requests' states: `sample_token` for a batch in a few batched ops (the candidates: each row's
     top_k largest logits; every logit where a sampled row has no top_k)."""
-    x = _penalised(logits.float(), states)
+    x = logits.float()
     greedy = [s.params.greedy for s in states]
     if all(greedy):
-        return x.argmax(-1)
+        return _penalised(x, states).argmax(-1)
     vocab, dev = x.shape[-1], x.device
-    rows = [_row_settings(s, vocab) for s in states]
+    penalising = [r for r, s in enumerate(states) if s.penalises]
+    rows = [[*_row_settings(s, vocab), penalising.index(r) if s.penalises else -1, *_penalty_terms(s)]
+            for r, s in enumerate(states)]
     k = int(max(r[0] for r in rows))
     settings = to_device(torch.tensor(rows, dtype=torch.float32).T.contiguous(), dev)
     if sampling.takes(x, k):
-        return sampling.draw_top_k(x, settings, k)
+        dense = _dense_rows([states[r] for r in penalising], dev, vocab) if penalising else None
+        return sampling.draw_top_k(x, settings, k, penalties=dense)
+    x = _penalised(x, states)
     vals, idx = torch.sort(x, descending=True) if k == vocab else torch.topk(x, k)
-    kr, temp, top_p, min_p, u = settings
+    kr, temp, top_p, min_p, u = settings[:5]
     vals = vals.masked_fill(torch.arange(k, device=dev) >= kr[:, None], float("-inf"))
     probs = torch.softmax(vals / temp[:, None], dim=-1)
     probs = probs.masked_fill(probs.double().cumsum(-1) - probs >= top_p[:, None], 0.0)  # mass strictly above
@@ -152,6 +156,19 @@ def _row_settings(state: SamplerState, vocab: int) -> list[float]:
     return [k, p.temperature, p.top_p if p.top_p < 1.0 else 2.0, p.min_p, state.uniform()]
 
 
+def _penalty_terms(state: SamplerState) -> list[float]:
+    """A row's repetition, presence and frequency penalties."""
+    p = state.params
+    return [p.repetition_penalty, p.presence_penalty, p.frequency_penalty]
+
+
+def _dense_rows(states: Sequence[SamplerState], device: torch.device,
+                vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The requests' output counts and prompt masks (`SamplerState.dense`), stacked `[len(states), vocab]`."""
+    counts, prompt = zip(*(s.dense(device, vocab) for s in states), strict=True)
+    return torch.stack(counts), torch.stack(prompt)
+
+
 def _penalised(x: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
     """`x` after each row's penalties (`apply_penalties`' arithmetic, over whole rows: each request's output
     counts and prompt mask kept on x's device), a copy where any row has one."""
@@ -160,9 +177,8 @@ def _penalised(x: torch.Tensor, states: Sequence[SamplerState]) -> torch.Tensor:
         return x
     dev, vocab = x.device, x.shape[-1]
     penalised = [states[r] for r in rows]
-    counts, prompt = (torch.stack(t) for t in zip(*(s.dense(dev, vocab) for s in penalised), strict=True))
-    terms = torch.tensor([[s.params.repetition_penalty, s.params.presence_penalty, s.params.frequency_penalty]
-                          for s in penalised], dtype=torch.float32)
+    counts, prompt = _dense_rows(penalised, dev, vocab)
+    terms = torch.tensor([_penalty_terms(s) for s in penalised], dtype=torch.float32)
     rp, presence, frequency = to_device(terms.T.contiguous(), dev)[:, :, None]
     at = to_device(torch.tensor(rows), dev)
     y = x[at]

@@ -104,7 +104,8 @@
 #   bash bench/pending_ab.sh fp16      # both suites with fp16 GDN states (session 76, H100: IQ3_S's C = 8 /
 #                                      # C = 1 5.28x -> 5.42x; untimed on an H200)
 #   bash bench/pending_ab.sh sampling  # (session 79, H200: the presets 3-4 % under greedy; session 80, H100:
-#                                      # the kernels, thinking 0.4 %) the sampler's GPU tests; its device time, two kernels against PyTorch's ops
+#                                      # the kernels, thinking 0.4 %; session 81, H100: the device-kept
+#                                      # penalties, non-thinking 1.5 %) the sampler's GPU tests; its device time, two kernels against PyTorch's ops
 #                                      # (bench/sampler_timing.py); decode with greedy and the presets' sampling at
 #                                      # 1 / 4 lanes, both samplers (bench/tg_sampling.py, both types; ~6 min)
 #

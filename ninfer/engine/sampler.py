@@ -126,8 +126,8 @@ def sample_rows(logits: torch.Tensor, states: Sequence[SamplerState]) -> torch.T
         return _penalised(x, states).argmax(-1)
     vocab, dev = x.shape[-1], x.device
     penalising = [r for r, s in enumerate(states) if s.penalises]
-    rows = [[*_row_settings(s, vocab), penalising.index(r) if s.penalises else -1, *_penalty_terms(s)]
-            for r, s in enumerate(states)]
+    slots = {r: slot for slot, r in enumerate(penalising)}  # a row's slot of the stacked penalty rows
+    rows = [[*_row_settings(s, vocab), slots.get(r, -1), *_penalty_terms(s)] for r, s in enumerate(states)]
     k = int(max(r[0] for r in rows))
     settings = to_device(torch.tensor(rows, dtype=torch.float32).T.contiguous(), dev)
     if sampling.takes(x, k):
